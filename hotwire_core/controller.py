@@ -1,0 +1,296 @@
+"""The steering controller of one engine: registry, slot cache, admission and the RPC surface.
+
+It runs in the engine-core process, in the thread that admits requests and answers utility RPCs, so every
+decision (versions, slots, evictions) is made once, in request order, and reaches every TP/PP rank through the
+same ``SchedulerOutput``. See docs/architecture.md.
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import logging
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from .registry import HostVector, RegistryError, VectorRegistry
+from .settings import Settings
+from .slots import RowKey, SlotCache, SlotsExhausted
+from .spec import SPEC_KEY, Phase, SpecError, SteeringEntry, parse_spec
+from .store import StoredVector, VectorStore, load_preload_dir
+
+logger = logging.getLogger(__name__)
+
+BINDING_KEY = "hotwire.binding"  # extra_args key the controller writes for the workers
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """What the workers reported about the served model."""
+
+    steerable: bool
+    reason: str
+    n_layers: int
+    hidden_size: int
+    dtype: str
+    layers: frozenset[int]  # layers with a hook, over all PP ranks
+
+    def to_json(self, max_stack: int) -> dict:
+        return {
+            "steerable": self.steerable,
+            "reason": self.reason,
+            "n_layers": self.n_layers,
+            "hidden_size": self.hidden_size,
+            "dtype": self.dtype,
+            "max_stack": max_stack,
+        }
+
+
+@dataclass(frozen=True)
+class BankWrite:
+    """Load ``row`` into bank slot ``slot`` before the step that carries this write."""
+
+    slot: int
+    row: torch.Tensor  # [hidden], fp32 on the host
+    inv_norm: float
+
+
+@dataclass
+class Binding:
+    """What one admitted request holds: pinned rows, referenced versions, and its per-phase config."""
+
+    keys: set[RowKey]
+    vectors: list[HostVector]
+    receipt: str
+    config: dict[str, list[list[float]]] = field(default_factory=dict)
+
+
+class Refusal(Exception):
+    """A request the engine cannot steer as asked; ``status`` is the HTTP status the API would use."""
+
+    def __init__(self, status: int, code: str, message: str, field: str | None = None):
+        super().__init__(message)
+        self.status, self.code, self.message, self.field = status, code, message, field
+
+    def to_result(self) -> dict:
+        out = {"ok": False, "status": self.status, "code": self.code, "error": self.message}
+        if self.field:
+            out["field"] = self.field
+        return out
+
+
+def _ok(**kwargs: Any) -> dict:
+    return {"ok": True, **kwargs}
+
+
+class SteeringController:
+    def __init__(self, model: ModelInfo, settings: Settings, model_name: str):
+        self.model = model
+        self.settings = settings
+        self.registry = VectorRegistry(model.n_layers, model.hidden_size)
+        self.slots = SlotCache(settings.slots)
+        self.bindings: dict[str, Binding] = {}
+        self.refused: Counter[str] = Counter()
+        self.steered_requests = 0
+        self._writes: list[BankWrite] = []
+        store_dir = settings.store_dir(model_name)
+        self.store = VectorStore(store_dir) if store_dir is not None else None
+        self._restore()
+
+    # -- startup ---------------------------------------------------------------------------------------------
+
+    def _restore(self) -> None:
+        stored: list[StoredVector] = self.store.load() if self.store is not None else []
+        if self.settings.preload:
+            from pathlib import Path
+
+            known = {s.vector_id for s in stored}
+            stored += [s for s in load_preload_dir(Path(self.settings.preload)) if s.vector_id not in known]
+        for s in stored:
+            try:
+                vector = self.registry.register(
+                    s.vector_id, s.data, s.dtype, s.shape, s.layers, replace=False, version=s.version, created_at=s.created_at
+                )
+                if self.store is not None and s.version is None:
+                    self.store.save(vector)
+            except RegistryError as exc:
+                logger.error("hotwire: cannot restore vector %r: %s", s.vector_id, exc.message)
+        if stored:
+            logger.info("hotwire: restored %d steering vector(s)", len(self.registry.vectors()))
+
+    # -- RPC surface (msgpack-native in and out) -------------------------------------------------------------
+
+    def register(
+        self, vector_id: str, data: bytes, dtype: str, shape: list[int], layers: list[int] | None = None, replace: bool = False
+    ) -> dict:
+        try:
+            created = self.registry.current(vector_id) is None
+            vector = self.registry.register(vector_id, bytes(data), dtype, list(shape), layers, bool(replace))
+        except RegistryError as exc:
+            return exc.to_result()
+        if self.store is not None:
+            self.store.save(vector)
+        logger.info("hotwire: registered %s@%d (%s)", vector.vector_id, vector.version, vector.sha256[:12])
+        return _ok(created=created, vector=vector.meta())
+
+    def unregister(self, vector_id: str) -> dict:
+        try:
+            vector = self.registry.unregister(vector_id)
+        except RegistryError as exc:
+            return exc.to_result()
+        if self.store is not None:
+            self.store.delete(vector_id)
+        if vector.refs == 0:
+            self.slots.drop(vector.vector_id, vector.version)
+        return _ok(in_flight=self.registry.in_flight(vector_id))
+
+    def list(self) -> dict:
+        vectors = []
+        for vector in self.registry.vectors():
+            meta = vector.meta()
+            meta["in_flight"] = self.registry.in_flight(vector.vector_id)
+            vectors.append(meta)
+        return _ok(vectors=vectors)
+
+    def stats(self) -> dict:
+        return _ok(
+            **self.slots.stats(),
+            refused=dict(self.refused),
+            steered_requests=self.steered_requests,
+            vectors=len(self.registry.vectors()),
+            model=self.model.to_json(self.settings.max_stack),
+        )
+
+    def check(self, spec: str) -> dict:
+        """Would a request with this spec be admitted now? Admission re-checks; this is for the API's 4xx."""
+        try:
+            entries = self._validate(spec)
+            keys = self._row_keys(entries)
+            needed, available = self.slots.missing(keys), self.slots.available()
+            if needed > available:
+                raise Refusal(429, "slots_exhausted", str(SlotsExhausted(needed, available, self.slots.capacity)))
+        except Refusal as exc:
+            return exc.to_result()
+        return _ok(receipt=self._receipt(entries), new_rows=needed)
+
+    # -- admission -------------------------------------------------------------------------------------------
+
+    def _validate(self, spec: Any) -> list[tuple[SteeringEntry, HostVector]]:
+        if not self.model.steerable:
+            raise Refusal(503, "model_not_steerable", f"this model cannot be steered: {self.model.reason}")
+        try:
+            entries = parse_spec(spec)
+        except SpecError as exc:
+            raise Refusal(400, "bad_spec", str(exc), exc.field) from None
+        resolved = []
+        for i, entry in enumerate(entries):
+            vector = self.registry.current(entry.vector_id)
+            if vector is None:
+                raise Refusal(400, "unknown_vector", f"unknown steering vector {entry.vector_id!r}; register it first", f"hotwire[{i}].id")
+            for layer in entry.layers:
+                if layer not in self.model.layers:
+                    raise Refusal(
+                        400, "layer_out_of_range",
+                        f"layer {layer} cannot be steered: this model's steerable layers are 0..{self.model.n_layers - 1}",
+                        f"hotwire[{i}].layer",
+                    )
+                if vector.row(layer) is None:
+                    raise Refusal(
+                        400, "no_row_for_layer",
+                        f"vector {entry.vector_id!r}@{vector.version} has no row for layer {layer} (it has {list(vector.layers or [])})",
+                        f"hotwire[{i}].layer",
+                    )
+            resolved.append((entry, vector))
+        for phase in (Phase.PREFILL, Phase.DECODE):
+            per_layer = Counter(l for e, _ in resolved if e.phase in (Phase.ALL, phase) for l in e.layers)
+            for layer, count in per_layer.items():
+                if count > self.settings.max_stack:
+                    raise Refusal(
+                        400, "too_many_entries",
+                        f"{count} entries steer layer {layer}; at most HOTWIRE_MAX_STACK={self.settings.max_stack} may",
+                        SPEC_KEY,
+                    )
+        return resolved
+
+    @staticmethod
+    def _row_keys(resolved: list[tuple[SteeringEntry, HostVector]]) -> set[RowKey]:
+        return {RowKey(v.vector_id, v.version, v.row_key_layer(l)) for e, v in resolved for l in e.layers}
+
+    @staticmethod
+    def _receipt(resolved: list[tuple[SteeringEntry, HostVector]]) -> str:
+        parts = []
+        for e, v in resolved:
+            flags = "".join(f",{f}" for f, on in (("norm", e.norm), (e.phase.value + "_only", e.phase is not Phase.ALL)) if on)
+            parts.append(f"{v.vector_id}@{v.version}:L{'+'.join(map(str, e.layers))}x{e.scale:g}{flags}")
+        return ";".join(parts)
+
+    def admit(self, request: Any) -> Binding | None:
+        """Bind a new engine request (a ``vllm.v1.request.Request``) to its steering, or raise :class:`Refusal`.
+
+        On success the request carries the binding for the workers and a cache salt that separates its KV
+        from every other steering config (none included)."""
+        extra = request.sampling_params.extra_args if request.sampling_params is not None else None
+        if not extra or SPEC_KEY not in extra:
+            return None
+        try:
+            resolved = self._validate(extra[SPEC_KEY])
+            keys = self._row_keys(resolved)
+            try:
+                slot_of, loads = self.slots.acquire(keys)
+            except SlotsExhausted as exc:
+                raise Refusal(429, "slots_exhausted", str(exc)) from None
+        except Refusal as exc:
+            self.refused[exc.code] += 1
+            raise
+        vectors = []
+        for _, vector in resolved:
+            if vector not in vectors:
+                self.registry.acquire(vector)
+                vectors.append(vector)
+        by_key = {RowKey(v.vector_id, v.version, v.row_key_layer(l)): v.row(l) for e, v in resolved for l in e.layers}
+        for slot, key in loads:
+            row = by_key[key].float()
+            self._writes.append(BankWrite(slot, row, 1.0 / max(float(row.norm()), 1e-30)))
+
+        config: dict[str, list[list[float]]] = {"p": [], "d": []}
+        for e, v in resolved:
+            for layer in e.layers:
+                slot = slot_of[RowKey(v.vector_id, v.version, v.row_key_layer(layer))]
+                item = [layer, slot, 0.0 if e.norm else e.scale, e.scale if e.norm else 0.0]
+                if e.phase is not Phase.DECODE:
+                    config["p"].append(item)
+                if e.phase is not Phase.PREFILL:
+                    config["d"].append(item)
+        binding = Binding(keys, vectors, self._receipt(resolved), config)
+        self.bindings[request.request_id] = binding
+        self.steered_requests += 1
+
+        # The workers read the binding from the request's sampling params; copy them so a caller's object
+        # (offline, in-process engines) is never modified.
+        params = copy.copy(request.sampling_params)
+        params.extra_args = {**extra, BINDING_KEY: config}
+        request.sampling_params = params
+        salt = hashlib.sha256(
+            f"{request.cache_salt or ''}|hotwire|".encode()
+            + "|".join(f"{e.to_json()}@{v.sha256}" for e, v in resolved).encode()
+        ).hexdigest()
+        request.cache_salt = salt
+        request.block_hashes.clear()
+        request.update_block_hashes()
+        return binding
+
+    def release(self, request_id: str) -> None:
+        binding = self.bindings.pop(request_id, None)
+        if binding is None:
+            return
+        self.slots.release(binding.keys)
+        for vector in binding.vectors:
+            if self.registry.release(vector):
+                self.slots.drop(vector.vector_id, vector.version)
+
+    def take_writes(self) -> list[BankWrite]:
+        writes, self._writes = self._writes, []
+        return writes

@@ -1,0 +1,208 @@
+"""Host registry of steering vectors: every registered vector, keyed by id, with a version per content.
+
+A version is immutable. Re-registering an id makes a new version; the old one is *retired*: new requests can no
+longer name it, but requests admitted under it keep it until they finish. A retired version is dropped when its
+last reference goes.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from .spec import VECTOR_ID_RE
+
+DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+class RegistryError(ValueError):
+    """A registration or lookup that cannot be honoured; ``status`` is the HTTP status the API returns."""
+
+    def __init__(self, status: int, code: str, message: str, field: str | None = None):
+        super().__init__(message)
+        self.status, self.code, self.message, self.field = status, code, message, field
+
+    def to_result(self) -> dict:
+        out = {"ok": False, "status": self.status, "code": self.code, "error": self.message}
+        if self.field:
+            out["field"] = self.field
+        return out
+
+
+@dataclass(eq=False)  # identity semantics: one object per version
+class HostVector:
+    """One version of a vector. ``layers is None`` means a single row usable at any layer."""
+
+    vector_id: str
+    version: int
+    sha256: str
+    dtype: str
+    shape: tuple[int, ...]
+    layers: tuple[int, ...] | None
+    rows: torch.Tensor  # [R, hidden] in the registered dtype
+    created_at: float = field(default_factory=time.time)
+    refs: int = 0
+    retired: bool = False
+
+    def row(self, layer: int) -> torch.Tensor | None:
+        """The row applied at ``layer``, or None if this vector has no row for it."""
+        if self.layers is None:
+            return self.rows[0]
+        try:
+            return self.rows[self.layers.index(layer)]
+        except ValueError:
+            return None
+
+    def row_key_layer(self, layer: int) -> int:
+        """The layer part of the bank-row key: -1 for a layer-agnostic vector (one row serves every layer)."""
+        return -1 if self.layers is None else layer
+
+    def norms(self) -> dict[str, float]:
+        values = self.rows.float().norm(dim=-1).tolist()
+        keys = ["*"] if self.layers is None else [str(layer) for layer in self.layers]
+        return dict(zip(keys, values))
+
+    def meta(self) -> dict:
+        return {
+            "id": self.vector_id,
+            "version": self.version,
+            "sha256": self.sha256,
+            "dtype": self.dtype,
+            "shape": list(self.shape),
+            "layers": None if self.layers is None else list(self.layers),
+            "norms": self.norms(),
+            "in_flight": self.refs,
+            "created_at": self.created_at,
+        }
+
+
+def decode_vector(
+    data: bytes, dtype: str, shape: list[int], layers: list[int] | None, n_layers: int, hidden_size: int
+) -> tuple[torch.Tensor, tuple[int, ...] | None]:
+    """Check raw bytes against the served model and return ``(rows [R, hidden], layers or None)``."""
+    if dtype not in DTYPES:
+        raise RegistryError(400, "bad_dtype", f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}", "dtype")
+    if not isinstance(shape, (list, tuple)) or not all(isinstance(d, int) and d > 0 for d in shape):
+        raise RegistryError(400, "bad_shape", f"shape must be a list of positive ints, got {shape!r}", "shape")
+    if len(shape) not in (1, 2) or shape[-1] != hidden_size:
+        raise RegistryError(
+            400,
+            "bad_shape",
+            f"shape {list(shape)} does not fit this model: use [{hidden_size}] (any layer), "
+            f"[{n_layers}, {hidden_size}] (a row per layer) or [len(layers), {hidden_size}] with 'layers'",
+            "shape",
+        )
+    itemsize = torch.empty((), dtype=DTYPES[dtype]).element_size()
+    expected = math.prod(shape) * itemsize
+    if len(data) != expected:
+        raise RegistryError(400, "bad_data", f"data has {len(data)} bytes; shape {list(shape)} of {dtype} needs {expected}", "data")
+    rows = torch.frombuffer(bytearray(data), dtype=DTYPES[dtype]).reshape(shape).clone()
+    if not bool(torch.isfinite(rows.float()).all()):
+        raise RegistryError(400, "not_finite", "vector contains NaN or infinite values", "data")
+
+    if len(shape) == 1:
+        if layers:
+            raise RegistryError(400, "bad_layers", "'layers' needs a 2-D array with one row per listed layer", "layers")
+        return rows.unsqueeze(0), None
+    if layers is None:
+        if shape[0] != n_layers:
+            raise RegistryError(
+                400, "bad_shape", f"a 2-D vector without 'layers' needs {n_layers} rows (one per layer), got {shape[0]}", "shape"
+            )
+        return rows, tuple(range(n_layers))
+    if len(layers) != shape[0]:
+        raise RegistryError(400, "bad_layers", f"'layers' names {len(layers)} layers but the array has {shape[0]} rows", "layers")
+    for layer in layers:
+        if isinstance(layer, bool) or not isinstance(layer, int) or not 0 <= layer < n_layers:
+            raise RegistryError(400, "layer_out_of_range", f"layer {layer!r} is outside [0, {n_layers})", "layers")
+    if len(set(layers)) != len(layers):
+        raise RegistryError(400, "bad_layers", "'layers' lists a layer twice", "layers")
+    order = sorted(range(len(layers)), key=layers.__getitem__)
+    return rows[order].contiguous(), tuple(sorted(layers))
+
+
+def content_sha256(rows: torch.Tensor, dtype: str, layers: tuple[int, ...] | None) -> str:
+    h = hashlib.sha256()
+    h.update(f"{dtype}|{list(rows.shape)}|{layers}|".encode())
+    h.update(rows.contiguous().view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
+
+
+class VectorRegistry:
+    """All vectors of one engine. Not thread-safe: the engine core calls it from its busy loop only."""
+
+    def __init__(self, n_layers: int, hidden_size: int):
+        self.n_layers, self.hidden_size = n_layers, hidden_size
+        self._current: dict[str, HostVector] = {}
+        self._retired: dict[tuple[str, int], HostVector] = {}
+        self._last_version: dict[str, int] = {}
+
+    def register(
+        self,
+        vector_id: str,
+        data: bytes,
+        dtype: str,
+        shape: list[int],
+        layers: list[int] | None,
+        replace: bool,
+        version: int | None = None,
+        created_at: float | None = None,
+    ) -> HostVector:
+        """Add a vector (or a new version of one). ``version``/``created_at`` are given only when restoring."""
+        if not isinstance(vector_id, str) or not VECTOR_ID_RE.match(vector_id):
+            raise RegistryError(400, "bad_id", f"id must match {VECTOR_ID_RE.pattern}, got {vector_id!r}", "id")
+        if vector_id in self._current and not replace:
+            raise RegistryError(
+                409, "exists", f"vector {vector_id!r} is already registered; pass replace=true to make a new version", "id"
+            )
+        rows, layers_t = decode_vector(data, dtype, list(shape), layers, self.n_layers, self.hidden_size)
+        version = version if version is not None else self._last_version.get(vector_id, 0) + 1
+        self._last_version[vector_id] = max(version, self._last_version.get(vector_id, 0))
+        vector = HostVector(vector_id, version, content_sha256(rows, dtype, layers_t), dtype, tuple(shape), layers_t, rows)
+        if created_at is not None:
+            vector.created_at = created_at
+        old = self._current.pop(vector_id, None)
+        if old is not None:
+            self._retire(old)
+        self._current[vector_id] = vector
+        return vector
+
+    def unregister(self, vector_id: str) -> HostVector:
+        vector = self._current.pop(vector_id, None)
+        if vector is None:
+            raise RegistryError(404, "unknown_vector", f"unknown steering vector {vector_id!r}", "id")
+        self._retire(vector)
+        return vector
+
+    def _retire(self, vector: HostVector) -> None:
+        vector.retired = True
+        if vector.refs:
+            self._retired[(vector.vector_id, vector.version)] = vector
+
+    def current(self, vector_id: str) -> HostVector | None:
+        return self._current.get(vector_id)
+
+    def vectors(self) -> list[HostVector]:
+        return list(self._current.values())
+
+    def in_flight(self, vector_id: str) -> int:
+        """References held by admitted requests on every live version of ``vector_id``."""
+        live = [v for (vid, _), v in self._retired.items() if vid == vector_id]
+        if vector_id in self._current:
+            live.append(self._current[vector_id])
+        return sum(v.refs for v in live)
+
+    def acquire(self, vector: HostVector) -> None:
+        vector.refs += 1
+
+    def release(self, vector: HostVector) -> bool:
+        """Drop one reference; True when this was the last one on a retired version (now gone)."""
+        vector.refs -= 1
+        if vector.refs == 0 and vector.retired:
+            self._retired.pop((vector.vector_id, vector.version), None)
+            return True
+        return False

@@ -1,0 +1,242 @@
+"""Worker side: persistent steering buffers, the per-layer hook, and the per-step fill.
+
+Buffers are allocated once at model load, before torch.compile and CUDA-graph capture, and never reallocated:
+graphs read them by address. Per step the only host work is writing one config index per token
+(``token_cfg``); the per-request config table changes only when a request is added or removed.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+from collections import deque
+from typing import Any, Iterable, Sequence
+
+import numpy as np
+import torch
+from torch import nn
+
+from . import ops
+from .controller import BINDING_KEY
+from .settings import Settings
+
+logger = logging.getLogger(__name__)
+
+_LAYER_ARGS = ["positions", "hidden_states", "residual"]
+# Decoder layers with the right arguments whose return value is not (hidden_states, residual | None).
+_UNSUPPORTED_LAYERS = {"HunYuanDecoderLayer"}
+
+
+def is_steerable_layer(cls: type) -> bool:
+    """Layers with the ``(positions, hidden_states, residual) -> (hidden_states, residual)`` contract."""
+    if not cls.__name__.endswith("DecoderLayer") or cls.__name__ in _UNSUPPORTED_LAYERS:
+        return False
+    forward = getattr(cls, "_hotwire_wrapped", cls.forward)
+    params = list(inspect.signature(forward).parameters)[1:4]
+    return params == _LAYER_ARGS
+
+
+def find_decoder_layers(model: nn.Module) -> tuple[dict[int, nn.Module], int]:
+    """The main decoder stack: ``({global layer index: module on this rank}, total layers)``."""
+    best: tuple[dict[int, nn.Module], int] = ({}, 0)
+    for module in model.modules():
+        if isinstance(module, nn.ModuleList):
+            layers = {i: m for i, m in enumerate(module) if is_steerable_layer(type(m))}
+            if len(layers) > len(best[0]):
+                best = (layers, len(module))
+    return best
+
+
+class SteerHook(nn.Module):
+    """Applies steering to one layer's output. Holds the shared buffers as (non-persistent) module buffers so
+    torch.compile lifts them as fixed-address graph inputs."""
+
+    def __init__(self, buffers: dict[str, torch.Tensor], layer: int, impl: str):
+        super().__init__()
+        for name, tensor in buffers.items():
+            self.register_buffer(name, tensor, persistent=False)
+        self.layer = layer
+        self.impl = impl
+
+    def forward(self, hidden: torch.Tensor, residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        # The residual stream after the layer is hidden + residual; steering goes into the residual so vLLM's
+        # all-reduce + add-RMSNorm fusion stays intact. Layers that return (hidden, None) carry it in hidden.
+        target, other = (residual, hidden) if residual is not None else (hidden, None)
+        args = (self.token_cfg, self.cfg_slot, self.cfg_scale, self.cfg_rel, self.bank, self.inv_norm, self.layer)
+        if self.impl == "inductor":
+            target = ops.steer_torch(target, other, *args)
+        else:
+            torch.ops.hotwire.steer_(target, other, *args)
+        return (hidden, target) if residual is not None else (target, None)
+
+
+def wrap_layer_class(cls: type) -> None:
+    """Patch ``cls.forward`` once so instances that carry a ``hotwire_steer`` hook apply it to their output."""
+    if "_hotwire_wrapped" in cls.__dict__:
+        return
+    original = cls.forward
+
+    def forward(self, positions, hidden_states, residual, *args, **kwargs):
+        out = original(self, positions, hidden_states, residual, *args, **kwargs)
+        hook = self._modules.get("hotwire_steer")
+        return out if hook is None else hook(*out)
+
+    forward.__doc__ = original.__doc__
+    cls._hotwire_wrapped = original
+    cls.forward = forward
+
+
+class _Uploader:
+    """Host-to-device copies that never stall the CPU on the GPU: pinned sources, kept alive until their copy
+    has run (checked with events). On a CPU device it is a plain copy."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.cuda = device.type == "cuda"
+        self._inflight: deque[tuple[Any, torch.Tensor]] = deque()
+
+    def to_device(self, host: torch.Tensor) -> torch.Tensor:
+        if not self.cuda:
+            return host
+        while self._inflight and self._inflight[0][0].query():
+            self._inflight.popleft()
+        pinned = host.pin_memory()
+        out = pinned.to(self.device, non_blocking=True)
+        event = torch.cuda.Event()
+        event.record()
+        self._inflight.append((event, pinned))
+        return out
+
+
+class WorkerSteering:
+    """Steering state of one worker (one TP/PP rank)."""
+
+    def __init__(
+        self,
+        layers: dict[int, nn.Module],
+        n_layers: int,
+        hidden_size: int,
+        dtype: torch.dtype,
+        device: torch.device,
+        max_tokens: int,
+        max_reqs: int,
+        settings: Settings,
+    ):
+        self.layers, self.n_layers, self.hidden_size = layers, n_layers, hidden_size
+        self.dtype, self.device, self.settings = dtype, device, settings
+        k, n_cfg = settings.max_stack, 2 * max_reqs + 1
+        with torch.device(device):
+            self.buffers = {
+                "bank": torch.zeros(settings.slots + 1, hidden_size, dtype=dtype),
+                "inv_norm": torch.zeros(settings.slots + 1, dtype=torch.float32),
+                "token_cfg": torch.zeros(max_tokens, dtype=torch.int32),
+                "cfg_slot": torch.zeros(n_cfg, n_layers, k, dtype=torch.int32),
+                "cfg_scale": torch.zeros(n_cfg, n_layers, k, dtype=torch.float32),
+                "cfg_rel": torch.zeros(n_cfg, n_layers, k, dtype=torch.float32),
+            }
+        for index, module in layers.items():
+            wrap_layer_class(type(module))
+            module.add_module("hotwire_steer", SteerHook(self.buffers, index, settings.impl))
+        self._uploader = _Uploader(device)
+        self._free_rows = list(range(n_cfg - 1, 0, -1))
+        self._active: dict[str, tuple[int, int, int]] = {}  # req_id -> (prefill row, decode row, prompt len)
+        self._dirty = 0  # token_cfg[:_dirty] may be non-zero on the device
+        self._staging = np.zeros(max_tokens, dtype=np.int32)
+
+    def info(self) -> dict:
+        return {
+            "steerable": bool(self.layers),
+            "reason": "" if self.layers else "no decoder layer with the (positions, hidden_states, residual) contract",
+            "layers": sorted(self.layers),
+            "n_layers": self.n_layers,
+            "hidden_size": self.hidden_size,
+            "dtype": str(self.dtype).removeprefix("torch."),
+        }
+
+    # -- request lifecycle -----------------------------------------------------------------------------------
+
+    def on_step(self, scheduler_output: Any, removed: Iterable[str]) -> None:
+        """Apply the controller's bank writes, drop removed requests, and add the new ones."""
+        writes = getattr(scheduler_output, "hotwire_writes", None)
+        if writes:
+            self._apply_writes(writes)
+        for req_id in removed:
+            self._remove(req_id)
+        new = [
+            (r.req_id, len(r.prompt_token_ids or ()), r.sampling_params.extra_args[BINDING_KEY])
+            for r in scheduler_output.scheduled_new_reqs
+            if r.sampling_params is not None and r.sampling_params.extra_args and BINDING_KEY in r.sampling_params.extra_args
+        ]
+        if new:
+            self._add(new)
+
+    def _apply_writes(self, writes: Sequence[Any]) -> None:
+        slots = torch.tensor([w.slot for w in writes], dtype=torch.long)
+        rows = torch.stack([w.row for w in writes]).to(self.dtype)
+        inv = torch.tensor([w.inv_norm for w in writes], dtype=torch.float32)
+        idx = self._uploader.to_device(slots)
+        self.buffers["bank"].index_copy_(0, idx, self._uploader.to_device(rows))
+        self.buffers["inv_norm"].index_copy_(0, idx, self._uploader.to_device(inv))
+
+    def _remove(self, req_id: str) -> None:
+        rows = self._active.pop(req_id, None)
+        if rows is not None:
+            self._free_rows.extend(r for r in rows[:2] if r)
+
+    def _add(self, new: list[tuple[str, int, dict]]) -> None:
+        k = self.settings.max_stack
+        row_ids, slots, scales, rels = [], [], [], []
+        for req_id, prompt_len, config in new:
+            self._remove(req_id)  # a re-added (preempted or streaming) request starts clean
+            pair = []
+            for phase in ("p", "d"):
+                items = config.get(phase) or []
+                if not items:
+                    pair.append(0)
+                    continue
+                row = self._free_rows.pop()
+                slot = np.zeros((self.n_layers, k), np.int32)
+                scale = np.zeros((self.n_layers, k), np.float32)
+                rel = np.zeros((self.n_layers, k), np.float32)
+                used = np.zeros(self.n_layers, np.int64)
+                for layer, s, sc, rl in items:
+                    layer = int(layer)
+                    j = used[layer]
+                    slot[layer, j], scale[layer, j], rel[layer, j] = int(s), sc, rl
+                    used[layer] += 1
+                row_ids.append(row)
+                slots.append(slot)
+                scales.append(scale)
+                rels.append(rel)
+                pair.append(row)
+            self._active[req_id] = (pair[0], pair[1], prompt_len)
+        if row_ids:
+            idx = self._uploader.to_device(torch.tensor(row_ids, dtype=torch.long))
+            for name, values in (("cfg_slot", slots), ("cfg_scale", scales), ("cfg_rel", rels)):
+                self.buffers[name].index_copy_(0, idx, self._uploader.to_device(torch.from_numpy(np.stack(values))))
+
+    # -- per-step fill ---------------------------------------------------------------------------------------
+
+    def fill(self, req_ids: Sequence[str], num_scheduled: np.ndarray, num_computed: np.ndarray) -> None:
+        """Write ``token_cfg`` for a batch laid out request by request in ``req_ids`` order.
+
+        A token at position ``p`` of a request with prompt length ``P`` uses the prefill config when ``p < P``
+        and the decode config otherwise. Steps with no steered request leave a clean buffer untouched."""
+        active = self._active
+        if not active and not self._dirty:
+            return
+        hits = [(i, active[r]) for i, r in enumerate(req_ids) if r in active]
+        if not hits and not self._dirty:
+            return
+        ends = np.cumsum(num_scheduled)
+        length = max(int(ends[-1]) if len(ends) else 0, self._dirty)
+        host = self._staging[:length]
+        host.fill(0)
+        last = 0
+        for i, (prow, drow, prompt_len) in hits:
+            start, end = int(ends[i] - num_scheduled[i]), int(ends[i])
+            positions = int(num_computed[i]) + np.arange(end - start)
+            host[start:end] = np.where(positions < prompt_len, prow, drow)
+            last = end
+        self.buffers["token_cfg"][:length].copy_(self._uploader.to_device(torch.from_numpy(host.copy())), non_blocking=True)
+        self._dirty = last

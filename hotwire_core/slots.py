@@ -1,0 +1,128 @@
+"""The GPU bank as a cache: rows keyed by (vector id, version, layer), pinned while a request uses them,
+evicted least-recently-used otherwise. Pure bookkeeping: the controller turns its decisions into bank writes.
+
+Slot 0 of the bank is the all-zero "no steer" row and is never handed out, so slots run 1..capacity.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import NamedTuple
+
+
+class RowKey(NamedTuple):
+    vector_id: str
+    version: int
+    layer: int  # -1: a layer-agnostic vector's single row
+
+
+class SlotsExhausted(Exception):
+    def __init__(self, needed: int, available: int, capacity: int):
+        super().__init__(
+            f"steering needs {needed} new bank rows but only {available} of {capacity} can be freed now "
+            "(the rest are pinned by running requests); retry shortly or raise HOTWIRE_SLOTS"
+        )
+        self.needed, self.available, self.capacity = needed, available, capacity
+
+
+@dataclass
+class _Row:
+    key: RowKey
+    refcount: int = 0
+    last_use: float = 0.0
+
+
+class SlotCache:
+    """LRU cache of bank rows with pins. ``acquire`` is all-or-nothing."""
+
+    def __init__(self, capacity: int):
+        if capacity < 1:
+            raise ValueError(f"capacity must be >= 1, got {capacity}")
+        self.capacity = capacity
+        self._slot_of: dict[RowKey, int] = {}
+        self._rows: dict[int, _Row] = {}
+        self._free: list[int] = list(range(capacity, 0, -1))  # pop() hands out 1, 2, ...
+        self._unpinned: OrderedDict[int, None] = OrderedDict()  # LRU order, oldest first
+        self.evictions = 0
+
+    def missing(self, keys: set[RowKey]) -> int:
+        return sum(1 for key in keys if key not in self._slot_of)
+
+    def available(self) -> int:
+        """Rows a new request could take right now: free plus evictable."""
+        return len(self._free) + len(self._unpinned)
+
+    def acquire(self, keys: set[RowKey]) -> tuple[dict[RowKey, int], list[tuple[int, RowKey]]]:
+        """Pin ``keys``; returns ``(slot of each key, [(slot, key) rows that must be loaded])``."""
+        needed = self.missing(keys)
+        if needed > self.available():
+            raise SlotsExhausted(needed, self.available(), self.capacity)
+        now = time.time()
+        slots: dict[RowKey, int] = {}
+        loads: list[tuple[int, RowKey]] = []
+        # Pin resident rows first so the evictions below cannot take them.
+        for key in sorted(keys, key=lambda k: k not in self._slot_of):
+            slot = self._slot_of.get(key)
+            if slot is None:
+                slot = self._take_slot()
+                self._slot_of[key] = slot
+                self._rows[slot] = _Row(key)
+                loads.append((slot, key))
+            row = self._rows[slot]
+            if row.refcount == 0:
+                self._unpinned.pop(slot, None)
+            row.refcount += 1
+            row.last_use = now
+            slots[key] = slot
+        return slots, loads
+
+    def _take_slot(self) -> int:
+        if self._free:
+            return self._free.pop()
+        slot, _ = self._unpinned.popitem(last=False)
+        del self._slot_of[self._rows.pop(slot).key]
+        self.evictions += 1
+        return slot
+
+    def release(self, keys: set[RowKey]) -> None:
+        now = time.time()
+        for key in keys:
+            slot = self._slot_of[key]
+            row = self._rows[slot]
+            row.refcount -= 1
+            row.last_use = now
+            if row.refcount == 0:
+                self._unpinned[slot] = None
+
+    def drop(self, vector_id: str, version: int) -> None:
+        """Free the unpinned rows of a version that no request can name again."""
+        for key in [k for k in self._slot_of if k.vector_id == vector_id and k.version == version]:
+            slot = self._slot_of[key]
+            if self._rows[slot].refcount == 0:
+                del self._slot_of[key], self._rows[slot]
+                self._unpinned.pop(slot, None)
+                self._free.append(slot)
+
+    def stats(self) -> dict:
+        rows = [
+            {
+                "slot": slot,
+                "id": row.key.vector_id,
+                "version": row.key.version,
+                "layer": row.key.layer,
+                "refcount": row.refcount,
+                "last_use": row.last_use,
+            }
+            for slot, row in sorted(self._rows.items())
+        ]
+        used = len(self._rows)
+        return {
+            "capacity": self.capacity,
+            "used": used,
+            "pinned": used - len(self._unpinned),
+            "free": len(self._free),
+            "evictions": self.evictions,
+            "rows": rows,
+        }

@@ -1,0 +1,141 @@
+"""Steering specs: what a request asks for, parsed and canonicalised.
+
+A spec travels in ``SamplingParams.extra_args["hotwire"]`` (``vllm_xargs`` over HTTP) as a JSON string
+holding one entry or a list of entries::
+
+    {"id": "happy", "layer": [10, 12], "scale": 4.0}
+    [{"id": "happy", "layer": 10, "scale": 4.0, "decode_only": true},
+     {"id": "formal", "layer": 10, "scale": 0.1, "norm": true}]
+
+Entry fields: ``id`` (string), ``layer`` (int or list of ints), ``scale`` (finite float), optional
+``decode_only`` / ``prefill_only`` (bool, mutually exclusive) and ``norm`` (bool: the scale is relative to
+the token's residual norm, ``residual += scale * |residual| * v/|v|``).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from dataclasses import dataclass
+from enum import Enum
+from typing import Any
+
+SPEC_KEY = "hotwire"
+VECTOR_ID_RE = re.compile(r"^[A-Za-z0-9._-]{1,64}$")
+MAX_ENTRIES = 64
+_ENTRY_FIELDS = {"id", "layer", "scale", "decode_only", "prefill_only", "norm"}
+
+
+class Phase(str, Enum):
+    """Which tokens of a request an entry steers, decided from request state (position vs prompt length)."""
+
+    ALL = "all"
+    PREFILL = "prefill"  # prompt tokens only
+    DECODE = "decode"  # generated tokens only
+
+
+class SpecError(ValueError):
+    """A spec that cannot be parsed; ``field`` names the offending field (e.g. ``hotwire[1].scale``)."""
+
+    def __init__(self, field: str, message: str):
+        super().__init__(f"{field}: {message}")
+        self.field = field
+        self.message = message
+
+
+@dataclass(frozen=True)
+class SteeringEntry:
+    """One vector applied at one or more layers with one scale."""
+
+    vector_id: str
+    layers: tuple[int, ...]
+    scale: float
+    phase: Phase = Phase.ALL
+    norm: bool = False
+
+    def to_json(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"id": self.vector_id, "layer": list(self.layers), "scale": self.scale}
+        if self.phase is Phase.DECODE:
+            out["decode_only"] = True
+        elif self.phase is Phase.PREFILL:
+            out["prefill_only"] = True
+        if self.norm:
+            out["norm"] = True
+        return out
+
+
+def _bool(value: Any, field: str) -> bool:
+    if not isinstance(value, bool):
+        raise SpecError(field, f"must be true or false, got {value!r}")
+    return value
+
+
+def _parse_entry(raw: Any, field: str) -> SteeringEntry:
+    if not isinstance(raw, dict):
+        raise SpecError(field, f"each entry must be a JSON object, got {type(raw).__name__}")
+    unknown = set(raw) - _ENTRY_FIELDS
+    if unknown:
+        raise SpecError(f"{field}.{sorted(unknown)[0]}", f"unknown field; allowed: {sorted(_ENTRY_FIELDS)}")
+    for required in ("id", "layer", "scale"):
+        if required not in raw:
+            raise SpecError(f"{field}.{required}", "is required")
+
+    vector_id = raw["id"]
+    if not isinstance(vector_id, str) or not VECTOR_ID_RE.match(vector_id):
+        raise SpecError(f"{field}.id", f"must match {VECTOR_ID_RE.pattern}, got {vector_id!r}")
+
+    layer = raw["layer"]
+    layers = layer if isinstance(layer, list) else [layer]
+    if not layers:
+        raise SpecError(f"{field}.layer", "must name at least one layer")
+    for value in layers:
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise SpecError(f"{field}.layer", f"must be a non-negative int or a list of them, got {layer!r}")
+    if len(set(layers)) != len(layers):
+        raise SpecError(f"{field}.layer", f"lists a layer twice: {layer!r}")
+
+    scale = raw["scale"]
+    if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale):
+        raise SpecError(f"{field}.scale", f"must be a finite number, got {scale!r}")
+
+    decode_only = _bool(raw.get("decode_only", False), f"{field}.decode_only")
+    prefill_only = _bool(raw.get("prefill_only", False), f"{field}.prefill_only")
+    if decode_only and prefill_only:
+        raise SpecError(f"{field}.decode_only", "decode_only and prefill_only exclude each other")
+    phase = Phase.DECODE if decode_only else Phase.PREFILL if prefill_only else Phase.ALL
+    norm = _bool(raw.get("norm", False), f"{field}.norm")
+    return SteeringEntry(vector_id, tuple(sorted(layers)), float(scale), phase, norm)
+
+
+def parse_spec(value: Any) -> tuple[SteeringEntry, ...]:
+    """Parse a spec (JSON string, dict or list of dicts) into entries; raises :class:`SpecError`."""
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as exc:
+            raise SpecError(SPEC_KEY, f"is not valid JSON ({exc.msg} at char {exc.pos})") from None
+    if isinstance(value, dict):
+        return (_parse_entry(value, SPEC_KEY),)
+    if not isinstance(value, list):
+        raise SpecError(SPEC_KEY, f"must be a JSON object or a list of objects, got {type(value).__name__}")
+    if not value:
+        raise SpecError(SPEC_KEY, "is an empty list; omit the field to serve unsteered")
+    if len(value) > MAX_ENTRIES:
+        raise SpecError(SPEC_KEY, f"has {len(value)} entries; at most {MAX_ENTRIES} are allowed")
+    return tuple(_parse_entry(raw, f"{SPEC_KEY}[{i}]") for i, raw in enumerate(value))
+
+
+def canonical_spec(entries: tuple[SteeringEntry, ...]) -> str:
+    """A stable string for a spec: same steering, same string (entry order is kept: it is not semantic
+    for the sum, but keeping it makes receipts read like the request)."""
+    return json.dumps([e.to_json() for e in entries], sort_keys=True, separators=(",", ":"))
+
+
+def build_spec(*entries: dict[str, Any]) -> str:
+    """Build and validate a spec string for ``SamplingParams(extra_args={"hotwire": ...})`` or ``vllm_xargs``.
+
+    >>> build_spec({"id": "happy", "layer": 10, "scale": 4.0})
+    '[{"id":"happy","layer":[10],"scale":4.0}]'
+    """
+    return canonical_spec(parse_spec(list(entries)))

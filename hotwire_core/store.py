@@ -1,0 +1,116 @@
+"""Durable vector store: one safetensors file per vector id, written atomically, restored at engine start.
+
+Also reads the ``HOTWIRE_VECTORS`` preload directory (``.safetensors``; ``.pt`` only through
+``torch.load(weights_only=True)``, never a plain unpickle).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from .registry import DTYPES, HostVector
+
+logger = logging.getLogger(__name__)
+_DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
+
+
+@dataclass(frozen=True)
+class StoredVector:
+    """What ``VectorRegistry.register`` needs to rebuild a vector."""
+
+    vector_id: str
+    data: bytes
+    dtype: str
+    shape: list[int]
+    layers: list[int] | None
+    version: int | None = None
+    created_at: float | None = None
+
+
+def tensor_to_stored(vector_id: str, tensor: torch.Tensor, layers: list[int] | None = None) -> StoredVector:
+    if tensor.dtype not in _DTYPE_NAMES:
+        tensor = tensor.float()
+    tensor = tensor.detach().cpu().contiguous()
+    return StoredVector(vector_id, tensor.view(torch.uint8).numpy().tobytes(), _DTYPE_NAMES[tensor.dtype], list(tensor.shape), layers)
+
+
+class VectorStore:
+    """A directory of ``<id>.safetensors`` files holding tensor ``rows`` plus metadata."""
+
+    def __init__(self, root: Path):
+        self.root = root
+        root.mkdir(parents=True, exist_ok=True)
+
+    def save(self, vector: HostVector) -> None:
+        meta = {
+            "id": vector.vector_id,
+            "version": str(vector.version),
+            "layers": json.dumps(None if vector.layers is None else list(vector.layers)),
+            "shape": json.dumps(list(vector.shape)),
+            "sha256": vector.sha256,
+            "created_at": repr(vector.created_at),
+        }
+        fd, tmp = tempfile.mkstemp(dir=self.root, suffix=".tmp")
+        os.close(fd)
+        try:
+            save_file({"rows": vector.rows.contiguous()}, tmp, metadata=meta)
+            os.replace(tmp, self.root / f"{vector.vector_id}.safetensors")
+        finally:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+
+    def delete(self, vector_id: str) -> None:
+        (self.root / f"{vector_id}.safetensors").unlink(missing_ok=True)
+
+    def load(self) -> list[StoredVector]:
+        out = []
+        for path in sorted(self.root.glob("*.safetensors")):
+            try:
+                with safe_open(str(path), framework="pt") as f:
+                    meta = f.metadata()
+                    rows = f.get_tensor("rows")
+                layers = json.loads(meta["layers"])
+                stored = tensor_to_stored(meta["id"], rows)
+                # Stored rows are [R, hidden]; a layer-agnostic vector goes back to its registered [hidden] shape.
+                shape = json.loads(meta["shape"])
+                out.append(
+                    StoredVector(
+                        meta["id"], stored.data, stored.dtype, shape, None if len(shape) == 1 else layers,
+                        int(meta["version"]), float(meta["created_at"]),
+                    )
+                )
+            except Exception as exc:  # one bad file must not stop the engine
+                logger.error("hotwire: skipping unreadable stored vector %s: %s", path, exc)
+        return out
+
+
+def load_preload_dir(directory: Path) -> list[StoredVector]:
+    """Vectors from ``HOTWIRE_VECTORS``: the file stem is the id; one tensor per file (2-D: a row per layer)."""
+    out = []
+    for path in sorted(directory.iterdir()):
+        try:
+            if path.suffix == ".safetensors":
+                with safe_open(str(path), framework="pt") as f:
+                    names = list(f.keys())
+                    if len(names) != 1:
+                        raise ValueError(f"expected one tensor, found {names}")
+                    tensor = f.get_tensor(names[0])
+            elif path.suffix == ".pt":
+                tensor = torch.load(path, map_location="cpu", weights_only=True)
+                if not isinstance(tensor, torch.Tensor):
+                    raise ValueError(f"expected a tensor, found {type(tensor).__name__}")
+            else:
+                continue
+            out.append(tensor_to_stored(path.stem, tensor))
+        except Exception as exc:
+            logger.error("hotwire: skipping preload file %s: %s", path, exc)
+    return out

@@ -1,0 +1,322 @@
+"""Every vLLM-0.25.1-specific hook of hotwire_core, in one place.
+
+Patches are applied when their vLLM module is imported (or at once if it already is), so a process only pays
+for the modules it uses: the API server never imports the worker code. A new vLLM version means revisiting
+this file (and ``hotwire_api/mount.py``) only.
+
+| vLLM symbol | why |
+|---|---|
+| ``VllmConfig.compute_hash`` | compile/AOT caches never mix graphs built with and without (this) hotwire |
+| ``EngineCore._initialize_kv_caches`` | create the controller once the workers have loaded the model |
+| ``EngineCore.add_request`` | admission: bind versions and slots, salt the prefix cache, or refuse |
+| ``EngineCore.collective_rpc`` | answer ``hotwire_*`` RPCs in the engine core |
+| ``Scheduler._free_request`` | release a finished/aborted request's pins |
+| ``Scheduler.schedule`` | bank writes ride on the ``SchedulerOutput`` every rank receives |
+| ``Worker.load_model`` | allocate buffers and hook decoder layers before compile and capture |
+| ``WorkerBase.hotwire_worker_info`` | what this rank could hook, for the controller |
+| V1 ``GPUModelRunner.execute_model`` / ``_model_forward`` | lifecycle; per-step fill before (FULL graph) forward |
+| V2 ``GPUModelRunner.execute_model`` / ``prepare_inputs`` | lifecycle (preempted = removed); fill before ``run_fullgraph`` |
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import importlib.abc
+import importlib.util
+import logging
+import sys
+from pathlib import Path
+from typing import Any, Callable
+
+from .controller import ModelInfo, Refusal, SteeringController
+from .settings import Settings
+
+logger = logging.getLogger("hotwire")
+_SETTINGS: Settings | None = None
+
+
+def settings() -> Settings:
+    global _SETTINGS
+    if _SETTINGS is None:
+        _SETTINGS = Settings.from_env()
+    return _SETTINGS
+
+
+def _wrap(cls: type, name: str, make: Callable[[Callable], Callable]) -> None:
+    original = cls.__dict__[name]
+    if getattr(original, "_hotwire", False):
+        return
+    wrapped = functools.wraps(original)(make(original))
+    wrapped._hotwire = True
+    setattr(cls, name, wrapped)
+
+
+# -- compile cache ---------------------------------------------------------------------------------------------
+
+
+def _source_digest() -> str:
+    here = Path(__file__).parent
+    h = hashlib.sha256()
+    for name in ("ops.py", "triton_steer.py", "runtime.py"):
+        h.update((here / name).read_bytes())
+    return h.hexdigest()[:16]
+
+
+def _patch_config(module: Any) -> None:
+    fingerprint = f"{settings().compile_fingerprint()};src={_source_digest()}"
+
+    def make(original):
+        def compute_hash(self):
+            return hashlib.sha256(f"{original(self)}|{fingerprint}".encode()).hexdigest()[:10]
+
+        return compute_hash
+
+    _wrap(module.VllmConfig, "compute_hash", make)
+
+
+# -- engine core -----------------------------------------------------------------------------------------------
+
+
+def _model_info(results: list[dict]) -> ModelInfo:
+    first = results[0]
+    layers = frozenset(l for r in results for l in r.get("layers", ()))
+    steerable = all(r["steerable"] for r in results) and bool(layers)
+    reason = "; ".join(sorted({r["reason"] for r in results if r["reason"]}))
+    return ModelInfo(steerable, reason, first["n_layers"], first["hidden_size"], first["dtype"], layers)
+
+
+def _patch_engine_core(module: Any) -> None:
+    cls = module.EngineCore
+
+    # vLLM loads general plugins inside EngineCore.__init__, so __init__ itself cannot be wrapped for the engine
+    # being built; _initialize_kv_caches runs later in that __init__, after the workers loaded the model.
+    def make_init_kv(original):
+        def _initialize_kv_caches(self, vllm_config, *args, **kwargs):
+            result = original(self, vllm_config, *args, **kwargs)
+            info = _model_info(self.model_executor.collective_rpc("hotwire_worker_info"))
+            self.hotwire = SteeringController(info, settings(), vllm_config.model_config.model)
+            if info.steerable:
+                logger.info("hotwire: steering ready on %d layers, %d bank slots", len(info.layers), settings().slots)
+            else:
+                logger.warning("hotwire: this model cannot be steered (%s); steered requests will be refused", info.reason)
+            return result
+
+        return _initialize_kv_caches
+
+    def make_add(original):
+        def add_request(self, request, request_wave=0):
+            self.scheduler.hotwire = self.hotwire  # the scheduler is built after the controller
+            try:
+                self.hotwire.admit(request)
+            except Refusal as exc:
+                logger.warning("hotwire: refused request %s: %s", request.request_id, exc.message)
+                send_error = getattr(self, "_send_error_outputs_to_client", None)
+                if send_error is None:  # in-process engine: the caller gets the error directly
+                    raise ValueError(f"hotwire: {exc.message}") from None
+                send_error([request.request_id], request.client_index)
+                return
+            return original(self, request, request_wave)
+
+        return add_request
+
+    def make_rpc(original):
+        def collective_rpc(self, method, timeout=None, args=(), kwargs=None):
+            if isinstance(method, str) and method.startswith("hotwire_") and method != "hotwire_worker_info":
+                handler = getattr(self.hotwire, method.removeprefix("hotwire_"))
+                return [handler(*args, **(kwargs or {}))]
+            return original(self, method, timeout, args, kwargs)
+
+        return collective_rpc
+
+    _wrap(cls, "_initialize_kv_caches", make_init_kv)
+    _wrap(cls, "add_request", make_add)
+    _wrap(cls, "collective_rpc", make_rpc)
+
+
+def _patch_scheduler(module: Any) -> None:
+    cls = module.Scheduler
+
+    def make_schedule(original):
+        def schedule(self, *args, **kwargs):
+            output = original(self, *args, **kwargs)
+            controller = getattr(self, "hotwire", None)
+            if controller is not None:
+                writes = controller.take_writes()
+                if writes:
+                    output.hotwire_writes = writes
+            return output
+
+        return schedule
+
+    def make_free(original):
+        def _free_request(self, request, *args, **kwargs):
+            controller = getattr(self, "hotwire", None)
+            if controller is not None:
+                controller.release(request.request_id)
+            return original(self, request, *args, **kwargs)
+
+        return _free_request
+
+    _wrap(cls, "schedule", make_schedule)
+    _wrap(cls, "_free_request", make_free)
+
+
+# -- workers ---------------------------------------------------------------------------------------------------
+
+
+def _patch_worker_base(module: Any) -> None:
+    def hotwire_worker_info(self) -> dict:
+        steering = getattr(self.model_runner, "hotwire", None)
+        if steering is None:
+            return {"steerable": False, "reason": "hotwire did not attach to the model", "layers": [], "n_layers": 0,
+                    "hidden_size": 0, "dtype": ""}
+        return steering.info()
+
+    module.WorkerBase.hotwire_worker_info = hotwire_worker_info
+
+
+def _attach(worker: Any) -> None:
+    import torch
+
+    from .runtime import WorkerSteering, find_decoder_layers
+
+    runner = worker.model_runner
+    model = runner.get_model()
+    layers, n_layers = find_decoder_layers(model)
+    model_config = worker.vllm_config.model_config
+    if not layers:
+        n_layers = model_config.get_num_layers(worker.vllm_config.parallel_config)
+        logger.warning("hotwire: %s has no steerable decoder layers; steering is off", type(model).__name__)
+    runner.hotwire = WorkerSteering(
+        layers,
+        n_layers,
+        model_config.get_hidden_size(),
+        model_config.dtype,
+        torch.device(worker.device) if hasattr(worker, "device") else torch.device("cpu"),
+        runner.max_num_tokens,
+        runner.max_num_reqs,
+        settings(),
+    )
+
+
+def _patch_worker(module: Any) -> None:
+    def make(original):
+        def load_model(self, *args, **kwargs):
+            result = original(self, *args, **kwargs)
+            _attach(self)
+            return result
+
+        return load_model
+
+    _wrap(module.Worker, "load_model", make)
+
+
+def _patch_v1_runner(module: Any) -> None:
+    cls = module.GPUModelRunner
+
+    def make_execute(original):
+        def execute_model(self, scheduler_output, *args, **kwargs):
+            steering = getattr(self, "hotwire", None)
+            if steering is not None:
+                # V1 keeps preempted requests (resumed without new data): only finished ones go.
+                steering.on_step(scheduler_output, scheduler_output.finished_req_ids)
+            return original(self, scheduler_output, *args, **kwargs)
+
+        return execute_model
+
+    def make_forward(original):
+        def _model_forward(self, *args, **kwargs):
+            steering = getattr(self, "hotwire", None)
+            if steering is not None:
+                batch = self.input_batch
+                n = batch.num_reqs
+                qsl = self.query_start_loc.np[: n + 1]
+                steering.fill(batch.req_ids[:n], qsl[1:] - qsl[:-1], batch.num_computed_tokens_cpu[:n])
+            return original(self, *args, **kwargs)
+
+        return _model_forward
+
+    _wrap(cls, "execute_model", make_execute)
+    _wrap(cls, "_model_forward", make_forward)
+
+
+def _patch_v2_runner(module: Any) -> None:
+    cls = module.GPUModelRunner
+
+    def make_execute(original):
+        def execute_model(self, scheduler_output, *args, **kwargs):
+            steering = getattr(self, "hotwire", None)
+            if steering is not None and not kwargs.get("dummy_run", False):
+                # V2 drops preempted requests and re-adds them as new ones when they resume.
+                removed = scheduler_output.finished_req_ids | set(scheduler_output.preempted_req_ids or ())
+                steering.on_step(scheduler_output, removed)
+            return original(self, scheduler_output, *args, **kwargs)
+
+        return execute_model
+
+    def make_prepare(original):
+        def prepare_inputs(self, scheduler_output, *args, **kwargs):
+            batch = original(self, scheduler_output, *args, **kwargs)
+            steering = getattr(self, "hotwire", None)
+            if steering is not None:
+                steering.fill(batch.req_ids, batch.num_scheduled_tokens, batch.num_computed_tokens_np)
+            return batch
+
+        return prepare_inputs
+
+    _wrap(cls, "execute_model", make_execute)
+    _wrap(cls, "prepare_inputs", make_prepare)
+
+
+# -- install ---------------------------------------------------------------------------------------------------
+
+_PATCHES: dict[str, Callable[[Any], None]] = {
+    "vllm.config.vllm": _patch_config,
+    "vllm.v1.engine.core": _patch_engine_core,
+    "vllm.v1.core.sched.scheduler": _patch_scheduler,
+    "vllm.v1.worker.worker_base": _patch_worker_base,
+    "vllm.v1.worker.gpu_worker": _patch_worker,
+    "vllm.v1.worker.gpu_model_runner": _patch_v1_runner,
+    "vllm.v1.worker.gpu.model_runner": _patch_v2_runner,
+}
+
+
+class _PatchOnImport(importlib.abc.MetaPathFinder):
+    """Applies a patch right after its target module finishes executing."""
+
+    def find_spec(self, name, path=None, target=None):
+        if name not in _PATCHES:
+            return None
+        for finder in sys.meta_path:
+            if finder is self:
+                continue
+            spec = finder.find_spec(name, path, target) if hasattr(finder, "find_spec") else None
+            if spec is not None and spec.loader is not None:
+                exec_module = spec.loader.exec_module
+
+                def exec_and_patch(module, _exec=exec_module, _name=name):
+                    _exec(module)
+                    _PATCHES[_name](module)
+
+                spec.loader.exec_module = exec_and_patch
+                return spec
+        return None
+
+
+_INSTALLED = False
+
+
+def install() -> None:
+    """Install every hook in this process (idempotent, imports nothing heavy, never touches CUDA)."""
+    global _INSTALLED
+    if _INSTALLED:
+        return
+    _INSTALLED = True
+    from . import ops
+
+    ops.register_ops()
+    for name, patch in _PATCHES.items():
+        if name in sys.modules:
+            patch(sys.modules[name])
+    sys.meta_path.insert(0, _PatchOnImport())
