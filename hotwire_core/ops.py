@@ -1,0 +1,124 @@
+"""The steering custom op ``torch.ops.hotwire.steer_`` (see docs/architecture.md, "The op").
+
+Registered straight on a ``torch.library.Library`` fragment, as vLLM's ``direct_register_custom_op`` does, to
+skip ``torch.library.custom_op``'s Python dispatch overhead on every decoder layer. The CPU kernel is the
+pure-torch ``steer_torch``; the CUDA kernel is Triton (``hotwire_core.triton_steer``), imported on first use
+so that importing this module neither needs a working Triton nor initialises CUDA.
+"""
+
+from __future__ import annotations
+
+import torch
+
+OP_NAMESPACE = "hotwire"
+OP_NAME = "steer_"
+_QUALNAME = f"{OP_NAMESPACE}::{OP_NAME}"
+_SCHEMA = (
+    f"{OP_NAME}(Tensor(a!) residual, Tensor? hidden, Tensor token_cfg, Tensor cfg_slot, Tensor cfg_scale, "
+    "Tensor cfg_rel, Tensor bank, Tensor inv_norm, int layer) -> ()"
+)
+
+# The op lives exactly as long as this object: keep it referenced for the life of the process.
+_LIB: torch.library.Library | None = None
+
+
+def steer_torch(
+    residual: torch.Tensor,
+    hidden: torch.Tensor | None,
+    token_cfg: torch.Tensor,
+    cfg_slot: torch.Tensor,
+    cfg_scale: torch.Tensor,
+    cfg_rel: torch.Tensor,
+    bank: torch.Tensor,
+    inv_norm: torch.Tensor,
+    layer: int,
+) -> torch.Tensor:
+    """Return the steered residual (out of place); rows whose config is 0 come back bit-identical.
+
+    Only branch-free, data-independent torch ops, so that Inductor can fuse this into neighbouring kernels
+    and it can be captured in a CUDA graph. The loop over K unrolls on a static shape, and it avoids
+    materialising a ``[T, K, H]`` gather.
+    """
+    n_tokens = residual.shape[0]
+    cfg = token_cfg[:n_tokens].long()
+    slots = cfg_slot[cfg, layer].long()  # [T, K]
+    res32 = residual.float()
+    base = res32 if hidden is None else res32 + hidden.float()
+    norm = torch.linalg.vector_norm(base, dim=-1, keepdim=True)  # [T, 1]
+    coef = cfg_scale[cfg, layer] + cfg_rel[cfg, layer] * norm * inv_norm[slots]  # [T, K]
+    acc = res32
+    for k in range(slots.shape[1]):
+        acc = acc + coef[:, k : k + 1] * bank[slots[:, k]].float()
+    return torch.where((cfg != 0).unsqueeze(-1), acc.to(residual.dtype), residual)
+
+
+def _steer_cpu(
+    residual: torch.Tensor,
+    hidden: torch.Tensor | None,
+    token_cfg: torch.Tensor,
+    cfg_slot: torch.Tensor,
+    cfg_scale: torch.Tensor,
+    cfg_rel: torch.Tensor,
+    bank: torch.Tensor,
+    inv_norm: torch.Tensor,
+    layer: int,
+) -> None:
+    """CPU kernel: unsteered rows are rewritten with their own bits, which leaves them unchanged."""
+    residual.copy_(steer_torch(residual, hidden, token_cfg, cfg_slot, cfg_scale, cfg_rel, bank, inv_norm, layer))
+
+
+def _steer_cuda(
+    residual: torch.Tensor,
+    hidden: torch.Tensor | None,
+    token_cfg: torch.Tensor,
+    cfg_slot: torch.Tensor,
+    cfg_scale: torch.Tensor,
+    cfg_rel: torch.Tensor,
+    bank: torch.Tensor,
+    inv_norm: torch.Tensor,
+    layer: int,
+) -> None:
+    """CUDA kernel: the Triton launcher, imported here so CPU-only processes never import Triton."""
+    from hotwire_core.triton_steer import steer_triton_
+
+    steer_triton_(residual, hidden, token_cfg, cfg_slot, cfg_scale, cfg_rel, bank, inv_norm, layer)
+
+
+def _steer_fake(
+    residual: torch.Tensor,
+    hidden: torch.Tensor | None,
+    token_cfg: torch.Tensor,
+    cfg_slot: torch.Tensor,
+    cfg_scale: torch.Tensor,
+    cfg_rel: torch.Tensor,
+    bank: torch.Tensor,
+    inv_norm: torch.Tensor,
+    layer: int,
+) -> None:
+    """Shape propagation for tracing: the op only mutates ``residual`` and returns nothing."""
+    return None
+
+
+def _op_registered() -> bool:
+    """Ask the dispatcher rather than ``torch.ops`` (which caches lookups), so a dropped library is seen."""
+    try:
+        torch._C._dispatch_find_schema_or_throw(_QUALNAME, "")
+    except RuntimeError:
+        return False
+    return True
+
+
+def register_ops() -> None:
+    """Register ``torch.ops.hotwire.steer_``; a no-op when it is already registered in this process."""
+    global _LIB
+    if _op_registered():
+        return
+    lib = torch.library.Library(OP_NAMESPACE, "FRAGMENT")
+    lib.define(_SCHEMA)
+    lib.impl(OP_NAME, _steer_cpu, "CPU")
+    lib.impl(OP_NAME, _steer_cuda, "CUDA")
+    torch.library.register_fake(_QUALNAME, _steer_fake, lib=lib)
+    _LIB = lib
+
+
+register_ops()

@@ -1,0 +1,128 @@
+"""Triton kernel behind the CUDA implementation of ``torch.ops.hotwire.steer_``.
+
+One program per token. Unsteered tokens (config 0) return before touching the residual, so most of a batch
+costs one int32 load per token. H is a compile-time constant (fixed per model), so the chunk loops have static
+bounds (which also keeps them runnable in Triton's interpreter). The launcher only reads shapes and strides, never tensor data, and allocates
+nothing, so it is safe to capture in a CUDA graph once the kernel has been compiled (vLLM warms up first).
+Imported only when the CUDA kernel first runs (see ``hotwire_core.ops``).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+MAX_BLOCK_H = 4096
+
+
+@triton.jit
+def _steer_kernel(
+    res_ptr,
+    hid_ptr,
+    token_cfg_ptr,
+    slot_ptr,
+    scale_ptr,
+    rel_ptr,
+    bank_ptr,
+    inv_norm_ptr,
+    layer,
+    n_layers,
+    res_stride,
+    hid_stride,
+    bank_stride,
+    H: tl.constexpr,
+    K: tl.constexpr,
+    HAS_HIDDEN: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+):
+    token = tl.program_id(0).to(tl.int64)
+    cfg = tl.load(token_cfg_ptr + token)
+    if cfg == 0:
+        return
+    entry0 = (cfg.to(tl.int64) * n_layers + layer) * K
+    res_row = res_ptr + token * res_stride
+    hid_row = hid_ptr + token * hid_stride
+    offs = tl.arange(0, BLOCK_H)
+
+    # The norm costs a second read of the row: only pay it when some entry is norm-relative.
+    rel_abs = 0.0
+    for k in tl.static_range(K):
+        rel_abs += tl.abs(tl.load(rel_ptr + entry0 + k))
+    sumsq = tl.zeros([BLOCK_H], dtype=tl.float32)
+    if rel_abs != 0.0:
+        for h0 in range(0, H, BLOCK_H):
+            h = h0 + offs
+            mask = h < H
+            x = tl.load(res_row + h, mask=mask, other=0.0).to(tl.float32)
+            if HAS_HIDDEN:
+                x += tl.load(hid_row + h, mask=mask, other=0.0).to(tl.float32)
+            sumsq += x * x
+    norm = tl.sqrt(tl.sum(sumsq, axis=0))
+
+    for h0 in range(0, H, BLOCK_H):
+        h = h0 + offs
+        mask = h < H
+        acc = tl.load(res_row + h, mask=mask, other=0.0).to(tl.float32)
+        for k in tl.static_range(K):
+            slot = tl.load(slot_ptr + entry0 + k).to(tl.int64)
+            rel = tl.load(rel_ptr + entry0 + k)
+            coef = tl.load(scale_ptr + entry0 + k) + rel * norm * tl.load(inv_norm_ptr + slot)
+            acc += coef * tl.load(bank_ptr + slot * bank_stride + h, mask=mask, other=0.0).to(tl.float32)
+        tl.store(res_row + h, acc.to(res_ptr.dtype.element_ty), mask=mask)
+
+
+def _check_layout(
+    residual: torch.Tensor,
+    hidden: torch.Tensor | None,
+    cfg_slot: torch.Tensor,
+    cfg_scale: torch.Tensor,
+    cfg_rel: torch.Tensor,
+    bank: torch.Tensor,
+) -> None:
+    """The kernel assumes unit stride along H and dense config tables; metadata only, no device sync."""
+    rows = [residual, bank] + ([hidden] if hidden is not None else [])
+    if any(x.stride(-1) != 1 for x in rows):
+        raise ValueError("hotwire.steer_: residual, hidden and bank need unit stride along the hidden dim")
+    if not all(x.is_contiguous() for x in (cfg_slot, cfg_scale, cfg_rel)):
+        raise ValueError("hotwire.steer_: config tables must be contiguous")
+
+
+def steer_triton_(
+    residual: torch.Tensor,
+    hidden: torch.Tensor | None,
+    token_cfg: torch.Tensor,
+    cfg_slot: torch.Tensor,
+    cfg_scale: torch.Tensor,
+    cfg_rel: torch.Tensor,
+    bank: torch.Tensor,
+    inv_norm: torch.Tensor,
+    layer: int,
+) -> None:
+    """Steer ``residual`` in place with the semantics of ``hotwire_core.ops.steer_torch``."""
+    n_tokens, hidden_size = residual.shape
+    if n_tokens == 0:
+        return
+    _check_layout(residual, hidden, cfg_slot, cfg_scale, cfg_rel, bank)
+    block_h = min(triton.next_power_of_2(hidden_size), MAX_BLOCK_H)
+    hid = residual if hidden is None else hidden  # any valid pointer; HAS_HIDDEN=False never reads it
+    _steer_kernel[(n_tokens,)](
+        residual,
+        hid,
+        token_cfg,
+        cfg_slot,
+        cfg_scale,
+        cfg_rel,
+        bank,
+        inv_norm,
+        layer,
+        cfg_slot.shape[1],
+        residual.stride(0),
+        hid.stride(0),
+        bank.stride(0),
+        H=hidden_size,
+        K=cfg_slot.shape[2],
+        HAS_HIDDEN=hidden is not None,
+        BLOCK_H=block_h,
+        num_warps=min(8, max(1, block_h // 256)),
+    )
