@@ -25,6 +25,7 @@ from .store import StoredVector, VectorStore, load_preload_dir
 logger = logging.getLogger(__name__)
 
 BINDING_KEY = "hotwire.binding"  # extra_args key the controller writes for the workers
+SALT_PREFIX = "hotwire:"  # steered cache salts; a user salt may not start with it (it could forge one)
 
 
 @dataclass(frozen=True)
@@ -126,11 +127,14 @@ class SteeringController:
     def register(
         self, vector_id: str, data: bytes, dtype: str, shape: list[int], layers: list[int] | None = None, replace: bool = False
     ) -> dict:
+        old = self.registry.current(vector_id)
         try:
-            created = self.registry.current(vector_id) is None
             vector = self.registry.register(vector_id, bytes(data), dtype, list(shape), layers, bool(replace))
         except RegistryError as exc:
             return exc.to_result()
+        created = old is None
+        if old is not None and old.refs == 0:
+            self.slots.drop(old.vector_id, old.version)
         if self.store is not None:
             self.store.save(vector)
         logger.info("hotwire: registered %s@%d (%s)", vector.vector_id, vector.version, vector.sha256[:12])
@@ -169,7 +173,7 @@ class SteeringController:
         try:
             entries = self._validate(spec)
             keys = self._row_keys(entries)
-            needed, available = self.slots.missing(keys), self.slots.available()
+            needed, available = self.slots.missing(keys), self.slots.available(keys)
             if needed > available:
                 raise Refusal(429, "slots_exhausted", str(SlotsExhausted(needed, available, self.slots.capacity)))
         except Refusal as exc:
@@ -232,6 +236,9 @@ class SteeringController:
 
         On success the request carries the binding for the workers and a cache salt that separates its KV
         from every other steering config (none included)."""
+        if request.cache_salt and request.cache_salt.startswith(SALT_PREFIX):
+            self.refused["reserved_salt"] += 1
+            raise Refusal(400, "reserved_salt", f"cache_salt may not start with {SALT_PREFIX!r}", "cache_salt")
         extra = request.sampling_params.extra_args if request.sampling_params is not None else None
         if not extra or SPEC_KEY not in extra:
             return None
@@ -273,7 +280,7 @@ class SteeringController:
         params = copy.copy(request.sampling_params)
         params.extra_args = {**extra, BINDING_KEY: config}
         request.sampling_params = params
-        salt = hashlib.sha256(
+        salt = SALT_PREFIX + hashlib.sha256(
             f"{request.cache_salt or ''}|hotwire|".encode()
             + "|".join(f"{e.to_json()}@{v.sha256}" for e, v in resolved).encode()
         ).hexdigest()
@@ -292,5 +299,6 @@ class SteeringController:
                 self.slots.drop(vector.vector_id, vector.version)
 
     def take_writes(self) -> list[BankWrite]:
+        """Bank writes since the last step; a slot reloaded twice in between keeps only its last row."""
         writes, self._writes = self._writes, []
-        return writes
+        return list({w.slot: w for w in writes}.values())

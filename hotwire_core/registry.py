@@ -153,7 +153,7 @@ class VectorRegistry:
         created_at: float | None = None,
     ) -> HostVector:
         """Add a vector (or a new version of one). ``version``/``created_at`` are given only when restoring."""
-        if not isinstance(vector_id, str) or not VECTOR_ID_RE.match(vector_id):
+        if not isinstance(vector_id, str) or not VECTOR_ID_RE.fullmatch(vector_id):
             raise RegistryError(400, "bad_id", f"id must match {VECTOR_ID_RE.pattern}, got {vector_id!r}", "id")
         if vector_id in self._current and not replace:
             raise RegistryError(

@@ -47,6 +47,14 @@ def find_decoder_layers(model: nn.Module) -> tuple[dict[int, nn.Module], int]:
     return best
 
 
+def _prompt_len(new_request: Any) -> int:
+    """Prompt length of a ``NewRequestData``: token ids, or the rows of ``prompt_embeds`` when there are none."""
+    if new_request.prompt_token_ids is not None:
+        return len(new_request.prompt_token_ids)
+    embeds = getattr(new_request, "prompt_embeds", None)
+    return 0 if embeds is None else int(embeds.shape[0])
+
+
 class SteerHook(nn.Module):
     """Applies steering to one layer's output. Holds the shared buffers as (non-persistent) module buffers so
     torch.compile lifts them as fixed-address graph inputs."""
@@ -163,7 +171,7 @@ class WorkerSteering:
         for req_id in removed:
             self._remove(req_id)
         new = [
-            (r.req_id, len(r.prompt_token_ids or ()), r.sampling_params.extra_args[BINDING_KEY])
+            (r.req_id, _prompt_len(r), r.sampling_params.extra_args[BINDING_KEY])
             for r in scheduler_output.scheduled_new_reqs
             if r.sampling_params is not None and r.sampling_params.extra_args and BINDING_KEY in r.sampling_params.extra_args
         ]

@@ -50,15 +50,17 @@ class SlotCache:
     def missing(self, keys: set[RowKey]) -> int:
         return sum(1 for key in keys if key not in self._slot_of)
 
-    def available(self) -> int:
-        """Rows a new request could take right now: free plus evictable."""
-        return len(self._free) + len(self._unpinned)
+    def available(self, keys: set[RowKey] = frozenset()) -> int:
+        """Rows a request for ``keys`` could take for its missing rows: free plus evictable, not counting its
+        own resident rows, which it pins rather than evicts."""
+        own = sum(1 for key in keys if self._slot_of.get(key) in self._unpinned)
+        return len(self._free) + len(self._unpinned) - own
 
     def acquire(self, keys: set[RowKey]) -> tuple[dict[RowKey, int], list[tuple[int, RowKey]]]:
         """Pin ``keys``; returns ``(slot of each key, [(slot, key) rows that must be loaded])``."""
-        needed = self.missing(keys)
-        if needed > self.available():
-            raise SlotsExhausted(needed, self.available(), self.capacity)
+        needed, available = self.missing(keys), self.available(keys)
+        if needed > available:
+            raise SlotsExhausted(needed, available, self.capacity)
         now = time.time()
         slots: dict[RowKey, int] = {}
         loads: list[tuple[int, RowKey]] = []

@@ -22,7 +22,7 @@ from enum import Enum
 from typing import Any
 
 SPEC_KEY = "hotwire"
-VECTOR_ID_RE = re.compile(r"^[A-Za-z0-9._-]{1,64}$")
+VECTOR_ID_RE = re.compile(r"[A-Za-z0-9._-]{1,64}")  # use with fullmatch
 MAX_ENTRIES = 64
 _ENTRY_FIELDS = {"id", "layer", "scale", "decode_only", "prefill_only", "norm"}
 
@@ -82,7 +82,7 @@ def _parse_entry(raw: Any, field: str) -> SteeringEntry:
             raise SpecError(f"{field}.{required}", "is required")
 
     vector_id = raw["id"]
-    if not isinstance(vector_id, str) or not VECTOR_ID_RE.match(vector_id):
+    if not isinstance(vector_id, str) or not VECTOR_ID_RE.fullmatch(vector_id):
         raise SpecError(f"{field}.id", f"must match {VECTOR_ID_RE.pattern}, got {vector_id!r}")
 
     layer = raw["layer"]
@@ -96,7 +96,9 @@ def _parse_entry(raw: Any, field: str) -> SteeringEntry:
         raise SpecError(f"{field}.layer", f"lists a layer twice: {layer!r}")
 
     scale = raw["scale"]
-    if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale):
+    if isinstance(scale, int) and not isinstance(scale, bool) and abs(scale) < 2**53:
+        scale = float(scale)
+    if not isinstance(scale, float) or not math.isfinite(scale):
         raise SpecError(f"{field}.scale", f"must be a finite number, got {scale!r}")
 
     decode_only = _bool(raw.get("decode_only", False), f"{field}.decode_only")

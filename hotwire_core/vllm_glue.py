@@ -109,7 +109,10 @@ def _patch_engine_core(module: Any) -> None:
             self.scheduler.hotwire = self.hotwire  # the scheduler is built after the controller
             try:
                 self.hotwire.admit(request)
-            except Refusal as exc:
+            except Exception as exc:  # a bad request must never take the engine down
+                if not isinstance(exc, Refusal):
+                    logger.exception("hotwire: admission of %s failed", request.request_id)
+                    exc = Refusal(500, "internal", f"steering admission failed: {exc}")
                 logger.warning("hotwire: refused request %s: %s", request.request_id, exc.message)
                 send_error = getattr(self, "_send_error_outputs_to_client", None)
                 if send_error is None:  # in-process engine: the caller gets the error directly
