@@ -1,0 +1,47 @@
+"""Shared test setup: CPU-friendly vLLM environment, offline model folders, GPU skipping."""
+
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+# vLLM on a CPU-only machine (see ../shared/docs/cpu-vllm.md); set before anything imports vLLM.
+for key, value in {
+    "VLLM_CPU_KVCACHE_SPACE": "1",
+    "TORCHINDUCTOR_VEC_ISA_OK": "1",
+    "HF_HUB_OFFLINE": "1",
+    "VLLM_NO_USAGE_STATS": "1",
+    "VLLM_DISABLE_COMPILE_CACHE": "1",
+    "HOTWIRE_STORE": "off",
+}.items():
+    os.environ.setdefault(key, value)
+
+# CUDA may be initialised in the test process (reference models, availability checks): engines must spawn.
+os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+
+def pytest_collection_modifyitems(config, items):
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs CUDA: run on the GPU machine")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def model_root(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("models")
+
+
+@pytest.fixture(scope="session")
+def tiny_model(model_root) -> Path:
+    """A 4-layer Qwen3-shaped model with real random weights (0.02 init), float32."""
+    from hotwire_core.tiny_model import build_model
+
+    return build_model(model_root / "qwen3-tiny", "tiny")

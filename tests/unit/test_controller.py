@@ -1,0 +1,625 @@
+"""hotwire_core.controller: admission, bindings, cache salts, refusals, RPC surface and restore.
+
+Uses real ``vllm.v1.request.Request`` objects with vLLM's own block hasher."""
+
+from __future__ import annotations
+
+import copy
+import json
+
+import pytest
+import torch
+from safetensors.torch import save_file
+from vllm import SamplingParams
+from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+from vllm.v1.request import Request
+from vllm.utils.hashing import sha256
+
+from hotwire_core.controller import SALT_PREFIX, BINDING_KEY, BankWrite, ModelInfo, Refusal, SteeringController
+from hotwire_core.settings import Settings
+
+N_LAYERS, HIDDEN, BLOCK = 4, 8, 16
+PROMPT = list(range(100, 140))  # 40 tokens: two full blocks
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _none_hash():
+    init_none_hash(sha256)
+
+
+def raw(t: torch.Tensor) -> bytes:
+    return t.contiguous().view(torch.uint8).numpy().tobytes()
+
+
+def vec(*shape, seed=0) -> torch.Tensor:
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed))
+
+
+def model(steerable=True, layers=None) -> ModelInfo:
+    return ModelInfo(
+        steerable, "" if steerable else "no decoder layer", N_LAYERS, HIDDEN, "float32",
+        frozenset(range(N_LAYERS) if layers is None else layers),
+    )
+
+
+def ctrl(slots=8, max_stack=2, store=None, preload=None, steerable=True, layers=None, name="org/model") -> SteeringController:
+    return SteeringController(model(steerable, layers), Settings(slots, max_stack, "op", store, preload), name)
+
+
+def register(c: SteeringController, vid: str, t: torch.Tensor, layers=None, replace=False) -> dict:
+    out = c.register(vid, raw(t), "float32", list(t.shape), layers, replace)
+    assert out["ok"], out
+    return out
+
+
+def request(rid="r", spec=None, salt=None, extra=None, prompt=PROMPT) -> Request:
+    extra_args = dict(extra or {})
+    if spec is not None:
+        extra_args["hotwire"] = spec if isinstance(spec, str) else json.dumps(spec)
+    sp = SamplingParams(max_tokens=8, extra_args=extra_args or None)
+    return Request(rid, list(prompt), sp, None, cache_salt=salt, block_hasher=get_request_block_hasher(BLOCK, sha256))
+
+
+def admit(c, rid="r", spec=None, **kw):
+    req = request(rid, spec, **kw)
+    return c.admit(req), req
+
+
+def refusal(c, spec, rid="bad") -> Refusal:
+    with pytest.raises(Refusal) as info:
+        c.admit(request(rid, spec))
+    return info.value
+
+
+def state(c: SteeringController):
+    """Everything admission may change, for no-side-effect checks."""
+    s = c.stats()
+    return (
+        {k: v for k, v in s.items()},
+        {vid: (v.version, v.refs) for vid, v in c.registry._current.items()},
+        dict(c.registry._retired),
+        dict(c.bindings),
+        list(c._writes),
+    )
+
+
+@pytest.fixture
+def c() -> SteeringController:
+    c = ctrl()
+    register(c, "a", vec(N_LAYERS, HIDDEN, seed=1))  # a row per layer
+    register(c, "g", vec(HIDDEN, seed=2))  # layer-agnostic
+    register(c, "part", vec(2, HIDDEN, seed=3), layers=[2, 0])  # rows for layers 0 and 2 only
+    return c
+
+
+# -- unsteered -----------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("extra", [None, {}, {"other": 1}])
+def test_unsteered_admit_is_none(c, extra):
+    req = request(extra=extra)
+    hashes = list(req.block_hashes)
+    sp = req.sampling_params
+    assert c.admit(req) is None
+    assert req.cache_salt is None
+    assert req.block_hashes == hashes and len(hashes) == 2
+    assert req.sampling_params is sp
+    assert c.take_writes() == [] and c.bindings == {}
+    assert c.stats()["steered_requests"] == 0 and c.stats()["pinned"] == 0
+
+
+def test_unsteered_keeps_user_salt(c):
+    req = request(salt="user")
+    c.admit(req)
+    assert req.cache_salt == "user"
+
+
+def test_pooling_request_without_sampling_params(c):
+    class R:  # a request without sampling params (pooling): nothing to steer
+        sampling_params = None
+        cache_salt = None
+
+    assert c.admit(R()) is None
+
+
+# -- steered admission ---------------------------------------------------------------------------------------
+
+
+def test_binding_config_phases_and_norm(c):
+    spec = [
+        {"id": "a", "layer": [2, 1], "scale": 3.0},
+        {"id": "g", "layer": 1, "scale": 0.5, "norm": True, "decode_only": True},
+        {"id": "part", "layer": 0, "scale": -1.5, "prefill_only": True},
+    ]
+    binding, req = admit(c, "r1", spec)
+    slots = {(r["id"], r["layer"]): r["slot"] for r in c.stats()["rows"]}
+    assert set(slots) == {("a", 1), ("a", 2), ("g", -1), ("part", 0)}
+    assert len(set(slots.values())) == 4 and 0 not in slots.values()
+    a1, a2, g, p0 = slots["a", 1], slots["a", 2], slots["g", -1], slots["part", 0]
+    assert binding.config == {
+        "p": [[1, a1, 3.0, 0.0], [2, a2, 3.0, 0.0], [0, p0, -1.5, 0.0]],
+        "d": [[1, a1, 3.0, 0.0], [2, a2, 3.0, 0.0], [1, g, 0.0, 0.5]],
+    }
+    assert req.sampling_params.extra_args[BINDING_KEY] == binding.config
+    assert req.sampling_params.extra_args["hotwire"] == json.dumps(spec)  # the spec itself stays
+    assert binding.receipt == "a@1:L1+2x3;g@1:L1x0.5,norm,decode_only;part@1:L0x-1.5,prefill_only"
+    assert [v.vector_id for v in binding.vectors] == ["a", "g", "part"]
+    assert c.bindings == {"r1": binding}
+    s = c.stats()
+    assert (s["used"], s["pinned"], s["free"], s["steered_requests"]) == (4, 4, 4, 1)
+    assert c.registry.current("a").refs == 1
+
+
+def test_bank_writes_queued_once(c):
+    binding, _ = admit(c, "r1", [{"id": "a", "layer": [0, 3], "scale": 1}, {"id": "g", "layer": [1, 2], "scale": 2}])
+    writes = c.take_writes()
+    assert c.take_writes() == []
+    assert all(isinstance(w, BankWrite) for w in writes)
+    slots = {(r["id"], r["layer"]): r["slot"] for r in c.stats()["rows"]}
+    by_slot = {w.slot: w for w in writes}
+    assert len(writes) == 3 and set(by_slot) == set(slots.values())  # g is one row for both layers
+    a, g = c.registry.current("a"), c.registry.current("g")
+    for (vid, layer), slot in slots.items():
+        expect = (a.rows[layer] if vid == "a" else g.rows[0]).float()
+        w = by_slot[slot]
+        assert w.row.dtype == torch.float32 and torch.equal(w.row, expect)
+        assert w.inv_norm == pytest.approx(1.0 / float(expect.norm()))
+    # g is used at layers 1 and 2 through the same slot
+    assert [item[1] for item in binding.config["p"] if item[0] in (1, 2)] == [slots["g", -1]] * 2
+    # a second request on the same rows loads nothing
+    admit(c, "r2", [{"id": "g", "layer": 0, "scale": 9}])
+    assert c.take_writes() == []
+    assert {r["id"]: r["refcount"] for r in c.stats()["rows"] if r["id"] == "g"} == {"g": 2}
+
+
+def test_zero_vector_inv_norm_is_finite(c):
+    register(c, "zero", torch.zeros(HIDDEN))
+    admit(c, "r", {"id": "zero", "layer": 0, "scale": 1, "norm": True})
+    (w,) = c.take_writes()
+    assert torch.isfinite(torch.tensor(w.inv_norm)) and torch.count_nonzero(w.row) == 0
+
+
+def test_caller_sampling_params_not_mutated(c):
+    sp = SamplingParams(max_tokens=8, extra_args={"hotwire": '{"id":"a","layer":1,"scale":2}', "keep": [1]})
+    before = copy.deepcopy(sp.extra_args)
+    req = Request("r", list(PROMPT), sp, None, block_hasher=get_request_block_hasher(BLOCK, sha256))
+    c.admit(req)
+    assert sp.extra_args == before and BINDING_KEY not in sp.extra_args
+    assert req.sampling_params is not sp
+    assert BINDING_KEY in req.sampling_params.extra_args
+    assert req.sampling_params.extra_args["keep"] == [1]
+    assert req.sampling_params.max_tokens == 8
+
+
+def test_cache_salt_and_block_hashes(c):
+    plain = request("p")
+    binding, req = admit(c, "s", {"id": "a", "layer": 1, "scale": 2})
+    assert req.cache_salt.startswith(SALT_PREFIX) and len(req.cache_salt) == len(SALT_PREFIX) + 64
+    assert len(req.block_hashes) == len(plain.block_hashes) == 2
+    assert req.block_hashes[0] != plain.block_hashes[0]
+    assert req.block_hashes[1] != plain.block_hashes[1]  # chained
+    # the recomputed hashes are exactly what vLLM computes for a request carrying that salt
+    ref = Request("x", list(PROMPT), SamplingParams(max_tokens=8), None, cache_salt=req.cache_salt,
+                  block_hasher=get_request_block_hasher(BLOCK, sha256))
+    assert req.block_hashes == ref.block_hashes
+
+
+def test_cache_salt_same_for_same_steering(c):
+    _, r1 = admit(c, "r1", {"id": "a", "layer": 1, "scale": 2})
+    _, r2 = admit(c, "r2", '{"scale": 2.0, "layer": [1], "id": "a", "norm": false}')
+    assert r1.cache_salt == r2.cache_salt and r1.block_hashes == r2.block_hashes
+
+
+@pytest.mark.parametrize(
+    "other",
+    [
+        {"id": "a", "layer": 1, "scale": 2.5},
+        {"id": "a", "layer": 2, "scale": 2},
+        {"id": "a", "layer": [1, 2], "scale": 2},
+        {"id": "a", "layer": 1, "scale": 2, "norm": True},
+        {"id": "a", "layer": 1, "scale": 2, "decode_only": True},
+        {"id": "a", "layer": 1, "scale": 2, "prefill_only": True},
+        {"id": "g", "layer": 1, "scale": 2},
+        [{"id": "a", "layer": 1, "scale": 2}, {"id": "g", "layer": 3, "scale": 1}],
+    ],
+)
+def test_cache_salt_differs_per_spec(c, other):
+    _, r1 = admit(c, "r1", {"id": "a", "layer": 1, "scale": 2})
+    _, r2 = admit(c, "r2", other)
+    assert r1.cache_salt != r2.cache_salt
+    assert r1.block_hashes[0] != r2.block_hashes[0]
+
+
+def test_cache_salt_follows_vector_content(c):
+    spec = {"id": "g", "layer": 1, "scale": 2}
+    _, r1 = admit(c, "r1", spec)
+    register(c, "g", vec(HIDDEN, seed=99), replace=True)
+    _, r2 = admit(c, "r2", spec)
+    assert r1.cache_salt != r2.cache_salt
+    # same content under a new version: the KV is the same, so the salt may be shared
+    register(c, "g", vec(HIDDEN, seed=99), replace=True)
+    _, r3 = admit(c, "r3", spec)
+    assert r3.cache_salt == r2.cache_salt
+
+
+def test_cache_salt_combines_user_salt(c):
+    spec = {"id": "a", "layer": 1, "scale": 2}
+    _, none = admit(c, "r0", spec)
+    _, u1 = admit(c, "r1", spec, salt="tenant-1")
+    _, u1b = admit(c, "r1b", spec, salt="tenant-1")
+    _, u2 = admit(c, "r2", spec, salt="tenant-2")
+    assert len({none.cache_salt, u1.cache_salt, u2.cache_salt, "tenant-1", "tenant-2"}) == 5
+    assert u1.cache_salt == u1b.cache_salt
+    plain_u1 = request("p", salt="tenant-1")
+    assert u1.block_hashes[0] != plain_u1.block_hashes[0]
+
+
+def test_user_salt_cannot_collide_with_steered_salt(c):
+    _, steered = admit(c, "s", {"id": "a", "layer": 1, "scale": 2})
+    forged = request("f", salt=steered.cache_salt)
+    with pytest.raises(Refusal) as exc:
+        c.admit(forged)
+    assert exc.value.code == "reserved_salt" and exc.value.field == "cache_salt"
+
+
+def test_same_vector_twice_shares_rows_and_refs(c):
+    binding, _ = admit(c, "r", [{"id": "a", "layer": 1, "scale": 1}, {"id": "a", "layer": 1, "scale": 2}])
+    assert len(c.take_writes()) == 1
+    slot = c.stats()["rows"][0]["slot"]
+    assert binding.config["p"] == [[1, slot, 1.0, 0.0], [1, slot, 2.0, 0.0]]
+    assert c.registry.current("a").refs == 1 and binding.vectors == [c.registry.current("a")]
+    c.release("r")
+    assert c.registry.current("a").refs == 0 and c.stats()["pinned"] == 0
+
+
+# -- refusals ------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "spec,code,field",
+    [
+        ('{"id": "a",', "bad_spec", "hotwire"),
+        ([{"id": "a", "layer": 1, "scale": "x"}], "bad_spec", "hotwire[0].scale"),
+        ([{"id": "a", "layer": 1, "scale": 1}, {"id": "a", "layer": 1}], "bad_spec", "hotwire[1].scale"),
+        ([{"id": "a", "layer": 1, "scale": 1}, {"id": "nope", "layer": 1, "scale": 1}], "unknown_vector", "hotwire[1].id"),
+        ({"id": "a", "layer": N_LAYERS, "scale": 1}, "layer_out_of_range", "hotwire.layer".replace(".", "[0].")),
+        ([{"id": "g", "layer": 0, "scale": 1}, {"id": "g", "layer": [0, 9], "scale": 1}], "layer_out_of_range", "hotwire[1].layer"),
+        ({"id": "part", "layer": 1, "scale": 1}, "no_row_for_layer", "hotwire[0].layer"),
+        ([{"id": "a", "layer": 1, "scale": s} for s in (1, 2, 3)], "too_many_entries", "hotwire"),
+        ([{"id": "a", "layer": [0, 1], "scale": 1}, {"id": "g", "layer": 1, "scale": 1}, {"id": "part", "layer": [0, 2], "scale": 1},
+          {"id": "g", "layer": [1, 3], "scale": 1, "decode_only": True}], "too_many_entries", "hotwire"),
+    ],
+)
+def test_refusals_400(c, spec, code, field):
+    before = state(c)
+    err = refusal(c, spec)
+    assert (err.status, err.code, err.field) == (400, code, field)
+    assert c.stats()["refused"] == {code: 1}
+    after = state(c)
+    assert {k: v for k, v in after[0].items() if k != "refused"} == {k: v for k, v in before[0].items() if k != "refused"}
+    assert after[1:] == before[1:]
+    res = err.to_result()
+    assert res["ok"] is False and res["status"] == 400 and res["code"] == code and res["field"] == field
+
+
+def test_stack_limit_is_per_phase(c):
+    # max_stack=2: two decode-only + two prefill-only entries on layer 1 fit (2 per phase) ...
+    spec = [
+        {"id": "a", "layer": 1, "scale": 1, "decode_only": True},
+        {"id": "g", "layer": 1, "scale": 1, "decode_only": True},
+        {"id": "a", "layer": 1, "scale": 2, "prefill_only": True},
+        {"id": "g", "layer": 1, "scale": 2, "prefill_only": True},
+    ]
+    binding, _ = admit(c, "ok", spec)
+    assert len(binding.config["p"]) == 2 and len(binding.config["d"]) == 2
+    # ... one more entry for every phase does not
+    err = refusal(c, spec + [{"id": "a", "layer": 1, "scale": 3}])
+    assert err.code == "too_many_entries" and "HOTWIRE_MAX_STACK=2" in err.message
+
+
+def test_layer_without_hook_refused():
+    c = ctrl(layers={0, 1, 3})  # e.g. layer 2 has no hook on any rank
+    register(c, "g", vec(HIDDEN))
+    err = refusal(c, {"id": "g", "layer": 2, "scale": 1})
+    assert (err.status, err.code, err.field) == (400, "layer_out_of_range", "hotwire[0].layer")
+    assert admit(c, "ok", {"id": "g", "layer": 3, "scale": 1})[0] is not None
+
+
+def test_model_not_steerable():
+    c = ctrl(steerable=False)
+    register(c, "g", vec(HIDDEN))
+    err = refusal(c, {"id": "g", "layer": 0, "scale": 1})
+    assert (err.status, err.code) == (503, "model_not_steerable")
+    assert "no decoder layer" in err.message
+    err = refusal(c, "not even json")  # 503 comes before spec parsing
+    assert err.status == 503
+    assert c.stats()["refused"] == {"model_not_steerable": 2}
+    assert c.stats()["model"]["steerable"] is False
+    # unsteered requests are still fine
+    assert c.admit(request("plain")) is None
+
+
+def test_slots_exhausted():
+    c = ctrl(slots=2)
+    register(c, "a", vec(N_LAYERS, HIDDEN))
+    admit(c, "r1", {"id": "a", "layer": [0, 1], "scale": 1})
+    c.take_writes()
+    before = state(c)
+    err = refusal(c, {"id": "a", "layer": [1, 2], "scale": 1}, rid="r2")
+    assert (err.status, err.code) == (429, "slots_exhausted")
+    assert "HOTWIRE_SLOTS" in err.message
+    assert c.stats()["refused"] == {"slots_exhausted": 1}
+    after = state(c)
+    assert after[1:] == before[1:]  # no refs, no bindings, no writes
+    assert {k: v for k, v in after[0].items() if k != "refused"} == {k: v for k, v in before[0].items() if k != "refused"}
+    # a request that needs only resident rows still fits
+    admit(c, "r3", {"id": "a", "layer": 1, "scale": 5})
+    c.release("r1")
+    c.release("r3")
+    binding, _ = admit(c, "r2", {"id": "a", "layer": [1, 2], "scale": 1})
+    assert binding is not None and c.stats()["evictions"] == 1
+
+
+def test_refused_counts_accumulate(c):
+    for _ in range(3):
+        refusal(c, {"id": "nope", "layer": 0, "scale": 1})
+    refusal(c, "[]")
+    assert c.stats()["refused"] == {"unknown_vector": 3, "bad_spec": 1}
+
+
+def test_admit_over_count_refuses_cleanly():
+    c = ctrl(slots=1)
+    register(c, "a", vec(HIDDEN, seed=1))
+    register(c, "b", vec(HIDDEN, seed=2))
+    admit(c, "r1", {"id": "a", "layer": 0, "scale": 1})
+    c.release("r1")
+    spec = [{"id": "a", "layer": 0, "scale": 1}, {"id": "b", "layer": 0, "scale": 1}]
+    checked = c.check(json.dumps(spec))
+    err = refusal(c, spec)  # today: KeyError escapes here
+    assert err.status == 429 and c.stats()["pinned"] == 0
+    assert checked["ok"] is False and checked["status"] == 429
+
+
+def test_huge_int_scale_is_refusal(c):
+    spec = '{"id": "a", "layer": 1, "scale": %s}' % ("9" * 400)
+    assert c.check(spec)["status"] == 400
+    assert refusal(c, spec).code == "bad_spec"
+
+
+# -- release / re-register / unregister ----------------------------------------------------------------------
+
+
+def test_release_unpins(c):
+    admit(c, "r1", {"id": "a", "layer": [0, 1], "scale": 1})
+    admit(c, "r2", {"id": "a", "layer": 1, "scale": 1})
+    assert c.stats()["pinned"] == 2
+    c.release("r1")
+    rows = {r["layer"]: r["refcount"] for r in c.stats()["rows"]}
+    assert rows == {0: 0, 1: 1} and c.stats()["pinned"] == 1
+    assert "r1" not in c.bindings and c.registry.current("a").refs == 1
+    c.release("r1")  # twice: no-op
+    c.release("never-admitted")
+    assert c.registry.current("a").refs == 1
+    c.release("r2")
+    assert c.stats()["pinned"] == 0 and c.stats()["used"] == 2  # rows stay cached
+    assert c.registry.current("a").refs == 0
+
+
+def test_reregister_under_inflight_request(c):
+    spec = {"id": "a", "layer": 1, "scale": 2}
+    b1, _ = admit(c, "r1", spec)
+    old_slot = b1.config["p"][0][1]
+    c.take_writes()
+    new = vec(N_LAYERS, HIDDEN, seed=50)
+    out = register(c, "a", new, replace=True)
+    assert out["created"] is False and out["vector"]["version"] == 2
+    assert b1.vectors[0].version == 1 and b1.vectors[0].retired
+    b2, _ = admit(c, "r2", spec)
+    assert b2.vectors[0].version == 2 and b2.receipt == "a@2:L1x2"
+    new_slot = b2.config["p"][0][1]
+    assert new_slot != old_slot
+    (w,) = c.take_writes()
+    assert w.slot == new_slot and torch.equal(w.row, new[1])
+    assert {m["id"]: m["in_flight"] for m in c.list()["vectors"]}["a"] == 2
+    assert {(r["version"], r["refcount"]) for r in c.stats()["rows"]} == {(1, 1), (2, 1)}
+    c.release("r1")  # last user of version 1: its rows go
+    assert {(r["version"], r["refcount"]) for r in c.stats()["rows"]} == {(2, 1)}
+    assert c.registry.in_flight("a") == 1
+    c.release("r2")
+    assert {(r["version"], r["refcount"]) for r in c.stats()["rows"]} == {(2, 0)}
+
+
+def test_replace_drops_unreferenced_old_rows(c):
+    admit(c, "r1", {"id": "a", "layer": 1, "scale": 2})
+    c.release("r1")
+    register(c, "a", vec(N_LAYERS, HIDDEN, seed=7), replace=True)
+    assert [r for r in c.stats()["rows"] if r["id"] == "a"] == []
+
+
+def test_unregister_returns_in_flight(c):
+    admit(c, "r1", {"id": "a", "layer": 1, "scale": 2})
+    admit(c, "r2", {"id": "a", "layer": 1, "scale": 3})
+    assert c.unregister("a") == {"ok": True, "in_flight": 2}
+    assert [v["id"] for v in c.list()["vectors"]] == ["g", "part"]
+    err = refusal(c, {"id": "a", "layer": 1, "scale": 2})
+    assert err.code == "unknown_vector"
+    c.release("r1")
+    assert [r["id"] for r in c.stats()["rows"]] == ["a"]
+    c.release("r2")
+    assert c.stats()["rows"] == [] and c.stats()["used"] == 0
+    out = register(c, "a", vec(HIDDEN))
+    assert out["created"] is True and out["vector"]["version"] == 2
+
+
+def test_unregister_idle_drops_rows_now(c):
+    admit(c, "r1", {"id": "g", "layer": 1, "scale": 2})
+    c.release("r1")
+    assert c.stats()["used"] == 1
+    assert c.unregister("g") == {"ok": True, "in_flight": 0}
+    assert c.stats()["used"] == 0 and c.stats()["free"] == 8
+
+
+def test_unregister_unknown(c):
+    out = c.unregister("nope")
+    assert out == {"ok": False, "status": 404, "code": "unknown_vector", "error": "unknown steering vector 'nope'", "field": "id"}
+
+
+def test_register_results(c):
+    out = c.register("new", raw(vec(HIDDEN)), "float32", [HIDDEN])
+    assert out["ok"] and out["created"] is True and out["vector"]["id"] == "new"
+    assert set(out["vector"]) == {"id", "version", "sha256", "dtype", "shape", "layers", "norms", "in_flight", "created_at"}
+    dup = c.register("new", raw(vec(HIDDEN)), "float32", [HIDDEN])
+    assert (dup["ok"], dup["status"], dup["code"]) == (False, 409, "exists")
+    bad = c.register("x", b"\0" * 3, "float32", [HIDDEN])
+    assert (bad["status"], bad["code"], bad["field"]) == (400, "bad_data", "data")
+    assert c.register("y", bytearray(raw(vec(HIDDEN))), "float32", (HIDDEN,))["ok"]  # msgpack may give these
+
+
+def test_list_in_flight_across_versions(c):
+    admit(c, "r1", {"id": "a", "layer": 1, "scale": 2})
+    register(c, "a", vec(N_LAYERS, HIDDEN, seed=5), replace=True)
+    admit(c, "r2", {"id": "a", "layer": 1, "scale": 2})
+    admit(c, "r3", {"id": "a", "layer": 2, "scale": 2})
+    metas = {m["id"]: m for m in c.list()["vectors"]}
+    assert metas["a"]["version"] == 2 and metas["a"]["in_flight"] == 3
+    assert metas["g"]["in_flight"] == 0
+
+
+# -- check ---------------------------------------------------------------------------------------------------
+
+
+def test_check_ok_without_side_effects(c):
+    spec = json.dumps([{"id": "a", "layer": [1, 2], "scale": 3}, {"id": "g", "layer": 0, "scale": 1, "norm": True}])
+    before = state(c)
+    out = c.check(spec)
+    assert out == {"ok": True, "receipt": "a@1:L1+2x3;g@1:L0x1,norm", "new_rows": 3}
+    assert state(c) == before
+    b, _ = admit(c, "r", spec)
+    assert b.receipt == out["receipt"]
+    assert c.check(spec)["new_rows"] == 0
+
+
+@pytest.mark.parametrize(
+    "spec,code,field",
+    [
+        ("{", "bad_spec", "hotwire"),
+        ('{"id": "nope", "layer": 0, "scale": 1}', "unknown_vector", "hotwire[0].id"),
+        ('{"id": "a", "layer": 9, "scale": 1}', "layer_out_of_range", "hotwire[0].layer"),
+        ('{"id": "part", "layer": 3, "scale": 1}', "no_row_for_layer", "hotwire[0].layer"),
+    ],
+)
+def test_check_400(c, spec, code, field):
+    before = state(c)
+    out = c.check(spec)
+    assert (out["ok"], out["status"], out["code"], out["field"]) == (False, 400, code, field)
+    assert out["error"]
+    assert state(c) == before and c.stats()["refused"] == {}
+
+
+def test_check_429_and_503():
+    c = ctrl(slots=1)
+    register(c, "a", vec(N_LAYERS, HIDDEN))
+    admit(c, "r", {"id": "a", "layer": 0, "scale": 1})
+    before = state(c)
+    out = c.check('{"id": "a", "layer": 1, "scale": 1}')
+    assert (out["ok"], out["status"], out["code"]) == (False, 429, "slots_exhausted")
+    assert "field" not in out
+    assert c.check('{"id": "a", "layer": 0, "scale": 7}') == {"ok": True, "receipt": "a@1:L0x7", "new_rows": 0}
+    assert state(c) == before
+    d = ctrl(steerable=False)
+    out = d.check('{"id": "a", "layer": 0, "scale": 1}')
+    assert (out["ok"], out["status"], out["code"]) == (False, 503, "model_not_steerable")
+    assert d.stats()["refused"] == {}
+
+
+# -- stats ---------------------------------------------------------------------------------------------------
+
+
+def test_stats_shape(c):
+    admit(c, "r", {"id": "a", "layer": [0, 1], "scale": 1})
+    refusal(c, {"id": "zz", "layer": 0, "scale": 1})
+    s = c.stats()
+    assert set(s) == {"ok", "capacity", "used", "pinned", "free", "evictions", "refused", "steered_requests",
+                      "vectors", "rows", "model"}
+    assert s["ok"] is True
+    assert (s["capacity"], s["used"], s["pinned"], s["free"], s["evictions"]) == (8, 2, 2, 6, 0)
+    assert s["refused"] == {"unknown_vector": 1}
+    assert s["steered_requests"] == 1 and s["vectors"] == 3
+    for row in s["rows"]:
+        assert set(row) == {"slot", "id", "version", "layer", "refcount", "last_use"}
+    assert sorted((r["id"], r["version"], r["layer"], r["refcount"]) for r in s["rows"]) == [("a", 1, 0, 1), ("a", 1, 1, 1)]
+    assert [r["slot"] for r in s["rows"]] == [1, 2]
+    # the documented model keys (the code also reports "dtype", which docs/architecture.md does not list)
+    assert {"steerable", "reason", "n_layers", "hidden_size", "max_stack"} <= set(s["model"])
+    assert (s["model"]["steerable"], s["model"]["n_layers"], s["model"]["hidden_size"], s["model"]["max_stack"]) == (
+        True, N_LAYERS, HIDDEN, 2)
+    json.dumps(s)  # msgpack/JSON-native
+
+
+def test_take_writes_one_write_per_slot():
+    c = ctrl(slots=1)
+    register(c, "a", vec(HIDDEN, seed=1))
+    register(c, "b", vec(HIDDEN, seed=2))
+    admit(c, "r1", {"id": "a", "layer": 0, "scale": 1})
+    c.release("r1")  # aborted before it was ever scheduled
+    admit(c, "r2", {"id": "b", "layer": 0, "scale": 1})
+    writes = c.take_writes()
+    assert len({w.slot for w in writes}) == len(writes)
+
+
+# -- store and preload ---------------------------------------------------------------------------------------
+
+
+def test_store_restores_vectors(tmp_path):
+    c1 = ctrl(store=str(tmp_path))
+    register(c1, "a", vec(N_LAYERS, HIDDEN, seed=1))
+    register(c1, "a", vec(N_LAYERS, HIDDEN, seed=2), replace=True)
+    register(c1, "g", vec(HIDDEN, seed=3))
+    register(c1, "part", vec(2, HIDDEN, seed=4), layers=[3, 1])
+    register(c1, "gone", vec(HIDDEN))
+    c1.unregister("gone")
+    before = {m["id"]: m for m in c1.list()["vectors"]}
+    assert sorted(p.name for p in c1.store.root.iterdir()) == ["a.safetensors", "g.safetensors", "part.safetensors"]
+    assert c1.store.root == Settings(8, 2, "op", str(tmp_path), None).store_dir("org/model")
+
+    c2 = ctrl(store=str(tmp_path))
+    after = {m["id"]: m for m in c2.list()["vectors"]}
+    assert after == before  # same versions, sha256, layers, norms, created_at
+    for vid in after:
+        assert torch.equal(c2.registry.current(vid).rows, c1.registry.current(vid).rows)
+    assert register(c2, "a", vec(HIDDEN), replace=True)["vector"]["version"] == 3
+    # another model has its own store
+    assert ctrl(store=str(tmp_path), name="other/model").list()["vectors"] == []
+    # "off" disables it
+    assert ctrl(store="off").store is None
+
+
+def test_preload_dir(tmp_path):
+    store, pre = tmp_path / "store", tmp_path / "pre"
+    pre.mkdir()
+    c1 = ctrl(store=str(store))
+    register(c1, "a", vec(HIDDEN, seed=1))
+    register(c1, "a", vec(HIDDEN, seed=2), replace=True)  # a@2 in the store
+    save_file({"t": vec(HIDDEN, seed=10)}, str(pre / "a.safetensors"))  # loses to the stored a
+    save_file({"t": vec(N_LAYERS, HIDDEN, seed=11)}, str(pre / "p1.safetensors"))
+    torch.save(vec(HIDDEN, seed=12).half(), pre / "p2.pt")
+    torch.save(vec(HIDDEN + 1), pre / "wrongsize.pt")  # refused by the registry, logged, skipped
+
+    c2 = ctrl(store=str(store), preload=str(pre))
+    metas = {m["id"]: m for m in c2.list()["vectors"]}
+    assert set(metas) == {"a", "p1", "p2"}
+    assert metas["a"]["version"] == 2 and torch.equal(c2.registry.current("a").rows[0], vec(HIDDEN, seed=2))
+    assert metas["p1"]["version"] == 1 and metas["p1"]["layers"] == list(range(N_LAYERS))
+    assert metas["p2"]["dtype"] == "float16"
+    assert torch.equal(c2.registry.current("p1").rows, vec(N_LAYERS, HIDDEN, seed=11))
+    # preloaded vectors are written to the store, so a third start reads them from there
+    assert (c2.store.root / "p1.safetensors").exists() and (c2.store.root / "p2.safetensors").exists()
+    c3 = ctrl(store=str(store))
+    assert {m["id"]: m["version"] for m in c3.list()["vectors"]} == {"a": 2, "p1": 1, "p2": 1}
+
+
+def test_preload_without_store(tmp_path):
+    torch.save(vec(HIDDEN, seed=1), tmp_path / "v.pt")
+    c = ctrl(store=None, preload=str(tmp_path))
+    assert [m["id"] for m in c.list()["vectors"]] == ["v"]
+    assert admit(c, "r", {"id": "v", "layer": 0, "scale": 1})[0] is not None

@@ -1,0 +1,309 @@
+"""hotwire_core.registry: decoding registered bytes, versions, retirement and references."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hotwire_core.registry import DTYPES, RegistryError, VectorRegistry, content_sha256, decode_vector
+
+N_LAYERS, HIDDEN = 4, 8
+
+
+def raw(t: torch.Tensor) -> bytes:
+    return t.contiguous().view(torch.uint8).numpy().tobytes()
+
+
+def vec(*shape, seed=0, dtype=torch.float32) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(*shape, generator=g).to(dtype)
+
+
+def reg(r: VectorRegistry, vid="v", t=None, dtype="float32", layers=None, replace=False):
+    t = vec(HIDDEN) if t is None else t
+    return r.register(vid, raw(t), dtype, list(t.shape), layers, replace)
+
+
+def reg_error(fn, *args, **kwargs) -> RegistryError:
+    with pytest.raises(RegistryError) as info:
+        fn(*args, **kwargs)
+    return info.value
+
+
+@pytest.fixture
+def r() -> VectorRegistry:
+    return VectorRegistry(N_LAYERS, HIDDEN)
+
+
+# -- shapes --------------------------------------------------------------------------------------------------
+
+
+def test_layer_agnostic_vector(r):
+    t = vec(HIDDEN)
+    v = reg(r, t=t)
+    assert v.layers is None and v.shape == (HIDDEN,) and v.rows.shape == (1, HIDDEN)
+    for layer in range(N_LAYERS):
+        assert torch.equal(v.row(layer), t)
+        assert v.row_key_layer(layer) == -1
+    assert v.row(99) is not None  # a [hidden] vector serves any layer; the controller checks the range
+    assert list(v.norms()) == ["*"]
+    assert v.norms()["*"] == pytest.approx(float(t.norm()))
+
+
+def test_row_per_layer(r):
+    t = vec(N_LAYERS, HIDDEN)
+    v = reg(r, t=t)
+    assert v.layers == tuple(range(N_LAYERS)) and v.shape == (N_LAYERS, HIDDEN)
+    for layer in range(N_LAYERS):
+        assert torch.equal(v.row(layer), t[layer])
+        assert v.row_key_layer(layer) == layer
+    assert v.row(N_LAYERS) is None
+    assert set(v.norms()) == {"0", "1", "2", "3"}
+    assert v.norms()["2"] == pytest.approx(float(t[2].norm()))
+
+
+def test_named_layers_unsorted_rows_follow(r):
+    t = vec(3, HIDDEN)
+    v = reg(r, t=t, layers=[3, 0, 2])
+    assert v.layers == (0, 2, 3)
+    assert torch.equal(v.row(3), t[0])
+    assert torch.equal(v.row(0), t[1])
+    assert torch.equal(v.row(2), t[2])
+    assert v.row(1) is None
+    assert v.meta()["layers"] == [0, 2, 3]
+    assert v.norms()["3"] == pytest.approx(float(t[0].norm()))
+
+
+def test_meta_shape(r):
+    v = reg(r, "abc", t=vec(2, HIDDEN), layers=[1, 2])
+    meta = v.meta()
+    assert set(meta) == {"id", "version", "sha256", "dtype", "shape", "layers", "norms", "in_flight", "created_at"}
+    assert meta["id"] == "abc" and meta["version"] == 1 and meta["dtype"] == "float32"
+    assert meta["shape"] == [2, HIDDEN] and meta["in_flight"] == 0 and len(meta["sha256"]) == 64
+
+
+@pytest.mark.parametrize(
+    "shape,layers,code,field",
+    [
+        ([HIDDEN + 1], None, "bad_shape", "shape"),
+        ([N_LAYERS, HIDDEN + 1], None, "bad_shape", "shape"),
+        ([2, 2, HIDDEN], None, "bad_shape", "shape"),
+        ([N_LAYERS - 1, HIDDEN], None, "bad_shape", "shape"),  # 2-D without layers needs n_layers rows
+        ([0, HIDDEN], None, "bad_shape", "shape"),
+        ([2, HIDDEN], [1], "bad_layers", "layers"),
+        ([2, HIDDEN], [1, 1], "bad_layers", "layers"),
+        ([2, HIDDEN], [1, N_LAYERS], "layer_out_of_range", "layers"),
+        ([2, HIDDEN], [-1, 0], "layer_out_of_range", "layers"),
+        ([2, HIDDEN], [True, 0], "layer_out_of_range", "layers"),
+        ([HIDDEN], [0], "bad_layers", "layers"),
+    ],
+)
+def test_shape_errors(r, shape, layers, code, field):
+    n = 1
+    for d in shape:
+        n *= d
+    err = reg_error(r.register, "v", b"\0" * (4 * n), "float32", shape, layers, False)
+    assert (err.status, err.code, err.field) == (400, code, field)
+    assert r.current("v") is None
+
+
+@pytest.mark.parametrize("shape", ["8", [8.0], [-8], None])
+def test_shape_not_int_list(r, shape):
+    err = reg_error(r.register, "v", b"\0" * 32, "float32", shape if shape is not None else [], None, False)
+    assert err.code == "bad_shape"
+
+
+def test_wrong_byte_length(r):
+    for data in (b"\0" * (4 * HIDDEN - 1), b"\0" * (4 * HIDDEN + 4), b""):
+        err = reg_error(r.register, "v", data, "float32", [HIDDEN], None, False)
+        assert (err.status, err.code, err.field) == (400, "bad_data", "data")
+    # right length for fp16 is wrong for fp32
+    err = reg_error(r.register, "v", b"\0" * (2 * HIDDEN), "float32", [HIDDEN], None, False)
+    assert err.code == "bad_data"
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
+@pytest.mark.parametrize("dtype", sorted(DTYPES))
+def test_not_finite(r, bad, dtype):
+    t = vec(HIDDEN)
+    t[3] = bad
+    t = t.to(DTYPES[dtype])
+    err = reg_error(r.register, "v", raw(t), dtype, [HIDDEN], None, False)
+    assert (err.status, err.code, err.field) == (400, "not_finite", "data")
+
+
+@pytest.mark.parametrize("dtype", ["float64", "int8", "fp32", "", None])
+def test_bad_dtype(r, dtype):
+    err = reg_error(r.register, "v", b"\0" * 32, dtype, [HIDDEN], None, False)
+    assert (err.status, err.code, err.field) == (400, "bad_dtype", "dtype")
+
+
+@pytest.mark.parametrize("bad", ["", "a b", "x" * 65, "a/b", None, 3])
+def test_bad_id(r, bad):
+    err = reg_error(r.register, bad, raw(vec(HIDDEN)), "float32", [HIDDEN], None, False)
+    assert (err.status, err.code, err.field) == (400, "bad_id", "id")
+
+
+def test_id_with_trailing_newline_rejected(r):
+    err = reg_error(r.register, "abc\n", raw(vec(HIDDEN)), "float32", [HIDDEN], None, False)
+    assert err.code == "bad_id"
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32"])
+def test_dtype_round_trip(r, dtype):
+    t = vec(2, HIDDEN, seed=3, dtype=DTYPES[dtype])
+    v = reg(r, t=t, dtype=dtype, layers=[1, 3])
+    assert v.rows.dtype == DTYPES[dtype] and v.dtype == dtype
+    assert torch.equal(v.rows, t)  # bit-exact: no cast on the way in
+    assert raw(v.rows) == raw(t)
+
+
+def test_decode_vector_copies_input():
+    data = bytearray(raw(vec(HIDDEN)))
+    rows, _ = decode_vector(bytes(data), "float32", [HIDDEN], None, N_LAYERS, HIDDEN)
+    before = rows.clone()
+    data[:4] = b"\0\0\0\0"
+    assert torch.equal(rows, before)
+
+
+# -- versions ------------------------------------------------------------------------------------------------
+
+
+def test_conflict_without_replace(r):
+    v1 = reg(r, t=vec(HIDDEN, seed=1))
+    err = reg_error(reg, r, t=vec(HIDDEN, seed=2))
+    assert (err.status, err.code, err.field) == (409, "exists", "id")
+    assert r.current("v") is v1 and v1.version == 1 and not v1.retired
+
+
+def test_replace_increments_version_and_retires(r):
+    v1 = reg(r, t=vec(HIDDEN, seed=1))
+    v2 = reg(r, t=vec(HIDDEN, seed=2), replace=True)
+    v3 = reg(r, t=vec(HIDDEN, seed=2), replace=True)  # same content still makes a version
+    assert (v1.version, v2.version, v3.version) == (1, 2, 3)
+    assert v1.retired and v2.retired and not v3.retired
+    assert r.current("v") is v3
+    assert r.vectors() == [v3]
+
+
+def test_replace_on_new_id_is_version_1(r):
+    assert reg(r, "new", replace=True).version == 1
+
+
+def test_versions_never_reused_after_unregister(r):
+    assert reg(r).version == 1
+    assert r.unregister("v").version == 1
+    assert r.current("v") is None and r.vectors() == []
+    assert reg(r).version == 2
+    r.unregister("v")
+    assert reg(r).version == 3
+
+
+def test_versions_are_per_id(r):
+    reg(r, "a")
+    reg(r, "a", replace=True)
+    assert reg(r, "b").version == 1
+
+
+def test_unregister_unknown(r):
+    err = reg_error(r.unregister, "nope")
+    assert (err.status, err.code, err.field) == (404, "unknown_vector", "id")
+    reg(r)
+    r.unregister("v")
+    assert reg_error(r.unregister, "v").status == 404
+
+
+def test_restore_with_explicit_version(r):
+    v = r.register("v", raw(vec(HIDDEN)), "float32", [HIDDEN], None, False, version=7, created_at=123.5)
+    assert v.version == 7 and v.created_at == 123.5
+    assert reg(r, replace=True).version == 8
+
+
+def test_to_result():
+    err = RegistryError(409, "exists", "msg", "id")
+    assert err.to_result() == {"ok": False, "status": 409, "code": "exists", "error": "msg", "field": "id"}
+    assert "field" not in RegistryError(400, "c", "m").to_result()
+
+
+# -- references ----------------------------------------------------------------------------------------------
+
+
+def test_release_of_current_version_never_drops(r):
+    v = reg(r)
+    r.acquire(v)
+    r.acquire(v)
+    assert r.in_flight("v") == 2 and v.meta()["in_flight"] == 2
+    assert r.release(v) is False
+    assert r.release(v) is False
+    assert v.refs == 0 and r.current("v") is v
+
+
+def test_retired_version_kept_while_referenced(r):
+    v1 = reg(r, t=vec(HIDDEN, seed=1))
+    r.acquire(v1)
+    r.acquire(v1)
+    v2 = reg(r, t=vec(HIDDEN, seed=2), replace=True)
+    r.acquire(v2)
+    assert v1.retired and r.current("v") is v2
+    assert r.in_flight("v") == 3
+    assert r.release(v1) is False
+    assert r.in_flight("v") == 2
+    assert r.release(v1) is True  # the last reference on a retired version: gone now
+    assert r.in_flight("v") == 1
+    assert r.release(v2) is False
+    assert r.in_flight("v") == 0
+
+
+def test_unregister_with_refs_counts_in_flight(r):
+    v = reg(r)
+    r.acquire(v)
+    gone = r.unregister("v")
+    assert gone is v and v.retired
+    assert r.current("v") is None
+    assert r.in_flight("v") == 1
+    v2 = reg(r)
+    r.acquire(v2)
+    assert v2.version == 2 and r.in_flight("v") == 2
+    assert r.release(v) is True
+    assert r.in_flight("v") == 1
+
+
+def test_retired_without_refs_not_kept(r):
+    reg(r, t=vec(HIDDEN, seed=1))
+    reg(r, t=vec(HIDDEN, seed=2), replace=True)
+    assert r.in_flight("v") == 0
+    assert r.in_flight("other") == 0
+
+
+def test_in_flight_is_per_id(r):
+    a, b = reg(r, "a"), reg(r, "b")
+    r.acquire(a)
+    r.acquire(b)
+    r.acquire(b)
+    assert r.in_flight("a") == 1 and r.in_flight("b") == 2
+
+
+# -- sha256 --------------------------------------------------------------------------------------------------
+
+
+def test_sha256_stable_and_content_sensitive():
+    r1, r2 = VectorRegistry(N_LAYERS, HIDDEN), VectorRegistry(N_LAYERS, HIDDEN)
+    t = vec(HIDDEN, seed=5)
+    a = reg(r1, "a", t=t)
+    b = reg(r2, "b", t=t.clone())
+    assert a.sha256 == b.sha256  # same content, any id, any registry
+    assert reg(r1, "a", t=t, replace=True).sha256 == a.sha256
+    t2 = t.clone()
+    t2[0] += 1e-3
+    assert reg(r1, "c", t=t2).sha256 != a.sha256
+    assert reg(r1, "d", t=t.half(), dtype="float16").sha256 != a.sha256  # dtype is part of the content
+    assert reg(r1, "e", t=t.unsqueeze(0), layers=[0]).sha256 != a.sha256  # so are the layers
+    assert reg(r1, "f", t=t.unsqueeze(0), layers=[1]).sha256 != reg(r1, "g", t=t.unsqueeze(0), layers=[0]).sha256
+
+
+def test_sha256_same_for_equivalent_layer_orders(r):
+    t = vec(2, HIDDEN)
+    a = reg(r, "a", t=t, layers=[0, 2])
+    b = reg(r, "b", t=t.flip(0).contiguous(), layers=[2, 0])
+    assert a.sha256 == b.sha256
+    assert a.sha256 == content_sha256(a.rows, "float32", (0, 2))

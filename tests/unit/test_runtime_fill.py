@@ -1,0 +1,310 @@
+"""hotwire_core.runtime.WorkerSteering on a CPU device: bank writes, config rows, per-step token_cfg fill."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+
+from hotwire_core.controller import BINDING_KEY, BankWrite, ModelInfo, SteeringController
+from hotwire_core.runtime import WorkerSteering
+from hotwire_core.settings import Settings
+
+N_LAYERS, HIDDEN, MAX_TOKENS, MAX_REQS, SLOTS, STACK = 4, 8, 32, 3, 6, 2
+
+
+def ws(dtype=torch.float32, max_reqs=MAX_REQS) -> WorkerSteering:
+    return WorkerSteering({}, N_LAYERS, HIDDEN, dtype, torch.device("cpu"), MAX_TOKENS, max_reqs,
+                          Settings(SLOTS, STACK, "op", None, None))
+
+
+def new_req(req_id, prompt_len, config=None, extra=None, prompt_token_ids="auto", **kw):
+    extra_args = dict(extra or {})
+    if config is not None:
+        extra_args[BINDING_KEY] = config
+    ids = list(range(prompt_len)) if prompt_token_ids == "auto" else prompt_token_ids
+    return SimpleNamespace(req_id=req_id, prompt_token_ids=ids,
+                           sampling_params=SimpleNamespace(extra_args=extra_args or None), **kw)
+
+
+def step(w, new=(), removed=(), writes=None):
+    out = SimpleNamespace(scheduled_new_reqs=list(new))
+    if writes is not None:
+        out.hotwire_writes = writes
+    w.on_step(out, set(removed))
+
+
+def fill(w, req_ids, scheduled, computed):
+    w.fill(list(req_ids), np.array(scheduled, dtype=np.int32), np.array(computed, dtype=np.int32))
+    return w.buffers["token_cfg"].tolist()
+
+
+CFG = {"p": [[1, 3, 2.0, 0.0], [1, 4, 0.0, 0.5], [3, 3, -1.0, 0.0]], "d": [[0, 5, 1.5, 0.0]]}
+
+
+# -- construction --------------------------------------------------------------------------------------------
+
+
+def test_buffers_and_info():
+    w = ws()
+    b = w.buffers
+    assert b["bank"].shape == (SLOTS + 1, HIDDEN) and b["bank"].dtype == torch.float32
+    assert b["inv_norm"].shape == (SLOTS + 1,)
+    assert b["token_cfg"].shape == (MAX_TOKENS,) and b["token_cfg"].dtype == torch.int32
+    for name in ("cfg_slot", "cfg_scale", "cfg_rel"):
+        assert b[name].shape == (2 * MAX_REQS + 1, N_LAYERS, STACK)
+    assert all(int(t.count_nonzero()) == 0 for t in b.values())
+    info = w.info()
+    assert info["steerable"] is False and info["layers"] == [] and info["reason"]
+    assert (info["n_layers"], info["hidden_size"], info["dtype"]) == (N_LAYERS, HIDDEN, "float32")
+
+
+# -- bank writes ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_bank_writes(dtype):
+    w = ws(dtype)
+    r3, r5 = torch.randn(HIDDEN), torch.randn(HIDDEN)
+    step(w, writes=[BankWrite(3, r3, 0.25), BankWrite(5, r5, 2.0)])
+    bank = w.buffers["bank"]
+    assert bank.dtype == dtype
+    assert torch.equal(bank[3], r3.to(dtype)) and torch.equal(bank[5], r5.to(dtype))
+    for other in (0, 1, 2, 4, 6):
+        assert int(bank[other].count_nonzero()) == 0
+    assert w.buffers["inv_norm"].tolist() == [0, 0, 0, 0.25, 0, 2.0, 0]
+    # a later write replaces a row in place (same storage: graphs read by address)
+    ptr = bank.data_ptr()
+    step(w, writes=[BankWrite(3, r5, 0.5)])
+    assert torch.equal(w.buffers["bank"][3], r5.to(dtype)) and w.buffers["bank"].data_ptr() == ptr
+    assert w.buffers["inv_norm"][3].item() == 0.5
+
+
+def test_no_writes_attribute_or_empty():
+    w = ws()
+    step(w)  # no hotwire_writes attribute
+    step(w, writes=[])
+    assert int(w.buffers["bank"].count_nonzero()) == 0
+
+
+# -- config rows ---------------------------------------------------------------------------------------------
+
+
+def test_config_rows_per_phase_layer_and_stack():
+    w = ws()
+    step(w, new=[new_req("A", 6, CFG)])
+    prow, drow, plen = w._active["A"]
+    assert plen == 6 and prow != drow and 0 not in (prow, drow)
+    slot, scale, rel = (w.buffers[n] for n in ("cfg_slot", "cfg_scale", "cfg_rel"))
+    exp_slot = torch.zeros(N_LAYERS, STACK, dtype=torch.int32)
+    exp_scale = torch.zeros(N_LAYERS, STACK)
+    exp_rel = torch.zeros(N_LAYERS, STACK)
+    exp_slot[1, 0], exp_scale[1, 0] = 3, 2.0
+    exp_slot[1, 1], exp_rel[1, 1] = 4, 0.5  # second entry on layer 1 -> stack index 1
+    exp_slot[3, 0], exp_scale[3, 0] = 3, -1.0
+    assert torch.equal(slot[prow], exp_slot) and torch.equal(scale[prow], exp_scale) and torch.equal(rel[prow], exp_rel)
+    exp_slot = torch.zeros(N_LAYERS, STACK, dtype=torch.int32)
+    exp_scale = torch.zeros(N_LAYERS, STACK)
+    exp_slot[0, 0], exp_scale[0, 0] = 5, 1.5
+    assert torch.equal(slot[drow], exp_slot) and torch.equal(scale[drow], exp_scale)
+    assert int(rel[drow].count_nonzero()) == 0
+    # row 0 ("no steer") and unused rows stay zero
+    used = {prow, drow}
+    for row in range(2 * MAX_REQS + 1):
+        if row not in used:
+            assert int(slot[row].count_nonzero()) == 0 and int(scale[row].count_nonzero()) == 0
+
+
+def test_single_phase_configs_use_row_zero():
+    w = ws()
+    step(w, new=[new_req("D", 4, {"p": [], "d": [[2, 1, 1.0, 0.0]]}), new_req("P", 4, {"p": [[2, 1, 1.0, 0.0]]})])
+    assert w._active["D"][0] == 0 and w._active["D"][1] != 0
+    assert w._active["P"][0] != 0 and w._active["P"][1] == 0
+    assert len(w._free_rows) == 2 * MAX_REQS - 2
+
+
+def test_unsteered_new_requests_ignored():
+    w = ws()
+    reqs = [
+        new_req("none", 4),  # extra_args None
+        new_req("other", 4, extra={"hotwire": "{}", "x": 1}),  # spec without binding (never admitted)
+        SimpleNamespace(req_id="pool", prompt_token_ids=[1, 2], sampling_params=None),
+    ]
+    step(w, new=reqs)
+    assert w._active == {}
+    assert int(w.buffers["cfg_slot"].count_nonzero()) == 0
+
+
+def test_controller_to_worker():
+    """The binding and writes a real controller produces land where the config table points."""
+    import json
+
+    c = SteeringController(
+        ModelInfo(True, "", N_LAYERS, HIDDEN, "float32", frozenset(range(N_LAYERS))),
+        Settings(SLOTS, STACK, "op", None, None), "m",
+    )
+    t = torch.randn(N_LAYERS, HIDDEN)
+    g = torch.randn(HIDDEN)
+    c.register("a", t.view(torch.uint8).numpy().tobytes(), "float32", [N_LAYERS, HIDDEN])
+    c.register("g", g.view(torch.uint8).numpy().tobytes(), "float32", [HIDDEN])
+    spec = [{"id": "a", "layer": [1, 2], "scale": 3.0}, {"id": "g", "layer": 1, "scale": 0.5, "norm": True, "decode_only": True}]
+    sp = SimpleNamespace(extra_args={"hotwire": json.dumps(spec)})
+    req = SimpleNamespace(request_id="R", sampling_params=sp, cache_salt=None, block_hashes=[],
+                          update_block_hashes=lambda: None)
+    c.admit(req)
+    w = ws()
+    step(w, new=[SimpleNamespace(req_id="R", prompt_token_ids=[1, 2, 3], sampling_params=req.sampling_params)],
+         writes=c.take_writes())
+    prow, drow, plen = w._active["R"]
+    b = w.buffers
+    # decode row, layer 1: a's row with scale 3 and g's row as a norm-relative entry
+    s_a1, s_g = int(b["cfg_slot"][drow, 1, 0]), int(b["cfg_slot"][drow, 1, 1])
+    assert torch.equal(b["bank"][s_a1], t[1]) and torch.equal(b["bank"][s_g], g)
+    assert b["cfg_scale"][drow, 1].tolist() == [3.0, 0.0] and b["cfg_rel"][drow, 1].tolist() == [0.0, 0.5]
+    assert b["inv_norm"][s_g].item() == pytest.approx(1 / float(g.norm()))
+    s_a2 = int(b["cfg_slot"][prow, 2, 0])
+    assert torch.equal(b["bank"][s_a2], t[2]) and b["cfg_scale"][prow, 2, 0].item() == 3.0
+    assert b["cfg_slot"][prow, 1].tolist() == [s_a1, 0]  # g is decode-only
+
+
+# -- fill ----------------------------------------------------------------------------------------------------
+
+
+def test_fill_phases_straddle_unsteered_and_padding():
+    w = ws()
+    step(w, new=[new_req("A", 5, CFG), new_req("B", 9), new_req("C", 4, CFG)])
+    pa, da, _ = w._active["A"]
+    pc, dc, _ = w._active["C"]
+    # A: positions 3..6 with prompt 5 -> 3,4 prefill, 5,6 decode; B unsteered; C decoding at 10, 11
+    cfg = fill(w, ["A", "B", "C"], [4, 3, 2], [3, 0, 10])
+    assert cfg[:9] == [pa, pa, da, da, 0, 0, 0, dc, dc]
+    assert cfg[9:] == [0] * (MAX_TOKENS - 9)  # padding beyond the batch
+    # a pure prefill chunk and the exact boundary
+    cfg = fill(w, ["C", "A"], [4, 1], [0, 5])
+    assert cfg[:5] == [pc, pc, pc, pc, da]
+    assert cfg[5:] == [0] * (MAX_TOKENS - 5)  # the old tail (previous step's 9 tokens) is cleared
+    cfg = fill(w, ["A"], [5], [0])
+    assert cfg[:5] == [pa] * 5 and cfg[5:] == [0] * (MAX_TOKENS - 5)
+
+
+def test_fill_order_follows_req_ids_not_arrival():
+    w = ws()
+    step(w, new=[new_req("A", 2, CFG), new_req("C", 2, CFG)])
+    da, dc = w._active["A"][1], w._active["C"][1]
+    assert fill(w, ["C", "X", "A"], [1, 2, 1], [5, 5, 5])[:4] == [dc, 0, 0, da]
+
+
+def test_clean_step_after_steered_clears_once_then_never_copies():
+    w = ws()
+    step(w, new=[new_req("A", 3, CFG), new_req("B", 3)])
+    pa = w._active["A"][0]
+    cfg = fill(w, ["A", "B"], [3, 3], [0, 0])
+    assert cfg[:6] == [pa, pa, pa, 0, 0, 0]
+    # A is still active but not scheduled this step: the region is cleared once
+    cfg = fill(w, ["B"], [1], [3])
+    assert cfg == [0] * MAX_TOKENS
+    # poison the device buffer: a following clean step must not copy anything
+    w.buffers["token_cfg"][0] = 77
+    w.buffers["token_cfg"][MAX_TOKENS - 1] = 78
+    fill(w, ["B"], [1], [4])
+    fill(w, ["B"], [20], [5])
+    assert w.buffers["token_cfg"][0].item() == 77 and w.buffers["token_cfg"][-1].item() == 78
+
+
+def test_clean_step_after_request_removed():
+    w = ws()
+    step(w, new=[new_req("A", 3, CFG)])
+    fill(w, ["A"], [8], [0])
+    step(w, removed={"A"})
+    assert w._active == {}
+    assert fill(w, ["B"], [2], [0]) == [0] * MAX_TOKENS  # the 8 old tokens cleared even though only 2 run
+    w.buffers["token_cfg"][3] = 9
+    fill(w, ["B"], [2], [2])
+    fill(w, [], [], [])
+    assert w.buffers["token_cfg"][3].item() == 9
+
+
+def test_clear_with_empty_batch():
+    w = ws()
+    step(w, new=[new_req("A", 3, CFG)])
+    fill(w, ["A"], [4], [0])
+    assert fill(w, [], [], []) == [0] * MAX_TOKENS
+    w.buffers["token_cfg"][0] = 5
+    fill(w, [], [], [])
+    assert w.buffers["token_cfg"][0].item() == 5
+
+
+def test_never_steered_worker_never_copies():
+    w = ws()
+    step(w, new=[new_req("B", 3)])
+    w.buffers["token_cfg"][:] = 3
+    fill(w, ["B"], [3], [0])
+    assert w.buffers["token_cfg"].tolist() == [3] * MAX_TOKENS
+
+
+def test_token_cfg_keeps_its_storage():
+    w = ws()
+    ptr = w.buffers["token_cfg"].data_ptr()
+    step(w, new=[new_req("A", 3, CFG)])
+    fill(w, ["A"], [3], [0])
+    fill(w, [], [], [])
+    assert w.buffers["token_cfg"].data_ptr() == ptr
+
+
+# -- request lifecycle ---------------------------------------------------------------------------------------
+
+
+def test_removed_requests_free_rows_for_reuse():
+    w = ws(max_reqs=2)  # config rows 1..4
+    step(w, new=[new_req("A", 3, CFG), new_req("B", 3, CFG)])
+    assert w._free_rows == []
+    rows_a = set(w._active["A"][:2])
+    step(w, new=[new_req("C", 3, CFG)], removed={"A"})
+    assert set(w._active["C"][:2]) == rows_a
+    assert set(w._active) == {"B", "C"}
+    for i in range(20):  # churn never leaks rows
+        step(w, new=[new_req(f"N{i}", 3, CFG)], removed={"C" if i == 0 else f"N{i - 1}"})
+    assert len(w._free_rows) == 0 and len(w._active) == 2
+    step(w, removed={"B", "N19", "unknown"})
+    assert sorted(w._free_rows) == [1, 2, 3, 4] and w._active == {}
+
+
+def test_removing_single_phase_request_does_not_free_row_zero():
+    w = ws(max_reqs=1)
+    step(w, new=[new_req("D", 3, {"d": [[0, 1, 1.0, 0.0]]})])
+    step(w, removed={"D"})
+    assert 0 not in w._free_rows and sorted(w._free_rows) == [1, 2]
+
+
+def test_readded_request_starts_clean():
+    w = ws(max_reqs=1)
+    step(w, new=[new_req("A", 3, CFG)])
+    step(w, new=[new_req("A", 7, {"p": [[2, 2, 4.0, 0.0]], "d": [[2, 2, 4.0, 0.0]]})])  # preempted + resumed (V2)
+    prow, drow, plen = w._active["A"]
+    assert plen == 7 and w._free_rows == []
+    assert w.buffers["cfg_slot"][prow].tolist() == [[0, 0], [0, 0], [2, 0], [0, 0]]
+
+
+def test_removed_before_added_in_same_step():
+    w = ws(max_reqs=1)
+    step(w, new=[new_req("A", 3, CFG)])
+    step(w, new=[new_req("B", 3, CFG)], removed={"A"})  # only works if removal happens first
+    assert set(w._active) == {"B"}
+
+
+def test_stale_config_of_removed_request_not_used():
+    w = ws()
+    step(w, new=[new_req("A", 3, CFG)])
+    step(w, removed={"A"})
+    cfg = fill(w, ["A"], [2], [0])  # a runner that still lists A must not steer it
+    assert cfg == [0] * MAX_TOKENS
+
+
+def test_prompt_embeds_request_prompt_length():
+    w = ws()
+    step(w, new=[new_req("E", 0, CFG, prompt_token_ids=None, prompt_embeds=torch.zeros(5, HIDDEN))])
+    prow, drow, plen = w._active["E"]
+    assert plen == 5
+    assert fill(w, ["E"], [6], [0])[:6] == [prow] * 5 + [drow]

@@ -1,0 +1,109 @@
+"""hotwire_core.settings: environment parsing, store folders, compile fingerprint."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from hotwire_core import __version__
+from hotwire_core.settings import Settings, default_store_root
+
+ENV = ("HOTWIRE_SLOTS", "HOTWIRE_MAX_STACK", "HOTWIRE_IMPL", "HOTWIRE_STORE", "HOTWIRE_VECTORS")
+
+
+@pytest.fixture
+def env(monkeypatch):
+    for name in ENV:
+        monkeypatch.delenv(name, raising=False)
+    return monkeypatch
+
+
+def test_defaults(env):
+    assert Settings.from_env() == Settings(slots=256, max_stack=4, impl="op", store=None, preload=None)
+
+
+def test_values(env):
+    env.setenv("HOTWIRE_SLOTS", "17")
+    env.setenv("HOTWIRE_MAX_STACK", "16")
+    env.setenv("HOTWIRE_IMPL", "inductor")
+    env.setenv("HOTWIRE_STORE", "/tmp/st")
+    env.setenv("HOTWIRE_VECTORS", "/tmp/vecs")
+    assert Settings.from_env() == Settings(17, 16, "inductor", "/tmp/st", "/tmp/vecs")
+
+
+def test_empty_strings_mean_unset(env):
+    for name in ENV:
+        env.setenv(name, "")
+    env.setenv("HOTWIRE_IMPL", "op")
+    assert Settings.from_env() == Settings(256, 4, "op", None, None)
+
+
+@pytest.mark.parametrize(
+    "name,value,msg",
+    [
+        ("HOTWIRE_SLOTS", "0", "must be in [1, 65536]"),
+        ("HOTWIRE_SLOTS", "65537", "must be in [1, 65536]"),
+        ("HOTWIRE_SLOTS", "-3", "must be in"),
+        ("HOTWIRE_SLOTS", "lots", "is not an integer"),
+        ("HOTWIRE_SLOTS", "1.5", "is not an integer"),
+        ("HOTWIRE_MAX_STACK", "0", "must be in [1, 16]"),
+        ("HOTWIRE_MAX_STACK", "17", "must be in [1, 16]"),
+        ("HOTWIRE_IMPL", "triton", "must be 'op' or 'inductor'"),
+        ("HOTWIRE_IMPL", "", "must be 'op' or 'inductor'"),
+    ],
+)
+def test_bad_values(env, name, value, msg):
+    env.setenv(name, value)
+    with pytest.raises(ValueError) as info:
+        Settings.from_env()
+    assert name in str(info.value) and msg in str(info.value)
+
+
+@pytest.mark.parametrize("name,value", [("HOTWIRE_SLOTS", "1"), ("HOTWIRE_SLOTS", "65536"), ("HOTWIRE_MAX_STACK", "1")])
+def test_bounds_inclusive(env, name, value):
+    env.setenv(name, value)
+    s = Settings.from_env()
+    assert getattr(s, "slots" if name == "HOTWIRE_SLOTS" else "max_stack") == int(value)
+
+
+def test_store_dir_per_model(tmp_path):
+    s = Settings(8, 4, "op", str(tmp_path), None)
+    a = s.store_dir("Qwen/Qwen3-0.6B")
+    assert a == s.store_dir("Qwen/Qwen3-0.6B")  # stable
+    assert a.parent == tmp_path
+    assert a.name.startswith("Qwen_Qwen3-0.6B-") and len(a.name.rsplit("-", 1)[1]) == 8
+    others = {s.store_dir(m) for m in ("Qwen/Qwen3-1.7B", "/models/Qwen/Qwen3-0.6B", "Qwen_Qwen3-0.6B", "qwen/qwen3-0.6b")}
+    assert a not in others and len(others) == 4  # same slug, different model: the digest separates them
+    long = s.store_dir("/very/" + "x" * 200)
+    assert len(long.name) == 48 + 1 + 8
+
+
+def test_store_dir_expands_user(monkeypatch, tmp_path):
+    monkeypatch.setenv("HOME", str(tmp_path))
+    d = Settings(8, 4, "op", "~/st", None).store_dir("m")
+    assert str(d).startswith(str(tmp_path / "st"))
+
+
+@pytest.mark.parametrize("store", [None, "off", "OFF", "Off"])
+def test_store_dir_off(store):
+    assert Settings(8, 4, "op", store, None).store_dir("m") is None
+
+
+def test_fingerprint():
+    base = Settings(8, 4, "op", None, None)
+    fp = base.compile_fingerprint()
+    assert __version__ in fp
+    assert Settings(9, 4, "op", None, None).compile_fingerprint() != fp
+    assert Settings(8, 5, "op", None, None).compile_fingerprint() != fp
+    assert Settings(8, 4, "inductor", None, None).compile_fingerprint() != fp
+    # the store and preload folders do not change the graph
+    assert Settings(8, 4, "op", "/x", "/y").compile_fingerprint() == fp
+
+
+def test_default_store_root(monkeypatch, tmp_path):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    assert Path(default_store_root()) == tmp_path / "hotwire" / "store"
+    monkeypatch.delenv("XDG_CACHE_HOME")
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    assert Path(default_store_root()) == tmp_path / "home" / ".cache" / "hotwire" / "store"

@@ -1,0 +1,228 @@
+"""hotwire_core.spec: parsing, canonical form and error fields of steering specs."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from hotwire_core.spec import (
+    MAX_ENTRIES,
+    SPEC_KEY,
+    Phase,
+    SpecError,
+    SteeringEntry,
+    build_spec,
+    canonical_spec,
+    parse_spec,
+)
+
+BASE = {"id": "happy", "layer": 3, "scale": 2.5}
+
+
+def entry(**over):
+    out = dict(BASE)
+    out.update(over)
+    return out
+
+
+def spec_error(value) -> SpecError:
+    with pytest.raises(SpecError) as info:
+        parse_spec(value)
+    return info.value
+
+
+# -- accepted forms ------------------------------------------------------------------------------------------
+
+
+def test_single_object():
+    (e,) = parse_spec({"id": "happy", "layer": 10, "scale": 4.0})
+    assert e == SteeringEntry("happy", (10,), 4.0, Phase.ALL, False)
+
+
+def test_list_of_objects_keeps_order():
+    entries = parse_spec([{"id": "b", "layer": 1, "scale": 1}, {"id": "a", "layer": 2, "scale": -3}])
+    assert [e.vector_id for e in entries] == ["b", "a"]
+    assert entries[1].scale == -3.0 and isinstance(entries[1].scale, float)
+
+
+def test_json_string_object_and_list():
+    assert parse_spec(json.dumps(BASE)) == parse_spec(BASE)
+    assert parse_spec(json.dumps([BASE, BASE])) == parse_spec([BASE, BASE])
+    assert len(parse_spec(json.dumps([BASE, BASE]))) == 2
+
+
+def test_layer_list_is_sorted():
+    (e,) = parse_spec(entry(layer=[12, 3, 7]))
+    assert e.layers == (3, 7, 12)
+
+
+def test_layer_zero_and_int_scale():
+    (e,) = parse_spec(entry(layer=0, scale=0))
+    assert e.layers == (0,) and e.scale == 0.0
+
+
+def test_flags():
+    (d,) = parse_spec(entry(decode_only=True))
+    (p,) = parse_spec(entry(prefill_only=True))
+    (n,) = parse_spec(entry(norm=True, decode_only=False, prefill_only=False))
+    assert d.phase is Phase.DECODE and not d.norm
+    assert p.phase is Phase.PREFILL
+    assert n.phase is Phase.ALL and n.norm
+
+
+def test_id_charset_and_max_length():
+    (e,) = parse_spec(entry(id="A-z_0.9"))
+    assert e.vector_id == "A-z_0.9"
+    (e,) = parse_spec(entry(id="x" * 64))
+    assert e.vector_id == "x" * 64
+
+
+def test_max_entries_accepted():
+    assert len(parse_spec([BASE] * MAX_ENTRIES)) == MAX_ENTRIES
+
+
+# -- canonical form ------------------------------------------------------------------------------------------
+
+
+def test_canonical_stable_across_key_order_and_forms():
+    a = {"id": "happy", "layer": [12, 10], "scale": 4, "decode_only": True}
+    b = {"decode_only": True, "scale": 4.0, "layer": [10, 12], "id": "happy", "prefill_only": False, "norm": False}
+    ca = canonical_spec(parse_spec(a))
+    assert ca == canonical_spec(parse_spec(b))
+    assert ca == canonical_spec(parse_spec(json.dumps(b)))
+    assert ca == canonical_spec(parse_spec([a]))
+    assert ca == '[{"decode_only":true,"id":"happy","layer":[10,12],"scale":4.0}]'
+
+
+def test_canonical_differs_for_different_specs():
+    base = canonical_spec(parse_spec(BASE))
+    for other in (entry(scale=2.6), entry(layer=4), entry(id="sad"), entry(norm=True), entry(decode_only=True),
+                  entry(prefill_only=True), entry(layer=[3, 4])):
+        assert canonical_spec(parse_spec(other)) != base, other
+
+
+def test_canonical_keeps_entry_order():
+    a, b = entry(id="a"), entry(id="b")
+    assert canonical_spec(parse_spec([a, b])) != canonical_spec(parse_spec([b, a]))
+
+
+def test_to_json_round_trip():
+    entries = parse_spec([entry(decode_only=True, norm=True), entry(id="x", layer=[5, 1], prefill_only=True)])
+    assert parse_spec([e.to_json() for e in entries]) == entries
+
+
+def test_build_spec_round_trip():
+    s = build_spec({"id": "happy", "layer": 10, "scale": 4.0})
+    assert s == '[{"id":"happy","layer":[10],"scale":4.0}]'
+    assert parse_spec(s) == (SteeringEntry("happy", (10,), 4.0),)
+    two = build_spec(entry(norm=True), entry(id="b", layer=[2, 1], decode_only=True))
+    assert build_spec(*json.loads(two)) == two
+    assert parse_spec(two)[1] == SteeringEntry("b", (1, 2), 2.5, Phase.DECODE, False)
+
+
+def test_build_spec_validates():
+    with pytest.raises(SpecError) as info:
+        build_spec(BASE, entry(scale="x"))
+    assert info.value.field == "hotwire[1].scale"
+
+
+# -- rejections ----------------------------------------------------------------------------------------------
+
+
+def test_bad_json():
+    err = spec_error('{"id": "a",')
+    assert err.field == SPEC_KEY and "not valid JSON" in err.message
+    assert str(err).startswith("hotwire: ")
+
+
+@pytest.mark.parametrize("value", [42, 1.5, None, True, '"a string"', "3", "null"])
+def test_not_object_or_list(value):
+    assert spec_error(value).field == SPEC_KEY
+
+
+def test_empty_list():
+    err = spec_error([])
+    assert err.field == SPEC_KEY and "empty" in err.message
+    assert spec_error("[]").field == SPEC_KEY
+
+
+def test_list_entry_not_object():
+    assert spec_error([BASE, 5]).field == "hotwire[1]"
+    assert spec_error([[BASE]]).field == "hotwire[0]"
+
+
+def test_unknown_field():
+    assert spec_error(entry(bogus=1)).field == "hotwire.bogus"
+    assert spec_error([BASE, entry(zzz=1, aaa=2)]).field == "hotwire[1].aaa"
+
+
+@pytest.mark.parametrize("missing", ["id", "layer", "scale"])
+def test_missing_required(missing):
+    raw = dict(BASE)
+    del raw[missing]
+    assert spec_error(raw).field == f"hotwire.{missing}"
+    err = spec_error([BASE, BASE, raw])
+    assert err.field == f"hotwire[2].{missing}" and "required" in err.message
+
+
+@pytest.mark.parametrize("bad", ["", "x" * 65, "has space", "slash/id", "é", "a:b", 5, None, ["a"]])
+def test_bad_id(bad):
+    assert spec_error([BASE, entry(id=bad)]).field == "hotwire[1].id"
+
+
+def test_id_with_trailing_newline_rejected():
+    assert spec_error(entry(id="abc\n")).field == "hotwire.id"
+
+
+@pytest.mark.parametrize("bad", [-1, [1, -2], True, [False], 1.0, "3", [], [1, 1], [2, "x"], None])
+def test_bad_layer(bad):
+    assert spec_error([BASE, entry(layer=bad)]).field == "hotwire[1].layer"
+
+
+def test_duplicate_layer_message():
+    assert "twice" in spec_error(entry(layer=[4, 2, 4])).message
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf"), True, False, "1.0", None, [1.0]])
+def test_bad_scale(bad):
+    assert spec_error([BASE, entry(scale=bad)]).field == "hotwire[1].scale"
+
+
+def test_nan_inf_scale_from_json_string():
+    # Python's json accepts the NaN / Infinity / 1e400 extensions: they must still be refused.
+    for literal in ("NaN", "Infinity", "-Infinity", "1e400"):
+        err = spec_error('{"id": "a", "layer": 1, "scale": %s}' % literal)
+        assert err.field == "hotwire.scale", literal
+
+
+def test_huge_int_scale_is_spec_error():
+    err = spec_error('{"id": "a", "layer": 1, "scale": %s}' % ("9" * 400))
+    assert err.field == "hotwire.scale"
+
+
+def test_decode_and_prefill_only_exclusive():
+    err = spec_error([BASE, entry(decode_only=True, prefill_only=True)])
+    assert err.field == "hotwire[1].decode_only" and "exclude" in err.message
+
+
+@pytest.mark.parametrize("flag", ["decode_only", "prefill_only", "norm"])
+@pytest.mark.parametrize("bad", [1, 0, "true", None])
+def test_non_bool_flags(flag, bad):
+    assert spec_error([BASE, entry(**{flag: bad})]).field == f"hotwire[1].{flag}"
+
+
+def test_too_many_entries():
+    err = spec_error([BASE] * (MAX_ENTRIES + 1))
+    assert err.field == SPEC_KEY and str(MAX_ENTRIES) in err.message
+
+
+def test_first_error_wins():
+    err = spec_error([BASE, entry(scale="x"), entry(id="")])
+    assert err.field == "hotwire[1].scale"
+
+
+def test_spec_error_is_value_error():
+    err = spec_error({})
+    assert isinstance(err, ValueError)
+    assert err.field == "hotwire.id"

@@ -1,0 +1,209 @@
+"""hotwire_core.store: the durable vector store and the HOTWIRE_VECTORS preload directory."""
+
+from __future__ import annotations
+
+import pickle
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from hotwire_core import store as store_mod
+from hotwire_core.registry import DTYPES, VectorRegistry
+from hotwire_core.store import StoredVector, VectorStore, load_preload_dir, tensor_to_stored
+
+N_LAYERS, HIDDEN = 4, 8
+
+
+def raw(t: torch.Tensor) -> bytes:
+    return t.contiguous().view(torch.uint8).numpy().tobytes()
+
+
+def vec(*shape, seed=0, dtype=torch.float32) -> torch.Tensor:
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)).to(dtype)
+
+
+def restore(stored: StoredVector, registry: VectorRegistry | None = None):
+    registry = registry or VectorRegistry(N_LAYERS, HIDDEN)
+    return registry.register(
+        stored.vector_id, stored.data, stored.dtype, stored.shape, stored.layers, False,
+        version=stored.version, created_at=stored.created_at,
+    )
+
+
+CASES = [
+    ("agnostic", (HIDDEN,), None),
+    ("per_layer", (N_LAYERS, HIDDEN), None),
+    ("named", (2, HIDDEN), [3, 1]),
+]
+
+
+@pytest.mark.parametrize("dtype", sorted(DTYPES))
+@pytest.mark.parametrize("name,shape,layers", CASES)
+def test_save_load_round_trip(tmp_path, dtype, name, shape, layers):
+    r = VectorRegistry(N_LAYERS, HIDDEN)
+    t = vec(*shape, seed=len(name), dtype=DTYPES[dtype])
+    r.register(name, raw(t), dtype, list(shape), layers, False)
+    v = r.register(name, raw(t * 2), dtype, list(shape), layers, True)  # version 2
+    v.created_at = 1234.25
+    st = VectorStore(tmp_path / "s")
+    st.save(v)
+    (loaded,) = st.load()
+    assert loaded.vector_id == name and loaded.dtype == dtype
+    assert loaded.version == 2 and loaded.created_at == 1234.25
+    assert loaded.shape == list(shape)
+    w = restore(loaded)
+    assert w.version == 2 and w.sha256 == v.sha256
+    assert w.layers == v.layers and w.shape == v.shape
+    assert w.rows.dtype == DTYPES[dtype] and torch.equal(w.rows, v.rows)
+    for layer in range(N_LAYERS):
+        a, b = v.row(layer), w.row(layer)
+        assert (a is None) == (b is None)
+        if a is not None:
+            assert torch.equal(a, b)
+
+
+def test_several_vectors_and_overwrite(tmp_path):
+    r = VectorRegistry(N_LAYERS, HIDDEN)
+    st = VectorStore(tmp_path)
+    for vid in ("b", "a", "c"):
+        st.save(r.register(vid, raw(vec(HIDDEN)), "float32", [HIDDEN], None, False))
+    st.save(r.register("a", raw(vec(HIDDEN, seed=9)), "float32", [HIDDEN], None, True))
+    loaded = {s.vector_id: s for s in st.load()}
+    assert set(loaded) == {"a", "b", "c"}
+    assert loaded["a"].version == 2 and loaded["a"].data == raw(vec(HIDDEN, seed=9))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a.safetensors", "b.safetensors", "c.safetensors"]
+
+
+def test_save_leaves_no_tmp_files(tmp_path):
+    r = VectorRegistry(N_LAYERS, HIDDEN)
+    st = VectorStore(tmp_path)
+    for i in range(5):
+        st.save(r.register("v", raw(vec(HIDDEN, seed=i)), "float32", [HIDDEN], None, True))
+    assert [p.name for p in tmp_path.iterdir()] == ["v.safetensors"]
+
+
+def test_failed_save_keeps_old_file_and_no_tmp(tmp_path, monkeypatch):
+    r = VectorRegistry(N_LAYERS, HIDDEN)
+    st = VectorStore(tmp_path)
+    st.save(r.register("v", raw(vec(HIDDEN, seed=1)), "float32", [HIDDEN], None, False))
+    v2 = r.register("v", raw(vec(HIDDEN, seed=2)), "float32", [HIDDEN], None, True)
+
+    def broken(tensors, path, metadata=None):
+        with open(path, "wb") as f:
+            f.write(b"partial")
+        raise OSError("disk full")
+
+    monkeypatch.setattr(store_mod, "save_file", broken)
+    with pytest.raises(OSError):
+        st.save(v2)
+    assert [p.name for p in tmp_path.iterdir()] == ["v.safetensors"]
+    (loaded,) = st.load()
+    assert loaded.version == 1 and loaded.data == raw(vec(HIDDEN, seed=1))
+
+
+def test_delete(tmp_path):
+    r = VectorRegistry(N_LAYERS, HIDDEN)
+    st = VectorStore(tmp_path)
+    st.save(r.register("a", raw(vec(HIDDEN)), "float32", [HIDDEN], None, False))
+    st.save(r.register("b", raw(vec(HIDDEN)), "float32", [HIDDEN], None, False))
+    st.delete("a")
+    st.delete("never-there")  # no error
+    assert [s.vector_id for s in st.load()] == ["b"]
+
+
+def test_corrupt_files_skipped(tmp_path, caplog):
+    r = VectorRegistry(N_LAYERS, HIDDEN)
+    st = VectorStore(tmp_path)
+    st.save(r.register("good", raw(vec(HIDDEN)), "float32", [HIDDEN], None, False))
+    (tmp_path / "garbage.safetensors").write_bytes(b"\x00\x01not a safetensors file")
+    save_file({"other": torch.zeros(3)}, str(tmp_path / "notrows.safetensors"))  # valid file, wrong content
+    save_file({"rows": torch.zeros(1, HIDDEN)}, str(tmp_path / "nometa.safetensors"))  # no metadata
+    (tmp_path / "ignored.txt").write_text("x")
+    with caplog.at_level("ERROR"):
+        loaded = st.load()
+    assert [s.vector_id for s in loaded] == ["good"]
+    assert sum("skipping unreadable stored vector" in m for m in caplog.messages) == 3
+
+
+def test_store_creates_root(tmp_path):
+    root = tmp_path / "a" / "b"
+    VectorStore(root)
+    assert root.is_dir()
+    assert VectorStore(root).load() == []
+
+
+def test_tensor_to_stored():
+    t = vec(2, HIDDEN, dtype=torch.bfloat16)
+    s = tensor_to_stored("x", t, [0, 1])
+    assert (s.vector_id, s.dtype, s.shape, s.layers, s.version) == ("x", "bfloat16", [2, HIDDEN], [0, 1], None)
+    assert s.data == raw(t)
+    s64 = tensor_to_stored("y", torch.ones(HIDDEN, dtype=torch.float64))
+    assert s64.dtype == "float32" and s64.data == raw(torch.ones(HIDDEN))
+    nc = vec(HIDDEN, 2).t()  # non-contiguous input
+    assert tensor_to_stored("z", nc).data == raw(nc.contiguous())
+
+
+# -- preload directory ---------------------------------------------------------------------------------------
+
+
+def test_preload_safetensors_and_pt(tmp_path):
+    a = vec(HIDDEN, seed=1)
+    b = vec(N_LAYERS, HIDDEN, seed=2, dtype=torch.bfloat16)
+    c = vec(HIDDEN, seed=3, dtype=torch.float16)
+    save_file({"anything": a}, str(tmp_path / "alpha.safetensors"))
+    torch.save(b, tmp_path / "beta.pt")
+    torch.save(c, tmp_path / "gamma.pt")
+    (tmp_path / "readme.md").write_text("ignored")
+    out = {s.vector_id: s for s in load_preload_dir(tmp_path)}
+    assert set(out) == {"alpha", "beta", "gamma"}
+    assert out["alpha"].dtype == "float32" and out["alpha"].shape == [HIDDEN] and out["alpha"].data == raw(a)
+    assert out["beta"].dtype == "bfloat16" and out["beta"].shape == [N_LAYERS, HIDDEN] and out["beta"].data == raw(b)
+    assert out["gamma"].dtype == "float16" and out["gamma"].data == raw(c)
+    assert all(s.version is None and s.layers is None for s in out.values())
+    v = restore(out["beta"])
+    assert v.layers == tuple(range(N_LAYERS)) and torch.equal(v.rows, b)
+
+
+def test_preload_bad_files_skipped(tmp_path):
+    save_file({"x": torch.zeros(HIDDEN), "y": torch.zeros(HIDDEN)}, str(tmp_path / "two.safetensors"))
+    torch.save({"t": torch.zeros(HIDDEN)}, tmp_path / "dict.pt")  # loads under weights_only, not a tensor
+    (tmp_path / "junk.pt").write_bytes(b"not a torch file")
+    (tmp_path / "junk.safetensors").write_bytes(b"not a safetensors file")
+    torch.save(torch.ones(HIDDEN), tmp_path / "ok.pt")
+    assert [s.vector_id for s in load_preload_dir(tmp_path)] == ["ok"]
+
+
+class _Exploit:
+    """Unpickling this (without weights_only) would create ``marker``."""
+
+    def __init__(self, marker):
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        return (open, (self.marker, "w"))
+
+
+@pytest.mark.filterwarnings("ignore:Detected pickle protocol")
+@pytest.mark.parametrize("writer", ["torch.save", "pickle", "tensor_in_list"])
+def test_preload_pt_never_unpickles_code(tmp_path, writer):
+    marker = tmp_path.parent / f"{tmp_path.name}-PWNED"
+    pre = tmp_path / "pre"
+    pre.mkdir()
+    payload = _Exploit(marker)
+    path = pre / "evil.pt"
+    if writer == "torch.save":
+        torch.save(payload, path)
+    elif writer == "pickle":
+        path.write_bytes(pickle.dumps(payload))
+    else:
+        torch.save([torch.zeros(HIDDEN), payload], path)
+    torch.save(torch.ones(HIDDEN), pre / "fine.pt")
+    # sanity: the payload really is dangerous when unpickled without weights_only
+    if writer == "pickle":
+        probe = tmp_path / "probe"
+        pickle.loads(pickle.dumps(_Exploit(probe))).close()
+        assert probe.exists()
+    out = load_preload_dir(pre)
+    assert [s.vector_id for s in out] == ["fine"]
+    assert not marker.exists()
