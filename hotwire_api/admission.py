@@ -1,0 +1,130 @@
+"""Admission of steered requests on the OpenAI routes.
+
+A pure ASGI middleware (responses, streamed or not, pass through untouched) for ``POST /v1/chat/completions``,
+``/v1/completions`` and ``/v1/responses``. A body that mentions ``hotwire`` is parsed; when it carries
+``vllm_xargs.hotwire`` (a JSON string spec) the engine admits it with ``hotwire_check`` before vLLM sees the
+request: 400 for a bad spec, an unknown vector or layer; 429 (``Retry-After: 1``) when its rows cannot be pinned
+now; 503 when the model cannot be steered. Admitted requests reach vLLM with their body unchanged and the
+response carries ``x-hotwire-receipt``. With lenient mode a 4xx instead strips the spec, serves the request
+unsteered and adds ``x-hotwire-lenient: <reason>``.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from hotwire_api.engine import HotwireEngine
+from hotwire_api.errors import HotwireError
+from hotwire_api.metrics import STATS
+
+ROUTES = frozenset({"/v1/chat/completions", "/v1/completions", "/v1/responses"})
+SPEC_KEY = "hotwire"
+_FIELD = f"vllm_xargs.{SPEC_KEY}"
+RECEIPT_HEADER = b"x-hotwire-receipt"
+LENIENT_HEADER = b"x-hotwire-lenient"
+
+
+class AdmissionMiddleware:
+    """Admit or refuse steered requests before vLLM handles them."""
+
+    def __init__(self, app: ASGIApp, lenient: bool = False):
+        self.app = app
+        self.lenient = lenient
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["method"] != "POST" or _path(scope) not in ROUTES:
+            await self.app(scope, receive, send)
+            return
+        body = await _read_body(receive)
+        if body is None:  # the client left before sending the whole body
+            return
+        found = _find_spec(body) if b"hotwire" in body else None
+        if found is None:
+            await self.app(scope, _replay(body, receive), send)
+            return
+        request, spec = found
+        try:
+            if not isinstance(spec, str):
+                raise HotwireError(
+                    400,
+                    "bad_spec",
+                    f"{_FIELD} must be a JSON string, e.g. "
+                    '"vllm_xargs": {"hotwire": "{\\"id\\": \\"happy\\", \\"layer\\": 10, \\"scale\\": 4.0}"}',
+                    _FIELD,
+                )
+            receipt = await HotwireEngine.of(scope["app"]).check(spec)
+        except HotwireError as err:
+            STATS.count_refusal(err.code)
+            if err.field is not None and err.field.startswith(SPEC_KEY):
+                err.field = f"vllm_xargs.{err.field}"
+            if not (self.lenient and 400 <= err.status < 500):
+                await err.response()(scope, receive, send)
+                return
+            del request["vllm_xargs"][SPEC_KEY]
+            body = json.dumps(request, separators=(",", ":")).encode()
+            lenient_send = _add_header(send, LENIENT_HEADER, f"{err.code}: {err.message}")
+            await self.app(_with_length(scope, len(body)), _replay(body, receive), lenient_send)
+            return
+        await self.app(scope, _replay(body, receive), _add_header(send, RECEIPT_HEADER, receipt))
+
+
+def _path(scope: Scope) -> str:
+    return scope["path"].removeprefix(scope.get("root_path", ""))
+
+
+async def _read_body(receive: Receive) -> bytes | None:
+    chunks = []
+    while True:
+        message = await receive()
+        if message["type"] != "http.request":
+            return None
+        chunks.append(message.get("body", b""))
+        if not message.get("more_body", False):
+            return b"".join(chunks)
+
+
+def _find_spec(body: bytes) -> tuple[dict[str, Any], Any] | None:
+    """The parsed body and its ``vllm_xargs.hotwire``, or None when there is none (or the body is not JSON,
+    which vLLM reports itself)."""
+    try:
+        request = json.loads(body)
+    except ValueError:
+        return None
+    xargs = request.get("vllm_xargs") if isinstance(request, dict) else None
+    if not isinstance(xargs, dict) or SPEC_KEY not in xargs:
+        return None
+    return request, xargs[SPEC_KEY]
+
+
+def _replay(body: bytes, receive: Receive) -> Receive:
+    """A receive that yields ``body`` once, then defers to the real one (so disconnects still arrive)."""
+    replayed = False
+
+    async def replay() -> Message:
+        nonlocal replayed
+        if replayed:
+            return await receive()
+        replayed = True
+        return {"type": "http.request", "body": body, "more_body": False}
+
+    return replay
+
+
+def _with_length(scope: Scope, length: int) -> Scope:
+    headers = [(k, v) for k, v in scope["headers"] if k not in (b"content-length", b"transfer-encoding")]
+    return {**scope, "headers": [*headers, (b"content-length", str(length).encode())]}
+
+
+def _add_header(send: Send, name: bytes, value: str) -> Send:
+    # Header values must be printable ASCII on one line; engine messages and receipts are not trusted to be.
+    encoded = "".join(c if " " <= c <= "~" else "?" for c in value)[:512].encode()
+
+    async def send_with_header(message: Message) -> None:
+        if message["type"] == "http.response.start":
+            message = {**message, "headers": [*message.get("headers", []), (name, encoded)]}
+        await send(message)
+
+    return send_with_header

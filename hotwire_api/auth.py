@@ -1,0 +1,52 @@
+"""Bearer-token auth for ``/steer/*``.
+
+The key is ``HOTWIRE_API_KEY`` when set; otherwise vLLM's own keys, in vLLM's order: ``--api-key`` (in vLLM
+0.25.1 a list, ``app.state.args.api_key``) and else the ``VLLM_API_KEY`` environment variable. vLLM's own
+``AuthenticationMiddleware`` only guards ``/v1``, ``/v2`` and ``/inference``, so ``/steer/*`` must check here.
+"""
+
+from __future__ import annotations
+
+import hmac
+import os
+from typing import Any
+
+from fastapi import Request
+
+from hotwire_api.errors import HotwireError
+from hotwire_api.settings import Settings
+
+
+def api_keys(app: Any) -> list[str]:
+    """The keys that open ``/steer/*``; empty means auth is off."""
+    settings: Settings = app.state.hotwire_settings
+    if settings.api_key:
+        return [settings.api_key]
+    args = getattr(app.state, "args", None)
+    cli_keys = getattr(args, "api_key", None)
+    if isinstance(cli_keys, str):
+        cli_keys = [cli_keys]
+    return [key for key in (cli_keys or [os.environ.get("VLLM_API_KEY")]) if key]
+
+
+def _matches(token: str, keys: list[str]) -> bool:
+    presented = token.encode()
+    match = False
+    for key in keys:  # no early exit: the time taken does not depend on which key matched
+        match |= hmac.compare_digest(presented, key.encode())
+    return match
+
+
+async def require_api_key(request: Request) -> None:
+    """FastAPI dependency: 401 unless ``Authorization: Bearer <key>`` carries a valid key (when auth is on)."""
+    keys = api_keys(request.app)
+    if not keys:
+        return
+    scheme, _, token = request.headers.get("authorization", "").partition(" ")
+    if scheme.lower() != "bearer" or not _matches(token.strip(), keys):
+        raise HotwireError(
+            401,
+            "unauthorized",
+            "missing or wrong API key: send 'Authorization: Bearer <key>' (HOTWIRE_API_KEY, "
+            "or vLLM's --api-key when HOTWIRE_API_KEY is not set)",
+        )

@@ -1,0 +1,79 @@
+"""The ``hotwire`` command: manage steering vectors on a running server.
+
+    hotwire [--url URL] [--api-key KEY] register ID FILE [--replace] [--layers 10,12]
+    hotwire list | slots | delete ID
+
+FILE is ``.safetensors`` (one tensor, or 1-D tensors named by layer index) or ``.json`` in the registration
+format. Results print as JSON; errors print to stderr (exit 1 for server errors, 2 for local ones).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+import httpx
+
+from hotwire_api.client import DEFAULT_URL, HotwireClient
+from hotwire_api.errors import HotwireError
+
+
+def _layers(value: str) -> list[int]:
+    try:
+        return [int(part) for part in value.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected layer indices like 10,12, got {value!r}") from None
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="hotwire", description="Manage hotwire steering vectors on a vLLM server.")
+    parser.add_argument(
+        "--url", default=os.environ.get("HOTWIRE_URL", DEFAULT_URL), help="server URL (env HOTWIRE_URL)"
+    )
+    parser.add_argument("--api-key", default=os.environ.get("HOTWIRE_API_KEY"), help="API key (env HOTWIRE_API_KEY)")
+    commands = parser.add_subparsers(dest="command", required=True)
+    register = commands.add_parser("register", help="register a vector from a .safetensors or .json file")
+    register.add_argument("id")
+    register.add_argument("file")
+    register.add_argument("--replace", action="store_true", help="replace a vector with the same id")
+    register.add_argument("--layers", type=_layers, help="layers naming the rows of a single tensor, e.g. 10,12")
+    commands.add_parser("list", help="list registered vectors")
+    commands.add_parser("slots", help="show steering bank occupancy and counters")
+    delete = commands.add_parser("delete", help="delete a vector")
+    delete.add_argument("id")
+    return parser
+
+
+def _run(client: HotwireClient, args: argparse.Namespace) -> object:
+    if args.command == "register":
+        return client.register(args.id, args.file, layers=args.layers, replace=args.replace).model_dump()
+    if args.command == "list":
+        return [meta.model_dump() for meta in client.list()]
+    if args.command == "slots":
+        return client.slots().model_dump()
+    return client.delete(args.id).model_dump()
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        with HotwireClient(args.url, args.api_key) as client:
+            result = _run(client, args)
+    except HotwireError as err:
+        where = f", field {err.field}" if err.field else ""
+        print(f"hotwire: {err.message} (HTTP {err.status} {err.code}{where})", file=sys.stderr)
+        return 1
+    except httpx.HTTPError as err:
+        print(f"hotwire: cannot reach {args.url}: {err}", file=sys.stderr)
+        return 1
+    except (OSError, ValueError, TypeError) as err:
+        print(f"hotwire: {err}", file=sys.stderr)
+        return 2
+    print(json.dumps(result, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,231 @@
+"""Python clients for the ``/steer`` API: :class:`HotwireClient` (sync) and :class:`AsyncHotwireClient`, over httpx.
+
+Errors raise :class:`~hotwire_api.errors.HotwireError` with the server's status, code and message. Vectors go up
+as safetensors or JSON only; pickled tensors (``.pt``) are refused before anything is sent.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Union
+from urllib.parse import quote
+
+import httpx
+import numpy as np
+
+from hotwire_api.codec import CONVERT_HINT
+from hotwire_api.errors import HotwireError
+from hotwire_api.models import DeleteResult, SlotStats, VectorList, VectorMeta
+
+if TYPE_CHECKING:
+    import torch
+
+__all__ = ["AsyncHotwireClient", "HotwireClient", "HotwireError", "VectorSource"]
+
+DEFAULT_URL = "http://localhost:8000"
+VectorSource = Union[str, os.PathLike, np.ndarray, "torch.Tensor"]
+_PICKLE_SUFFIXES = (".pt", ".pth", ".bin", ".pkl", ".pickle")
+
+
+@dataclass
+class _Call:
+    method: str
+    path: str
+    params: dict[str, str] | None = None
+    json_body: Any = None
+    data: dict[str, str] | None = None
+    files: dict[str, tuple[str, bytes, str]] | None = None
+
+
+def _to_safetensors(source: Any) -> bytes:
+    if type(source).__module__.startswith("torch"):
+        import torch
+        from safetensors.torch import save as save_torch
+
+        tensor = source.detach().cpu().contiguous()
+        return save_torch({"vector": tensor.float() if tensor.dtype == torch.float64 else tensor})
+    if isinstance(source, np.ndarray):
+        from safetensors.numpy import save as save_numpy
+
+        return save_numpy({"vector": np.ascontiguousarray(source, np.float32 if source.dtype == np.float64 else None)})
+    raise TypeError(f"expected a .safetensors/.json path, a numpy array or a torch tensor, got {type(source).__name__}")
+
+
+def _register_call(vector_id: str, source: VectorSource, layers: Sequence[int] | None, replace: bool) -> _Call:
+    params = {"replace": "true"} if replace else None
+    if isinstance(source, (str, os.PathLike)):
+        path = Path(source)
+        suffix = path.suffix.lower()
+        if suffix in _PICKLE_SUFFIXES:
+            raise ValueError(
+                f"{path}: pickled tensors are not accepted (the server never loads pickles); {CONVERT_HINT}"
+            )
+        if suffix == ".json":
+            payload = json.loads(path.read_text())
+            if not isinstance(payload, dict):
+                raise ValueError(f"{path}: expected a JSON object in the registration format")
+            if payload.get("id", vector_id) != vector_id:
+                raise ValueError(f"{path} registers id {payload['id']!r}, not {vector_id!r}")
+            if layers is not None and "layers" in payload:
+                raise ValueError(f"{path} already names its layers; do not pass layers as well")
+            payload = {**payload, "id": vector_id, **({"layers": list(layers)} if layers is not None else {})}
+            return _Call("POST", "/steer/vectors", params, json_body=payload)
+        if suffix != ".safetensors":
+            raise ValueError(f"{path}: expected a .safetensors or .json file")
+        raw, filename = path.read_bytes(), path.name
+    else:
+        raw, filename = _to_safetensors(source), f"{vector_id}.safetensors"
+    data = {"id": vector_id}
+    if layers is not None:
+        data["layers"] = ",".join(str(layer) for layer in layers)
+    files = {"file": (filename, raw, "application/octet-stream")}
+    return _Call("POST", "/steer/vectors", params, data=data, files=files)
+
+
+def _vector_path(vector_id: str) -> str:
+    segment = quote(vector_id, safe="")
+    if vector_id in (".", ".."):  # valid ids, but URL dot-segments that clients would collapse
+        segment = segment.replace(".", "%2E")
+    return f"/steer/vectors/{segment}"
+
+
+def _checked(response: httpx.Response) -> httpx.Response:
+    if response.is_success:
+        return response
+    try:
+        error = response.json()["error"]
+        code, message, field = str(error["code"]), str(error["message"]), error.get("field")
+    except (ValueError, KeyError, TypeError):
+        code, message, field = "http_error", response.text[:500] or response.reason_phrase, None
+    raise HotwireError(response.status_code, code, message, field)
+
+
+def _deleted(vector_id: str, response: httpx.Response) -> DeleteResult:
+    if response.status_code == 204:
+        return DeleteResult(id=vector_id, in_flight=0)
+    return DeleteResult.model_validate(response.json())
+
+
+def _headers(api_key: str | None) -> dict[str, str]:
+    return {"Authorization": f"Bearer {api_key}"} if api_key else {}
+
+
+class HotwireClient:
+    """Synchronous client. ``http_client`` replaces the internal ``httpx.Client`` (it is then not closed here)."""
+
+    def __init__(
+        self,
+        url: str = DEFAULT_URL,
+        api_key: str | None = None,
+        *,
+        timeout: float = 60.0,
+        http_client: httpx.Client | None = None,
+    ):
+        self.url = url.rstrip("/")
+        self._headers = _headers(api_key)
+        self._owned = http_client is None
+        self._http = http_client or httpx.Client(timeout=timeout)
+
+    def _send(self, call: _Call) -> httpx.Response:
+        response = self._http.request(
+            call.method,
+            self.url + call.path,
+            params=call.params,
+            json=call.json_body,
+            data=call.data,
+            files=call.files,
+            headers=self._headers,
+        )
+        return _checked(response)
+
+    def register(
+        self, vector_id: str, source: VectorSource, layers: Sequence[int] | None = None, replace: bool = False
+    ) -> VectorMeta:
+        """Register ``source`` (a .safetensors/.json path, numpy array or torch tensor) as ``vector_id``."""
+        return VectorMeta.model_validate(self._send(_register_call(vector_id, source, layers, replace)).json())
+
+    def list(self) -> list[VectorMeta]:
+        return VectorList.model_validate(self._send(_Call("GET", "/steer/vectors")).json()).vectors
+
+    def get(self, vector_id: str) -> VectorMeta:
+        return VectorMeta.model_validate(self._send(_Call("GET", _vector_path(vector_id))).json())
+
+    def delete(self, vector_id: str) -> DeleteResult:
+        """Delete a vector; ``in_flight > 0`` means running requests keep it until they finish."""
+        return _deleted(vector_id, self._send(_Call("DELETE", _vector_path(vector_id))))
+
+    def slots(self) -> SlotStats:
+        return SlotStats.model_validate(self._send(_Call("GET", "/steer/slots")).json())
+
+    def close(self) -> None:
+        if self._owned:
+            self._http.close()
+
+    def __enter__(self) -> HotwireClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class AsyncHotwireClient:
+    """Asynchronous client; same methods as :class:`HotwireClient`, awaited."""
+
+    def __init__(
+        self,
+        url: str = DEFAULT_URL,
+        api_key: str | None = None,
+        *,
+        timeout: float = 60.0,
+        http_client: httpx.AsyncClient | None = None,
+    ):
+        self.url = url.rstrip("/")
+        self._headers = _headers(api_key)
+        self._owned = http_client is None
+        self._http = http_client or httpx.AsyncClient(timeout=timeout)
+
+    async def _send(self, call: _Call) -> httpx.Response:
+        response = await self._http.request(
+            call.method,
+            self.url + call.path,
+            params=call.params,
+            json=call.json_body,
+            data=call.data,
+            files=call.files,
+            headers=self._headers,
+        )
+        return _checked(response)
+
+    async def register(
+        self, vector_id: str, source: VectorSource, layers: Sequence[int] | None = None, replace: bool = False
+    ) -> VectorMeta:
+        """Register ``source`` (a .safetensors/.json path, numpy array or torch tensor) as ``vector_id``."""
+        response = await self._send(_register_call(vector_id, source, layers, replace))
+        return VectorMeta.model_validate(response.json())
+
+    async def list(self) -> list[VectorMeta]:
+        return VectorList.model_validate((await self._send(_Call("GET", "/steer/vectors"))).json()).vectors
+
+    async def get(self, vector_id: str) -> VectorMeta:
+        return VectorMeta.model_validate((await self._send(_Call("GET", _vector_path(vector_id)))).json())
+
+    async def delete(self, vector_id: str) -> DeleteResult:
+        """Delete a vector; ``in_flight > 0`` means running requests keep it until they finish."""
+        return _deleted(vector_id, await self._send(_Call("DELETE", _vector_path(vector_id))))
+
+    async def slots(self) -> SlotStats:
+        return SlotStats.model_validate((await self._send(_Call("GET", "/steer/slots"))).json())
+
+    async def aclose(self) -> None:
+        if self._owned:
+            await self._http.aclose()
+
+    async def __aenter__(self) -> AsyncHotwireClient:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()

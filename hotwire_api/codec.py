@@ -1,0 +1,312 @@
+"""Decode a vector upload (safetensors or JSON) into the bytes, dtype, shape and layers that ``hotwire_register``
+takes, checking everything that can be checked without the model.
+
+Accepted formats (shapes ``[hidden]``, ``[n_layers, hidden]`` or ``[len(layers), hidden]``):
+
+* multipart form: ``id``, ``file`` (safetensors with one tensor, or 1-D tensors named by layer index
+  ``"10"``, ``"12"``...), optional ``layers`` (``10,12`` or ``[10, 12]``) naming the rows of a single tensor;
+* JSON ``{"id", "data": <base64 little-endian>, "dtype", "shape", "layers"?}``;
+* JSON ``{"id", "layers": {"<layer>": [floats...]}}`` (stored as float32).
+
+Only safetensors and JSON are parsed: bytes from the network never reach pickle or ``torch.load``.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import json
+import math
+import re
+from collections.abc import AsyncIterable, Mapping
+from dataclasses import dataclass
+
+import numpy as np
+import safetensors
+
+from hotwire_api.errors import HotwireError
+
+VECTOR_ID_RE = re.compile(r"[A-Za-z0-9._-]{1,64}")
+DTYPES: dict[str, int] = {"float32": 4, "float16": 2, "bfloat16": 2}
+_SAFETENSORS_DTYPES = {"F32": "float32", "F16": "float16", "BF16": "bfloat16"}
+# Bits of the exponent field: all set means NaN or infinity, in any of the three formats.
+_EXPONENT_BITS = {
+    "float32": (np.dtype("<u4"), 0x7F800000),
+    "float16": (np.dtype("<u2"), 0x7C00),
+    "bfloat16": (np.dtype("<u2"), 0x7F80),
+}
+_LAYER_NAME_RE = re.compile(r"[0-9]{1,6}")
+_JSON_FIELDS = ("id", "data", "dtype", "shape", "layers")
+_FORM_FIELDS = ("id", "file", "layers")
+CONVERT_HINT = (
+    "convert it first, e.g. safetensors.torch.save_file({'vector': tensor.contiguous()}, 'vector.safetensors')"
+)
+
+
+@dataclass(frozen=True)
+class VectorPayload:
+    """What ``hotwire_register`` takes after the id: row-major little-endian ``data`` of ``dtype`` and
+    ``shape``; ``layers`` names the rows (None: one row per model layer, or one row usable at any layer)."""
+
+    data: bytes
+    dtype: str
+    shape: tuple[int, ...]
+    layers: tuple[int, ...] | None
+
+
+def _bad(field: str | None, message: str, code: str) -> HotwireError:
+    return HotwireError(400, code, message, field)
+
+
+def too_large(limit: int) -> HotwireError:
+    """The 413 for a body over ``limit`` bytes."""
+    return HotwireError(
+        413,
+        "payload_too_large",
+        f"the upload is larger than HOTWIRE_MAX_UPLOAD_MB ({limit / 2**20:g} MB); send float16/bfloat16 or only "
+        "the layers you steer, or raise HOTWIRE_MAX_UPLOAD_MB on the server",
+    )
+
+
+async def read_limited(chunks: AsyncIterable[bytes], limit: int) -> bytes:
+    """Join ``chunks``, failing with 413 as soon as more than ``limit`` bytes have arrived."""
+    buf = bytearray()
+    async for chunk in chunks:
+        buf += chunk
+        if len(buf) > limit:
+            raise too_large(limit)
+    return bytes(buf)
+
+
+def validate_id(value: object) -> str:
+    """A vector id: 1-64 characters of ``A-Z a-z 0-9 . _ -``."""
+    if value is None or value == "":
+        raise _bad("id", "is required: name the vector (1-64 characters of A-Z a-z 0-9 . _ -)", "bad_id")
+    if not isinstance(value, str) or not VECTOR_ID_RE.fullmatch(value):
+        raise _bad("id", f"must be 1-64 characters of A-Z a-z 0-9 . _ -, got {value!r}", "bad_id")
+    return value
+
+
+def parse_layers(value: object, field: str = "layers") -> tuple[int, ...] | None:
+    """Layer indices from a JSON list or a form string (``10,12`` or ``[10, 12]``); None when absent."""
+    if value is None or value == "":
+        return None
+    parsed = value
+    if isinstance(value, str):
+        text = value.strip()
+        try:
+            parsed = json.loads(text) if text.startswith("[") else [int(part) for part in text.split(",")]
+        except ValueError:
+            raise _bad(field, f"must be layer indices like 10,12 or [10, 12], got {value!r}", "bad_layers") from None
+    if (
+        not isinstance(parsed, list)
+        or not parsed
+        or any(isinstance(v, bool) or not isinstance(v, int) or v < 0 for v in parsed)
+    ):
+        raise _bad(field, f"must be a non-empty list of non-negative layer indices, got {value!r}", "bad_layers")
+    if len(set(parsed)) != len(parsed):
+        raise _bad(field, f"lists a layer twice: {parsed}", "bad_layers")
+    return tuple(parsed)
+
+
+def _dtype(value: object, field: str) -> str:
+    if not isinstance(value, str) or value not in DTYPES:
+        raise _bad(field, f"unsupported dtype {value!r}; use one of {', '.join(DTYPES)}", "bad_dtype")
+    return value
+
+
+def _shape(value: object, field: str) -> tuple[int, ...]:
+    if (
+        not isinstance(value, list)
+        or len(value) not in (1, 2)
+        or any(isinstance(v, bool) or not isinstance(v, int) or v < 1 for v in value)
+    ):
+        raise _bad(
+            field,
+            f"shape must be [hidden], [n_layers, hidden] or [len(layers), hidden] with positive sizes, got {value!r}",
+            "bad_shape",
+        )
+    return tuple(value)
+
+
+def _check_finite(data: bytes, dtype: str, width: int, field: str) -> None:
+    view, exponent = _EXPONENT_BITS[dtype]
+    bits = np.frombuffer(data, dtype=view)
+    bad = np.flatnonzero((bits & exponent) == exponent)
+    if bad.size:
+        row, col = divmod(int(bad[0]), width)
+        raise _bad(
+            field,
+            f"holds {bad.size} NaN or infinite values (first at row {row}, column {col}); every value must be finite",
+            "not_finite",
+        )
+
+
+def _finish(
+    data: bytes, dtype: str, shape: tuple[int, ...], layers: tuple[int, ...] | None, field: str
+) -> VectorPayload:
+    expected = math.prod(shape) * DTYPES[dtype]
+    if len(data) != expected:
+        raise _bad(field, f"has {len(data)} bytes but shape {list(shape)} of {dtype} needs {expected}", "bad_data")
+    if layers is not None:
+        if len(shape) == 1:
+            if len(layers) != 1:
+                raise _bad(
+                    "layers",
+                    f"names {len(layers)} layers but the vector is 1-D; send a [len(layers), hidden] tensor, "
+                    "or omit layers to use the vector at any layer",
+                    "bad_layers",
+                )
+            shape = (1, shape[0])
+        elif shape[0] != len(layers):
+            raise _bad("layers", f"names {len(layers)} layers but the tensor has {shape[0]} rows", "bad_layers")
+    _check_finite(data, dtype, shape[-1], field)
+    return VectorPayload(data, dtype, shape, layers)
+
+
+def decode_safetensors(raw: bytes, layers: tuple[int, ...] | None = None, field: str = "file") -> VectorPayload:
+    """A safetensors file holding one tensor (``layers`` optionally naming its rows), or 1-D tensors named
+    by layer index."""
+    try:
+        tensors = safetensors.deserialize(raw)
+    except Exception as exc:  # safetensors raises its own SafetensorError and, for some inputs, others
+        raise _bad(
+            field,
+            f"is not a safetensors file ({exc}); the API reads safetensors or JSON only, never pickles: {CONVERT_HINT}",
+            "bad_file",
+        ) from None
+    if not tensors:
+        raise _bad(field, "holds no tensors", "bad_file")
+
+    def dtype_of(name: str, info: Mapping[str, object]) -> str:
+        dtype = _SAFETENSORS_DTYPES.get(str(info["dtype"]))
+        if dtype is None:
+            raise _bad(
+                field,
+                f"tensor {name!r} has dtype {info['dtype']}; use float32 (F32), float16 (F16) or bfloat16 (BF16)",
+                "bad_dtype",
+            )
+        return dtype
+
+    if all(_LAYER_NAME_RE.fullmatch(name) for name, _ in tensors):
+        if layers is not None:
+            raise _bad("layers", "must be omitted: the file names its tensors by layer index", "bad_layers")
+        rows = sorted((int(name), name, info) for name, info in tensors)
+        if len({layer for layer, _, _ in rows}) != len(rows):
+            raise _bad(field, f"names a layer twice: {[name for _, name, _ in rows]}", "bad_layers")
+        _, first_name, first = rows[0]
+        dtype, hidden_shape = dtype_of(first_name, first), list(first["shape"])
+        for _, name, info in rows:
+            if dtype_of(name, info) != dtype:
+                raise _bad(field, f"tensor {name!r} has dtype {info['dtype']}; all layers need one dtype", "bad_dtype")
+            if len(info["shape"]) != 1 or list(info["shape"]) != hidden_shape:
+                raise _bad(
+                    field,
+                    f"tensor {name!r} has shape {info['shape']}; tensors named by layer must all be 1-D "
+                    f"[hidden] of one size ({first_name!r} is {hidden_shape})",
+                    "bad_shape",
+                )
+        data = b"".join(bytes(info["data"]) for _, _, info in rows)
+        shape = _shape([len(rows), *hidden_shape], field)
+        return _finish(data, dtype, shape, tuple(layer for layer, _, _ in rows), field)
+
+    if len(tensors) != 1:
+        names = sorted(name for name, _ in tensors)
+        raise _bad(
+            field,
+            f"holds {len(tensors)} tensors {names[:8]}; send one tensor, or name each 1-D tensor by its layer index "
+            '("10", "12", ...)',
+            "bad_file",
+        )
+    name, info = tensors[0]
+    dtype = dtype_of(name, info)
+    return _finish(bytes(info["data"]), dtype, _shape(list(info["shape"]), field), layers, field)
+
+
+def decode_form(fields: Mapping[str, str | bytes]) -> tuple[str, VectorPayload]:
+    """A multipart upload: ``id``, ``file`` (the safetensors bytes) and optional ``layers``."""
+    for name in fields:
+        if name not in _FORM_FIELDS:
+            raise _bad(name, f"unknown form field; send {', '.join(_FORM_FIELDS)}", "bad_body")
+    raw = fields.get("file")
+    if not isinstance(raw, bytes):
+        raise _bad("file", "is required: attach the .safetensors file as a file part named 'file'", "bad_file")
+    vector_id = fields.get("id")
+    layers = fields.get("layers")
+    if isinstance(vector_id, bytes) or isinstance(layers, bytes):
+        raise _bad("id" if isinstance(vector_id, bytes) else "layers", "must be a form field, not a file", "bad_body")
+    return validate_id(vector_id), decode_safetensors(raw, parse_layers(layers))
+
+
+def _decode_layer_lists(rows: Mapping[str, object]) -> VectorPayload:
+    if not rows:
+        raise _bad("layers", "is empty: give at least one layer", "bad_layers")
+    arrays: dict[int, np.ndarray] = {}
+    for key, values in rows.items():
+        field = f"layers.{key}"
+        if not _LAYER_NAME_RE.fullmatch(key):
+            raise _bad("layers", f'keys must be layer indices like "10", got {key!r}', "bad_layers")
+        if int(key) in arrays:
+            raise _bad("layers", f"names layer {int(key)} twice", "bad_layers")
+        if (
+            not isinstance(values, list)
+            or not values
+            or any(isinstance(v, bool) or not isinstance(v, (int, float)) for v in values)
+        ):
+            raise _bad(field, "must be a non-empty list of numbers", "bad_data")
+        with np.errstate(over="ignore"):
+            row = np.asarray(values, dtype=np.float64).astype("<f4")
+        if not np.isfinite(row).all():
+            index = int(np.flatnonzero(~np.isfinite(row))[0])
+            raise _bad(field, f"value {index} is NaN or infinite in float32; every value must be finite", "not_finite")
+        if arrays and row.size != next(iter(arrays.values())).size:
+            first = next(iter(rows))
+            raise _bad(
+                field,
+                f"has {row.size} values but layers.{first} has {next(iter(arrays.values())).size}; "
+                "every layer needs hidden_size values",
+                "bad_shape",
+            )
+        arrays[int(key)] = row
+    layers = tuple(sorted(arrays))
+    data = np.stack([arrays[layer] for layer in layers]).tobytes()
+    return _finish(data, "float32", (len(layers), arrays[layers[0]].size), layers, "layers")
+
+
+def decode_json(obj: object) -> tuple[str, VectorPayload]:
+    """A JSON upload: base64 ``data`` with ``dtype``/``shape``/``layers``?, or per-layer float lists."""
+    if not isinstance(obj, dict):
+        raise _bad(None, "the body must be a JSON object", "bad_body")
+    for name in obj:
+        if name not in _JSON_FIELDS:
+            raise _bad(name, f"unknown field; allowed: {', '.join(_JSON_FIELDS)}", "bad_body")
+    vector_id = validate_id(obj.get("id"))
+    layers = obj.get("layers")
+    if isinstance(layers, dict):
+        for name in ("data", "dtype", "shape"):
+            if name in obj:
+                raise _bad(
+                    name,
+                    'cannot be combined with per-layer float lists; send {"id", "layers": {"<layer>": [...]}} '
+                    'or {"id", "data", "dtype", "shape", "layers"?}',
+                    "bad_body",
+                )
+        return vector_id, _decode_layer_lists(layers)
+    for name in ("data", "dtype", "shape"):
+        if name not in obj:
+            raise _bad(
+                name,
+                'is required: send base64 "data" with "dtype" and "shape", or per-layer float lists as '
+                '"layers": {"<layer>": [...]}',
+                "bad_body",
+            )
+    data = obj["data"]
+    try:
+        if not isinstance(data, str):
+            raise ValueError
+        raw = base64.b64decode(data, validate=True)
+    except (ValueError, binascii.Error):
+        raise _bad("data", "must be a base64 string of the raw little-endian values", "bad_data") from None
+    dtype = _dtype(obj["dtype"], "dtype")
+    shape = _shape(obj["shape"], "shape")
+    return vector_id, _finish(raw, dtype, shape, parse_layers(layers), "data")

@@ -1,0 +1,37 @@
+"""The one error type of the control plane, shared by the server (rendered as JSON) and the client (raised)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from starlette.responses import JSONResponse
+
+
+class HotwireError(Exception):
+    """An error with an HTTP status, a stable ``code`` slug, a message a person can act on and, where one
+    field of the request is at fault, that field's name."""
+
+    def __init__(self, status: int, code: str, message: str, field: str | None = None):
+        super().__init__(f"{message} (HTTP {status} {code})")
+        self.status = status
+        self.code = code
+        self.message = message
+        self.field = field
+
+    def body(self) -> dict[str, Any]:
+        """``{"error": {"message", "code", "field"?}}``."""
+        error: dict[str, Any] = {"message": self.message, "code": self.code}
+        if self.field is not None:
+            error["field"] = self.field
+        return {"error": error}
+
+    def headers(self) -> dict[str, str]:
+        """Headers the status calls for: ``Retry-After`` on 429, ``WWW-Authenticate`` on 401."""
+        if self.status == 429:
+            return {"Retry-After": "1"}
+        if self.status == 401:
+            return {"WWW-Authenticate": "Bearer"}
+        return {}
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(self.body(), status_code=self.status, headers=self.headers())

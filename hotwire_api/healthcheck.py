@@ -1,0 +1,198 @@
+"""Container healthcheck: proves that steering is live, not only that the model answers.
+
+    python -m hotwire_api.healthcheck [--url URL] [--timeout SECONDS] [--keep]
+
+Against ``http://localhost:${PORT:-8000}`` (or ``--url`` / ``HOTWIRE_HEALTHCHECK_URL``):
+
+1. ``GET /steer/slots`` must answer 200 with ``model.steerable`` true (hotwire is attached and the engine can steer);
+2. a probe vector ``_healthcheck`` of random float32 values, ``model.hidden_size`` long, is registered with
+   ``POST /steer/vectors?replace=true`` (JSON registration);
+3. one short greedy completion (``max_tokens`` 2, ``logprobs`` 1) is sent twice to ``/v1/completions``, plain and
+   with ``vllm_xargs.hotwire`` steering the probe at layer 0, scale 50; the logprobs must differ;
+4. the probe is deleted again (best effort; ``--keep`` leaves it registered).
+
+Exit 0 when all holds (one ``ok`` line on stdout), else 1 with a one-line reason on stderr, as Docker's
+``HEALTHCHECK`` expects. Keys: ``/steer/*`` gets ``HOTWIRE_API_KEY`` (else ``VLLM_API_KEY``), the OpenAI routes get
+``VLLM_API_KEY`` (else ``HOTWIRE_API_KEY``), each as ``Authorization: Bearer <key>`` and only when set.
+Needs only httpx and the standard library.
+"""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import json
+import math
+import os
+import random
+import struct
+import sys
+from typing import Any
+
+import httpx
+
+PROBE_ID = "_healthcheck"
+PROBE_LAYER = 0
+PROBE_SCALE = 50
+PROMPT = "The quick brown fox"
+MAX_TOKENS = 2
+# Smallest change in a token's logprob that counts as "steered" (steering at scale 50 moves them by far more;
+# this only keeps run-to-run numerical noise from passing for steering).
+MIN_LOGPROB_DELTA = 1e-4
+DEFAULT_TIMEOUT_S = 20.0
+
+
+class Unhealthy(Exception):
+    """A failed check; its message is the one-line reason."""
+
+
+def default_url() -> str:
+    return os.environ.get("HOTWIRE_HEALTHCHECK_URL") or f"http://localhost:{os.environ.get('PORT') or 8000}"
+
+
+def _bearer(key: str | None) -> dict[str, str]:
+    return {"Authorization": f"Bearer {key}"} if key else {}
+
+
+def _keys() -> tuple[str | None, str | None]:
+    """(key for /steer/*, key for /v1/*): hotwire's key guards /steer, vLLM's own guards /v1."""
+    hotwire = os.environ.get("HOTWIRE_API_KEY") or None
+    vllm = os.environ.get("VLLM_API_KEY") or None
+    return hotwire or vllm, vllm or hotwire
+
+
+def _call(client: httpx.Client, method: str, path: str, ok: tuple[int, ...] = (200,), **kwargs: Any) -> Any:
+    what = f"{method} {path}"
+    try:
+        resp = client.request(method, path, **kwargs)
+    except httpx.HTTPError as exc:
+        raise Unhealthy(f"{what}: cannot reach {client.base_url}: {type(exc).__name__}: {exc}") from None
+    if resp.status_code not in ok:
+        raise Unhealthy(f"{what}: HTTP {resp.status_code}: {resp.text[:200]}")
+    try:
+        return resp.json()
+    except ValueError:
+        raise Unhealthy(f"{what}: HTTP {resp.status_code} but the body is not JSON: {resp.text[:200]}") from None
+
+
+def probe_vector(hidden: int, rng: random.Random) -> bytes:
+    """``hidden`` standard-normal float32 values, little-endian."""
+    return struct.pack(f"<{hidden}f", *(rng.gauss(0.0, 1.0) for _ in range(hidden)))
+
+
+def steering_spec() -> str:
+    return json.dumps({"id": PROBE_ID, "layer": PROBE_LAYER, "scale": PROBE_SCALE})
+
+
+def _logprobs(body: Any, label: str) -> dict[str, Any]:
+    try:
+        logprobs = body["choices"][0]["logprobs"]
+        tokens = logprobs["tokens"]
+        values = logprobs["token_logprobs"]
+    except (KeyError, IndexError, TypeError):
+        raise Unhealthy(f"the {label} completion returned no logprobs: {json.dumps(body)[:200]}") from None
+    if not tokens or len(tokens) != len(values):
+        raise Unhealthy(f"the {label} completion returned no usable logprobs: {json.dumps(logprobs)[:200]}")
+    return logprobs
+
+
+def logprobs_differ(plain: dict[str, Any], steered: dict[str, Any]) -> bool:
+    """True when the sampled tokens differ or some token's logprob moved by more than MIN_LOGPROB_DELTA."""
+    if plain["tokens"] != steered["tokens"]:
+        return True
+    for a, b in zip(plain["token_logprobs"], steered["token_logprobs"]):
+        if a is None or b is None:
+            if a is not b:
+                return True
+        elif not (math.isfinite(a) and math.isfinite(b)) or abs(a - b) > MIN_LOGPROB_DELTA:
+            return True
+    return False
+
+
+def check(
+    client: httpx.Client,
+    steer_key: str | None = None,
+    openai_key: str | None = None,
+    rng: random.Random | None = None,
+    keep: bool = False,
+) -> str:
+    """Run the checks against ``client`` (its base URL is the server); return a one-line summary or raise
+    :class:`Unhealthy`."""
+    steer = _bearer(steer_key)
+    openai = _bearer(openai_key)
+    slots = _call(client, "GET", "/steer/slots", headers=steer)
+    model = slots.get("model") if isinstance(slots, dict) else None
+    if not isinstance(model, dict):
+        raise Unhealthy(f"GET /steer/slots: no 'model' in the answer: {json.dumps(slots)[:200]}")
+    if model.get("steerable") is not True:
+        raise Unhealthy(f"the served model cannot be steered: {model.get('reason') or 'model.steerable is not true'}")
+    hidden = model.get("hidden_size")
+    if isinstance(hidden, bool) or not isinstance(hidden, int) or hidden < 1:
+        raise Unhealthy(f"GET /steer/slots: model.hidden_size is {hidden!r}, not a positive integer")
+
+    data = probe_vector(hidden, rng or random.Random())
+    registration = {
+        "id": PROBE_ID,
+        "data": base64.b64encode(data).decode("ascii"),
+        "dtype": "float32",
+        "shape": [hidden],
+    }
+    _call(client, "POST", "/steer/vectors", ok=(200, 201), params={"replace": "true"}, json=registration, headers=steer)
+    try:
+        models = _call(client, "GET", "/v1/models", headers=openai)
+        try:
+            name = models["data"][0]["id"]
+        except (KeyError, IndexError, TypeError):
+            raise Unhealthy(f"GET /v1/models: no model listed: {json.dumps(models)[:200]}") from None
+        request = {"model": name, "prompt": PROMPT, "max_tokens": MAX_TOKENS, "temperature": 0, "logprobs": 1}
+        plain = _logprobs(_call(client, "POST", "/v1/completions", json=request, headers=openai), "plain")
+        steered_request = {**request, "vllm_xargs": {"hotwire": steering_spec()}}
+        steered = _logprobs(_call(client, "POST", "/v1/completions", json=steered_request, headers=openai), "steered")
+        if not logprobs_differ(plain, steered):
+            raise Unhealthy(
+                f"steering had no effect: {PROBE_ID} at layer {PROBE_LAYER}, scale {PROBE_SCALE} left the logprobs "
+                f"of {name!r} unchanged ({plain['token_logprobs']})"
+            )
+    finally:
+        if not keep:
+            try:
+                client.delete(f"/steer/vectors/{PROBE_ID}", headers=steer)
+            except httpx.HTTPError:
+                pass
+    return (
+        f"ok: {name!r} answers and is steered (hidden {hidden}; tokens {plain['tokens']} -> {steered['tokens']})"
+    )
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m hotwire_api.healthcheck", description="Check that a hotwire server answers and steers."
+    )
+    parser.add_argument("--url", default=default_url(), help="server URL (default http://localhost:${PORT:-8000})")
+    parser.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT_S, help="seconds per HTTP request")
+    parser.add_argument("--keep", action="store_true", help=f"leave the probe vector {PROBE_ID!r} registered")
+    return parser
+
+
+def _one_line(text: str) -> str:
+    return " ".join(text.split())[:500]
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    steer_key, openai_key = _keys()
+    try:
+        with httpx.Client(base_url=args.url, timeout=args.timeout) as client:
+            summary = check(client, steer_key, openai_key, keep=args.keep)
+    except Unhealthy as exc:
+        print(f"unhealthy: {_one_line(str(exc))}", file=sys.stderr)
+        return 1
+    except Exception as exc:  # a healthcheck must answer, whatever went wrong
+        print(f"unhealthy: {_one_line(f'{type(exc).__name__}: {exc}')}", file=sys.stderr)
+        return 1
+    print(_one_line(summary))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,118 @@
+"""hotwire's Prometheus series on vLLM's ``/metrics`` (the default ``prometheus_client`` registry).
+
+A collector reads a cached ``hotwire_stats`` snapshot; :meth:`StatsCache.run` refreshes it every
+``REFRESH_INTERVAL_S`` and the ``/steer`` routes refresh it after each call, so a scrape never waits on the engine.
+``hotwire_refusals_total`` adds the refusals the engine counts when it admits requests to those this process's
+admission middleware issued (a request refused there never reaches the engine).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections import Counter
+from collections.abc import AsyncIterator, Iterator
+from typing import Any
+
+from prometheus_client import REGISTRY
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from hotwire_api.engine import HotwireEngine
+from hotwire_api.errors import HotwireError
+from hotwire_api.models import SlotStats
+
+REFRESH_INTERVAL_S = 2.0
+logger = logging.getLogger(__name__)
+
+
+class StatsCache:
+    """The latest ``hotwire_stats`` result (None until the first successful refresh) and the refusals that
+    admission issued in this process, by reason."""
+
+    def __init__(self) -> None:
+        self.snapshot: SlotStats | None = None
+        self.admission_refusals: dict[str, int] = {}
+        self._refreshing = False
+
+    def count_refusal(self, reason: str) -> None:
+        """Count a refusal issued by admission. Copy-on-write: scrapes may read from another thread."""
+        self.admission_refusals = {**self.admission_refusals, reason: self.admission_refusals.get(reason, 0) + 1}
+
+    async def refresh(self, engine: HotwireEngine) -> None:
+        """Fetch a new snapshot; a refresh already in flight makes this a no-op, a failure keeps the old one."""
+        if self._refreshing:
+            return
+        self._refreshing = True
+        try:
+            self.snapshot = await engine.stats()
+        except HotwireError as err:
+            logger.debug("hotwire stats refresh failed: %s", err)
+        finally:
+            self._refreshing = False
+
+    async def run(self, app: Any, interval: float = REFRESH_INTERVAL_S) -> None:
+        """Refresh from ``app``'s engine every ``interval`` seconds until cancelled."""
+        while True:
+            if getattr(app.state, "engine_client", None) is not None:
+                await self.refresh(HotwireEngine.of(app))
+            await asyncio.sleep(interval)
+
+
+class HotwireCollector(Collector):
+    """Turns the cached snapshot into ``hotwire_*`` series; never calls the engine."""
+
+    def __init__(self, cache: StatsCache):
+        self._cache = cache
+
+    def collect(self) -> Iterator[Metric]:
+        stats = self._cache.snapshot
+        refused = Counter(self._cache.admission_refusals)
+        refusals = CounterMetricFamily("hotwire_refusals", "Steering requests refused, by reason.", labels=["reason"])
+        if stats is not None:
+            refused.update(stats.refused)
+            yield from self._bank(stats)
+        for reason, count in sorted(refused.items()):
+            refusals.add_metric([reason], count)
+        yield refusals
+
+    @staticmethod
+    def _bank(stats: SlotStats) -> Iterator[Metric]:
+        yield GaugeMetricFamily("hotwire_slots_capacity", "Rows in the steering bank.", value=stats.capacity)
+        yield GaugeMetricFamily("hotwire_slots_used", "Bank rows holding a vector row.", value=stats.used)
+        yield GaugeMetricFamily("hotwire_slots_pinned", "Bank rows pinned by running requests.", value=stats.pinned)
+        yield CounterMetricFamily(
+            "hotwire_slot_evictions", "Bank rows evicted to make room for others.", value=stats.evictions
+        )
+        yield GaugeMetricFamily("hotwire_vectors_registered", "Registered steering vectors.", value=stats.vectors)
+        yield CounterMetricFamily(
+            "hotwire_steered_requests", "Requests admitted with steering.", value=stats.steered_requests
+        )
+
+
+STATS = StatsCache()
+
+
+@contextlib.asynccontextmanager
+async def refreshing(app: Any) -> AsyncIterator[None]:
+    """Lifespan: keep :data:`STATS` fresh while ``app`` runs."""
+    task = asyncio.create_task(STATS.run(app))
+    try:
+        yield
+    finally:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+
+
+_COLLECTOR = HotwireCollector(STATS)
+_registered = False
+
+
+def register_collector() -> None:
+    """Expose :data:`STATS` on the default registry (the one vLLM's ``/metrics`` serves); idempotent."""
+    global _registered
+    if not _registered:
+        REGISTRY.register(_COLLECTOR)
+        _registered = True

@@ -1,0 +1,105 @@
+"""Pydantic models of the ``/steer/*`` API (they are what its OpenAPI schema shows, and what the client returns)."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+
+class ErrorDetail(BaseModel):
+    message: str = Field(description="What went wrong and what to do about it.")
+    code: str = Field(description="Stable slug, e.g. `exists`, `unknown_vector`, `not_finite`, `slots_exhausted`.")
+    field: str | None = Field(None, description="The request field at fault, when there is one.")
+
+
+class ErrorBody(BaseModel):
+    """Body of every error response."""
+
+    error: ErrorDetail
+
+
+class _EngineResult(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+
+class VectorMeta(_EngineResult):
+    """A registered steering vector."""
+
+    id: str
+    version: int = Field(description="Bumped on every replace; receipts name the version they steered with.")
+    sha256: str = Field(description="SHA-256 of the raw vector bytes.")
+    dtype: str
+    shape: list[int]
+    layers: list[int] | None = Field(description="Layers naming the rows; null: a row per layer, or any layer.")
+    norms: dict[str, float] = Field(description="L2 norm of each row, keyed by layer.")
+    in_flight: int = Field(0, description="Requests currently steered by this vector.")
+    created_at: float = Field(description="Registration time, seconds since the epoch.")
+
+    @field_validator("norms", mode="before")
+    @classmethod
+    def _layer_keys_as_strings(cls, value: Any) -> Any:
+        return {str(k): v for k, v in value.items()} if isinstance(value, dict) else value
+
+
+class VectorList(BaseModel):
+    vectors: list[VectorMeta]
+
+
+class DeleteResult(BaseModel):
+    """Body of a 202 from ``DELETE``: the vector is gone for new requests, its storage is freed when the
+    requests still using it finish."""
+
+    id: str
+    in_flight: int
+
+
+class RegisterVectorJSON(BaseModel):
+    """JSON body of ``POST /steer/vectors``: either base64 ``data`` with ``dtype`` and ``shape`` (``layers``
+    optionally naming the rows), or per-layer float lists in ``layers`` (stored as float32)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    id: str = Field(pattern=r"^[A-Za-z0-9._-]{1,64}$")
+    data: str | None = Field(None, description="Base64 of the raw little-endian values, row-major.")
+    dtype: Literal["float32", "float16", "bfloat16"] | None = None
+    shape: list[int] | None = Field(None, description="[hidden], [n_layers, hidden] or [len(layers), hidden].")
+    layers: list[int] | dict[str, list[float]] | None = Field(
+        None, description='Layer indices naming the rows of `data`, or {"<layer>": [floats...]}.'
+    )
+
+
+class SlotRow(_EngineResult):
+    """One occupied row of the steering bank."""
+
+    slot: int
+    id: str
+    version: int
+    layer: int
+    refcount: int = Field(description="Running requests pinning this row.")
+    last_use: float
+
+
+class ModelSteering(_EngineResult):
+    """Whether the served model can be steered, and its geometry."""
+
+    steerable: bool
+    reason: str | None = None
+    n_layers: int | None = None
+    hidden_size: int | None = None
+    max_stack: int | None = Field(None, description="Most entries one request may stack on one layer.")
+
+
+class SlotStats(_EngineResult):
+    """The steering bank: capacity and use, evictions, refusals, and its rows."""
+
+    capacity: int
+    used: int
+    pinned: int
+    free: int
+    evictions: int
+    refused: dict[str, int] = Field(description="Requests refused, by reason (e.g. the slot budget).")
+    steered_requests: int
+    vectors: int = Field(description="Registered vectors.")
+    rows: list[SlotRow]
+    model: ModelSteering

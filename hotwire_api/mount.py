@@ -1,0 +1,62 @@
+"""vLLM 0.25.1 glue: serve hotwire from a plain ``vllm serve`` (the only vLLM-version-specific module of
+hotwire_api).
+
+vLLM has no endpoint-plugin group. The ``hotwire`` general plugin (``hotwire_core.register``, run in every vLLM
+process) calls :func:`install`. In the API server that wraps ``vllm.entrypoints.serve.register_vllm_serve_api_routers``,
+which ``build_app`` imports at call time right after creating the FastAPI app and setting ``app.state.args``,
+so every app it builds gets hotwire attached. Being the first middleware ``build_app`` adds, admission is the
+innermost: vLLM's HTTP metrics, CORS, ``--api-key`` auth (``/v1`` only), scaling middleware and any
+``--middleware`` all run before it.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import multiprocessing
+import sys
+from typing import Any
+
+_API_SERVER_MODULE = "vllm.entrypoints.openai.api_server"
+_SERVE_MODULE = "vllm.entrypoints.serve"
+_HOOK = "register_vllm_serve_api_routers"
+_MARK = "__hotwire_attached__"
+
+
+def is_api_server_process() -> bool:
+    """True in a process that may build vLLM's FastAPI app.
+
+    vLLM names its child processes: ``ApiServer_<i>`` (``--api-server-count > 1``), ``EngineCore[_DP<i>]``,
+    ``VllmWorker-<rank>``. The main process is an API server when vLLM's API-server module is loaded there:
+    ``vllm serve`` imports it before loading plugins, ``python -m vllm.entrypoints.openai.api_server`` runs it
+    as ``__main__``. Offline ``LLM`` scripts load neither.
+    """
+    name = multiprocessing.current_process().name
+    if name.startswith("ApiServer"):
+        return True
+    if name != "MainProcess":
+        return False
+    main_spec = getattr(sys.modules.get("__main__"), "__spec__", None)
+    return _API_SERVER_MODULE in sys.modules or getattr(main_spec, "name", None) == _API_SERVER_MODULE
+
+
+def install() -> bool:
+    """Make vLLM's app builder attach hotwire; returns whether the hook is in place. Does nothing outside the
+    API server, and nothing the second time."""
+    if not is_api_server_process():
+        return False
+    serve = importlib.import_module(_SERVE_MODULE)
+    original = getattr(serve, _HOOK)
+    if getattr(original, _MARK, False):
+        return True
+
+    @functools.wraps(original)
+    def register_hotwire_and_routers(app: Any) -> None:
+        from hotwire_api.server import attach
+
+        attach(app)  # first, so that vLLM's HTTP metrics middleware also sees admission refusals
+        original(app)
+
+    setattr(register_hotwire_and_routers, _MARK, True)
+    setattr(serve, _HOOK, register_hotwire_and_routers)
+    return True

@@ -1,0 +1,208 @@
+"""The ``/steer/*`` routes: register, list, inspect and delete steering vectors, and read the slot bank."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator, Callable, Coroutine
+from typing import Any
+
+from fastapi import APIRouter, BackgroundTasks, Depends, Query, Request, Response
+from fastapi.exceptions import RequestValidationError
+from fastapi.routing import APIRoute
+from starlette.datastructures import Headers, UploadFile
+from starlette.formparsers import MultiPartException, MultiPartParser
+
+from hotwire_api.auth import require_api_key
+from hotwire_api.codec import VectorPayload, decode_form, decode_json, read_limited, too_large
+from hotwire_api.engine import HotwireEngine
+from hotwire_api.errors import HotwireError
+from hotwire_api.metrics import STATS, refreshing
+from hotwire_api.models import DeleteResult, ErrorBody, RegisterVectorJSON, SlotStats, VectorList, VectorMeta
+from hotwire_api.settings import Settings
+
+
+class _HotwireRoute(APIRoute):
+    """Renders :class:`HotwireError` and request-validation failures as hotwire error bodies, whichever
+    exception handlers the host app has."""
+
+    def get_route_handler(self) -> Callable[[Request], Coroutine[Any, Any, Response]]:
+        handler = super().get_route_handler()
+
+        async def route(request: Request) -> Response:
+            try:
+                return await handler(request)
+            except HotwireError as err:
+                return err.response()
+            except RequestValidationError as exc:
+                first = exc.errors()[0]
+                field = ".".join(str(part) for part in first["loc"][1:]) or None
+                message = f"{field}: {first['msg']}" if field else str(first["msg"])
+                return HotwireError(400, "bad_request", message, field).response()
+
+        return route
+
+
+def _error(description: str) -> dict[str, Any]:
+    return {"model": ErrorBody, "description": description}
+
+
+router = APIRouter(
+    prefix="/steer",
+    tags=["hotwire"],
+    route_class=_HotwireRoute,
+    dependencies=[Depends(require_api_key)],
+    lifespan=refreshing,
+    responses={
+        401: _error("Missing or wrong API key."),
+        503: _error("The engine is not running, or cannot be steered."),
+    },
+)
+
+_REGISTER_BODY = {
+    "required": True,
+    "content": {
+        "multipart/form-data": {
+            "schema": {
+                "type": "object",
+                "required": ["id", "file"],
+                "properties": {
+                    "id": {"type": "string", "pattern": "^[A-Za-z0-9._-]{1,64}$"},
+                    "file": {
+                        "type": "string",
+                        "format": "binary",
+                        "description": "safetensors: one tensor, or 1-D tensors named by layer index.",
+                    },
+                    "layers": {"type": "string", "description": "Layers naming the tensor's rows: 10,12 or [10,12]."},
+                },
+            }
+        },
+        "application/json": {"schema": RegisterVectorJSON.model_json_schema()},
+    },
+}
+
+
+async def _form_fields(headers: Headers, body: bytes, limit: int) -> dict[str, str | bytes]:
+    async def chunks() -> AsyncIterator[bytes]:
+        yield body
+
+    try:
+        form = await MultiPartParser(headers, chunks(), max_files=1, max_fields=8, max_part_size=limit).parse()
+    except MultiPartException as exc:
+        raise HotwireError(400, "bad_body", f"malformed multipart body: {exc.message}") from None
+    fields: dict[str, str | bytes] = {}
+    try:
+        for name, value in form.multi_items():
+            if name in fields:
+                raise HotwireError(400, "bad_body", "is given twice", name)
+            fields[name] = await value.read() if isinstance(value, UploadFile) else value
+    finally:
+        await form.close()
+    return fields
+
+
+async def _read_upload(request: Request, limit: int) -> tuple[str, VectorPayload]:
+    length = request.headers.get("content-length", "")
+    if length.isdigit() and int(length) > limit:
+        raise too_large(limit)
+    content_type = request.headers.get("content-type", "").partition(";")[0].strip().lower()
+    if content_type not in ("multipart/form-data", "application/json"):
+        raise HotwireError(
+            415,
+            "unsupported_media_type",
+            f"send multipart/form-data (id, file=<.safetensors>, layers?) or application/json, not {content_type!r}",
+        )
+    body = await read_limited(request.stream(), limit)
+    if content_type == "multipart/form-data":
+        return decode_form(await _form_fields(request.headers, body, limit))
+    try:
+        obj = json.loads(body)
+    except ValueError as exc:
+        raise HotwireError(400, "bad_body", f"the body is not valid JSON ({exc})") from None
+    return decode_json(obj)
+
+
+def _refresh_stats_later(background: BackgroundTasks, engine: HotwireEngine) -> None:
+    background.add_task(STATS.refresh, engine)
+
+
+@router.post(
+    "/vectors",
+    status_code=201,
+    response_model=VectorMeta,
+    summary="Register a steering vector",
+    openapi_extra={"requestBody": _REGISTER_BODY},
+    responses={
+        200: {"model": VectorMeta, "description": "Replaced an existing vector (`?replace=true`)."},
+        400: _error("Bad id, dtype, shape, layers or values, or a hidden size / layer the model does not have."),
+        409: _error("The id is taken; pass `?replace=true` to replace it."),
+        413: _error("Larger than HOTWIRE_MAX_UPLOAD_MB."),
+        415: _error("Neither multipart/form-data nor application/json."),
+    },
+)
+async def register_vector(
+    request: Request,
+    response: Response,
+    background: BackgroundTasks,
+    replace: bool = Query(False, description="Replace a vector with the same id (its version goes up)."),
+) -> VectorMeta:
+    settings: Settings = request.app.state.hotwire_settings
+    vector_id, payload = await _read_upload(request, settings.max_upload_bytes)
+    engine = HotwireEngine.of(request.app)
+    created, meta = await engine.register(vector_id, payload, replace)
+    if not created:
+        response.status_code = 200
+    _refresh_stats_later(background, engine)
+    return meta
+
+
+@router.get("/vectors", response_model=VectorList, summary="List steering vectors")
+async def list_vectors(request: Request, background: BackgroundTasks) -> VectorList:
+    engine = HotwireEngine.of(request.app)
+    vectors = await engine.vectors()
+    _refresh_stats_later(background, engine)
+    return VectorList(vectors=vectors)
+
+
+@router.get(
+    "/vectors/{vector_id}",
+    response_model=VectorMeta,
+    summary="Get one steering vector",
+    responses={404: _error("No vector has this id.")},
+)
+async def get_vector(vector_id: str, request: Request, background: BackgroundTasks) -> VectorMeta:
+    engine = HotwireEngine.of(request.app)
+    vectors = await engine.vectors()
+    _refresh_stats_later(background, engine)
+    for meta in vectors:
+        if meta.id == vector_id:
+            return meta
+    raise HotwireError(
+        404, "unknown_vector", f"unknown steering vector {vector_id!r}; GET /steer/vectors lists them", "id"
+    )
+
+
+@router.delete(
+    "/vectors/{vector_id}",
+    status_code=204,
+    response_class=Response,
+    summary="Delete a steering vector",
+    responses={
+        202: {"model": DeleteResult, "description": "Deleted for new requests; running ones keep it until done."},
+        404: _error("No vector has this id."),
+    },
+)
+async def delete_vector(vector_id: str, request: Request, background: BackgroundTasks) -> Response:
+    engine = HotwireEngine.of(request.app)
+    in_flight = await engine.unregister(vector_id)
+    _refresh_stats_later(background, engine)
+    if in_flight > 0:
+        body = DeleteResult(id=vector_id, in_flight=in_flight).model_dump_json()
+        return Response(body, status_code=202, media_type="application/json")
+    return Response(status_code=204)
+
+
+@router.get("/slots", response_model=SlotStats, summary="Steering bank occupancy and counters")
+async def slots(request: Request) -> SlotStats:
+    stats = await HotwireEngine.of(request.app).stats()
+    STATS.snapshot = stats
+    return stats

@@ -1,0 +1,22 @@
+"""Attach hotwire to a FastAPI app: the ``/steer`` router (whose lifespan keeps the metrics snapshot fresh),
+the admission middleware on the OpenAI routes, and the Prometheus collector. Independent of vLLM's version;
+``mount.py`` decides where this is called."""
+
+from __future__ import annotations
+
+from fastapi import FastAPI
+
+from hotwire_api.admission import AdmissionMiddleware
+from hotwire_api.metrics import register_collector
+from hotwire_api.routes import router
+from hotwire_api.settings import Settings
+
+
+def attach(app: FastAPI, settings: Settings | None = None) -> None:
+    """Add hotwire to ``app`` (``settings`` default to the environment). Middleware added now sits inside
+    any added later, so the host's auth, CORS and error middleware run before admission."""
+    settings = settings or Settings.from_env()
+    app.state.hotwire_settings = settings
+    app.include_router(router)
+    app.add_middleware(AdmissionMiddleware, lenient=settings.lenient)
+    register_collector()

@@ -1,0 +1,32 @@
+"""Control-plane settings, read once from the environment when hotwire is attached to an app."""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass
+
+DEFAULT_MAX_UPLOAD_MB = 64.0
+
+
+@dataclass(frozen=True)
+class Settings:
+    """``max_upload_bytes``: ``HOTWIRE_MAX_UPLOAD_MB`` (default 64); ``lenient``: ``HOTWIRE_LENIENT=1``
+    serves bad steering requests unsteered instead of refusing them; ``api_key``: ``HOTWIRE_API_KEY``,
+    which guards ``/steer/*`` in place of vLLM's ``--api-key``."""
+
+    max_upload_bytes: int = int(DEFAULT_MAX_UPLOAD_MB * 1024 * 1024)
+    lenient: bool = False
+    api_key: str | None = None
+
+    @classmethod
+    def from_env(cls) -> Settings:
+        raw_mb = os.environ.get("HOTWIRE_MAX_UPLOAD_MB", "").strip()
+        try:
+            mb = float(raw_mb) if raw_mb else DEFAULT_MAX_UPLOAD_MB
+        except ValueError:
+            mb = math.nan
+        if not math.isfinite(mb) or mb <= 0:
+            raise ValueError(f"HOTWIRE_MAX_UPLOAD_MB must be a positive number of megabytes, got {raw_mb!r}")
+        lenient = os.environ.get("HOTWIRE_LENIENT", "").strip().lower() in ("1", "true", "yes", "on")
+        return cls(int(mb * 1024 * 1024), lenient, os.environ.get("HOTWIRE_API_KEY") or None)

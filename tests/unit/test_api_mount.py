@@ -1,0 +1,105 @@
+"""hotwire_api.mount: install() hooks vLLM's router registration only in the API server, once.
+
+The fast tests stand a fake ``vllm.entrypoints.serve`` in for the real one; ``test_real_build_app`` builds
+vLLM 0.25.1's actual app (no engine needed) and is marked ``integration`` because importing vLLM is slow."""
+
+from __future__ import annotations
+
+import multiprocessing
+import sys
+import types
+
+import pytest
+from fastapi import FastAPI
+from fastapi.testclient import TestClient
+
+from hotwire_api import mount
+from hotwire_api.admission import AdmissionMiddleware
+
+SERVE = "vllm.entrypoints.serve"
+API_SERVER = "vllm.entrypoints.openai.api_server"
+
+
+@pytest.fixture
+def fake_serve(monkeypatch: pytest.MonkeyPatch) -> types.ModuleType:
+    module = types.ModuleType(SERVE)
+    module.calls = []  # type: ignore[attr-defined]
+
+    def register_vllm_serve_api_routers(app: FastAPI) -> None:
+        module.calls.append(app)  # type: ignore[attr-defined]
+
+    module.register_vllm_serve_api_routers = register_vllm_serve_api_routers  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, SERVE, module)
+    monkeypatch.delitem(sys.modules, API_SERVER, raising=False)
+    return module
+
+
+def _as_process(monkeypatch: pytest.MonkeyPatch, name: str, api_server_loaded: bool = False) -> None:
+    monkeypatch.setattr(multiprocessing.current_process(), "name", name)
+    if api_server_loaded:
+        monkeypatch.setitem(sys.modules, API_SERVER, types.ModuleType(API_SERVER))
+
+
+@pytest.mark.parametrize("name", ["EngineCore", "EngineCore_DP1", "VllmWorker-0", "MainProcess"])
+def test_outside_the_api_server_install_does_nothing(
+    fake_serve: types.ModuleType, monkeypatch: pytest.MonkeyPatch, name: str
+) -> None:
+    _as_process(monkeypatch, name)  # MainProcess without vLLM's API server loaded: e.g. an offline LLM script
+    original = fake_serve.register_vllm_serve_api_routers
+    assert mount.install() is False
+    assert fake_serve.register_vllm_serve_api_routers is original
+
+
+@pytest.mark.parametrize("name,api_server_loaded", [("MainProcess", True), ("ApiServer_1", False)])
+def test_api_server_gets_hotwire_once(
+    fake_serve: types.ModuleType, monkeypatch: pytest.MonkeyPatch, name: str, api_server_loaded: bool
+) -> None:
+    _as_process(monkeypatch, name, api_server_loaded)
+    original = fake_serve.register_vllm_serve_api_routers
+    assert mount.install() is True
+    hooked = fake_serve.register_vllm_serve_api_routers
+    assert hooked is not original and hooked.__wrapped__ is original
+    assert mount.install() is True and fake_serve.register_vllm_serve_api_routers is hooked  # idempotent
+
+    app = FastAPI()
+    hooked(app)
+    assert fake_serve.calls == [app]  # vLLM's own routers still registered
+    assert {"/steer/vectors", "/steer/slots"} <= {route.path for route in app.routes}
+    assert [m.cls for m in app.user_middleware] == [AdmissionMiddleware]
+
+
+def test_python_m_api_server_counts_as_api_server(
+    fake_serve: types.ModuleType, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    _as_process(monkeypatch, "MainProcess")
+    main = types.ModuleType("__main__")
+    main.__spec__ = types.SimpleNamespace(name=API_SERVER)  # type: ignore[assignment]
+    monkeypatch.setitem(sys.modules, "__main__", main)
+    assert mount.is_api_server_process()
+
+
+@pytest.mark.integration
+def test_real_build_app(monkeypatch: pytest.MonkeyPatch) -> None:
+    """vLLM 0.25.1's build_app serves /steer behind --api-key, with admission inside vLLM's middleware."""
+    monkeypatch.delenv("HOTWIRE_API_KEY", raising=False)
+    monkeypatch.setattr(multiprocessing.current_process(), "name", "MainProcess")
+    api_server = pytest.importorskip(API_SERVER)
+    import vllm.entrypoints.serve as serve
+    from vllm.entrypoints.openai.cli_args import make_arg_parser
+    from vllm.entrypoints.serve.utils.server_utils import AuthenticationMiddleware
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    monkeypatch.setattr(serve, "register_vllm_serve_api_routers", serve.register_vllm_serve_api_routers)
+    assert mount.install() is True
+    args = make_arg_parser(FlexibleArgumentParser()).parse_args(["--model", "m", "--api-key", "k"])
+    app = api_server.build_app(args, ("generate",))
+    classes = [m.cls for m in app.user_middleware]
+    assert classes.index(AuthenticationMiddleware) < classes.index(AdmissionMiddleware)  # auth runs first
+    assert classes[-1] is AdmissionMiddleware  # innermost: vLLM's HTTP metrics see admission refusals
+
+    client = TestClient(app)
+    assert "/steer/slots" in client.get("/openapi.json").json()["paths"]
+    response = client.get("/steer/slots")
+    assert response.status_code == 401 and response.headers["www-authenticate"] == "Bearer"
+    response = client.get("/steer/slots", headers={"Authorization": "Bearer k"})
+    assert response.status_code == 503  # authorised; no engine in this test

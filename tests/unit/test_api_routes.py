@@ -1,0 +1,732 @@
+"""The HTTP mapping of hotwire_api against an in-memory fake of the engine's ``hotwire_*`` RPC contract
+(docs/architecture.md): /steer routes, auth, admission middleware, metrics, OpenAPI, client and CLI.
+The real engine is exercised by the integration tests."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import hashlib
+import json
+import time
+from argparse import Namespace
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import httpx
+import numpy as np
+import pytest
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.testclient import TestClient
+from prometheus_client import REGISTRY, generate_latest, make_asgi_app
+from safetensors.numpy import save as save_numpy
+
+from hotwire_api import cli
+from hotwire_api.client import AsyncHotwireClient, HotwireClient
+from hotwire_api.errors import HotwireError
+from hotwire_api.metrics import STATS
+from hotwire_api.server import attach
+from hotwire_api.settings import Settings
+
+HIDDEN, N_LAYERS = 8, 4
+_ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2}
+
+
+def _fail(status: int, code: str, error: str, field: str | None = None) -> dict[str, Any]:
+    return {"ok": False, "status": status, "code": code, "error": error, "field": field}
+
+
+class FakeEngine:
+    """``collective_rpc`` answering the hotwire_* contract from memory, recording every call."""
+
+    def __init__(self) -> None:
+        self.vectors: dict[str, dict[str, Any]] = {}
+        self.in_flight: Counter[str] = Counter()
+        self.calls: list[tuple[str, tuple[Any, ...]]] = []
+        self.steerable = True
+        self.busy: set[str] = set()
+        self.refused: Counter[str] = Counter()
+        self.steered = 0
+
+    async def collective_rpc(
+        self, method: str, timeout: float | None = None, args: tuple = (), kwargs: dict[str, Any] | None = None
+    ) -> list[Any]:
+        self.calls.append((method, args))
+        return [getattr(self, method)(*args)]
+
+    def methods(self) -> list[str]:
+        return [method for method, _ in self.calls]
+
+    def hotwire_register(
+        self, vector_id: str, data: bytes, dtype: str, shape: list[int], layers: list[int] | None, replace: bool
+    ) -> dict[str, Any]:
+        assert isinstance(data, bytes) and isinstance(shape, list) and isinstance(replace, bool)
+        assert len(data) == int(np.prod(shape)) * _ITEMSIZE[dtype]
+        if shape[-1] != HIDDEN:
+            return _fail(400, "hidden_size_mismatch", f"the model's hidden size is {HIDDEN}, not {shape[-1]}", "shape")
+        if len(shape) == 2 and layers is None and shape[0] != N_LAYERS:
+            return _fail(400, "layer_count_mismatch", f"the model has {N_LAYERS} layers, not {shape[0]}", "shape")
+        if layers and max(layers) >= N_LAYERS:
+            return _fail(400, "layer_out_of_range", f"layer {max(layers)} is out of range 0..{N_LAYERS - 1}", "layers")
+        existing = self.vectors.get(vector_id)
+        if existing is not None and not replace:
+            return _fail(409, "exists", f"vector {vector_id!r} is already registered; pass replace=true", "id")
+        rows = (
+            np.frombuffer(data, np.float16 if dtype == "float16" else np.float32).reshape(-1, HIDDEN)
+            if dtype != "bfloat16"
+            else np.zeros((1, HIDDEN))
+        )
+        keys = layers if layers is not None else (list(range(shape[0])) if len(shape) == 2 else [-1])
+        meta = {
+            "id": vector_id,
+            "version": existing["version"] + 1 if existing else 1,
+            "sha256": hashlib.sha256(data).hexdigest(),
+            "dtype": dtype,
+            "shape": shape,
+            "layers": layers,
+            "norms": {k: float(np.linalg.norm(r)) for k, r in zip(keys, rows, strict=False)},
+            "in_flight": 0,
+            "created_at": time.time(),
+        }
+        self.vectors[vector_id] = meta
+        return {"ok": True, "created": existing is None, "vector": meta}
+
+    def hotwire_unregister(self, vector_id: str) -> dict[str, Any]:
+        if self.vectors.pop(vector_id, None) is None:
+            return _fail(404, "unknown_vector", f"unknown steering vector {vector_id!r}", "id")
+        return {"ok": True, "in_flight": self.in_flight.pop(vector_id, 0)}
+
+    def hotwire_list(self) -> dict[str, Any]:
+        return {"ok": True, "vectors": [{**m, "in_flight": self.in_flight[m["id"]]} for m in self.vectors.values()]}
+
+    def hotwire_stats(self) -> dict[str, Any]:
+        rows = [
+            {
+                "slot": i + 1,
+                "id": v,
+                "version": m["version"],
+                "layer": 0,
+                "refcount": self.in_flight[v],
+                "last_use": 1.0,
+            }
+            for i, (v, m) in enumerate(self.vectors.items())
+        ]
+        return {
+            "ok": True,
+            "capacity": 16,
+            "used": len(rows),
+            "pinned": sum(r["refcount"] > 0 for r in rows),
+            "free": 16 - len(rows),
+            "evictions": 3,
+            "refused": dict(self.refused),
+            "steered_requests": self.steered,
+            "vectors": len(self.vectors),
+            "rows": rows,
+            "model": {
+                "steerable": self.steerable,
+                "reason": None,
+                "n_layers": N_LAYERS,
+                "hidden_size": HIDDEN,
+                "max_stack": 4,
+            },
+        }
+
+    def hotwire_check(self, spec: str) -> dict[str, Any]:
+        if not self.steerable:  # like hotwire_core, check() refuses without counting: admission counts
+            return _fail(503, "model_not_steerable", "this model's decoder layers cannot be steered")
+        try:
+            entries = json.loads(spec)
+        except ValueError:
+            return _fail(400, "bad_spec", "hotwire: is not valid JSON", "hotwire")
+        entries = entries if isinstance(entries, list) else [entries]
+        for i, entry in enumerate(entries):
+            if entry["id"] not in self.vectors:
+                return _fail(400, "unknown_vector", f"unknown steering vector {entry['id']!r}", f"hotwire[{i}].id")
+            if entry["layer"] >= N_LAYERS:
+                return _fail(
+                    400, "layer_out_of_range", f"layer {entry['layer']} is out of range", f"hotwire[{i}].layer"
+                )
+            if entry["id"] in self.busy:
+                return _fail(429, "slots_exhausted", "no free steering slots; retry shortly")
+        self.steered += 1
+        first = self.vectors[entries[0]["id"]]
+        return {"ok": True, "receipt": f"{first['id']}@v{first['version']}", "new_rows": 1}
+
+
+def _openai_app(engine: FakeEngine | None, settings: Settings) -> FastAPI:
+    """A FastAPI app with stand-ins for vLLM's OpenAI routes (echoing what they received) and /metrics."""
+    app = FastAPI()
+    attach(app, settings)
+    app.state.engine_client = engine
+
+    async def echo(request: Request) -> JSONResponse:
+        raw = await request.body()
+        return JSONResponse({"raw": raw.decode(), "content_length": request.headers.get("content-length")})
+
+    async def stream(request: Request) -> StreamingResponse:
+        await request.body()
+
+        async def chunks():
+            for i in range(3):
+                yield f'data: {{"i": {i}}}\n\n'.encode()
+            yield b"data: [DONE]\n\n"
+
+        return StreamingResponse(chunks(), media_type="text/event-stream")
+
+    app.add_api_route("/v1/chat/completions", echo, methods=["POST"])
+    app.add_api_route("/v1/responses", echo, methods=["POST"])
+    app.add_api_route("/v1/completions", stream, methods=["POST"])
+    app.add_api_route("/v1/embeddings", echo, methods=["POST"])
+    app.mount("/metrics", make_asgi_app())
+    return app
+
+
+@pytest.fixture(autouse=True)
+def fresh_stats() -> None:
+    STATS.snapshot = None
+    STATS.admission_refusals = {}
+
+
+@pytest.fixture
+def engine() -> FakeEngine:
+    return FakeEngine()
+
+
+@pytest.fixture
+def app(engine: FakeEngine) -> FastAPI:
+    return _openai_app(engine, Settings(max_upload_bytes=4096))
+
+
+@pytest.fixture
+def client(app: FastAPI) -> TestClient:
+    return TestClient(app)
+
+
+def _vector(rows: int = 1) -> np.ndarray:
+    return (
+        np.arange(rows * HIDDEN, dtype=np.float32).reshape(rows, HIDDEN).squeeze(0) / 10
+        if rows == 1
+        else np.arange(rows * HIDDEN, dtype=np.float32).reshape(rows, HIDDEN) / 10
+    )
+
+
+def _upload(
+    client: TestClient,
+    vector_id: str,
+    array: np.ndarray,
+    *,
+    layers: str | None = None,
+    replace: bool = False,
+    headers: dict[str, str] | None = None,
+) -> httpx.Response:
+    data = {"id": vector_id, **({"layers": layers} if layers else {})}
+    return client.post(
+        "/steer/vectors",
+        params={"replace": "true"} if replace else None,
+        data=data,
+        files={"file": ("v.safetensors", save_numpy({"v": array}), "application/octet-stream")},
+        headers=headers,
+    )
+
+
+def _error(response: httpx.Response, status: int, code: str, field: str | None = None) -> dict[str, Any]:
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert error["code"] == code and error["message"]
+    assert error.get("field") == field
+    return error
+
+
+def _chat(vllm_xargs: dict[str, Any] | None = None, **extra: Any) -> dict[str, Any]:
+    body: dict[str, Any] = {"model": "m", "messages": [{"role": "user", "content": "hi"}], **extra}
+    if vllm_xargs is not None:
+        body["vllm_xargs"] = vllm_xargs
+    return body
+
+
+def _spec(vector_id: str = "happy", layer: int = 1) -> str:
+    return json.dumps({"id": vector_id, "layer": layer, "scale": 4.0})
+
+
+# ---- /steer/vectors ---------------------------------------------------------------------------------------
+
+
+def test_register_multipart_then_get_list_delete(client: TestClient, engine: FakeEngine) -> None:
+    response = _upload(client, "happy", _vector())
+    assert response.status_code == 201, response.text
+    meta = response.json()
+    assert (meta["id"], meta["version"], meta["shape"], meta["dtype"]) == ("happy", 1, [HIDDEN], "float32")
+    assert meta["sha256"] == hashlib.sha256(_vector().tobytes()).hexdigest()
+    method, args = engine.calls[0]
+    assert method == "hotwire_register"
+    assert args == ("happy", _vector().tobytes(), "float32", [HIDDEN], None, False)
+
+    assert client.get("/steer/vectors/happy").json()["version"] == 1
+    assert [v["id"] for v in client.get("/steer/vectors").json()["vectors"]] == ["happy"]
+    assert client.delete("/steer/vectors/happy").status_code == 204
+    _error(client.get("/steer/vectors/happy"), 404, "unknown_vector", "id")
+    _error(client.delete("/steer/vectors/happy"), 404, "unknown_vector", "id")
+
+
+def test_register_json_base64_and_per_layer_lists(client: TestClient, engine: FakeEngine) -> None:
+    rows = _vector(2)
+    body = {
+        "id": "b64",
+        "data": base64.b64encode(rows.astype(np.float16).tobytes()).decode(),
+        "dtype": "float16",
+        "shape": [2, HIDDEN],
+        "layers": [1, 3],
+    }
+    assert client.post("/steer/vectors", json=body).status_code == 201
+    assert engine.calls[-2][1][2:5] == ("float16", [2, HIDDEN], [1, 3])  # the call before the stats refresh
+
+    response = client.post("/steer/vectors", json={"id": "lists", "layers": {"2": [1.0] * HIDDEN}})
+    assert response.status_code == 201, response.text
+    assert response.json()["layers"] == [2] and response.json()["norms"] == {"2": pytest.approx(HIDDEN**0.5)}
+
+
+def test_register_safetensors_named_by_layer(client: TestClient, engine: FakeEngine) -> None:
+    file = save_numpy({"3": np.ones(HIDDEN, np.float32), "0": np.zeros(HIDDEN, np.float32)})
+    response = client.post(
+        "/steer/vectors", data={"id": "by-layer"}, files={"file": ("v.safetensors", file, "application/octet-stream")}
+    )
+    assert response.status_code == 201, response.text
+    assert response.json()["layers"] == [0, 3]
+
+
+def test_same_id_conflicts_unless_replace(client: TestClient) -> None:
+    assert _upload(client, "v", _vector()).status_code == 201
+    error = _error(_upload(client, "v", _vector()), 409, "exists", "id")
+    assert "replace" in error["message"]
+    response = _upload(client, "v", _vector() * 2, replace=True)
+    assert response.status_code == 200 and response.json()["version"] == 2
+    assert _upload(client, "new", _vector(), replace=True).status_code == 201
+
+
+@pytest.mark.parametrize(
+    "array,layers,status,code,field",
+    [
+        (np.ones(HIDDEN + 1, np.float32), None, 400, "hidden_size_mismatch", "shape"),  # engine-side check
+        (np.ones((2, HIDDEN), np.float32), "2,9", 400, "layer_out_of_range", "layers"),  # engine-side check
+        (np.ones(HIDDEN, np.float64), None, 400, "bad_dtype", "file"),
+        (np.full(HIDDEN, np.nan, np.float32), None, 400, "not_finite", "file"),
+        (np.ones((2, HIDDEN), np.float32), "1", 400, "bad_layers", "layers"),
+    ],
+)
+def test_register_errors(
+    client: TestClient, engine: FakeEngine, array: np.ndarray, layers: str | None, status: int, code: str, field: str
+) -> None:
+    _error(_upload(client, "v", array, layers=layers), status, code, field)
+    if code not in ("hidden_size_mismatch", "layer_out_of_range"):
+        assert engine.calls == []  # refused in the API, before any RPC
+
+
+def test_register_bad_id_and_body(client: TestClient, engine: FakeEngine) -> None:
+    _error(_upload(client, "no spaces", _vector()), 400, "bad_id", "id")
+    _error(client.post("/steer/vectors", content=b"{", headers={"content-type": "application/json"}), 400, "bad_body")
+    _error(
+        client.post("/steer/vectors", content=b"x", headers={"content-type": "text/plain"}),
+        415,
+        "unsupported_media_type",
+    )
+    _error(client.post("/steer/vectors", data={"id": "v"}), 415, "unsupported_media_type")  # urlencoded: no file
+    no_file = b'--B\r\nContent-Disposition: form-data; name="id"\r\n\r\nv\r\n--B--\r\n'
+    multipart = {"content-type": "multipart/form-data; boundary=B"}
+    response = client.post("/steer/vectors", content=no_file, headers=multipart)
+    _error(response, 400, "bad_file", "file")
+    _error(
+        client.post("/steer/vectors", content=b"garbage", headers={"content-type": "multipart/form-data"}),
+        400,
+        "bad_body",
+    )
+    torch_pickle = b"PK\x03\x04" + b"\x00" * 100  # torch.save writes a zip of pickles
+    response = client.post("/steer/vectors", data={"id": "v"}, files={"file": ("v.pt", torch_pickle)})
+    assert "never pickles" in _error(response, 400, "bad_file", "file")["message"]
+    _error(client.post("/steer/vectors?replace=maybe", json={}), 400, "bad_request", "replace")
+    assert engine.calls == []
+
+
+def test_register_oversize_is_413(client: TestClient, engine: FakeEngine) -> None:
+    big = np.ones((N_LAYERS * 40, HIDDEN), np.float32)  # 5 KiB > the fixture's 4 KiB limit
+    _error(_upload(client, "big", big), 413, "payload_too_large")
+
+    def chunked():  # no content-length: the limit is enforced while reading
+        yield b'{"id": "big", "data": "'
+        for _ in range(10):
+            yield b"A" * 1024
+
+    response = client.post("/steer/vectors", content=chunked(), headers={"content-type": "application/json"})
+    _error(response, 413, "payload_too_large")
+    assert engine.calls == []
+
+
+def test_delete_with_in_flight_users_is_202(client: TestClient, engine: FakeEngine) -> None:
+    _upload(client, "v", _vector())
+    engine.in_flight["v"] = 2
+    assert client.get("/steer/vectors/v").json()["in_flight"] == 2
+    response = client.delete("/steer/vectors/v")
+    assert response.status_code == 202 and response.json() == {"id": "v", "in_flight": 2}
+
+
+def test_engine_failures_are_503(app: FastAPI) -> None:
+    class Dead:
+        async def collective_rpc(self, *args: Any, **kwargs: Any) -> list[Any]:
+            raise AttributeError("'EngineCoreProc' object has no attribute 'hotwire_list'")
+
+    app.state.engine_client = Dead()
+    error = _error(TestClient(app).get("/steer/vectors"), 503, "engine_unavailable")
+    assert "VLLM_PLUGINS" in error["message"]
+    app.state.engine_client = None
+    _error(TestClient(app).get("/steer/slots"), 503, "engine_unavailable")
+
+
+# ---- /steer/slots and metrics -----------------------------------------------------------------------------
+
+
+def test_slots_is_one_rpc(client: TestClient, engine: FakeEngine) -> None:
+    _upload(client, "v", _vector())
+    engine.calls.clear()
+    stats = client.get("/steer/slots").json()
+    assert engine.methods() == ["hotwire_stats"]
+    assert (stats["capacity"], stats["used"], stats["free"], stats["evictions"], stats["vectors"]) == (16, 1, 15, 3, 1)
+    assert stats["rows"][0] == {"slot": 1, "id": "v", "version": 1, "layer": 0, "refcount": 0, "last_use": 1.0}
+    assert stats["model"]["hidden_size"] == HIDDEN and "ok" not in stats
+
+
+def test_steer_calls_refresh_the_metrics_snapshot(client: TestClient, engine: FakeEngine) -> None:
+    _upload(client, "v", _vector())
+    assert engine.methods() == ["hotwire_register", "hotwire_stats"]
+    assert STATS.snapshot is not None and STATS.snapshot.vectors == 1
+
+
+def test_metrics_series(client: TestClient, engine: FakeEngine) -> None:
+    assert "hotwire_slots_capacity" not in client.get("/metrics").text  # no snapshot yet: no bank series
+    _upload(client, "happy", _vector())
+    engine.refused["slots_exhausted"] = 2  # refused by the engine when it admitted requests
+    engine.busy.add("happy")
+    client.post("/v1/chat/completions", json=_chat({"hotwire": _spec()}))  # refused by admission
+    client.post("/v1/chat/completions", json=_chat({"hotwire": _spec("nope")}))
+    client.get("/steer/slots")
+    text = client.get("/metrics").text
+    for line in (
+        "hotwire_slots_capacity 16.0",
+        "hotwire_slots_used 1.0",
+        "hotwire_slots_pinned 0.0",
+        "hotwire_slot_evictions_total 3.0",
+        "hotwire_vectors_registered 1.0",
+        "hotwire_steered_requests_total 0.0",
+        'hotwire_refusals_total{reason="slots_exhausted"} 3.0',
+        'hotwire_refusals_total{reason="unknown_vector"} 1.0',
+    ):
+        assert line in text, line
+    assert text.count("# TYPE hotwire_refusals_total counter") == 1
+    assert generate_latest(REGISTRY).decode().count("hotwire_slots_capacity 16.0") == 1
+
+
+def test_metrics_collect_never_calls_the_engine(client: TestClient, engine: FakeEngine) -> None:
+    client.get("/steer/slots")
+    engine.calls.clear()
+    generate_latest(REGISTRY)
+    assert engine.calls == []
+
+
+def test_lifespan_refreshes_stats_in_the_background(app: FastAPI, engine: FakeEngine) -> None:
+    STATS.snapshot = None
+    with TestClient(app):
+        deadline = time.monotonic() + 5
+        while "hotwire_stats" not in engine.methods() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert "hotwire_stats" in engine.methods()
+    assert STATS.snapshot is not None
+
+
+# ---- auth -------------------------------------------------------------------------------------------------
+
+
+def _auth_status(client: TestClient, key: str | None) -> int:
+    return client.get("/steer/slots", headers={"Authorization": f"Bearer {key}"} if key else None).status_code
+
+
+def test_auth_off_by_default(client: TestClient, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("VLLM_API_KEY", raising=False)
+    assert _auth_status(client, None) == 200
+
+
+def test_hotwire_api_key(engine: FakeEngine) -> None:
+    client = TestClient(_openai_app(engine, Settings(api_key="s3cret")))
+    response = client.get("/steer/vectors")
+    _error(response, 401, "unauthorized")
+    assert response.headers["www-authenticate"] == "Bearer"
+    assert _auth_status(client, "wrong") == 401
+    assert client.get("/steer/slots", headers={"Authorization": "Basic s3cret"}).status_code == 401
+    assert _auth_status(client, "s3cret") == 200
+    assert client.post("/steer/vectors", json={}).status_code == 401  # before the body is even read
+    assert client.post("/v1/chat/completions", json=_chat()).status_code == 200  # /v1 is vLLM's to guard
+
+
+def test_vllm_api_keys_apply_when_hotwire_has_none(engine: FakeEngine, monkeypatch: pytest.MonkeyPatch) -> None:
+    app = _openai_app(engine, Settings())
+    app.state.args = Namespace(api_key=["k1", "k2"])  # vLLM 0.25.1: --api-key is a list
+    client = TestClient(app)
+    assert (_auth_status(client, None), _auth_status(client, "k2"), _auth_status(client, "k3")) == (401, 200, 401)
+
+    app.state.args = Namespace(api_key=None)
+    monkeypatch.setenv("VLLM_API_KEY", "env-key")
+    assert (_auth_status(client, "env-key"), _auth_status(client, "k1")) == (200, 401)
+
+    app.state.hotwire_settings = Settings(api_key="mine")  # HOTWIRE_API_KEY wins
+    assert (_auth_status(client, "mine"), _auth_status(client, "env-key")) == (200, 401)
+
+
+# ---- admission --------------------------------------------------------------------------------------------
+
+
+def test_requests_without_hotwire_are_untouched(client: TestClient, engine: FakeEngine) -> None:
+    raw = json.dumps(_chat({"other": "x"})).encode() + b"   "
+    response = client.post("/v1/chat/completions", content=raw, headers={"content-type": "application/json"})
+    assert response.json()["raw"].encode() == raw
+    assert "x-hotwire-receipt" not in response.headers
+    mention = _chat(None, messages=[{"role": "user", "content": "what is a hotwire?"}])
+    assert client.post("/v1/chat/completions", json=mention).status_code == 200
+    assert client.post("/v1/embeddings", json={"vllm_xargs": {"hotwire": "nonsense"}}).status_code == 200
+    assert engine.calls == []
+
+
+def test_steered_request_is_admitted_with_a_receipt(client: TestClient, engine: FakeEngine) -> None:
+    _upload(client, "happy", _vector())
+    raw = json.dumps(_chat({"hotwire": _spec()}), indent=1).encode()
+    response = client.post("/v1/chat/completions", content=raw, headers={"content-type": "application/json"})
+    assert response.status_code == 200
+    assert response.headers["x-hotwire-receipt"] == "happy@v1"
+    assert response.json()["raw"].encode() == raw  # replayed byte for byte
+    assert ("hotwire_check", (_spec(),)) in engine.calls
+    response = client.post("/v1/responses", json={"input": "hi", "vllm_xargs": {"hotwire": _spec()}})
+    assert response.headers["x-hotwire-receipt"] == "happy@v1"
+
+
+def test_streaming_response_passes_through(client: TestClient) -> None:
+    _upload(client, "happy", _vector())
+    body = {"model": "m", "prompt": "hi", "stream": True, "vllm_xargs": {"hotwire": _spec()}}
+    with client.stream("POST", "/v1/completions", json=body) as response:
+        assert response.headers["x-hotwire-receipt"] == "happy@v1"
+        assert response.headers["content-type"].startswith("text/event-stream")
+        chunks = b"".join(response.iter_bytes())
+    assert chunks == b'data: {"i": 0}\n\ndata: {"i": 1}\n\ndata: {"i": 2}\n\ndata: [DONE]\n\n'
+
+
+@pytest.mark.parametrize(
+    "spec,status,code,field",
+    [
+        (_spec("nope"), 400, "unknown_vector", "vllm_xargs.hotwire[0].id"),
+        (_spec("happy", layer=99), 400, "layer_out_of_range", "vllm_xargs.hotwire[0].layer"),
+        ("{not json", 400, "bad_spec", "vllm_xargs.hotwire"),
+        (["a", "b"], 400, "bad_spec", "vllm_xargs.hotwire"),  # chat allows lists of strings; not our format
+        (_spec("busy"), 429, "slots_exhausted", None),
+    ],
+)
+def test_admission_refusals(
+    client: TestClient, engine: FakeEngine, spec: Any, status: int, code: str, field: str | None
+) -> None:
+    _upload(client, "happy", _vector())
+    _upload(client, "busy", _vector())
+    engine.busy.add("busy")
+    response = client.post("/v1/chat/completions", json=_chat({"hotwire": spec}))
+    error = _error(response, status, code, field)
+    if code == "unknown_vector":
+        assert error["message"] == "unknown steering vector 'nope'"
+    assert (response.headers.get("retry-after") == "1") == (status == 429)
+    assert "x-hotwire-receipt" not in response.headers
+
+
+def test_unsteerable_model_is_503(client: TestClient, engine: FakeEngine) -> None:
+    engine.steerable = False
+    _error(
+        client.post("/v1/completions", json={"prompt": "x", "vllm_xargs": {"hotwire": _spec()}}),
+        503,
+        "model_not_steerable",
+    )
+
+
+def test_lenient_mode_serves_unsteered(engine: FakeEngine) -> None:
+    client = TestClient(_openai_app(engine, Settings(lenient=True)))
+    body = _chat({"hotwire": _spec("nope"), "keep": 1}, temperature=0.5)
+    response = client.post("/v1/chat/completions", json=body)
+    assert response.status_code == 200
+    assert response.headers["x-hotwire-lenient"] == "unknown_vector: unknown steering vector 'nope'"
+    assert "x-hotwire-receipt" not in response.headers
+    echoed = response.json()
+    assert json.loads(echoed["raw"]) == _chat({"keep": 1}, temperature=0.5)
+    assert int(echoed["content_length"]) == len(echoed["raw"].encode())
+
+    engine.busy.add("happy")
+    _upload(client, "happy", _vector())
+    response = client.post("/v1/chat/completions", json=_chat({"hotwire": _spec()}))
+    assert response.status_code == 200 and response.headers["x-hotwire-lenient"].startswith("slots_exhausted")
+
+    engine.steerable = False  # 5xx is not softened
+    _error(client.post("/v1/chat/completions", json=_chat({"hotwire": _spec()})), 503, "model_not_steerable")
+
+
+def test_admission_honours_root_path(engine: FakeEngine) -> None:
+    app = _openai_app(engine, Settings())
+    client = TestClient(app, root_path="/api")
+    response = client.post("/api/v1/chat/completions", json=_chat({"hotwire": _spec("nope")}))
+    _error(response, 400, "unknown_vector", "vllm_xargs.hotwire[0].id")
+
+
+# ---- settings ---------------------------------------------------------------------------------------------
+
+
+def test_settings_from_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    for name in ("HOTWIRE_MAX_UPLOAD_MB", "HOTWIRE_LENIENT", "HOTWIRE_API_KEY"):
+        monkeypatch.delenv(name, raising=False)
+    assert Settings.from_env() == Settings(64 * 2**20, False, None)
+    monkeypatch.setenv("HOTWIRE_MAX_UPLOAD_MB", "0.5")
+    monkeypatch.setenv("HOTWIRE_LENIENT", "1")
+    monkeypatch.setenv("HOTWIRE_API_KEY", "k")
+    assert Settings.from_env() == Settings(2**19, True, "k")
+    for bad in ("lots", "0", "-1", "nan"):
+        monkeypatch.setenv("HOTWIRE_MAX_UPLOAD_MB", bad)
+        with pytest.raises(ValueError, match="HOTWIRE_MAX_UPLOAD_MB"):
+            Settings.from_env()
+
+
+def test_attach_reads_the_environment(engine: FakeEngine, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("HOTWIRE_LENIENT", "1")
+    app = FastAPI()
+    attach(app)
+    app.state.engine_client = engine
+    app.add_api_route("/v1/completions", lambda: {}, methods=["POST"])
+    response = TestClient(app).post("/v1/completions", json={"vllm_xargs": {"hotwire": _spec("nope")}})
+    assert response.status_code == 200 and "x-hotwire-lenient" in response.headers
+
+
+# ---- OpenAPI ----------------------------------------------------------------------------------------------
+
+
+def test_openapi_schema_lists_routes_and_models(client: TestClient) -> None:
+    schema = client.get("/openapi.json").json()
+    paths = schema["paths"]
+    assert set(paths["/steer/vectors"]) == {"get", "post"}
+    assert set(paths["/steer/vectors/{vector_id}"]) == {"get", "delete"}
+    assert "get" in paths["/steer/slots"]
+    register = paths["/steer/vectors"]["post"]
+    assert set(register["requestBody"]["content"]) == {"multipart/form-data", "application/json"}
+    assert {"200", "201", "409", "413"} <= set(register["responses"])
+    assert {"VectorMeta", "VectorList", "SlotStats", "SlotRow", "ErrorBody", "DeleteResult"} <= set(
+        schema["components"]["schemas"]
+    )
+
+
+# ---- client and CLI ---------------------------------------------------------------------------------------
+
+
+def test_sync_client(client: TestClient, engine: FakeEngine, tmp_path: Path) -> None:
+    hw = HotwireClient("http://testserver", http_client=client)
+    assert hw.register("arr", _vector()).version == 1
+    assert hw.register("rows", _vector(2), layers=[0, 2]).layers == [0, 2]
+    path = tmp_path / "v.json"
+    path.write_text(json.dumps({"layers": {"1": [0.5] * HIDDEN}}))
+    assert hw.register("js", path).layers == [1]
+    assert hw.register("arr", np.ones(HIDDEN), replace=True).dtype == "float32"  # float64 sent as float32
+    assert sorted(v.id for v in hw.list()) == ["arr", "js", "rows"]
+    assert hw.get("arr").version == 2
+    assert hw.slots().vectors == 3
+    engine.in_flight["js"] = 1
+    assert hw.delete("js").in_flight == 1 and hw.delete("arr").in_flight == 0
+    with pytest.raises(HotwireError) as info:
+        hw.get("arr")
+    assert (info.value.status, info.value.code, info.value.field) == (404, "unknown_vector", "id")
+    with pytest.raises(ValueError, match="convert"):
+        hw.register("pt", tmp_path / "v.pt")
+    assert hw.register("..", _vector()).id == ".."  # a valid id that is also a URL dot-segment
+    assert hw.get("..").id == ".." and hw.delete("..").in_flight == 0
+
+
+def test_sync_client_torch_tensor(client: TestClient, engine: FakeEngine) -> None:
+    torch = pytest.importorskip("torch")
+    hw = HotwireClient("http://testserver", http_client=client)
+    assert hw.register("bf", torch.ones(HIDDEN, dtype=torch.bfloat16)).dtype == "bfloat16"
+
+
+def test_async_client(app: FastAPI) -> None:
+    async def scenario() -> None:
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app)) as http:
+            hw = AsyncHotwireClient("http://test", http_client=http)
+            assert (await hw.register("v", _vector())).id == "v"
+            assert [v.id for v in await hw.list()] == ["v"]
+            assert (await hw.get("v")).version == 1
+            assert (await hw.slots()).used == 1
+            assert (await hw.delete("v")).in_flight == 0
+            with pytest.raises(HotwireError) as info:
+                await hw.delete("v")
+            assert info.value.status == 404
+
+    asyncio.run(scenario())
+
+
+@pytest.fixture
+def run_cli(client: TestClient, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]):
+    seen: dict[str, Any] = {}
+
+    def make_client(url: str, api_key: str | None) -> HotwireClient:
+        seen.update(url=url, api_key=api_key)
+        return HotwireClient(url, api_key, http_client=client)
+
+    monkeypatch.setattr(cli, "HotwireClient", make_client)
+
+    def run(*argv: str) -> tuple[int, str, str]:
+        code = cli.main(list(argv))
+        out, err = capsys.readouterr()
+        return code, out, err
+
+    run.seen = seen  # type: ignore[attr-defined]
+    return run
+
+
+def test_cli_commands(run_cli: Any, tmp_path: Path) -> None:
+    file = tmp_path / "v.safetensors"
+    file.write_bytes(save_numpy({"v": _vector(2)}))
+    code, out, _ = run_cli("register", "happy", str(file), "--layers", "1,2")
+    assert code == 0 and json.loads(out)["layers"] == [1, 2]
+    code, _, err = run_cli("register", "happy", str(file), "--layers", "1,2")
+    assert code == 1 and "HTTP 409 exists" in err
+    code, out, _ = run_cli("register", "happy", str(file), "--layers", "0,3", "--replace")
+    assert code == 0 and json.loads(out)["version"] == 2
+    js = tmp_path / "v.json"
+    js.write_text(
+        json.dumps({"data": base64.b64encode(_vector().tobytes()).decode(), "dtype": "float32", "shape": [HIDDEN]})
+    )
+    assert run_cli("register", "js", str(js))[0] == 0
+    code, out, _ = run_cli("list")
+    assert code == 0 and [v["id"] for v in json.loads(out)] == ["happy", "js"]
+    code, out, _ = run_cli("slots")
+    assert code == 0 and json.loads(out)["used"] == 2
+    code, out, _ = run_cli("delete", "js")
+    assert code == 0 and json.loads(out) == {"id": "js", "in_flight": 0}
+    code, _, err = run_cli("delete", "js")
+    assert code == 1 and "unknown steering vector 'js'" in err
+
+
+def test_cli_refuses_pickles_and_reads_env(run_cli: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    pt = tmp_path / "v.pt"
+    pt.write_bytes(b"PK\x03\x04")
+    code, _, err = run_cli("register", "v", str(pt))
+    assert code == 2 and "never loads pickles" in err and "safetensors" in err
+
+    monkeypatch.setenv("HOTWIRE_URL", "http://testserver")
+    monkeypatch.setenv("HOTWIRE_API_KEY", "k")
+    run_cli("list")
+    assert run_cli.seen == {"url": "http://testserver", "api_key": "k"}
+    run_cli("--url", "http://other", "--api-key", "x", "list")
+    assert run_cli.seen == {"url": "http://other", "api_key": "x"}
+
+
+def test_cli_with_auth(engine: FakeEngine, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    client = TestClient(_openai_app(engine, Settings(api_key="s3cret")))
+    monkeypatch.setattr(cli, "HotwireClient", lambda url, key: HotwireClient(url, key, http_client=client))
+    assert cli.main(["--url", "http://testserver", "list"]) == 1
+    assert "HTTP 401 unauthorized" in capsys.readouterr().err
+    assert cli.main(["--url", "http://testserver", "--api-key", "s3cret", "list"]) == 0
