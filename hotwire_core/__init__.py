@@ -9,12 +9,19 @@ __version__ = "0.2.0"
 
 
 def register() -> None:
-    """vLLM general-plugin entry point: install the engine hooks and, in the API server, the HTTP routes."""
-    from . import vllm_glue
+    """vLLM general-plugin entry point: in the API server, mount the HTTP control plane and turn the vector store
+    on by default (the engine processes it spawns inherit the setting); everywhere, install the engine hooks."""
+    import os
 
-    vllm_glue.install()
+    from .settings import default_store_root
+
     try:
         from hotwire_api import mount
     except ImportError:  # the control plane is optional for offline use
-        return
-    mount.install()
+        mount = None
+    if mount is not None and mount.install():
+        os.environ.setdefault("HOTWIRE_STORE", default_store_root())
+
+    from . import vllm_glue
+
+    vllm_glue.install()

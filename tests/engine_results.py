@@ -1,0 +1,72 @@
+"""Running prompts through vLLM and summarising what came back, in-process or in a clean subprocess.
+
+``run_vanilla`` runs the same batches in a fresh interpreter with ``VLLM_PLUGINS=""`` so no hotwire code is
+loaded anywhere: the reference for "bit-identical to a server without hotwire"."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+
+def engine_kwargs() -> dict[str, Any]:
+    """float32 on the CPU (exact comparisons with transformers); bf16 with graphs on a GPU, where the memory
+    fraction leaves room for the vanilla reference engine beside the one under test."""
+    import torch
+
+    common = dict(max_model_len=512, max_num_seqs=8, block_size=32, seed=0)
+    if torch.cuda.is_available():
+        return {**common, "dtype": "bfloat16", "gpu_memory_utilization": 0.3}
+    return {**common, "dtype": "float32"}
+
+
+def summarize(output: Any) -> dict:
+    """Token ids, the sampled tokens' logprobs, prompt logprobs and cache hits of one RequestOutput."""
+    completion = output.outputs[0]
+    prompt_lp = [None if d is None else d[t].logprob for d, t in zip(output.prompt_logprobs or [], output.prompt_token_ids)]
+    return {
+        "token_ids": list(completion.token_ids),
+        "logprobs": [d[t].logprob for d, t in zip(completion.logprobs or [], completion.token_ids)],
+        "prompt_logprobs": prompt_lp,
+        "finish_reason": completion.finish_reason,
+        "num_cached_tokens": output.num_cached_tokens,
+    }
+
+
+def run_batches(llm: Any, batches: list[list[dict]]) -> list[list[dict]]:
+    """Each batch is a list of ``{"prompt_token_ids": [...], "params": {SamplingParams kwargs}}``."""
+    from vllm import SamplingParams
+
+    results = []
+    for batch in batches:
+        prompts = [{"prompt_token_ids": r["prompt_token_ids"]} for r in batch]
+        params = [SamplingParams(**r["params"]) for r in batch]
+        results.append([summarize(o) for o in llm.generate(prompts, params, use_tqdm=False)])
+    return results
+
+
+def run_vanilla(model_dir: Path, batches: list[list[dict]], workdir: Path) -> list[list[dict]]:
+    job = workdir / "vanilla-job.json"
+    out = workdir / "vanilla-out.json"
+    job.write_text(json.dumps({"model": str(model_dir), "batches": batches}))
+    env = {**os.environ, "VLLM_PLUGINS": ""}
+    proc = subprocess.run([sys.executable, __file__, str(job), str(out)], env=env, capture_output=True, text=True, timeout=900)
+    if proc.returncode != 0:
+        raise RuntimeError(f"vanilla vLLM run failed:\n{proc.stderr[-4000:]}")
+    return json.loads(out.read_text())
+
+
+def _main(job_path: str, out_path: str) -> None:
+    from vllm import LLM
+
+    job = json.loads(Path(job_path).read_text())
+    llm = LLM(job["model"], **engine_kwargs())
+    Path(out_path).write_text(json.dumps(run_batches(llm, job["batches"])))
+
+
+if __name__ == "__main__":
+    _main(*sys.argv[1:3])

@@ -1,0 +1,54 @@
+"""Reference steering with plain transformers: a forward hook adds the steering to a decoder layer's output
+(the residual stream), on the same weights vLLM serves. Used to check that hotwire adds exactly
+``scale * v`` (or ``scale * |h| * v/|v|`` with ``norm``) where the spec says."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+
+def load(model_dir: Path, dtype: torch.dtype = torch.float32):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=dtype)
+    return model.eval()
+
+
+def prompt_logprobs(model, token_ids: list[int], steering: list[tuple[int, torch.Tensor, float, bool]] = ()) -> torch.Tensor:
+    """Log-probability of each prompt token given its prefix (positions 1..n-1), with ``steering`` entries
+    ``(layer, vector, scale, norm)`` added to the named layers' outputs at every position."""
+    layers = model.model.layers
+    handles = []
+    by_layer: dict[int, list] = {}
+    for layer, vector, scale, norm in steering:
+        by_layer.setdefault(layer, []).append((vector, scale, norm))
+
+    def make_hook(entries):
+        def hook(module, args, output):
+            hidden = output[0] if isinstance(output, tuple) else output
+            base = hidden.float()
+            delta = torch.zeros_like(base)
+            for vector, scale, norm in entries:
+                v = vector.float()
+                if norm:
+                    delta += scale * base.norm(dim=-1, keepdim=True) * v / v.norm()
+                else:
+                    delta += scale * v
+            steered = (base + delta).to(hidden.dtype)
+            return (steered, *output[1:]) if isinstance(output, tuple) else steered
+
+        return hook
+
+    for layer, entries in by_layer.items():
+        handles.append(layers[layer].register_forward_hook(make_hook(entries)))
+    try:
+        with torch.no_grad():
+            logits = model(torch.tensor([token_ids])).logits[0].float()
+    finally:
+        for h in handles:
+            h.remove()
+    logprobs = torch.log_softmax(logits, dim=-1)
+    ids = torch.tensor(token_ids[1:])
+    return logprobs[:-1].gather(1, ids[:, None])[:, 0]

@@ -1,0 +1,351 @@
+"""A real vLLM 0.25.1 engine with hotwire, on a tiny model with real random weights.
+
+On the CPU (CI) it runs in float32; on a GPU (``-m gpu`` is not needed: the module adapts) in bf16 with CUDA
+graphs (FULL for decode, PIECEWISE for prefill), on the runner chosen by ``VLLM_USE_V2_MODEL_RUNNER``.
+
+One engine serves the whole module (engine starts are the expensive part); a clean subprocess without any
+plugin provides the vanilla reference. Every comparison is on logprobs, not only tokens.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+
+import pytest
+import torch
+
+import hf_reference
+from engine_results import engine_kwargs, run_batches, run_vanilla, summarize
+
+pytestmark = pytest.mark.integration
+
+HIDDEN, LAYERS, SLOTS = 256, 4, 6
+ON_GPU = torch.cuda.is_available()
+GREEDY = dict(max_tokens=6, temperature=0.0, logprobs=0, ignore_eos=True)
+
+
+def spec(*entries: dict) -> dict:
+    return {"hotwire": json.dumps(list(entries))}
+
+
+@pytest.fixture(scope="module")
+def prompts(tiny_model):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(tiny_model))
+    texts = {
+        "short": "Hello world, this is",
+        "fox": "The quick brown fox jumps over",
+        "batch2": "Once upon a time there was",
+        # >= 3 full KV blocks of 32 tokens, distinct per prefix-cache check
+        "long_x": " ".join(["steering vectors nudge the residual stream"] * 16),
+        "long_y": " ".join(["continuous batching with cuda graphs"] * 16),
+        "long_z": " ".join(["a tiny model learned to speak in bytes"] * 16),
+    }
+    out = {k: tok(v).input_ids for k, v in texts.items()}
+    assert all(len(out[k]) >= 96 for k in ("long_x", "long_y", "long_z"))
+    return out
+
+
+@pytest.fixture(scope="module")
+def vectors():
+    g = torch.Generator().manual_seed(1234)
+    return {
+        "a": torch.randn(HIDDEN, generator=g),
+        "b": torch.randn(HIDDEN, generator=g),
+        "per-layer": torch.randn(LAYERS, HIDDEN, generator=g),
+        "r1": torch.randn(HIDDEN, generator=g),
+        "r2": torch.randn(HIDDEN, generator=g),
+        "wide": torch.randn(LAYERS, HIDDEN, generator=g),
+        "wide2": torch.randn(LAYERS, HIDDEN, generator=g),
+    }
+
+
+@pytest.fixture(scope="module")
+def hf_model(tiny_model):
+    return hf_reference.load(tiny_model)
+
+
+PREFIX_PARAMS = dict(max_tokens=3, temperature=0.0, logprobs=0, ignore_eos=True)
+
+
+def _plain(ids, **params) -> dict:
+    return {"prompt_token_ids": ids, "params": params or {**GREEDY, "prompt_logprobs": 0}}
+
+
+@pytest.fixture(scope="module")
+def vanilla(tiny_model, prompts, tmp_path_factory):
+    """Every vanilla (no plugin) result this module compares against, from one clean engine."""
+    batches = [
+        [_plain(prompts["short"])],
+        [_plain(prompts["short"]), _plain(prompts["batch2"])],
+        [_plain(prompts["long_x"], **PREFIX_PARAMS)],
+    ]
+    alone, pair, (long_x,) = run_vanilla(tiny_model, batches, tmp_path_factory.mktemp("vanilla"))
+    return {"alone": alone[0], "pair": pair, "long_x": long_x}
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_model, vectors):
+    from vllm import LLM
+
+    from hotwire_core.offline import register_vector
+
+    os.environ["HOTWIRE_SLOTS"] = str(SLOTS)
+    engine = LLM(str(tiny_model), **engine_kwargs())
+    for name in ("a", "b", "per-layer"):
+        register_vector(engine, name, vectors[name])
+    yield engine
+    engine.llm_engine.engine_core.shutdown()
+
+
+def one(llm, ids, **params) -> dict:
+    return run_batches(llm, [[{"prompt_token_ids": ids, "params": params}]])[0][0]
+
+
+def stats(llm) -> dict:
+    from hotwire_core.offline import slot_stats
+
+    return slot_stats(llm)
+
+
+def max_diff(a, b) -> float:
+    return max(abs(x - y) for x, y in zip(a, b) if x is not None and y is not None)
+
+
+# -- steering is exactly scale * v in the residual stream ------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "entries, reference",
+    [
+        ([{"id": "a", "layer": 1, "scale": 4.0}], [(1, "a", 4.0, False)]),
+        (
+            [{"id": "a", "layer": [0, 2], "scale": 2.0}, {"id": "b", "layer": 2, "scale": -3.0}],
+            [(0, "a", 2.0, False), (2, "a", 2.0, False), (2, "b", -3.0, False)],
+        ),
+        ([{"id": "per-layer", "layer": 3, "scale": 1.5}], [(3, ("per-layer", 3), 1.5, False)]),
+        ([{"id": "a", "layer": 1, "scale": 0.5, "norm": True}], [(1, "a", 0.5, True)]),
+    ],
+    ids=["single", "stacked-same-layer", "per-layer-rows", "norm"],
+)
+def test_steering_equals_transformers_hook(llm, hf_model, prompts, vectors, entries, reference):
+    hf = hf_model
+    ids = prompts["fox"]
+
+    def vec(name):
+        return vectors[name[0]][name[1]] if isinstance(name, tuple) else vectors[name]
+
+    steering = [(layer, vec(name), scale, norm) for layer, name, scale, norm in reference]
+    expected = hf_reference.prompt_logprobs(hf, ids, steering)
+    plain_expected = hf_reference.prompt_logprobs(hf, ids)
+
+    got = one(llm, ids, max_tokens=1, temperature=0.0, prompt_logprobs=0, extra_args=spec(*entries))
+    plain = one(llm, ids, max_tokens=1, temperature=0.0, prompt_logprobs=0)
+    steered_err = (torch.tensor(got["prompt_logprobs"][1:]) - expected).abs().max().item()
+    plain_err = (torch.tensor(plain["prompt_logprobs"][1:]) - plain_expected).abs().max().item()
+    effect = (expected - plain_expected).abs().max().item()
+    # float32 on the CPU matches transformers to ~1e-4; bf16 on a GPU carries its own rounding, seen in the plain
+    # error: the steered error must stay at that level while the steering effect is far above it.
+    tolerance = 2e-3 if not ON_GPU else max(2e-3, 2 * plain_err)
+    assert plain_err < (2e-3 if not ON_GPU else 0.1)
+    assert steered_err < tolerance, f"steered vLLM differs from transformers + hook: {steered_err} (effect {effect})"
+    assert effect > 10 * tolerance, f"the steering in this check is too weak to be seen: {effect}"
+
+
+def test_decode_only_and_prefill_only_follow_request_state(llm, prompts):
+    ids = prompts["short"]
+    entry = {"id": "a", "layer": 1, "scale": 6.0}
+    plain = one(llm, ids, prompt_logprobs=0, **GREEDY)
+    full = one(llm, ids, prompt_logprobs=0, **GREEDY, extra_args=spec(entry))
+    decode = one(llm, ids, prompt_logprobs=0, **GREEDY, extra_args=spec({**entry, "decode_only": True}))
+    prefill = one(llm, ids, prompt_logprobs=0, **GREEDY, extra_args=spec({**entry, "prefill_only": True}))
+
+    assert max_diff(full["prompt_logprobs"], plain["prompt_logprobs"]) > 1e-3
+    # decode_only: the prompt (prefill) is untouched, so prompt logprobs and the first sampled token match plain
+    assert decode["prompt_logprobs"] == plain["prompt_logprobs"]
+    assert decode["logprobs"][0] == plain["logprobs"][0]
+    # prefill_only: the prompt is steered like the full spec, generated tokens are not
+    assert prefill["prompt_logprobs"] == full["prompt_logprobs"]
+    assert prefill["logprobs"][0] == full["logprobs"][0]
+    assert decode["logprobs"][1:] != plain["logprobs"][1:]
+
+
+# -- unsteered requests and batchmates are bit-identical to vanilla vLLM ----------------------------------------
+
+
+def test_unsteered_and_batchmates_bit_identical_to_vanilla(llm, prompts, vanilla):
+    p1, p2 = _plain(prompts["short"]), _plain(prompts["batch2"])
+    steered2 = {**p2, "params": {**p2["params"], "extra_args": spec({"id": "a", "layer": [0, 1, 2, 3], "scale": 5.0})}}
+    alone, plain_pair, pair = run_batches(llm, [[p1], [p1, p2], [p1, steered2]])
+
+    # Same engine, same batch shapes: a steered batchmate must not move a single bit of the plain request.
+    assert pair[0] == plain_pair[0] | {"num_cached_tokens": pair[0]["num_cached_tokens"]}
+    assert max_diff(pair[1]["logprobs"], plain_pair[1]["logprobs"]) > 1e-3, "the steered batchmate was not steered"
+    # Against an engine with no plugin loaded at all: bit-identical on a GPU. vLLM's CPU backend is not
+    # bit-reproducible between engine processes under load (seen here: vanilla vs vanilla differed by 5e-7 in one
+    # run), so the CPU gets a float32 rounding tolerance.
+    for ours, theirs in ((alone[0], vanilla["alone"]), (pair[0], vanilla["pair"][0])):
+        assert ours["token_ids"] == theirs["token_ids"]
+        for key in ("logprobs", "prompt_logprobs"):
+            if ON_GPU:
+                assert ours[key] == theirs[key], f"{key} differ from vanilla vLLM"
+            else:
+                assert max_diff(ours[key], theirs[key]) < 1e-5, f"{key} differ from vanilla vLLM"
+
+
+# -- prefix cache ------------------------------------------------------------------------------------------------
+
+
+def test_prefix_cache_never_serves_kv_across_steering(llm, prompts, vanilla):
+    x, y = prompts["long_x"], prompts["long_y"]
+    steer_x = spec({"id": "b", "layer": 1, "scale": 3.0})
+    params = PREFIX_PARAMS
+
+    # steered first, then plain: the plain request must not read steered KV
+    s1 = one(llm, x, **params, extra_args=steer_x)
+    s2 = one(llm, x, **params, extra_args=steer_x)
+    assert s2["num_cached_tokens"] >= 64, "identical steered requests should share the prefix cache"
+    assert s2["logprobs"] == s1["logprobs"]
+    plain_x = one(llm, x, **params)
+    assert plain_x["num_cached_tokens"] == 0
+    assert max_diff(plain_x["logprobs"], vanilla["long_x"]["logprobs"]) < (0.0 if ON_GPU else 1e-5) or (
+        ON_GPU and plain_x["logprobs"] == vanilla["long_x"]["logprobs"]
+    )
+
+    # plain first, then steered: the steered request must not read plain KV
+    one(llm, y, **params)
+    steered_y = one(llm, y, **params, extra_args=steer_x)
+    assert steered_y["num_cached_tokens"] == 0
+    uncached = one(llm, y, **params, extra_args=steer_x, skip_reading_prefix_cache=True)
+    assert max_diff(steered_y["logprobs"], uncached["logprobs"]) < 1e-5
+
+    # a different scale is a different steering config: no sharing either
+    other = one(llm, x, **params, extra_args=spec({"id": "b", "layer": 1, "scale": 2.0}))
+    assert other["num_cached_tokens"] == 0
+
+
+# -- versions, slots, bad input --------------------------------------------------------------------------------
+
+
+def _step_until_done(engine, ids: set[str]) -> dict[str, object]:
+    done: dict[str, object] = {}
+    while ids - done.keys():
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = out
+    return done
+
+
+def test_reregistration_keeps_the_in_flight_version(llm, prompts, vectors):
+    from vllm import SamplingParams
+
+    from hotwire_core.offline import register_vector
+
+    entry = spec({"id": "r", "layer": 2, "scale": 6.0})
+    long_params = dict(max_tokens=12, temperature=0.0, logprobs=0, ignore_eos=True)
+    register_vector(llm, "r", vectors["r1"])
+    ref_v1 = one(llm, prompts["short"], **long_params, extra_args=entry)
+
+    engine = llm.llm_engine
+    engine.add_request("inflight", {"prompt_token_ids": prompts["short"]}, SamplingParams(**long_params, extra_args=entry))
+    for _ in range(3):
+        engine.step()
+    meta = register_vector(llm, "r", vectors["r2"], replace=True)
+    assert meta["version"] == 2
+    engine.add_request("after", {"prompt_token_ids": prompts["short"]}, SamplingParams(**long_params, extra_args=entry))
+    done = _step_until_done(engine, {"inflight", "after"})
+    inflight, after = summarize(done["inflight"]), summarize(done["after"])
+
+    ref_v2 = one(llm, prompts["short"], **long_params, extra_args=entry)
+    # Batch composition (alone vs two requests) may move logprobs by rounding; versions move them far more.
+    separation = max_diff(ref_v1["logprobs"], ref_v2["logprobs"])
+    assert separation > 1e-2
+    assert max_diff(inflight["logprobs"], ref_v1["logprobs"]) < separation / 10, "in-flight request lost its version"
+    assert max_diff(after["logprobs"], ref_v2["logprobs"]) < separation / 10
+    rows = stats(llm)["rows"]
+    assert not [r for r in rows if r["id"] == "r" and r["version"] == 1], "retired version still holds bank rows"
+
+
+def test_slot_exhaustion_refuses_then_recovers_with_lru_eviction(llm, prompts, vectors):
+    from vllm import SamplingParams
+
+    from hotwire_core.offline import register_vector
+
+    register_vector(llm, "wide", vectors["wide"])
+    register_vector(llm, "wide2", vectors["wide2"])
+    all_layers = list(range(LAYERS))
+    wide = spec({"id": "wide", "layer": all_layers, "scale": 1.0})
+    wide2 = spec({"id": "wide2", "layer": all_layers, "scale": 1.0})
+    params = dict(max_tokens=8, temperature=0.0, logprobs=0, ignore_eos=True)
+    before = stats(llm)
+
+    engine = llm.llm_engine
+    engine.add_request("holder", {"prompt_token_ids": prompts["short"]}, SamplingParams(**params, extra_args=wide))
+    engine.step()
+    held = stats(llm)
+    assert held["pinned"] >= LAYERS
+    check = llm.collective_rpc("hotwire_check", args=(wide2["hotwire"],))[0]
+    assert check["ok"] is False and check["status"] == 429
+
+    engine.add_request("refused", {"prompt_token_ids": prompts["short"]}, SamplingParams(**params, extra_args=wide2))
+    done = _step_until_done(engine, {"holder", "refused"})
+    assert done["refused"].outputs[0].finish_reason == "error"
+    assert done["holder"].outputs[0].finish_reason == "length"
+    after = stats(llm)
+    assert after["refused"].get("slots_exhausted", 0) == before["refused"].get("slots_exhausted", 0) + 1
+    assert after["pinned"] == 0
+
+    # with the holder gone its rows are evictable: the same request is admitted now, evicting LRU rows
+    res = one(llm, prompts["short"], **params, extra_args=wide2)
+    assert res["finish_reason"] == "length"
+    assert stats(llm)["evictions"] > after["evictions"]
+
+
+@pytest.mark.parametrize(
+    "bad, reason",
+    [
+        ("{not json", "bad_spec"),
+        (json.dumps({"id": "nope", "layer": 1, "scale": 1.0}), "unknown_vector"),
+        (json.dumps({"id": "a", "layer": 99, "scale": 1.0}), "layer_out_of_range"),
+        ('{"id": "a", "layer": 1, "scale": NaN}', "bad_spec"),
+    ],
+    ids=["malformed", "unknown-id", "layer-out-of-range", "nan-scale"],
+)
+def test_bad_input_is_refused_and_batchmates_unaffected(llm, prompts, bad, reason):
+    from vllm import SamplingParams
+
+    before = stats(llm)["refused"].get(reason, 0)
+    alone = one(llm, prompts["fox"], **GREEDY)
+    outs = llm.generate(
+        [{"prompt_token_ids": prompts["fox"]}, {"prompt_token_ids": prompts["short"]}],
+        [SamplingParams(**GREEDY), SamplingParams(**GREEDY, extra_args={"hotwire": bad})],
+        use_tqdm=False,
+    )
+    assert outs[1].outputs[0].finish_reason == "error"
+    assert summarize(outs[0])["logprobs"] == alone["logprobs"]
+    assert stats(llm)["refused"].get(reason, 0) == before + 1
+    assert one(llm, prompts["fox"], **GREEDY)["logprobs"] == alone["logprobs"], "engine state changed"
+
+
+def test_offline_api_errors_and_listing(llm, vectors):
+    from hotwire_core.offline import HotwireError, list_vectors, register_vector, unregister_vector
+
+    with pytest.raises(HotwireError) as exc:
+        register_vector(llm, "a", vectors["a"])
+    assert exc.value.status == 409
+    with pytest.raises(HotwireError) as exc:
+        register_vector(llm, "bad-hidden", torch.randn(HIDDEN + 1))
+    assert exc.value.status == 400 and exc.value.field == "shape"
+    with pytest.raises(HotwireError) as exc:
+        register_vector(llm, "nan", torch.full((HIDDEN,), math.nan))
+    assert exc.value.code == "not_finite"
+    register_vector(llm, "temp", vectors["b"])
+    assert "temp" in {v["id"] for v in list_vectors(llm)}
+    assert unregister_vector(llm, "temp") == 0
+    assert "temp" not in {v["id"] for v in list_vectors(llm)}
+    with pytest.raises(HotwireError) as exc:
+        unregister_vector(llm, "temp")
+    assert exc.value.status == 404
