@@ -38,6 +38,7 @@ class ModelInfo:
     hidden_size: int
     dtype: str
     layers: frozenset[int]  # layers with a hook, over all PP ranks
+    norm: bool = True  # norm-relative entries supported (see runtime.SteerHook)
 
     def to_json(self, max_stack: int) -> dict:
         return {
@@ -47,6 +48,7 @@ class ModelInfo:
             "hidden_size": self.hidden_size,
             "dtype": self.dtype,
             "max_stack": max_stack,
+            "norm": self.norm,
         }
 
 
@@ -194,6 +196,12 @@ class SteeringController:
             vector = self.registry.current(entry.vector_id)
             if vector is None:
                 raise Refusal(400, "unknown_vector", f"unknown steering vector {entry.vector_id!r}; register it first", f"hotwire[{i}].id")
+            if entry.norm and not self.model.norm:
+                raise Refusal(
+                    400, "norm_disabled",
+                    "norm-relative steering is off on this server; start it with HOTWIRE_NORM=1 to allow it",
+                    f"hotwire[{i}].norm",
+                )
             for layer in entry.layers:
                 if layer not in self.model.layers:
                     raise Refusal(

@@ -58,25 +58,41 @@ def _prompt_len(new_request: Any) -> int:
 
 class SteerHook(nn.Module):
     """Applies steering to one layer's output. Holds the shared buffers as (non-persistent) module buffers so
-    torch.compile lifts them as fixed-address graph inputs."""
+    torch.compile lifts them as fixed-address graph inputs.
 
-    def __init__(self, buffers: dict[str, torch.Tensor], layer: int, impl: str):
+    The residual stream after a layer that returns ``(hidden, residual)`` is ``hidden + residual``, so the
+    steering may go into either. Where it goes decides what the compiled graph looks like around it:
+
+    * ``"hidden"`` (tensor parallel 1, the default): the op touches only ``hidden``, a matmul output that is in
+      memory anyway. ``residual`` stays a value Inductor may keep in registers, exactly as without hotwire, so
+      unsteered tokens come out bit-identical to vLLM without the plugin. Norm-relative entries need ``residual``
+      too; with ``HOTWIRE_NORM=1`` the op reads it, and Inductor then writes it out in the model dtype, which
+      moves plain tokens by rounding. So norm mode is opt-in.
+    * ``"residual"`` (tensor parallel > 1): keeps vLLM's all-reduce + add-RMSNorm fusion, which matches the
+      pattern ``all_reduce(hidden) -> fused_add_rms_norm(hidden, residual)``.
+    """
+
+    def __init__(self, buffers: dict[str, torch.Tensor], layer: int, impl: str, target: str, norm: bool):
         super().__init__()
         for name, tensor in buffers.items():
             self.register_buffer(name, tensor, persistent=False)
-        self.layer = layer
-        self.impl = impl
+        self.layer, self.impl, self.target, self.norm = layer, impl, target, norm
 
     def forward(self, hidden: torch.Tensor, residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
-        # The residual stream after the layer is hidden + residual; steering goes into the residual so vLLM's
-        # all-reduce + add-RMSNorm fusion stays intact. Layers that return (hidden, None) carry it in hidden.
-        target, other = (residual, hidden) if residual is not None else (hidden, None)
+        if residual is None:  # layers that return (hidden, None) carry the whole stream in hidden
+            target, other = hidden, None
+        elif self.target == "hidden":
+            target, other = hidden, (residual if self.norm else None)
+        else:
+            target, other = residual, hidden
         args = (self.token_cfg, self.cfg_slot, self.cfg_scale, self.cfg_rel, self.bank, self.inv_norm, self.layer)
         if self.impl == "inductor":
             target = ops.steer_torch(target, other, *args)
         else:
             torch.ops.hotwire.steer_(target, other, *args)
-        return (hidden, target) if residual is not None else (target, None)
+        if residual is None:
+            return target, None
+        return (target, residual) if self.target == "hidden" else (hidden, target)
 
 
 def wrap_layer_class(cls: type) -> None:
@@ -130,8 +146,12 @@ class WorkerSteering:
         max_tokens: int,
         max_reqs: int,
         settings: Settings,
+        tensor_parallel: int = 1,
     ):
         self.layers, self.n_layers, self.hidden_size = layers, n_layers, hidden_size
+        self.target = "hidden" if tensor_parallel == 1 else "residual"
+        # Norm-relative steering is always possible when steering the residual (hidden is read anyway).
+        self.norm = settings.norm or self.target == "residual"
         self.dtype, self.device, self.settings = dtype, device, settings
         k, n_cfg = settings.max_stack, 2 * max_reqs + 1
         with torch.device(device):
@@ -145,7 +165,7 @@ class WorkerSteering:
             }
         for index, module in layers.items():
             wrap_layer_class(type(module))
-            module.add_module("hotwire_steer", SteerHook(self.buffers, index, settings.impl))
+            module.add_module("hotwire_steer", SteerHook(self.buffers, index, settings.impl, self.target, self.norm))
         self._uploader = _Uploader(device)
         self._free_rows = list(range(n_cfg - 1, 0, -1))
         self._active: dict[str, tuple[int, int, int]] = {}  # req_id -> (prefill row, decode row, prompt len)
@@ -166,6 +186,7 @@ class WorkerSteering:
             "n_layers": self.n_layers,
             "hidden_size": self.hidden_size,
             "dtype": str(self.dtype).removeprefix("torch."),
+            "norm": self.norm,
         }
 
     # -- request lifecycle -----------------------------------------------------------------------------------

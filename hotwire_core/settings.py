@@ -31,6 +31,7 @@ class Settings:
     impl: str  # HOTWIRE_IMPL: "op" (opaque custom op) or "inductor" (torch ops fused by Inductor)
     store: str | None  # HOTWIRE_STORE: store root, "off", or None (unset)
     preload: str | None  # HOTWIRE_VECTORS: directory of vectors loaded at start
+    norm: bool = False  # HOTWIRE_NORM: allow norm-relative entries at tensor parallel 1 (see runtime.SteerHook)
 
     @classmethod
     def from_env(cls) -> "Settings":
@@ -41,13 +42,14 @@ class Settings:
             slots=_int_env("HOTWIRE_SLOTS", 256, 1, 1 << 16),
             max_stack=_int_env("HOTWIRE_MAX_STACK", 4, 1, 16),
             impl=impl,
+            norm=_int_env("HOTWIRE_NORM", 0, 0, 1) == 1,
             store=os.environ.get("HOTWIRE_STORE") or None,
             preload=os.environ.get("HOTWIRE_VECTORS") or None,
         )
 
     def compile_fingerprint(self) -> str:
         """Everything that changes the compiled graph: mixed into vLLM's compile-cache key."""
-        return f"hotwire={__version__};slots={self.slots};stack={self.max_stack};impl={self.impl}"
+        return f"hotwire={__version__};slots={self.slots};stack={self.max_stack};impl={self.impl};norm={self.norm}"
 
     def store_dir(self, model: str) -> Path | None:
         """One folder per served model under the store root, or None when the store is off."""

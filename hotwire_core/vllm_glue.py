@@ -83,7 +83,8 @@ def _model_info(results: list[dict]) -> ModelInfo:
     layers = frozenset(l for r in results for l in r.get("layers", ()))
     steerable = all(r["steerable"] for r in results) and bool(layers)
     reason = "; ".join(sorted({r["reason"] for r in results if r["reason"]}))
-    return ModelInfo(steerable, reason, first["n_layers"], first["hidden_size"], first["dtype"], layers)
+    norm = all(r.get("norm", False) for r in results)
+    return ModelInfo(steerable, reason, first["n_layers"], first["hidden_size"], first["dtype"], layers, norm)
 
 
 def _patch_engine_core(module: Any) -> None:
@@ -200,6 +201,7 @@ def _attach(worker: Any) -> None:
         runner.max_num_tokens,
         runner.max_num_reqs,
         settings(),
+        worker.vllm_config.parallel_config.tensor_parallel_size,
     )
 
 

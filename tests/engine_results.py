@@ -49,22 +49,47 @@ def run_batches(llm: Any, batches: list[list[dict]]) -> list[list[dict]]:
     return results
 
 
-def run_vanilla(model_dir: Path, batches: list[list[dict]], workdir: Path) -> list[list[dict]]:
-    job = workdir / "vanilla-job.json"
-    out = workdir / "vanilla-out.json"
-    job.write_text(json.dumps({"model": str(model_dir), "batches": batches}))
-    env = {**os.environ, "VLLM_PLUGINS": ""}
+def run_in_subprocess(
+    model_dir: Path,
+    batches: list[list[dict]],
+    workdir: Path,
+    *,
+    plugins: bool = False,
+    vectors: dict[str, list[float]] | None = None,
+    overrides: dict[str, Any] | None = None,
+) -> list[list[dict]]:
+    """Run ``batches`` in a fresh interpreter. ``plugins=False`` sets ``VLLM_PLUGINS=""``: no hotwire code is
+    loaded anywhere (the reference for "bit-identical to vLLM without hotwire"); otherwise ``vectors`` are
+    registered first. ``overrides`` change the engine arguments (e.g. the dtype)."""
+    tag = "hotwire" if plugins else "vanilla"
+    job, out = workdir / f"{tag}-job.json", workdir / f"{tag}-out.json"
+    job.write_text(json.dumps({"model": str(model_dir), "batches": batches, "vectors": vectors or {}, "overrides": overrides or {}}))
+    env = dict(os.environ)
+    if plugins:
+        env.pop("VLLM_PLUGINS", None)
+    else:
+        env["VLLM_PLUGINS"] = ""
     proc = subprocess.run([sys.executable, __file__, str(job), str(out)], env=env, capture_output=True, text=True, timeout=900)
     if proc.returncode != 0:
-        raise RuntimeError(f"vanilla vLLM run failed:\n{proc.stderr[-4000:]}")
+        raise RuntimeError(f"{tag} vLLM run failed:\n{proc.stderr[-4000:]}")
     return json.loads(out.read_text())
 
 
+def run_vanilla(model_dir: Path, batches: list[list[dict]], workdir: Path) -> list[list[dict]]:
+    return run_in_subprocess(model_dir, batches, workdir)
+
+
 def _main(job_path: str, out_path: str) -> None:
+    import torch
     from vllm import LLM
 
     job = json.loads(Path(job_path).read_text())
-    llm = LLM(job["model"], **engine_kwargs())
+    llm = LLM(job["model"], **{**engine_kwargs(), **job["overrides"]})
+    if job["vectors"]:
+        from hotwire_core.offline import register_vector
+
+        for name, values in job["vectors"].items():
+            register_vector(llm, name, torch.tensor(values))
     Path(out_path).write_text(json.dumps(run_batches(llm, job["batches"])))
 
 

@@ -1,0 +1,439 @@
+"""Self-test of hotwire on your own hardware, in one offline vLLM engine:
+
+    python -m hotwire_core.verify [--model PATH_OR_ID] [--dtype DTYPE] [--runner v1|v2] [--vanilla]
+
+Without ``--model`` it builds the built-in tiny model (random weights) in a temporary folder; that also runs on a
+CPU, slowly. A random vector sized to the model is registered and these are checked:
+
+a. steering fires: steered logprobs differ from plain ones;
+b. batchmates: plain requests batched with steered ones are bit-identical to the same plain requests in an
+   all-plain batch of the same shape;
+c. prefix cache, both directions, on prompts of at least 4 KV blocks: a plain request after a steered one (and a
+   steered one after a plain one) reads no cached tokens and equals the same request with
+   ``skip_reading_prefix_cache``; an identical steered request does hit the cache;
+d. decode cost: time per decode step of a batch of 8, idle (hotwire loaded, nothing steered) vs all steered;
+e. with ``--vanilla``: the plain requests again, in a subprocess with no plugin at all (``VLLM_PLUGINS=""``),
+   compared bit for bit.
+
+It prints a report and exits 1 when a check fails.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+VECTOR_ID = "hotwire-verify"
+SCALE = 4.0
+PROMPTS = ["The quick brown fox", "Hello world, this is", "Once upon a time there was", "Steering vectors nudge the"]
+LONG_TEXTS = (
+    "steering vectors nudge the residual stream of a language model",
+    "continuous batching serves many requests at once",
+)
+SHORT_TOKENS = 8
+PREFIX_TOKENS = 4
+PREFIX_BLOCKS = 4
+DECODE_BATCH = 8
+DECODE_TOKENS = 64
+TIMING_REPEATS = 3
+MIN_LOGPROB_DELTA = 1e-4  # below this a logprob change is numerical noise, not steering
+MAX_DECODE_OVERHEAD = 0.5  # steered decode may cost at most this much more than idle decode
+CPU_VANILLA_TOLERANCE = 1e-5  # vLLM's CPU backend is not bit-reproducible across engine processes
+MAX_MODEL_LEN = 2048
+CPU_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "TORCHINDUCTOR_VEC_ISA_OK": "1"}
+
+
+@dataclass(frozen=True)
+class Result:
+    """What one request produced: sampled token ids, their logprobs and how many prompt tokens came from cache."""
+
+    token_ids: list[int]
+    logprobs: list[float]
+    num_cached_tokens: int
+
+
+@dataclass(frozen=True)
+class Check:
+    name: str
+    passed: bool
+    detail: str
+
+
+# -- judging and formatting (pure) -----------------------------------------------------------------------------
+
+
+def max_abs_diff(a: Sequence[float], b: Sequence[float]) -> float:
+    """Largest elementwise difference; infinite when the lengths differ."""
+    if len(a) != len(b):
+        return math.inf
+    return max((abs(x - y) for x, y in zip(a, b)), default=0.0)
+
+
+def identical(a: Result, b: Result) -> bool:
+    """Same tokens and bit-identical logprobs (cache use aside)."""
+    return a.token_ids == b.token_ids and a.logprobs == b.logprobs
+
+
+def differs(plain: Result, steered: Result) -> bool:
+    return plain.token_ids != steered.token_ids or max_abs_diff(plain.logprobs, steered.logprobs) > MIN_LOGPROB_DELTA
+
+
+def check_steering_fires(plain: Result, steered: Result) -> Check:
+    changed = sum(a != b for a, b in zip(plain.token_ids, steered.token_ids))
+    detail = (
+        f"max |logprob delta| {max_abs_diff(plain.logprobs, steered.logprobs):.4g}, "
+        f"{changed}/{len(plain.token_ids)} tokens differ"
+    )
+    return Check("a. steering fires", differs(plain, steered), detail)
+
+
+def check_batchmates(all_plain: Sequence[Result], mixed: Sequence[Result], steered: Sequence[int]) -> Check:
+    """Plain requests of ``mixed`` must be bit-identical to ``all_plain``; those at ``steered`` must differ."""
+    plain_idx = [i for i in range(len(mixed)) if i not in steered]
+    moved = max((max_abs_diff(all_plain[i].logprobs, mixed[i].logprobs) for i in plain_idx), default=0.0)
+    same = all(identical(all_plain[i], mixed[i]) for i in plain_idx)
+    fired = all(differs(all_plain[i], mixed[i]) for i in steered)
+    detail = (
+        f"{len(plain_idx)} plain beside {len(steered)} steered in a batch of {len(mixed)}: "
+        f"{'bit-identical' if same else f'max |delta| {moved:.3g}'} to an all-plain batch"
+        + ("" if fired else "; a steered mate was not steered")
+    )
+    return Check("b. batchmates", same and fired, detail)
+
+
+def check_no_cross_read(name: str, after: Result, uncached: Result) -> Check:
+    """``after`` followed a request with other steering on the same prompt: it must read no cached tokens and
+    equal ``uncached`` (the same request with ``skip_reading_prefix_cache``)."""
+    same = identical(after, uncached)
+    detail = (
+        f"{after.num_cached_tokens} cached tokens read; "
+        f"{'bit-identical' if same else f'max |delta| {max_abs_diff(after.logprobs, uncached.logprobs):.3g}'} "
+        "to an uncached run"
+    )
+    return Check(name, after.num_cached_tokens == 0 and same, detail)
+
+
+def check_cache_hit(first: Result, repeat: Result, block_size: int, prompt_len: int) -> Check:
+    """An identical steered request must read at least one full block from the prefix cache."""
+    detail = (
+        f"{repeat.num_cached_tokens}/{prompt_len} prompt tokens from cache (block {block_size}); "
+        f"max |delta| to the first run {max_abs_diff(first.logprobs, repeat.logprobs):.3g}"
+    )
+    return Check("c. prefix cache: steered hit", repeat.num_cached_tokens >= block_size, detail)
+
+
+def per_step_ms(short_s: float, long_s: float, extra_tokens: int) -> float:
+    """Milliseconds per decode step from two runs that differ only by ``extra_tokens`` generated tokens."""
+    return (long_s - short_s) / extra_tokens * 1000.0
+
+
+def check_decode_cost(idle_ms: Sequence[float], steered_ms: Sequence[float], max_overhead: float) -> Check:
+    idle, steered = statistics.median(idle_ms), statistics.median(steered_ms)
+    overhead = steered / idle - 1.0 if idle > 0 else math.inf
+    detail = (
+        f"batch {DECODE_BATCH}: idle {idle:.3f} ms/step, steered {steered:.3f} ms/step "
+        f"({overhead:+.1%}, limit {max_overhead:+.0%}; median of {len(idle_ms)})"
+    )
+    return Check("d. decode cost", overhead <= max_overhead, detail)
+
+
+def check_vanilla(ours: Sequence[Result], theirs: Sequence[Result], tolerance: float) -> Check:
+    """Plain results against a plugin-free engine: bit-identical, or within ``tolerance`` (0 on a GPU)."""
+    worst = max((max_abs_diff(a.logprobs, b.logprobs) for a, b in zip(ours, theirs)), default=0.0)
+    tokens = len(ours) == len(theirs) and all(a.token_ids == b.token_ids for a, b in zip(ours, theirs))
+    exact = tokens and all(a.logprobs == b.logprobs for a, b in zip(ours, theirs))
+    verdict = "bit-identical" if exact else f"max |delta| {worst:.3g}"
+    if not exact and tolerance > 0:
+        verdict += f" (CPU tolerance {tolerance:g})"
+    return Check("e. vanilla vLLM", tokens and worst <= tolerance, f"{len(ours)} plain requests: {verdict}")
+
+
+def format_report(header: Sequence[tuple[str, str]], checks: Sequence[Check], timings: Sequence[tuple[str, float]]) -> str:
+    """The report block: header fields, one line per check, timings and the verdict."""
+    rule = "=" * 78
+    lines = [rule, "hotwire verify", rule]
+    lines += [f"{key:<11}{value}" for key, value in header]
+    lines.append("-" * 78)
+    width = max((len(c.name) for c in checks), default=0)
+    lines += [f"{'PASS' if c.passed else 'FAIL'}  {c.name:<{width}}  {c.detail}" for c in checks]
+    lines.append("-" * 78)
+    lines.append("timings    " + ", ".join(f"{name} {seconds:.1f} s" for name, seconds in timings))
+    failed = [c.name for c in checks if not c.passed]
+    verdict = f"PASS ({len(checks)}/{len(checks)} checks)" if not failed else f"FAIL ({', '.join(failed)})"
+    lines += [f"{'result':<11}{verdict}", rule]
+    return "\n".join(lines)
+
+
+def exit_status(checks: Sequence[Check]) -> int:
+    return 0 if checks and all(c.passed for c in checks) else 1
+
+
+# -- the engine ----------------------------------------------------------------------------------------------------
+
+
+def engine_kwargs(model: str, dtype: str) -> dict[str, Any]:
+    """The same arguments for the engine under test and the vanilla reference."""
+    return dict(
+        model=model,
+        dtype=dtype,
+        seed=0,
+        max_model_len=MAX_MODEL_LEN,
+        max_num_seqs=DECODE_BATCH,
+        enable_prefix_caching=True,
+    )
+
+
+def summarize(output: Any) -> Result:
+    completion = output.outputs[0]
+    logprobs = [d[t].logprob for d, t in zip(completion.logprobs or [], completion.token_ids)]
+    return Result(list(completion.token_ids), logprobs, output.num_cached_tokens or 0)
+
+
+def params(max_tokens: int, steer: dict | None = None, skip_cache: bool = False) -> Any:
+    """Greedy sampling with the sampled tokens' logprobs; ``steer`` is ``extra_args``."""
+    from vllm import SamplingParams
+
+    return SamplingParams(
+        max_tokens=max_tokens,
+        temperature=0.0,
+        logprobs=0,
+        ignore_eos=True,
+        extra_args=steer,
+        skip_reading_prefix_cache=skip_cache,
+    )
+
+
+def generate(llm: Any, prompts: Sequence[list[int]], sampling: Sequence[Any]) -> list[Result]:
+    outputs = llm.generate([{"prompt_token_ids": ids} for ids in prompts], list(sampling), use_tqdm=False)
+    return [summarize(o) for o in outputs]
+
+
+def one(llm: Any, ids: list[int], sampling: Any) -> Result:
+    return generate(llm, [ids], [sampling])[0]
+
+
+def long_prompt(tokenizer: Any, text: str, n_tokens: int) -> list[int]:
+    """``text`` repeated and cut to exactly ``n_tokens`` token ids."""
+    ids = tokenizer.encode(text + " ", add_special_tokens=False)
+    return (ids * (n_tokens // len(ids) + 1))[:n_tokens]
+
+
+def batchmate_check(llm: Any, short: list[list[int]], steer: dict) -> tuple[Check, list[Result]]:
+    """Check (b); returns the all-plain batch too (a vanilla reference)."""
+    steered = [1, 3]
+    plain_params = [params(SHORT_TOKENS, skip_cache=True) for _ in short]
+    mixed_params = [params(SHORT_TOKENS, steer if i in steered else None, skip_cache=True) for i in range(len(short))]
+    all_plain = generate(llm, short, plain_params)
+    mixed = generate(llm, short, mixed_params)
+    return check_batchmates(all_plain, mixed, steered), all_plain
+
+
+def prefix_checks(llm: Any, x: list[int], y: list[int], steer: dict, block_size: int) -> tuple[list[Check], list[Result]]:
+    """Check (c) on two fresh long prompts; returns the uncached plain results too (vanilla references)."""
+    steered_x = one(llm, x, params(PREFIX_TOKENS, steer))
+    plain_x = one(llm, x, params(PREFIX_TOKENS))
+    plain_x_uncached = one(llm, x, params(PREFIX_TOKENS, skip_cache=True))
+    steered_x_again = one(llm, x, params(PREFIX_TOKENS, steer))
+    plain_y = one(llm, y, params(PREFIX_TOKENS))
+    steered_y = one(llm, y, params(PREFIX_TOKENS, steer))
+    steered_y_uncached = one(llm, y, params(PREFIX_TOKENS, steer, skip_cache=True))
+    checks = [
+        check_no_cross_read("c. prefix cache: steered -> plain", plain_x, plain_x_uncached),
+        check_no_cross_read("c. prefix cache: plain -> steered", steered_y, steered_y_uncached),
+        check_cache_hit(steered_x, steered_x_again, block_size, len(x)),
+    ]
+    return checks, [plain_x_uncached, plain_y]
+
+
+def timed(llm: Any, prompts: Sequence[list[int]], max_tokens: int, steer: dict | None) -> float:
+    sampling = [params(max_tokens, steer, skip_cache=True) for _ in prompts]
+    start = time.perf_counter()
+    llm.generate([{"prompt_token_ids": ids} for ids in prompts], sampling, use_tqdm=False)
+    return time.perf_counter() - start
+
+
+def decode_cost_check(llm: Any, short: list[list[int]], steer: dict) -> Check:
+    """Check (d): (t(1 + N tokens) - t(1 token)) / N for a batch of 8, idle and all steered, interleaved."""
+    batch = [short[i % len(short)] for i in range(DECODE_BATCH)]
+    samples: dict[str, list[float]] = {"idle": [], "steered": []}
+    for repeat in range(TIMING_REPEATS + 1):  # the first round warms up
+        for name, spec in (("idle", None), ("steered", steer)):
+            t_short = timed(llm, batch, 1, spec)
+            t_long = timed(llm, batch, 1 + DECODE_TOKENS, spec)
+            if repeat:
+                samples[name].append(per_step_ms(t_short, t_long, DECODE_TOKENS))
+    return check_decode_cost(samples["idle"], samples["steered"], MAX_DECODE_OVERHEAD)
+
+
+def run_vanilla(kwargs: dict[str, Any], batches: list[list[list[int]]], max_tokens: list[int], workdir: Path) -> list[Result]:
+    """Run the plain batches in a fresh interpreter with ``VLLM_PLUGINS=""``; results in order, flattened."""
+    job, out = workdir / "vanilla-job.json", workdir / "vanilla-out.json"
+    job.write_text(json.dumps({"engine": kwargs, "batches": batches, "max_tokens": max_tokens}))
+    env = {**os.environ, "VLLM_PLUGINS": ""}
+    command = [sys.executable, "-m", "hotwire_core.verify", "--vanilla-job", str(job), str(out)]
+    proc = subprocess.run(command, env=env, capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise RuntimeError(f"the vanilla engine failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
+    return [Result(**r) for r in json.loads(out.read_text())]
+
+
+def _vanilla_child(job_path: str, out_path: str) -> None:
+    from vllm import LLM
+
+    job = json.loads(Path(job_path).read_text())
+    llm = LLM(**job["engine"])
+    if any(name.startswith("hotwire_core.vllm_glue") for name in sys.modules):
+        raise SystemExit("hotwire was loaded although VLLM_PLUGINS is empty")
+    results = []
+    for batch, max_tokens in zip(job["batches"], job["max_tokens"]):
+        results += generate(llm, batch, [params(max_tokens, skip_cache=True) for _ in batch])
+    Path(out_path).write_text(json.dumps([asdict(r) for r in results]))
+
+
+def device_name() -> str:
+    import torch
+
+    if torch.cuda.is_available():
+        return f"GPU: {torch.cuda.get_device_name(0)}"
+    name = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                name = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return f"CPU: {name} ({os.cpu_count()} cores)"
+
+
+def runner_name(llm: Any, forced: str | None) -> str:
+    used = "v2" if llm.llm_engine.vllm_config.use_v2_model_runner else "v1"
+    return f"{used} ({'--runner ' + forced if forced else 'vLLM default'})"
+
+
+def run(args: argparse.Namespace, model: str, workdir: Path) -> tuple[list[tuple[str, str]], list[Check], list[tuple[str, float]]]:
+    """Start the engine, run the checks; returns the report's header, checks and timings."""
+    import torch
+    import vllm
+    from vllm import LLM
+
+    import hotwire_core
+    from hotwire_core.offline import register_vector, steer
+
+    timings: list[tuple[str, float]] = []
+    started = time.monotonic()
+    kwargs = engine_kwargs(model, args.dtype)
+    llm = LLM(**kwargs)
+    timings.append(("engine start", time.monotonic() - started))
+
+    config = llm.llm_engine.model_config
+    hidden = config.get_hidden_size()
+    n_layers = config.get_num_layers(llm.llm_engine.vllm_config.parallel_config)
+    block_size = llm.llm_engine.vllm_config.cache_config.block_size
+    vector = torch.randn(hidden, generator=torch.Generator().manual_seed(0))
+    register_vector(llm, VECTOR_ID, vector)
+    entry = {"id": VECTOR_ID, "layer": n_layers // 2, "scale": SCALE}
+    spec = steer(entry)
+    header = [
+        ("model", f"{model} (hidden {hidden}, {n_layers} layers)"),
+        ("dtype", str(config.dtype).removeprefix("torch.")),
+        ("device", device_name()),
+        ("vLLM", f"{vllm.__version__}, hotwire {hotwire_core.__version__}, runner {runner_name(llm, args.runner)}"),
+        ("steering", f"{json.dumps(entry)}, random normal vector (norm {vector.norm():.1f})"),
+    ]
+
+    tokenizer = llm.get_tokenizer()
+    short = [tokenizer.encode(p) for p in PROMPTS]
+    prefix_len = PREFIX_BLOCKS * block_size + block_size // 2
+    x, y = (long_prompt(tokenizer, text, prefix_len) for text in LONG_TEXTS)
+
+    started = time.monotonic()
+    plain = one(llm, short[0], params(SHORT_TOKENS, skip_cache=True))
+    steered = one(llm, short[0], params(SHORT_TOKENS, spec, skip_cache=True))
+    batchmates, all_plain = batchmate_check(llm, short, spec)
+    prefix, plain_long = prefix_checks(llm, x, y, spec, block_size)
+    checks = [check_steering_fires(plain, steered), batchmates, *prefix]
+    timings.append(("checks a-c", time.monotonic() - started))
+
+    started = time.monotonic()
+    checks.append(decode_cost_check(llm, short, spec))
+    timings.append(("decode timing", time.monotonic() - started))
+    llm.llm_engine.engine_core.shutdown()
+
+    if args.vanilla:
+        started = time.monotonic()
+        batches = [short[:1], short, [x], [y]]
+        try:
+            theirs = run_vanilla(kwargs, batches, [SHORT_TOKENS, SHORT_TOKENS, PREFIX_TOKENS, PREFIX_TOKENS], workdir)
+        except RuntimeError as exc:
+            checks.append(Check("e. vanilla vLLM", False, str(exc).splitlines()[0]))
+            print(exc, file=sys.stderr)
+        else:
+            tolerance = 0.0 if torch.cuda.is_available() else CPU_VANILLA_TOLERANCE
+            checks.append(check_vanilla([plain, *all_plain, *plain_long], theirs, tolerance))
+        timings.append(("vanilla engine", time.monotonic() - started))
+    return header, checks, timings
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m hotwire_core.verify", description="Self-test hotwire in one vLLM engine.")
+    parser.add_argument("--model", help="model to test (path or hub id); default: the built-in tiny model")
+    parser.add_argument("--dtype", help="engine dtype (default: auto on a GPU, float32 on the CPU)")
+    parser.add_argument("--runner", choices=("v1", "v2"), help="force vLLM's model runner (VLLM_USE_V2_MODEL_RUNNER)")
+    parser.add_argument("--vanilla", action="store_true", help="also compare plain requests with a plugin-free engine")
+    parser.add_argument("--vanilla-job", nargs=2, metavar=("JOB", "OUT"), help=argparse.SUPPRESS)
+    return parser
+
+
+def _set_environment(args: argparse.Namespace, on_gpu: bool) -> None:
+    """Before vLLM is imported: the runner, CPU-backend settings, and no vector store (the test vector is not
+    kept)."""
+    if args.runner:
+        os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "1" if args.runner == "v2" else "0"
+    if not on_gpu:
+        for key, value in CPU_ENV.items():
+            os.environ.setdefault(key, value)
+    if not args.model:
+        os.environ["HF_HUB_OFFLINE"] = "1"
+    os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
+    os.environ["HOTWIRE_STORE"] = "off"
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.vanilla_job:
+        _vanilla_child(*args.vanilla_job)
+        return 0
+    import torch
+
+    on_gpu = torch.cuda.is_available()
+    args.dtype = args.dtype or ("auto" if on_gpu else "float32")
+    _set_environment(args, on_gpu)
+    total = time.monotonic()
+    with tempfile.TemporaryDirectory(prefix="hotwire-verify-") as tmp:
+        workdir = Path(tmp)
+        if args.model:
+            model = args.model
+        else:
+            from hotwire_core.tiny_model import build_model
+
+            model = str(build_model(workdir / "tiny-model"))
+        header, checks, timings = run(args, model, workdir)
+    print(format_report(header, checks, [*timings, ("total", time.monotonic() - total)]), flush=True)
+    return exit_status(checks)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
