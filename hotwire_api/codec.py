@@ -25,8 +25,8 @@ import numpy as np
 import safetensors
 
 from hotwire_api.errors import HotwireError
+from hotwire_core.spec import VECTOR_ID_RE
 
-VECTOR_ID_RE = re.compile(r"[A-Za-z0-9._-]{1,64}")
 DTYPES: dict[str, int] = {"float32": 4, "float16": 2, "bfloat16": 2}
 _SAFETENSORS_DTYPES = {"F32": "float32", "F16": "float16", "BF16": "bfloat16"}
 # Bits of the exponent field: all set means NaN or infinity, in any of the three formats.

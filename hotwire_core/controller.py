@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from .errors import EngineError
 from .registry import HostVector, RegistryError, VectorRegistry
 from .settings import Settings
 from .slots import RowKey, SlotCache, SlotsExhausted
@@ -71,18 +72,8 @@ class Binding:
     config: dict[str, list[list[float]]] = field(default_factory=dict)
 
 
-class Refusal(Exception):
-    """A request the engine cannot steer as asked; ``status`` is the HTTP status the API would use."""
-
-    def __init__(self, status: int, code: str, message: str, field: str | None = None):
-        super().__init__(message)
-        self.status, self.code, self.message, self.field = status, code, message, field
-
-    def to_result(self) -> dict:
-        out = {"ok": False, "status": self.status, "code": self.code, "error": self.message}
-        if self.field:
-            out["field"] = self.field
-        return out
+class Refusal(EngineError):
+    """A request the engine cannot steer as asked."""
 
 
 def _ok(**kwargs: Any) -> dict:

@@ -14,23 +14,14 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .errors import EngineError
 from .spec import VECTOR_ID_RE
 
 DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
-class RegistryError(ValueError):
-    """A registration or lookup that cannot be honoured; ``status`` is the HTTP status the API returns."""
-
-    def __init__(self, status: int, code: str, message: str, field: str | None = None):
-        super().__init__(message)
-        self.status, self.code, self.message, self.field = status, code, message, field
-
-    def to_result(self) -> dict:
-        out = {"ok": False, "status": self.status, "code": self.code, "error": self.message}
-        if self.field:
-            out["field"] = self.field
-        return out
+class RegistryError(EngineError):
+    """A registration or lookup that cannot be honoured."""
 
 
 @dataclass(eq=False)  # identity semantics: one object per version
