@@ -25,6 +25,7 @@ SPEC_KEY = "hotwire"
 _FIELD = f"vllm_xargs.{SPEC_KEY}"
 RECEIPT_HEADER = b"x-hotwire-receipt"
 LENIENT_HEADER = b"x-hotwire-lenient"
+SALT_PREFIX = "hotwire:"  # reserved for the cache salts of steered requests (hotwire_core.controller)
 
 
 class AdmissionMiddleware:
@@ -46,6 +47,15 @@ class AdmissionMiddleware:
             await self.app(scope, _replay(body, receive), send)
             return
         request, spec = found
+        salt = request.get("cache_salt")
+        if isinstance(salt, str) and salt.startswith(SALT_PREFIX):  # could forge a steered request's salt
+            STATS.count_refusal("reserved_salt")
+            refusal = HotwireError(400, "reserved_salt", f"cache_salt may not start with {SALT_PREFIX!r}", "cache_salt")
+            await refusal.response()(scope, receive, send)
+            return
+        if spec is None:
+            await self.app(scope, _replay(body, receive), send)
+            return
         try:
             if not isinstance(spec, str):
                 raise HotwireError(
@@ -87,16 +97,16 @@ async def _read_body(receive: Receive) -> bytes | None:
 
 
 def _find_spec(body: bytes) -> tuple[dict[str, Any], Any] | None:
-    """The parsed body and its ``vllm_xargs.hotwire``, or None when there is none (or the body is not JSON,
-    which vLLM reports itself)."""
+    """The parsed body and its ``vllm_xargs.hotwire`` (None when absent), or None when the body is not a JSON
+    object (vLLM reports that itself)."""
     try:
         request = json.loads(body)
     except ValueError:
         return None
-    xargs = request.get("vllm_xargs") if isinstance(request, dict) else None
-    if not isinstance(xargs, dict) or SPEC_KEY not in xargs:
+    if not isinstance(request, dict):
         return None
-    return request, xargs[SPEC_KEY]
+    xargs = request.get("vllm_xargs")
+    return request, (xargs.get(SPEC_KEY) if isinstance(xargs, dict) else None)
 
 
 def _replay(body: bytes, receive: Receive) -> Receive:
@@ -123,7 +133,8 @@ def _add_header(send: Send, name: bytes, value: str) -> Send:
     encoded = "".join(c if " " <= c <= "~" else "?" for c in value)[:512].encode()
 
     async def send_with_header(message: Message) -> None:
-        if message["type"] == "http.response.start":
+        # Only on success: a request vLLM itself rejects was never steered.
+        if message["type"] == "http.response.start" and message.get("status", 200) < 400:
             message = {**message, "headers": [*message.get("headers", []), (name, encoded)]}
         await send(message)
 

@@ -28,7 +28,7 @@ class VectorMeta(_EngineResult):
 
     id: str
     version: int = Field(description="Bumped on every replace; receipts name the version they steered with.")
-    sha256: str = Field(description="SHA-256 of the raw vector bytes.")
+    sha256: str = Field(description="SHA-256 of the vector's dtype, shape, layers and raw bytes.")
     dtype: str
     shape: list[int]
     layers: list[int] | None = Field(description="Layers naming the rows; null: a row per layer, or any layer.")
@@ -88,6 +88,7 @@ class ModelSteering(_EngineResult):
     n_layers: int | None = None
     hidden_size: int | None = None
     max_stack: int | None = Field(None, description="Most entries one request may stack on one layer.")
+    norm: bool | None = Field(None, description="Whether norm-relative entries are allowed (HOTWIRE_NORM).")
 
 
 class SlotStats(_EngineResult):
@@ -100,6 +101,8 @@ class SlotStats(_EngineResult):
     evictions: int
     refused: dict[str, int] = Field(description="Requests refused, by reason (e.g. the slot budget).")
     steered_requests: int
+    deferred: int = Field(0, description="Requests admitted over HTTP now waiting in the engine for bank rows.")
+    deferrals: int = Field(0, description="Requests that have had to wait for bank rows, since start.")
     vectors: int = Field(description="Registered vectors.")
     rows: list[SlotRow]
     model: ModelSteering

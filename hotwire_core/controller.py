@@ -10,9 +10,9 @@ from __future__ import annotations
 import copy
 import hashlib
 import logging
-from collections import Counter
+from collections import Counter, OrderedDict
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -89,6 +89,10 @@ class SteeringController:
         self.bindings: dict[str, Binding] = {}
         self.refused: Counter[str] = Counter()
         self.steered_requests = 0
+        self.deferred: OrderedDict[str, Any] = OrderedDict()  # request id -> request waiting for slots
+        self.deferrals = 0
+        # Set by the engine glue: finishes a deferred request that can no longer be admitted with an error.
+        self.on_refused: Callable[[Any, Refusal], None] = lambda request, exc: None
         self._writes: list[BankWrite] = []
         store_dir = settings.store_dir(model_name)
         self.store = VectorStore(store_dir) if store_dir is not None else None
@@ -157,6 +161,8 @@ class SteeringController:
             **self.slots.stats(),
             refused=dict(self.refused),
             steered_requests=self.steered_requests,
+            deferred=len(self.deferred),
+            deferrals=self.deferrals,
             vectors=len(self.registry.vectors()),
             model=self.model.to_json(self.settings.max_stack),
         )
@@ -166,6 +172,7 @@ class SteeringController:
         try:
             entries = self._validate(spec)
             keys = self._row_keys(entries)
+            self._check_capacity(keys)
             needed, available = self.slots.missing(keys), self.slots.available(keys)
             if needed > available:
                 raise Refusal(429, "slots_exhausted", str(SlotsExhausted(needed, available, self.slots.capacity)))
@@ -218,6 +225,14 @@ class SteeringController:
                     )
         return resolved
 
+    def _check_capacity(self, keys: set[RowKey]) -> None:
+        if len(keys) > self.slots.capacity:
+            raise Refusal(
+                400, "too_many_rows",
+                f"this spec needs {len(keys)} bank rows but HOTWIRE_SLOTS is {self.slots.capacity}",
+                SPEC_KEY,
+            )
+
     @staticmethod
     def _row_keys(resolved: list[tuple[SteeringEntry, HostVector]]) -> set[RowKey]:
         return {RowKey(v.vector_id, v.version, v.row_key_layer(l)) for e, v in resolved for l in e.layers}
@@ -231,7 +246,8 @@ class SteeringController:
         return ";".join(parts)
 
     def admit(self, request: Any) -> Binding | None:
-        """Bind a new engine request (a ``vllm.v1.request.Request``) to its steering, or raise :class:`Refusal`.
+        """Bind a new engine request (a ``vllm.v1.request.Request``) to its steering, or raise :class:`Refusal`
+        (code ``slots_exhausted`` when it would fit once running requests release their rows: see ``defer``).
 
         On success the request carries the binding for the workers and a cache salt that separates its KV
         from every other steering config (none included)."""
@@ -244,12 +260,14 @@ class SteeringController:
         try:
             resolved = self._validate(extra[SPEC_KEY])
             keys = self._row_keys(resolved)
+            self._check_capacity(keys)
             try:
                 slot_of, loads = self.slots.acquire(keys)
             except SlotsExhausted as exc:
                 raise Refusal(429, "slots_exhausted", str(exc)) from None
         except Refusal as exc:
-            self.refused[exc.code] += 1
+            if exc.code != "slots_exhausted":  # that one is deferred, not refused (see defer)
+                self.refused[exc.code] += 1
             raise
         vectors = []
         for _, vector in resolved:
@@ -296,6 +314,39 @@ class SteeringController:
         for vector in binding.vectors:
             if self.registry.release(vector):
                 self.slots.drop(vector.vector_id, vector.version)
+
+    # -- requests waiting for slots ----------------------------------------------------------------------------
+
+    def defer(self, request: Any) -> None:
+        """Hold a request whose rows cannot be pinned now; ``admit_deferred`` adds it once they can."""
+        self.deferred[request.request_id] = request
+        self.deferrals += 1
+
+    def admit_deferred(self) -> list[Any]:
+        """Deferred requests that could be admitted now, in arrival order (the first that still does not fit
+        stops the scan, so later small requests cannot starve an earlier large one)."""
+        admitted = []
+        while self.deferred:
+            request_id, request = next(iter(self.deferred.items()))
+            try:
+                self.admit(request)
+            except Refusal as exc:
+                if exc.code == "slots_exhausted":
+                    break
+                self.deferred.pop(request_id)  # the registry changed meanwhile: it can never be admitted
+                self.on_refused(request, exc)
+                continue
+            self.deferred.pop(request_id)
+            admitted.append(request)
+        return admitted
+
+    def drop_deferred(self, request_ids: Any) -> None:
+        """Forget deferred requests that were aborted (``None``: all)."""
+        if request_ids is None:
+            self.deferred.clear()
+            return
+        for request_id in [request_ids] if isinstance(request_ids, str) else request_ids:
+            self.deferred.pop(request_id, None)
 
     def take_writes(self) -> list[BankWrite]:
         """Bank writes since the last step; a slot reloaded twice in between keeps only its last row."""

@@ -11,7 +11,8 @@ this file (and ``hotwire_api/mount.py``) only.
 | ``EngineCore.add_request`` | admission: bind versions and slots, salt the prefix cache, or refuse |
 | ``EngineCore.collective_rpc`` | answer ``hotwire_*`` RPCs in the engine core |
 | ``Scheduler._free_request`` | release a finished/aborted request's pins |
-| ``Scheduler.schedule`` | bank writes ride on the ``SchedulerOutput`` every rank receives |
+| ``Scheduler.schedule`` | admit requests deferred for slots; bank writes ride on the ``SchedulerOutput`` |
+| ``Scheduler.has_requests`` / ``finish_requests`` | deferred requests keep the engine stepping; aborts drop them |
 | ``Worker.load_model`` | allocate buffers and hook decoder layers before compile and capture |
 | ``WorkerBase.hotwire_worker_info`` | what this rank could hook, for the controller |
 | V1 ``GPUModelRunner.execute_model`` / ``_model_forward`` | lifecycle; per-step fill before (FULL graph) forward |
@@ -87,6 +88,15 @@ def _model_info(results: list[dict]) -> ModelInfo:
     return ModelInfo(steerable, reason, first["n_layers"], first["hidden_size"], first["dtype"], layers, norm)
 
 
+def _send_refusal(engine: Any, request: Any, exc: Refusal) -> None:
+    """Finish a request the engine will not serve with an error (vLLM reports it as a failed request)."""
+    logger.warning("hotwire: refused request %s: %s", request.request_id, exc.message)
+    send_error = getattr(engine, "_send_error_outputs_to_client", None)
+    if send_error is None:  # in-process engine: the caller gets the error directly
+        raise ValueError(f"hotwire: {exc.message}")
+    send_error([request.request_id], request.client_index)
+
+
 def _patch_engine_core(module: Any) -> None:
     cls = module.EngineCore
 
@@ -108,17 +118,18 @@ def _patch_engine_core(module: Any) -> None:
     def make_add(original):
         def add_request(self, request, request_wave=0):
             self.scheduler.hotwire = self.hotwire  # the scheduler is built after the controller
+            self.hotwire.on_refused = functools.partial(_send_refusal, self)
             try:
                 self.hotwire.admit(request)
             except Exception as exc:  # a bad request must never take the engine down
+                if isinstance(exc, Refusal) and exc.code == "slots_exhausted":
+                    # It fits once running requests release their rows: wait, like any queued request.
+                    self.hotwire.defer(request)
+                    return
                 if not isinstance(exc, Refusal):
                     logger.exception("hotwire: admission of %s failed", request.request_id)
                     exc = Refusal(500, "internal", f"steering admission failed: {exc}")
-                logger.warning("hotwire: refused request %s: %s", request.request_id, exc.message)
-                send_error = getattr(self, "_send_error_outputs_to_client", None)
-                if send_error is None:  # in-process engine: the caller gets the error directly
-                    raise ValueError(f"hotwire: {exc.message}") from None
-                send_error([request.request_id], request.client_index)
+                _send_refusal(self, request, exc)
                 return
             return original(self, request, request_wave)
 
@@ -143,8 +154,11 @@ def _patch_scheduler(module: Any) -> None:
 
     def make_schedule(original):
         def schedule(self, *args, **kwargs):
-            output = original(self, *args, **kwargs)
             controller = getattr(self, "hotwire", None)
+            if controller is not None:
+                for request in controller.admit_deferred():
+                    self.add_request(request)
+            output = original(self, *args, **kwargs)
             if controller is not None:
                 writes = controller.take_writes()
                 if writes:
@@ -162,8 +176,27 @@ def _patch_scheduler(module: Any) -> None:
 
         return _free_request
 
+    def make_has_requests(original):
+        def has_requests(self):
+            # Deferred requests are work: the engine must keep stepping to admit them.
+            controller = getattr(self, "hotwire", None)
+            return original(self) or bool(controller is not None and controller.deferred)
+
+        return has_requests
+
+    def make_finish(original):
+        def finish_requests(self, request_ids, finished_status):
+            controller = getattr(self, "hotwire", None)
+            if controller is not None:
+                controller.drop_deferred(request_ids)
+            return original(self, request_ids, finished_status)
+
+        return finish_requests
+
     _wrap(cls, "schedule", make_schedule)
     _wrap(cls, "_free_request", make_free)
+    _wrap(cls, "has_requests", make_has_requests)
+    _wrap(cls, "finish_requests", make_finish)
 
 
 # -- workers ---------------------------------------------------------------------------------------------------

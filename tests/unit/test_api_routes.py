@@ -506,6 +506,31 @@ def test_steered_request_is_admitted_with_a_receipt(client: TestClient, engine: 
     assert response.headers["x-hotwire-receipt"] == "happy@v1"
 
 
+def test_reserved_cache_salt_is_refused_before_the_engine(client: TestClient, engine: FakeEngine) -> None:
+    for xargs in (None, {"hotwire": _spec()}):
+        body = _chat(xargs, cache_salt="hotwire:forged")
+        response = client.post("/v1/chat/completions", json=body)
+        _error(response, 400, "reserved_salt", "cache_salt")
+    assert engine.calls == []
+    assert client.post("/v1/chat/completions", json=_chat(None, cache_salt="mine")).status_code == 200
+
+
+def test_no_receipt_when_vllm_rejects_the_request(engine: FakeEngine) -> None:
+    app = _openai_app(engine, Settings())
+
+    async def reject(request: Request) -> JSONResponse:
+        await request.body()
+        return JSONResponse({"error": "max_tokens too large"}, status_code=400)
+
+    app.router.routes = [r for r in app.router.routes if getattr(r, "path", "") != "/v1/chat/completions"]
+    app.add_api_route("/v1/chat/completions", reject, methods=["POST"])
+    client = TestClient(app)
+    _upload(client, "happy", _vector())
+    response = client.post("/v1/chat/completions", json=_chat({"hotwire": _spec()}))
+    assert response.status_code == 400 and "x-hotwire-receipt" not in response.headers
+    assert ("hotwire_check", (_spec(),)) in engine.calls
+
+
 def test_streaming_response_passes_through(client: TestClient) -> None:
     _upload(client, "happy", _vector())
     body = {"model": "m", "prompt": "hi", "stream": True, "vllm_xargs": {"hotwire": _spec()}}

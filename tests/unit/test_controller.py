@@ -348,7 +348,7 @@ def test_slots_exhausted():
     err = refusal(c, {"id": "a", "layer": [1, 2], "scale": 1}, rid="r2")
     assert (err.status, err.code) == (429, "slots_exhausted")
     assert "HOTWIRE_SLOTS" in err.message
-    assert c.stats()["refused"] == {"slots_exhausted": 1}
+    assert c.stats()["refused"] == {}  # the engine defers such requests (see test_deferred_*): not a refusal
     after = state(c)
     assert after[1:] == before[1:]  # no refs, no bindings, no writes
     assert {k: v for k, v in after[0].items() if k != "refused"} == {k: v for k, v in before[0].items() if k != "refused"}
@@ -368,16 +368,77 @@ def test_refused_counts_accumulate(c):
 
 
 def test_admit_over_count_refuses_cleanly():
-    c = ctrl(slots=1)
+    c = ctrl(slots=2)
     register(c, "a", vec(HIDDEN, seed=1))
     register(c, "b", vec(HIDDEN, seed=2))
+    register(c, "c", vec(HIDDEN, seed=3))
     admit(c, "r1", {"id": "a", "layer": 0, "scale": 1})
-    c.release("r1")
+    c.release("r1")  # a: resident, unpinned
+    admit(c, "r2", {"id": "c", "layer": 0, "scale": 1})  # c: pinned
     spec = [{"id": "a", "layer": 0, "scale": 1}, {"id": "b", "layer": 0, "scale": 1}]
     checked = c.check(json.dumps(spec))
-    err = refusal(c, spec)  # today: KeyError escapes here
-    assert err.status == 429 and c.stats()["pinned"] == 0
+    err = refusal(c, spec)  # a is its own row, not an evictable one: b has nowhere to go
+    assert err.status == 429 and c.stats()["pinned"] == 1
     assert checked["ok"] is False and checked["status"] == 429
+
+
+def test_more_rows_than_capacity_is_400_in_check_and_admit():
+    c = ctrl(slots=1)
+    register(c, "a", vec(N_LAYERS, HIDDEN))
+    spec = {"id": "a", "layer": [0, 1], "scale": 1}
+    assert c.check(json.dumps(spec))["code"] == "too_many_rows"
+    err = refusal(c, spec)
+    assert (err.status, err.code) == (400, "too_many_rows")
+    assert c.stats()["refused"] == {"too_many_rows": 1}
+
+
+def test_deferred_requests_are_admitted_in_order_when_rows_free():
+    c = ctrl(slots=2)
+    register(c, "a", vec(N_LAYERS, HIDDEN))
+    admit(c, "holder", {"id": "a", "layer": [0, 1], "scale": 1})
+    waiting = [request(f"w{i}", {"id": "a", "layer": [2, 3], "scale": 1}) for i in range(2)]
+    for r in waiting:
+        with pytest.raises(Refusal):
+            c.admit(r)
+        c.defer(r)
+    assert c.admit_deferred() == [] and c.stats()["deferred"] == 2
+    c.release("holder")
+    assert c.admit_deferred() == waiting  # both fit: they share rows (a@1 layers 2 and 3)
+    assert c.stats()["deferred"] == 0 and c.stats()["deferrals"] == 2 and c.stats()["pinned"] == 2
+
+
+def test_deferred_request_that_can_no_longer_be_admitted_is_refused_not_lost():
+    c = ctrl(slots=2)
+    register(c, "a", vec(N_LAYERS, HIDDEN))
+    register(c, "b", vec(HIDDEN))
+    admit(c, "holder", {"id": "a", "layer": [0, 1], "scale": 1})
+    late = request("late", {"id": "b", "layer": 0, "scale": 1})
+    with pytest.raises(Refusal):
+        c.admit(late)
+    c.defer(late)
+    refused = []
+    c.on_refused = lambda req, exc: refused.append((req, exc.code))
+    c.unregister("b")
+    c.release("holder")
+    assert c.admit_deferred() == []
+    assert refused == [(late, "unknown_vector")] and c.stats()["deferred"] == 0
+
+
+def test_aborted_deferred_requests_are_dropped():
+    c = ctrl(slots=1)
+    register(c, "a", vec(HIDDEN))
+    register(c, "b", vec(HIDDEN, seed=5))
+    admit(c, "holder", {"id": "a", "layer": 0, "scale": 1})
+    for rid in ("x", "y", "z"):
+        r = request(rid, {"id": "b", "layer": 0, "scale": 1})
+        with pytest.raises(Refusal):
+            c.admit(r)
+        c.defer(r)
+    c.drop_deferred("x")
+    c.drop_deferred(["y"])
+    assert list(c.deferred) == ["z"]
+    c.drop_deferred(None)
+    assert not c.deferred
 
 
 def test_huge_int_scale_is_refusal(c):
@@ -540,7 +601,7 @@ def test_stats_shape(c):
     refusal(c, {"id": "zz", "layer": 0, "scale": 1})
     s = c.stats()
     assert set(s) == {"ok", "capacity", "used", "pinned", "free", "evictions", "refused", "steered_requests",
-                      "vectors", "rows", "model"}
+                      "vectors", "rows", "model", "deferred", "deferrals"}
     assert s["ok"] is True
     assert (s["capacity"], s["used"], s["pinned"], s["free"], s["evictions"]) == (8, 2, 2, 6, 0)
     assert s["refused"] == {"unknown_vector": 1}
