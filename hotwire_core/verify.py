@@ -50,9 +50,16 @@ DECODE_TOKENS = 64
 TIMING_REPEATS = 3
 MIN_LOGPROB_DELTA = 1e-4  # below this a logprob change is numerical noise, not steering
 MAX_DECODE_OVERHEAD = 0.5  # steered decode may cost at most this much more than idle decode
-CPU_VANILLA_TOLERANCE = 1e-5  # vLLM's CPU backend is not bit-reproducible across engine processes
+# vLLM's CPU backend is not bit-reproducible, not even between identical batches in one engine (its logprobs jitter
+# by an ulp, 5e-7), so on the CPU "identical" means within this; on a GPU it means bit for bit.
+CPU_TOLERANCE = 1e-5
 MAX_MODEL_LEN = 2048
 CPU_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "TORCHINDUCTOR_VEC_ISA_OK": "1"}
+
+
+Header = list[tuple[str, str]]  # report fields: (name, value)
+Timings = list[tuple[str, float]]  # (what, seconds)
+Batches = list[tuple[list[list[int]], int]]  # (prompts as token ids, max_tokens)
 
 
 @dataclass(frozen=True)
@@ -81,9 +88,15 @@ def max_abs_diff(a: Sequence[float], b: Sequence[float]) -> float:
     return max((abs(x - y) for x, y in zip(a, b)), default=0.0)
 
 
-def identical(a: Result, b: Result) -> bool:
-    """Same tokens and bit-identical logprobs (cache use aside)."""
-    return a.token_ids == b.token_ids and a.logprobs == b.logprobs
+def compare(ours: Sequence[Result], theirs: Sequence[Result], tolerance: float) -> tuple[bool, str]:
+    """Whether two lists of results match (same tokens; logprobs bit-identical, or within ``tolerance`` where the
+    backend is not bit-reproducible) and how closely, in words."""
+    tokens = len(ours) == len(theirs) and all(a.token_ids == b.token_ids for a, b in zip(ours, theirs))
+    worst = max((max_abs_diff(a.logprobs, b.logprobs) for a, b in zip(ours, theirs)), default=0.0)
+    if tokens and all(a.logprobs == b.logprobs for a, b in zip(ours, theirs)):
+        return True, "bit-identical"
+    words = f"max |delta| {worst:.3g}" + (f" (CPU tolerance {tolerance:g})" if tolerance > 0 else "")
+    return tokens and worst <= tolerance, words if tokens else f"different tokens, {words}"
 
 
 def differs(plain: Result, steered: Result) -> bool:
@@ -99,29 +112,26 @@ def check_steering_fires(plain: Result, steered: Result) -> Check:
     return Check("a. steering fires", differs(plain, steered), detail)
 
 
-def check_batchmates(all_plain: Sequence[Result], mixed: Sequence[Result], steered: Sequence[int]) -> Check:
-    """Plain requests of ``mixed`` must be bit-identical to ``all_plain``; those at ``steered`` must differ."""
+def check_batchmates(
+    all_plain: Sequence[Result], mixed: Sequence[Result], steered: Sequence[int], tolerance: float
+) -> Check:
+    """Plain requests of ``mixed`` must match ``all_plain`` (see :func:`compare`); those at ``steered`` must
+    differ."""
     plain_idx = [i for i in range(len(mixed)) if i not in steered]
-    moved = max((max_abs_diff(all_plain[i].logprobs, mixed[i].logprobs) for i in plain_idx), default=0.0)
-    same = all(identical(all_plain[i], mixed[i]) for i in plain_idx)
+    same, words = compare([mixed[i] for i in plain_idx], [all_plain[i] for i in plain_idx], tolerance)
     fired = all(differs(all_plain[i], mixed[i]) for i in steered)
     detail = (
         f"{len(plain_idx)} plain beside {len(steered)} steered in a batch of {len(mixed)}: "
-        f"{'bit-identical' if same else f'max |delta| {moved:.3g}'} to an all-plain batch"
-        + ("" if fired else "; a steered mate was not steered")
+        f"{words} to an all-plain batch" + ("" if fired else "; a steered mate was not steered")
     )
     return Check("b. batchmates", same and fired, detail)
 
 
-def check_no_cross_read(name: str, after: Result, uncached: Result) -> Check:
+def check_no_cross_read(name: str, after: Result, uncached: Result, tolerance: float) -> Check:
     """``after`` followed a request with other steering on the same prompt: it must read no cached tokens and
-    equal ``uncached`` (the same request with ``skip_reading_prefix_cache``)."""
-    same = identical(after, uncached)
-    detail = (
-        f"{after.num_cached_tokens} cached tokens read; "
-        f"{'bit-identical' if same else f'max |delta| {max_abs_diff(after.logprobs, uncached.logprobs):.3g}'} "
-        "to an uncached run"
-    )
+    match ``uncached`` (the same request with ``skip_reading_prefix_cache``)."""
+    same, words = compare([after], [uncached], tolerance)
+    detail = f"{after.num_cached_tokens} cached tokens read; {words} to an uncached run"
     return Check(name, after.num_cached_tokens == 0 and same, detail)
 
 
@@ -150,17 +160,12 @@ def check_decode_cost(idle_ms: Sequence[float], steered_ms: Sequence[float], max
 
 
 def check_vanilla(ours: Sequence[Result], theirs: Sequence[Result], tolerance: float) -> Check:
-    """Plain results against a plugin-free engine: bit-identical, or within ``tolerance`` (0 on a GPU)."""
-    worst = max((max_abs_diff(a.logprobs, b.logprobs) for a, b in zip(ours, theirs)), default=0.0)
-    tokens = len(ours) == len(theirs) and all(a.token_ids == b.token_ids for a, b in zip(ours, theirs))
-    exact = tokens and all(a.logprobs == b.logprobs for a, b in zip(ours, theirs))
-    verdict = "bit-identical" if exact else f"max |delta| {worst:.3g}"
-    if not exact and tolerance > 0:
-        verdict += f" (CPU tolerance {tolerance:g})"
-    return Check("e. vanilla vLLM", tokens and worst <= tolerance, f"{len(ours)} plain requests: {verdict}")
+    """Plain results against a plugin-free engine (see :func:`compare`)."""
+    same, words = compare(ours, theirs, tolerance)
+    return Check("e. vanilla vLLM", same, f"{len(ours)} plain requests: {words}")
 
 
-def format_report(header: Sequence[tuple[str, str]], checks: Sequence[Check], timings: Sequence[tuple[str, float]]) -> str:
+def format_report(header: Header, checks: Sequence[Check], timings: Timings) -> str:
     """The report block: header fields, one line per check, timings and the verdict."""
     rule = "=" * 78
     lines = [rule, "hotwire verify", rule]
@@ -230,18 +235,20 @@ def long_prompt(tokenizer: Any, text: str, n_tokens: int) -> list[int]:
     return (ids * (n_tokens // len(ids) + 1))[:n_tokens]
 
 
-def batchmate_check(llm: Any, short: list[list[int]], steer: dict) -> tuple[Check, list[Result]]:
+def batchmate_check(llm: Any, short: list[list[int]], steer: dict, tolerance: float) -> tuple[Check, list[Result]]:
     """Check (b); returns the all-plain batch too (a vanilla reference)."""
     steered = [1, 3]
     plain_params = [params(SHORT_TOKENS, skip_cache=True) for _ in short]
     mixed_params = [params(SHORT_TOKENS, steer if i in steered else None, skip_cache=True) for i in range(len(short))]
     all_plain = generate(llm, short, plain_params)
     mixed = generate(llm, short, mixed_params)
-    return check_batchmates(all_plain, mixed, steered), all_plain
+    return check_batchmates(all_plain, mixed, steered, tolerance), all_plain
 
 
-def prefix_checks(llm: Any, x: list[int], y: list[int], steer: dict, block_size: int) -> tuple[list[Check], list[Result]]:
-    """Check (c) on two fresh long prompts; returns the uncached plain results too (vanilla references)."""
+def prefix_checks(
+    llm: Any, x: list[int], y: list[int], steer: dict, block_size: int, tolerance: float
+) -> tuple[list[Check], list[Result]]:
+    """Check (c) on two fresh long prompts; returns the plain results that read no cache (vanilla references)."""
     steered_x = one(llm, x, params(PREFIX_TOKENS, steer))
     plain_x = one(llm, x, params(PREFIX_TOKENS))
     plain_x_uncached = one(llm, x, params(PREFIX_TOKENS, skip_cache=True))
@@ -250,8 +257,8 @@ def prefix_checks(llm: Any, x: list[int], y: list[int], steer: dict, block_size:
     steered_y = one(llm, y, params(PREFIX_TOKENS, steer))
     steered_y_uncached = one(llm, y, params(PREFIX_TOKENS, steer, skip_cache=True))
     checks = [
-        check_no_cross_read("c. prefix cache: steered -> plain", plain_x, plain_x_uncached),
-        check_no_cross_read("c. prefix cache: plain -> steered", steered_y, steered_y_uncached),
+        check_no_cross_read("c. prefix cache: steered -> plain", plain_x, plain_x_uncached, tolerance),
+        check_no_cross_read("c. prefix cache: plain -> steered", steered_y, steered_y_uncached, tolerance),
         check_cache_hit(steered_x, steered_x_again, block_size, len(x)),
     ]
     return checks, [plain_x_uncached, plain_y]
@@ -277,10 +284,11 @@ def decode_cost_check(llm: Any, short: list[list[int]], steer: dict) -> Check:
     return check_decode_cost(samples["idle"], samples["steered"], MAX_DECODE_OVERHEAD)
 
 
-def run_vanilla(kwargs: dict[str, Any], batches: list[list[list[int]]], max_tokens: list[int], workdir: Path) -> list[Result]:
-    """Run the plain batches in a fresh interpreter with ``VLLM_PLUGINS=""``; results in order, flattened."""
+def run_vanilla(kwargs: dict[str, Any], batches: Batches, workdir: Path) -> list[Result]:
+    """Run plain ``(prompts, max_tokens)`` batches in a fresh interpreter with ``VLLM_PLUGINS=""``; results in
+    order, flattened."""
     job, out = workdir / "vanilla-job.json", workdir / "vanilla-out.json"
-    job.write_text(json.dumps({"engine": kwargs, "batches": batches, "max_tokens": max_tokens}))
+    job.write_text(json.dumps({"engine": kwargs, "batches": batches}))
     env = {**os.environ, "VLLM_PLUGINS": ""}
     command = [sys.executable, "-m", "hotwire_core.verify", "--vanilla-job", str(job), str(out)]
     proc = subprocess.run(command, env=env, capture_output=True, text=True)
@@ -297,9 +305,21 @@ def _vanilla_child(job_path: str, out_path: str) -> None:
     if any(name.startswith("hotwire_core.vllm_glue") for name in sys.modules):
         raise SystemExit("hotwire was loaded although VLLM_PLUGINS is empty")
     results = []
-    for batch, max_tokens in zip(job["batches"], job["max_tokens"]):
+    for batch, max_tokens in job["batches"]:
         results += generate(llm, batch, [params(max_tokens, skip_cache=True) for _ in batch])
     Path(out_path).write_text(json.dumps([asdict(r) for r in results]))
+
+
+def vanilla_check(
+    kwargs: dict[str, Any], batches: Batches, ours: list[Result], tolerance: float, workdir: Path
+) -> Check:
+    """Check (e): ``ours`` are the plain results of ``batches`` in the engine under test."""
+    try:
+        theirs = run_vanilla(kwargs, batches, workdir)
+    except RuntimeError as exc:
+        print(exc, file=sys.stderr)
+        return Check("e. vanilla vLLM", False, str(exc).splitlines()[0])
+    return check_vanilla(ours, theirs, tolerance)
 
 
 def device_name() -> str:
@@ -323,72 +343,74 @@ def runner_name(llm: Any, forced: str | None) -> str:
     return f"{used} ({'--runner ' + forced if forced else 'vLLM default'})"
 
 
-def run(args: argparse.Namespace, model: str, workdir: Path) -> tuple[list[tuple[str, str]], list[Check], list[tuple[str, float]]]:
-    """Start the engine, run the checks; returns the report's header, checks and timings."""
-    import torch
+def report_header(llm: Any, model: str, runner: str | None, entry: dict, vector_norm: float) -> Header:
     import vllm
-    from vllm import LLM
 
     import hotwire_core
+
+    config = llm.llm_engine.model_config
+    n_layers = config.get_num_layers(llm.llm_engine.vllm_config.parallel_config)
+    return [
+        ("model", f"{model} (hidden {config.get_hidden_size()}, {n_layers} layers)"),
+        ("dtype", str(config.dtype).removeprefix("torch.")),
+        ("device", device_name()),
+        ("vLLM", f"{vllm.__version__}, hotwire {hotwire_core.__version__}, runner {runner_name(llm, runner)}"),
+        ("steering", f"{json.dumps(entry)}, random normal vector (norm {vector_norm:.1f})"),
+    ]
+
+
+def run(args: argparse.Namespace, model: str, workdir: Path) -> tuple[Header, list[Check], Timings]:
+    """Start the engine, run the checks; returns the report's header, checks and timings."""
+    import torch
+    from vllm import LLM
+
     from hotwire_core.offline import register_vector, steer
 
-    timings: list[tuple[str, float]] = []
+    timings: Timings = []
     started = time.monotonic()
     kwargs = engine_kwargs(model, args.dtype)
     llm = LLM(**kwargs)
     timings.append(("engine start", time.monotonic() - started))
 
-    config = llm.llm_engine.model_config
-    hidden = config.get_hidden_size()
-    n_layers = config.get_num_layers(llm.llm_engine.vllm_config.parallel_config)
-    block_size = llm.llm_engine.vllm_config.cache_config.block_size
-    vector = torch.randn(hidden, generator=torch.Generator().manual_seed(0))
+    engine = llm.llm_engine
+    tolerance = 0.0 if torch.cuda.is_available() else CPU_TOLERANCE
+    vector = torch.randn(engine.model_config.get_hidden_size(), generator=torch.Generator().manual_seed(0))
     register_vector(llm, VECTOR_ID, vector)
+    n_layers = engine.model_config.get_num_layers(engine.vllm_config.parallel_config)
     entry = {"id": VECTOR_ID, "layer": n_layers // 2, "scale": SCALE}
     spec = steer(entry)
-    header = [
-        ("model", f"{model} (hidden {hidden}, {n_layers} layers)"),
-        ("dtype", str(config.dtype).removeprefix("torch.")),
-        ("device", device_name()),
-        ("vLLM", f"{vllm.__version__}, hotwire {hotwire_core.__version__}, runner {runner_name(llm, args.runner)}"),
-        ("steering", f"{json.dumps(entry)}, random normal vector (norm {vector.norm():.1f})"),
-    ]
+    header = report_header(llm, model, args.runner, entry, vector.norm().item())
 
     tokenizer = llm.get_tokenizer()
     short = [tokenizer.encode(p) for p in PROMPTS]
-    prefix_len = PREFIX_BLOCKS * block_size + block_size // 2
-    x, y = (long_prompt(tokenizer, text, prefix_len) for text in LONG_TEXTS)
+    block_size = engine.vllm_config.cache_config.block_size
+    x, y = (long_prompt(tokenizer, text, PREFIX_BLOCKS * block_size + block_size // 2) for text in LONG_TEXTS)
 
     started = time.monotonic()
     plain = one(llm, short[0], params(SHORT_TOKENS, skip_cache=True))
     steered = one(llm, short[0], params(SHORT_TOKENS, spec, skip_cache=True))
-    batchmates, all_plain = batchmate_check(llm, short, spec)
-    prefix, plain_long = prefix_checks(llm, x, y, spec, block_size)
+    batchmates, all_plain = batchmate_check(llm, short, spec, tolerance)
+    prefix, plain_long = prefix_checks(llm, x, y, spec, block_size, tolerance)
     checks = [check_steering_fires(plain, steered), batchmates, *prefix]
     timings.append(("checks a-c", time.monotonic() - started))
 
     started = time.monotonic()
     checks.append(decode_cost_check(llm, short, spec))
     timings.append(("decode timing", time.monotonic() - started))
-    llm.llm_engine.engine_core.shutdown()
+    engine.engine_core.shutdown()
 
     if args.vanilla:
         started = time.monotonic()
-        batches = [short[:1], short, [x], [y]]
-        try:
-            theirs = run_vanilla(kwargs, batches, [SHORT_TOKENS, SHORT_TOKENS, PREFIX_TOKENS, PREFIX_TOKENS], workdir)
-        except RuntimeError as exc:
-            checks.append(Check("e. vanilla vLLM", False, str(exc).splitlines()[0]))
-            print(exc, file=sys.stderr)
-        else:
-            tolerance = 0.0 if torch.cuda.is_available() else CPU_VANILLA_TOLERANCE
-            checks.append(check_vanilla([plain, *all_plain, *plain_long], theirs, tolerance))
+        batches = [(short[:1], SHORT_TOKENS), (short, SHORT_TOKENS), ([x], PREFIX_TOKENS), ([y], PREFIX_TOKENS)]
+        checks.append(vanilla_check(kwargs, batches, [plain, *all_plain, *plain_long], tolerance, workdir))
         timings.append(("vanilla engine", time.monotonic() - started))
     return header, checks, timings
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m hotwire_core.verify", description="Self-test hotwire in one vLLM engine.")
+    parser = argparse.ArgumentParser(
+        prog="python -m hotwire_core.verify", description="Self-test hotwire in one vLLM engine."
+    )
     parser.add_argument("--model", help="model to test (path or hub id); default: the built-in tiny model")
     parser.add_argument("--dtype", help="engine dtype (default: auto on a GPU, float32 on the CPU)")
     parser.add_argument("--runner", choices=("v1", "v2"), help="force vLLM's model runner (VLLM_USE_V2_MODEL_RUNNER)")
@@ -418,6 +440,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     import torch
 
+    from hotwire_core.offline import HotwireError
+
     on_gpu = torch.cuda.is_available()
     args.dtype = args.dtype or ("auto" if on_gpu else "float32")
     _set_environment(args, on_gpu)
@@ -430,7 +454,11 @@ def main(argv: list[str] | None = None) -> int:
             from hotwire_core.tiny_model import build_model
 
             model = str(build_model(workdir / "tiny-model"))
-        header, checks, timings = run(args, model, workdir)
+        try:
+            header, checks, timings = run(args, model, workdir)
+        except HotwireError as exc:
+            print(f"verify: hotwire refused ({exc.status} {exc.code}): {exc}", file=sys.stderr)
+            return 2
     print(format_report(header, checks, [*timings, ("total", time.monotonic() - total)]), flush=True)
     return exit_status(checks)
 
