@@ -15,7 +15,10 @@ d. decode cost: time per decode step of a batch of 8, idle (hotwire loaded, noth
 e. with ``--vanilla``: the plain requests again, in a subprocess with no plugin at all (``VLLM_PLUGINS=""``),
    compared bit for bit.
 
-It prints a report and exits 1 when a check fails.
+"Bit-identical" is exact on a GPU; on the CPU, whose backend jitters by an ulp even between identical batches,
+it is within ``CPU_TOLERANCE`` and the report gives the largest difference.
+
+It prints a report and exits 1 when a check fails (2 when hotwire refuses the test vector or steering).
 """
 
 from __future__ import annotations

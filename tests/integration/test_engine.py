@@ -127,6 +127,16 @@ def max_diff(a, b) -> float:
     return max(abs(x - y) for x, y in zip(a, b) if x is not None and y is not None)
 
 
+def assert_same(a: list, b: list, what: str = "logprobs") -> None:
+    """Bit-identical on a GPU. vLLM's CPU backend is not bit-reproducible from one run to the next even in one
+    engine (seen here: 2 of 7 repeats of the same batch differed by ~5e-7), so the CPU gets float32 rounding."""
+    assert len(a) == len(b), what
+    if ON_GPU:
+        assert a == b, f"{what} differ"
+    else:
+        assert max_diff(a, b) < 1e-5, f"{what} differ by {max_diff(a, b)}"
+
+
 # -- steering is exactly scale * v in the residual stream ------------------------------------------------------
 
 
@@ -177,12 +187,12 @@ def test_decode_only_and_prefill_only_follow_request_state(llm, prompts):
 
     assert max_diff(full["prompt_logprobs"], plain["prompt_logprobs"]) > 1e-3
     # decode_only: the prompt (prefill) is untouched, so prompt logprobs and the first sampled token match plain
-    assert decode["prompt_logprobs"] == plain["prompt_logprobs"]
-    assert decode["logprobs"][0] == plain["logprobs"][0]
+    assert_same(decode["prompt_logprobs"], plain["prompt_logprobs"], "prompt logprobs")
+    assert_same(decode["logprobs"][:1], plain["logprobs"][:1], "first token logprob")
     # prefill_only: the prompt is steered like the full spec, generated tokens are not
-    assert prefill["prompt_logprobs"] == full["prompt_logprobs"]
-    assert prefill["logprobs"][0] == full["logprobs"][0]
-    assert decode["logprobs"][1:] != plain["logprobs"][1:]
+    assert_same(prefill["prompt_logprobs"], full["prompt_logprobs"], "prompt logprobs")
+    assert_same(prefill["logprobs"][:1], full["logprobs"][:1], "first token logprob")
+    assert max_diff(decode["logprobs"][1:], plain["logprobs"][1:]) > 1e-3
 
 
 # -- unsteered requests and batchmates are bit-identical to vanilla vLLM ----------------------------------------
@@ -193,8 +203,10 @@ def test_unsteered_and_batchmates_bit_identical_to_vanilla(llm, prompts, vanilla
     steered2 = {**p2, "params": {**p2["params"], "extra_args": spec({"id": "a", "layer": [0, 1, 2, 3], "scale": 5.0})}}
     alone, plain_pair, pair = run_batches(llm, [[p1], [p1, p2], [p1, steered2]])
 
-    # Same engine, same batch shapes: a steered batchmate must not move a single bit of the plain request.
-    assert pair[0] == plain_pair[0] | {"num_cached_tokens": pair[0]["num_cached_tokens"]}
+    # Same engine, same batch shapes: a steered batchmate must not move the plain request.
+    assert pair[0]["token_ids"] == plain_pair[0]["token_ids"]
+    assert_same(pair[0]["logprobs"], plain_pair[0]["logprobs"])
+    assert_same(pair[0]["prompt_logprobs"], plain_pair[0]["prompt_logprobs"], "prompt logprobs")
     assert max_diff(pair[1]["logprobs"], plain_pair[1]["logprobs"]) > 1e-3, "the steered batchmate was not steered"
     # Against an engine with no plugin loaded at all: bit-identical.
     if vanilla is not None:
@@ -215,10 +227,10 @@ def test_prefix_cache_never_serves_kv_across_steering(llm, prompts, vanilla):
     s1 = one(llm, x, **params, extra_args=steer_x)
     s2 = one(llm, x, **params, extra_args=steer_x)
     assert s2["num_cached_tokens"] >= 64, "identical steered requests should share the prefix cache"
-    assert s2["logprobs"] == s1["logprobs"]
+    assert_same(s2["logprobs"], s1["logprobs"])
     plain_x = one(llm, x, **params)
     assert plain_x["num_cached_tokens"] == 0
-    assert plain_x["logprobs"] == one(llm, x, **params, skip_reading_prefix_cache=True)["logprobs"]
+    assert_same(plain_x["logprobs"], one(llm, x, **params, skip_reading_prefix_cache=True)["logprobs"])
     if vanilla is not None:
         assert plain_x["logprobs"] == vanilla["long_x"]["logprobs"]
 
@@ -334,9 +346,9 @@ def test_bad_input_is_refused_and_batchmates_unaffected(llm, prompts, bad, reaso
         use_tqdm=False,
     )
     assert outs[1].outputs[0].finish_reason == "error"
-    assert summarize(outs[0])["logprobs"] == alone["logprobs"]
+    assert_same(summarize(outs[0])["logprobs"], alone["logprobs"])
     assert stats(llm)["refused"].get(reason, 0) == before + 1
-    assert one(llm, prompts["fox"], **GREEDY)["logprobs"] == alone["logprobs"], "engine state changed"
+    assert_same(one(llm, prompts["fox"], **GREEDY)["logprobs"], alone["logprobs"], "logprobs after the refusals")
 
 
 def test_offline_api_errors_and_listing(llm, vectors):

@@ -1,0 +1,42 @@
+"""``python -m hotwire_api.demo`` end to end: builds the tiny model, starts a real server, steers, shuts down."""
+
+import re
+import subprocess
+import sys
+
+import pytest
+
+from hotwire_api.demo import free_port, group_alive, port_is_free
+
+pytestmark = pytest.mark.integration
+
+BUDGET_S = 300  # about 2-3 minutes on a 2-core CPU, most of it the engine start
+
+
+def test_demo_steers_and_leaves_nothing_running(tmp_path):
+    port = free_port()
+    proc = subprocess.run(
+        [sys.executable, "-m", "hotwire_api.demo", "--port", str(port), "--cache-dir", str(tmp_path / "cache")],
+        capture_output=True,
+        text=True,
+        timeout=BUDGET_S,
+    )
+    out = proc.stdout
+    assert proc.returncode == 0, f"demo exited {proc.returncode}\n{out[-3000:]}\n{proc.stderr[-3000:]}"
+
+    assert re.search(r"\[\s*\d+ s\] starting\.\.\.", out), "no startup progress was shown"
+    assert re.search(r"^plain text: +'.+'$", out, re.M)
+    assert re.search(r"^steered text: +'.+'$", out, re.M)
+    assert "per-token logprob difference" in out
+    table = re.findall(r"^ +\d+ +\S.*[-+]\d+\.\d{4}(?: \*)?$", out, re.M)
+    assert len(table) == 16, "expected one logprob row per generated token"
+    assert re.search(r"^receipt header: +x-hotwire-receipt: demo@1:L\d+x4$", out, re.M)
+    assert "slot table (GET /steer/slots):" in out
+    assert re.search(r"^ +\d+ +demo +1 +any +0 +[\d.]+$", out, re.M), "the demo vector's bank row is not listed"
+    assert re.search(r"^plain again +identical to the first plain run$", out, re.M)
+    assert re.search(r"^shutdown +stopped cleanly", out, re.M)
+    assert re.search(r"^RESULT +PASS", out, re.M)
+
+    pgid = int(re.search(r"process group (\d+)", out).group(1))
+    assert not group_alive(pgid), "a server process is still running"
+    assert port_is_free(port)

@@ -1,0 +1,124 @@
+"""The judging and report formatting of ``python -m hotwire_core.verify`` (no engine needed)."""
+
+import math
+
+import pytest
+
+from hotwire_core.verify import (
+    Check,
+    Result,
+    check_batchmates,
+    check_cache_hit,
+    check_decode_cost,
+    check_no_cross_read,
+    check_steering_fires,
+    check_vanilla,
+    compare,
+    exit_status,
+    format_report,
+    max_abs_diff,
+    per_step_ms,
+)
+
+
+def result(logprobs, tokens=None, cached=0) -> Result:
+    return Result(tokens or list(range(len(logprobs))), list(logprobs), cached)
+
+
+def test_max_abs_diff():
+    assert max_abs_diff([1.0, -2.0], [1.5, -2.25]) == 0.5
+    assert max_abs_diff([], []) == 0.0
+    assert max_abs_diff([1.0], [1.0, 2.0]) == math.inf
+
+
+def test_compare_bit_for_bit_or_within_a_cpu_tolerance():
+    a = [result([-0.5, -1.25], cached=0)]
+    assert compare(a, [result([-0.5, -1.25], cached=64)], 0.0) == (True, "bit-identical")  # cache use aside
+    assert compare(a, [result([-0.5, -1.25 + 1e-12])], 0.0) == (False, "max |delta| 1e-12")
+    assert compare(a, [result([-0.5, -1.25 + 5e-7])], 1e-5) == (True, "max |delta| 5e-07 (CPU tolerance 1e-05)")
+    assert compare(a, [result([-0.5, -1.25 + 5e-5])], 1e-5)[0] is False
+    ok, words = compare(a, [result([-0.5, -1.25], tokens=[0, 7])], 1e-5)
+    assert not ok and words.startswith("different tokens")
+    assert compare(a, [], 1e-5)[0] is False
+
+
+def test_steering_fires_needs_more_than_noise():
+    plain = result([-1.0, -2.0, -3.0])
+    assert check_steering_fires(plain, result([-1.0, -2.5, -3.0])).passed
+    assert check_steering_fires(plain, result([-1.0, -2.0, -3.0], tokens=[0, 9, 2])).passed
+    noise = check_steering_fires(plain, result([-1.0, -2.0 + 1e-6, -3.0]))
+    assert not noise.passed
+    assert "0/3 tokens differ" in noise.detail
+
+
+def test_batchmates():
+    all_plain = [result([-1.0, -2.0]), result([-0.5, -0.25]), result([-3.0, -1.0])]
+    mixed = [result([-1.0, -2.0]), result([-0.9, -0.1]), result([-3.0, -1.0])]
+    ok = check_batchmates(all_plain, mixed, steered=[1], tolerance=0.0)
+    assert ok.passed and "bit-identical" in ok.detail and "2 plain beside 1 steered in a batch of 3" in ok.detail
+
+    moved = [result([-1.0, -2.0 + 1e-7]), *mixed[1:]]
+    bad = check_batchmates(all_plain, moved, steered=[1], tolerance=0.0)
+    assert not bad.passed and "1e-07" in bad.detail
+    assert check_batchmates(all_plain, moved, steered=[1], tolerance=1e-5).passed
+
+    unsteered = check_batchmates(all_plain, all_plain, steered=[1], tolerance=1e-5)
+    assert not unsteered.passed and "not steered" in unsteered.detail
+
+
+@pytest.mark.parametrize(
+    "after, passed",
+    [
+        (result([-1.0, -2.0], cached=0), True),
+        (result([-1.0, -2.0], cached=128), False),  # read KV written under other steering
+        (result([-1.0, -2.5], cached=0), False),
+    ],
+)
+def test_no_cross_read(after, passed):
+    check = check_no_cross_read("c. prefix cache: steered -> plain", after, result([-1.0, -2.0]), tolerance=1e-5)
+    assert check.passed is passed
+    assert f"{after.num_cached_tokens} cached tokens read" in check.detail
+
+
+def test_cache_hit_needs_a_full_block():
+    first = result([-1.0])
+    assert check_cache_hit(first, result([-1.0], cached=512), block_size=128, prompt_len=576).passed
+    miss = check_cache_hit(first, result([-1.0], cached=0), block_size=128, prompt_len=576)
+    assert not miss.passed and "0/576 prompt tokens" in miss.detail
+
+
+def test_per_step_ms():
+    assert per_step_ms(0.5, 0.5 + 64 * 0.002, 64) == pytest.approx(2.0)
+
+
+def test_decode_cost_uses_medians_and_the_limit():
+    ok = check_decode_cost([2.0, 9.0, 2.0], [2.2, 2.1, 2.4], max_overhead=0.5)
+    assert ok.passed and "idle 2.000 ms/step, steered 2.200 ms/step (+10.0%" in ok.detail
+    assert not check_decode_cost([2.0, 2.0, 2.0], [3.5, 3.5, 3.5], max_overhead=0.5).passed
+
+
+def test_vanilla_exact_on_gpu_tolerance_on_cpu():
+    ours = [result([-1.0, -2.0]), result([-0.5])]
+    assert check_vanilla(ours, [result([-1.0, -2.0]), result([-0.5])], tolerance=0.0).detail.endswith("bit-identical")
+    near = [result([-1.0, -2.0 + 5e-7]), result([-0.5])]
+    assert not check_vanilla(ours, near, tolerance=0.0).passed
+    cpu = check_vanilla(ours, near, tolerance=1e-5)
+    assert cpu.passed and "max |delta| 5e-07 (CPU tolerance 1e-05)" in cpu.detail
+    assert not check_vanilla(ours, [result([-1.0, -2.0], tokens=[0, 3]), result([-0.5])], tolerance=1e-5).passed
+    assert not check_vanilla(ours, ours[:1], tolerance=1e-5).passed
+
+
+def test_report_and_exit_status():
+    checks = [Check("a. steering fires", True, "max 1.2"), Check("b. batchmates", False, "max |delta| 3e-07")]
+    report = format_report([("model", "tiny"), ("dtype", "float32")], checks, [("engine start", 61.23)])
+    lines = report.splitlines()
+    assert "model      tiny" in lines and "dtype      float32" in lines
+    assert "PASS  a. steering fires  max 1.2" in lines
+    assert "FAIL  b. batchmates      max |delta| 3e-07" in lines
+    assert "timings    engine start 61.2 s" in lines
+    assert "result     FAIL (b. batchmates)" in lines
+    assert exit_status(checks) == 1
+    passing = [checks[0]]
+    assert "result     PASS (1/1 checks)" in format_report([], passing, []).splitlines()
+    assert exit_status(passing) == 0
+    assert exit_status([]) == 1
