@@ -52,49 +52,23 @@ def steer_torch(
     return torch.where((cfg != 0).unsqueeze(-1), acc.to(residual.dtype), residual)
 
 
-def _steer_cpu(
-    residual: torch.Tensor,
-    hidden: torch.Tensor | None,
-    token_cfg: torch.Tensor,
-    cfg_slot: torch.Tensor,
-    cfg_scale: torch.Tensor,
-    cfg_rel: torch.Tensor,
-    bank: torch.Tensor,
-    inv_norm: torch.Tensor,
-    layer: int,
-) -> None:
+# The kernels take the schema's arguments in order: (residual, hidden, token_cfg, cfg_slot, cfg_scale, cfg_rel,
+# bank, inv_norm, layer), as documented on steer_torch.
+
+
+def _steer_cpu(residual: torch.Tensor, *args: object) -> None:
     """CPU kernel: unsteered rows are rewritten with their own bits, which leaves them unchanged."""
-    residual.copy_(steer_torch(residual, hidden, token_cfg, cfg_slot, cfg_scale, cfg_rel, bank, inv_norm, layer))
+    residual.copy_(steer_torch(residual, *args))
 
 
-def _steer_cuda(
-    residual: torch.Tensor,
-    hidden: torch.Tensor | None,
-    token_cfg: torch.Tensor,
-    cfg_slot: torch.Tensor,
-    cfg_scale: torch.Tensor,
-    cfg_rel: torch.Tensor,
-    bank: torch.Tensor,
-    inv_norm: torch.Tensor,
-    layer: int,
-) -> None:
+def _steer_cuda(*args: object) -> None:
     """CUDA kernel: the Triton launcher, imported here so CPU-only processes never import Triton."""
     from hotwire_core.triton_steer import steer_triton_
 
-    steer_triton_(residual, hidden, token_cfg, cfg_slot, cfg_scale, cfg_rel, bank, inv_norm, layer)
+    steer_triton_(*args)
 
 
-def _steer_fake(
-    residual: torch.Tensor,
-    hidden: torch.Tensor | None,
-    token_cfg: torch.Tensor,
-    cfg_slot: torch.Tensor,
-    cfg_scale: torch.Tensor,
-    cfg_rel: torch.Tensor,
-    bank: torch.Tensor,
-    inv_norm: torch.Tensor,
-    layer: int,
-) -> None:
+def _steer_fake(*args: object) -> None:
     """Shape propagation for tracing: the op only mutates ``residual`` and returns nothing."""
     return None
 
