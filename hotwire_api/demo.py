@@ -30,6 +30,7 @@ from typing import Any
 import httpx
 import numpy as np
 
+from hotwire_api import server_process
 from hotwire_api.admission import RECEIPT_HEADER
 from hotwire_api.client import HotwireClient
 from hotwire_api.errors import HotwireError
@@ -84,12 +85,6 @@ class Outcome:
 def default_cache_dir() -> Path:
     base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
     return Path(base) / "hotwire" / "demo"
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def port_is_free(port: int) -> bool:
@@ -148,92 +143,22 @@ def log_tail(path: Path, lines: int = 1) -> list[str]:
     return [line for line in cleaned if line][-lines:]
 
 
-def start_server(command: list[str], env: dict[str, str], log_path: Path) -> subprocess.Popen:
-    """Start the server in its own session (so its process group can be signalled as one), logging to a file."""
-    log_path.parent.mkdir(parents=True, exist_ok=True)
-    with open(log_path, "wb") as log:
-        return subprocess.Popen(
-            command, env=env, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
-        )
-
-
 def wait_until_ready(proc: subprocess.Popen, url: str, log_path: Path, timeout_s: float = STARTUP_TIMEOUT_S) -> float:
-    """Poll ``/v1/models`` until the server answers, printing progress every few seconds; returns the seconds it
-    took. Raises :class:`DemoError` when the server exits or does not come up in time."""
-    start = time.monotonic()
-    next_report = start + PROGRESS_EVERY_S
-    with httpx.Client(timeout=2.0) as http:
-        while True:
-            elapsed = time.monotonic() - start
-            if proc.poll() is not None:
-                tail = "\n    ".join(log_tail(log_path, 30))
-                status = f"the server exited with status {proc.returncode} after {elapsed:.0f} s"
-                raise DemoError(f"{status} (log: {log_path})\n    {tail}")
-            try:
-                if http.get(f"{url}/v1/models").status_code == 200:
-                    return elapsed
-            except httpx.HTTPError:
-                pass
-            if elapsed > timeout_s:
-                raise DemoError(f"the server did not answer within {timeout_s:.0f} s (log: {log_path})")
-            if time.monotonic() >= next_report:
-                last = compact_log_line((log_tail(log_path) or ["(no output yet)"])[0])
-                print(f"  [{elapsed:4.0f} s] starting... {last[:100]}", flush=True)
-                next_report += PROGRESS_EVERY_S
-            time.sleep(0.5)
+    """Wait until the server answers, printing progress every few seconds; returns the seconds it took.
+    Raises :class:`DemoError` when the server exits or does not come up in time."""
+    next_report = [PROGRESS_EVERY_S]
 
+    def progress(elapsed: float) -> None:
+        if elapsed >= next_report[0]:
+            last = compact_log_line((log_tail(log_path) or ["(no output yet)"])[0])
+            print(f"  [{elapsed:4.0f} s] starting... {last[:100]}", flush=True)
+            next_report[0] += PROGRESS_EVERY_S
 
-def group_alive(pgid: int) -> bool:
-    """True while a process of the group is still running (zombies left for an init that does not reap them do
-    not count)."""
-    proc_dir = Path("/proc")
-    if not proc_dir.is_dir():
-        try:
-            os.killpg(pgid, 0)
-        except ProcessLookupError:
-            return False
-        except PermissionError:
-            return True
-        return True
-    for stat in proc_dir.glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except (OSError, IndexError):
-            continue
-        if int(fields[2]) == pgid and fields[0] != "Z":
-            return True
-    return False
-
-
-def _signal_group(pgid: int, sig: signal.Signals) -> None:
     try:
-        os.killpg(pgid, sig)
-    except ProcessLookupError:
-        pass
-
-
-def _wait_group(pgid: int, deadline: float) -> bool:
-    while group_alive(pgid):
-        if time.monotonic() >= deadline:
-            return False
-        time.sleep(0.2)
-    return True
-
-
-def stop_server(proc: subprocess.Popen, grace_s: float = STOP_GRACE_S) -> str:
-    """SIGTERM the server's process group, wait up to ``grace_s``, then SIGKILL what is left; says how it ended."""
-    pgid = proc.pid
-    if proc.poll() is not None and not group_alive(pgid):
-        return f"the server had already exited (status {proc.returncode})"
-    start = time.monotonic()
-    _signal_group(pgid, signal.SIGTERM)
-    if _wait_group(pgid, start + grace_s):
-        proc.wait()
-        return f"stopped cleanly in {time.monotonic() - start:.1f} s"
-    _signal_group(pgid, signal.SIGKILL)
-    proc.wait()
-    _wait_group(pgid, time.monotonic() + 5.0)
-    return f"did not stop within {grace_s:.0f} s of SIGTERM: killed"
+        return server_process.wait_until_ready(proc, url, timeout_s, progress, path="/v1/models")
+    except server_process.ServerExited as exc:
+        tail = "\n    ".join(log_tail(log_path, 30))
+        raise DemoError(f"{exc} (log: {log_path})\n    {tail}") from None
 
 
 def random_vector(hidden: int, seed: int = VECTOR_SEED) -> np.ndarray:
@@ -412,12 +337,12 @@ def _shutdown(proc: subprocess.Popen, ready: bool) -> str:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     print("stopping the server...", flush=True)
-    return stop_server(proc, STOP_GRACE_S if ready else STARTING_GRACE_S)
+    return server_process.stop_server(proc, STOP_GRACE_S if ready else STARTING_GRACE_S)
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    port = args.port or free_port()
+    port = args.port or server_process.free_port()
     if not port_is_free(port):
         print(f"demo: port {port} is in use", file=sys.stderr)
         return 2
@@ -431,7 +356,7 @@ def main(argv: list[str] | None = None) -> int:
         model = _prepare_model(args)
         on_gpu = has_gpu()
         command = server_command(model, port, on_gpu)
-        proc = start_server(command, server_env(args.cache_dir, on_gpu, offline=not args.model), log_path)
+        proc = server_process.start_server(command, server_env(args.cache_dir, on_gpu, offline=not args.model), log_path)
         print(f"starting the server on the {'GPU' if on_gpu else 'CPU'} backend: {' '.join(command[1:])}")
         print(f"  server pid {proc.pid} (process group {proc.pid}); log: {log_path}", flush=True)
         startup_s = wait_until_ready(proc, url, log_path)

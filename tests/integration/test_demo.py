@@ -6,7 +6,8 @@ import sys
 
 import pytest
 
-from hotwire_api.demo import free_port, group_alive, port_is_free
+from hotwire_api.demo import port_is_free
+from hotwire_api.server_process import free_port, group_alive
 
 pytestmark = pytest.mark.integration
 

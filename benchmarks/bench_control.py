@@ -1,0 +1,386 @@
+"""Control-plane cost of hotwire on a live ``vllm serve``, one GPU, one run.
+
+Every server is ``python -m vllm.entrypoints.openai.api_server`` with hotwire, in its own process group, on a
+``hotwire_core.tiny_model`` shape with dummy weights (bf16 on a GPU, float32 on the CPU), ready when ``/health``
+answers. On the server started with ``HOTWIRE_SLOTS=--control-slots``:
+
+- registration: ``--registrations`` times, register a fresh random float32 [n_layers, hidden] vector (multipart
+  safetensors) and at once send a 1-token completion steered by it at every layer (its receipt is checked).
+  ``usable`` = register time + (that completion's time - median time of the same completion steered by a vector
+  already in the bank): how long until the vector can steer a request, first-use upload included.
+- decode stall: ``--streams`` streamed completions (steered at every layer, ignore_eos) decode while helper
+  processes timestamp every token. Meanwhile this process idles, registers ``--registrations`` vectors one at a
+  time, idles, then polls ``GET /steer/slots`` ``--polls`` times. Each inter-token gap is classed by what it
+  overlapped: a registration, a poll, or nothing (idle). stall = p99 gap while registering - p99 idle gap.
+
+On one server per ``--slots`` value: decode ms/token of ``--batch`` steered completions (8 vectors, one middle
+layer, so 8 rows fit every capacity) = ``(t(1 + N tokens) - t(1 token)) / N`` for one batch, median of ``--reps``.
+
+    python benchmarks/bench_control.py --shape qwen3-8b --out benchmarks/results/x.json   # also writes x.md
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import bisect
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from functools import partial
+from pathlib import Path
+
+import httpx
+import numpy as np
+
+from hotwire_api.admission import RECEIPT_HEADER
+from hotwire_api.client import HotwireClient
+from hotwire_api.server_process import ServerExited, free_port, start_server, stop_server, wait_until_ready
+from hotwire_core.tiny_model import SHAPES, ModelShape, build_model
+
+MODEL = "bench"
+TARGETS = {"usable_p99_ms": 50.0, "stall_ms": 2.0, "slots_p99_ms": 10.0, "capacity_cost_pct": 2.0}
+QUIET_S, REGISTER_EVERY_S, POLL_EVERY_S = 1.0, 0.1, 0.01
+STREAMS_PER_WORKER = 16
+START_TIMEOUT_S = 900.0
+
+Interval = tuple[float, float]
+
+
+def summarize(values: list[float]) -> dict:
+    """Count, p50, p99 (linear interpolation) and max, rounded to µs when the values are ms."""
+    if not values:
+        return {"n": 0, "p50": None, "p99": None, "max": None}
+    p50, p99 = np.percentile(values, [50, 99])
+    return {"n": len(values), "p50": round(float(p50), 3), "p99": round(float(p99), 3), "max": round(max(values), 3)}
+
+
+def _overlaps(intervals: list[Interval], starts: list[float], a: float, b: float) -> bool:
+    i = bisect.bisect_left(starts, b) - 1  # the last interval starting before b; earlier ones end before it starts
+    return i >= 0 and intervals[i][1] > a
+
+
+def classify_gaps(streams: list[list[float]], busy: dict[str, list[Interval]], window: Interval) -> dict[str, list[float]]:
+    """Inter-token gaps (ms) inside ``window``, keyed by the first kind in ``busy`` whose intervals they overlap,
+    else ``idle``. The intervals of one kind are sorted and disjoint (sequential requests)."""
+    starts = {kind: [s for s, _ in ivs] for kind, ivs in busy.items()}
+    gaps: dict[str, list[float]] = {"idle": [], **{kind: [] for kind in busy}}
+    for times in streams:
+        for a, b in zip(times, times[1:]):
+            if a >= window[0] and b <= window[1]:
+                kind = next((k for k, ivs in busy.items() if _overlaps(ivs, starts[k], a, b)), "idle")
+                gaps[kind].append((b - a) * 1e3)
+    return gaps
+
+
+def capacity_cost_pct(rows: list[dict]) -> float | None:
+    """Largest decode ms/token change (%) against the smallest capacity measured."""
+    if len(rows) < 2:
+        return None
+    by_slots = sorted(rows, key=lambda r: r["slots"])
+    base = statistics.median(by_slots[0]["decode_ms"])
+    return round(max(abs(statistics.median(r["decode_ms"]) / base - 1) * 100 for r in by_slots[1:]), 2)
+
+
+def judge(result: dict) -> list[dict]:
+    """Each target with its limit, the measured value (None: not measured) and pass/miss."""
+    checks = [
+        ("registration usable by the next request, p99 (ms)", "usable_p99_ms",
+         result.get("registration", {}).get("usable_ms", {}).get("p99")),
+        ("decode stall while registering, p99 gap - idle p99 gap (ms)", "stall_ms",
+         result.get("decode_stall", {}).get("stall_p99_ms")),
+        ("GET /steer/slots while streams decode, p99 (ms)", "slots_p99_ms", result.get("slots_get_ms", {}).get("p99")),
+        ("decode ms/token change across slot capacities (%)", "capacity_cost_pct", capacity_cost_pct(result["capacity"])),
+    ]
+    return [{"target": name, "limit": TARGETS[key], "value": value, "pass": value is not None and value <= TARGETS[key]}
+            for name, key, value in checks]
+
+
+def _spec(vector_id: str, layer: int | list[int]) -> str:
+    return json.dumps({"id": vector_id, "layer": layer, "scale": 0.5})
+
+
+def _prompt(rng: np.random.Generator, n: int) -> list[int]:
+    return rng.integers(4, 256, n).tolist()  # byte tokens: in the vocabulary of every tiny_model tokenizer
+
+
+def _body(prompt: list[int], spec: str, max_tokens: int, stream: bool = False) -> dict:
+    return {"model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True,
+            "stream": stream, "vllm_xargs": {"hotwire": spec}}
+
+
+def _vector(rng: np.random.Generator, *shape: int) -> np.ndarray:
+    return (rng.standard_normal(shape) * 0.01).astype(np.float32)
+
+
+def _ms_since(start: float) -> float:
+    return (time.monotonic() - start) * 1e3
+
+
+@contextmanager
+def serving(model: Path, slots: int, args: argparse.Namespace, gpu: bool, log_dir: Path) -> Iterator[str]:
+    """A ``vllm serve`` with ``HOTWIRE_SLOTS=slots``, healthy; yields its URL and stops its process group."""
+    port = free_port()
+    cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
+           "--served-model-name", MODEL, "--load-format", "dummy", "--dtype", "bfloat16" if gpu else "float32",
+           "--max-model-len", str(args.prompt_len + max(args.stream_tokens, args.decode_tokens + 1) + 16),
+           "--max-num-seqs", str(max(args.streams, args.batch, 8)), "--seed", "0", "--host", "127.0.0.1",
+           "--port", str(port), "--disable-uvicorn-access-log"]
+    cmd += ["--gpu-memory-utilization", "0.85"] if gpu else []
+    env = {k: v for k, v in os.environ.items() if k not in ("VLLM_API_KEY", "HOTWIRE_API_KEY")}
+    env.update(HOTWIRE_SLOTS=str(slots), HOTWIRE_STORE="off", HF_HUB_OFFLINE="1", VLLM_NO_USAGE_STATS="1")
+    if not gpu:
+        env.update(VLLM_CPU_KVCACHE_SPACE=env.get("VLLM_CPU_KVCACHE_SPACE", "1"), TORCHINDUCTOR_VEC_ISA_OK="1")
+    log = log_dir / f"server-slots{slots}.log"
+    proc = start_server(cmd, env, log)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        try:
+            took = wait_until_ready(proc, url, START_TIMEOUT_S)
+        except ServerExited as exc:
+            raise RuntimeError(f"vllm serve (slots={slots}): {exc}; {log}:\n{log.read_text(errors='replace')[-4000:]}")
+        print(f"server slots={slots} healthy in {took:.0f} s", flush=True)
+        yield url
+    finally:
+        stop_server(proc, grace_s=30)
+
+
+def measure_registration(hw: HotwireClient, http: httpx.Client, shape: ModelShape, n: int, prompt_len: int,
+                         rng: np.random.Generator) -> dict:
+    every = list(range(shape.num_layers))
+
+    def complete(vector_id: str) -> float:
+        start = time.monotonic()
+        response = http.post("/v1/completions", json=_body(_prompt(rng, prompt_len), _spec(vector_id, every), 1))
+        elapsed = _ms_since(start)
+        response.raise_for_status()
+        if not response.headers.get(RECEIPT_HEADER.decode(), "").startswith(f"{vector_id}@"):
+            raise RuntimeError(f"completion naming {vector_id!r} was not steered by it: {dict(response.headers)}")
+        return elapsed
+
+    for _ in range(3):
+        complete("resident")  # warm-up
+    resident = [complete("resident") for _ in range(n)]
+    register, first = [], []
+    for i in range(n):
+        vector = _vector(rng, shape.num_layers, shape.hidden_size)
+        start = time.monotonic()
+        hw.register(f"fresh{i}", vector)
+        register.append(_ms_since(start))
+        first.append(complete(f"fresh{i}"))
+    base = statistics.median(resident)
+    usable = [r + max(0.0, f - base) for r, f in zip(register, first)]
+    return {"register_ms": summarize(register), "first_steered_response_ms": summarize(first),
+            "resident_steered_response_ms": summarize(resident), "usable_ms": summarize(usable)}
+
+
+async def _stream(http: httpx.AsyncClient, body: dict, times: list[float]) -> None:
+    async with http.stream("POST", "/v1/completions", json=body) as response:
+        if response.status_code != 200:
+            raise RuntimeError(f"stream refused: {response.status_code} {(await response.aread()).decode()[:500]}")
+        async for line in response.aiter_lines():
+            if line.startswith("data: {"):
+                times.append(time.monotonic())
+
+
+async def stream_worker(cfg: dict) -> None:
+    """Helper process: ``cfg['n']`` streams; prints READY once each has a token, stops them on a stdin line and
+    prints every stream's token arrival times (``time.monotonic``, shared by the processes of one machine)."""
+    rng = np.random.default_rng(cfg["seed"])
+    times: list[list[float]] = [[] for _ in range(cfg["n"])]
+    async with httpx.AsyncClient(base_url=cfg["url"], timeout=None) as http:
+        tasks = [asyncio.create_task(_stream(http, _body(_prompt(rng, cfg["prompt_len"]), cfg["spec"],
+                                                          cfg["max_tokens"], stream=True), t)) for t in times]
+        while not all(times):
+            for task, got in zip(tasks, times):
+                if task.done() and not got:
+                    task.result()  # raises the stream's error, if it failed
+                    raise RuntimeError("a stream ended without a token")
+            await asyncio.sleep(0.01)
+        print("READY", flush=True)
+        await asyncio.get_running_loop().run_in_executor(None, sys.stdin.readline)
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+    print("RESULT " + json.dumps(times), flush=True)
+
+
+def _timed(calls: list[Callable[[], object]], every_s: float) -> list[Interval]:
+    """Make the calls one after the other, ``every_s`` apart; the interval each was in flight."""
+    intervals = []
+    for call in calls:
+        start = time.monotonic()
+        call()
+        intervals.append((start, time.monotonic()))
+        time.sleep(every_s)
+    return intervals
+
+
+def _read_line(proc: subprocess.Popen, prefix: str) -> str:
+    line = proc.stdout.readline()
+    if not line.startswith(prefix):
+        proc.kill()
+        raise RuntimeError(f"stream worker: expected {prefix}, got {line[:200]!r} (exit {proc.poll()})")
+    return line[len(prefix):]
+
+
+def measure_under_load(hw: HotwireClient, url: str, shape: ModelShape, args: argparse.Namespace,
+                       rng: np.random.Generator) -> tuple[dict, dict]:
+    """Decode gaps of ``args.streams`` steered streams around registrations and slot polls; the polls' latency."""
+    spec = _spec("resident", list(range(shape.num_layers)))
+    workers = []
+    for seed, first in enumerate(range(0, args.streams, STREAMS_PER_WORKER)):
+        cfg = {"url": url, "n": min(STREAMS_PER_WORKER, args.streams - first), "max_tokens": args.stream_tokens,
+               "prompt_len": args.prompt_len, "spec": spec, "seed": seed}
+        workers.append(subprocess.Popen([sys.executable, __file__, "--stream-worker", json.dumps(cfg)],
+                                        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True))
+    try:
+        for worker in workers:
+            _read_line(worker, "READY")
+        vectors = [_vector(rng, shape.num_layers, shape.hidden_size) for _ in range(args.registrations)]
+        begin = time.monotonic()
+        time.sleep(QUIET_S)
+        busy = {"register": _timed([partial(hw.register, f"live{i}", v) for i, v in enumerate(vectors)],
+                                   REGISTER_EVERY_S)}
+        time.sleep(QUIET_S)
+        busy["slots"] = _timed([hw.slots] * args.polls, POLL_EVERY_S)
+        end = time.monotonic()
+        streams = []
+        for worker in workers:
+            worker.stdin.write("stop\n")
+            worker.stdin.flush()
+            streams += json.loads(_read_line(worker, "RESULT "))
+            worker.wait(30)
+    finally:
+        for worker in workers:
+            if worker.poll() is None:
+                worker.kill()
+    gaps = classify_gaps(streams, busy, (begin, end))
+    stall = {kind: summarize(values) for kind, values in gaps.items()}
+    for stat in ("p99", "max"):
+        idle, reg = stall["idle"][stat], stall["register"][stat]
+        stall[f"stall_{stat}_ms"] = None if idle is None or reg is None else round(reg - idle, 3)
+    stall["streams_finished_early"] = sum(len(times) >= args.stream_tokens for times in streams)
+    return stall, summarize([(e - s) * 1e3 for s, e in busy["slots"]])
+
+
+async def _batch_ms(http: httpx.AsyncClient, specs: list[str], max_tokens: int, prompt_len: int,
+                    rng: np.random.Generator) -> float:
+    bodies = [_body(_prompt(rng, prompt_len), spec, max_tokens) for spec in specs]
+    start = time.monotonic()
+    responses = await asyncio.gather(*(http.post("/v1/completions", json=body) for body in bodies))
+    elapsed = _ms_since(start)
+    for response in responses:
+        response.raise_for_status()
+    return elapsed
+
+
+async def measure_decode(url: str, shape: ModelShape, args: argparse.Namespace, rng: np.random.Generator) -> list[float]:
+    """Decode ms/token of one batch of ``args.batch`` steered completions, per rep."""
+    specs = [_spec(f"cap{i % 8}", shape.num_layers // 2) for i in range(args.batch)]
+    limits = httpx.Limits(max_connections=args.batch)
+    async with httpx.AsyncClient(base_url=url, timeout=None, limits=limits) as http:
+        await _batch_ms(http, specs, 8, args.prompt_len, rng)  # warm-up: first sight of this batch
+        decode = []
+        for _ in range(args.reps):
+            t1 = await _batch_ms(http, specs, 1, args.prompt_len, rng)
+            tn = await _batch_ms(http, specs, 1 + args.decode_tokens, args.prompt_len, rng)
+            decode.append(round((tn - t1) / args.decode_tokens, 4))
+    return decode
+
+
+def _table(rows: dict[str, dict]) -> list[str]:
+    return ["| | n | p50 | p99 | max |", "|---|---|---|---|---|",
+            *(f"| {name} | {s['n']} | {s['p50']} | {s['p99']} | {s['max']} |" for name, s in rows.items())]
+
+
+def markdown(result: dict) -> str:
+    meta = result["meta"]
+    lines = ["# hotwire control plane", "", *(f"- {k}: `{v}`" for k, v in meta.items() if k != "method"), "",
+             "| target | limit | measured | |", "|---|---|---|---|",
+             *(f"| {t['target']} | {t['limit']} | {t['value']} | {'pass' if t['pass'] else 'MISS'} |"
+               for t in result["targets"])]
+    if "registration" in result:
+        lines += ["", "## Registration (ms)", "", *_table(result["registration"])]
+    if "decode_stall" in result:
+        stall = result["decode_stall"]
+        lines += ["", f"## Inter-token gaps of {meta['streams']} streams, by what they overlapped (ms)", "",
+                  *_table({k: stall[k] for k in ("idle", "register", "slots")}), "",
+                  f"stall: p99 {stall['stall_p99_ms']} ms, max {stall['stall_max_ms']} ms; streams that ran out of "
+                  f"tokens before the end: {stall['streams_finished_early']}", "",
+                  "## GET /steer/slots while the streams decode (ms)", "", *_table({"GET": result["slots_get_ms"]})]
+    if result["capacity"]:
+        lines += ["", f"## Decode ms/token vs slot capacity (batch {meta['batch']})", "",
+                  "| HOTWIRE_SLOTS | median | min-max |", "|---|---|---|",
+                  *(f"| {r['slots']} | {statistics.median(r['decode_ms']):.3f} | {min(r['decode_ms']):.3f}-"
+                    f"{max(r['decode_ms']):.3f} |" for r in result["capacity"])]
+    return "\n".join(lines)
+
+
+def _meta(args: argparse.Namespace, gpu: bool, shape: ModelShape, log_dir: Path) -> dict:
+    import torch
+    import vllm
+
+    return {"date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "gpu": torch.cuda.get_device_name(0) if gpu else "cpu",
+            "vllm": vllm.__version__, "torch": torch.__version__,
+            "shape": f"{args.shape} ({shape.num_layers} layers x {shape.hidden_size} hidden)",
+            "streams": args.streams, "batch": args.batch, "control_slots": args.control_slots,
+            "command": " ".join(sys.argv), "server_logs": str(log_dir), "method": __doc__}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--shape", default="qwen3-8b", help="a shape from hotwire_core.tiny_model.SHAPES")
+    parser.add_argument("--streams", type=int, default=64, help="streams decoding during the stall and slots phases")
+    parser.add_argument("--stream-tokens", type=int, default=4000,
+                        help="max_tokens per stream: outlast the phases (prompt + this <= 4096 - 16)")
+    parser.add_argument("--registrations", type=int, default=50)
+    parser.add_argument("--polls", type=int, default=200)
+    parser.add_argument("--slots", default="16,256,4096", help="HOTWIRE_SLOTS values of the capacity sweep")
+    parser.add_argument("--control-slots", type=int, default=256,
+                        help="HOTWIRE_SLOTS of the control phases' server (>= 2 x n_layers; 0: skip the phases)")
+    parser.add_argument("--batch", type=int, default=64)
+    parser.add_argument("--decode-tokens", type=int, default=128)
+    parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--prompt-len", type=int, default=32)
+    parser.add_argument("--out", type=Path, help="JSON results, rewritten after each server; the summary goes to .md")
+    parser.add_argument("--stream-worker", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.stream_worker:
+        return asyncio.run(stream_worker(json.loads(args.stream_worker)))
+
+    import torch
+
+    gpu = torch.cuda.is_available()
+    shape = SHAPES[args.shape]
+    model = build_model(Path(tempfile.gettempdir()) / f"hotwire-bench-{args.shape}", args.shape, weights=False)
+    log_dir = Path(tempfile.mkdtemp(prefix="hotwire-bench-control-"))
+    sweep = [int(s) for s in args.slots.split(",")]
+    rng = np.random.default_rng(0)
+    result: dict = {"meta": _meta(args, gpu, shape, log_dir), "capacity": []}
+    for slots in sweep + ([args.control_slots] if args.control_slots not in [0, *sweep] else []):
+        with serving(model, slots, args, gpu, log_dir) as url, HotwireClient(url) as hw, \
+                httpx.Client(base_url=url, timeout=120.0) as http:
+            if slots == args.control_slots:
+                hw.register("resident", _vector(rng, shape.num_layers, shape.hidden_size))
+                result["registration"] = measure_registration(hw, http, shape, args.registrations, args.prompt_len, rng)
+                result["decode_stall"], result["slots_get_ms"] = measure_under_load(hw, url, shape, args, rng)
+            if slots in sweep:
+                for k in range(8):
+                    hw.register(f"cap{k}", _vector(rng, shape.hidden_size))
+                result["capacity"].append({"slots": slots, "decode_ms": asyncio.run(measure_decode(url, shape, args, rng))})
+        result["targets"] = judge(result)
+        if args.out:
+            args.out.write_text(json.dumps(result, indent=1))
+            args.out.with_suffix(".md").write_text(markdown(result) + "\n")
+    print(markdown(result))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,86 @@
+"""A real ``vllm serve`` (``python -m vllm.entrypoints.openai.api_server``) in its own process group, for the
+integration tests of the HTTP control plane.
+
+The server gets the CPU environment of ``conftest.py`` plus per-server cache folders; it is ready when
+``GET /health`` answers 200 and is stopped by signalling its whole process group (API server, engine core and
+workers go together).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from hotwire_api.server_process import ServerExited, free_port, start_server, stop_server, wait_until_ready
+
+START_TIMEOUT_S = 240.0
+
+
+class VllmServer:
+    """One ``vllm serve`` process group. ``env`` is added to the test process's environment."""
+
+    def __init__(self, model: Path, workdir: Path, env: dict[str, str], args: list[str] | None = None):
+        self.model = model
+        self.workdir = workdir
+        self.extra_env = env
+        self.args = args or []
+        self.port = 0
+        self.proc: subprocess.Popen | None = None
+        self.starts = 0
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def log_path(self) -> Path:
+        return self.workdir / f"server-{self.starts}.log"
+
+    def log_tail(self, chars: int = 6000) -> str:
+        try:
+            return self.log_path.read_text(errors="replace")[-chars:]
+        except OSError:
+            return "<no log>"
+
+    def start(self, timeout: float = START_TIMEOUT_S) -> float:
+        """Start the server and wait until it is healthy; returns the seconds it took."""
+        assert self.proc is None, "already running"
+        self.starts += 1
+        self.port = free_port()
+        run_dir = self.workdir / f"run-{self.starts}"
+        tmp = run_dir / "tmp"
+        tmp.mkdir(parents=True, exist_ok=True)
+        env = {
+            **os.environ,
+            "TMPDIR": str(tmp),
+            "VLLM_CACHE_ROOT": str(run_dir / "vllm-cache"),
+            "TORCHINDUCTOR_CACHE_DIR": str(run_dir / "inductor"),
+            "PYTHONUNBUFFERED": "1",
+            **self.extra_env,
+        }
+        cmd = [
+            sys.executable, "-m", "vllm.entrypoints.openai.api_server",
+            "--model", str(self.model),
+            "--dtype", "float32",
+            "--max-model-len", "2048",
+            "--max-num-seqs", "8",
+            "--block-size", "32",
+            "--seed", "0",
+            "--host", "127.0.0.1",
+            "--port", str(self.port),
+            *self.args,
+        ]  # fmt: skip
+        self.proc = start_server(cmd, env, self.log_path)
+        try:
+            return wait_until_ready(self.proc, self.url, timeout)
+        except ServerExited as exc:
+            self.stop()
+            raise RuntimeError(f"vllm serve: {exc}:\n{self.log_tail()}") from None
+
+    def stop(self) -> None:
+        """Stop the whole process group (API server, engine core, workers)."""
+        proc, self.proc = self.proc, None
+        if proc is not None:
+            stop_server(proc)

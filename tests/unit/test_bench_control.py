@@ -1,0 +1,49 @@
+"""The pure helpers of ``benchmarks/bench_control.py`` (no server needed)."""
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+
+_PATH = Path(__file__).parents[2] / "benchmarks" / "bench_control.py"
+_SPEC = importlib.util.spec_from_file_location("bench_control", _PATH)
+bench = importlib.util.module_from_spec(_SPEC)
+_SPEC.loader.exec_module(bench)
+
+
+def test_summarize_percentiles_interpolate():
+    s = bench.summarize([float(v) for v in range(1, 101)])
+    assert s == {"n": 100, "p50": 50.5, "p99": 99.01, "max": 100.0}
+
+
+def test_summarize_empty():
+    assert bench.summarize([]) == {"n": 0, "p50": None, "p99": None, "max": None}
+
+
+def test_classify_gaps_by_overlap_and_window():
+    streams = [[0.0, 1.0, 2.0, 3.0, 4.0, 5.0]]
+    busy = {"register": [(1.5, 1.6), (3.9, 4.5)], "slots": [(2.5, 2.6)]}
+    gaps = bench.classify_gaps(streams, busy, window=(1.0, 5.0))
+    # 1->2 overlaps a registration, 2->3 a poll, 3->4 and 4->5 the second registration; 0->1 is outside the window
+    assert gaps == {"idle": [], "register": [1000.0, 1000.0, 1000.0], "slots": [1000.0]}
+    gaps = bench.classify_gaps(streams, {"register": [(0.2, 0.4)]}, window=(0.0, 5.0))
+    assert gaps == {"idle": [1000.0] * 4, "register": [1000.0]}
+
+
+def test_classify_gaps_touching_is_not_overlapping():
+    gaps = bench.classify_gaps([[0.0, 1.0, 2.0]], {"register": [(1.0, 1.0), (2.0, 2.5)]}, window=(0.0, 2.0))
+    assert gaps == {"idle": [1000.0, 1000.0], "register": []}
+
+
+def test_capacity_cost_pct():
+    rows = [{"slots": 4096, "decode_ms": [10.3, 10.2, 10.4]}, {"slots": 16, "decode_ms": [10.0, 9.0, 11.0]},
+            {"slots": 256, "decode_ms": [9.9]}]
+    assert bench.capacity_cost_pct(rows) == pytest.approx(3.0)
+    assert bench.capacity_cost_pct(rows[:1]) is None
+
+
+def test_judge_pass_miss_and_missing():
+    result = {"registration": {"usable_ms": {"p99": 12.0}}, "decode_stall": {"stall_p99_ms": 2.5},
+              "slots_get_ms": {"p99": None}, "capacity": []}
+    assert [t["pass"] for t in bench.judge(result)] == [True, False, False, False]  # 2.5 > 2; None: not measured
+    assert [t["value"] for t in bench.judge({"capacity": []})] == [None] * 4
