@@ -1243,3 +1243,12 @@ def test_healthcheck_runs_as_a_module() -> None:
         [sys.executable, "-m", "hotwire_api.healthcheck", "--help"], capture_output=True, text=True, timeout=60
     )
     assert result.returncode == 0 and "--url" in result.stdout
+
+
+def test_readme_commands_are_the_ones_ci_and_the_demo_run() -> None:
+    readme = (ROOT / "README.md").read_text()
+    block = readme.split("## The two commands", 1)[1].split("```bash", 1)[1].split("```", 1)[0]
+    commands = [line.split("#", 1)[0].strip() for line in block.splitlines() if line.strip().startswith("bash ")]
+    assert commands == ["bash scripts/demo.sh", "bash scripts/test.sh"]
+    assert 'exec bash scripts/test.sh "$@"' in (ROOT / ".ci/run").read_text()
+    assert "-m hotwire_api.demo" in (ROOT / "scripts/demo.sh").read_text()
