@@ -88,13 +88,17 @@ def _model_info(results: list[dict]) -> ModelInfo:
     return ModelInfo(steerable, reason, first["n_layers"], first["hidden_size"], first["dtype"], layers, norm)
 
 
-def _send_refusal(engine: Any, request: Any, exc: Refusal) -> None:
-    """Finish a request the engine will not serve with an error (vLLM reports it as a failed request)."""
+def _send_refusal(engine: Any, request: Any, exc: Refusal, in_caller: bool = True) -> None:
+    """Finish a request the engine will not serve with an error (vLLM reports it as a failed request).
+
+    An in-process engine (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) has no output queue: a refusal at
+    ``add_request`` raises to the caller; one found later, in the scheduler (``in_caller=False``), is logged."""
     logger.warning("hotwire: refused request %s: %s", request.request_id, exc.message)
     send_error = getattr(engine, "_send_error_outputs_to_client", None)
-    if send_error is None:  # in-process engine: the caller gets the error directly
+    if send_error is not None:
+        send_error([request.request_id], request.client_index)
+    elif in_caller:
         raise ValueError(f"hotwire: {exc.message}")
-    send_error([request.request_id], request.client_index)
 
 
 def _patch_engine_core(module: Any) -> None:
@@ -118,7 +122,7 @@ def _patch_engine_core(module: Any) -> None:
     def make_add(original):
         def add_request(self, request, request_wave=0):
             self.scheduler.hotwire = self.hotwire  # the scheduler is built after the controller
-            self.hotwire.on_refused = functools.partial(_send_refusal, self)
+            self.hotwire.on_refused = functools.partial(_send_refusal, self, in_caller=False)
             try:
                 self.hotwire.admit(request)
             except Exception as exc:  # a bad request must never take the engine down
