@@ -50,11 +50,10 @@ class VllmServer:
         self.starts += 1
         self.port = free_port()
         run_dir = self.workdir / f"run-{self.starts}"
-        tmp = run_dir / "tmp"
-        tmp.mkdir(parents=True, exist_ok=True)
+        # TMPDIR stays the test run's (short) one: vLLM puts ZMQ IPC sockets there, whose paths may not exceed
+        # 107 characters.
         env = {
             **os.environ,
-            "TMPDIR": str(tmp),
             "VLLM_CACHE_ROOT": str(run_dir / "vllm-cache"),
             "TORCHINDUCTOR_CACHE_DIR": str(run_dir / "inductor"),
             "PYTHONUNBUFFERED": "1",
