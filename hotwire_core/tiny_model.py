@@ -105,7 +105,7 @@ def build_model(
         head_dim=shape.head_dim,
         vocab_size=shape.vocab_size,
         max_position_embeddings=4096,
-        tie_word_embeddings=False,
+        tie_word_embeddings=shape.arch == "gemma",  # vLLM's Gemma requires tied embeddings
         initializer_range=0.02,
         bos_token_id=0,
         eos_token_id=0,

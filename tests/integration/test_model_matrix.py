@@ -1,0 +1,46 @@
+"""Other decoder architectures than Qwen3: hotwire finds their layers, and steering equals a transformers
+forward with a hook on the same weights (CPU, float32, real random weights)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+import hf_reference
+from engine_results import engine_kwargs, run_batches
+
+pytestmark = pytest.mark.integration
+
+
+@pytest.fixture(scope="module", params=["llama", "gemma"])
+def arch_engine(request, model_root):
+    from vllm import LLM
+
+    from hotwire_core.offline import register_vector
+    from hotwire_core.tiny_model import ModelShape, build_model
+
+    model_dir = build_model(model_root / f"{request.param}-tiny", ModelShape(arch=request.param))
+    llm = LLM(str(model_dir), **engine_kwargs())
+    vector = torch.randn(256, generator=torch.Generator().manual_seed(11))
+    register_vector(llm, "v", vector)
+    yield model_dir, llm, vector
+    llm.llm_engine.engine_core.shutdown()
+
+
+def test_steering_equals_transformers_hook(arch_engine):
+    model_dir, llm, vector = arch_engine
+    from transformers import AutoTokenizer
+
+    ids = AutoTokenizer.from_pretrained(str(model_dir))("The quick brown fox jumps over").input_ids
+    params = dict(max_tokens=1, temperature=0.0, prompt_logprobs=0)
+    steer = {"hotwire": json.dumps({"id": "v", "layer": [1, 2], "scale": 3.0})}
+    plain, steered = run_batches(llm, [[{"prompt_token_ids": ids, "params": params}],
+                                       [{"prompt_token_ids": ids, "params": {**params, "extra_args": steer}}]])
+    hf = hf_reference.load(model_dir)
+    expected_plain = hf_reference.prompt_logprobs(hf, ids)
+    expected = hf_reference.prompt_logprobs(hf, ids, [(1, vector, 3.0, False), (2, vector, 3.0, False)])
+    assert (torch.tensor(plain[0]["prompt_logprobs"][1:]) - expected_plain).abs().max() < 2e-3
+    assert (torch.tensor(steered[0]["prompt_logprobs"][1:]) - expected).abs().max() < 2e-3
+    assert (expected - expected_plain).abs().max() > 0.02, "the steering in this check is too weak to be seen"
