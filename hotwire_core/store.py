@@ -95,6 +95,8 @@ class VectorStore:
 
 def load_preload_dir(directory: Path) -> list[StoredVector]:
     """Vectors from ``HOTWIRE_VECTORS``: the file stem is the id; one tensor per file (2-D: a row per layer)."""
+    if not directory.is_dir():
+        raise ValueError(f"HOTWIRE_VECTORS={directory} is not a directory; unset it or point it at a folder of .safetensors")
     out = []
     for path in sorted(directory.iterdir()):
         try:

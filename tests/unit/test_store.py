@@ -207,3 +207,8 @@ def test_preload_pt_never_unpickles_code(tmp_path, writer):
     out = load_preload_dir(pre)
     assert [s.vector_id for s in out] == ["fine"]
     assert not marker.exists()
+
+
+def test_missing_preload_directory_is_a_clear_error(tmp_path):
+    with pytest.raises(ValueError, match="HOTWIRE_VECTORS=.* is not a directory"):
+        load_preload_dir(tmp_path / "nope")
