@@ -19,13 +19,12 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from hotwire_api.engine import HotwireEngine
 from hotwire_api.errors import HotwireError
 from hotwire_api.metrics import STATS
+from hotwire_core.spec import SALT_PREFIX, SPEC_KEY
 
 ROUTES = frozenset({"/v1/chat/completions", "/v1/completions", "/v1/responses"})
-SPEC_KEY = "hotwire"
 _FIELD = f"vllm_xargs.{SPEC_KEY}"
 RECEIPT_HEADER = b"x-hotwire-receipt"
 LENIENT_HEADER = b"x-hotwire-lenient"
-SALT_PREFIX = "hotwire:"  # reserved for the cache salts of steered requests (hotwire_core.controller)
 
 
 class AdmissionMiddleware:

@@ -20,13 +20,12 @@ from .errors import EngineError
 from .registry import HostVector, RegistryError, VectorRegistry
 from .settings import Settings
 from .slots import RowKey, SlotCache, SlotsExhausted
-from .spec import SPEC_KEY, Phase, SpecError, SteeringEntry, parse_spec
+from .spec import SALT_PREFIX, SPEC_KEY, Phase, SpecError, SteeringEntry, parse_spec
 from .store import StoredVector, VectorStore, load_preload_dir
 
 logger = logging.getLogger(__name__)
 
 BINDING_KEY = "hotwire.binding"  # extra_args key the controller writes for the workers
-SALT_PREFIX = "hotwire:"  # steered cache salts; a user salt may not start with it (it could forge one)
 
 
 @dataclass(frozen=True)

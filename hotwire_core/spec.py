@@ -22,6 +22,7 @@ from enum import Enum
 from typing import Any
 
 SPEC_KEY = "hotwire"
+SALT_PREFIX = "hotwire:"  # steered requests' cache salts; a user cache_salt may not start with it (it could forge one)
 VECTOR_ID_RE = re.compile(r"[A-Za-z0-9._-]{1,64}")  # use with fullmatch
 MAX_ENTRIES = 64
 _ENTRY_FIELDS = {"id", "layer", "scale", "decode_only", "prefill_only", "norm"}
