@@ -63,13 +63,15 @@ class SteerHook(nn.Module):
     The residual stream after a layer that returns ``(hidden, residual)`` is ``hidden + residual``, so the
     steering may go into either. Where it goes decides what the compiled graph looks like around it:
 
-    * ``"hidden"`` (tensor parallel 1, the default): the op touches only ``hidden``, a matmul output that is in
+    * ``"hidden"`` (the default): the op touches only ``hidden``, a matmul output that is in
       memory anyway. ``residual`` stays a value Inductor may keep in registers, exactly as without hotwire, so
       unsteered tokens come out bit-identical to vLLM without the plugin. Norm-relative entries need ``residual``
       too; with ``HOTWIRE_NORM=1`` the op reads it, and Inductor then writes it out in the model dtype, which
       moves plain tokens by rounding. So norm mode is opt-in.
-    * ``"residual"`` (tensor parallel > 1): keeps vLLM's all-reduce + add-RMSNorm fusion, which matches the
-      pattern ``all_reduce(hidden) -> fused_add_rms_norm(hidden, residual)``.
+    * ``"residual"`` (only when vLLM's all-reduce + RMSNorm fusion pass is on: tensor parallel > 1 on Hopper or
+      Blackwell with FlashInfer): keeps that fusion, whose pattern ``all_reduce(hidden) ->
+      fused_add_rms_norm(hidden, residual)`` an op on ``hidden`` would break. Reading ``residual`` costs
+      bit-identity (above), which that fusion gives up anyway.
     """
 
     def __init__(self, buffers: dict[str, torch.Tensor], layer: int, impl: str, target: str, norm: bool):
@@ -87,7 +89,7 @@ class SteerHook(nn.Module):
             target, other = residual, hidden
         args = (self.token_cfg, self.cfg_slot, self.cfg_scale, self.cfg_rel, self.bank, self.inv_norm, self.layer)
         if self.impl == "inductor":
-            target = ops.steer_torch(target, other, *args)
+            target = ops.steer_torch(target, other, *args, use_norm=self.norm)
         else:
             torch.ops.hotwire.steer_(target, other, *args)
         if residual is None:
@@ -146,10 +148,10 @@ class WorkerSteering:
         max_tokens: int,
         max_reqs: int,
         settings: Settings,
-        tensor_parallel: int = 1,
+        allreduce_rms_fusion: bool = False,
     ):
         self.layers, self.n_layers, self.hidden_size = layers, n_layers, hidden_size
-        self.target = "hidden" if tensor_parallel == 1 else "residual"
+        self.target = "residual" if allreduce_rms_fusion else "hidden"
         # Norm-relative steering is always possible when steering the residual (hidden is read anyway).
         self.norm = settings.norm or self.target == "residual"
         self.dtype, self.device, self.settings = dtype, device, settings

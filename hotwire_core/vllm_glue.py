@@ -238,7 +238,7 @@ def _attach(worker: Any) -> None:
         runner.max_num_tokens,
         runner.max_num_reqs,
         settings(),
-        worker.vllm_config.parallel_config.tensor_parallel_size,
+        bool(worker.vllm_config.compilation_config.pass_config.fuse_allreduce_rms),
     )
 
 

@@ -308,3 +308,35 @@ def test_prompt_embeds_request_prompt_length():
     prow, drow, plen = w._active["E"]
     assert plen == 5
     assert fill(w, ["E"], [6], [0])[:6] == [prow] * 5 + [drow]
+
+
+class LlamaDecoderLayer(torch.nn.Module):
+    """Stands in for a vLLM decoder layer: returns (hidden, residual) with the contract's argument names."""
+
+    def forward(self, positions, hidden_states, residual):
+        return hidden_states * 2, residual
+
+
+@pytest.mark.parametrize("fusion,norm_setting,target,norm", [
+    (False, False, "hidden", False),
+    (False, True, "hidden", True),
+    (True, False, "residual", True),
+])
+def test_steering_target_follows_allreduce_rms_fusion(fusion, norm_setting, target, norm):
+    layer = LlamaDecoderLayer()
+    w = WorkerSteering({0: layer}, 1, HIDDEN, torch.float32, torch.device("cpu"), MAX_TOKENS, MAX_REQS,
+                       Settings(SLOTS, STACK, "op", None, None, norm=norm_setting), allreduce_rms_fusion=fusion)
+    assert (w.target, w.norm) == (target, norm)
+    # A steered token moves the tensor the target names and leaves the other one alone.
+    w.buffers["bank"][1] = 1.0
+    w.buffers["cfg_slot"][1, 0, 0] = 1
+    w.buffers["cfg_scale"][1, 0, 0] = 3.0
+    w.buffers["token_cfg"][0] = 1
+    hidden, residual = torch.ones(2, HIDDEN), torch.zeros(2, HIDDEN)
+    out_hidden, out_residual = layer(None, hidden, residual)
+    steered, untouched = (out_hidden, out_residual) if target == "hidden" else (out_residual, out_hidden)
+    base = {"hidden": 2.0, "residual": 0.0}
+    assert torch.equal(steered[0], torch.full((HIDDEN,), base[target] + 3.0))
+    assert torch.equal(steered[1], torch.full((HIDDEN,), base[target]))
+    other = "residual" if target == "hidden" else "hidden"
+    assert torch.equal(untouched, torch.full((2, HIDDEN), base[other]))
