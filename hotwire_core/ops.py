@@ -32,20 +32,24 @@ def steer_torch(
     bank: torch.Tensor,
     inv_norm: torch.Tensor,
     layer: int,
+    use_norm: bool = True,
 ) -> torch.Tensor:
     """Return the steered residual (out of place); rows whose config is 0 come back bit-identical.
 
     Only branch-free, data-independent torch ops, so that Inductor can fuse this into neighbouring kernels
     and it can be captured in a CUDA graph. The loop over K unrolls on a static shape, and it avoids
-    materialising a ``[T, K, H]`` gather.
+    materialising a ``[T, K, H]`` gather. ``use_norm=False`` drops the norm-relative term (and its reduction
+    over H) for callers that know no entry can be norm-relative.
     """
     n_tokens = residual.shape[0]
     cfg = token_cfg[:n_tokens].long()
     slots = cfg_slot[cfg, layer].long()  # [T, K]
     res32 = residual.float()
-    base = res32 if hidden is None else res32 + hidden.float()
-    norm = torch.linalg.vector_norm(base, dim=-1, keepdim=True)  # [T, 1]
-    coef = cfg_scale[cfg, layer] + cfg_rel[cfg, layer] * norm * inv_norm[slots]  # [T, K]
+    coef = cfg_scale[cfg, layer]  # [T, K]
+    if use_norm:
+        base = res32 if hidden is None else res32 + hidden.float()
+        norm = torch.linalg.vector_norm(base, dim=-1, keepdim=True)  # [T, 1]
+        coef = coef + cfg_rel[cfg, layer] * norm * inv_norm[slots]
     acc = res32
     for k in range(slots.shape[1]):
         acc = acc + coef[:, k : k + 1] * bank[slots[:, k]].float()

@@ -1,7 +1,7 @@
 """Triton kernel behind the CUDA implementation of ``torch.ops.hotwire.steer_``.
 
-One program per token. Unsteered tokens (config 0) return before touching the residual, so most of a batch
-costs one int32 load per token. H is a compile-time constant (fixed per model), so the chunk loops have static
+One program per token. Unsteered tokens (config 0), and steered tokens at layers their config leaves alone, return
+before touching the residual: they cost one int32 load (and K more). H is a compile-time constant (fixed per model), so the chunk loops have static
 bounds (which also keeps them runnable in Triton's interpreter). The launcher only reads shapes and strides, never tensor data, and allocates
 nothing, so it is safe to capture in a CUDA graph once the kernel has been compiled (vLLM warms up first).
 Imported only when the CUDA kernel first runs (see ``hotwire_core.ops``).
@@ -41,6 +41,12 @@ def _steer_kernel(
     if cfg == 0:
         return
     entry0 = (cfg.to(tl.int64) * n_layers + layer) * K
+    # A steered token at a layer its config does not touch (all slots 0): leave the row alone.
+    used = 0
+    for k in tl.static_range(K):
+        used += tl.load(slot_ptr + entry0 + k)
+    if used == 0:
+        return
     res_row = res_ptr + token * res_stride
     hid_row = hid_ptr + token * hid_stride
     offs = tl.arange(0, BLOCK_H)

@@ -137,6 +137,20 @@ def check_triton_against_reference(device: str) -> None:
             triton_steer.steer_triton_(*a._replace(residual=out))
             assert_matches_reference(out, a)
             torch.testing.assert_close(out, steer_torch(*a), equal_nan=True, **TOL[dtype])
+    # A steered token at a layer its config leaves alone (all slots 0) is not written: its bits survive.
+    a = make_case(40, torch.bfloat16, n_tokens=6, k=3)
+    cfg_slot = a.cfg_slot.clone()
+    cfg_slot[1, a.layer] = 0
+    token_cfg = a.token_cfg.clone()
+    token_cfg[:6] = torch.tensor([1, 0, 1, 2 % a.cfg_slot.shape[0], 1, 0], dtype=torch.int32)
+    residual = a.residual.clone()
+    residual[token_cfg[:6] == 1] = -0.0
+    a = a._replace(residual=residual, cfg_slot=cfg_slot, token_cfg=token_cfg).to(device)
+    out = a.residual.clone()
+    triton_steer.steer_triton_(*a._replace(residual=out))
+    untouched = token_cfg[:6] == 1
+    assert same_bits(out.cpu()[untouched], residual[untouched]), "a row with no entry at this layer was written"
+    assert_matches_reference(out, a)
     # Many chunks at a small H, masked tail included.
     default_block = triton_steer.MAX_BLOCK_H
     triton_steer.MAX_BLOCK_H = 32
@@ -170,6 +184,16 @@ def test_steer_torch_leaves_idle_rows_bit_identical() -> None:
     idle = a.token_cfg[: a.residual.shape[0]] == 0
     assert same_bits(out[idle], a.residual[idle])
     assert torch.isfinite(out[~idle]).all()
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_steer_torch_without_norm_term(dtype: torch.dtype) -> None:
+    """``use_norm=False`` is the reference with every norm-relative coefficient zeroed."""
+    a = make_case(11, dtype)
+    no_rel = a._replace(cfg_rel=torch.zeros_like(a.cfg_rel))
+    out = steer_torch(*a, use_norm=False)
+    assert_matches_reference(out, no_rel)
+    assert same_bits(out, steer_torch(*no_rel))
 
 
 def test_norm_relative_entry_by_hand() -> None:
