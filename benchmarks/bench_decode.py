@@ -1,10 +1,19 @@
 """Decode cost of hotwire against plain vLLM, one GPU, one run.
 
-Each configuration runs in its own process (its own engine): ``vanilla`` (no plugin loaded at all:
-``VLLM_PLUGINS=""``), ``op`` (hotwire, opaque Triton op) and ``inductor`` (hotwire, torch ops fused by
-Inductor). For every batch size and steering mode, the decode time per token of a request is
-``(t(1 + N tokens) - t(1 token)) / N`` for one ``generate`` call over the batch: the step time a request sees,
-not total throughput. TTFT is ``t(1 token)``. Medians of ``--reps`` runs, with min and max.
+Every configuration is its own engine in its own process, all started at once on the same GPU (each with a fixed
+KV cache, ``--kv-cache-gib``) and then measured in turn, round-robin: for each batch size and repetition every
+configuration runs every one of its modes back to back, with the order rotated per repetition. Slow drift of the
+machine (clocks, temperature, other tenants) then hits all configurations alike, and each repetition gives a
+*paired* ratio against the vanilla run of the same round.
+
+Configurations: ``vanilla`` (no plugin loaded at all: ``VLLM_PLUGINS=""``), ``op`` (hotwire, opaque Triton op),
+``inductor`` (hotwire, torch ops fused by Inductor), ``eager`` (hotwire's op with ``enforce_eager``: no
+torch.compile, no CUDA graphs, what hook-based steering tools pay). All use vLLM's default V2 model runner; a
+``/v1`` suffix (``vanilla/v1``, ``op/v1``) runs the V1 runner instead, compared with ``vanilla/v1``.
+
+The decode time per token of a request is ``(t(1 + N tokens) - t(1 token)) / N`` for one ``generate`` call over
+the batch: the step time every request sees, not throughput. TTFT is ``t(1 token)``. Reported: the median over
+repetitions of the paired ratio to vanilla, with its min and max, and the median ms/token.
 
     python benchmarks/bench_decode.py --shape qwen3-4b --batches 1,8,64,256 --out benchmarks/results/x.json
 """
@@ -22,17 +31,23 @@ import time
 from pathlib import Path
 
 MODES = {
-    "idle": "hotwire loaded, no request steered",
+    "plain": "no request steered (vanilla: the baseline; hotwire: loaded and idle)",
     "steered": "every request steered: one vector at one middle layer",
     "steered_all_layers": "every request steered: one vector at every layer",
     "stacked": "every request steered: 4 entries on the same layer",
     "distinct": "every request its own vector (up to 256 distinct), one middle layer",
 }
+CONFIGS = {
+    "vanilla": "plain vLLM 0.25.1, no plugin loaded (VLLM_PLUGINS=\"\")",
+    "op": "hotwire, opaque Triton op (HOTWIRE_IMPL=op)",
+    "inductor": "hotwire, torch ops fused by Inductor (HOTWIRE_IMPL=inductor)",
+    "eager": "hotwire's op with enforce_eager=True (no torch.compile, no CUDA graphs)",
+}
 
 
 def _spec(mode: str, n_layers: int, i: int) -> str | None:
     mid = n_layers // 2
-    if mode == "idle":
+    if mode == "plain":
         return None
     if mode == "steered":
         return json.dumps({"id": "v0", "layer": mid, "scale": 2.0})
@@ -45,115 +60,227 @@ def _spec(mode: str, n_layers: int, i: int) -> str | None:
     raise ValueError(mode)
 
 
-def _time_generate(llm, prompts, params) -> float:
-    start = time.perf_counter()
-    llm.generate(prompts, params, use_tqdm=False)
-    return time.perf_counter() - start
+# -- worker: one engine, answers one measurement per line on stdin ----------------------------------------------
 
 
 def worker(args: argparse.Namespace) -> None:
     import torch
     from vllm import LLM, SamplingParams
 
+    kind = split_config(args.config)[0]
     llm = LLM(
-        args.model, load_format="dummy", dtype="bfloat16", max_model_len=1024, max_num_seqs=max(args.batches),
-        gpu_memory_utilization=0.85, seed=0,
+        args.model, load_format="dummy", dtype="bfloat16", max_model_len=1024, max_num_seqs=args.max_batch,
+        # A fixed KV cache: memory profiling miscounts while the other engines start on the same GPU.
+        kv_cache_memory_bytes=int(args.kv_cache_gib * (1 << 30)), gpu_memory_utilization=0.05, seed=0, enforce_eager=kind == "eager",
     )
     hf = llm.llm_engine.model_config.hf_config
-    n_layers, hidden = hf.num_hidden_layers, hf.hidden_size
-    modes = ["idle"] if args.config == "vanilla" else args.modes
-    if args.config != "vanilla":
+    n_layers = hf.num_hidden_layers
+    if kind != "vanilla":
         from hotwire_core.offline import register_vector
 
         g = torch.Generator().manual_seed(0)
-        n_vectors = 256 if "distinct" in modes else 4
-        for k in range(n_vectors):
-            register_vector(llm, f"v{k}", torch.randn(hidden, generator=g) * 0.01)
+        for k in range(args.vectors):
+            register_vector(llm, f"v{k}", torch.randn(hf.hidden_size, generator=g) * 0.01)
     rng = torch.Generator().manual_seed(1)
+    vocab = min(hf.vocab_size, 30000)
+
+    def timed(batch: int, mode: str, n: int) -> float:
+        prompts = [{"prompt_token_ids": torch.randint(0, vocab, (args.prompt_len,), generator=rng).tolist()}
+                   for _ in range(batch)]
+        params = []
+        for i in range(batch):
+            spec = _spec(mode, n_layers, i)
+            params.append(SamplingParams(max_tokens=n, ignore_eos=True, temperature=0.0,
+                                         extra_args={"hotwire": spec} if spec else None))
+        start = time.perf_counter()
+        llm.generate(prompts, params, use_tqdm=False)
+        return time.perf_counter() - start
+
+    print("READY", flush=True)
+    for line in sys.stdin:
+        job = json.loads(line)
+        batch, mode = job["batch"], job["mode"]
+        if job.get("warmup"):
+            timed(batch, mode, 8)
+            print("RESULT {}", flush=True)
+            continue
+        t1 = timed(batch, mode, 1)
+        tn = timed(batch, mode, 1 + args.decode_tokens)
+        print("RESULT " + json.dumps({"decode_ms": (tn - t1) / args.decode_tokens * 1e3, "ttft_ms": t1 * 1e3}),
+              flush=True)
+
+
+class Engine:
+    """A worker process and its line protocol."""
+
+    def __init__(self, config: str, args: argparse.Namespace, model: Path):
+        env = dict(os.environ)
+        kind, runner = split_config(config)
+        if runner == "v1":
+            env["VLLM_USE_V2_MODEL_RUNNER"] = "0"
+        else:
+            env.pop("VLLM_USE_V2_MODEL_RUNNER", None)
+        if kind == "vanilla":
+            env["VLLM_PLUGINS"] = ""
+        else:
+            env.pop("VLLM_PLUGINS", None)
+            env["HOTWIRE_IMPL"] = "inductor" if kind == "inductor" else "op"
+        tag = config.replace("/", "-")
+        # Separate compile caches: engines compiling at once must not race on one cache directory.
+        env["VLLM_CACHE_ROOT"] = str(Path(tempfile.gettempdir()) / f"hotwire-bench-cache-{tag}")
+        vectors = 256 if "distinct" in args.modes else 4
+        cmd = [sys.executable, __file__, "--worker", config, "--model", str(model), "--max-batch",
+               str(max(args.batches)), "--kv-cache-gib", str(args.kv_cache_gib), "--vectors", str(vectors),
+               "--decode-tokens", str(args.decode_tokens), "--prompt-len", str(args.prompt_len)]
+        self.config = config
+        self.log = open(Path(tempfile.gettempdir()) / f"hotwire-bench-{tag}.log", "w")
+        self.proc = subprocess.Popen(cmd, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                     stderr=self.log, text=True)
+
+    def _line(self, prefix: str) -> str:
+        for line in self.proc.stdout:
+            if line.startswith(prefix):
+                return line[len(prefix):].strip()
+        raise RuntimeError(f"{self.config} engine exited ({self.proc.wait()}); see {self.log.name}")
+
+    def ready(self) -> None:
+        self._line("READY")
+
+    def measure(self, batch: int, mode: str, warmup: bool = False) -> dict:
+        self.proc.stdin.write(json.dumps({"batch": batch, "mode": mode, "warmup": warmup}) + "\n")
+        self.proc.stdin.flush()
+        return json.loads(self._line("RESULT "))
+
+    def close(self, finished: bool) -> None:
+        """Let a finished engine shut down cleanly; kill one that is still starting or measuring."""
+        if self.proc.poll() is not None:
+            return
+        if finished:
+            self.proc.stdin.close()
+            self.proc.wait(timeout=120)
+        else:
+            self.proc.kill()
+
+
+def split_config(config: str) -> tuple[str, str]:
+    """``"op/v1"`` -> ``("op", "v1")``; no suffix means the default V2 runner."""
+    kind, _, runner = config.partition("/")
+    return kind, runner or "v2"
+
+
+def baseline_of(config: str) -> str:
+    """The vanilla engine a configuration is paired with: the one on the same runner."""
+    return "vanilla" + ("/v1" if split_config(config)[1] == "v1" else "")
+
+
+def modes_of(config: str, modes: list[str]) -> list[str]:
+    kind = split_config(config)[0]
+    if kind == "vanilla":
+        return ["plain"]
+    if kind == "eager":
+        return [m for m in modes if m in ("plain", "steered")]
+    return modes
+
+
+def measure(engines: list[Engine], args: argparse.Namespace) -> list[dict]:
+    rows: list[dict] = []
     for batch in args.batches:
-        for mode in modes:
-            def params(n: int) -> list:
-                out = []
-                for i in range(batch):
-                    spec = _spec(mode, n_layers, i)
-                    out.append(SamplingParams(max_tokens=n, ignore_eos=True, temperature=0.0,
-                                              extra_args={"hotwire": spec} if spec else None))
-                return out
-
-            def prompts() -> list:
-                return [{"prompt_token_ids": torch.randint(0, min(hf.vocab_size, 30000), (args.prompt_len,), generator=rng).tolist()}
-                        for _ in range(batch)]
-
-            _time_generate(llm, prompts(), params(8))  # warm-up: first sight of these batch shapes
-            ttft, decode = [], []
-            for _ in range(args.reps):
-                t1 = _time_generate(llm, prompts(), params(1))
-                tn = _time_generate(llm, prompts(), params(1 + args.decode_tokens))
-                ttft.append(t1 * 1e3)
-                decode.append((tn - t1) / args.decode_tokens * 1e3)
-            row = {"config": args.config, "mode": mode, "batch": batch, "decode_ms": decode, "ttft_ms": ttft}
-            print("RESULT " + json.dumps(row), flush=True)
+        for e in engines:
+            for mode in modes_of(e.config, args.modes):
+                e.measure(batch, mode, warmup=True)  # first sight of these batch shapes
+        for rep in range(args.reps):
+            shift = rep % len(engines)
+            for e in engines[shift:] + engines[:shift]:
+                for mode in modes_of(e.config, args.modes):
+                    got = e.measure(batch, mode)
+                    rows.append({"config": e.config, "mode": mode, "batch": batch, "rep": rep, **got})
+                    print("RESULT " + json.dumps(rows[-1]), flush=True)
+    return rows
 
 
-def _summary(rows: list[dict]) -> str:
-    base = {r["batch"]: statistics.median(r["decode_ms"]) for r in rows if r["config"] == "vanilla"}
-    lines = ["| config | mode | batch | decode ms/token (median, min-max) | vs vanilla | TTFT ms (median) |",
-             "|---|---|---|---|---|---|"]
+def summarize(rows: list[dict]) -> list[dict]:
+    """Per (config, mode, batch): median ms/token and TTFT, and the paired ratio to vanilla per repetition."""
+    base = {(r["config"], r["batch"], r["rep"]): r["decode_ms"] for r in rows if split_config(r["config"])[0] == "vanilla"}
+    groups: dict[tuple, list[dict]] = {}
     for r in rows:
-        med = statistics.median(r["decode_ms"])
-        rel = f"{(med / base[r['batch']] - 1) * 100:+.2f}%" if r["batch"] in base else "n/a"
-        lines.append(
-            f"| {r['config']} | {r['mode']} | {r['batch']} | {med:.3f} ({min(r['decode_ms']):.3f}-{max(r['decode_ms']):.3f})"
-            f" | {rel} | {statistics.median(r['ttft_ms']):.1f} |"
-        )
+        groups.setdefault((r["config"], r["mode"], r["batch"]), []).append(r)
+    out = []
+    for (config, mode, batch), rs in groups.items():
+        keys = [(baseline_of(config), batch, r["rep"]) for r in rs]
+        ratios = [r["decode_ms"] / base[key] - 1 for r, key in zip(rs, keys) if key in base]
+        out.append({
+            "config": config, "mode": mode, "batch": batch, "reps": len(rs),
+            "decode_ms": statistics.median(r["decode_ms"] for r in rs),
+            "decode_ms_min": min(r["decode_ms"] for r in rs), "decode_ms_max": max(r["decode_ms"] for r in rs),
+            "ttft_ms": statistics.median(r["ttft_ms"] for r in rs),
+            "vs_vanilla": statistics.median(ratios) if ratios else None,
+            "vs_vanilla_min": min(ratios) if ratios else None, "vs_vanilla_max": max(ratios) if ratios else None,
+        })
+    return out
+
+
+def table(summary: list[dict]) -> str:
+    lines = ["| config | mode | batch | decode ms/token (median, min-max) | vs vanilla, paired (median, min..max) | TTFT ms |",
+             "|---|---|---|---|---|---|"]
+    for s in summary:
+        rel = "—" if split_config(s["config"])[0] == "vanilla" or s["vs_vanilla"] is None else (
+            f"{s['vs_vanilla'] * 100:+.2f}% ({s['vs_vanilla_min'] * 100:+.1f}..{s['vs_vanilla_max'] * 100:+.1f})")
+        lines.append(f"| {s['config']} | {s['mode']} | {s['batch']} | {s['decode_ms']:.3f} "
+                     f"({s['decode_ms_min']:.3f}-{s['decode_ms_max']:.3f}) | {rel} | {s['ttft_ms']:.1f} |")
     return "\n".join(lines)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shape", default="qwen3-4b", help="a shape from hotwire_core.tiny_model.SHAPES")
-    parser.add_argument("--configs", default="vanilla,op,inductor")
-    parser.add_argument("--modes", default="idle,steered", help=",".join(MODES))
+    parser.add_argument("--configs", default="vanilla,op,inductor", help=",".join(CONFIGS))
+    parser.add_argument("--modes", default="plain,steered", help=",".join(MODES))
     parser.add_argument("--batches", default="1,8,64,256")
-    parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--decode-tokens", type=int, default=128)
     parser.add_argument("--prompt-len", type=int, default=32)
+    parser.add_argument("--kv-cache-gib", type=float, default=12.0, help="KV cache of each engine")
     parser.add_argument("--out", type=Path, required=False)
     parser.add_argument("--worker", dest="config", help=argparse.SUPPRESS)
     parser.add_argument("--model", help=argparse.SUPPRESS)
+    parser.add_argument("--max-batch", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--vectors", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args()
     args.batches = [int(b) for b in args.batches.split(",")]
     args.modes = args.modes.split(",")
     if args.config:
         return worker(args)
+    configs = args.configs.split(",")
+    unknown = [c for c in configs if split_config(c)[0] not in CONFIGS or split_config(c)[1] not in ("v1", "v2")]
+    unknown += [m for m in args.modes if m not in MODES]
+    if unknown:
+        parser.error(f"unknown configs/modes {unknown}")
+    missing = {baseline_of(c) for c in configs} - set(configs)
+    if missing:
+        parser.error(f"--configs needs the baselines {sorted(missing)}")
 
     from hotwire_core.tiny_model import build_model
 
     model = build_model(Path(tempfile.gettempdir()) / f"hotwire-bench-{args.shape}", args.shape, weights=False)
-    rows: list[dict] = []
-    for config in args.configs.split(","):
-        env = dict(os.environ)
-        if config == "vanilla":
-            env["VLLM_PLUGINS"] = ""
-        else:
-            env.pop("VLLM_PLUGINS", None)
-            env["HOTWIRE_IMPL"] = config
-        cmd = [sys.executable, __file__, "--worker", config, "--model", str(model), "--batches",
-               ",".join(map(str, args.batches)), "--modes", ",".join(args.modes), "--reps", str(args.reps),
-               "--decode-tokens", str(args.decode_tokens), "--prompt-len", str(args.prompt_len)]
-        start = time.time()
-        proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
-        got = [json.loads(line[7:]) for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
-        print(f"{config}: {len(got)} results in {time.time() - start:.0f} s (exit {proc.returncode})", flush=True)
-        if proc.returncode != 0:
-            print(proc.stderr[-3000:], file=sys.stderr)
-        rows += got
-        if args.out:
-            _write(args, rows)
-    print(_summary(rows))
+    start = time.time()
+    engines = [Engine(c, args, model) for c in configs]
+    finished = False
+    try:
+        for e in engines:
+            e.ready()
+        print(f"{len(engines)} engines ready in {time.time() - start:.0f} s", flush=True)
+        rows = measure(engines, args)
+        finished = True
+    finally:
+        for e in engines:
+            e.close(finished)
+    summary = summarize(rows)
+    print(table(summary))
+    if args.out:
+        _write(args, rows, summary)
 
 
-def _write(args: argparse.Namespace, rows: list[dict]) -> None:
+def _write(args: argparse.Namespace, rows: list[dict], summary: list[dict]) -> None:
     import torch
     import vllm
 
@@ -164,10 +291,13 @@ def _write(args: argparse.Namespace, rows: list[dict]) -> None:
         "torch": torch.__version__,
         "shape": args.shape,
         "command": " ".join(sys.argv),
-        "method": "decode ms/token = (t(1+N) - t(1)) / N per generate() over the batch; medians of reps",
+        "method": "decode ms/token = (t(1+N) - t(1)) / N per generate() over the batch; engines side by side, "
+                  "round-robin, rotated order; ratios paired per round with vanilla; medians over reps",
+        "configs": {c: CONFIGS[split_config(c)[0]] + ("; V1 model runner" if split_config(c)[1] == "v1" else "")
+                    for c in args.configs.split(",")},
         "modes": {m: MODES[m] for m in args.modes},
     }
-    args.out.write_text(json.dumps({"meta": meta, "rows": rows, "summary": _summary(rows)}, indent=1))
+    args.out.write_text(json.dumps({"meta": meta, "summary": summary, "table": table(summary), "rows": rows}, indent=1))
 
 
 if __name__ == "__main__":

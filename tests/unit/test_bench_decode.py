@@ -1,0 +1,61 @@
+"""benchmarks/bench_decode.py: the pure parts (specs per mode, paired summary)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+
+_PATH = Path(__file__).resolve().parents[2] / "benchmarks" / "bench_decode.py"
+_spec = importlib.util.spec_from_file_location("bench_decode", _PATH)
+bench = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(bench)
+
+
+def test_specs_per_mode():
+    assert bench._spec("plain", 36, 0) is None
+    assert json.loads(bench._spec("steered", 36, 5)) == {"id": "v0", "layer": 18, "scale": 2.0}
+    assert [e["id"] for e in json.loads(bench._spec("stacked", 36, 0))] == ["v0", "v1", "v2", "v3"]
+    assert json.loads(bench._spec("distinct", 36, 300))["id"] == "v44"
+    assert json.loads(bench._spec("steered_all_layers", 4, 0))["layer"] == [0, 1, 2, 3]
+    with pytest.raises(ValueError):
+        bench._spec("nope", 4, 0)
+
+
+def test_modes_of_config():
+    modes = ["plain", "steered", "distinct"]
+    assert bench.modes_of("vanilla", modes) == ["plain"]
+    assert bench.modes_of("eager", modes) == ["plain", "steered"]
+    assert bench.modes_of("op", modes) == modes
+
+
+def test_summary_pairs_each_repetition_with_its_vanilla_round():
+    rows = [
+        {"config": "vanilla", "mode": "plain", "batch": 8, "rep": 0, "decode_ms": 4.0, "ttft_ms": 10.0},
+        {"config": "vanilla", "mode": "plain", "batch": 8, "rep": 1, "decode_ms": 5.0, "ttft_ms": 12.0},
+        {"config": "op", "mode": "steered", "batch": 8, "rep": 0, "decode_ms": 4.04, "ttft_ms": 11.0},
+        {"config": "op", "mode": "steered", "batch": 8, "rep": 1, "decode_ms": 5.1, "ttft_ms": 11.0},
+    ]
+    by = {(s["config"], s["mode"]): s for s in bench.summarize(rows)}
+    op = by[("op", "steered")]
+    # Paired: +1% and +2%, not the ratio of the medians (4.57 / 4.5).
+    assert op["vs_vanilla_min"] == pytest.approx(0.01) and op["vs_vanilla_max"] == pytest.approx(0.02)
+    assert op["vs_vanilla"] == pytest.approx(0.015)
+    assert by[("vanilla", "plain")]["vs_vanilla"] == pytest.approx(0.0)
+    text = bench.table(bench.summarize(rows))
+    assert "| op | steered | 8 |" in text and "+1.50%" in text
+
+
+def test_v1_configs_pair_with_the_v1_baseline():
+    assert bench.split_config("op/v1") == ("op", "v1") and bench.split_config("inductor") == ("inductor", "v2")
+    assert bench.baseline_of("op/v1") == "vanilla/v1" and bench.baseline_of("eager") == "vanilla"
+    assert bench.modes_of("vanilla/v1", ["plain", "steered"]) == ["plain"]
+    rows = [
+        {"config": "vanilla", "mode": "plain", "batch": 1, "rep": 0, "decode_ms": 2.0, "ttft_ms": 1.0},
+        {"config": "vanilla/v1", "mode": "plain", "batch": 1, "rep": 0, "decode_ms": 4.0, "ttft_ms": 1.0},
+        {"config": "op/v1", "mode": "plain", "batch": 1, "rep": 0, "decode_ms": 4.4, "ttft_ms": 1.0},
+    ]
+    by = {s["config"]: s for s in bench.summarize(rows)}
+    assert by["op/v1"]["vs_vanilla"] == pytest.approx(0.1)
