@@ -13,7 +13,8 @@ answers. On the server started with ``HOTWIRE_SLOTS=--control-slots``:
   time, idles, then polls ``GET /steer/slots`` ``--polls`` times. Each inter-token gap is classed by what it
   overlapped: a registration, a poll, or nothing (idle). stall = p99 gap while registering - p99 idle gap.
 
-On one server per ``--slots`` value: decode ms/token of ``--batch`` steered completions (8 vectors, one middle
+All servers start at once and are measured one at a time (the others idle). On one server per ``--slots`` value:
+decode ms/token of ``--batch`` steered completions (8 vectors, one middle
 layer, so 8 rows fit every capacity) = ``(t(1 + N tokens) - t(1 token)) / N`` for one batch, median of ``--reps``.
 
     python benchmarks/bench_control.py --shape qwen3-8b --out benchmarks/results/x.json   # also writes x.md
@@ -123,32 +124,48 @@ def _ms_since(start: float) -> float:
     return (time.monotonic() - start) * 1e3
 
 
+def kv_cache_bytes(shape: ModelShape, seqs: int, seq_len: int) -> int:
+    """bf16 KV cache for ``seqs`` sequences of ``seq_len`` tokens, with 25% headroom."""
+    per_token = 2 * shape.num_layers * shape.num_kv_heads * shape.head_dim * 2
+    return int(seqs * seq_len * per_token * 1.25)
+
+
 @contextmanager
-def serving(model: Path, slots: int, args: argparse.Namespace, gpu: bool, log_dir: Path) -> Iterator[str]:
-    """A ``vllm serve`` with ``HOTWIRE_SLOTS=slots``, healthy; yields its URL and stops its process group."""
-    port = free_port()
-    cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
-           "--served-model-name", MODEL, "--load-format", "dummy", "--dtype", "bfloat16" if gpu else "float32",
-           "--max-model-len", str(args.prompt_len + max(args.stream_tokens, args.decode_tokens + 1) + 16),
-           "--max-num-seqs", str(max(args.streams, args.batch, 8)), "--seed", "0", "--host", "127.0.0.1",
-           "--port", str(port), "--disable-uvicorn-access-log"]
-    cmd += ["--gpu-memory-utilization", "0.85"] if gpu else []
-    env = {k: v for k, v in os.environ.items() if k not in ("VLLM_API_KEY", "HOTWIRE_API_KEY")}
-    env.update(HOTWIRE_SLOTS=str(slots), HOTWIRE_STORE="off", HF_HUB_OFFLINE="1", VLLM_NO_USAGE_STATS="1")
-    if not gpu:
-        env.update(VLLM_CPU_KVCACHE_SPACE=env.get("VLLM_CPU_KVCACHE_SPACE", "1"), TORCHINDUCTOR_VEC_ISA_OK="1")
-    log = log_dir / f"server-slots{slots}.log"
-    proc = start_server(cmd, env, log)
-    url = f"http://127.0.0.1:{port}"
+def serving(model: Path, shape: ModelShape, slot_counts: list[int], args: argparse.Namespace, gpu: bool,
+            log_dir: Path) -> Iterator[dict[int, str]]:
+    """One ``vllm serve`` per ``HOTWIRE_SLOTS`` value, started at once (on a GPU each with a fixed KV cache, so
+    they share it without memory profiling); yields ``{slots: url}`` once all are healthy and stops them all."""
+    max_len = args.prompt_len + max(args.stream_tokens, args.decode_tokens + 1) + 16
+    procs, urls = {}, {}
     try:
-        try:
-            took = wait_until_ready(proc, url, START_TIMEOUT_S)
-        except ServerExited as exc:
-            raise RuntimeError(f"vllm serve (slots={slots}): {exc}; {log}:\n{log.read_text(errors='replace')[-4000:]}")
-        print(f"server slots={slots} healthy in {took:.0f} s", flush=True)
-        yield url
+        for slots in slot_counts:
+            port = free_port()
+            cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
+                   "--served-model-name", MODEL, "--load-format", "dummy", "--dtype", "bfloat16" if gpu else "float32",
+                   "--max-model-len", str(max_len), "--max-num-seqs", str(max(args.streams, args.batch, 8)),
+                   "--seed", "0", "--host", "127.0.0.1", "--port", str(port), "--disable-uvicorn-access-log"]
+            if gpu:
+                seqs = args.streams + 2 if slots == args.control_slots else 1
+                kv = max(kv_cache_bytes(shape, seqs, max_len), kv_cache_bytes(shape, args.batch, args.prompt_len + args.decode_tokens + 16))
+                cmd += ["--kv-cache-memory-bytes", str(kv), "--gpu-memory-utilization", "0.05"]
+            env = {k: v for k, v in os.environ.items() if k not in ("VLLM_API_KEY", "HOTWIRE_API_KEY")}
+            env.update(HOTWIRE_SLOTS=str(slots), HOTWIRE_STORE="off", HF_HUB_OFFLINE="1", VLLM_NO_USAGE_STATS="1",
+                       VLLM_CACHE_ROOT=str(log_dir / f"cache-slots{slots}"))
+            if not gpu:
+                env.update(VLLM_CPU_KVCACHE_SPACE=env.get("VLLM_CPU_KVCACHE_SPACE", "1"), TORCHINDUCTOR_VEC_ISA_OK="1")
+            log = log_dir / f"server-slots{slots}.log"
+            procs[slots] = (start_server(cmd, env, log), log)
+            urls[slots] = f"http://127.0.0.1:{port}"
+        for slots, (proc, log) in procs.items():
+            try:
+                took = wait_until_ready(proc, urls[slots], START_TIMEOUT_S)
+            except ServerExited as exc:
+                raise RuntimeError(f"vllm serve (slots={slots}): {exc}; {log}:\n{log.read_text(errors='replace')[-4000:]}")
+            print(f"server slots={slots} healthy after {took:.0f} s", flush=True)
+        yield urls
     finally:
-        stop_server(proc, grace_s=30)
+        for proc, _ in procs.values():
+            stop_server(proc, grace_s=30)
 
 
 def measure_registration(hw: HotwireClient, http: httpx.Client, shape: ModelShape, n: int, prompt_len: int,
@@ -364,21 +381,22 @@ def main() -> None:
     sweep = [int(s) for s in args.slots.split(",")]
     rng = np.random.default_rng(0)
     result: dict = {"meta": _meta(args, gpu, shape, log_dir), "capacity": []}
-    for slots in sweep + ([args.control_slots] if args.control_slots not in [0, *sweep] else []):
-        with serving(model, slots, args, gpu, log_dir) as url, HotwireClient(url) as hw, \
-                httpx.Client(base_url=url, timeout=120.0) as http:
-            if slots == args.control_slots:
-                hw.register("resident", _vector(rng, shape.num_layers, shape.hidden_size))
-                result["registration"] = measure_registration(hw, http, shape, args.registrations, args.prompt_len, rng)
-                result["decode_stall"], result["slots_get_ms"] = measure_under_load(hw, url, shape, args, rng)
-            if slots in sweep:
-                for k in range(8):
-                    hw.register(f"cap{k}", _vector(rng, shape.hidden_size))
-                result["capacity"].append({"slots": slots, "decode_ms": asyncio.run(measure_decode(url, shape, args, rng))})
-        result["targets"] = judge(result)
-        if args.out:
-            args.out.write_text(json.dumps(result, indent=1))
-            args.out.with_suffix(".md").write_text(markdown(result) + "\n")
+    slot_counts = sweep + ([args.control_slots] if args.control_slots not in [0, *sweep] else [])
+    with serving(model, shape, slot_counts, args, gpu, log_dir) as urls:
+        for slots, url in urls.items():
+            with HotwireClient(url) as hw, httpx.Client(base_url=url, timeout=120.0) as http:
+                if slots == args.control_slots:
+                    hw.register("resident", _vector(rng, shape.num_layers, shape.hidden_size))
+                    result["registration"] = measure_registration(hw, http, shape, args.registrations, args.prompt_len, rng)
+                    result["decode_stall"], result["slots_get_ms"] = measure_under_load(hw, url, shape, args, rng)
+                if slots in sweep:
+                    for k in range(8):
+                        hw.register(f"cap{k}", _vector(rng, shape.hidden_size))
+                    result["capacity"].append({"slots": slots, "decode_ms": asyncio.run(measure_decode(url, shape, args, rng))})
+            result["targets"] = judge(result)
+            if args.out:
+                args.out.write_text(json.dumps(result, indent=1))
+                args.out.with_suffix(".md").write_text(markdown(result) + "\n")
     print(markdown(result))
 
 

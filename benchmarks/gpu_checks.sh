@@ -1,37 +1,74 @@
 #!/bin/bash
-# Correctness on the GPU: bash benchmarks/gpu_checks.sh [engine] [identity] [ops]   (default: all three)
+# Correctness on the GPU, every job at once: bash benchmarks/gpu_checks.sh [PART...]   (default: all parts)
 #   engine:   tests/integration/test_engine.py in bf16 with CUDA graphs (FULL_AND_PIECEWISE: FULL for decode
-#             steps, PIECEWISE for prefill) on the V2 and the V1 runner, with a plugin-free vLLM as reference
-#   identity: tests/integration/test_bit_identity.py (plain requests bit-identical to plugin-free vLLM), V2 and V1
+#             steps, PIECEWISE for prefill), plugin-free vLLM as reference; V2 and V1 runner
+#   identity: tests/integration/test_bit_identity.py (plain requests bit-identical to plugin-free vLLM); V2 and V1
 #   ops:      tests/unit/test_ops.py (Triton op vs reference, CUDA-graph replay)
-# Run on the device after `source .gpu/env.sh`; logs go to $OUT. All three take more than one 10-minute call.
+#   matrix:   python -m hotwire_core.verify --vanilla on tiny Llama, Qwen2, Qwen3, Mistral and Gemma models with
+#             random weights, bf16, graphs on; V2 and V1 runner
+#   tp2:      verify --vanilla with --tensor-parallel-size 2 (needs 2 GPUs); V2 and V1 runner
+# Jobs are spread round-robin over the visible GPUs; each has its own compile cache and a fixed KV cache, so
+# several share a GPU. Logs go to $LOG_DIR (default $OUT, else /tmp/hotwire-gpu-checks), one per job, plus
+# summary.txt; JOB_TIMEOUT (default 540 s) bounds each job. Run on the device after `source .gpu/env.sh`.
 set -o pipefail
-out=${OUT:-/tmp/hotwire-out}
-mkdir -p "$out"
-parts=${*:-engine identity ops}
+log_dir=${LOG_DIR:-${OUT:-/tmp/hotwire-gpu-checks}}
+limit=${JOB_TIMEOUT:-540}
+mkdir -p "$log_dir"
+parts=${*:-engine identity ops matrix tp2}
+n_gpus=$(nvidia-smi -L | wc -l)
 {
   date -u +"date: %Y-%m-%d %H:%M UTC"
   nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
   python3 -c "import vllm, torch; print('vllm', vllm.__version__, 'torch', torch.__version__)"
   echo "command: bash benchmarks/gpu_checks.sh $parts"
-} > "$out/gpu-env.txt"
-cat "$out/gpu-env.txt"
-status=0
-run() { # run NAME TIMEOUT PYTEST-ARGS...
-  local name=$1 limit=$2
-  shift 2
-  timeout "$limit" python3 -m pytest -q -rA -p no:cacheprovider "$@" > "$out/$name.log" 2>&1 || status=1
-  echo "$name: $(tail -n 1 "$out/$name.log")"
+} > "$log_dir/gpu-env.txt"
+cat "$log_dir/gpu-env.txt"
+
+jobs_started=0
+names=()
+launch() { # launch NAME GPUS RUNNER COMMAND...: run in the background with its own GPU(s) and compile cache
+  local name=$1 gpus=$2 runner=$3
+  shift 3
+  [ "$gpus" = next ] && gpus=$((jobs_started % n_gpus))
+  jobs_started=$((jobs_started + 1))
+  names+=("$name")
+  (
+    export CUDA_VISIBLE_DEVICES=$gpus VLLM_USE_V2_MODEL_RUNNER=$([ "$runner" = v1 ] && echo 0 || echo 1)
+    export VLLM_CACHE_ROOT=/tmp/hotwire-vllm-cache-$name TORCHINDUCTOR_COMPILE_THREADS=2 PYTHONUNBUFFERED=1
+    start=$(date +%s)
+    timeout "$limit" "$@" > "$log_dir/$name.log" 2>&1
+    echo "exit $? after $(($(date +%s) - start)) s" > "$log_dir/$name.status"
+  ) &
 }
+pytest_cmd=(python3 -m pytest -q -rA -p no:cacheprovider)
+verify_cmd=(python3 -m hotwire_core.verify --vanilla --dtype bfloat16 --kv-cache-gib 1)
 for part in $parts; do
   case $part in
     engine | identity)
       file=tests/integration/$([ "$part" = engine ] && echo test_engine.py || echo test_bit_identity.py)
-      VLLM_USE_V2_MODEL_RUNNER=1 run "$part-runner-v2" 290 "$file"
-      VLLM_USE_V2_MODEL_RUNNER=0 run "$part-runner-v1" 290 "$file"
+      for runner in v2 v1; do launch "$part-$runner" next $runner "${pytest_cmd[@]}" "$file"; done
       ;;
-    ops) run ops 150 tests/unit/test_ops.py ;;
+    ops) launch ops next v2 "${pytest_cmd[@]}" tests/unit/test_ops.py ;;
+    matrix)
+      for arch in llama qwen2 qwen3 mistral gemma; do
+        for runner in v2 v1; do launch "matrix-$arch-$runner" next $runner "${verify_cmd[@]}" --arch $arch --runner $runner; done
+      done
+      ;;
+    tp2)
+      if [ "$n_gpus" -lt 2 ]; then echo "tp2: needs 2 GPUs, $n_gpus visible" > "$log_dir/tp2.status"; continue; fi
+      for runner in v2 v1; do
+        launch "tp2-$runner" 0,1 $runner "${verify_cmd[@]}" --tensor-parallel-size 2 --runner $runner
+      done
+      ;;
     *) echo "unknown part: $part" >&2; exit 2 ;;
   esac
+done
+wait
+status=0
+for name in "${names[@]}"; do
+  last=$(grep -E "passed|failed|error|PASS|FAIL" "$log_dir/$name.log" | tail -n 1)
+  line="$name: $(cat "$log_dir/$name.status") | $last"
+  echo "$line" | tee -a "$log_dir/summary.txt"
+  grep -q "^exit 0 " "$log_dir/$name.status" || status=1
 done
 exit $status

@@ -52,6 +52,7 @@ _CONFIG_CLASSES = {
     "mistral": ("MistralConfig", "MistralForCausalLM"),
     "gemma": ("GemmaConfig", "GemmaForCausalLM"),
 }
+ARCHS = tuple(_CONFIG_CLASSES)
 
 
 def _write_tokenizer(path: Path, vocab_size: int) -> None:
@@ -111,6 +112,8 @@ def build_model(
         eos_token_id=0,
         pad_token_id=0,
     )
+    if shape.arch == "mistral":
+        kwargs["sliding_window"] = None  # as Mistral 7B v0.2+; a window makes vLLM's CPU attention refuse the model
     config = getattr(transformers, config_cls)(**kwargs)
     config.architectures = [model_cls]
     config.torch_dtype = dtype

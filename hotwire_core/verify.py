@@ -1,9 +1,10 @@
 """Self-test of hotwire on your own hardware, in one offline vLLM engine:
 
-    python -m hotwire_core.verify [--model PATH_OR_ID] [--dtype DTYPE] [--runner v1|v2] [--vanilla]
+    python -m hotwire_core.verify [--model PATH_OR_ID | --arch ARCH] [--dtype DTYPE] [--runner v1|v2] [--vanilla]
+                                  [--tensor-parallel-size N] [--kv-cache-gib G]
 
-Without ``--model`` it builds the built-in tiny model (random weights) in a temporary folder; that also runs on a
-CPU, slowly. A random vector sized to the model is registered and these are checked:
+Without ``--model`` it builds the built-in tiny model (random weights, architecture ``--arch``, default qwen3) in
+a temporary folder; that also runs on a CPU, slowly. A random vector sized to the model is registered and these are checked:
 
 a. steering fires: steered logprobs differ from plain ones;
 b. batchmates: plain requests batched with steered ones are bit-identical to the same plain requests in an
@@ -37,6 +38,8 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
+
+from hotwire_core.tiny_model import ARCHS
 
 VECTOR_ID = "hotwire-verify"
 SCALE = 4.0
@@ -191,16 +194,22 @@ def exit_status(checks: Sequence[Check]) -> int:
 # -- the engine ----------------------------------------------------------------------------------------------------
 
 
-def engine_kwargs(model: str, dtype: str) -> dict[str, Any]:
+def engine_kwargs(model: str, dtype: str, tensor_parallel: int = 1, kv_cache_gib: float | None = None) -> dict[str, Any]:
     """The same arguments for the engine under test and the vanilla reference."""
-    return dict(
+    kwargs: dict[str, Any] = dict(
         model=model,
         dtype=dtype,
         seed=0,
         max_model_len=MAX_MODEL_LEN,
         max_num_seqs=DECODE_BATCH,
         enable_prefix_caching=True,
+        tensor_parallel_size=tensor_parallel,
     )
+    if kv_cache_gib is not None:
+        # A fixed KV cache skips vLLM's memory profiling, which miscounts when other engines share the GPU; the
+        # utilisation then only gates the start-up check that this much memory is free.
+        kwargs.update(kv_cache_memory_bytes=int(kv_cache_gib * (1 << 30)), gpu_memory_utilization=0.05)
+    return kwargs
 
 
 def summarize(output: Any) -> Result:
@@ -353,8 +362,10 @@ def report_header(llm: Any, model: str, runner: str | None, entry: dict, vector_
 
     config = llm.llm_engine.model_config
     n_layers = config.get_num_layers(llm.llm_engine.vllm_config.parallel_config)
+    arch = ",".join(config.architectures or ())
+    tp = llm.llm_engine.vllm_config.parallel_config.tensor_parallel_size
     return [
-        ("model", f"{model} (hidden {config.get_hidden_size()}, {n_layers} layers)"),
+        ("model", f"{model} ({arch}, hidden {config.get_hidden_size()}, {n_layers} layers, tensor parallel {tp})"),
         ("dtype", str(config.dtype).removeprefix("torch.")),
         ("device", device_name()),
         ("vLLM", f"{vllm.__version__}, hotwire {hotwire_core.__version__}, runner {runner_name(llm, runner)}"),
@@ -371,7 +382,7 @@ def run(args: argparse.Namespace, model: str, workdir: Path) -> tuple[Header, li
 
     timings: Timings = []
     started = time.monotonic()
-    kwargs = engine_kwargs(model, args.dtype)
+    kwargs = engine_kwargs(model, args.dtype, args.tensor_parallel_size, args.kv_cache_gib)
     llm = LLM(**kwargs)
     timings.append(("engine start", time.monotonic() - started))
 
@@ -415,7 +426,12 @@ def build_parser() -> argparse.ArgumentParser:
         prog="python -m hotwire_core.verify", description="Self-test hotwire in one vLLM engine."
     )
     parser.add_argument("--model", help="model to test (path or hub id); default: the built-in tiny model")
+    parser.add_argument("--arch", default="qwen3", choices=ARCHS,
+                        help="architecture of the built-in tiny model (ignored with --model)")
     parser.add_argument("--dtype", help="engine dtype (default: auto on a GPU, float32 on the CPU)")
+    parser.add_argument("--tensor-parallel-size", type=int, default=1, help="tensor parallel ranks (GPUs)")
+    parser.add_argument("--kv-cache-gib", type=float,
+                        help="a fixed KV cache size instead of vLLM's memory profiling (lets engines share a GPU)")
     parser.add_argument("--runner", choices=("v1", "v2"), help="force vLLM's model runner (VLLM_USE_V2_MODEL_RUNNER)")
     parser.add_argument("--vanilla", action="store_true", help="also compare plain requests with a plugin-free engine")
     parser.add_argument("--vanilla-job", nargs=2, metavar=("JOB", "OUT"), help=argparse.SUPPRESS)
@@ -454,9 +470,9 @@ def main(argv: list[str] | None = None) -> int:
         if args.model:
             model = args.model
         else:
-            from hotwire_core.tiny_model import build_model
+            from hotwire_core.tiny_model import ModelShape, build_model
 
-            model = str(build_model(workdir / "tiny-model"))
+            model = str(build_model(workdir / "tiny-model", ModelShape(arch=args.arch)))
         try:
             header, checks, timings = run(args, model, workdir)
         except HotwireError as exc:
