@@ -7,7 +7,7 @@
 #   matrix:   python -m hotwire_core.verify --vanilla on tiny Llama, Qwen2, Qwen3, Mistral and Gemma models with
 #             random weights, bf16, graphs on; V2 and V1 runner
 #   tp2:      verify --vanilla with --tensor-parallel-size 2 (needs 2 GPUs); V2 and V1 runner
-# Jobs are spread round-robin over the visible GPUs; each has its own compile cache and a fixed KV cache, so
+# One-GPU jobs are spread round-robin over the visible GPUs (or those in CHECK_GPUS, e.g. "1"); each has its own compile cache and a fixed KV cache, so
 # several share a GPU. Logs go to $LOG_DIR (default $OUT, else /tmp/hotwire-gpu-checks), one per job, plus
 # summary.txt; JOB_TIMEOUT (default 540 s) bounds each job. Run on the device after `source .gpu/env.sh`.
 set -o pipefail
@@ -16,6 +16,7 @@ limit=${JOB_TIMEOUT:-540}
 mkdir -p "$log_dir"
 parts=${*:-engine identity ops matrix tp2}
 n_gpus=$(nvidia-smi -L | wc -l)
+read -r -a gpus_list <<< "${CHECK_GPUS:-$(seq -s ' ' 0 $((n_gpus - 1)))}"  # GPUs for the one-GPU jobs
 {
   date -u +"date: %Y-%m-%d %H:%M UTC"
   nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
@@ -29,7 +30,7 @@ names=()
 launch() { # launch NAME GPUS RUNNER COMMAND...: run in the background with its own GPU(s) and compile cache
   local name=$1 gpus=$2 runner=$3
   shift 3
-  [ "$gpus" = next ] && gpus=$((jobs_started % n_gpus))
+  [ "$gpus" = next ] && gpus=${gpus_list[$((jobs_started % ${#gpus_list[@]}))]}
   jobs_started=$((jobs_started + 1))
   names+=("$name")
   (

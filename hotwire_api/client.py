@@ -41,6 +41,10 @@ class _Call:
     files: dict[str, tuple[str, bytes, str]] | None = None
 
 
+def _slots_call(max_age_ms: int) -> _Call:
+    return _Call("GET", "/steer/slots", params={"max_age_ms": str(max_age_ms)} if max_age_ms else None)
+
+
 def _to_safetensors(source: Any) -> bytes:
     if type(source).__module__.startswith("torch"):
         import torch
@@ -158,8 +162,9 @@ class HotwireClient:
         """Delete a vector; ``in_flight > 0`` means running requests keep it until they finish."""
         return _deleted(vector_id, self._send(_Call("DELETE", _vector_path(vector_id))))
 
-    def slots(self) -> SlotStats:
-        return SlotStats.model_validate(self._send(_Call("GET", "/steer/slots")).json())
+    def slots(self, max_age_ms: int = 0) -> SlotStats:
+        """The slot bank; ``max_age_ms`` > 0 accepts the server's cached numbers up to that age (cheap to poll)."""
+        return SlotStats.model_validate(self._send(_slots_call(max_age_ms)).json())
 
     def close(self) -> None:
         if self._owned:
@@ -217,8 +222,9 @@ class AsyncHotwireClient:
         """Delete a vector; ``in_flight > 0`` means running requests keep it until they finish."""
         return _deleted(vector_id, await self._send(_Call("DELETE", _vector_path(vector_id))))
 
-    async def slots(self) -> SlotStats:
-        return SlotStats.model_validate((await self._send(_Call("GET", "/steer/slots"))).json())
+    async def slots(self, max_age_ms: int = 0) -> SlotStats:
+        """The slot bank; ``max_age_ms`` > 0 accepts the server's cached numbers up to that age (cheap to poll)."""
+        return SlotStats.model_validate((await self._send(_slots_call(max_age_ms))).json())
 
     async def aclose(self) -> None:
         if self._owned:

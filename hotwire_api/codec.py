@@ -26,15 +26,10 @@ import safetensors
 
 from hotwire_api.errors import HotwireError
 from hotwire_core.spec import VECTOR_ID_RE
+from hotwire_core.vector_bits import ITEMSIZE, as_bits, non_finite
 
-DTYPES: dict[str, int] = {"float32": 4, "float16": 2, "bfloat16": 2}
+DTYPES = ITEMSIZE
 _SAFETENSORS_DTYPES = {"F32": "float32", "F16": "float16", "BF16": "bfloat16"}
-# Bits of the exponent field: all set means NaN or infinity, in any of the three formats.
-_EXPONENT_BITS = {
-    "float32": (np.dtype("<u4"), 0x7F800000),
-    "float16": (np.dtype("<u2"), 0x7C00),
-    "bfloat16": (np.dtype("<u2"), 0x7F80),
-}
 _LAYER_NAME_RE = re.compile(r"[0-9]{1,6}")
 _JSON_FIELDS = ("id", "data", "dtype", "shape", "layers")
 _FORM_FIELDS = ("id", "file", "layers")
@@ -130,9 +125,7 @@ def _shape(value: object, field: str) -> tuple[int, ...]:
 
 
 def _check_finite(data: bytes, dtype: str, width: int, field: str) -> None:
-    view, exponent = _EXPONENT_BITS[dtype]
-    bits = np.frombuffer(data, dtype=view)
-    bad = np.flatnonzero((bits & exponent) == exponent)
+    bad = non_finite(as_bits(data, dtype), dtype)
     if bad.size:
         row, col = divmod(int(bad[0]), width)
         raise _bad(

@@ -2,6 +2,7 @@
 
 A collector reads a cached ``hotwire_stats`` snapshot; :meth:`StatsCache.run` refreshes it every
 ``REFRESH_INTERVAL_S`` and the ``/steer`` routes refresh it after each call, so a scrape never waits on the engine.
+``GET /steer/slots?max_age_ms=N`` serves the same snapshot to pollers (:meth:`StatsCache.get`).
 ``hotwire_refusals_total`` adds the refusals the engine counts when it admits requests to those this process's
 admission middleware issued (a request refused there never reaches the engine).
 """
@@ -11,6 +12,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
+import time
 from collections import Counter
 from collections.abc import AsyncIterator, Iterator
 from typing import Any
@@ -28,29 +31,52 @@ logger = logging.getLogger(__name__)
 
 
 class StatsCache:
-    """The latest ``hotwire_stats`` result (None until the first successful refresh) and the refusals that
-    admission issued in this process, by reason."""
+    """The latest ``hotwire_stats`` result (None until the first successful refresh), when it was taken, and
+    the refusals that admission issued in this process, by reason."""
 
     def __init__(self) -> None:
         self.snapshot: SlotStats | None = None
+        self.taken_at = -math.inf  # time.monotonic() of the snapshot
         self.admission_refusals: dict[str, int] = {}
-        self._refreshing = False
+        self._inflight: asyncio.Task[SlotStats] | None = None
 
     def count_refusal(self, reason: str) -> None:
         """Count a refusal issued by admission. Copy-on-write: scrapes may read from another thread."""
         self.admission_refusals = {**self.admission_refusals, reason: self.admission_refusals.get(reason, 0) + 1}
 
+    def age_s(self) -> float:
+        return time.monotonic() - self.taken_at
+
+    def _fetch(self, engine: HotwireEngine) -> asyncio.Task[SlotStats]:
+        """The fetch in flight, or a new one: concurrent callers share one engine round trip."""
+        if self._inflight is None or self._inflight.done():
+            async def fetch() -> SlotStats:
+                started = time.monotonic()
+                stats = await engine.stats()
+                self.snapshot, self.taken_at = stats, started
+                return stats
+
+            self._inflight = asyncio.ensure_future(fetch())
+        return self._inflight
+
     async def refresh(self, engine: HotwireEngine) -> None:
-        """Fetch a new snapshot; a refresh already in flight makes this a no-op, a failure keeps the old one."""
-        if self._refreshing:
-            return
-        self._refreshing = True
+        """Fetch a new snapshot; a failure keeps the old one."""
         try:
-            self.snapshot = await engine.stats()
+            await self._fetch(engine)
         except HotwireError as err:
             logger.debug("hotwire stats refresh failed: %s", err)
-        finally:
-            self._refreshing = False
+
+    async def get(self, engine: HotwireEngine, max_age_s: float) -> tuple[SlotStats, float]:
+        """A snapshot at most ``max_age_s`` old and its age. A cached one past half that age is returned as is
+        while a refresh runs in the background, so steady pollers never wait on the engine (which answers only
+        between two model steps); ``max_age_s=0`` always asks the engine."""
+        age = self.age_s()
+        if self.snapshot is not None and age <= max_age_s:
+            if age > max_age_s / 2:
+                self._fetch(engine).add_done_callback(_ignore_failure)
+            return self.snapshot, age
+        stats = await self._fetch(engine)
+        return stats, self.age_s()
 
     async def run(self, app: Any, interval: float = REFRESH_INTERVAL_S) -> None:
         """Refresh from ``app``'s engine every ``interval`` seconds until cancelled."""
@@ -58,6 +84,12 @@ class StatsCache:
             if getattr(app.state, "engine_client", None) is not None:
                 await self.refresh(HotwireEngine.of(app))
             await asyncio.sleep(interval)
+
+
+def _ignore_failure(task: asyncio.Task) -> None:
+    """A background refresh that failed keeps the old snapshot; retrieve the error so asyncio does not log it."""
+    if not task.cancelled() and task.exception() is not None:
+        logger.debug("hotwire stats refresh failed: %s", task.exception())
 
 
 class HotwireCollector(Collector):

@@ -106,3 +106,4 @@ class SlotStats(_EngineResult):
     vectors: int = Field(description="Registered vectors.")
     rows: list[SlotRow]
     model: ModelSteering
+    age_ms: float = Field(0.0, description="How old these numbers are (see GET /steer/slots?max_age_ms).")

@@ -202,7 +202,14 @@ async def delete_vector(vector_id: str, request: Request, background: Background
 
 
 @router.get("/slots", response_model=SlotStats, summary="Steering bank occupancy and counters")
-async def slots(request: Request) -> SlotStats:
-    stats = await HotwireEngine.of(request.app).stats()
-    STATS.snapshot = stats
-    return stats
+async def slots(
+    request: Request,
+    max_age_ms: int = Query(
+        0, ge=0, le=60_000,
+        description="Accept numbers this old (ms) from the server's snapshot instead of asking the engine, which "
+        "answers only between two model steps. Pollers (dashboards) should send their poll interval: the answer "
+        "then never waits on the engine. 0 (the default): fresh numbers.",
+    ),
+) -> SlotStats:
+    stats, age_s = await STATS.get(HotwireEngine.of(request.app), max_age_ms / 1000)
+    return stats.model_copy(update={"age_ms": round(age_s * 1000, 1)})

@@ -57,7 +57,7 @@ class BankWrite:
     """Load ``row`` into bank slot ``slot`` before the step that carries this write."""
 
     slot: int
-    row: torch.Tensor  # [hidden], fp32 on the host
+    row: torch.Tensor  # [hidden] on the host, in the registered dtype (the worker casts it to the model's)
     inv_norm: float
 
 
@@ -273,10 +273,10 @@ class SteeringController:
             if vector not in vectors:
                 self.registry.acquire(vector)
                 vectors.append(vector)
-        by_key = {RowKey(v.vector_id, v.version, v.row_key_layer(l)): v.row(l) for e, v in resolved for l in e.layers}
+        by_key = {RowKey(v.vector_id, v.version, v.row_key_layer(l)): (v, l) for e, v in resolved for l in e.layers}
         for slot, key in loads:
-            row = by_key[key].float()
-            self._writes.append(BankWrite(slot, row, 1.0 / max(float(row.norm()), 1e-30)))
+            vector, layer = by_key[key]
+            self._writes.append(BankWrite(slot, vector.row(layer), 1.0 / max(vector.row_norm(layer), 1e-30)))
 
         config: dict[str, list[list[float]]] = {"p": [], "d": []}
         for e, v in resolved:

@@ -12,10 +12,12 @@ import math
 import time
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from .errors import EngineError
 from .spec import VECTOR_ID_RE
+from .vector_bits import ITEMSIZE, as_bits, as_float32, non_finite
 
 DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -35,27 +37,36 @@ class HostVector:
     shape: tuple[int, ...]
     layers: tuple[int, ...] | None
     rows: torch.Tensor  # [R, hidden] in the registered dtype
+    row_norms: tuple[float, ...]  # L2 norm of each row, computed once at registration
     created_at: float = field(default_factory=time.time)
     refs: int = 0
     retired: bool = False
 
-    def row(self, layer: int) -> torch.Tensor | None:
-        """The row applied at ``layer``, or None if this vector has no row for it."""
+    def _index(self, layer: int) -> int | None:
         if self.layers is None:
-            return self.rows[0]
+            return 0
         try:
-            return self.rows[self.layers.index(layer)]
+            return self.layers.index(layer)
         except ValueError:
             return None
+
+    def row(self, layer: int) -> torch.Tensor | None:
+        """The row applied at ``layer``, or None if this vector has no row for it."""
+        i = self._index(layer)
+        return None if i is None else self.rows[i]
+
+    def row_norm(self, layer: int) -> float:
+        """The norm of the row applied at ``layer`` (0.0 if there is none)."""
+        i = self._index(layer)
+        return 0.0 if i is None else self.row_norms[i]
 
     def row_key_layer(self, layer: int) -> int:
         """The layer part of the bank-row key: -1 for a layer-agnostic vector (one row serves every layer)."""
         return -1 if self.layers is None else layer
 
     def norms(self) -> dict[str, float]:
-        values = self.rows.float().norm(dim=-1).tolist()
         keys = ["*"] if self.layers is None else [str(layer) for layer in self.layers]
-        return dict(zip(keys, values))
+        return dict(zip(keys, self.row_norms))
 
     def meta(self) -> dict:
         return {
@@ -71,10 +82,14 @@ class HostVector:
         }
 
 
+# Host-side checks run in numpy (``vector_bits``): it works in the calling thread. Small torch CPU ops wake
+# torch's intra-op thread pool, which on a busy host stalled the engine core for up to 60 ms per registration.
+
+
 def decode_vector(
     data: bytes, dtype: str, shape: list[int], layers: list[int] | None, n_layers: int, hidden_size: int
-) -> tuple[torch.Tensor, tuple[int, ...] | None]:
-    """Check raw bytes against the served model and return ``(rows [R, hidden], layers or None)``."""
+) -> tuple[torch.Tensor, tuple[int, ...] | None, tuple[float, ...]]:
+    """Check raw bytes against the served model; return ``(rows [R, hidden], layers or None, row norms)``."""
     if dtype not in DTYPES:
         raise RegistryError(400, "bad_dtype", f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}", "dtype")
     if not isinstance(shape, (list, tuple)) or not all(isinstance(d, int) and d > 0 for d in shape):
@@ -87,39 +102,43 @@ def decode_vector(
             f"[{n_layers}, {hidden_size}] (a row per layer) or [len(layers), {hidden_size}] with 'layers'",
             "shape",
         )
-    itemsize = torch.empty((), dtype=DTYPES[dtype]).element_size()
-    expected = math.prod(shape) * itemsize
+    expected = math.prod(shape) * ITEMSIZE[dtype]
     if len(data) != expected:
         raise RegistryError(400, "bad_data", f"data has {len(data)} bytes; shape {list(shape)} of {dtype} needs {expected}", "data")
-    rows = torch.frombuffer(bytearray(data), dtype=DTYPES[dtype]).reshape(shape).clone()
-    if not bool(torch.isfinite(rows.float()).all()):
+    values = as_bits(data, dtype).reshape(-1, hidden_size)
+    if non_finite(values, dtype).size:
         raise RegistryError(400, "not_finite", "vector contains NaN or infinite values", "data")
 
     if len(shape) == 1:
         if layers:
             raise RegistryError(400, "bad_layers", "'layers' needs a 2-D array with one row per listed layer", "layers")
-        return rows.unsqueeze(0), None
-    if layers is None:
+        layers_t = None
+    elif layers is None:
         if shape[0] != n_layers:
             raise RegistryError(
                 400, "bad_shape", f"a 2-D vector without 'layers' needs {n_layers} rows (one per layer), got {shape[0]}", "shape"
             )
-        return rows, tuple(range(n_layers))
-    if len(layers) != shape[0]:
-        raise RegistryError(400, "bad_layers", f"'layers' names {len(layers)} layers but the array has {shape[0]} rows", "layers")
-    for layer in layers:
-        if isinstance(layer, bool) or not isinstance(layer, int) or not 0 <= layer < n_layers:
-            raise RegistryError(400, "layer_out_of_range", f"layer {layer!r} is outside [0, {n_layers})", "layers")
-    if len(set(layers)) != len(layers):
-        raise RegistryError(400, "bad_layers", "'layers' lists a layer twice", "layers")
-    order = sorted(range(len(layers)), key=layers.__getitem__)
-    return rows[order].contiguous(), tuple(sorted(layers))
+        layers_t = tuple(range(n_layers))
+    else:
+        if len(layers) != shape[0]:
+            raise RegistryError(400, "bad_layers", f"'layers' names {len(layers)} layers but the array has {shape[0]} rows", "layers")
+        for layer in layers:
+            if isinstance(layer, bool) or not isinstance(layer, int) or not 0 <= layer < n_layers:
+                raise RegistryError(400, "layer_out_of_range", f"layer {layer!r} is outside [0, {n_layers})", "layers")
+        if len(set(layers)) != len(layers):
+            raise RegistryError(400, "bad_layers", "'layers' lists a layer twice", "layers")
+        values = values[np.argsort(layers, kind="stable")]
+        layers_t = tuple(sorted(layers))
+    values = values.copy()  # own the bytes (and make them writable for torch)
+    wide = as_float32(values, dtype).astype(np.float64)
+    norms = tuple(float(n) for n in np.sqrt(np.einsum("ij,ij->i", wide, wide)))
+    return torch.from_numpy(values).view(DTYPES[dtype]), layers_t, norms
 
 
 def content_sha256(rows: torch.Tensor, dtype: str, layers: tuple[int, ...] | None) -> str:
     h = hashlib.sha256()
     h.update(f"{dtype}|{list(rows.shape)}|{layers}|".encode())
-    h.update(rows.contiguous().view(torch.uint8).numpy().tobytes())
+    h.update(rows.contiguous().view(torch.uint8).numpy())
     return h.hexdigest()
 
 
@@ -150,10 +169,11 @@ class VectorRegistry:
             raise RegistryError(
                 409, "exists", f"vector {vector_id!r} is already registered; pass replace=true to make a new version", "id"
             )
-        rows, layers_t = decode_vector(data, dtype, list(shape), layers, self.n_layers, self.hidden_size)
+        rows, layers_t, norms = decode_vector(data, dtype, list(shape), layers, self.n_layers, self.hidden_size)
         version = version if version is not None else self._last_version.get(vector_id, 0) + 1
         self._last_version[vector_id] = max(version, self._last_version.get(vector_id, 0))
-        vector = HostVector(vector_id, version, content_sha256(rows, dtype, layers_t), dtype, tuple(shape), layers_t, rows)
+        sha = content_sha256(rows, dtype, layers_t)
+        vector = HostVector(vector_id, version, sha, dtype, tuple(shape), layers_t, rows, norms)
         if created_at is not None:
             vector.created_at = created_at
         old = self._current.pop(vector_id, None)

@@ -179,6 +179,7 @@ class WorkerSteering:
         self._rows_epoch = -1
         self._rows = np.zeros((0, 3), np.int64)
         self._batch_steered = False
+        self._steady_rows: np.ndarray | None = None  # the batch rows whose token_cfg stays put (all decoding)
 
     def info(self) -> dict:
         return {
@@ -210,7 +211,7 @@ class WorkerSteering:
 
     def _apply_writes(self, writes: Sequence[Any]) -> None:
         slots = torch.tensor([w.slot for w in writes], dtype=torch.long)
-        rows = torch.stack([w.row for w in writes]).to(self.dtype)
+        rows = torch.stack([w.row.to(self.dtype) for w in writes])  # vectors may be registered in other dtypes
         inv = torch.tensor([w.inv_norm for w in writes], dtype=torch.float32)
         idx = self._uploader.to_device(slots)
         self.buffers["bank"].index_copy_(0, idx, self._uploader.to_device(rows))
@@ -282,6 +283,8 @@ class WorkerSteering:
         # Vectorised per token (no Python loop over requests): batch row of each token and its position.
         n = int(num_scheduled.sum())
         if n == len(rows):  # uniform decode: one token per request
+            if rows is self._steady_rows:
+                return  # same batch, every token past its prompt last step: positions only grow, nothing changes
             positions, per_token = np.asarray(num_computed, np.int64), rows
         else:
             starts = np.cumsum(num_scheduled) - num_scheduled
@@ -290,9 +293,11 @@ class WorkerSteering:
         length = max(n, self._dirty)
         host = self._staging[:length]
         host[n:] = 0
-        np.copyto(host[:n], np.where(positions < per_token[:, 2], per_token[:, 0], per_token[:, 1]), casting="unsafe")
+        in_prompt = positions < per_token[:, 2]
+        np.copyto(host[:n], np.where(in_prompt, per_token[:, 0], per_token[:, 1]), casting="unsafe")
+        self._steady_rows = rows if n == len(rows) == length and not in_prompt.any() else None
         if length == len(self._uploaded) and np.array_equal(host, self._uploaded):
-            return  # steady decode: the device already holds exactly this
+            return  # the device already holds exactly this
         self._uploaded = host.copy()
         self.buffers["token_cfg"][:length].copy_(self._uploader.to_device(torch.from_numpy(self._uploaded)), non_blocking=True)
         steered_tokens = np.flatnonzero(host[:n])

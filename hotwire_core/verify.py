@@ -450,6 +450,8 @@ def _set_environment(args: argparse.Namespace, on_gpu: bool) -> None:
         os.environ["HF_HUB_OFFLINE"] = "1"
     os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
     os.environ["HOTWIRE_STORE"] = "off"
+    # This process may touch CUDA before vLLM starts its engine; a forked engine could then not use the GPU.
+    os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -21,20 +21,24 @@ def test_plain_and_batchmates_bit_identical_in_bf16(tiny_model, tmp_path):
 
     tok = AutoTokenizer.from_pretrained(str(tiny_model))
     p1, p2 = tok("Hello world, this is").input_ids, tok("Once upon a time there was").input_ids
+    long = tok(" ".join(["steering vectors nudge the residual stream"] * 16)).input_ids  # >= 3 KV blocks of 32
     steer = {"hotwire": json.dumps({"id": "v", "layer": [0, 1, 2, 3], "scale": 4.0})}
     norm = {"hotwire": json.dumps({"id": "v", "layer": 1, "scale": 0.5, "norm": True})}
 
     def req(ids, **extra):
         return {"prompt_token_ids": ids, "params": {**GREEDY, **extra}}
 
-    plain_batches = [[req(p1)], [req(p1), req(p2)]]
-    ours_batches = [[req(p1)], [req(p1), req(p2, extra_args=steer)], [req(p2, extra_args=norm)]]
+    plain_batches = [[req(p1)], [req(p1), req(p2)], [req(long)]]
+    # The long prompt runs steered first: its plain run must read none of that KV and match vanilla exactly.
+    ours_batches = [[req(p1)], [req(p1), req(p2, extra_args=steer)], [req(p2, extra_args=norm)],
+                    [req(long, extra_args=steer)], [req(long)]]
     bf16 = {"dtype": "bfloat16"}
     vanilla = run_in_subprocess(tiny_model, plain_batches, tmp_path, overrides=bf16)
     vector = torch.randn(256, generator=torch.Generator().manual_seed(7)).tolist()
     ours = run_in_subprocess(tiny_model, ours_batches, tmp_path, plugins=True, vectors={"v": vector}, overrides=bf16)
 
-    for got, want in ((ours[0][0], vanilla[0][0]), (ours[1][0], vanilla[1][0])):
+    assert len(long) >= 96 and ours[4][0]["num_cached_tokens"] == 0, "a plain request read steered KV"
+    for got, want in ((ours[0][0], vanilla[0][0]), (ours[1][0], vanilla[1][0]), (ours[4][0], vanilla[2][0])):
         for key in ("token_ids", "logprobs", "prompt_logprobs"):
             assert got[key] == want[key], f"plain request {key} differ from vLLM without hotwire"
     assert ours[1][1]["logprobs"] != vanilla[1][1]["logprobs"], "the steered batchmate was not steered"

@@ -395,6 +395,30 @@ def test_slots_is_one_rpc(client: TestClient, engine: FakeEngine) -> None:
     assert stats["model"]["hidden_size"] == HIDDEN and "ok" not in stats
 
 
+def test_slots_max_age_serves_the_snapshot_and_revalidates(client: TestClient, engine: FakeEngine) -> None:
+    _upload(client, "v", _vector())  # its background refresh takes a snapshot
+    engine.calls.clear()
+    cached = client.get("/steer/slots", params={"max_age_ms": 60_000}).json()
+    assert engine.methods() == [] and cached["vectors"] == 1 and 0 <= cached["age_ms"] < 60_000
+    # Older than half the accepted age: answered from the snapshot, refreshed in the background.
+    STATS.taken_at -= 40
+    stale = client.get("/steer/slots", params={"max_age_ms": 60_000}).json()
+    assert stale["age_ms"] >= 40_000
+    assert engine.methods() == ["hotwire_stats"] and STATS.age_s() < 5
+    # Older than the accepted age: waits for the engine.
+    engine.calls.clear()
+    STATS.taken_at -= 120
+    fresh = client.get("/steer/slots", params={"max_age_ms": 60_000}).json()
+    assert engine.methods() == ["hotwire_stats"] and fresh["age_ms"] < 5_000
+    # The default asks the engine every time.
+    engine.calls.clear()
+    client.get("/steer/slots")
+    client.get("/steer/slots")
+    assert engine.methods() == ["hotwire_stats", "hotwire_stats"]
+    bad = client.get("/steer/slots", params={"max_age_ms": -1})
+    assert bad.status_code == 400 and bad.json()["error"]["field"] == "max_age_ms"
+
+
 def test_steer_calls_refresh_the_metrics_snapshot(client: TestClient, engine: FakeEngine) -> None:
     _upload(client, "v", _vector())
     assert engine.methods() == ["hotwire_register", "hotwire_stats"]

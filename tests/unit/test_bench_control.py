@@ -44,6 +44,8 @@ def test_capacity_cost_pct():
 
 def test_judge_pass_miss_and_missing():
     result = {"registration": {"usable_ms": {"p99": 12.0}}, "decode_stall": {"stall_p99_ms": 2.5},
-              "slots_get_ms": {"p99": None}, "capacity": []}
+              "slots_get_ms": {"fresh": {"p99": 3.0}, "max_age_ms=1000": {"p99": None}}, "capacity": []}
     assert [t["pass"] for t in bench.judge(result)] == [True, False, False, False]  # 2.5 > 2; None: not measured
+    result["slots_get_ms"]["max_age_ms=1000"]["p99"] = 4.0
+    assert bench.judge(result)[2]["pass"] and bench.judge(result)[2]["value"] == 4.0
     assert [t["value"] for t in bench.judge({"capacity": []})] == [None] * 4

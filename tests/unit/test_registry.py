@@ -159,11 +159,31 @@ def test_dtype_round_trip(r, dtype):
 
 
 def test_decode_vector_copies_input():
-    data = bytearray(raw(vec(HIDDEN)))
-    rows, _ = decode_vector(bytes(data), "float32", [HIDDEN], None, N_LAYERS, HIDDEN)
+    data = bytearray(raw(vec(HIDDEN)))  # a mutable buffer: the rows must not alias it
+    rows, _, _ = decode_vector(data, "float32", [HIDDEN], None, N_LAYERS, HIDDEN)
     before = rows.clone()
     data[:4] = b"\0\0\0\0"
     assert torch.equal(rows, before)
+
+
+@pytest.mark.parametrize("dtype", sorted(DTYPES))
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
+def test_non_finite_values_refused_in_every_dtype(dtype, bad):
+    t = vec(N_LAYERS, HIDDEN).to(DTYPES[dtype])
+    t[2, 5] = bad
+    with pytest.raises(RegistryError) as err:
+        decode_vector(raw(t), dtype, [N_LAYERS, HIDDEN], None, N_LAYERS, HIDDEN)
+    assert err.value.code == "not_finite"
+
+
+@pytest.mark.parametrize("dtype", sorted(DTYPES))
+def test_row_norms_match_torch_and_follow_layer_order(dtype):
+    t = (vec(3, HIDDEN) * torch.tensor([[1.0], [2.0], [3.0]])).to(DTYPES[dtype])
+    rows, layers, norms = decode_vector(raw(t), dtype, [3, HIDDEN], [3, 0, 2], N_LAYERS, HIDDEN)
+    assert layers == (0, 2, 3)
+    assert torch.equal(rows, t[[1, 2, 0]])
+    expected = t[[1, 2, 0]].double().norm(dim=-1).tolist()
+    assert norms == pytest.approx(expected, rel=1e-6)
 
 
 # -- versions ------------------------------------------------------------------------------------------------

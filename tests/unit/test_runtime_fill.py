@@ -340,3 +340,32 @@ def test_steering_target_follows_allreduce_rms_fusion(fusion, norm_setting, targ
     assert torch.equal(steered[1], torch.full((HIDDEN,), base[target]))
     other = "residual" if target == "hidden" else "hidden"
     assert torch.equal(untouched, torch.full((2, HIDDEN), base[other]))
+
+
+def test_bank_writes_of_mixed_dtypes_are_cast_to_the_model_dtype():
+    w = ws(torch.bfloat16)
+    r16, r32 = torch.randn(HIDDEN).half(), torch.randn(HIDDEN)
+    step(w, writes=[BankWrite(1, r16, 1.0), BankWrite(2, r32, 1.0)])
+    assert torch.equal(w.buffers["bank"][1], r16.to(torch.bfloat16))
+    assert torch.equal(w.buffers["bank"][2], r32.to(torch.bfloat16))
+
+
+def test_steady_decode_is_not_recomputed_until_the_batch_changes(monkeypatch):
+    w = ws()
+    step(w, new=[new_req("A", 3, CFG), new_req("B", 2)])
+    pa, da = w._active["A"][:2]
+    assert fill(w, ["A", "B"], [1, 1], [2, 2])[:2] == [pa, 0]  # A's last prompt token: not steady yet
+    assert w._steady_rows is None
+    assert fill(w, ["A", "B"], [1, 1], [3, 3])[:2] == [da, 0]  # both decoding: steady from here on
+    calls = []
+    monkeypatch.setattr(np, "where", lambda *a: calls.append(a))  # any recomputation would call it
+    w.buffers["token_cfg"][0] = 77  # and an upload would overwrite this
+    for pos in range(4, 8):
+        fill(w, ["A", "B"], [1, 1], [pos, pos])
+    assert calls == [] and w.buffers["token_cfg"][0].item() == 77
+    monkeypatch.undo()
+    # A new batchmate, or a prefill chunk, leaves the steady path.
+    step(w, new=[new_req("C", 4, CFG)])
+    pc = w._active["C"][0]
+    assert fill(w, ["A", "B", "C"], [1, 1, 1], [8, 8, 0])[:3] == [da, 0, pc]
+    assert w._steady_rows is None
