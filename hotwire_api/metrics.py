@@ -51,9 +51,8 @@ class StatsCache:
         """The fetch in flight, or a new one: concurrent callers share one engine round trip."""
         if self._inflight is None or self._inflight.done():
             async def fetch() -> SlotStats:
-                started = time.monotonic()
                 stats = await engine.stats()
-                self.snapshot, self.taken_at = stats, started
+                self.snapshot, self.taken_at = stats, time.monotonic()
                 return stats
 
             self._inflight = asyncio.ensure_future(fetch())

@@ -118,9 +118,12 @@ def assert_error_any(response: httpx.Response, status: int, text: str) -> None:
 
 
 def slots(http: httpx.Client) -> dict:
+    """The slot bank, fresh, without ``age_ms`` (when the numbers were taken, not what they are)."""
     response = http.get("/steer/slots")
     assert response.status_code == 200, response.text
-    return response.json()
+    stats = response.json()
+    assert 0 <= stats.pop("age_ms") < 1000
+    return stats
 
 
 def wait_idle(http: httpx.Client, timeout: float = 20.0) -> dict:
