@@ -101,6 +101,9 @@ class SteeringController:
 
     def _restore(self) -> None:
         stored: list[StoredVector] = self.store.load() if self.store is not None else []
+        if self.store is not None:
+            for vector_id, version in self.store.last_versions().items():
+                self.registry.note_version(vector_id, version)
         if self.settings.preload:
             from pathlib import Path
 

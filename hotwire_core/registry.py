@@ -182,6 +182,10 @@ class VectorRegistry:
         self._current[vector_id] = vector
         return vector
 
+    def note_version(self, vector_id: str, version: int) -> None:
+        """``vector_id`` had ``version`` once (restored from the store): its next version is higher."""
+        self._last_version[vector_id] = max(version, self._last_version.get(vector_id, 0))
+
     def unregister(self, vector_id: str) -> HostVector:
         vector = self._current.pop(vector_id, None)
         if vector is None:

@@ -43,12 +43,46 @@ def tensor_to_stored(vector_id: str, tensor: torch.Tensor, layers: list[int] | N
     return StoredVector(vector_id, tensor.view(torch.uint8).numpy().tobytes(), _DTYPE_NAMES[tensor.dtype], list(tensor.shape), layers)
 
 
+def _write_atomically(path: Path, write) -> None:
+    """Call ``write(tmp_path)`` on a temporary file beside ``path`` and move it into place: never a torn file."""
+    fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".tmp")
+    os.close(fd)
+    try:
+        write(tmp)
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
 class VectorStore:
-    """A directory of ``<id>.safetensors`` files holding tensor ``rows`` plus metadata."""
+    """A directory of ``<id>.safetensors`` files holding tensor ``rows`` plus metadata, and ``versions.json``:
+    the last version every id ever had, so that an id deleted and registered again after a restart does not
+    reuse a version number (receipts name versions)."""
+
+    VERSIONS = "versions.json"
 
     def __init__(self, root: Path):
         self.root = root
         root.mkdir(parents=True, exist_ok=True)
+
+    def last_versions(self) -> dict[str, int]:
+        path = self.root / self.VERSIONS
+        try:
+            raw = json.loads(path.read_text())
+            return {str(k): int(v) for k, v in raw.items()}
+        except FileNotFoundError:
+            return {}
+        except (ValueError, TypeError, AttributeError) as exc:
+            logger.error("hotwire: ignoring unreadable %s: %s", path, exc)
+            return {}
+
+    def _note_version(self, vector_id: str, version: int) -> None:
+        versions = self.last_versions()
+        if versions.get(vector_id, 0) >= version:
+            return
+        versions[vector_id] = version
+        _write_atomically(self.root / self.VERSIONS, lambda tmp: Path(tmp).write_text(json.dumps(versions, sort_keys=True)))
 
     def save(self, vector: HostVector) -> None:
         meta = {
@@ -59,14 +93,9 @@ class VectorStore:
             "sha256": vector.sha256,
             "created_at": repr(vector.created_at),
         }
-        fd, tmp = tempfile.mkstemp(dir=self.root, suffix=".tmp")
-        os.close(fd)
-        try:
-            save_file({"rows": vector.rows.contiguous()}, tmp, metadata=meta)
-            os.replace(tmp, self.root / f"{vector.vector_id}.safetensors")
-        finally:
-            if os.path.exists(tmp):
-                os.unlink(tmp)
+        rows = vector.rows.contiguous()
+        _write_atomically(self.root / f"{vector.vector_id}.safetensors", lambda tmp: save_file({"rows": rows}, tmp, metadata=meta))
+        self._note_version(vector.vector_id, vector.version)
 
     def delete(self, vector_id: str) -> None:
         (self.root / f"{vector_id}.safetensors").unlink(missing_ok=True)

@@ -640,7 +640,8 @@ def test_store_restores_vectors(tmp_path):
     register(c1, "gone", vec(HIDDEN))
     c1.unregister("gone")
     before = {m["id"]: m for m in c1.list()["vectors"]}
-    assert sorted(p.name for p in c1.store.root.iterdir()) == ["a.safetensors", "g.safetensors", "part.safetensors"]
+    files = ["a.safetensors", "g.safetensors", "part.safetensors", "versions.json"]
+    assert sorted(p.name for p in c1.store.root.iterdir()) == files
     assert c1.store.root == Settings(8, 2, "op", str(tmp_path), None).store_dir("org/model")
 
     c2 = ctrl(store=str(tmp_path))
@@ -649,6 +650,13 @@ def test_store_restores_vectors(tmp_path):
     for vid in after:
         assert torch.equal(c2.registry.current(vid).rows, c1.registry.current(vid).rows)
     assert register(c2, "a", vec(HIDDEN), replace=True)["vector"]["version"] == 3
+    # A deleted id registered again after a restart does not reuse its old version number.
+    register(c2, "gone", vec(HIDDEN, seed=9))
+    c2.unregister("gone")
+    c2.unregister("a")
+    c3 = ctrl(store=str(tmp_path))
+    assert register(c3, "gone", vec(HIDDEN))["vector"]["version"] == 3
+    assert register(c3, "a", vec(HIDDEN))["vector"]["version"] == 4
     # another model has its own store
     assert ctrl(store=str(tmp_path), name="other/model").list()["vectors"] == []
     # "off" disables it

@@ -72,7 +72,7 @@ def test_several_vectors_and_overwrite(tmp_path):
     loaded = {s.vector_id: s for s in st.load()}
     assert set(loaded) == {"a", "b", "c"}
     assert loaded["a"].version == 2 and loaded["a"].data == raw(vec(HIDDEN, seed=9))
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["a.safetensors", "b.safetensors", "c.safetensors"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a.safetensors", "b.safetensors", "c.safetensors", "versions.json"]
 
 
 def test_save_leaves_no_tmp_files(tmp_path):
@@ -80,7 +80,8 @@ def test_save_leaves_no_tmp_files(tmp_path):
     st = VectorStore(tmp_path)
     for i in range(5):
         st.save(r.register("v", raw(vec(HIDDEN, seed=i)), "float32", [HIDDEN], None, True))
-    assert [p.name for p in tmp_path.iterdir()] == ["v.safetensors"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["v.safetensors", "versions.json"]
+    assert st.last_versions() == {"v": 5}
 
 
 def test_failed_save_keeps_old_file_and_no_tmp(tmp_path, monkeypatch):
@@ -97,7 +98,7 @@ def test_failed_save_keeps_old_file_and_no_tmp(tmp_path, monkeypatch):
     monkeypatch.setattr(store_mod, "save_file", broken)
     with pytest.raises(OSError):
         st.save(v2)
-    assert [p.name for p in tmp_path.iterdir()] == ["v.safetensors"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["v.safetensors", "versions.json"]
     (loaded,) = st.load()
     assert loaded.version == 1 and loaded.data == raw(vec(HIDDEN, seed=1))
 
@@ -212,3 +213,16 @@ def test_preload_pt_never_unpickles_code(tmp_path, writer):
 def test_missing_preload_directory_is_a_clear_error(tmp_path):
     with pytest.raises(ValueError, match="HOTWIRE_VECTORS=.* is not a directory"):
         load_preload_dir(tmp_path / "nope")
+
+
+def test_last_versions_survive_delete_and_ignore_a_corrupt_file(tmp_path, caplog):
+    store = VectorStore(tmp_path)
+    assert store.last_versions() == {}
+    registry = VectorRegistry(N_LAYERS, HIDDEN)
+    for version in (3, 2):  # never goes down
+        store.save(registry.register("a", raw(vec(HIDDEN)), "float32", [HIDDEN], None, True, version=version))
+    store.delete("a")
+    assert store.last_versions() == {"a": 3}
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["versions.json"]
+    (tmp_path / "versions.json").write_text("[not a map")
+    assert store.last_versions() == {} and "versions.json" in caplog.text
