@@ -21,8 +21,10 @@ repetitions of the paired ratio to vanilla, with its min and max, and the median
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
+import signal
 import statistics
 import subprocess
 import sys
@@ -134,8 +136,10 @@ class Engine:
                "--decode-tokens", str(args.decode_tokens), "--prompt-len", str(args.prompt_len)]
         self.config = config
         self.log = open(Path(tempfile.gettempdir()) / f"hotwire-bench-{tag}.log", "w")
+        # vLLM's logs go to the log file: a full stdout pipe would stall an engine until this process reads it.
+        env["VLLM_LOGGING_STREAM"] = "ext://sys.stderr"
         self.proc = subprocess.Popen(cmd, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                     stderr=self.log, text=True)
+                                     stderr=self.log, text=True, start_new_session=True)
 
     def _line(self, prefix: str) -> str:
         for line in self.proc.stdout:
@@ -157,9 +161,14 @@ class Engine:
             return
         if finished:
             self.proc.stdin.close()
-            self.proc.wait(timeout=120)
-        else:
-            self.proc.kill()
+            try:
+                self.proc.wait(timeout=120)
+                return
+            except subprocess.TimeoutExpired:
+                pass
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.proc.pid, signal.SIGKILL)  # the engine's own processes too
+        self.proc.wait()
 
 
 def split_config(config: str) -> tuple[str, str]:
@@ -263,9 +272,11 @@ def main() -> None:
 
     model = build_model(Path(tempfile.gettempdir()) / f"hotwire-bench-{args.shape}", args.shape, weights=False)
     start = time.time()
-    engines = [Engine(c, args, model) for c in configs]
+    engines: list[Engine] = []
     finished = False
     try:
+        for config in configs:
+            engines.append(Engine(config, args, model))
         for e in engines:
             e.ready()
         print(f"{len(engines)} engines ready in {time.time() - start:.0f} s", flush=True)

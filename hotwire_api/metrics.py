@@ -39,6 +39,7 @@ class StatsCache:
         self.taken_at = -math.inf  # time.monotonic() of the snapshot
         self.admission_refusals: dict[str, int] = {}
         self._inflight: asyncio.Task[SlotStats] | None = None
+        self._inflight_sent = -math.inf  # time.monotonic() when the fetch in flight was sent
 
     def count_refusal(self, reason: str) -> None:
         """Count a refusal issued by admission. Copy-on-write: scrapes may read from another thread."""
@@ -47,34 +48,38 @@ class StatsCache:
     def age_s(self) -> float:
         return time.monotonic() - self.taken_at
 
-    def _fetch(self, engine: HotwireEngine) -> asyncio.Task[SlotStats]:
-        """The fetch in flight, or a new one: concurrent callers share one engine round trip."""
-        if self._inflight is None or self._inflight.done():
+    def _fetch(self, engine: HotwireEngine, not_before: float = -math.inf) -> asyncio.Task[SlotStats]:
+        """A fetch sent at or after ``not_before`` (time.monotonic()): the one in flight when it qualifies, so
+        concurrent callers share one engine round trip, else a new one. A caller that must see its own earlier
+        writes passes the time it arrived: a fetch sent before that may have been answered before them."""
+        if self._inflight is None or self._inflight.done() or self._inflight_sent < not_before:
             async def fetch() -> SlotStats:
                 stats = await engine.stats()
                 self.snapshot, self.taken_at = stats, time.monotonic()
                 return stats
 
-            self._inflight = asyncio.ensure_future(fetch())
+            self._inflight, self._inflight_sent = asyncio.ensure_future(fetch()), time.monotonic()
         return self._inflight
 
     async def refresh(self, engine: HotwireEngine) -> None:
         """Fetch a new snapshot; a failure keeps the old one."""
         try:
-            await self._fetch(engine)
+            # Shielded: a cancelled caller must not cancel the fetch that other callers share.
+            await asyncio.shield(self._fetch(engine))
         except HotwireError as err:
             logger.debug("hotwire stats refresh failed: %s", err)
 
     async def get(self, engine: HotwireEngine, max_age_s: float) -> tuple[SlotStats, float]:
         """A snapshot at most ``max_age_s`` old and its age. A cached one past half that age is returned as is
         while a refresh runs in the background, so steady pollers never wait on the engine (which answers only
-        between two model steps); ``max_age_s=0`` always asks the engine."""
-        age = self.age_s()
-        if self.snapshot is not None and age <= max_age_s:
+        between two model steps); ``max_age_s=0`` always asks the engine, after anything this caller did."""
+        arrived = time.monotonic()
+        age = arrived - self.taken_at
+        if self.snapshot is not None and age <= max_age_s and max_age_s > 0:
             if age > max_age_s / 2:
                 self._fetch(engine).add_done_callback(_ignore_failure)
             return self.snapshot, age
-        stats = await self._fetch(engine)
+        stats = await asyncio.shield(self._fetch(engine, not_before=arrived - max_age_s))
         return stats, self.age_s()
 
     async def run(self, app: Any, interval: float = REFRESH_INTERVAL_S) -> None:

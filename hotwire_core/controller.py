@@ -102,6 +102,8 @@ class SteeringController:
     def _restore(self) -> None:
         stored: list[StoredVector] = self.store.load() if self.store is not None else []
         if self.store is not None:
+            # Stores written before versions.json existed know their live versions only from the vector files.
+            self.store.note_versions({s.vector_id: s.version for s in stored if s.version is not None})
             for vector_id, version in self.store.last_versions().items():
                 self.registry.note_version(vector_id, version)
         if self.settings.preload:
@@ -279,7 +281,9 @@ class SteeringController:
         by_key = {RowKey(v.vector_id, v.version, v.row_key_layer(l)): (v, l) for e, v in resolved for l in e.layers}
         for slot, key in loads:
             vector, layer = by_key[key]
-            self._writes.append(BankWrite(slot, vector.row(layer), 1.0 / max(vector.row_norm(layer), 1e-30)))
+            # A copy: a view would carry the whole vector's storage when the write is pickled to the workers.
+            row = vector.row(layer).clone()
+            self._writes.append(BankWrite(slot, row, 1.0 / max(vector.row_norm(layer), 1e-30)))
 
         config: dict[str, list[list[float]]] = {"p": [], "d": []}
         for e, v in resolved:

@@ -199,6 +199,9 @@ class WorkerSteering:
         writes = getattr(scheduler_output, "hotwire_writes", None)
         if writes:
             self._apply_writes(writes)
+        if getattr(scheduler_output, "preempted_req_ids", None):
+            # V1 keeps a preempted request's rows; resumed, it recomputes its prompt in the same batch slot.
+            self._steady_rows = None
         for req_id in removed:
             self._remove(req_id)
         new = [

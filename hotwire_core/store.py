@@ -77,12 +77,14 @@ class VectorStore:
             logger.error("hotwire: ignoring unreadable %s: %s", path, exc)
             return {}
 
-    def _note_version(self, vector_id: str, version: int) -> None:
+    def note_versions(self, seen: dict[str, int]) -> None:
+        """Record that each id reached its version in ``seen`` (one write, only if something grows)."""
         versions = self.last_versions()
-        if versions.get(vector_id, 0) >= version:
-            return
-        versions[vector_id] = version
-        _write_atomically(self.root / self.VERSIONS, lambda tmp: Path(tmp).write_text(json.dumps(versions, sort_keys=True)))
+        grown = {vid: v for vid, v in seen.items() if versions.get(vid, 0) < v}
+        if grown:
+            versions.update(grown)
+            text = json.dumps(versions, sort_keys=True)
+            _write_atomically(self.root / self.VERSIONS, lambda tmp: Path(tmp).write_text(text))
 
     def save(self, vector: HostVector) -> None:
         meta = {
@@ -95,7 +97,7 @@ class VectorStore:
         }
         rows = vector.rows.contiguous()
         _write_atomically(self.root / f"{vector.vector_id}.safetensors", lambda tmp: save_file({"rows": rows}, tmp, metadata=meta))
-        self._note_version(vector.vector_id, vector.version)
+        self.note_versions({vector.vector_id: vector.version})
 
     def delete(self, vector_id: str) -> None:
         (self.root / f"{vector_id}.safetensors").unlink(missing_ok=True)

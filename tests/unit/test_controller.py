@@ -663,6 +663,29 @@ def test_store_restores_vectors(tmp_path):
     assert ctrl(store="off").store is None
 
 
+def test_store_written_before_versions_json_keeps_versions_after_delete(tmp_path):
+    c1 = ctrl(store=str(tmp_path))
+    register(c1, "a", vec(HIDDEN, seed=1))
+    register(c1, "a", vec(HIDDEN, seed=2), replace=True)  # a@2
+    (c1.store.root / "versions.json").unlink()  # as an older hotwire left its store
+    c2 = ctrl(store=str(tmp_path))  # restores a@2 and records it
+    c2.unregister("a")
+    c3 = ctrl(store=str(tmp_path))
+    assert register(c3, "a", vec(HIDDEN))["vector"]["version"] == 3
+
+
+def test_bank_writes_carry_a_compact_copy_of_the_row():
+    import pickle
+
+    c = ctrl(slots=8)
+    register(c, "a", vec(N_LAYERS, HIDDEN, seed=1))
+    c.admit(request("r", {"id": "a", "layer": 1, "scale": 1.0}))
+    (write,) = c.take_writes()
+    assert torch.equal(write.row, c.registry.current("a").rows[1])
+    assert write.row.untyped_storage().nbytes() == HIDDEN * 4  # not the whole [N_LAYERS, HIDDEN] vector
+    assert len(pickle.dumps(write.row)) < len(pickle.dumps(c.registry.current("a").rows))
+
+
 def test_preload_dir(tmp_path):
     store, pre = tmp_path / "store", tmp_path / "pre"
     pre.mkdir()

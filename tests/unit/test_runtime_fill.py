@@ -369,3 +369,15 @@ def test_steady_decode_is_not_recomputed_until_the_batch_changes(monkeypatch):
     pc = w._active["C"][0]
     assert fill(w, ["A", "B", "C"], [1, 1, 1], [8, 8, 0])[:3] == [da, 0, pc]
     assert w._steady_rows is None
+
+
+def test_preemption_disarms_the_steady_decode_shortcut():
+    """V1 keeps a preempted request's rows; resumed alone in the same batch slot, it recomputes its prompt
+    (here one token per step): the prefill config must come back."""
+    w = ws()
+    step(w, new=[new_req("A", 3, CFG)])
+    pa, da = w._active["A"][:2]
+    assert fill(w, ["A"], [1], [5])[0] == da and w._steady_rows is not None
+    out = SimpleNamespace(scheduled_new_reqs=[], preempted_req_ids={"A"})
+    w.on_step(out, set())
+    assert fill(w, ["A"], [1], [0])[0] == pa
