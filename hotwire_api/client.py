@@ -40,6 +40,11 @@ class _Call:
     data: dict[str, str] | None = None
     files: dict[str, tuple[str, bytes, str]] | None = None
 
+    def request_args(self, url: str, headers: dict[str, str]) -> dict[str, Any]:
+        """Keyword arguments of ``httpx`` ``request`` (sync and async alike) for this call against ``url``."""
+        return dict(method=self.method, url=url + self.path, params=self.params, json=self.json_body,
+                    data=self.data, files=self.files, headers=headers)
+
 
 def _slots_call(max_age_ms: int) -> _Call:
     return _Call("GET", "/steer/slots", params={"max_age_ms": str(max_age_ms)} if max_age_ms else None)
@@ -135,16 +140,7 @@ class HotwireClient:
         self._http = http_client or httpx.Client(timeout=timeout)
 
     def _send(self, call: _Call) -> httpx.Response:
-        response = self._http.request(
-            call.method,
-            self.url + call.path,
-            params=call.params,
-            json=call.json_body,
-            data=call.data,
-            files=call.files,
-            headers=self._headers,
-        )
-        return _checked(response)
+        return _checked(self._http.request(**call.request_args(self.url, self._headers)))
 
     def register(
         self, vector_id: str, source: VectorSource, layers: Sequence[int] | None = None, replace: bool = False
@@ -194,16 +190,7 @@ class AsyncHotwireClient:
         self._http = http_client or httpx.AsyncClient(timeout=timeout)
 
     async def _send(self, call: _Call) -> httpx.Response:
-        response = await self._http.request(
-            call.method,
-            self.url + call.path,
-            params=call.params,
-            json=call.json_body,
-            data=call.data,
-            files=call.files,
-            headers=self._headers,
-        )
-        return _checked(response)
+        return _checked(await self._http.request(**call.request_args(self.url, self._headers)))
 
     async def register(
         self, vector_id: str, source: VectorSource, layers: Sequence[int] | None = None, replace: bool = False

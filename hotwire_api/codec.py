@@ -28,7 +28,6 @@ from hotwire_api.errors import HotwireError
 from hotwire_core.spec import VECTOR_ID_RE
 from hotwire_core.vector_bits import ITEMSIZE, as_bits, non_finite
 
-DTYPES = ITEMSIZE
 _SAFETENSORS_DTYPES = {"F32": "float32", "F16": "float16", "BF16": "bfloat16"}
 _LAYER_NAME_RE = re.compile(r"[0-9]{1,6}")
 _JSON_FIELDS = ("id", "data", "dtype", "shape", "layers")
@@ -105,8 +104,8 @@ def parse_layers(value: object, field: str = "layers") -> tuple[int, ...] | None
 
 
 def _dtype(value: object, field: str) -> str:
-    if not isinstance(value, str) or value not in DTYPES:
-        raise _bad(field, f"unsupported dtype {value!r}; use one of {', '.join(DTYPES)}", "bad_dtype")
+    if not isinstance(value, str) or value not in ITEMSIZE:
+        raise _bad(field, f"unsupported dtype {value!r}; use one of {', '.join(ITEMSIZE)}", "bad_dtype")
     return value
 
 
@@ -138,7 +137,7 @@ def _check_finite(data: bytes, dtype: str, width: int, field: str) -> None:
 def _finish(
     data: bytes, dtype: str, shape: tuple[int, ...], layers: tuple[int, ...] | None, field: str
 ) -> VectorPayload:
-    expected = math.prod(shape) * DTYPES[dtype]
+    expected = math.prod(shape) * ITEMSIZE[dtype]
     if len(data) != expected:
         raise _bad(field, f"has {len(data)} bytes but shape {list(shape)} of {dtype} needs {expected}", "bad_data")
     if layers is not None:

@@ -31,4 +31,4 @@ def as_float32(bits: np.ndarray, dtype: str) -> np.ndarray:
     """The values of ``bits`` as float32 (exact for every format)."""
     if dtype == "bfloat16":
         return (bits.astype(np.uint32) << 16).view(np.float32)
-    return bits.view(np.float16 if dtype == "float16" else np.float32).astype(np.float32)
+    return bits.view(np.float16 if dtype == "float16" else np.float32).astype(np.float32, copy=False)
