@@ -7,6 +7,7 @@ machine (clocks, temperature, other tenants) then hits all configurations alike,
 *paired* ratio against the vanilla run of the same round.
 
 Configurations: ``vanilla`` (no plugin loaded at all: ``VLLM_PLUGINS=""``), ``op`` (hotwire, opaque Triton op),
+``op_1set`` (the op without idle graph variants: ``HOTWIRE_IDLE_GRAPHS=0``),
 ``inductor`` (hotwire, torch ops fused by Inductor), ``eager`` (hotwire's op with ``enforce_eager``: no
 torch.compile, no CUDA graphs, what hook-based steering tools pay). All use vLLM's default V2 model runner; a
 ``/v1`` suffix (``vanilla/v1``, ``op/v1``) runs the V1 runner instead, compared with ``vanilla/v1``.
@@ -41,7 +42,8 @@ MODES = {
 }
 CONFIGS = {
     "vanilla": "plain vLLM 0.25.1, no plugin loaded (VLLM_PLUGINS=\"\")",
-    "op": "hotwire, opaque Triton op (HOTWIRE_IMPL=op)",
+    "op": "hotwire, opaque Triton op (HOTWIRE_IMPL=op), idle graph variants for unsteered steps (the default)",
+    "op_1set": "hotwire's op with one graph set for steered and unsteered steps (HOTWIRE_IDLE_GRAPHS=0)",
     "inductor": "hotwire, torch ops fused by Inductor (HOTWIRE_IMPL=inductor)",
     "eager": "hotwire's op with enforce_eager=True (no torch.compile, no CUDA graphs)",
 }
@@ -127,6 +129,7 @@ class Engine:
         else:
             env.pop("VLLM_PLUGINS", None)
             env["HOTWIRE_IMPL"] = "inductor" if kind == "inductor" else "op"
+            env["HOTWIRE_IDLE_GRAPHS"] = "0" if kind == "op_1set" else "1"
         tag = config.replace("/", "-")
         # Separate compile caches: engines compiling at once must not race on one cache directory.
         env["VLLM_CACHE_ROOT"] = str(Path(tempfile.gettempdir()) / f"hotwire-bench-cache-{tag}")

@@ -22,6 +22,23 @@ _SCHEMA = (
 _LIB: torch.library.Library | None = None
 
 
+class Gate:
+    """Whether the forward being run (or captured into a CUDA graph) may steer any token.
+
+    ``split`` is set once a model is hooked with idle graphs on (``HOTWIRE_IDLE_GRAPHS``); the runner then sets
+    ``open`` before every forward: closed when no scheduled request is steered. A closed gate makes the op a
+    no-op that launches nothing, so a graph captured while closed holds no hotwire node at all, i.e. it is
+    vLLM's own graph; ``vllm_glue`` captures every graph in both variants and replays the one the gate names.
+    """
+
+    def __init__(self) -> None:
+        self.split = False
+        self.open = True
+
+
+GATE = Gate()
+
+
 def steer_torch(
     residual: torch.Tensor,
     hidden: torch.Tensor | None,
@@ -62,14 +79,16 @@ def steer_torch(
 
 def _steer_cpu(residual: torch.Tensor, *args: object) -> None:
     """CPU kernel: unsteered rows are rewritten with their own bits, which leaves them unchanged."""
-    residual.copy_(steer_torch(residual, *args))
+    if GATE.open:
+        residual.copy_(steer_torch(residual, *args))
 
 
 def _steer_cuda(*args: object) -> None:
     """CUDA kernel: the Triton launcher, imported here so CPU-only processes never import Triton."""
-    from hotwire_core.triton_steer import steer_triton_
+    if GATE.open:
+        from hotwire_core.triton_steer import steer_triton_
 
-    steer_triton_(*args)
+        steer_triton_(*args)
 
 
 def _steer_fake(*args: object) -> None:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import inspect
 import logging
 from collections import deque
-from typing import Any, Iterable, Sequence
+from typing import Any, Collection, Iterable, Sequence
 
 import numpy as np
 import torch
@@ -258,6 +258,15 @@ class WorkerSteering:
             idx = self._uploader.to_device(torch.tensor(row_ids, dtype=torch.long))
             for name, values in (("cfg_slot", slots), ("cfg_scale", scales), ("cfg_rel", rels)):
                 self.buffers[name].index_copy_(0, idx, self._uploader.to_device(torch.from_numpy(np.stack(values))))
+
+    def steers_any(self, scheduled: Collection[str]) -> bool:
+        """Whether any scheduled request has a steering config (for prefill or decode): the step's ``ops.GATE``."""
+        active = self._active
+        if not active:
+            return False
+        if len(active) <= len(scheduled):
+            return any((rows[0] or rows[1]) and req_id in scheduled for req_id, rows in active.items())
+        return any(req_id in active and any(active[req_id][:2]) for req_id in scheduled)
 
     # -- per-step fill ---------------------------------------------------------------------------------------
 

@@ -32,6 +32,7 @@ class Settings:
     store: str | None  # HOTWIRE_STORE: store root, "off", or None (unset)
     preload: str | None  # HOTWIRE_VECTORS: directory of vectors loaded at start
     norm: bool = False  # HOTWIRE_NORM: allow norm-relative entries at tensor parallel 1 (see runtime.SteerHook)
+    idle_graphs: bool = True  # HOTWIRE_IDLE_GRAPHS: capture hotwire-free CUDA graphs for unsteered steps (ops.Gate)
 
     @classmethod
     def from_env(cls) -> "Settings":
@@ -43,6 +44,7 @@ class Settings:
             max_stack=_int_env("HOTWIRE_MAX_STACK", 4, 1, 16),
             impl=impl,
             norm=_int_env("HOTWIRE_NORM", 0, 0, 1) == 1,
+            idle_graphs=_int_env("HOTWIRE_IDLE_GRAPHS", 1, 0, 1) == 1,
             store=os.environ.get("HOTWIRE_STORE") or None,
             preload=os.environ.get("HOTWIRE_VECTORS") or None,
         )

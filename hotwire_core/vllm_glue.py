@@ -15,8 +15,10 @@ this file (and ``hotwire_api/mount.py``) only.
 | ``Scheduler.has_requests`` / ``finish_requests`` | deferred requests keep the engine stepping; aborts drop them |
 | ``Worker.load_model`` | allocate buffers and hook decoder layers before compile and capture |
 | ``WorkerBase.hotwire_worker_info`` | what this rank could hook, for the controller |
-| V1 ``GPUModelRunner.execute_model`` / ``_model_forward`` | lifecycle; per-step fill before (FULL graph) forward |
-| V2 ``GPUModelRunner.execute_model`` / ``prepare_inputs`` | lifecycle (preempted = removed); fill before ``run_fullgraph`` |
+| V1 ``GPUModelRunner.execute_model`` / ``_model_forward`` | lifecycle, gate; per-step fill before (FULL graph) forward |
+| V2 ``GPUModelRunner.execute_model`` / ``prepare_inputs`` | lifecycle (preempted = removed), gate; fill before ``run_fullgraph`` |
+| V1 ``GPUModelRunner._warmup_and_capture``, V2 ``CudaGraphManager.capture`` | capture each graph gate-closed (idle) and open |
+| ``CUDAGraphWrapper.__call__`` / ``clear_graphs``, V2 ``CudaGraphManager.run_fullgraph`` | replay the variant the gate names |
 """
 
 from __future__ import annotations
@@ -27,10 +29,12 @@ import importlib.abc
 import importlib.util
 import logging
 import sys
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 from .controller import ModelInfo, Refusal, SteeringController
+from .ops import GATE
 from .settings import Settings
 
 logger = logging.getLogger("hotwire")
@@ -240,6 +244,20 @@ def _attach(worker: Any) -> None:
         settings(),
         bool(worker.vllm_config.compilation_config.pass_config.fuse_allreduce_rms),
     )
+    GATE.split = _idle_graphs_possible(worker.vllm_config) and bool(layers)
+
+
+def _idle_graphs_possible(vllm_config: Any) -> bool:
+    """Idle graph variants need the opaque op (traced torch ops cannot be switched off) and vLLM's own
+    ``CUDAGraphWrapper``: the breakable and micro-batching wrappers keep graphs of their own."""
+    from vllm.compilation.breakable_cudagraph import is_breakable_cudagraph_enabled
+
+    return (
+        settings().idle_graphs
+        and settings().impl == "op"
+        and not is_breakable_cudagraph_enabled()
+        and not vllm_config.parallel_config.use_ubatching
+    )
 
 
 def _patch_worker(module: Any) -> None:
@@ -263,6 +281,7 @@ def _patch_v1_runner(module: Any) -> None:
             if steering is not None:
                 # V1 keeps preempted requests (resumed without new data): only finished ones go.
                 steering.on_step(scheduler_output, scheduler_output.finished_req_ids)
+                _set_gate(steering, scheduler_output)
             return original(self, scheduler_output, *args, **kwargs)
 
         return execute_model
@@ -281,6 +300,7 @@ def _patch_v1_runner(module: Any) -> None:
 
     _wrap(cls, "execute_model", make_execute)
     _wrap(cls, "_model_forward", make_forward)
+    _wrap(cls, "_warmup_and_capture", _capture_both_variants)
 
 
 def _patch_v2_runner(module: Any) -> None:
@@ -293,6 +313,9 @@ def _patch_v2_runner(module: Any) -> None:
                 # V2 drops preempted requests and re-adds them as new ones when they resume.
                 removed = scheduler_output.finished_req_ids | set(scheduler_output.preempted_req_ids or ())
                 steering.on_step(scheduler_output, removed)
+                _set_gate(steering, scheduler_output)
+            elif steering is not None and GATE.split:
+                GATE.open = False  # a dummy step: every token is padding
             return original(self, scheduler_output, *args, **kwargs)
 
         return execute_model
@@ -311,6 +334,105 @@ def _patch_v2_runner(module: Any) -> None:
     _wrap(cls, "prepare_inputs", make_prepare)
 
 
+# -- idle graph variants (see ops.Gate) ------------------------------------------------------------------------
+
+
+def _set_gate(steering: Any, scheduler_output: Any) -> None:
+    if GATE.split:
+        GATE.open = steering.steers_any(scheduler_output.num_scheduled_tokens)
+
+
+@contextmanager
+def _gate_closed() -> Iterator[None]:
+    GATE.open = False
+    try:
+        yield
+    finally:
+        GATE.open = True
+
+
+def _capture_both_variants(original: Callable) -> Callable:
+    """Capture (and warm up) the idle variant first, then the steered one: until the steered variant exists,
+    a closed gate must find no graph to fall back on (see ``_patch_cuda_graph_wrapper``)."""
+
+    def capture(self, *args, **kwargs):
+        if GATE.split:
+            with _gate_closed():
+                original(self, *args, **kwargs)
+        return original(self, *args, **kwargs)
+
+    return capture
+
+
+def _patch_cuda_graph_wrapper(module: Any) -> None:
+    """Each ``CUDAGraphWrapper`` (the V1 FULL graph, every piecewise graph) keeps its entries per variant: its
+    own dict for the steered variant, a second one for the idle variant. A closed gate replays the idle
+    entry, or the steered one for graphs captured only that way (e.g. a drafter captured outside hotwire's
+    capture hook): steered graphs serve unsteered steps correctly, the reverse never happens."""
+    cls = module.CUDAGraphWrapper
+
+    def entries_for_gate(wrapper: Any) -> dict:
+        own = wrapper.__dict__
+        steered = own.setdefault("_hotwire_steered", own["concrete_cudagraph_entries"])
+        if GATE.open:
+            return steered
+        idle = own.setdefault("_hotwire_idle", {})
+        desc = module.get_forward_context().batch_descriptor
+        return steered if desc not in idle and desc in steered else idle
+
+    def make_call(original):
+        def __call__(self, *args, **kwargs):
+            if GATE.split and module.is_forward_context_available():
+                self.concrete_cudagraph_entries = entries_for_gate(self)
+            return original(self, *args, **kwargs)
+
+        return __call__
+
+    def make_clear(original):
+        def clear_graphs(self):
+            original(self)
+            for name in ("_hotwire_steered", "_hotwire_idle"):
+                self.__dict__.get(name, {}).clear()
+
+        return clear_graphs
+
+    _wrap(cls, "__call__", make_call)
+    _wrap(cls, "clear_graphs", make_clear)
+
+
+def _patch_v2_cudagraphs(module: Any) -> None:
+    """V2 keeps FULL graphs in ``CudaGraphManager.graphs``: a second dict holds the idle variant."""
+    cls = module.CudaGraphManager
+
+    def make_capture(original):
+        def capture(self, *args, **kwargs):
+            if not GATE.split:
+                return original(self, *args, **kwargs)
+            steered, self.graphs = self.graphs, {}
+            with _gate_closed():
+                original(self, *args, **kwargs)
+            self._hotwire_idle_graphs, self.graphs = self.graphs, steered
+            return original(self, *args, **kwargs)
+
+        return capture
+
+    def make_run(original):
+        def run_fullgraph(self, desc):
+            idle = getattr(self, "_hotwire_idle_graphs", None)
+            if GATE.open or not idle or desc not in idle:
+                return original(self, desc)
+            steered, self.graphs = self.graphs, idle
+            try:
+                return original(self, desc)
+            finally:
+                self.graphs = steered
+
+        return run_fullgraph
+
+    _wrap(cls, "capture", make_capture)
+    _wrap(cls, "run_fullgraph", make_run)
+
+
 # -- install ---------------------------------------------------------------------------------------------------
 
 _PATCHES: dict[str, Callable[[Any], None]] = {
@@ -321,6 +443,8 @@ _PATCHES: dict[str, Callable[[Any], None]] = {
     "vllm.v1.worker.gpu_worker": _patch_worker,
     "vllm.v1.worker.gpu_model_runner": _patch_v1_runner,
     "vllm.v1.worker.gpu.model_runner": _patch_v2_runner,
+    "vllm.compilation.cuda_graph": _patch_cuda_graph_wrapper,
+    "vllm.v1.worker.gpu.cudagraph_utils": _patch_v2_cudagraphs,
 }
 
 

@@ -381,3 +381,19 @@ def test_preemption_disarms_the_steady_decode_shortcut():
     out = SimpleNamespace(scheduled_new_reqs=[], preempted_req_ids={"A"})
     w.on_step(out, set())
     assert fill(w, ["A"], [1], [0])[0] == pa
+
+
+def test_steers_any_names_steps_with_a_steered_request():
+    """The gate of a step: open iff a scheduled request has a prefill or a decode config."""
+    w = ws()
+    assert not w.steers_any({"a": 1})
+    step(w, new=[new_req("plain", 3), new_req("s", 3, {"p": [], "d": [(1, 1, 1.0, 0.0)]}),
+                 new_req("none", 3, {"p": [], "d": []})])
+    assert not w.steers_any({"plain": 1, "none": 1})
+    assert not w.steers_any({})
+    assert w.steers_any({"plain": 1, "s": 1})
+    many = {f"r{i}": 1 for i in range(10)}
+    assert not w.steers_any(many)  # fewer active than scheduled: the other loop
+    assert w.steers_any({**many, "s": 1})
+    step(w, removed=["s"])
+    assert not w.steers_any({"plain": 1, "s": 1})

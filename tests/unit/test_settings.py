@@ -9,7 +9,7 @@ import pytest
 from hotwire_core import __version__
 from hotwire_core.settings import Settings, default_store_root
 
-ENV = ("HOTWIRE_SLOTS", "HOTWIRE_MAX_STACK", "HOTWIRE_IMPL", "HOTWIRE_STORE", "HOTWIRE_VECTORS")
+ENV = ("HOTWIRE_SLOTS", "HOTWIRE_MAX_STACK", "HOTWIRE_IMPL", "HOTWIRE_STORE", "HOTWIRE_VECTORS", "HOTWIRE_IDLE_GRAPHS")
 
 
 @pytest.fixture
@@ -51,6 +51,8 @@ def test_empty_strings_mean_unset(env):
         ("HOTWIRE_MAX_STACK", "17", "must be in [1, 16]"),
         ("HOTWIRE_IMPL", "triton", "must be 'op' or 'inductor'"),
         ("HOTWIRE_IMPL", "", "must be 'op' or 'inductor'"),
+        ("HOTWIRE_IDLE_GRAPHS", "2", "must be in [0, 1]"),
+        ("HOTWIRE_IDLE_GRAPHS", "yes", "is not an integer"),
     ],
 )
 def test_bad_values(env, name, value, msg):
@@ -97,8 +99,15 @@ def test_fingerprint():
     assert Settings(9, 4, "op", None, None).compile_fingerprint() != fp
     assert Settings(8, 5, "op", None, None).compile_fingerprint() != fp
     assert Settings(8, 4, "inductor", None, None).compile_fingerprint() != fp
-    # the store and preload folders do not change the graph
+    # the store and preload folders do not change the graph, nor do idle graph variants (captured, never cached)
     assert Settings(8, 4, "op", "/x", "/y").compile_fingerprint() == fp
+    assert Settings(8, 4, "op", None, None, idle_graphs=False).compile_fingerprint() == fp
+
+
+def test_idle_graphs_switch(env):
+    assert Settings.from_env().idle_graphs
+    env.setenv("HOTWIRE_IDLE_GRAPHS", "0")
+    assert not Settings.from_env().idle_graphs
 
 
 def test_default_store_root(monkeypatch, tmp_path):
