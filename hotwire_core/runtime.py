@@ -281,13 +281,17 @@ class WorkerSteering:
             self._rows_key, self._rows_epoch = key, self._epoch
         return self._rows
 
+    @property
+    def clean(self) -> bool:
+        """No request is steered and ``token_cfg`` holds no config: ``fill`` has nothing to do."""
+        return not self._active and not self._dirty
+
     def fill(self, req_ids: Sequence[str], num_scheduled: np.ndarray, num_computed: np.ndarray) -> None:
         """Write ``token_cfg`` for a batch laid out request by request in ``req_ids`` order.
 
         A token at position ``p`` of a request with prompt length ``P`` uses the prefill config when ``p < P``
         and the decode config otherwise. Steps with no steered request leave a clean buffer untouched."""
-        active = self._active
-        if not active and not self._dirty:
+        if self.clean:
             return
         rows = self._batch_rows(req_ids)
         if not self._batch_steered and not self._dirty:

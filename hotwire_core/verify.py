@@ -14,7 +14,9 @@ c. prefix cache, both directions, on prompts of at least 4 KV blocks: a plain re
    ``skip_reading_prefix_cache``; an identical steered request does hit the cache;
 d. decode cost: time per decode step of a batch of 8, idle (hotwire loaded, nothing steered) vs all steered;
 e. with ``--vanilla``: the plain requests again, in a subprocess with no plugin at all (``VLLM_PLUGINS=""``),
-   compared bit for bit.
+   compared bit for bit. Both engines then compile in Inductor's deterministic mode (``TORCHINDUCTOR_DETERMINISTIC=1``
+   unless set): Inductor otherwise picks some kernel configurations by timing them, and two compiles on a busy GPU
+   may pick differently and differ in the last bits (seen on the H200: tiny Qwen3 on the V1 runner, 0.0039).
 
 "Bit-identical" is exact on a GPU; on the CPU, whose backend jitters by an ulp even between identical batches,
 it is within ``CPU_TOLERANCE`` and the report gives the largest difference.
@@ -450,6 +452,8 @@ def _set_environment(args: argparse.Namespace, on_gpu: bool) -> None:
         os.environ["HF_HUB_OFFLINE"] = "1"
     os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
     os.environ["HOTWIRE_STORE"] = "off"
+    if args.vanilla:
+        os.environ.setdefault("TORCHINDUCTOR_DETERMINISTIC", "1")  # see check (e) above
     # This process may touch CUDA before vLLM starts its engine; a forked engine could then not use the GPU.
     os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
 

@@ -289,7 +289,7 @@ def _patch_v1_runner(module: Any) -> None:
     def make_forward(original):
         def _model_forward(self, *args, **kwargs):
             steering = getattr(self, "hotwire", None)
-            if steering is not None:
+            if steering is not None and not steering.clean:
                 batch = self.input_batch
                 n = batch.num_reqs
                 qsl = self.query_start_loc.np[: n + 1]

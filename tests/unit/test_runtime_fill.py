@@ -219,7 +219,9 @@ def test_clean_step_after_request_removed():
     fill(w, ["A"], [8], [0])
     step(w, removed={"A"})
     assert w._active == {}
+    assert not w.clean  # no steered request, but the device still holds A's configs
     assert fill(w, ["B"], [2], [0]) == [0] * MAX_TOKENS  # the 8 old tokens cleared even though only 2 run
+    assert w.clean
     w.buffers["token_cfg"][3] = 9
     fill(w, ["B"], [2], [2])
     fill(w, [], [], [])

@@ -1,9 +1,11 @@
 """The judging and report formatting of ``python -m hotwire_core.verify`` (no engine needed)."""
 
 import math
+import os
 
 import pytest
 
+from hotwire_core import verify
 from hotwire_core.verify import (
     Check,
     Result,
@@ -122,3 +124,16 @@ def test_report_and_exit_status():
     assert "result     PASS (1/1 checks)" in format_report([], passing, []).splitlines()
     assert exit_status(passing) == 0
     assert exit_status([]) == 1
+
+
+@pytest.mark.parametrize("vanilla,preset,expected", [(True, None, "1"), (True, "0", "0"), (False, None, None)])
+def test_vanilla_comparison_compiles_deterministically(monkeypatch, vanilla, preset, expected):
+    """Check (e) pins Inductor's kernel choices (unless the user chose), and only check (e) does."""
+    for name in ("TORCHINDUCTOR_DETERMINISTIC", "VLLM_USE_V2_MODEL_RUNNER", "HOTWIRE_STORE", "HF_HUB_OFFLINE",
+                 "VLLM_NO_USAGE_STATS", "VLLM_WORKER_MULTIPROC_METHOD", *verify.CPU_ENV):
+        monkeypatch.delenv(name, raising=False)
+    if preset is not None:
+        monkeypatch.setenv("TORCHINDUCTOR_DETERMINISTIC", preset)
+    args = verify.build_parser().parse_args(["--vanilla"] if vanilla else [])
+    verify._set_environment(args, on_gpu=True)
+    assert os.environ.get("TORCHINDUCTOR_DETERMINISTIC") == expected
