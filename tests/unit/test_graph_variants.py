@@ -1,0 +1,163 @@
+"""Idle graph variants (``ops.GATE`` + ``vllm_glue``): which graph set vLLM's own wrapper and V2 manager replay.
+
+CUDA graphs cannot be captured on the CPU, so these drive the real ``CUDAGraphWrapper.__call__`` (runtime mode
+NONE, which runs the wrapped callable and captures nothing) and the real ``CudaGraphManager.run_fullgraph`` with
+stand-in graphs; the glue is applied to test subclasses, so vLLM's classes stay untouched for other tests. On
+the GPU the same paths capture and replay for real (``tests/integration`` under ``benchmarks/gpu_checks.sh``).
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+
+pytest.importorskip("vllm")
+
+from vllm.compilation import cuda_graph  # noqa: E402
+from vllm.config import CUDAGraphMode, VllmConfig  # noqa: E402
+from vllm.forward_context import BatchDescriptor, set_forward_context  # noqa: E402
+from vllm.v1.worker.gpu import cudagraph_utils  # noqa: E402
+
+from hotwire_core import vllm_glue  # noqa: E402
+from hotwire_core.ops import GATE  # noqa: E402
+
+
+@pytest.fixture(autouse=True)
+def split_gate():
+    GATE.split, GATE.open = True, True
+    yield
+    GATE.split, GATE.open = False, True
+
+
+class Wrapper(cuda_graph.CUDAGraphWrapper):
+    """vLLM's wrapper without its constructor (which needs a CUDA graph pool); __call__ is vLLM's."""
+
+    __call__ = cuda_graph.CUDAGraphWrapper.__call__
+    clear_graphs = cuda_graph.CUDAGraphWrapper.clear_graphs
+
+    def __init__(self):
+        self.runnable = lambda: "ran"
+        self.runtime_mode = CUDAGraphMode.FULL
+        self.concrete_cudagraph_entries = {}
+
+
+vllm_glue._patch_cuda_graph_wrapper(SimpleNamespace(
+    CUDAGraphWrapper=Wrapper,
+    get_forward_context=cuda_graph.get_forward_context,
+    is_forward_context_available=cuda_graph.is_forward_context_available,
+))
+
+CONFIG = VllmConfig()
+DESC, OTHER = BatchDescriptor(num_tokens=8, num_reqs=8, uniform=True), BatchDescriptor(num_tokens=16)
+
+
+def entries_used(wrapper: Wrapper, desc: BatchDescriptor) -> dict:
+    """Call the wrapper the way a forward does; the dict it would capture into or replay from."""
+    with set_forward_context(None, CONFIG, batch_descriptor=desc, cudagraph_runtime_mode=CUDAGraphMode.NONE):
+        assert wrapper() == "ran"
+    return wrapper.concrete_cudagraph_entries
+
+
+def test_wrapper_keeps_a_second_set_for_a_closed_gate():
+    w = Wrapper()
+    steered = w.concrete_cudagraph_entries
+    assert entries_used(w, DESC) is steered
+    GATE.open = False
+    idle = entries_used(w, DESC)  # nothing captured yet: a closed gate captures into its own set
+    assert idle is not steered
+    idle[DESC] = "idle graph"
+    steered[DESC] = "steered graph"
+    assert entries_used(w, DESC) is idle
+    GATE.open = True
+    assert entries_used(w, DESC) is steered
+
+
+def test_closed_gate_falls_back_to_a_steered_only_graph_never_the_reverse():
+    w = Wrapper()
+    steered = w.concrete_cudagraph_entries
+    steered[OTHER] = "steered graph, captured outside hotwire's capture hook"
+    GATE.open = False
+    assert entries_used(w, OTHER) is steered  # a steered graph serves an unsteered step
+    GATE.open = True
+    w._hotwire_idle[DESC] = "idle graph only"
+    assert entries_used(w, DESC) is steered  # an open gate never replays an idle graph
+
+
+def test_gate_not_split_leaves_the_wrapper_alone():
+    GATE.split, GATE.open = False, False
+    w = Wrapper()
+    steered = w.concrete_cudagraph_entries
+    assert entries_used(w, DESC) is steered
+    assert "_hotwire_idle" not in w.__dict__
+
+
+def test_clear_graphs_clears_both_sets():
+    w = Wrapper()
+    entries_used(w, DESC)
+    GATE.open = False
+    entries_used(w, DESC)[DESC] = "idle"
+    w._hotwire_steered[DESC] = "steered"
+    w.clear_graphs()
+    assert w._hotwire_idle == {} and w._hotwire_steered == {}
+
+
+class Graph:
+    def __init__(self):
+        self.replays = 0
+
+    def replay(self):
+        self.replays += 1
+
+
+class Manager(cudagraph_utils.CudaGraphManager):
+    """vLLM's V2 manager without its constructor; run_fullgraph is vLLM's, capture records the gate."""
+
+    run_fullgraph = cudagraph_utils.CudaGraphManager.run_fullgraph
+
+    def __init__(self):
+        self.graphs = {}
+        self.gates_seen: list[bool] = []
+
+    def capture(self, desc):
+        self.gates_seen.append(GATE.open)
+        self.graphs[desc] = Graph()
+        return {desc: "attention state"}
+
+
+vllm_glue._patch_v2_cudagraphs(SimpleNamespace(CudaGraphManager=Manager))
+FULL = cudagraph_utils.BatchExecutionDescriptor(cg_mode=CUDAGraphMode.FULL, num_tokens=8, num_reqs=8)
+
+
+def test_v2_captures_idle_then_steered_and_replays_by_gate():
+    m = Manager()
+    assert m.capture(FULL) == {FULL: "attention state"}
+    assert m.gates_seen == [False, True] and GATE.open
+    idle, steered = m._hotwire_idle_graphs[FULL], m.graphs[FULL]
+    assert idle is not steered
+    m.run_fullgraph(FULL)
+    assert (idle.replays, steered.replays) == (0, 1)
+    GATE.open = False
+    m.run_fullgraph(FULL)
+    assert (idle.replays, steered.replays) == (1, 1)
+    assert m.graphs[FULL] is steered  # the steered set is back in place after an idle replay
+
+
+def test_v2_without_split_captures_once():
+    GATE.split = False
+    m = Manager()
+    m.capture(FULL)
+    assert m.gates_seen == [True] and not hasattr(m, "_hotwire_idle_graphs")
+    GATE.open = False
+    m.run_fullgraph(FULL)
+    assert m.graphs[FULL].replays == 1
+
+
+def test_v1_capture_hook_runs_idle_then_steered():
+    seen = []
+    capture = vllm_glue._capture_both_variants(lambda runner, desc: seen.append((desc, GATE.open)) or "done")
+    assert capture(None, "d") == "done" and seen == [("d", False), ("d", True)] and GATE.open
+    GATE.split = False
+    seen.clear()
+    capture(None, "d")
+    assert seen == [("d", True)]
