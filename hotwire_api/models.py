@@ -103,6 +103,8 @@ class SlotStats(_EngineResult):
     steered_requests: int
     deferred: int = Field(0, description="Requests admitted over HTTP now waiting in the engine for bank rows.")
     deferrals: int = Field(0, description="Requests that have had to wait for bank rows, since start.")
+    suspended: int = Field(0, description="Preempted requests whose rows are unpinned until they resume.")
+    resumptions: int = Field(0, description="Preempted requests that pinned their rows again, since start.")
     vectors: int = Field(description="Registered vectors.")
     rows: list[SlotRow]
     model: ModelSteering

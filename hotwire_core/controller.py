@@ -61,14 +61,31 @@ class BankWrite:
     inv_norm: float
 
 
+@dataclass(frozen=True)
+class BoundEntry:
+    """One (entry, layer) of an admitted request: which row it reads and how."""
+
+    key: RowKey
+    layer: int
+    scale: float  # absolute scale (0 for a norm-relative entry)
+    rel: float  # norm-relative scale (0 for an absolute entry)
+    phases: str  # "p", "d" or "pd"
+
+
 @dataclass
 class Binding:
-    """What one admitted request holds: pinned rows, referenced versions, and its per-phase config."""
+    """What one admitted request holds: pinned rows, referenced versions, and its per-phase config.
+
+    A preempted request is ``suspended``: its rows are unpinned (others may evict them) but its versions stay
+    referenced, so ``SteeringController.resume`` can pin them again, reloading evicted rows, before it runs."""
 
     keys: set[RowKey]
     vectors: list[HostVector]
     receipt: str
+    entries: list[BoundEntry]
+    sources: dict[RowKey, tuple[HostVector, int]]  # where each row's values come from: (vector, layer)
     config: dict[str, list[list[float]]] = field(default_factory=dict)
+    suspended: bool = False
 
 
 class Refusal(EngineError):
@@ -93,6 +110,8 @@ class SteeringController:
         # Set by the engine glue: finishes a deferred request that can no longer be admitted with an error.
         self.on_refused: Callable[[Any, Refusal], None] = lambda request, exc: None
         self._writes: list[BankWrite] = []
+        self._rebinds: dict[str, dict[str, list[list[float]]]] = {}  # resumed request id -> its new config
+        self.resumptions = 0
         store_dir = settings.store_dir(model_name)
         self.store = VectorStore(store_dir) if store_dir is not None else None
         self._restore()
@@ -167,6 +186,8 @@ class SteeringController:
             steered_requests=self.steered_requests,
             deferred=len(self.deferred),
             deferrals=self.deferrals,
+            suspended=sum(b.suspended for b in self.bindings.values()),
+            resumptions=self.resumptions,
             vectors=len(self.registry.vectors()),
             model=self.model.to_json(self.settings.max_stack),
         )
@@ -278,31 +299,22 @@ class SteeringController:
             if vector not in vectors:
                 self.registry.acquire(vector)
                 vectors.append(vector)
-        by_key = {RowKey(v.vector_id, v.version, v.row_key_layer(l)): (v, l) for e, v in resolved for l in e.layers}
-        for slot, key in loads:
-            vector, layer = by_key[key]
-            # A copy: a view would carry the whole vector's storage when the write is pickled to the workers.
-            row = vector.row(layer).clone()
-            self._writes.append(BankWrite(slot, row, 1.0 / max(vector.row_norm(layer), 1e-30)))
-
-        config: dict[str, list[list[float]]] = {"p": [], "d": []}
-        for e, v in resolved:
-            for layer in e.layers:
-                slot = slot_of[RowKey(v.vector_id, v.version, v.row_key_layer(layer))]
-                item = [layer, slot, 0.0 if e.norm else e.scale, e.scale if e.norm else 0.0]
-                if e.phase is not Phase.DECODE:
-                    config["p"].append(item)
-                if e.phase is not Phase.PREFILL:
-                    config["d"].append(item)
-        binding = Binding(keys, vectors, self._receipt(resolved), config)
+        sources = {RowKey(v.vector_id, v.version, v.row_key_layer(l)): (v, l) for e, v in resolved for l in e.layers}
+        self._load(loads, sources)
+        entries = [
+            BoundEntry(
+                RowKey(v.vector_id, v.version, v.row_key_layer(layer)), layer,
+                0.0 if e.norm else e.scale, e.scale if e.norm else 0.0,
+                {Phase.ALL: "pd", Phase.PREFILL: "p", Phase.DECODE: "d"}[e.phase],
+            )
+            for e, v in resolved for layer in e.layers
+        ]
+        config = self._config(entries, slot_of)
+        binding = Binding(keys, vectors, self._receipt(resolved), entries, sources, config)
         self.bindings[request.request_id] = binding
         self.steered_requests += 1
 
-        # The workers read the binding from the request's sampling params; copy them so a caller's object
-        # (offline, in-process engines) is never modified.
-        params = copy.copy(request.sampling_params)
-        params.extra_args = {**extra, BINDING_KEY: config}
-        request.sampling_params = params
+        self._set_binding(request, config)  # the workers read it from the request's sampling params
         salt = SALT_PREFIX + hashlib.sha256(
             f"{request.cache_salt or ''}|hotwire|".encode()
             + "|".join(f"{e.to_json()}@{v.sha256}" for e, v in resolved).encode()
@@ -312,11 +324,69 @@ class SteeringController:
         request.update_block_hashes()
         return binding
 
+    def _load(self, loads: list[tuple[int, RowKey]], sources: dict[RowKey, tuple[HostVector, int]]) -> None:
+        for slot, key in loads:
+            vector, layer = sources[key]
+            # A copy: a view would carry the whole vector's storage when the write is pickled to the workers.
+            row = vector.row(layer).clone()
+            self._writes.append(BankWrite(slot, row, 1.0 / max(vector.row_norm(layer), 1e-30)))
+
+    @staticmethod
+    def _config(entries: list[BoundEntry], slot_of: dict[RowKey, int]) -> dict[str, list[list[float]]]:
+        """The workers' per-phase ``[layer, slot, scale, rel]`` items."""
+        config: dict[str, list[list[float]]] = {"p": [], "d": []}
+        for e in entries:
+            for phase in e.phases:
+                config[phase].append([e.layer, slot_of[e.key], e.scale, e.rel])
+        return config
+
+    @staticmethod
+    def _set_binding(request: Any, config: dict[str, list[list[float]]]) -> None:
+        # Copied params, so that a caller's object (offline, in-process engines) is never modified.
+        params = copy.copy(request.sampling_params)
+        params.extra_args = {**params.extra_args, BINDING_KEY: config}
+        request.sampling_params = params
+
+    def suspend(self, request_id: str) -> None:
+        """A preempted request: unpin its rows until ``resume``; its versions stay referenced."""
+        binding = self.bindings.get(request_id)
+        if binding is not None and not binding.suspended:
+            self.slots.release(binding.keys)
+            binding.suspended = True
+
+    def resume(self, request: Any) -> bool:
+        """Pin a preempted request's rows again before the scheduler lets it run; False (and nothing changes)
+        while they cannot all be pinned. Rows evicted meanwhile are reloaded, possibly into other slots: the
+        request and, through ``take_rebinds``, the workers then get the new config."""
+        binding = self.bindings.get(request.request_id)
+        if binding is None or not binding.suspended:
+            return True
+        try:
+            slot_of, loads = self.slots.acquire(binding.keys)
+        except SlotsExhausted:
+            return False
+        self._load(loads, binding.sources)
+        binding.suspended = False
+        self.resumptions += 1
+        config = self._config(binding.entries, slot_of)
+        if config != binding.config:
+            binding.config = config
+            self._set_binding(request, config)
+            self._rebinds[request.request_id] = config
+        return True
+
+    def take_rebinds(self) -> dict[str, dict[str, list[list[float]]]]:
+        """New configs of resumed requests since the last step (their rows moved while they were preempted)."""
+        rebinds, self._rebinds = self._rebinds, {}
+        return rebinds
+
     def release(self, request_id: str) -> None:
         binding = self.bindings.pop(request_id, None)
+        self._rebinds.pop(request_id, None)
         if binding is None:
             return
-        self.slots.release(binding.keys)
+        if not binding.suspended:
+            self.slots.release(binding.keys)
         for vector in binding.vectors:
             if self.registry.release(vector):
                 self.slots.drop(vector.vector_id, vector.version)

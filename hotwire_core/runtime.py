@@ -209,6 +209,10 @@ class WorkerSteering:
             for r in scheduler_output.scheduled_new_reqs
             if r.sampling_params is not None and r.sampling_params.extra_args and BINDING_KEY in r.sampling_params.extra_args
         ]
+        rebinds = getattr(scheduler_output, "hotwire_rebinds", None)
+        if rebinds:  # preempted requests whose rows moved before they resumed (V1 keeps them; V2 re-adds them)
+            added = {r.req_id for r in scheduler_output.scheduled_new_reqs}
+            new += [(r, self._active[r][2], config) for r, config in rebinds.items() if r in self._active and r not in added]
         if new:
             self._add(new)
 

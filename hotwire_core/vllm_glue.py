@@ -11,6 +11,7 @@ this file (and ``hotwire_api/mount.py``) only.
 | ``EngineCore.add_request`` | admission: bind versions and slots, salt the prefix cache, or refuse |
 | ``EngineCore.collective_rpc`` | answer ``hotwire_*`` RPCs in the engine core |
 | ``Scheduler._free_request`` | release a finished/aborted request's pins |
+| ``Scheduler._preempt_request`` / ``_is_blocked_waiting_status`` / ``_try_promote_blocked_waiting_request`` | a preempted request unpins; it waits until it can pin again |
 | ``Scheduler.schedule`` | admit requests deferred for slots; bank writes ride on the ``SchedulerOutput`` |
 | ``Scheduler.has_requests`` / ``finish_requests`` | deferred requests keep the engine stepping; aborts drop them |
 | ``Worker.load_model`` | allocate buffers and hook decoder layers before compile and capture |
@@ -171,6 +172,9 @@ def _patch_scheduler(module: Any) -> None:
                 writes = controller.take_writes()
                 if writes:
                     output.hotwire_writes = writes
+                rebinds = controller.take_rebinds()
+                if rebinds:
+                    output.hotwire_rebinds = rebinds
             return output
 
         return schedule
@@ -201,8 +205,40 @@ def _patch_scheduler(module: Any) -> None:
 
         return finish_requests
 
+    def make_preempt(original):
+        def _preempt_request(self, request, *args, **kwargs):
+            result = original(self, request, *args, **kwargs)
+            controller = getattr(self, "hotwire", None)
+            if controller is not None:
+                controller.suspend(request.request_id)
+            return result
+
+        return _preempt_request
+
+    # A preempted request is "blocked" in the waiting queue until it can pin its rows again: the scheduler then
+    # skips it (as it skips one waiting for remote KV) and retries it every step.
+    preempted = module.RequestStatus.PREEMPTED
+    is_blocked = cls.__dict__["_is_blocked_waiting_status"].__func__
+    if not getattr(is_blocked, "_hotwire", False):
+        def _is_blocked_waiting_status(status):
+            return status == preempted or is_blocked(status)
+
+        _is_blocked_waiting_status._hotwire = True
+        cls._is_blocked_waiting_status = staticmethod(functools.wraps(is_blocked)(_is_blocked_waiting_status))
+
+    def make_promote(original):
+        def _try_promote_blocked_waiting_request(self, request):
+            if request.status != preempted:
+                return original(self, request)
+            controller = getattr(self, "hotwire", None)
+            return controller is None or controller.resume(request)
+
+        return _try_promote_blocked_waiting_request
+
     _wrap(cls, "schedule", make_schedule)
     _wrap(cls, "_free_request", make_free)
+    _wrap(cls, "_preempt_request", make_preempt)
+    _wrap(cls, "_try_promote_blocked_waiting_request", make_promote)
     _wrap(cls, "has_requests", make_has_requests)
     _wrap(cls, "finish_requests", make_finish)
 

@@ -343,6 +343,47 @@ def test_slot_exhaustion_defers_then_serves_with_lru_eviction(llm, prompts, vect
     assert after["evictions"] > before["evictions"]
 
 
+def test_preempted_request_unpins_its_rows_and_resumes_steered(llm, prompts, vectors):
+    """A request that needs every bank row waits (deferred) while a steered request runs. vLLM then preempts
+    the running one (``reset_prefix_cache(reset_running_requests=True)``): it unpins its row, the waiting one
+    takes every row (evicting it) and runs, and the preempted request resumes only once it can pin its row
+    again, finishing exactly as if never preempted. With pins kept through preemption the waiting request
+    could only start after the preempted one finished."""
+    from vllm import SamplingParams
+
+    from hotwire_core.offline import register_vector
+
+    register_vector(llm, "pre", vectors["r2"], replace=True)
+    register_vector(llm, "hog", vectors["wide"], replace=True)
+    register_vector(llm, "hog2", vectors["wide2"], replace=True)
+    entry = spec({"id": "pre", "layer": 1, "scale": 4.0})
+    hog = spec({"id": "hog", "layer": list(range(LAYERS)), "scale": 1.0}, {"id": "hog2", "layer": [0, 1], "scale": 1.0})
+    params = dict(max_tokens=96, temperature=0.0, logprobs=0, ignore_eos=True)  # still running at the reset
+    alone = one(llm, prompts["fox"], **params, extra_args=entry)
+    plain = one(llm, prompts["fox"], **params)
+    before = stats(llm)
+
+    engine = llm.llm_engine
+    engine.add_request("pre", {"prompt_token_ids": prompts["fox"]}, SamplingParams(**params, extra_args=entry))
+    engine.step()
+    engine.add_request("hog", {"prompt_token_ids": prompts["short"]}, SamplingParams(max_tokens=4, extra_args=hog))
+    engine.step()
+    assert stats(llm)["deferred"] == 1, "the hog should wait for the row the steered request pins"
+    assert engine.reset_prefix_cache(reset_running_requests=True)
+    done = _step_until_done(engine, {"pre", "hog"})
+    assert list(done) == ["hog", "pre"], "the preempted request kept its row: the hog could only run after it"
+    after = stats(llm)
+    assert (after["suspended"], after["pinned"], after["deferred"]) == (0, 0, 0)
+    assert after["resumptions"] == before["resumptions"] + 1
+    # Resuming recomputes prompt and output tokens as one prefill: other kernels, so bf16 moves by rounding,
+    # which over 96 greedy tokens of a random model can flip a near tie; the GPU compares the first 16.
+    n, tolerance = (16, 2e-2) if ON_GPU else (96, 1e-4)
+    resumed, alone, plain = ({k: r[k][:n] for k in ("token_ids", "logprobs")} for r in (summarize(done["pre"]), alone, plain))
+    assert resumed["token_ids"] == alone["token_ids"]
+    assert max_diff(resumed["logprobs"], alone["logprobs"]) < tolerance, "the resumed request lost its steering"
+    assert max_diff(plain["logprobs"], alone["logprobs"]) > 10 * tolerance
+
+
 @pytest.mark.parametrize(
     "bad, reason",
     [

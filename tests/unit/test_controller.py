@@ -601,7 +601,7 @@ def test_stats_shape(c):
     refusal(c, {"id": "zz", "layer": 0, "scale": 1})
     s = c.stats()
     assert set(s) == {"ok", "capacity", "used", "pinned", "free", "evictions", "refused", "steered_requests",
-                      "vectors", "rows", "model", "deferred", "deferrals"}
+                      "vectors", "rows", "model", "deferred", "deferrals", "suspended", "resumptions"}
     assert s["ok"] is True
     assert (s["capacity"], s["used"], s["pinned"], s["free"], s["evictions"]) == (8, 2, 2, 6, 0)
     assert s["refused"] == {"unknown_vector": 1}
@@ -715,3 +715,64 @@ def test_preload_without_store(tmp_path):
     c = ctrl(store=None, preload=str(tmp_path))
     assert [m["id"] for m in c.list()["vectors"]] == ["v"]
     assert admit(c, "r", {"id": "v", "layer": 0, "scale": 1})[0] is not None
+
+
+# -- preemption ------------------------------------------------------------------------------------------------
+
+
+def test_preempted_request_unpins_and_resumes_in_place():
+    c = ctrl(slots=2)
+    register(c, "a", vec(HIDDEN, seed=1))
+    b1, r1 = admit(c, "r1", {"id": "a", "layer": 0, "scale": 2})
+    c.take_writes()
+    c.suspend("r1")
+    c.suspend("r1")  # twice: no-op
+    s = c.stats()
+    assert (s["pinned"], s["used"], s["suspended"]) == (0, 1, 1)
+    assert c.registry.current("a").refs == 1  # the version stays referenced
+    assert c.resume(r1) is True
+    assert c.take_writes() == [] and c.take_rebinds() == {}  # its row was still cached: nothing to reload
+    s = c.stats()
+    assert (s["pinned"], s["suspended"], s["resumptions"]) == (1, 0, 1)
+    assert c.resume(r1) is True and c.stats()["resumptions"] == 1  # not suspended: nothing to do
+    c.release("r1")
+    assert c.stats()["pinned"] == 0 and c.registry.current("a").refs == 0
+
+
+def test_resumed_request_gets_its_rows_back_in_other_slots():
+    """While r1 is preempted its row is evicted; resuming reloads that version's row and rebinds r1."""
+    c = ctrl(slots=2)
+    a = vec(HIDDEN, seed=1)
+    for vid, seed in (("a", 1), ("b", 2), ("c", 3)):
+        register(c, vid, a if vid == "a" else vec(HIDDEN, seed=seed))
+    b1, r1 = admit(c, "r1", {"id": "a", "layer": 0, "scale": 2})
+    (slot_a,) = {item[1] for item in b1.config["d"]}
+    c.suspend("r1")
+    admit(c, "r2", {"id": "b", "layer": 0, "scale": 1})
+    admit(c, "r3", {"id": "c", "layer": 0, "scale": 1})  # evicts a's unpinned row
+    register(c, "a", vec(HIDDEN, seed=9), replace=True)  # r1 keeps version 1
+    c.take_writes()
+    assert c.resume(r1) is False  # both rows pinned by r2 and r3: r1 waits, nothing changed
+    assert c.stats()["suspended"] == 1 and c.take_writes() == [] and c.take_rebinds() == {}
+    c.release("r2")
+    assert c.resume(r1) is True
+    (w,) = c.take_writes()
+    assert torch.equal(w.row, a) and w.slot != slot_a  # version 1's values, in b's old slot
+    rebinds = c.take_rebinds()
+    assert rebinds == {"r1": {"p": [[0, w.slot, 2.0, 0.0]], "d": [[0, w.slot, 2.0, 0.0]]}}
+    assert r1.sampling_params.extra_args[BINDING_KEY] == rebinds["r1"] == b1.config
+    assert c.take_rebinds() == {}
+
+
+def test_release_of_a_suspended_request_unpins_nothing_twice():
+    c = ctrl(slots=1)
+    register(c, "a", vec(HIDDEN, seed=1))
+    admit(c, "r1", {"id": "a", "layer": 0, "scale": 2})
+    c.suspend("r1")
+    _, r2 = admit(c, "r2", {"id": "a", "layer": 0, "scale": 1})  # shares the row, pins it
+    c.release("r1")
+    s = c.stats()
+    assert (s["pinned"], s["suspended"]) == (1, 0) and s["rows"][0]["refcount"] == 1
+    assert c.registry.current("a").refs == 1
+    c.release("r2")
+    assert c.stats()["pinned"] == 0

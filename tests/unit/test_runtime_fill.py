@@ -29,10 +29,12 @@ def new_req(req_id, prompt_len, config=None, extra=None, prompt_token_ids="auto"
                            sampling_params=SimpleNamespace(extra_args=extra_args or None), **kw)
 
 
-def step(w, new=(), removed=(), writes=None):
+def step(w, new=(), removed=(), writes=None, rebinds=None):
     out = SimpleNamespace(scheduled_new_reqs=list(new))
     if writes is not None:
         out.hotwire_writes = writes
+    if rebinds is not None:
+        out.hotwire_rebinds = rebinds
     w.on_step(out, set(removed))
 
 
@@ -399,3 +401,27 @@ def test_steers_any_names_steps_with_a_steered_request():
     assert w.steers_any({**many, "s": 1})
     step(w, removed=["s"])
     assert not w.steers_any({"plain": 1, "s": 1})
+
+
+def test_rebind_moves_a_kept_request_to_its_new_slots():
+    """V1 keeps a preempted request; when it resumes with rows in other slots, its config rows follow."""
+    w = ws()
+    step(w, new=[new_req("A", 3, {"p": [(1, 2, 1.5, 0.0)], "d": [(1, 2, 1.5, 0.0)]}), new_req("B", 3)])
+    prompt_len = w._active["A"][2]
+    moved = {"p": [(1, 5, 1.5, 0.0)], "d": [(1, 5, 1.5, 0.0)]}
+    step(w, rebinds={"A": moved, "gone": moved})  # a request this worker does not hold is ignored
+    assert set(w._active) == {"A"} and w._active["A"][2] == prompt_len  # B is plain: never tracked
+    for row in w._active["A"][:2]:
+        assert w.buffers["cfg_slot"][row, 1, 0].item() == 5
+        assert w.buffers["cfg_scale"][row, 1, 0].item() == 1.5
+    assert fill(w, ["A"], [1], [3])[0] == w._active["A"][1]
+
+
+def test_rebind_of_a_request_readded_in_the_same_step_uses_the_new_request():
+    """V2 re-adds a resumed request as new; its new data already carries the moved config."""
+    w = ws()
+    moved = {"p": [], "d": [(2, 4, 1.0, 0.0)]}
+    step(w, new=[new_req("A", 3, moved)], rebinds={"A": {"p": [], "d": [(2, 6, 1.0, 0.0)]}})
+    row = w._active["A"][1]
+    assert w.buffers["cfg_slot"][row, 2, 0].item() == 4
+    assert len(w._free_rows) == 2 * MAX_REQS - 1  # one config row taken, not two
