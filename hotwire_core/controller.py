@@ -111,6 +111,7 @@ class SteeringController:
         self.on_refused: Callable[[Any, Refusal], None] = lambda request, exc: None
         self._writes: list[BankWrite] = []
         self._rebinds: dict[str, dict[str, list[list[float]]]] = {}  # resumed request id -> its new config
+        self._waiting_to_resume: set[str] = set()  # preempted requests whose rows could not be pinned again yet
         self.resumptions = 0
         store_dir = settings.store_dir(model_name)
         self.store = VectorStore(store_dir) if store_dir is not None else None
@@ -198,6 +199,7 @@ class SteeringController:
             entries = self._validate(spec)
             keys = self._row_keys(entries)
             self._check_capacity(keys)
+            self._check_no_preempted_waiting()
             needed, available = self.slots.missing(keys), self.slots.available(keys)
             if needed > available:
                 raise Refusal(429, "slots_exhausted", str(SlotsExhausted(needed, available, self.slots.capacity)))
@@ -250,6 +252,12 @@ class SteeringController:
                     )
         return resolved
 
+    def _check_no_preempted_waiting(self) -> None:
+        """New steered requests queue behind a preempted one that waits for rows, or a stream of small requests
+        could keep it from ever pinning its own again."""
+        if self._waiting_to_resume:
+            raise Refusal(429, "slots_exhausted", "a preempted steered request is waiting for bank rows; this one waits behind it")
+
     def _check_capacity(self, keys: set[RowKey]) -> None:
         if len(keys) > self.slots.capacity:
             raise Refusal(
@@ -279,6 +287,7 @@ class SteeringController:
         if request.cache_salt and request.cache_salt.startswith(SALT_PREFIX):
             self.refused["reserved_salt"] += 1
             raise Refusal(400, "reserved_salt", f"cache_salt may not start with {SALT_PREFIX!r}", "cache_salt")
+        self.release(request.request_id)  # a request added again (a streaming-input update) starts over
         extra = request.sampling_params.extra_args if request.sampling_params is not None else None
         if not extra or SPEC_KEY not in extra:
             return None
@@ -286,6 +295,7 @@ class SteeringController:
             resolved = self._validate(extra[SPEC_KEY])
             keys = self._row_keys(resolved)
             self._check_capacity(keys)
+            self._check_no_preempted_waiting()
             try:
                 slot_of, loads = self.slots.acquire(keys)
             except SlotsExhausted as exc:
@@ -364,7 +374,9 @@ class SteeringController:
         try:
             slot_of, loads = self.slots.acquire(binding.keys)
         except SlotsExhausted:
+            self._waiting_to_resume.add(request.request_id)
             return False
+        self._waiting_to_resume.discard(request.request_id)
         self._load(loads, binding.sources)
         binding.suspended = False
         self.resumptions += 1
@@ -383,6 +395,7 @@ class SteeringController:
     def release(self, request_id: str) -> None:
         binding = self.bindings.pop(request_id, None)
         self._rebinds.pop(request_id, None)
+        self._waiting_to_resume.discard(request_id)
         if binding is None:
             return
         if not binding.suspended:

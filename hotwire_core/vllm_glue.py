@@ -18,7 +18,7 @@ this file (and ``hotwire_api/mount.py``) only.
 | ``WorkerBase.hotwire_worker_info`` | what this rank could hook, for the controller |
 | V1 ``GPUModelRunner.execute_model`` / ``_model_forward`` | lifecycle, gate; per-step fill before (FULL graph) forward |
 | V2 ``GPUModelRunner.execute_model`` / ``prepare_inputs`` | lifecycle (preempted = removed), gate; fill before ``run_fullgraph`` |
-| V1 ``GPUModelRunner._warmup_and_capture``, V2 ``CudaGraphManager.capture`` | capture each graph gate-closed (idle) and open |
+| V1 ``GPUModelRunner._warmup_and_capture``, V2 ``ModelCudaGraphManager.capture`` | capture each graph gate-closed (idle) and open |
 | ``CUDAGraphWrapper.__call__`` / ``clear_graphs``, V2 ``CudaGraphManager.run_fullgraph`` | replay the variant the gate names |
 """
 
@@ -409,10 +409,14 @@ def _patch_cuda_graph_wrapper(module: Any) -> None:
 
     def entries_for_gate(wrapper: Any) -> dict:
         own = wrapper.__dict__
-        steered = own.setdefault("_hotwire_steered", own["concrete_cudagraph_entries"])
+        current = own["concrete_cudagraph_entries"]
+        if current is not own.get("_hotwire_steered") and current is not own.get("_hotwire_idle"):
+            # First call, or vLLM replaced the dict to drop its graphs (elastic EP): both sets start over.
+            own["_hotwire_steered"], own["_hotwire_idle"] = current, {}
+        steered = own["_hotwire_steered"]
         if GATE.open:
             return steered
-        idle = own.setdefault("_hotwire_idle", {})
+        idle = own["_hotwire_idle"]
         desc = module.get_forward_context().batch_descriptor
         return steered if desc not in idle and desc in steered else idle
 
@@ -437,7 +441,8 @@ def _patch_cuda_graph_wrapper(module: Any) -> None:
 
 
 def _patch_v2_cudagraphs(module: Any) -> None:
-    """V2 keeps FULL graphs in ``CudaGraphManager.graphs``: a second dict holds the idle variant."""
+    """V2 keeps FULL graphs in ``CudaGraphManager.graphs``: the model's manager (not the speculators', whose
+    drafter has no hotwire op) gets a second dict for the idle variant."""
     cls = module.CudaGraphManager
 
     def make_capture(original):
@@ -465,7 +470,7 @@ def _patch_v2_cudagraphs(module: Any) -> None:
 
         return run_fullgraph
 
-    _wrap(cls, "capture", make_capture)
+    _wrap(module.ModelCudaGraphManager, "capture", make_capture)
     _wrap(cls, "run_fullgraph", make_run)
 
 

@@ -92,6 +92,20 @@ def test_gate_not_split_leaves_the_wrapper_alone():
     assert "_hotwire_idle" not in w.__dict__
 
 
+def test_a_replaced_entries_dict_starts_both_sets_over():
+    """vLLM drops a wrapper's graphs by assigning a new dict (elastic EP): the idle set must go too."""
+    w = Wrapper()
+    GATE.open = False
+    entries_used(w, DESC)[DESC] = "old idle graph"
+    GATE.open = True
+    entries_used(w, DESC)[DESC] = "old steered graph"
+    w.concrete_cudagraph_entries = {}
+    fresh = entries_used(w, DESC)
+    assert fresh == {} and w._hotwire_steered is fresh and w._hotwire_idle == {}
+    GATE.open = False
+    assert entries_used(w, DESC) == {}
+
+
 def test_clear_graphs_clears_both_sets():
     w = Wrapper()
     entries_used(w, DESC)
@@ -125,12 +139,19 @@ class Manager(cudagraph_utils.CudaGraphManager):
         return {desc: "attention state"}
 
 
-vllm_glue._patch_v2_cudagraphs(SimpleNamespace(CudaGraphManager=Manager))
+class ModelManager(Manager):
+    """Stands for ``ModelCudaGraphManager`` (the target model's graphs); ``Manager`` for a speculator's."""
+
+    def capture(self, desc):
+        return super().capture(desc)
+
+
+vllm_glue._patch_v2_cudagraphs(SimpleNamespace(CudaGraphManager=Manager, ModelCudaGraphManager=ModelManager))
 FULL = cudagraph_utils.BatchExecutionDescriptor(cg_mode=CUDAGraphMode.FULL, num_tokens=8, num_reqs=8)
 
 
 def test_v2_captures_idle_then_steered_and_replays_by_gate():
-    m = Manager()
+    m = ModelManager()
     assert m.capture(FULL) == {FULL: "attention state"}
     assert m.gates_seen == [False, True] and GATE.open
     idle, steered = m._hotwire_idle_graphs[FULL], m.graphs[FULL]
@@ -143,9 +164,11 @@ def test_v2_captures_idle_then_steered_and_replays_by_gate():
     assert m.graphs[FULL] is steered  # the steered set is back in place after an idle replay
 
 
-def test_v2_without_split_captures_once():
-    GATE.split = False
-    m = Manager()
+@pytest.mark.parametrize("split", [False, True], ids=["not-split", "speculator"])
+def test_v2_captures_once_without_split_and_for_speculators(split):
+    """A speculator's drafter has no hotwire op: its manager captures once and always replays that graph."""
+    GATE.split = split
+    m = ModelManager() if not split else Manager()
     m.capture(FULL)
     assert m.gates_seen == [True] and not hasattr(m, "_hotwire_idle_graphs")
     GATE.open = False
@@ -161,3 +184,24 @@ def test_v1_capture_hook_runs_idle_then_steered():
     seen.clear()
     capture(None, "d")
     assert seen == [("d", True)]
+
+
+def test_gate_follows_the_scheduled_requests():
+    """The runners' wrappers close the gate for a step with no steered request and open it otherwise."""
+    import torch
+
+    from hotwire_core.controller import BINDING_KEY
+    from hotwire_core.runtime import WorkerSteering
+    from hotwire_core.settings import Settings
+
+    steering = WorkerSteering({}, 4, 8, torch.float32, torch.device("cpu"), 32, 3, Settings(6, 2, "op", None, None))
+    steered = SimpleNamespace(req_id="s", prompt_token_ids=[1, 2, 3],
+                              sampling_params=SimpleNamespace(extra_args={BINDING_KEY: {"p": [], "d": [(1, 1, 1.0, 0.0)]}}))
+    steering.on_step(SimpleNamespace(scheduled_new_reqs=[steered]), set())
+    vllm_glue._set_gate(steering, SimpleNamespace(num_scheduled_tokens={"plain": 1}))
+    assert GATE.open is False
+    vllm_glue._set_gate(steering, SimpleNamespace(num_scheduled_tokens={"plain": 1, "s": 1}))
+    assert GATE.open is True
+    GATE.split = False  # one graph set: the gate stays open whatever runs
+    vllm_glue._set_gate(steering, SimpleNamespace(num_scheduled_tokens={"plain": 1}))
+    assert GATE.open is True
