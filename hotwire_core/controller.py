@@ -12,7 +12,7 @@ import hashlib
 import logging
 from collections import Counter, OrderedDict
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, Collection
 
 import torch
 
@@ -79,13 +79,16 @@ class Binding:
     A preempted request is ``suspended``: its rows are unpinned (others may evict them) but its versions stay
     referenced, so ``SteeringController.resume`` can pin them again, reloading evicted rows, before it runs."""
 
-    keys: set[RowKey]
     vectors: list[HostVector]
     receipt: str
     entries: list[BoundEntry]
-    sources: dict[RowKey, tuple[HostVector, int]]  # where each row's values come from: (vector, layer)
+    sources: dict[RowKey, tuple[HostVector, int]]  # its rows, and where their values come from: (vector, layer)
     config: dict[str, list[list[float]]] = field(default_factory=dict)
     suspended: bool = False
+
+    @property
+    def keys(self) -> Collection[RowKey]:
+        return self.sources.keys()
 
 
 class Refusal(EngineError):
@@ -197,7 +200,7 @@ class SteeringController:
         """Would a request with this spec be admitted now? Admission re-checks; this is for the API's 4xx."""
         try:
             entries = self._validate(spec)
-            keys = self._row_keys(entries)
+            keys = self._row_sources(entries).keys()
             self._check_capacity(keys)
             self._check_no_preempted_waiting()
             needed, available = self.slots.missing(keys), self.slots.available(keys)
@@ -258,7 +261,7 @@ class SteeringController:
         if self._waiting_to_resume:
             raise Refusal(429, "slots_exhausted", "a preempted steered request is waiting for bank rows; this one waits behind it")
 
-    def _check_capacity(self, keys: set[RowKey]) -> None:
+    def _check_capacity(self, keys: Collection[RowKey]) -> None:
         if len(keys) > self.slots.capacity:
             raise Refusal(
                 400, "too_many_rows",
@@ -267,8 +270,9 @@ class SteeringController:
             )
 
     @staticmethod
-    def _row_keys(resolved: list[tuple[SteeringEntry, HostVector]]) -> set[RowKey]:
-        return {RowKey(v.vector_id, v.version, v.row_key_layer(l)) for e, v in resolved for l in e.layers}
+    def _row_sources(resolved: list[tuple[SteeringEntry, HostVector]]) -> dict[RowKey, tuple[HostVector, int]]:
+        """The bank rows a spec reads, each with the (vector, layer) its values come from."""
+        return {RowKey(v.vector_id, v.version, v.row_key_layer(l)): (v, l) for e, v in resolved for l in e.layers}
 
     @staticmethod
     def _receipt(resolved: list[tuple[SteeringEntry, HostVector]]) -> str:
@@ -293,11 +297,11 @@ class SteeringController:
             return None
         try:
             resolved = self._validate(extra[SPEC_KEY])
-            keys = self._row_keys(resolved)
-            self._check_capacity(keys)
+            sources = self._row_sources(resolved)
+            self._check_capacity(sources.keys())
             self._check_no_preempted_waiting()
             try:
-                slot_of, loads = self.slots.acquire(keys)
+                slot_of, loads = self.slots.acquire(sources.keys())
             except SlotsExhausted as exc:
                 raise Refusal(429, "slots_exhausted", str(exc)) from None
         except Refusal as exc:
@@ -309,7 +313,6 @@ class SteeringController:
             if vector not in vectors:
                 self.registry.acquire(vector)
                 vectors.append(vector)
-        sources = {RowKey(v.vector_id, v.version, v.row_key_layer(l)): (v, l) for e, v in resolved for l in e.layers}
         self._load(loads, sources)
         entries = [
             BoundEntry(
@@ -320,7 +323,7 @@ class SteeringController:
             for e, v in resolved for layer in e.layers
         ]
         config = self._config(entries, slot_of)
-        binding = Binding(keys, vectors, self._receipt(resolved), entries, sources, config)
+        binding = Binding(vectors, self._receipt(resolved), entries, sources, config)
         self.bindings[request.request_id] = binding
         self.steered_requests += 1
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import time
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import Collection, NamedTuple
 
 
 class RowKey(NamedTuple):
@@ -47,16 +47,16 @@ class SlotCache:
         self._unpinned: OrderedDict[int, None] = OrderedDict()  # LRU order, oldest first
         self.evictions = 0
 
-    def missing(self, keys: set[RowKey]) -> int:
+    def missing(self, keys: Collection[RowKey]) -> int:
         return sum(1 for key in keys if key not in self._slot_of)
 
-    def available(self, keys: set[RowKey] = frozenset()) -> int:
+    def available(self, keys: Collection[RowKey] = frozenset()) -> int:
         """Rows a request for ``keys`` could take for its missing rows: free plus evictable, not counting its
         own resident rows, which it pins rather than evicts."""
         own = sum(1 for key in keys if self._slot_of.get(key) in self._unpinned)
         return len(self._free) + len(self._unpinned) - own
 
-    def acquire(self, keys: set[RowKey]) -> tuple[dict[RowKey, int], list[tuple[int, RowKey]]]:
+    def acquire(self, keys: Collection[RowKey]) -> tuple[dict[RowKey, int], list[tuple[int, RowKey]]]:
         """Pin ``keys``; returns ``(slot of each key, [(slot, key) rows that must be loaded])``."""
         needed, available = self.missing(keys), self.available(keys)
         if needed > available:
@@ -88,7 +88,7 @@ class SlotCache:
         self.evictions += 1
         return slot
 
-    def release(self, keys: set[RowKey]) -> None:
+    def release(self, keys: Collection[RowKey]) -> None:
         now = time.time()
         for key in keys:
             slot = self._slot_of[key]
