@@ -442,36 +442,36 @@ def _patch_cuda_graph_wrapper(module: Any) -> None:
 
 def _patch_v2_cudagraphs(module: Any) -> None:
     """V2 keeps FULL graphs in ``CudaGraphManager.graphs``: the model's manager (not the speculators', whose
-    drafter has no hotwire op) gets a second dict for the idle variant."""
-    cls = module.CudaGraphManager
+    drafter has no hotwire op) gets a second dict for the idle variant, in place while the gate is closed."""
+
+    @contextmanager
+    def idle_graphs(manager: Any) -> Iterator[None]:
+        steered, manager.graphs = manager.graphs, manager.__dict__.setdefault("_hotwire_idle_graphs", {})
+        try:
+            yield
+        finally:
+            manager.graphs = steered
 
     def make_capture(original):
         def capture(self, *args, **kwargs):
-            if not GATE.split:
+            if GATE.open:
                 return original(self, *args, **kwargs)
-            steered, self.graphs = self.graphs, {}
-            with _gate_closed():
-                original(self, *args, **kwargs)
-            self._hotwire_idle_graphs, self.graphs = self.graphs, steered
-            return original(self, *args, **kwargs)
+            with idle_graphs(self):
+                return original(self, *args, **kwargs)
 
-        return capture
+        return _capture_both_variants(capture)
 
     def make_run(original):
         def run_fullgraph(self, desc):
-            idle = getattr(self, "_hotwire_idle_graphs", None)
-            if GATE.open or not idle or desc not in idle:
+            if GATE.open or desc not in getattr(self, "_hotwire_idle_graphs", {}):
                 return original(self, desc)
-            steered, self.graphs = self.graphs, idle
-            try:
+            with idle_graphs(self):
                 return original(self, desc)
-            finally:
-                self.graphs = steered
 
         return run_fullgraph
 
     _wrap(module.ModelCudaGraphManager, "capture", make_capture)
-    _wrap(cls, "run_fullgraph", make_run)
+    _wrap(module.CudaGraphManager, "run_fullgraph", make_run)
 
 
 # -- install ---------------------------------------------------------------------------------------------------
