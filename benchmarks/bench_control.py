@@ -11,8 +11,10 @@ answers. On the server started with ``HOTWIRE_SLOTS=--control-slots``:
 - decode stall: ``--streams`` streamed completions (steered at every layer, ignore_eos) decode while helper
   processes timestamp every token. Meanwhile this process idles, registers ``--registrations`` vectors one at a
   time, idles, then polls ``GET /steer/slots`` ``--polls`` times fresh and ``--polls`` times with
-  ``max_age_ms=1000`` (what a 1 Hz poller sends). Each inter-token gap is classed by what it
-  overlapped: a registration, a poll, or nothing (idle). stall = p99 gap while registering - p99 idle gap.
+  ``max_age_ms=1000`` (what a 1 Hz poller sends), then ``--polls`` times vLLM's own ``GET /version`` (a
+  trivial route: the floor any route of this server pays under the same load). Each inter-token gap is classed
+  by what it overlapped: a registration, a poll, or nothing (idle). stall = p99 gap while registering - p99 idle
+  gap.
 
 All servers start at once and are measured one at a time (the others idle). On one server per ``--slots`` value:
 decode ms/token of ``--batch`` steered completions (8 vectors, one middle
@@ -50,6 +52,7 @@ MODEL = "bench"
 TARGETS = {"usable_p99_ms": 50.0, "stall_ms": 2.0, "slots_p99_ms": 10.0, "capacity_cost_pct": 2.0}
 QUIET_S, REGISTER_EVERY_S, POLL_EVERY_S = 1.0, 0.1, 0.01
 POLL_MAX_AGE_MS = 1000
+BASELINE_ROUTE = "vLLM's GET /version (baseline)"
 STREAMS_PER_WORKER = 16
 START_TIMEOUT_S = 900.0
 
@@ -231,6 +234,10 @@ async def stream_worker(cfg: dict) -> None:
     print("RESULT " + json.dumps(times), flush=True)
 
 
+def _get_ok(http: httpx.Client, path: str) -> None:
+    http.get(path).raise_for_status()
+
+
 def _timed(calls: list[Callable[[], object]], every_s: float) -> list[Interval]:
     """Make the calls one after the other, ``every_s`` apart; the interval each was in flight."""
     intervals = []
@@ -271,6 +278,8 @@ def measure_under_load(hw: HotwireClient, url: str, shape: ModelShape, args: arg
         time.sleep(QUIET_S)
         busy["slots"] = _timed([hw.slots] * args.polls, POLL_EVERY_S)
         polled = _timed([partial(hw.slots, max_age_ms=POLL_MAX_AGE_MS)] * args.polls, POLL_EVERY_S)
+        with httpx.Client(base_url=url, timeout=60.0) as http:
+            busy["version"] = _timed([partial(_get_ok, http, "/version")] * args.polls, POLL_EVERY_S)
         end = time.monotonic()
         streams = []
         for worker in workers:
@@ -289,7 +298,8 @@ def measure_under_load(hw: HotwireClient, url: str, shape: ModelShape, args: arg
         stall[f"stall_{stat}_ms"] = None if idle is None or reg is None else round(reg - idle, 3)
     stall["streams_finished_early"] = sum(len(times) >= args.stream_tokens for times in streams)
     latency = {"fresh": summarize([(e - s) * 1e3 for s, e in busy["slots"]]),
-               f"max_age_ms={POLL_MAX_AGE_MS}": summarize([(e - s) * 1e3 for s, e in polled])}
+               f"max_age_ms={POLL_MAX_AGE_MS}": summarize([(e - s) * 1e3 for s, e in polled]),
+               BASELINE_ROUTE: summarize([(e - s) * 1e3 for s, e in busy["version"]])}
     return stall, latency
 
 
@@ -334,10 +344,10 @@ def markdown(result: dict) -> str:
     if "decode_stall" in result:
         stall = result["decode_stall"]
         lines += ["", f"## Inter-token gaps of {meta['streams']} streams, by what they overlapped (ms)", "",
-                  *_table({k: stall[k] for k in ("idle", "register", "slots")}), "",
+                  *_table({k: stall[k] for k in ("idle", "register", "slots", "version")}), "",
                   f"stall: p99 {stall['stall_p99_ms']} ms, max {stall['stall_max_ms']} ms; streams that ran out of "
                   f"tokens before the end: {stall['streams_finished_early']}", "",
-                  "## GET /steer/slots while the streams decode (ms)", "", *_table(result["slots_get_ms"])]
+                  "## GET /steer/slots and a trivial vLLM route while the streams decode (ms)", "", *_table(result["slots_get_ms"])]
     if result["capacity"]:
         lines += ["", f"## Decode ms/token vs slot capacity (batch {meta['batch']})", "",
                   "| HOTWIRE_SLOTS | median | min-max |", "|---|---|---|",

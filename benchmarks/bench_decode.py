@@ -7,7 +7,8 @@ machine (clocks, temperature, other tenants) then hits all configurations alike,
 *paired* ratio against the vanilla run of the same round.
 
 Configurations: ``vanilla`` (no plugin loaded at all: ``VLLM_PLUGINS=""``), ``op`` (hotwire, opaque Triton op),
-``op_1set`` (the op without idle graph variants: ``HOTWIRE_IDLE_GRAPHS=0``),
+``op_1set`` (the op without idle graph variants: ``HOTWIRE_IDLE_GRAPHS=0``), ``op_8layers`` (the op hooked on
+the 8 middle layers only: ``HOTWIRE_LAYERS``; it cannot run ``steered_all_layers``),
 ``inductor`` (hotwire, torch ops fused by Inductor), ``eager`` (hotwire's op with ``enforce_eager``: no
 torch.compile, no CUDA graphs, what hook-based steering tools pay). All use vLLM's default V2 model runner; a
 ``/v1`` suffix (``vanilla/v1``, ``op/v1``) runs the V1 runner instead, compared with ``vanilla/v1``.
@@ -44,6 +45,7 @@ CONFIGS = {
     "vanilla": "plain vLLM 0.25.1, no plugin loaded (VLLM_PLUGINS=\"\")",
     "op": "hotwire, opaque Triton op (HOTWIRE_IMPL=op), idle graph variants for unsteered steps (the default)",
     "op_1set": "hotwire's op with one graph set for steered and unsteered steps (HOTWIRE_IDLE_GRAPHS=0)",
+    "op_8layers": "hotwire's op hooked on the 8 middle layers only (HOTWIRE_LAYERS=n/2-4..n/2+3)",
     "inductor": "hotwire, torch ops fused by Inductor (HOTWIRE_IMPL=inductor)",
     "eager": "hotwire's op with enforce_eager=True (no torch.compile, no CUDA graphs)",
 }
@@ -117,7 +119,7 @@ def worker(args: argparse.Namespace) -> None:
 class Engine:
     """A worker process and its line protocol."""
 
-    def __init__(self, config: str, args: argparse.Namespace, model: Path):
+    def __init__(self, config: str, args: argparse.Namespace, model: Path, n_layers: int):
         env = dict(os.environ)
         kind, runner = split_config(config)
         if runner == "v1":
@@ -130,6 +132,9 @@ class Engine:
             env.pop("VLLM_PLUGINS", None)
             env["HOTWIRE_IMPL"] = "inductor" if kind == "inductor" else "op"
             env["HOTWIRE_IDLE_GRAPHS"] = "0" if kind == "op_1set" else "1"
+            env.pop("HOTWIRE_LAYERS", None)
+            if kind == "op_8layers":
+                env["HOTWIRE_LAYERS"] = middle_layers(n_layers, 8)
         tag = config.replace("/", "-")
         # Separate compile caches: engines compiling at once must not race on one cache directory.
         env["VLLM_CACHE_ROOT"] = str(Path(tempfile.gettempdir()) / f"hotwire-bench-cache-{tag}")
@@ -174,6 +179,12 @@ class Engine:
         self.proc.wait()
 
 
+def middle_layers(n_layers: int, count: int) -> str:
+    """``HOTWIRE_LAYERS`` for ``count`` layers centred on ``n_layers // 2`` (the layer the steered modes use)."""
+    first = max(0, n_layers // 2 - count // 2)
+    return f"{first}-{min(n_layers, first + count) - 1}"
+
+
 def split_config(config: str) -> tuple[str, str]:
     """``"op/v1"`` -> ``("op", "v1")``; no suffix means the default V2 runner."""
     kind, _, runner = config.partition("/")
@@ -191,6 +202,8 @@ def modes_of(config: str, modes: list[str]) -> list[str]:
         return ["plain"]
     if kind == "eager":
         return [m for m in modes if m in ("plain", "steered")]
+    if kind == "op_8layers":
+        return [m for m in modes if m != "steered_all_layers"]
     return modes
 
 
@@ -271,7 +284,7 @@ def main() -> None:
     if missing:
         parser.error(f"--configs needs the baselines {sorted(missing)}")
 
-    from hotwire_core.tiny_model import build_model
+    from hotwire_core.tiny_model import SHAPES, build_model
 
     model = build_model(Path(tempfile.gettempdir()) / f"hotwire-bench-{args.shape}", args.shape, weights=False)
     start = time.time()
@@ -279,7 +292,7 @@ def main() -> None:
     finished = False
     try:
         for config in configs:
-            engines.append(Engine(config, args, model))
+            engines.append(Engine(config, args, model, SHAPES[args.shape].num_layers))
         for e in engines:
             e.ready()
         print(f"{len(engines)} engines ready in {time.time() - start:.0f} s", flush=True)

@@ -89,6 +89,7 @@ class ModelSteering(_EngineResult):
     hidden_size: int | None = None
     max_stack: int | None = Field(None, description="Most entries one request may stack on one layer.")
     norm: bool | None = Field(None, description="Whether norm-relative entries are allowed (HOTWIRE_NORM).")
+    layers: str | None = Field(None, description="The layers this server steers, e.g. 0-35 (HOTWIRE_LAYERS).")
 
 
 class SlotStats(_EngineResult):

@@ -18,7 +18,7 @@ import torch
 
 from .errors import EngineError
 from .registry import HostVector, RegistryError, VectorRegistry
-from .settings import Settings
+from .settings import Settings, format_layers
 from .slots import RowKey, SlotCache, SlotsExhausted
 from .spec import SALT_PREFIX, SPEC_KEY, Phase, SpecError, SteeringEntry, parse_spec
 from .store import StoredVector, VectorStore, load_preload_dir
@@ -49,6 +49,7 @@ class ModelInfo:
             "dtype": self.dtype,
             "max_stack": max_stack,
             "norm": self.norm,
+            "layers": format_layers(self.layers),
         }
 
 
@@ -234,7 +235,7 @@ class SteeringController:
                 if layer not in self.model.layers:
                     raise Refusal(
                         400, "layer_out_of_range",
-                        f"layer {layer} cannot be steered: this model's steerable layers are 0..{self.model.n_layers - 1}",
+                        f"layer {layer} cannot be steered: this server steers layers {self._steered_layers()}",
                         f"hotwire[{i}].layer",
                     )
                 if vector.row(layer) is None:
@@ -254,6 +255,12 @@ class SteeringController:
                         SPEC_KEY,
                     )
         return resolved
+
+    def _steered_layers(self) -> str:
+        layers = format_layers(self.model.layers)
+        if self.settings.layers is not None:
+            return f"{layers} (HOTWIRE_LAYERS; the model has 0-{self.model.n_layers - 1})"
+        return layers
 
     def _check_no_preempted_waiting(self) -> None:
         """New steered requests queue behind a preempted one that waits for rows, or a stream of small requests

@@ -18,7 +18,7 @@ from torch import nn
 
 from . import ops
 from .controller import BINDING_KEY
-from .settings import Settings
+from .settings import Settings, format_layers
 
 logger = logging.getLogger(__name__)
 
@@ -46,6 +46,20 @@ def find_decoder_layers(model: nn.Module) -> tuple[dict[int, nn.Module], int]:
             if len(layers) > len(best[0]):
                 best = (layers, len(module))
     return best
+
+
+def select_layers(found: dict[int, nn.Module], n_layers: int, allowed: frozenset[int] | None) -> dict[int, nn.Module]:
+    """The layers of ``found`` to hook: those in ``allowed`` (``HOTWIRE_LAYERS``; None: all). A layer the model
+    does not have is a configuration error, raised at start rather than refused on every request."""
+    if allowed is None:
+        return found
+    missing = sorted(layer for layer in allowed if layer >= n_layers)
+    if missing:
+        raise ValueError(
+            f"HOTWIRE_LAYERS={format_layers(allowed)} names layer {missing[0]}, but the model has {n_layers} decoder "
+            f"layers (0-{n_layers - 1}); fix HOTWIRE_LAYERS or unset it to steer every layer"
+        )
+    return {index: module for index, module in found.items() if index in allowed}
 
 
 def _prompt_len(new_request: Any) -> int:
@@ -149,8 +163,13 @@ class WorkerSteering:
         max_reqs: int,
         settings: Settings,
         allreduce_rms_fusion: bool = False,
+        steerable: bool | None = None,
     ):
+        """``layers``: the modules to hook on this rank, by global index. ``steerable``: whether the model has
+        layers hotwire can hook (default: whether ``layers`` is non-empty; a pipeline rank that ``HOTWIRE_LAYERS``
+        leaves without a hooked layer is still steerable)."""
         self.layers, self.n_layers, self.hidden_size = layers, n_layers, hidden_size
+        self.steerable = bool(layers) if steerable is None else steerable
         self.target = "residual" if allreduce_rms_fusion else "hidden"
         # Norm-relative steering is always possible when steering the residual (hidden is read anyway).
         self.norm = settings.norm or self.target == "residual"
@@ -183,8 +202,8 @@ class WorkerSteering:
 
     def info(self) -> dict:
         return {
-            "steerable": bool(self.layers),
-            "reason": "" if self.layers else "no decoder layer with the (positions, hidden_states, residual) contract",
+            "steerable": self.steerable,
+            "reason": "" if self.steerable else "no decoder layer with the (positions, hidden_states, residual) contract",
             "layers": sorted(self.layers),
             "n_layers": self.n_layers,
             "hidden_size": self.hidden_size,

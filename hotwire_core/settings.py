@@ -24,6 +24,33 @@ def _int_env(name: str, default: int, lo: int, hi: int) -> int:
     return value
 
 
+def parse_layers(text: str) -> frozenset[int]:
+    """``"8-20,24"`` -> {8, ..., 20, 24}: comma-separated layer indices and inclusive ranges."""
+    layers: set[int] = set()
+    for part in text.split(","):
+        first, dash, last = part.strip().partition("-")
+        try:
+            lo = int(first)
+            hi = int(last) if dash else lo
+        except ValueError:
+            raise ValueError(f"HOTWIRE_LAYERS={text!r}: {part.strip()!r} is not a layer index or a range like 8-20") from None
+        if lo < 0 or hi < lo:
+            raise ValueError(f"HOTWIRE_LAYERS={text!r}: {part.strip()!r} is not a range of layers >= 0")
+        layers.update(range(lo, hi + 1))
+    return frozenset(layers)
+
+
+def format_layers(layers: frozenset[int] | set[int]) -> str:
+    """The inverse of :func:`parse_layers`: {0, 1, 2, 5} -> ``"0-2,5"``."""
+    runs: list[list[int]] = []
+    for layer in sorted(layers):
+        if runs and runs[-1][1] == layer - 1:
+            runs[-1][1] = layer
+        else:
+            runs.append([layer, layer])
+    return ",".join(str(lo) if lo == hi else f"{lo}-{hi}" for lo, hi in runs)
+
+
 @dataclass(frozen=True)
 class Settings:
     slots: int  # HOTWIRE_SLOTS: bank rows that can hold vectors
@@ -33,6 +60,7 @@ class Settings:
     preload: str | None  # HOTWIRE_VECTORS: directory of vectors loaded at start
     norm: bool = False  # HOTWIRE_NORM: allow norm-relative entries at tensor parallel 1 (see runtime.SteerHook)
     idle_graphs: bool = True  # HOTWIRE_IDLE_GRAPHS: capture hotwire-free CUDA graphs for unsteered steps (ops.Gate)
+    layers: frozenset[int] | None = None  # HOTWIRE_LAYERS: the only layers hooked (None: all); fewer, cheaper steps
 
     @classmethod
     def from_env(cls) -> "Settings":
@@ -45,13 +73,15 @@ class Settings:
             impl=impl,
             norm=_int_env("HOTWIRE_NORM", 0, 0, 1) == 1,
             idle_graphs=_int_env("HOTWIRE_IDLE_GRAPHS", 1, 0, 1) == 1,
+            layers=parse_layers(os.environ["HOTWIRE_LAYERS"]) if os.environ.get("HOTWIRE_LAYERS") else None,
             store=os.environ.get("HOTWIRE_STORE") or None,
             preload=os.environ.get("HOTWIRE_VECTORS") or None,
         )
 
     def compile_fingerprint(self) -> str:
         """Everything that changes the compiled graph: mixed into vLLM's compile-cache key."""
-        return f"hotwire={__version__};slots={self.slots};stack={self.max_stack};impl={self.impl};norm={self.norm}"
+        layers = "" if self.layers is None else f";layers={format_layers(self.layers)}"
+        return f"hotwire={__version__};slots={self.slots};stack={self.max_stack};impl={self.impl};norm={self.norm}{layers}"
 
     def store_dir(self, model: str) -> Path | None:
         """One folder per served model under the store root, or None when the store is off."""

@@ -36,7 +36,7 @@ from typing import Any, Callable, Iterator
 
 from .controller import ModelInfo, Refusal, SteeringController
 from .ops import GATE
-from .settings import Settings
+from .settings import Settings, format_layers
 
 logger = logging.getLogger("hotwire")
 _SETTINGS: Settings | None = None
@@ -117,7 +117,8 @@ def _patch_engine_core(module: Any) -> None:
             info = _model_info(self.model_executor.collective_rpc("hotwire_worker_info"))
             self.hotwire = SteeringController(info, settings(), vllm_config.model_config.model)
             if info.steerable:
-                logger.info("hotwire: steering ready on %d layers, %d bank slots", len(info.layers), settings().slots)
+                logger.info("hotwire: steering ready on layers %s (%d of %d), %d bank slots",
+                            format_layers(info.layers), len(info.layers), info.n_layers, settings().slots)
             else:
                 logger.warning("hotwire: this model cannot be steered (%s); steered requests will be refused", info.reason)
             return result
@@ -260,15 +261,16 @@ def _patch_worker_base(module: Any) -> None:
 def _attach(worker: Any) -> None:
     import torch
 
-    from .runtime import WorkerSteering, find_decoder_layers
+    from .runtime import WorkerSteering, find_decoder_layers, select_layers
 
     runner = worker.model_runner
     model = runner.get_model()
-    layers, n_layers = find_decoder_layers(model)
+    found, n_layers = find_decoder_layers(model)
     model_config = worker.vllm_config.model_config
-    if not layers:
+    if not found:
         n_layers = model_config.get_num_layers(worker.vllm_config.parallel_config)
         logger.warning("hotwire: %s has no steerable decoder layers; steering is off", type(model).__name__)
+    layers = select_layers(found, n_layers, settings().layers) if found else found
     runner.hotwire = WorkerSteering(
         layers,
         n_layers,
@@ -279,6 +281,7 @@ def _attach(worker: Any) -> None:
         runner.max_num_reqs,
         settings(),
         bool(worker.vllm_config.compilation_config.pass_config.fuse_allreduce_rms),
+        steerable=bool(found),
     )
     GATE.split = _idle_graphs_possible(worker.vllm_config) and bool(layers)
 

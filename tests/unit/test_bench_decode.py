@@ -29,6 +29,15 @@ def test_modes_of_config():
     assert bench.modes_of("vanilla", modes) == ["plain"]
     assert bench.modes_of("eager", modes) == ["plain", "steered"]
     assert bench.modes_of("op", modes) == modes
+    assert bench.modes_of("op_8layers", ["plain", "steered", "steered_all_layers"]) == ["plain", "steered"]
+
+
+def test_middle_layers_hold_the_steered_layer():
+    assert bench.middle_layers(36, 8) == "14-21"
+    assert bench.middle_layers(4, 8) == "0-3"
+    for n in (4, 28, 36):
+        lo, hi = map(int, bench.middle_layers(n, 8).split("-"))
+        assert lo <= json.loads(bench._spec("steered", n, 0))["layer"] <= hi
 
 
 def test_summary_pairs_each_repetition_with_its_vanilla_round():

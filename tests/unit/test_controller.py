@@ -323,7 +323,18 @@ def test_layer_without_hook_refused():
     register(c, "g", vec(HIDDEN))
     err = refusal(c, {"id": "g", "layer": 2, "scale": 1})
     assert (err.status, err.code, err.field) == (400, "layer_out_of_range", "hotwire[0].layer")
+    assert "this server steers layers 0-1,3" in err.message and "HOTWIRE_LAYERS" not in err.message
     assert admit(c, "ok", {"id": "g", "layer": 3, "scale": 1})[0] is not None
+    assert c.stats()["model"]["layers"] == "0-1,3"
+
+
+def test_layer_outside_hotwire_layers_names_the_setting():
+    settings = Settings(8, 2, "op", None, None, layers=frozenset({1, 2}))
+    c = SteeringController(model(layers={1, 2}), settings, "org/model")
+    register(c, "g", vec(HIDDEN))
+    err = refusal(c, {"id": "g", "layer": [1, 3], "scale": 1})
+    assert (err.code, err.field) == ("layer_out_of_range", "hotwire[0].layer")
+    assert err.message == f"layer 3 cannot be steered: this server steers layers 1-2 (HOTWIRE_LAYERS; the model has 0-{N_LAYERS - 1})"
 
 
 def test_model_not_steerable():

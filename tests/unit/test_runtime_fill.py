@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from hotwire_core.controller import BINDING_KEY, BankWrite, ModelInfo, SteeringController
-from hotwire_core.runtime import WorkerSteering
+from hotwire_core.runtime import WorkerSteering, select_layers
 from hotwire_core.settings import Settings
 
 N_LAYERS, HIDDEN, MAX_TOKENS, MAX_REQS, SLOTS, STACK = 4, 8, 32, 3, 6, 2
@@ -61,6 +61,23 @@ def test_buffers_and_info():
     info = w.info()
     assert info["steerable"] is False and info["layers"] == [] and info["reason"]
     assert (info["n_layers"], info["hidden_size"], info["dtype"]) == (N_LAYERS, HIDDEN, "float32")
+
+
+def test_select_layers():
+    found = {i: torch.nn.Identity() for i in range(4)}
+    assert select_layers(found, 4, None) is found
+    assert sorted(select_layers(found, 4, frozenset({1, 2}))) == [1, 2]
+    # a pipeline rank holding layers 2-3 hooks only its share of HOTWIRE_LAYERS, possibly none
+    assert select_layers({2: found[2], 3: found[3]}, 4, frozenset({0, 1})) == {}
+    with pytest.raises(ValueError, match="HOTWIRE_LAYERS=3-4 names layer 4, but the model has 4 decoder layers"):
+        select_layers(found, 4, frozenset({3, 4}))
+
+
+def test_rank_without_hooked_layers_is_still_steerable():
+    w = WorkerSteering({}, N_LAYERS, HIDDEN, torch.float32, torch.device("cpu"), MAX_TOKENS, MAX_REQS,
+                       Settings(SLOTS, STACK, "op", None, None), steerable=True)
+    info = w.info()
+    assert info["steerable"] is True and info["layers"] == [] and not info["reason"]
 
 
 # -- bank writes ---------------------------------------------------------------------------------------------

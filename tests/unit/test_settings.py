@@ -7,9 +7,10 @@ from pathlib import Path
 import pytest
 
 from hotwire_core import __version__
-from hotwire_core.settings import Settings, default_store_root
+from hotwire_core.settings import Settings, default_store_root, format_layers, parse_layers
 
-ENV = ("HOTWIRE_SLOTS", "HOTWIRE_MAX_STACK", "HOTWIRE_IMPL", "HOTWIRE_STORE", "HOTWIRE_VECTORS", "HOTWIRE_IDLE_GRAPHS")
+ENV = ("HOTWIRE_SLOTS", "HOTWIRE_MAX_STACK", "HOTWIRE_IMPL", "HOTWIRE_STORE", "HOTWIRE_VECTORS", "HOTWIRE_IDLE_GRAPHS",
+       "HOTWIRE_LAYERS")
 
 
 @pytest.fixture
@@ -53,6 +54,10 @@ def test_empty_strings_mean_unset(env):
         ("HOTWIRE_IMPL", "", "must be 'op' or 'inductor'"),
         ("HOTWIRE_IDLE_GRAPHS", "2", "must be in [0, 1]"),
         ("HOTWIRE_IDLE_GRAPHS", "yes", "is not an integer"),
+        ("HOTWIRE_LAYERS", "8-x", "'8-x' is not a layer index or a range"),
+        ("HOTWIRE_LAYERS", "3,,4", "'' is not a layer index"),
+        ("HOTWIRE_LAYERS", "9-3", "'9-3' is not a range of layers >= 0"),
+        ("HOTWIRE_LAYERS", "-2", "'-2' is not a layer index"),
     ],
 )
 def test_bad_values(env, name, value, msg):
@@ -102,6 +107,28 @@ def test_fingerprint():
     # the store and preload folders do not change the graph, nor do idle graph variants (captured, never cached)
     assert Settings(8, 4, "op", "/x", "/y").compile_fingerprint() == fp
     assert Settings(8, 4, "op", None, None, idle_graphs=False).compile_fingerprint() == fp
+    # the hooked layers do change it: each hook is an op in the graph
+    assert Settings(8, 4, "op", None, None, layers=frozenset({1, 2})).compile_fingerprint() != fp
+    assert Settings(8, 4, "op", None, None, layers=frozenset({1, 2})).compile_fingerprint() != Settings(
+        8, 4, "op", None, None, layers=frozenset({1, 3})).compile_fingerprint()
+
+
+@pytest.mark.parametrize("text,layers,canonical", [
+    ("8", {8}, "8"),
+    ("8-11", {8, 9, 10, 11}, "8-11"),
+    (" 0-2, 5 ,7-7", {0, 1, 2, 5, 7}, "0-2,5,7"),
+    ("4,3,2", {2, 3, 4}, "2-4"),
+])
+def test_layers_parse_and_format(text, layers, canonical):
+    assert parse_layers(text) == frozenset(layers)
+    assert format_layers(parse_layers(text)) == canonical
+    assert parse_layers(canonical) == frozenset(layers)
+
+
+def test_layers_env(env):
+    assert Settings.from_env().layers is None  # every layer
+    env.setenv("HOTWIRE_LAYERS", "14-21")
+    assert Settings.from_env().layers == frozenset(range(14, 22))
 
 
 def test_idle_graphs_switch(env):
