@@ -35,8 +35,9 @@ TEXTS = ["Hello world, this is", "The quick brown fox jumps over", "Once upon a 
 def worker(model: str, dtype: str, mode: str, tensor_parallel: int) -> None:
     from vllm import LLM, SamplingParams
 
-    llm = LLM(model, dtype=dtype, max_model_len=512, max_num_seqs=8, seed=0, gpu_memory_utilization=0.3,
-              tensor_parallel_size=tensor_parallel, **MODES[mode])
+    # A fixed KV cache skips vLLM's memory profiling, which fails when other processes on the GPU free memory.
+    llm = LLM(model, dtype=dtype, max_model_len=512, max_num_seqs=8, seed=0, kv_cache_memory_bytes=1 << 30,
+              gpu_memory_utilization=0.05, tensor_parallel_size=tensor_parallel, **MODES[mode])
     params = SamplingParams(max_tokens=6, temperature=0.0, logprobs=0, prompt_logprobs=0, ignore_eos=True)
     out = []
     for o in llm.generate(TEXTS, params, use_tqdm=False):

@@ -15,8 +15,10 @@ c. prefix cache, both directions, on prompts of at least 4 KV blocks: a plain re
 d. decode cost: time per decode step of a batch of 8, idle (hotwire loaded, nothing steered) vs all steered;
 e. with ``--vanilla``: the plain requests again, in a subprocess with no plugin at all (``VLLM_PLUGINS=""``),
    compared bit for bit. Both engines then compile in Inductor's deterministic mode (``TORCHINDUCTOR_DETERMINISTIC=1``
-   unless set): Inductor otherwise picks some kernel configurations by timing them, and two compiles on a busy GPU
-   may pick differently and differ in the last bits (seen on the H200: tiny Qwen3 on the V1 runner, 0.0039).
+   unless set) and, on a GPU, with vLLM's combo kernels always fused (``benchmark_combo_kernel`` off: vLLM turns
+   it on, and deterministic mode refuses that timing). Inductor otherwise picks some kernel configurations by
+   timing them, and two compiles on a busy GPU may pick differently and differ in the last bits (seen on the
+   H200: tiny Qwen3 on the V1 runner, 0.0039).
 
 "Bit-identical" is exact on a GPU; on the CPU, whose backend jitters by an ulp even between identical batches,
 it is within ``CPU_TOLERANCE`` and the report gives the largest difference.
@@ -196,8 +198,15 @@ def exit_status(checks: Sequence[Check]) -> int:
 # -- the engine ----------------------------------------------------------------------------------------------------
 
 
-def engine_kwargs(model: str, dtype: str, tensor_parallel: int = 1, kv_cache_gib: float | None = None) -> dict[str, Any]:
-    """The same arguments for the engine under test and the vanilla reference."""
+# Inductor settings that leave no kernel choice to timing, with vLLM's combo kernels kept (see check e).
+UNTIMED_INDUCTOR = {"combo_kernels": True, "benchmark_combo_kernel": False}
+
+
+def engine_kwargs(
+    model: str, dtype: str, tensor_parallel: int = 1, kv_cache_gib: float | None = None, untimed: bool = False
+) -> dict[str, Any]:
+    """The same arguments for the engine under test and the vanilla reference; ``untimed``: compile with
+    :data:`UNTIMED_INDUCTOR` (GPU only: vLLM has no combo kernels on the CPU)."""
     kwargs: dict[str, Any] = dict(
         model=model,
         dtype=dtype,
@@ -207,6 +216,8 @@ def engine_kwargs(model: str, dtype: str, tensor_parallel: int = 1, kv_cache_gib
         enable_prefix_caching=True,
         tensor_parallel_size=tensor_parallel,
     )
+    if untimed:
+        kwargs["compilation_config"] = {"inductor_compile_config": dict(UNTIMED_INDUCTOR)}
     if kv_cache_gib is not None:
         # A fixed KV cache skips vLLM's memory profiling, which miscounts when other engines share the GPU; the
         # utilisation then only gates the start-up check that this much memory is free.
@@ -384,7 +395,9 @@ def run(args: argparse.Namespace, model: str, workdir: Path) -> tuple[Header, li
 
     timings: Timings = []
     started = time.monotonic()
-    kwargs = engine_kwargs(model, args.dtype, args.tensor_parallel_size, args.kv_cache_gib)
+    kwargs = engine_kwargs(
+        model, args.dtype, args.tensor_parallel_size, args.kv_cache_gib, untimed=args.vanilla and torch.cuda.is_available()
+    )
     llm = LLM(**kwargs)
     timings.append(("engine start", time.monotonic() - started))
 

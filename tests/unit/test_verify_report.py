@@ -1,5 +1,6 @@
 """The judging and report formatting of ``python -m hotwire_core.verify`` (no engine needed)."""
 
+import json
 import math
 import os
 
@@ -137,3 +138,14 @@ def test_vanilla_comparison_compiles_deterministically(monkeypatch, vanilla, pre
     args = verify.build_parser().parse_args(["--vanilla"] if vanilla else [])
     verify._set_environment(args, on_gpu=True)
     assert os.environ.get("TORCHINDUCTOR_DETERMINISTIC") == expected
+
+
+def test_engine_kwargs_pin_timed_kernel_choices_only_when_asked():
+    plain = verify.engine_kwargs("m", "bfloat16")
+    assert "compilation_config" not in plain
+    untimed = verify.engine_kwargs("m", "bfloat16", untimed=True)
+    assert untimed["compilation_config"] == {
+        "inductor_compile_config": {"combo_kernels": True, "benchmark_combo_kernel": False}
+    }
+    assert {k: v for k, v in untimed.items() if k != "compilation_config"} == plain
+    json.dumps(untimed)  # travels to the vanilla child as JSON
