@@ -1,10 +1,17 @@
-"""hotwire's Prometheus series on vLLM's ``/metrics`` (the default ``prometheus_client`` registry).
+"""hotwire's Prometheus series on vLLM's ``/metrics``.
 
-A collector reads a cached ``hotwire_stats`` snapshot; :meth:`StatsCache.run` refreshes it every
+They come from a cached ``hotwire_stats`` snapshot; :meth:`StatsCache.run` refreshes it every
 ``REFRESH_INTERVAL_S`` and the ``/steer`` routes refresh it after each call, so a scrape never waits on the engine.
 ``GET /steer/slots?max_age_ms=N`` serves the same snapshot to pollers (:meth:`StatsCache.get`).
-``hotwire_refusals_total`` adds the refusals the engine counts when it admits requests to those this process's
-admission middleware issued (a request refused there never reaches the engine).
+``hotwire_refusals_total`` adds the refusals the engine counts when it admits requests to those the admission
+middleware issued (a request refused there never reaches the engine).
+
+Two ways onto ``/metrics``, matching vLLM's two registries: with one API server, a collector on the default
+registry reads the snapshot at scrape time (:class:`HotwireCollector`). With several (``--api-server-count``, or
+data parallel), vLLM sets ``PROMETHEUS_MULTIPROC_DIR`` and ``/metrics`` merges the per-process files of
+``prometheus_client`` metrics, ignoring collectors; then every API server counts its admission refusals in a
+``Counter`` (summed over processes) and the first one alone writes the engine-wide series
+(:class:`MultiprocessSeries`), which would otherwise be counted once per process.
 """
 
 from __future__ import annotations
@@ -13,12 +20,14 @@ import asyncio
 import contextlib
 import logging
 import math
+import multiprocessing
+import os
 import time
 from collections import Counter
 from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
-from prometheus_client import REGISTRY
+from prometheus_client import REGISTRY, Counter as CounterMetric, Gauge as GaugeMetric
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
@@ -28,6 +37,53 @@ from hotwire_api.models import SlotStats
 
 REFRESH_INTERVAL_S = 2.0
 logger = logging.getLogger(__name__)
+
+
+# (name, help) of the engine-wide series; the same names in both modes.
+_GAUGES = {
+    "capacity": ("hotwire_slots_capacity", "Rows in the steering bank."),
+    "used": ("hotwire_slots_used", "Bank rows holding a vector row."),
+    "pinned": ("hotwire_slots_pinned", "Bank rows pinned by running requests."),
+    "vectors": ("hotwire_vectors_registered", "Registered steering vectors."),
+}
+_COUNTERS = {
+    "evictions": ("hotwire_slot_evictions", "Bank rows evicted to make room for others."),
+    "steered_requests": ("hotwire_steered_requests", "Requests admitted with steering."),
+}
+_REFUSALS = ("hotwire_refusals", "Steering requests refused, by reason.")
+
+
+class MultiprocessSeries:
+    """``prometheus_client`` metrics for vLLM's multiprocess ``/metrics`` (``PROMETHEUS_MULTIPROC_DIR``).
+
+    ``engine_wide``: this process writes the snapshot's series (one API server must, and only one). Engine
+    counters arrive as running totals and are written as increments, so they stay counters."""
+
+    def __init__(self, engine_wide: bool):
+        self._refusals = CounterMetric(*_REFUSALS, ["reason"])
+        self._engine_wide = engine_wide
+        if engine_wide:
+            self._gauges = {k: GaugeMetric(*v, multiprocess_mode="mostrecent") for k, v in _GAUGES.items()}
+            self._counters = {k: CounterMetric(*v) for k, v in _COUNTERS.items()}
+        self._seen: dict[str, int] = {}  # running totals already written, by counter (refusals: "refused:<reason>")
+
+    def refusal(self, reason: str) -> None:
+        self._refusals.labels(reason).inc()
+
+    def snapshot(self, stats: SlotStats) -> None:
+        if not self._engine_wide:
+            return
+        for key, gauge in self._gauges.items():
+            gauge.set(getattr(stats, key))
+        for key, counter in self._counters.items():
+            counter.inc(self._advance(key, getattr(stats, key)))
+        for reason, total in stats.refused.items():
+            self._refusals.labels(reason).inc(self._advance(f"refused:{reason}", total))
+
+    def _advance(self, key: str, total: int) -> int:
+        step = max(0, total - self._seen.get(key, 0))
+        self._seen[key] = max(total, self._seen.get(key, 0))
+        return step
 
 
 class StatsCache:
@@ -40,10 +96,13 @@ class StatsCache:
         self.admission_refusals: dict[str, int] = {}
         self._inflight: asyncio.Task[SlotStats] | None = None
         self._inflight_sent = -math.inf  # time.monotonic() when the fetch in flight was sent
+        self.series: MultiprocessSeries | None = None  # set in vLLM's multiprocess metrics mode
 
     def count_refusal(self, reason: str) -> None:
         """Count a refusal issued by admission. Copy-on-write: scrapes may read from another thread."""
         self.admission_refusals = {**self.admission_refusals, reason: self.admission_refusals.get(reason, 0) + 1}
+        if self.series is not None:
+            self.series.refusal(reason)
 
     def age_s(self) -> float:
         return time.monotonic() - self.taken_at
@@ -56,6 +115,8 @@ class StatsCache:
             async def fetch() -> SlotStats:
                 stats = await engine.stats()
                 self.snapshot, self.taken_at = stats, time.monotonic()
+                if self.series is not None:
+                    self.series.snapshot(stats)
                 return stats
 
             self._inflight, self._inflight_sent = asyncio.ensure_future(fetch()), time.monotonic()
@@ -105,7 +166,7 @@ class HotwireCollector(Collector):
     def collect(self) -> Iterator[Metric]:
         stats = self._cache.snapshot
         refused = Counter(self._cache.admission_refusals)
-        refusals = CounterMetricFamily("hotwire_refusals", "Steering requests refused, by reason.", labels=["reason"])
+        refusals = CounterMetricFamily(*_REFUSALS, labels=["reason"])
         if stats is not None:
             refused.update(stats.refused)
             yield from self._bank(stats)
@@ -115,16 +176,10 @@ class HotwireCollector(Collector):
 
     @staticmethod
     def _bank(stats: SlotStats) -> Iterator[Metric]:
-        yield GaugeMetricFamily("hotwire_slots_capacity", "Rows in the steering bank.", value=stats.capacity)
-        yield GaugeMetricFamily("hotwire_slots_used", "Bank rows holding a vector row.", value=stats.used)
-        yield GaugeMetricFamily("hotwire_slots_pinned", "Bank rows pinned by running requests.", value=stats.pinned)
-        yield CounterMetricFamily(
-            "hotwire_slot_evictions", "Bank rows evicted to make room for others.", value=stats.evictions
-        )
-        yield GaugeMetricFamily("hotwire_vectors_registered", "Registered steering vectors.", value=stats.vectors)
-        yield CounterMetricFamily(
-            "hotwire_steered_requests", "Requests admitted with steering.", value=stats.steered_requests
-        )
+        for key, (name, doc) in _GAUGES.items():
+            yield GaugeMetricFamily(name, doc, value=getattr(stats, key))
+        for key, (name, doc) in _COUNTERS.items():
+            yield CounterMetricFamily(name, doc, value=getattr(stats, key))
 
 
 STATS = StatsCache()
@@ -146,9 +201,19 @@ _COLLECTOR = HotwireCollector(STATS)
 _registered = False
 
 
+def _first_api_server() -> bool:
+    """vLLM names its API server processes ``ApiServer_<i>`` when it runs several; a lone one is the main process."""
+    name = multiprocessing.current_process().name
+    return not name.startswith("ApiServer_") or name == "ApiServer_0"
+
+
 def register_collector() -> None:
-    """Expose :data:`STATS` on the default registry (the one vLLM's ``/metrics`` serves); idempotent."""
+    """Put :data:`STATS` on the registry vLLM's ``/metrics`` serves in this process; idempotent."""
     global _registered
-    if not _registered:
+    if _registered:
+        return
+    if os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
+        STATS.series = MultiprocessSeries(engine_wide=_first_api_server())
+    else:
         REGISTRY.register(_COLLECTOR)
-        _registered = True
+    _registered = True
