@@ -154,7 +154,8 @@ def serving(model: Path, shape: ModelShape, slot_counts: list[int], args: argpar
                 seqs = args.streams + 2 if slots == args.control_slots else 1
                 kv = max(kv_cache_bytes(shape, seqs, max_len), kv_cache_bytes(shape, args.batch, args.prompt_len + args.decode_tokens + 16))
                 cmd += ["--kv-cache-memory-bytes", str(kv), "--gpu-memory-utilization", "0.05"]
-            env = {k: v for k, v in os.environ.items() if k not in ("VLLM_API_KEY", "HOTWIRE_API_KEY")}
+            # The phases steer every layer: HOTWIRE_LAYERS must not restrict the servers.
+            env = {k: v for k, v in os.environ.items() if k not in ("VLLM_API_KEY", "HOTWIRE_API_KEY", "HOTWIRE_LAYERS")}
             env.update(HOTWIRE_SLOTS=str(slots), HOTWIRE_STORE="off", HF_HUB_OFFLINE="1", VLLM_NO_USAGE_STATS="1",
                        VLLM_CACHE_ROOT=str(log_dir / f"cache-slots{slots}"))
             if not gpu:

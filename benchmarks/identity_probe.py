@@ -49,7 +49,8 @@ def worker(model: str, dtype: str, mode: str, tensor_parallel: int) -> None:
 
 def run(args: argparse.Namespace, model: str, mode: str, kind: str, log: Path) -> list[list[float]]:
     """One engine in a fresh process; its logprobs. ``kind`` vanilla runs with ``VLLM_PLUGINS=""``."""
-    env = dict(os.environ)
+    # Its own compile cache: a second engine with the same config would otherwise load the first one's graphs.
+    env = {**os.environ, "VLLM_CACHE_ROOT": str(log.with_suffix(".cache"))}
     if kind == "hotwire":
         env.pop("VLLM_PLUGINS", None)
     else:

@@ -8,13 +8,14 @@ Against ``http://localhost:${PORT:-8000}`` (or ``--url`` / ``HOTWIRE_HEALTHCHECK
 2. a probe vector ``_healthcheck`` of random float32 values, ``model.hidden_size`` long, is registered with
    ``POST /steer/vectors?replace=true`` (JSON registration);
 3. one short greedy completion (``max_tokens`` 2, ``logprobs`` 1) is sent twice to ``/v1/completions``, plain and
-   with ``vllm_xargs.hotwire`` steering the probe at layer 0, scale 50; the logprobs must differ;
+   with ``vllm_xargs.hotwire`` steering the probe at the first layer the server hooks (``model.layers``, e.g.
+   0, or the first of ``HOTWIRE_LAYERS``), scale 50; the logprobs must differ;
 4. the probe is deleted again (best effort; ``--keep`` leaves it registered).
 
 Exit 0 when all holds (one ``ok`` line on stdout), else 1 with a one-line reason on stderr, as Docker's
 ``HEALTHCHECK`` expects. Keys: ``/steer/*`` gets ``HOTWIRE_API_KEY`` (else ``VLLM_API_KEY``), the OpenAI routes get
 ``VLLM_API_KEY`` (else ``HOTWIRE_API_KEY``), each as ``Authorization: Bearer <key>`` and only when set.
-Needs only httpx and the standard library.
+Needs only httpx, the standard library and ``hotwire_core.settings`` (itself standard library only).
 """
 
 from __future__ import annotations
@@ -31,8 +32,9 @@ from typing import Any
 
 import httpx
 
+from hotwire_core.settings import parse_layers
+
 PROBE_ID = "_healthcheck"
-PROBE_LAYER = 0
 PROBE_SCALE = 50
 PROMPT = "The quick brown fox"
 MAX_TOKENS = 2
@@ -80,8 +82,14 @@ def probe_vector(hidden: int, rng: random.Random) -> bytes:
     return struct.pack(f"<{hidden}f", *(rng.gauss(0.0, 1.0) for _ in range(hidden)))
 
 
-def steering_spec() -> str:
-    return json.dumps({"id": PROBE_ID, "layer": PROBE_LAYER, "scale": PROBE_SCALE})
+def probe_layer(model: dict[str, Any]) -> int:
+    """The first hooked layer (``model.layers``, e.g. ``"14-21"``); 0 when the server does not say."""
+    layers = model.get("layers")
+    return min(parse_layers(layers)) if isinstance(layers, str) and layers else 0
+
+
+def steering_spec(layer: int) -> str:
+    return json.dumps({"id": PROBE_ID, "layer": layer, "scale": PROBE_SCALE})
 
 
 def _logprobs(body: Any, label: str) -> dict[str, Any]:
@@ -146,11 +154,12 @@ def check(
             raise Unhealthy(f"GET /v1/models: no model listed: {json.dumps(models)[:200]}") from None
         request = {"model": name, "prompt": PROMPT, "max_tokens": MAX_TOKENS, "temperature": 0, "logprobs": 1}
         plain = _logprobs(_call(client, "POST", "/v1/completions", json=request, headers=openai), "plain")
-        steered_request = {**request, "vllm_xargs": {"hotwire": steering_spec()}}
+        layer = probe_layer(model)
+        steered_request = {**request, "vllm_xargs": {"hotwire": steering_spec(layer)}}
         steered = _logprobs(_call(client, "POST", "/v1/completions", json=steered_request, headers=openai), "steered")
         if not logprobs_differ(plain, steered):
             raise Unhealthy(
-                f"steering had no effect: {PROBE_ID} at layer {PROBE_LAYER}, scale {PROBE_SCALE} left the logprobs "
+                f"steering had no effect: {PROBE_ID} at layer {layer}, scale {PROBE_SCALE} left the logprobs "
                 f"of {name!r} unchanged ({plain['token_logprobs']})"
             )
     finally:

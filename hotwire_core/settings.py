@@ -24,6 +24,9 @@ def _int_env(name: str, default: int, lo: int, hi: int) -> int:
     return value
 
 
+MAX_LAYER = 1 << 16  # far above any model's depth; bounds HOTWIRE_LAYERS ranges before they are expanded
+
+
 def parse_layers(text: str) -> frozenset[int]:
     """``"8-20,24"`` -> {8, ..., 20, 24}: comma-separated layer indices and inclusive ranges."""
     layers: set[int] = set()
@@ -34,10 +37,15 @@ def parse_layers(text: str) -> frozenset[int]:
             hi = int(last) if dash else lo
         except ValueError:
             raise ValueError(f"HOTWIRE_LAYERS={text!r}: {part.strip()!r} is not a layer index or a range like 8-20") from None
-        if lo < 0 or hi < lo:
-            raise ValueError(f"HOTWIRE_LAYERS={text!r}: {part.strip()!r} is not a range of layers >= 0")
+        if lo < 0 or hi < lo or hi >= MAX_LAYER:
+            raise ValueError(f"HOTWIRE_LAYERS={text!r}: {part.strip()!r} is not a range of layers in [0, {MAX_LAYER})")
         layers.update(range(lo, hi + 1))
     return frozenset(layers)
+
+
+def middle_layer(layers: frozenset[int] | set[int], n_layers: int) -> int:
+    """The hooked layer nearest the model's middle (the one self-tests and demos steer)."""
+    return min(layers, key=lambda layer: (abs(layer - n_layers // 2), layer))
 
 
 def format_layers(layers: frozenset[int] | set[int]) -> str:

@@ -391,7 +391,8 @@ def run(args: argparse.Namespace, model: str, workdir: Path) -> tuple[Header, li
     import torch
     from vllm import LLM
 
-    from hotwire_core.offline import register_vector, steer
+    from hotwire_core.offline import register_vector, slot_stats, steer
+    from hotwire_core.settings import middle_layer, parse_layers
 
     timings: Timings = []
     started = time.monotonic()
@@ -406,7 +407,9 @@ def run(args: argparse.Namespace, model: str, workdir: Path) -> tuple[Header, li
     vector = torch.randn(engine.model_config.get_hidden_size(), generator=torch.Generator().manual_seed(0))
     register_vector(llm, VECTOR_ID, vector)
     n_layers = engine.model_config.get_num_layers(engine.vllm_config.parallel_config)
-    entry = {"id": VECTOR_ID, "layer": n_layers // 2, "scale": SCALE}
+    hooked = slot_stats(llm)["model"]["layers"]  # all of them unless HOTWIRE_LAYERS says otherwise
+    entry = {"id": VECTOR_ID, "layer": middle_layer(parse_layers(hooked), n_layers) if hooked else n_layers // 2,
+             "scale": SCALE}
     spec = steer(entry)
     header = report_header(llm, model, args.runner, entry, vector.norm().item())
 

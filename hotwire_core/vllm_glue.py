@@ -89,6 +89,8 @@ def _model_info(results: list[dict]) -> ModelInfo:
     layers = frozenset(l for r in results for l in r.get("layers", ()))
     steerable = all(r["steerable"] for r in results) and bool(layers)
     reason = "; ".join(sorted({r["reason"] for r in results if r["reason"]}))
+    if not steerable and not reason:  # every rank has decoder layers, none of them listed
+        reason = f"HOTWIRE_LAYERS={format_layers(settings().layers or frozenset())} selects no layer hotwire can hook"
     norm = all(r.get("norm", False) for r in results)
     return ModelInfo(steerable, reason, first["n_layers"], first["hidden_size"], first["dtype"], layers, norm)
 

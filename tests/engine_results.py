@@ -16,12 +16,17 @@ from typing import Any
 def engine_kwargs() -> dict[str, Any]:
     """float32 on the CPU (exact comparisons with transformers); bf16 with graphs on a GPU, with a fixed KV cache
     (no memory profiling, which miscounts when other engines share the GPU: the vanilla reference beside the
-    engine under test, or other checks run at the same time)."""
+    engine under test, or other checks run at the same time) and no kernel choice left to timing (engines
+    compared bit for bit compile separately: ``verify.UNTIMED_INDUCTOR``, with ``TORCHINDUCTOR_DETERMINISTIC=1``
+    from ``benchmarks/gpu_checks.sh``)."""
     import torch
+
+    from hotwire_core.verify import UNTIMED_INDUCTOR
 
     common = dict(max_model_len=512, max_num_seqs=8, block_size=32, seed=0)
     if torch.cuda.is_available():
-        return {**common, "dtype": "bfloat16", "gpu_memory_utilization": 0.05, "kv_cache_memory_bytes": 1 << 30}
+        return {**common, "dtype": "bfloat16", "gpu_memory_utilization": 0.05, "kv_cache_memory_bytes": 1 << 30,
+                "compilation_config": {"inductor_compile_config": dict(UNTIMED_INDUCTOR)}}
     return {**common, "dtype": "float32"}
 
 

@@ -1086,8 +1086,10 @@ class FakeServer:
     """Just enough of a hotwire server for the healthcheck: /steer/slots, /steer/vectors, /v1/models and
     /v1/completions, where a steered request changes the logprobs when ``effect`` is true."""
 
-    def __init__(self, hidden: int = 16, steerable: bool = True, effect: bool = True, slots_status: int = 200):
+    def __init__(self, hidden: int = 16, steerable: bool = True, effect: bool = True, slots_status: int = 200,
+                 layers: str | None = None):
         self.hidden = hidden
+        self.layers = layers
         self.steerable = steerable
         self.effect = effect
         self.slots_status = slots_status
@@ -1100,7 +1102,8 @@ class FakeServer:
         path = request.url.path
         if path == "/steer/slots":
             model = {"steerable": self.steerable, "reason": None if self.steerable else "no decoder layers found",
-                     "n_layers": 4, "hidden_size": self.hidden, "max_stack": 4}
+                     "n_layers": 4, "hidden_size": self.hidden, "max_stack": 4,
+                     **({"layers": self.layers} if self.layers else {})}
             return httpx.Response(self.slots_status, json={"model": model})
         if path == "/steer/vectors" and request.method == "POST":
             self.registered = json.loads(request.content)
@@ -1155,6 +1158,13 @@ def test_healthcheck_passes_when_steering_changes_logprobs() -> None:
         expected = "steer-key" if request.url.path.startswith("/steer") else "openai-key"
         assert request.headers.get("authorization") == f"Bearer {expected}"
     assert server.deleted
+
+
+def test_healthcheck_steers_the_first_hooked_layer() -> None:
+    server = FakeServer(layers="2-3")  # HOTWIRE_LAYERS=2-3: layer 0 would be refused
+    assert _check(server).startswith("ok")
+    steered = [json.loads(r.content) for r in server.requests if r.url.path == "/v1/completions"][1]
+    assert json.loads(steered["vllm_xargs"]["hotwire"])["layer"] == 2
 
 
 def test_healthcheck_sends_no_auth_header_without_keys() -> None:
@@ -1252,3 +1262,14 @@ def test_readme_commands_are_the_ones_ci_and_the_demo_run() -> None:
     assert commands == ["bash scripts/demo.sh", "bash scripts/test.sh"]
     assert 'exec bash scripts/test.sh "$@"' in (ROOT / ".ci/run").read_text()
     assert "-m hotwire_api.demo" in (ROOT / "scripts/demo.sh").read_text()
+
+
+@pytest.mark.parametrize(("layers", "expected"), [(None, 2), ("0-3", 2), ("0-1", 1), ("3", 3)])
+def test_demo_steers_the_hooked_layer_nearest_the_middle(layers: str | None, expected: int) -> None:
+    from hotwire_api.demo import _steerable_layer_and_hidden
+    from hotwire_api.models import SlotStats
+
+    model = {"steerable": True, "n_layers": 4, "hidden_size": 16, "max_stack": 4, **({"layers": layers} if layers else {})}
+    stats = SlotStats.model_validate({"capacity": 8, "used": 0, "pinned": 0, "free": 8, "evictions": 0, "refused": {},
+                                      "steered_requests": 0, "vectors": 0, "rows": [], "model": model})
+    assert _steerable_layer_and_hidden(stats) == (expected, 16)

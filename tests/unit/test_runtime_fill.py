@@ -442,3 +442,22 @@ def test_rebind_of_a_request_readded_in_the_same_step_uses_the_new_request():
     row = w._active["A"][1]
     assert w.buffers["cfg_slot"][row, 2, 0].item() == 4
     assert len(w._free_rows) == 2 * MAX_REQS - 1  # one config row taken, not two
+
+
+def _worker_info(steerable: bool, layers: list[int], reason: str = "") -> dict:
+    return {"steerable": steerable, "reason": reason, "layers": layers, "n_layers": 4, "hidden_size": 8,
+            "dtype": "float32", "norm": False}
+
+
+def test_model_info_over_ranks(monkeypatch):
+    from hotwire_core import vllm_glue
+
+    # pipeline ranks: the union of their hooked layers; a rank HOTWIRE_LAYERS left without hooks is fine
+    info = vllm_glue._model_info([_worker_info(True, [1]), _worker_info(True, [])])
+    assert info.steerable and info.layers == frozenset({1}) and not info.reason
+    info = vllm_glue._model_info([_worker_info(False, [], "no decoder layer"), _worker_info(True, [3])])
+    assert not info.steerable and info.reason == "no decoder layer"
+    # every rank has layers but HOTWIRE_LAYERS names none of them: say so instead of an empty reason
+    monkeypatch.setattr(vllm_glue, "_SETTINGS", Settings(SLOTS, STACK, "op", None, None, layers=frozenset({2})))
+    info = vllm_glue._model_info([_worker_info(True, []), _worker_info(True, [])])
+    assert not info.steerable and info.reason == "HOTWIRE_LAYERS=2 selects no layer hotwire can hook"

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from hotwire_core import __version__
-from hotwire_core.settings import Settings, default_store_root, format_layers, parse_layers
+from hotwire_core.settings import Settings, default_store_root, format_layers, middle_layer, parse_layers
 
 ENV = ("HOTWIRE_SLOTS", "HOTWIRE_MAX_STACK", "HOTWIRE_IMPL", "HOTWIRE_STORE", "HOTWIRE_VECTORS", "HOTWIRE_IDLE_GRAPHS",
        "HOTWIRE_LAYERS")
@@ -56,7 +56,8 @@ def test_empty_strings_mean_unset(env):
         ("HOTWIRE_IDLE_GRAPHS", "yes", "is not an integer"),
         ("HOTWIRE_LAYERS", "8-x", "'8-x' is not a layer index or a range"),
         ("HOTWIRE_LAYERS", "3,,4", "'' is not a layer index"),
-        ("HOTWIRE_LAYERS", "9-3", "'9-3' is not a range of layers >= 0"),
+        ("HOTWIRE_LAYERS", "9-3", "'9-3' is not a range of layers in [0, 65536)"),
+        ("HOTWIRE_LAYERS", "0-2000000000", "is not a range of layers in [0, 65536)"),
         ("HOTWIRE_LAYERS", "-2", "'-2' is not a layer index"),
     ],
 )
@@ -143,3 +144,9 @@ def test_default_store_root(monkeypatch, tmp_path):
     monkeypatch.delenv("XDG_CACHE_HOME")
     monkeypatch.setenv("HOME", str(tmp_path / "home"))
     assert Path(default_store_root()) == tmp_path / "home" / ".cache" / "hotwire" / "store"
+
+
+def test_middle_layer_is_the_hooked_one_nearest_the_middle():
+    assert middle_layer(frozenset(range(36)), 36) == 18
+    assert middle_layer(frozenset({0, 1, 2}), 36) == 2
+    assert middle_layer(frozenset({16, 20}), 36) == 16  # a tie goes to the lower layer
