@@ -7,11 +7,17 @@ request: 400 for a bad spec, an unknown vector or layer; 429 (``Retry-After: 1``
 now; 503 when the model cannot be steered. Admitted requests reach vLLM with their body unchanged and the
 response carries ``x-hotwire-receipt``. With lenient mode a 4xx instead strips the spec, serves the request
 unsteered and adds ``x-hotwire-lenient: <reason>``.
+
+The engine checks again when it admits the request; if the spec changed meanwhile (its vector deleted, say)
+the engine finishes the request with an error, which vLLM answers with a bare 500 "Internal server error". For
+a non-streamed response the middleware then asks the engine once more and, when the spec is now refused with a
+4xx, answers that refusal instead (a streamed response has sent its 200 by then and keeps vLLM's error event).
 """
 
 from __future__ import annotations
 
 import json
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -77,7 +83,48 @@ class AdmissionMiddleware:
             lenient_send = _add_header(send, LENIENT_HEADER, f"{err.code}: {err.message}")
             await self.app(_with_length(scope, len(body)), _replay(body, receive), lenient_send)
             return
-        await self.app(scope, _replay(body, receive), _add_header(send, RECEIPT_HEADER, receipt))
+        engine = HotwireEngine.of(scope["app"])
+        explained = _explain_engine_refusal(send, scope, receive, lambda: _refusal_now(engine, spec))
+        await self.app(scope, _replay(body, receive), _add_header(explained, RECEIPT_HEADER, receipt))
+
+
+async def _refusal_now(engine: HotwireEngine, spec: str) -> HotwireError | None:
+    """The 4xx the engine would give ``spec`` now (429 aside: a busy bank did not fail the request), else None."""
+    try:
+        await engine.check(spec)
+    except HotwireError as err:
+        if 400 <= err.status < 500 and err.status != 429:
+            if err.field is not None and err.field.startswith(SPEC_KEY):
+                err.field = f"vllm_xargs.{err.field}"
+            err.message += " (the engine refused the steering after this request passed admission)"
+            return err
+    return None
+
+
+def _explain_engine_refusal(
+    send: Send, scope: Scope, receive: Receive, refusal_now: Callable[[], Awaitable[HotwireError | None]]
+) -> Send:
+    """Hold a 500 response until its last body part; send the spec's current refusal instead when there is one."""
+    held: list[Message] = []
+
+    async def send_explained(message: Message) -> None:
+        if message["type"] == "http.response.start" and message.get("status") == 500:
+            held.append(message)
+            return
+        if not held:
+            await send(message)
+            return
+        held.append(message)
+        if message["type"] == "http.response.body" and message.get("more_body", False):
+            return
+        refusal = await refusal_now()
+        if refusal is not None:
+            await refusal.response()(scope, receive, send)
+            return
+        for kept in held:
+            await send(kept)
+
+    return send_explained
 
 
 def _path(scope: Scope) -> str:

@@ -12,6 +12,7 @@ import time
 from argparse import Namespace
 from collections import Counter
 from pathlib import Path
+from collections.abc import Callable
 from typing import Any
 
 import httpx
@@ -553,6 +554,43 @@ def test_no_receipt_when_vllm_rejects_the_request(engine: FakeEngine) -> None:
     response = client.post("/v1/chat/completions", json=_chat({"hotwire": _spec()}))
     assert response.status_code == 400 and "x-hotwire-receipt" not in response.headers
     assert ("hotwire_check", (_spec(),)) in engine.calls
+
+
+# What vLLM 0.25.1 answers for a request the engine finished with an error (generation_error_handler).
+_VLLM_500 = {"error": {"message": "Internal server error", "type": "InternalServerError", "param": None, "code": 500}}
+
+
+def _failing_chat_route(app: FastAPI, before_failing: Callable[[], None]) -> None:
+    async def fail(request: Request) -> JSONResponse:
+        await request.body()
+        before_failing()
+        return JSONResponse(_VLLM_500, status_code=500)
+
+    app.router.routes = [r for r in app.router.routes if getattr(r, "path", "") != "/v1/chat/completions"]
+    app.add_api_route("/v1/chat/completions", fail, methods=["POST"])
+
+
+def test_engine_refusal_after_admission_is_explained(engine: FakeEngine) -> None:
+    """The vector is deleted between admission and the engine: the engine's error becomes the spec's 400."""
+    app = _openai_app(engine, Settings())
+    _failing_chat_route(app, lambda: engine.vectors.pop("happy"))
+    client = TestClient(app)
+    _upload(client, "happy", _vector())
+    response = client.post("/v1/chat/completions", json=_chat({"hotwire": _spec()}))
+    error = _error(response, 400, "unknown_vector", "vllm_xargs.hotwire[0].id")
+    assert "after this request passed admission" in error["message"]
+    assert "x-hotwire-receipt" not in response.headers
+    assert [c for c in engine.calls if c[0] == "hotwire_check"] == [("hotwire_check", (_spec(),))] * 2
+
+
+def test_other_engine_errors_pass_through(engine: FakeEngine) -> None:
+    app = _openai_app(engine, Settings())
+    _failing_chat_route(app, lambda: None)  # the spec is still fine: the 500 is not about steering
+    client = TestClient(app)
+    _upload(client, "happy", _vector())
+    response = client.post("/v1/chat/completions", json=_chat({"hotwire": _spec()}))
+    assert (response.status_code, response.json()) == (500, _VLLM_500)
+    assert "x-hotwire-receipt" not in response.headers
 
 
 def test_streaming_response_passes_through(client: TestClient) -> None:
