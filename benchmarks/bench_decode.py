@@ -26,6 +26,7 @@ import argparse
 import contextlib
 import json
 import os
+import re
 import signal
 import statistics
 import subprocess
@@ -185,6 +186,18 @@ def middle_layers(n_layers: int, count: int) -> str:
     return f"{first}-{min(n_layers, first + count) - 1}"
 
 
+_CAPTURE_LINE = re.compile(r"Graph capturing finished in ([\d.]+) secs, took ([\d.]+) GiB")
+
+
+def graph_capture(log: str) -> dict | None:
+    """What vLLM logged about CUDA graph capture: seconds and GiB (None when it logged nothing, e.g. eager)."""
+    found = _CAPTURE_LINE.findall(log)
+    if not found:
+        return None
+    secs, gib = found[-1]
+    return {"seconds": float(secs), "gib": float(gib)}
+
+
 def split_config(config: str) -> tuple[str, str]:
     """``"op/v1"`` -> ``("op", "v1")``; no suffix means the default V2 runner."""
     kind, _, runner = config.partition("/")
@@ -265,6 +278,9 @@ def main() -> None:
     parser.add_argument("--decode-tokens", type=int, default=128)
     parser.add_argument("--prompt-len", type=int, default=32)
     parser.add_argument("--kv-cache-gib", type=float, default=12.0, help="KV cache of each engine")
+    parser.add_argument("--one-by-one", action="store_true",
+                        help="start each engine once the previous one is ready (slower start; the graph capture "
+                             "time and memory vLLM logs are then each engine's own)")
     parser.add_argument("--out", type=Path, required=False)
     parser.add_argument("--worker", dest="config", help=argparse.SUPPRESS)
     parser.add_argument("--model", help=argparse.SUPPRESS)
@@ -293,9 +309,15 @@ def main() -> None:
     try:
         for config in configs:
             engines.append(Engine(config, args, model, SHAPES[args.shape].num_layers))
-        for e in engines:
-            e.ready()
+            if args.one_by_one:
+                engines[-1].ready()
+        if not args.one_by_one:
+            for e in engines:
+                e.ready()
         print(f"{len(engines)} engines ready in {time.time() - start:.0f} s", flush=True)
+        capture = {e.config: graph_capture(Path(e.log.name).read_text(errors="replace")) for e in engines}
+        for config, logged in capture.items():
+            print(f"{config}: graph capture {logged}", flush=True)
         rows = measure(engines, args)
         finished = True
     finally:
@@ -304,10 +326,10 @@ def main() -> None:
     summary = summarize(rows)
     print(table(summary))
     if args.out:
-        _write(args, rows, summary)
+        _write(args, rows, summary, capture)
 
 
-def _write(args: argparse.Namespace, rows: list[dict], summary: list[dict]) -> None:
+def _write(args: argparse.Namespace, rows: list[dict], summary: list[dict], capture: dict) -> None:
     import torch
     import vllm
 
@@ -324,6 +346,7 @@ def _write(args: argparse.Namespace, rows: list[dict], summary: list[dict]) -> N
                     for c in args.configs.split(",")},
         "modes": {m: MODES[m] for m in args.modes},
     }
+    meta["graph_capture"] = {"engines_started": "one by one" if args.one_by_one else "side by side", **capture}
     args.out.write_text(json.dumps({"meta": meta, "summary": summary, "table": table(summary), "rows": rows}, indent=1))
 
 

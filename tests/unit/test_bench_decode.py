@@ -68,3 +68,10 @@ def test_v1_configs_pair_with_the_v1_baseline():
     ]
     by = {s["config"]: s for s in bench.summarize(rows)}
     assert by["op/v1"]["vs_vanilla"] == pytest.approx(0.1)
+
+
+def test_graph_capture_is_read_from_vllms_log():
+    log = ("(EngineCore pid=1) INFO 11-30 01:50:00 [model_runner.py:722] Graph capturing finished in 7 secs, "
+           "took 0.61 GiB\n")
+    assert bench.graph_capture(log) == {"seconds": 7.0, "gib": 0.61}
+    assert bench.graph_capture("no graphs: enforce_eager") is None
