@@ -235,6 +235,11 @@ async def stream_worker(cfg: dict) -> None:
     print("RESULT " + json.dumps(times), flush=True)
 
 
+def _summarize_ms(intervals: list[Interval]) -> dict:
+    """:func:`summarize` of how long each call was in flight, in ms."""
+    return summarize([(end - start) * 1e3 for start, end in intervals])
+
+
 def _get_ok(http: httpx.Client, path: str) -> None:
     http.get(path).raise_for_status()
 
@@ -298,9 +303,8 @@ def measure_under_load(hw: HotwireClient, url: str, shape: ModelShape, args: arg
         idle, reg = stall["idle"][stat], stall["register"][stat]
         stall[f"stall_{stat}_ms"] = None if idle is None or reg is None else round(reg - idle, 3)
     stall["streams_finished_early"] = sum(len(times) >= args.stream_tokens for times in streams)
-    latency = {"fresh": summarize([(e - s) * 1e3 for s, e in busy["slots"]]),
-               f"max_age_ms={POLL_MAX_AGE_MS}": summarize([(e - s) * 1e3 for s, e in polled]),
-               BASELINE_ROUTE: summarize([(e - s) * 1e3 for s, e in busy["version"]])}
+    latency = {"fresh": _summarize_ms(busy["slots"]), f"max_age_ms={POLL_MAX_AGE_MS}": _summarize_ms(polled),
+               BASELINE_ROUTE: _summarize_ms(busy["version"])}
     return stall, latency
 
 

@@ -70,11 +70,10 @@ class AdmissionMiddleware:
                     '"vllm_xargs": {"hotwire": "{\\"id\\": \\"happy\\", \\"layer\\": 10, \\"scale\\": 4.0}"}',
                     _FIELD,
                 )
-            receipt = await HotwireEngine.of(scope["app"]).check(spec)
+            engine = HotwireEngine.of(scope["app"])
+            receipt = await _check(engine, spec)
         except HotwireError as err:
             STATS.count_refusal(err.code)
-            if err.field is not None and err.field.startswith(SPEC_KEY):
-                err.field = f"vllm_xargs.{err.field}"
             if not (self.lenient and 400 <= err.status < 500):
                 await err.response()(scope, receive, send)
                 return
@@ -83,19 +82,26 @@ class AdmissionMiddleware:
             lenient_send = _add_header(send, LENIENT_HEADER, f"{err.code}: {err.message}")
             await self.app(_with_length(scope, len(body)), _replay(body, receive), lenient_send)
             return
-        engine = HotwireEngine.of(scope["app"])
         explained = _explain_engine_refusal(send, scope, receive, lambda: _refusal_now(engine, spec))
         await self.app(scope, _replay(body, receive), _add_header(explained, RECEIPT_HEADER, receipt))
+
+
+async def _check(engine: HotwireEngine, spec: str) -> str:
+    """The engine's receipt for ``spec``, or its refusal with the field named as in the request body."""
+    try:
+        return await engine.check(spec)
+    except HotwireError as err:
+        if err.field is not None and err.field.startswith(SPEC_KEY):
+            err.field = f"vllm_xargs.{err.field}"
+        raise
 
 
 async def _refusal_now(engine: HotwireEngine, spec: str) -> HotwireError | None:
     """The 4xx the engine would give ``spec`` now (429 aside: a busy bank did not fail the request), else None."""
     try:
-        await engine.check(spec)
+        await _check(engine, spec)
     except HotwireError as err:
         if 400 <= err.status < 500 and err.status != 429:
-            if err.field is not None and err.field.startswith(SPEC_KEY):
-                err.field = f"vllm_xargs.{err.field}"
             err.message += " (the engine refused the steering after this request passed admission)"
             return err
     return None

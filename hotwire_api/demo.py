@@ -36,7 +36,7 @@ from hotwire_api.client import HotwireClient
 from hotwire_api.errors import HotwireError
 from hotwire_api.healthcheck import logprobs_differ
 from hotwire_api.models import SlotStats
-from hotwire_core.settings import middle_layer, parse_layers
+from hotwire_core.settings import middle_layer
 
 PROMPT = "The quick brown fox"
 MAX_TOKENS = 16
@@ -239,8 +239,7 @@ def _steerable_layer_and_hidden(stats: SlotStats) -> tuple[int, int]:
         raise DemoError(f"the served model cannot be steered: {model.reason or 'model.steerable is false'}")
     if not model.hidden_size or not model.n_layers:
         raise DemoError(f"GET /steer/slots gave no model geometry: {model}")
-    hooked = parse_layers(model.layers) if model.layers else frozenset(range(model.n_layers))
-    return middle_layer(hooked, model.n_layers), model.hidden_size
+    return middle_layer(model.layers, model.n_layers), model.hidden_size
 
 
 def run_demo(url: str) -> Outcome:

@@ -277,9 +277,14 @@ class SteeringController:
             )
 
     @staticmethod
-    def _row_sources(resolved: list[tuple[SteeringEntry, HostVector]]) -> dict[RowKey, tuple[HostVector, int]]:
+    def _row_key(vector: HostVector, layer: int) -> RowKey:
+        """The bank row ``vector`` contributes at ``layer``."""
+        return RowKey(vector.vector_id, vector.version, vector.row_key_layer(layer))
+
+    @classmethod
+    def _row_sources(cls, resolved: list[tuple[SteeringEntry, HostVector]]) -> dict[RowKey, tuple[HostVector, int]]:
         """The bank rows a spec reads, each with the (vector, layer) its values come from."""
-        return {RowKey(v.vector_id, v.version, v.row_key_layer(l)): (v, l) for e, v in resolved for l in e.layers}
+        return {cls._row_key(v, l): (v, l) for e, v in resolved for l in e.layers}
 
     @staticmethod
     def _receipt(resolved: list[tuple[SteeringEntry, HostVector]]) -> str:
@@ -323,7 +328,7 @@ class SteeringController:
         self._load(loads, sources)
         entries = [
             BoundEntry(
-                RowKey(v.vector_id, v.version, v.row_key_layer(layer)), layer,
+                self._row_key(v, layer), layer,
                 0.0 if e.norm else e.scale, e.scale if e.norm else 0.0,
                 {Phase.ALL: "pd", Phase.PREFILL: "p", Phase.DECODE: "d"}[e.phase],
             )

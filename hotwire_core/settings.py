@@ -43,8 +43,10 @@ def parse_layers(text: str) -> frozenset[int]:
     return frozenset(layers)
 
 
-def middle_layer(layers: frozenset[int] | set[int], n_layers: int) -> int:
-    """The hooked layer nearest the model's middle (the one self-tests and demos steer)."""
+def middle_layer(hooked: str | None, n_layers: int) -> int:
+    """The hooked layer nearest the model's middle (the one self-tests and demos steer). ``hooked``: the
+    server's ``model.layers`` (e.g. ``"14-21"``); None or empty means every layer."""
+    layers = parse_layers(hooked) if hooked else range(n_layers)
     return min(layers, key=lambda layer: (abs(layer - n_layers // 2), layer))
 
 

@@ -202,6 +202,11 @@ def exit_status(checks: Sequence[Check]) -> int:
 UNTIMED_INDUCTOR = {"combo_kernels": True, "benchmark_combo_kernel": False}
 
 
+def untimed_compilation_config() -> dict[str, Any]:
+    """vLLM's ``compilation_config`` argument for :data:`UNTIMED_INDUCTOR` (a fresh dict per engine)."""
+    return {"inductor_compile_config": dict(UNTIMED_INDUCTOR)}
+
+
 def engine_kwargs(
     model: str, dtype: str, tensor_parallel: int = 1, kv_cache_gib: float | None = None, untimed: bool = False
 ) -> dict[str, Any]:
@@ -217,7 +222,7 @@ def engine_kwargs(
         tensor_parallel_size=tensor_parallel,
     )
     if untimed:
-        kwargs["compilation_config"] = {"inductor_compile_config": dict(UNTIMED_INDUCTOR)}
+        kwargs["compilation_config"] = untimed_compilation_config()
     if kv_cache_gib is not None:
         # A fixed KV cache skips vLLM's memory profiling, which miscounts when other engines share the GPU; the
         # utilisation then only gates the start-up check that this much memory is free.
@@ -392,7 +397,7 @@ def run(args: argparse.Namespace, model: str, workdir: Path) -> tuple[Header, li
     from vllm import LLM
 
     from hotwire_core.offline import register_vector, slot_stats, steer
-    from hotwire_core.settings import middle_layer, parse_layers
+    from hotwire_core.settings import middle_layer
 
     timings: Timings = []
     started = time.monotonic()
@@ -408,8 +413,7 @@ def run(args: argparse.Namespace, model: str, workdir: Path) -> tuple[Header, li
     register_vector(llm, VECTOR_ID, vector)
     n_layers = engine.model_config.get_num_layers(engine.vllm_config.parallel_config)
     hooked = slot_stats(llm)["model"]["layers"]  # all of them unless HOTWIRE_LAYERS says otherwise
-    entry = {"id": VECTOR_ID, "layer": middle_layer(parse_layers(hooked), n_layers) if hooked else n_layers // 2,
-             "scale": SCALE}
+    entry = {"id": VECTOR_ID, "layer": middle_layer(hooked, n_layers), "scale": SCALE}
     spec = steer(entry)
     header = report_header(llm, model, args.runner, entry, vector.norm().item())
 

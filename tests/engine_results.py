@@ -21,12 +21,12 @@ def engine_kwargs() -> dict[str, Any]:
     from ``benchmarks/gpu_checks.sh``)."""
     import torch
 
-    from hotwire_core.verify import UNTIMED_INDUCTOR
+    from hotwire_core.verify import untimed_compilation_config
 
     common = dict(max_model_len=512, max_num_seqs=8, block_size=32, seed=0)
     if torch.cuda.is_available():
         return {**common, "dtype": "bfloat16", "gpu_memory_utilization": 0.05, "kv_cache_memory_bytes": 1 << 30,
-                "compilation_config": {"inductor_compile_config": dict(UNTIMED_INDUCTOR)}}
+                "compilation_config": untimed_compilation_config()}
     return {**common, "dtype": "float32"}
 
 

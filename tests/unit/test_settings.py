@@ -147,6 +147,7 @@ def test_default_store_root(monkeypatch, tmp_path):
 
 
 def test_middle_layer_is_the_hooked_one_nearest_the_middle():
-    assert middle_layer(frozenset(range(36)), 36) == 18
-    assert middle_layer(frozenset({0, 1, 2}), 36) == 2
-    assert middle_layer(frozenset({16, 20}), 36) == 16  # a tie goes to the lower layer
+    assert middle_layer("0-35", 36) == 18
+    assert middle_layer(None, 36) == middle_layer("", 36) == 18  # the server did not say: every layer
+    assert middle_layer("0-2", 36) == 2
+    assert middle_layer("16,20", 36) == 16  # a tie goes to the lower layer
