@@ -14,8 +14,8 @@ OP_NAMESPACE = "hotwire"
 OP_NAME = "steer_"
 _QUALNAME = f"{OP_NAMESPACE}::{OP_NAME}"
 _SCHEMA = (
-    f"{OP_NAME}(Tensor(a!) residual, Tensor? hidden, Tensor token_cfg, Tensor cfg_slot, Tensor cfg_scale, "
-    "Tensor cfg_rel, Tensor bank, Tensor inv_norm, int layer) -> ()"
+    f"{OP_NAME}(Tensor(a!) residual, Tensor? hidden, Tensor token_cfg, Tensor layer_on, Tensor cfg_slot, "
+    "Tensor cfg_scale, Tensor cfg_rel, Tensor bank, Tensor inv_norm, int layer) -> ()"
 )
 
 # The op lives exactly as long as this object: keep it referenced for the life of the process.
@@ -43,6 +43,7 @@ def steer_torch(
     residual: torch.Tensor,
     hidden: torch.Tensor | None,
     token_cfg: torch.Tensor,
+    layer_on: torch.Tensor,
     cfg_slot: torch.Tensor,
     cfg_scale: torch.Tensor,
     cfg_rel: torch.Tensor,
@@ -51,7 +52,8 @@ def steer_torch(
     layer: int,
     use_norm: bool = True,
 ) -> torch.Tensor:
-    """Return the steered residual (out of place); rows whose config is 0 come back bit-identical.
+    """Return the steered residual (out of place); rows whose config is 0 come back bit-identical, and so does
+    every row at a layer whose ``layer_on`` flag is 0.
 
     Only branch-free, data-independent torch ops, so that Inductor can fuse this into neighbouring kernels
     and it can be captured in a CUDA graph. The loop over K unrolls on a static shape, and it avoids
@@ -70,11 +72,12 @@ def steer_torch(
     acc = res32
     for k in range(slots.shape[1]):
         acc = acc + coef[:, k : k + 1] * bank[slots[:, k]].float()
-    return torch.where((cfg != 0).unsqueeze(-1), acc.to(residual.dtype), residual)
+    steered = (cfg != 0) & (layer_on[layer] != 0)
+    return torch.where(steered.unsqueeze(-1), acc.to(residual.dtype), residual)
 
 
-# The kernels take the schema's arguments in order: (residual, hidden, token_cfg, cfg_slot, cfg_scale, cfg_rel,
-# bank, inv_norm, layer), as documented on steer_torch.
+# The kernels take the schema's arguments in order: (residual, hidden, token_cfg, layer_on, cfg_slot, cfg_scale,
+# cfg_rel, bank, inv_norm, layer), as documented on steer_torch.
 
 
 def _steer_cpu(residual: torch.Tensor, *args: object) -> None:

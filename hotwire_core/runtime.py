@@ -2,7 +2,8 @@
 
 Buffers are allocated once at model load, before torch.compile and CUDA-graph capture, and never reallocated:
 graphs read them by address. Per step the only host work is writing one config index per token
-(``token_cfg``); the per-request config table changes only when a request is added or removed.
+(``token_cfg``); the per-request config table, and ``layer_on`` (which layers any live config steers), change
+only when a request is added or removed.
 """
 
 from __future__ import annotations
@@ -101,7 +102,7 @@ class SteerHook(nn.Module):
             target, other = hidden, (residual if self.norm else None)
         else:
             target, other = residual, hidden
-        args = (self.token_cfg, self.cfg_slot, self.cfg_scale, self.cfg_rel, self.bank, self.inv_norm, self.layer)
+        args = (self.token_cfg, self.layer_on, self.cfg_slot, self.cfg_scale, self.cfg_rel, self.bank, self.inv_norm, self.layer)
         if self.impl == "inductor":
             target = ops.steer_torch(target, other, *args, use_norm=self.norm)
         else:
@@ -180,6 +181,7 @@ class WorkerSteering:
                 "bank": torch.zeros(settings.slots + 1, hidden_size, dtype=dtype),
                 "inv_norm": torch.zeros(settings.slots + 1, dtype=torch.float32),
                 "token_cfg": torch.zeros(max_tokens, dtype=torch.int32),
+                "layer_on": torch.zeros(n_layers, dtype=torch.int32),
                 "cfg_slot": torch.zeros(n_cfg, n_layers, k, dtype=torch.int32),
                 "cfg_scale": torch.zeros(n_cfg, n_layers, k, dtype=torch.float32),
                 "cfg_rel": torch.zeros(n_cfg, n_layers, k, dtype=torch.float32),
@@ -190,6 +192,9 @@ class WorkerSteering:
         self._uploader = _Uploader(device)
         self._free_rows = list(range(n_cfg - 1, 0, -1))
         self._active: dict[str, tuple[int, int, int]] = {}  # req_id -> (prefill row, decode row, prompt len)
+        self._row_layers: dict[int, np.ndarray] = {}  # config row -> the layers it steers (bool [n_layers])
+        self._layer_users = np.zeros(n_layers, np.int64)  # live config rows steering each layer
+        self._layer_on = np.zeros(n_layers, np.int32)  # what layer_on holds on the device
         self._dirty = 0  # token_cfg[:_dirty] may be non-zero on the device
         self._staging = np.zeros(max_tokens, dtype=np.int32)
         self._uploaded = np.zeros(0, np.int32)  # what token_cfg[:len] holds on the device since the last copy
@@ -215,6 +220,7 @@ class WorkerSteering:
 
     def on_step(self, scheduler_output: Any, removed: Iterable[str]) -> None:
         """Apply the controller's bank writes, drop removed requests, and add the new ones."""
+        epoch = self._epoch
         writes = getattr(scheduler_output, "hotwire_writes", None)
         if writes:
             self._apply_writes(writes)
@@ -234,6 +240,8 @@ class WorkerSteering:
             new += [(r, self._active[r][2], config) for r, config in rebinds.items() if r in self._active and r not in added]
         if new:
             self._add(new)
+        if self._epoch != epoch:
+            self._sync_layer_on()
 
     def _apply_writes(self, writes: Sequence[Any]) -> None:
         slots = torch.tensor([w.slot for w in writes], dtype=torch.long)
@@ -247,7 +255,20 @@ class WorkerSteering:
         rows = self._active.pop(req_id, None)
         if rows is not None:
             self._epoch += 1
-            self._free_rows.extend(r for r in rows[:2] if r)
+            for row in rows[:2]:
+                if row:
+                    self._layer_users -= self._row_layers.pop(row)
+                    self._free_rows.append(row)
+
+    def _sync_layer_on(self) -> None:
+        """Switch on exactly the layers some live config steers: at the others the op returns after one load.
+
+        A superset of the layers the scheduled tokens steer is always correct (the op then checks each token's
+        own entries), so this follows admissions and removals rather than every step."""
+        on = (self._layer_users > 0).astype(np.int32)
+        if not np.array_equal(on, self._layer_on):
+            self._layer_on = on
+            self.buffers["layer_on"].copy_(self._uploader.to_device(torch.from_numpy(on)), non_blocking=True)
 
     def _add(self, new: list[tuple[str, int, dict]]) -> None:
         k = self.settings.max_stack
@@ -270,6 +291,8 @@ class WorkerSteering:
                     j = used[layer]
                     slot[layer, j], scale[layer, j], rel[layer, j] = int(s), sc, rl
                     used[layer] += 1
+                self._row_layers[row] = used > 0
+                self._layer_users += used > 0
                 row_ids.append(row)
                 slots.append(slot)
                 scales.append(scale)

@@ -1,7 +1,8 @@
 """Triton kernel behind the CUDA implementation of ``torch.ops.hotwire.steer_``.
 
-One program per token. Unsteered tokens (config 0), and steered tokens at layers their config leaves alone, return
-before touching the residual: they cost one int32 load (and K more). H is a compile-time constant (fixed per model), so the chunk loops have static
+One program per token. Unsteered tokens (config 0) and every token at a layer no live config steers (``layer_on``)
+return after one round of loads (two independent int32 loads, issued together); steered tokens at a switched-on
+layer their own config leaves alone cost K more loads. H is a compile-time constant (fixed per model), so the chunk loops have static
 bounds (which also keeps them runnable in Triton's interpreter). The launcher only reads shapes and strides, never tensor data, and allocates
 nothing, so it is safe to capture in a CUDA graph once the kernel has been compiled (vLLM warms up first).
 Imported only when the CUDA kernel first runs (see ``hotwire_core.ops``).
@@ -21,6 +22,7 @@ def _steer_kernel(
     res_ptr,
     hid_ptr,
     token_cfg_ptr,
+    layer_on_ptr,
     slot_ptr,
     scale_ptr,
     rel_ptr,
@@ -37,8 +39,10 @@ def _steer_kernel(
     BLOCK_H: tl.constexpr,
 ):
     token = tl.program_id(0).to(tl.int64)
+    # Both loads are independent, so their latencies overlap: a layer nobody steers costs one memory round trip.
     cfg = tl.load(token_cfg_ptr + token)
-    if cfg == 0:
+    on = tl.load(layer_on_ptr + layer)
+    if (cfg == 0) | (on == 0):
         return
     entry0 = (cfg.to(tl.int64) * n_layers + layer) * K
     # A steered token at a layer its config does not touch (all slots 0): leave the row alone.
@@ -98,6 +102,7 @@ def steer_triton_(
     residual: torch.Tensor,
     hidden: torch.Tensor | None,
     token_cfg: torch.Tensor,
+    layer_on: torch.Tensor,
     cfg_slot: torch.Tensor,
     cfg_scale: torch.Tensor,
     cfg_rel: torch.Tensor,
@@ -116,6 +121,7 @@ def steer_triton_(
         residual,
         hid,
         token_cfg,
+        layer_on,
         cfg_slot,
         cfg_scale,
         cfg_rel,

@@ -35,6 +35,7 @@ class OpArgs(NamedTuple):
     residual: torch.Tensor
     hidden: torch.Tensor | None
     token_cfg: torch.Tensor
+    layer_on: torch.Tensor
     cfg_slot: torch.Tensor
     cfg_scale: torch.Tensor
     cfg_rel: torch.Tensor
@@ -77,7 +78,9 @@ def make_case(seed: int, dtype: torch.dtype, *, with_hidden: bool = True, **dims
     token_cfg = torch.randint(0, c, (t + 5,), generator=g, dtype=torch.int32)
     token_cfg[0], token_cfg[1] = 0, randint(1, c)
     token_cfg[t:] = c - 1
-    return OpArgs(residual, hidden, token_cfg, cfg_slot, cfg_scale, cfg_rel, bank, inv_norm, layer)
+    layer_on = torch.randint(0, 2, (n_layers,), generator=g, dtype=torch.int32)
+    layer_on[layer] = randint(1, 3)  # any non-zero flag switches the layer on
+    return OpArgs(residual, hidden, token_cfg, layer_on, cfg_slot, cfg_scale, cfg_rel, bank, inv_norm, layer)
 
 
 def reference_steer(a: OpArgs) -> torch.Tensor:
@@ -85,7 +88,7 @@ def reference_steer(a: OpArgs) -> torch.Tensor:
     out = a.residual.double().clone()
     for t in range(a.residual.shape[0]):
         c = int(a.token_cfg[t])
-        if c == 0:
+        if c == 0 or a.layer_on[a.layer] == 0:
             continue
         base = a.residual[t].double()
         if a.hidden is not None:
@@ -107,15 +110,20 @@ def assert_matches_reference(out: torch.Tensor, a: OpArgs) -> None:
     """``out`` is the steered ``a.residual``: close to the reference, and unsteered rows untouched bit for bit."""
     assert out.dtype == a.residual.dtype and out.shape == a.residual.shape
     a, out = a.to("cpu"), out.cpu()
-    idle = a.token_cfg[: a.residual.shape[0]] == 0
+    idle = idle_rows(a)
     torch.testing.assert_close(out[~idle].double(), reference_steer(a)[~idle], **TOL[a.residual.dtype])
     assert same_bits(out[idle], a.residual[idle])
+
+
+def idle_rows(a: OpArgs) -> torch.Tensor:
+    """The rows the op must leave alone: unsteered tokens, or every token at a switched-off layer."""
+    return (a.token_cfg[: a.residual.shape[0]] == 0) | (a.layer_on[a.layer] == 0)
 
 
 def with_poisoned_idle_rows(a: OpArgs) -> OpArgs:
     """NaN and -0.0 in unsteered rows: any arithmetic on them (even adding 0) would show in the bits."""
     residual = a.residual.clone()
-    idle = a.token_cfg[: residual.shape[0]] == 0
+    idle = idle_rows(a)
     residual[idle] = -0.0
     residual[idle, 0] = float("nan")
     return a._replace(residual=residual)
@@ -151,6 +159,16 @@ def check_triton_against_reference(device: str) -> None:
     untouched = token_cfg[:6] == 1
     assert same_bits(out.cpu()[untouched], residual[untouched]), "a row with no entry at this layer was written"
     assert_matches_reference(out, a)
+    # A switched-off layer: no row is written, though the tokens' configs have entries there.
+    a = with_poisoned_idle_rows(make_case(41, torch.bfloat16, n_tokens=5))
+    layer_on = a.layer_on.clone()
+    layer_on[a.layer] = 0
+    a = a._replace(layer_on=layer_on)
+    assert bool((a.cfg_slot[a.token_cfg[:5], a.layer] != 0).any()), "the case has no entry to skip"
+    a = with_poisoned_idle_rows(a).to(device)
+    out = a.residual.clone()
+    triton_steer.steer_triton_(*a._replace(residual=out))
+    assert same_bits(out.cpu(), a.residual.cpu()), "a row at a switched-off layer was written"
     # Many chunks at a small H, masked tail included.
     default_block = triton_steer.MAX_BLOCK_H
     triton_steer.MAX_BLOCK_H = 32
@@ -181,9 +199,22 @@ def test_steer_torch_matches_reference(seed: int, with_hidden: bool, dtype: torc
 def test_steer_torch_leaves_idle_rows_bit_identical() -> None:
     a = with_poisoned_idle_rows(make_case(7, torch.bfloat16))
     out = steer_torch(*a)
-    idle = a.token_cfg[: a.residual.shape[0]] == 0
+    idle = idle_rows(a)
     assert same_bits(out[idle], a.residual[idle])
     assert torch.isfinite(out[~idle]).all()
+
+
+def test_switched_off_layer_is_left_alone() -> None:
+    """``layer_on[layer] == 0``: no token is steered at that layer, whatever its config holds there."""
+    a = make_case(8, torch.float32, n_tokens=12)
+    assert not same_bits(steer_torch(*a), a.residual), "the case steered nothing: the comparison would prove little"
+    layer_on = a.layer_on.clone()
+    layer_on[a.layer] = 0
+    off = with_poisoned_idle_rows(a._replace(layer_on=layer_on))
+    assert same_bits(steer_torch(*off), off.residual)
+    residual = off.residual.clone()
+    torch.ops.hotwire.steer_(*off._replace(residual=residual))
+    assert same_bits(residual, off.residual)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
@@ -206,10 +237,11 @@ def test_norm_relative_entry_by_hand() -> None:
     cfg_scale = torch.zeros(2, 1, 1)
     cfg_rel = torch.tensor([[[0.0]], [[1.0]]])
     token_cfg = torch.tensor([1, 0, 1], dtype=torch.int32)
-    out = steer_torch(residual, hidden, token_cfg, cfg_slot, cfg_scale, cfg_rel, bank, inv_norm, 0)
+    on = torch.ones(1, dtype=torch.int32)
+    out = steer_torch(residual, hidden, token_cfg, on, cfg_slot, cfg_scale, cfg_rel, bank, inv_norm, 0)
     assert out.tolist() == [[1.0, 6.0], [7.0, 7.0]]
     # Without hidden the norm is |[1, 1]| = sqrt(2).
-    out = steer_torch(residual, None, token_cfg, cfg_slot, cfg_scale, cfg_rel, bank, inv_norm, 0)
+    out = steer_torch(residual, None, token_cfg, on, cfg_slot, cfg_scale, cfg_rel, bank, inv_norm, 0)
     torch.testing.assert_close(out, torch.tensor([[1.0, 1.0 + math.sqrt(2)], [7.0, 7.0]]))
 
 
@@ -224,7 +256,7 @@ def test_stacked_entries_add_up() -> None:
     cfg_scale[1, layer, :2] = torch.tensor([1.5, 2.5])
     cfg_rel[1, layer] = 0
     token_cfg = torch.ones_like(a.token_cfg)
-    a = a._replace(token_cfg=token_cfg, cfg_slot=cfg_slot, cfg_scale=cfg_scale, cfg_rel=cfg_rel)
+    a = a._replace(token_cfg=token_cfg, layer_on=torch.ones_like(a.layer_on), cfg_slot=cfg_slot, cfg_scale=cfg_scale, cfg_rel=cfg_rel)
     stacked = steer_torch(*a)
     expected = a.residual + 4.0 * a.bank[slot]
     torch.testing.assert_close(stacked, expected)
@@ -281,7 +313,8 @@ def test_import_is_cheap_and_reload_safe() -> None:
         "assert not torch.cuda.is_initialized()\n"
         "assert 'hotwire_core.triton_steer' not in sys.modules\n"
         "r, one = torch.zeros(1, 2), torch.ones(2, 1, 1)\n"
-        "torch.ops.hotwire.steer_(r, None, torch.ones(1, dtype=torch.int32), one.int(), one, 0 * one,\n"
+        "torch.ops.hotwire.steer_(r, None, torch.ones(1, dtype=torch.int32), torch.ones(1, dtype=torch.int32),\n"
+        "    one.int(), one, 0 * one,\n"
         "    torch.tensor([[0.0, 0.0], [1.0, 2.0]]), torch.ones(2), 0)\n"
         "assert r.tolist() == [[1.0, 2.0]], r\n"
     )

@@ -55,6 +55,7 @@ def test_buffers_and_info():
     assert b["bank"].shape == (SLOTS + 1, HIDDEN) and b["bank"].dtype == torch.float32
     assert b["inv_norm"].shape == (SLOTS + 1,)
     assert b["token_cfg"].shape == (MAX_TOKENS,) and b["token_cfg"].dtype == torch.int32
+    assert b["layer_on"].shape == (N_LAYERS,) and b["layer_on"].dtype == torch.int32
     for name in ("cfg_slot", "cfg_scale", "cfg_rel"):
         assert b[name].shape == (2 * MAX_REQS + 1, N_LAYERS, STACK)
     assert all(int(t.count_nonzero()) == 0 for t in b.values())
@@ -142,6 +143,23 @@ def test_single_phase_configs_use_row_zero():
     assert w._active["D"][0] == 0 and w._active["D"][1] != 0
     assert w._active["P"][0] != 0 and w._active["P"][1] == 0
     assert len(w._free_rows) == 2 * MAX_REQS - 2
+
+
+def test_layer_on_follows_the_live_configs():
+    """A layer is switched on while some live config row steers it, in either phase, and off once none does."""
+    w = ws()
+    on = lambda: w.buffers["layer_on"].tolist()  # noqa: E731
+    assert on() == [0, 0, 0, 0]
+    step(w, new=[new_req("A", 6, CFG)])  # prefill rows at layers 1 and 3, decode rows at layer 0
+    assert on() == [1, 1, 0, 1]
+    step(w, new=[new_req("B", 2, {"d": [[2, 1, 1.0, 0.0], [3, 1, 1.0, 0.0]]}), new_req("plain", 2)])
+    assert on() == [1, 1, 1, 1]
+    step(w, removed=["A"])
+    assert on() == [0, 0, 1, 1]  # layer 3 stays on: B still steers it
+    step(w, new=[new_req("B", 2, {"d": [[1, 1, 1.0, 0.0]]})])  # re-added with another config (V2 after preemption)
+    assert on() == [0, 1, 0, 0]
+    step(w, removed=["B", "plain"])
+    assert on() == [0, 0, 0, 0] and not w._row_layers and not w._layer_users.any()
 
 
 def test_unsteered_new_requests_ignored():
@@ -353,6 +371,7 @@ def test_steering_target_follows_allreduce_rms_fusion(fusion, norm_setting, targ
     w.buffers["cfg_slot"][1, 0, 0] = 1
     w.buffers["cfg_scale"][1, 0, 0] = 3.0
     w.buffers["token_cfg"][0] = 1
+    w.buffers["layer_on"][0] = 1
     hidden, residual = torch.ones(2, HIDDEN), torch.zeros(2, HIDDEN)
     out_hidden, out_residual = layer(None, hidden, residual)
     steered, untouched = (out_hidden, out_residual) if target == "hidden" else (out_residual, out_hidden)
