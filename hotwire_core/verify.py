@@ -169,10 +169,28 @@ def check_decode_cost(idle_ms: Sequence[float], steered_ms: Sequence[float], max
     return Check("d. decode cost", overhead <= max_overhead, detail)
 
 
+def where_they_differ(ours: Sequence[Result], theirs: Sequence[Result], tolerance: float) -> str:
+    """Which requests differ by more than ``tolerance`` and from which generated token (0: the prompt's
+    processing already differs), e.g. ``"#4 from token 0, #6 from token 2"``."""
+    found = []
+    for i, (a, b) in enumerate(zip(ours, theirs)):
+        pairs = list(zip(a.token_ids, b.token_ids, a.logprobs, b.logprobs))
+        first = next((j for j, (x, y, p, q) in enumerate(pairs) if x != y or abs(p - q) > tolerance), None)
+        if first is None and (len(a.token_ids) != len(b.token_ids) or len(a.logprobs) != len(b.logprobs)):
+            first = len(pairs)
+        if first is not None:
+            found.append(f"#{i} from token {first}")
+    return ", ".join(found)
+
+
 def check_vanilla(ours: Sequence[Result], theirs: Sequence[Result], tolerance: float) -> Check:
-    """Plain results against a plugin-free engine (see :func:`compare`)."""
+    """Plain results against a plugin-free engine (see :func:`compare`); a failure names the requests that
+    differ (numbered in the order they ran) and where."""
     same, words = compare(ours, theirs, tolerance)
-    return Check("e. vanilla vLLM", same, f"{len(ours)} plain requests: {words}")
+    detail = f"{len(ours)} plain requests: {words}"
+    if not same and len(ours) == len(theirs):
+        detail += f" (requests {where_they_differ(ours, theirs, tolerance)})"
+    return Check("e. vanilla vLLM", same, detail)
 
 
 def format_report(header: Header, checks: Sequence[Check], timings: Timings) -> str:

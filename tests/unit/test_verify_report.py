@@ -111,6 +111,16 @@ def test_vanilla_exact_on_gpu_tolerance_on_cpu():
     assert not check_vanilla(ours, ours[:1], tolerance=1e-5).passed
 
 
+def test_vanilla_failure_names_the_requests_and_tokens_that_differ():
+    ours = [result([-1.0, -2.0]), result([-0.5, -0.7, -0.9]), result([-0.3])]
+    theirs = [result([-1.0, -2.0]), result([-0.5, -0.7, -0.8]), result([-0.4])]
+    check = check_vanilla(ours, theirs, tolerance=0.0)
+    assert not check.passed and check.detail.endswith("(requests #1 from token 2, #2 from token 0)")
+    tokens = [result([-1.0, -2.0], tokens=[0, 5]), *ours[1:]]
+    assert "(requests #0 from token 1, #1 from token 2, #2 from token 0)" in check_vanilla(tokens, theirs, 0.0).detail
+    assert check_vanilla(ours, ours, tolerance=0.0).detail == "3 plain requests: bit-identical"
+
+
 def test_report_and_exit_status():
     checks = [Check("a. steering fires", True, "max 1.2"), Check("b. batchmates", False, "max |delta| 3e-07")]
     report = format_report([("model", "tiny"), ("dtype", "float32")], checks, [("engine start", 61.23)])
