@@ -338,12 +338,17 @@ def _table(rows: dict[str, dict]) -> list[str]:
             *(f"| {name} | {s['n']} | {s['p50']} | {s['p99']} | {s['max']} |" for name, s in rows.items())]
 
 
+def _verdict(target: dict) -> str:
+    if target["value"] is None:
+        return "not measured"
+    return "pass" if target["pass"] else "MISS"
+
+
 def markdown(result: dict) -> str:
     meta = result["meta"]
     lines = ["# hotwire control plane", "", *(f"- {k}: `{v}`" for k, v in meta.items() if k != "method"), "",
              "| target | limit | measured | |", "|---|---|---|---|",
-             *(f"| {t['target']} | {t['limit']} | {t['value']} | {'pass' if t['pass'] else 'MISS'} |"
-               for t in result["targets"])]
+             *(f"| {t['target']} | {t['limit']} | {t['value']} | {_verdict(t)} |" for t in result["targets"])]
     if "registration" in result:
         lines += ["", "## Registration (ms)", "", *_table(result["registration"])]
     if "decode_stall" in result:

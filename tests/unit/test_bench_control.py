@@ -49,3 +49,13 @@ def test_judge_pass_miss_and_missing():
     result["slots_get_ms"]["max_age_ms=1000"]["p99"] = 4.0
     assert bench.judge(result)[2]["pass"] and bench.judge(result)[2]["value"] == 4.0
     assert [t["value"] for t in bench.judge({"capacity": []})] == [None] * 4
+
+
+def test_markdown_marks_unmeasured_targets():
+    """A target with nothing to measure (e.g. one slot capacity: no change to compare) is not called a miss."""
+    result = {"meta": {"date": "d", "batch": 64}, "capacity": [{"slots": 256, "decode_ms": [5.0]}],
+              "registration": {"usable_ms": {"n": 1, "p50": 9.0, "p99": 60.0, "max": 60.0}}}
+    result["targets"] = bench.judge(result)
+    table = [line for line in bench.markdown(result).splitlines() if line.startswith("| ") and "(" in line]
+    assert table[0].endswith("| 60.0 | MISS |")
+    assert table[3].endswith("| None | not measured |")
