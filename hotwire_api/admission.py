@@ -9,9 +9,11 @@ response carries ``x-hotwire-receipt``. With lenient mode a 4xx instead strips t
 unsteered and adds ``x-hotwire-lenient: <reason>``.
 
 The engine checks again when it admits the request; if the spec changed meanwhile (its vector deleted, say)
-the engine finishes the request with an error, which vLLM answers with a bare 500 "Internal server error". For
-a non-streamed response the middleware then asks the engine once more and, when the spec is now refused with a
-4xx, answers that refusal instead (a streamed response has sent its 200 by then and keeps vLLM's error event).
+the engine finishes the request with an error, which vLLM answers with a bare 500 "Internal server error" (or,
+in a stream that has sent its 200 already, an error event with that message). The middleware then asks the
+engine once more and, when the spec is now refused with a 4xx, answers that refusal instead: the 4xx response
+for a non-streamed request; for a streamed one, vLLM's error event in vLLM's shape with the refusal's message,
+its code as ``type``, its field as ``param`` and its status as ``code``.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from hotwire_api.metrics import STATS
 from hotwire_core.spec import SALT_PREFIX, SPEC_KEY
 
 ROUTES = frozenset({"/v1/chat/completions", "/v1/completions", "/v1/responses"})
+_STREAM_ERROR = b'data: {"error"'  # how vLLM's error events in a stream begin
 _FIELD = f"vllm_xargs.{SPEC_KEY}"
 RECEIPT_HEADER = b"x-hotwire-receipt"
 LENIENT_HEADER = b"x-hotwire-lenient"
@@ -110,7 +113,8 @@ async def _refusal_now(engine: HotwireEngine, spec: str) -> HotwireError | None:
 def _explain_engine_refusal(
     send: Send, scope: Scope, receive: Receive, refusal_now: Callable[[], Awaitable[HotwireError | None]]
 ) -> Send:
-    """Hold a 500 response until its last body part; send the spec's current refusal instead when there is one."""
+    """Hold a 500 response until its last body part and send the spec's current refusal instead when there is
+    one; in a stream, explain vLLM's error event the same way."""
     held: list[Message] = []
 
     async def send_explained(message: Message) -> None:
@@ -118,6 +122,8 @@ def _explain_engine_refusal(
             held.append(message)
             return
         if not held:
+            if message["type"] == "http.response.body" and message.get("body", b"").startswith(_STREAM_ERROR):
+                message = await _explained_stream_error(message, refusal_now)
             await send(message)
             return
         held.append(message)
@@ -131,6 +137,24 @@ def _explain_engine_refusal(
             await send(kept)
 
     return send_explained
+
+
+async def _explained_stream_error(
+    message: Message, refusal_now: Callable[[], Awaitable[HotwireError | None]]
+) -> Message:
+    """vLLM's event for a request the engine failed, ``data: {"error": {... "type": "InternalServerError" ...}}``,
+    with the spec's current refusal in its place when there is one; any other event unchanged."""
+    try:
+        error = json.loads(message["body"][len(b"data: "):])["error"]
+    except (ValueError, KeyError, TypeError):
+        return message
+    if not isinstance(error, dict) or error.get("type") != "InternalServerError":
+        return message
+    refusal = await refusal_now()
+    if refusal is None:
+        return message
+    explained = {"message": refusal.message, "type": refusal.code, "param": refusal.field, "code": refusal.status}
+    return {**message, "body": b"data: " + json.dumps({"error": explained}).encode() + b"\n\n"}
 
 
 def _path(scope: Scope) -> str:

@@ -593,6 +593,54 @@ def test_other_engine_errors_pass_through(engine: FakeEngine) -> None:
     assert "x-hotwire-receipt" not in response.headers
 
 
+# What vLLM 0.25.1 streams for such a request after its 200 (_convert_generation_error_to_streaming_response).
+_VLLM_STREAM_ERROR = f"data: {json.dumps(_VLLM_500)}\n\n".encode()
+
+
+def _failing_stream_route(app: FastAPI, before_failing: Callable[[], None]) -> None:
+    async def stream(request: Request) -> StreamingResponse:
+        await request.body()
+
+        async def chunks():
+            yield b'data: {"i": 0}\n\n'
+            before_failing()
+            yield _VLLM_STREAM_ERROR
+            yield b"data: [DONE]\n\n"
+
+        return StreamingResponse(chunks(), media_type="text/event-stream")
+
+    app.router.routes = [r for r in app.router.routes if getattr(r, "path", "") != "/v1/completions"]
+    app.add_api_route("/v1/completions", stream, methods=["POST"])
+
+
+def _stream_events(client: TestClient, spec: str) -> list[bytes]:
+    body = {"model": "m", "prompt": "hi", "stream": True, "vllm_xargs": {"hotwire": spec}}
+    with client.stream("POST", "/v1/completions", json=body) as response:
+        assert response.status_code == 200
+        return [e + b"\n\n" for e in b"".join(response.iter_bytes()).split(b"\n\n") if e]
+
+
+def test_engine_refusal_after_admission_is_explained_in_a_stream(engine: FakeEngine) -> None:
+    """Deleted mid-way in a stream that has sent its 200: vLLM's error event carries the spec's refusal."""
+    app = _openai_app(engine, Settings())
+    _failing_stream_route(app, lambda: engine.vectors.pop("happy"))
+    client = TestClient(app)
+    _upload(client, "happy", _vector())
+    first, error, done = _stream_events(client, _spec())
+    assert (first, done) == (b'data: {"i": 0}\n\n', b"data: [DONE]\n\n")
+    event = json.loads(error.removeprefix(b"data: "))["error"]
+    assert (event["type"], event["param"], event["code"]) == ("unknown_vector", "vllm_xargs.hotwire[0].id", 400)
+    assert "after this request passed admission" in event["message"] and "unknown" in event["message"]
+
+
+def test_other_stream_errors_pass_through(engine: FakeEngine) -> None:
+    app = _openai_app(engine, Settings())
+    _failing_stream_route(app, lambda: None)  # the spec is still fine: the error is not about steering
+    client = TestClient(app)
+    _upload(client, "happy", _vector())
+    assert _stream_events(client, _spec()) == [b'data: {"i": 0}\n\n', _VLLM_STREAM_ERROR, b"data: [DONE]\n\n"]
+
+
 def test_streaming_response_passes_through(client: TestClient) -> None:
     _upload(client, "happy", _vector())
     body = {"model": "m", "prompt": "hi", "stream": True, "vllm_xargs": {"hotwire": _spec()}}
