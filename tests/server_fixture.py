@@ -3,7 +3,8 @@ integration tests of the HTTP control plane.
 
 The server gets the CPU environment of ``conftest.py`` plus per-server cache folders; it is ready when
 ``GET /health`` answers 200 and is stopped by signalling its whole process group (API server, engine core and
-workers go together).
+workers go together). On a GPU host the same float32 model is served with CUDA graphs and a fixed 1 GiB KV cache
+(``benchmarks/gpu_checks.sh server`` runs the server tests beside other jobs on one GPU).
 """
 
 from __future__ import annotations
@@ -13,9 +14,13 @@ import subprocess
 import sys
 from pathlib import Path
 
+import torch
+
 from hotwire_api.server_process import ServerExited, free_port, start_server, stop_server, wait_until_ready
 
 START_TIMEOUT_S = 240.0
+# A fixed KV cache skips vLLM's memory profiling, which miscounts when other engines share the GPU.
+GPU_ARGS = ["--kv-cache-memory-bytes", str(1 << 30), "--gpu-memory-utilization", "0.05"]
 
 
 class VllmServer:
@@ -69,6 +74,7 @@ class VllmServer:
             "--seed", "0",
             "--host", "127.0.0.1",
             "--port", str(self.port),
+            *(GPU_ARGS if torch.cuda.is_available() else []),
             *self.args,
         ]  # fmt: skip
         self.proc = start_server(cmd, env, self.log_path)

@@ -102,23 +102,46 @@ def test_decode_cost_uses_medians_and_the_limit():
 
 def test_vanilla_exact_on_gpu_tolerance_on_cpu():
     ours = [result([-1.0, -2.0]), result([-0.5])]
-    assert check_vanilla(ours, [result([-1.0, -2.0]), result([-0.5])], tolerance=0.0).detail.endswith("bit-identical")
+    assert check_vanilla(ours, [[result([-1.0, -2.0]), result([-0.5])]], 0.0).detail.endswith("bit-identical")
     near = [result([-1.0, -2.0 + 5e-7]), result([-0.5])]
-    assert not check_vanilla(ours, near, tolerance=0.0).passed
-    cpu = check_vanilla(ours, near, tolerance=1e-5)
+    assert not check_vanilla(ours, [near], tolerance=0.0).passed
+    cpu = check_vanilla(ours, [near], tolerance=1e-5)
     assert cpu.passed and "max |delta| 5e-07 (CPU tolerance 1e-05)" in cpu.detail
-    assert not check_vanilla(ours, [result([-1.0, -2.0], tokens=[0, 3]), result([-0.5])], tolerance=1e-5).passed
-    assert not check_vanilla(ours, ours[:1], tolerance=1e-5).passed
+    assert not check_vanilla(ours, [[result([-1.0, -2.0], tokens=[0, 3]), result([-0.5])]], tolerance=1e-5).passed
+    assert not check_vanilla(ours, [ours[:1]], tolerance=1e-5).passed
+    assert not check_vanilla(ours, [ours[:1], ours[:1]], tolerance=1e-5).passed
 
 
 def test_vanilla_failure_names_the_requests_and_tokens_that_differ():
     ours = [result([-1.0, -2.0]), result([-0.5, -0.7, -0.9]), result([-0.3])]
     theirs = [result([-1.0, -2.0]), result([-0.5, -0.7, -0.8]), result([-0.4])]
-    check = check_vanilla(ours, theirs, tolerance=0.0)
+    check = check_vanilla(ours, [theirs], tolerance=0.0)
     assert not check.passed and check.detail.endswith("(requests #1 from token 2, #2 from token 0)")
     tokens = [result([-1.0, -2.0], tokens=[0, 5]), *ours[1:]]
-    assert "(requests #0 from token 1, #1 from token 2, #2 from token 0)" in check_vanilla(tokens, theirs, 0.0).detail
-    assert check_vanilla(ours, ours, tolerance=0.0).detail == "3 plain requests: bit-identical"
+    assert "(requests #0 from token 1, #1 from token 2, #2 from token 0)" in check_vanilla(tokens, [theirs], 0.0).detail
+    assert check_vanilla(ours, [ours], tolerance=0.0).detail == "3 plain requests: bit-identical"
+
+
+def test_vanilla_passes_when_each_request_equals_one_of_two_plugin_free_engines():
+    """At TP=2 two plugin-free engines may disagree on a request: hotwire matching either one is vLLM's own
+    variation; a request matching neither fails, and the detail says which and whether the references agree."""
+    a, b = result([-1.0, -2.0]), result([-1.0, -2.004])
+    short = result([-0.5])
+    first, second = [short, a, a], [short, b, a]
+    ours = [short, b, a]  # request 1 equals the second engine only
+    check = check_vanilla(ours, [first, second], tolerance=0.0)
+    assert check.passed
+    assert check.detail == (
+        "3 plain requests: each equals one of two plugin-free engines, which differ from each other "
+        "(max |delta| 0.004; requests #1 from token 1): vLLM's own engine-to-engine variation"
+    )
+    ours = [short, b, b]  # request 2 equals neither
+    check = check_vanilla(ours, [first, second], tolerance=0.0)
+    assert not check.passed
+    assert check.detail.startswith("3 plain requests: #2 from token 1 match neither of two plugin-free engines")
+    same_refs = check_vanilla([short, b, a], [first, first], tolerance=0.0)
+    assert not same_refs.passed and same_refs.detail.endswith("which agree with each other")
+    assert "#1 from token 1 match neither" in same_refs.detail
 
 
 def test_report_and_exit_status():
