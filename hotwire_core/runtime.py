@@ -24,6 +24,7 @@ from .settings import Settings, format_layers
 logger = logging.getLogger(__name__)
 
 _LAYER_ARGS = ["positions", "hidden_states", "residual"]
+CONFIG_ROWS_PER_BATCH_SLOT = 2  # requests with config rows per --max-num-seqs slot (see WorkerSteering)
 _NO_STEER = (0, 0, 0)  # (prefill config row, decode config row, prompt length) of an unsteered request
 # Decoder layers with the right arguments whose return value is not (hidden_states, residual | None).
 _UNSUPPORTED_LAYERS = {"HunYuanDecoderLayer"}
@@ -175,7 +176,9 @@ class WorkerSteering:
         # Norm-relative steering is always possible when steering the residual (hidden is read anyway).
         self.norm = settings.norm or self.target == "residual"
         self.dtype, self.device, self.settings = dtype, device, settings
-        k, n_cfg = settings.max_stack, 2 * max_reqs + 1
+        # Row 0 means "no steer"; a steered request holds up to two rows (prefill, decode). Room for twice the
+        # requests a batch holds: V1 keeps the rows of preempted requests while others run in their place.
+        k, n_cfg = settings.max_stack, 2 * CONFIG_ROWS_PER_BATCH_SLOT * max_reqs + 1
         with torch.device(device):
             self.buffers = {
                 "bank": torch.zeros(settings.slots + 1, hidden_size, dtype=dtype),
@@ -229,11 +232,13 @@ class WorkerSteering:
             self._steady_rows = None
         for req_id in removed:
             self._remove(req_id)
-        new = [
-            (r.req_id, _prompt_len(r), r.sampling_params.extra_args[BINDING_KEY])
-            for r in scheduler_output.scheduled_new_reqs
-            if r.sampling_params is not None and r.sampling_params.extra_args and BINDING_KEY in r.sampling_params.extra_args
-        ]
+        new = []
+        for r in scheduler_output.scheduled_new_reqs:
+            extra = r.sampling_params.extra_args if r.sampling_params is not None else None
+            if extra and BINDING_KEY in extra:
+                new.append((r.req_id, _prompt_len(r), extra[BINDING_KEY]))
+            elif r.req_id in self._active:  # sent again without steering (a streaming-input update): unsteered now
+                self._remove(r.req_id)
         rebinds = getattr(scheduler_output, "hotwire_rebinds", None)
         if rebinds:  # preempted requests whose rows moved before they resumed (V1 keeps them; V2 re-adds them)
             added = {r.req_id for r in scheduler_output.scheduled_new_reqs}
@@ -281,6 +286,12 @@ class WorkerSteering:
                 if not items:
                     pair.append(0)
                     continue
+                if not self._free_rows:
+                    raise RuntimeError(
+                        f"hotwire: all {len(self.buffers['cfg_slot']) - 1} steering config rows are in use by "
+                        f"{len(self._active)} running or preempted steered requests; this should not happen "
+                        "(please report it), and a larger --max-num-seqs makes room"
+                    )
                 row = self._free_rows.pop()
                 slot = np.zeros((self.n_layers, k), np.int32)
                 scale = np.zeros((self.n_layers, k), np.float32)

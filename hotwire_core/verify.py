@@ -214,13 +214,15 @@ def check_vanilla(ours: Sequence[Result], references: Sequence[Sequence[Result]]
         between = f"which differ from each other ({refs_words}; requests {where}): vLLM's own engine-to-engine variation"
     if not unmatched:
         return Check(name, True, f"{len(ours)} plain requests: each equals one of two plugin-free engines, {between}")
-    worst = max(min(max_abs_diff(ours[i].logprobs, ref[i].logprobs) for ref in references) for i in unmatched)
-    listed = describe([(i, token) for i, token in first_differences(ours, first, tolerance) if i in unmatched])
-    detail = (
-        f"{len(ours)} plain requests: {listed} match neither of two plugin-free engines (max |delta| to the nearer "
-        f"{worst:.3g}), "
-        f"{between}"
-    )
+    # Where each unmatched request first departs from the references: the earlier of the two positions.
+    starts = [dict(first_differences(ours, ref, tolerance)) for ref in references]
+    listed = describe([(i, min(start[i] for start in starts)) for i in unmatched])
+    if any(ours[i].token_ids != ref[i].token_ids for i in unmatched for ref in references):
+        how = "different tokens"
+    else:
+        worst = max(min(max_abs_diff(ours[i].logprobs, ref[i].logprobs) for ref in references) for i in unmatched)
+        how = f"max |delta| to the nearer {worst:.3g}"
+    detail = f"{len(ours)} plain requests: {listed} match neither of two plugin-free engines ({how}), {between}"
     return Check(name, False, detail)
 
 
@@ -396,14 +398,19 @@ def vanilla_check(
 ) -> Check:
     """Check (e): ``ours`` are the plain results of ``batches`` in the engine under test. A second plugin-free
     engine runs only when the first one's results differ from ours."""
-    references: list[list[Result]] = []
     try:
-        references.append(run_vanilla(kwargs, batches, workdir))
-        if not compare(ours, references[0], tolerance)[0]:
-            references.append(run_vanilla(kwargs, batches, workdir, run=1))
+        references = [run_vanilla(kwargs, batches, workdir)]
     except RuntimeError as exc:
         print(exc, file=sys.stderr)
         return Check("e. vanilla vLLM", False, str(exc).splitlines()[0])
+    if compare(ours, references[0], tolerance)[0]:
+        return check_vanilla(ours, references, tolerance)
+    try:
+        references.append(run_vanilla(kwargs, batches, workdir, run=1))
+    except RuntimeError as exc:  # judged on the first reference alone, and the report says why
+        print(exc, file=sys.stderr)
+        check = check_vanilla(ours, references, tolerance)
+        return Check(check.name, False, f"{check.detail}; the second plugin-free engine failed: {str(exc).splitlines()[0]}")
     return check_vanilla(ours, references, tolerance)
 
 
@@ -494,7 +501,7 @@ def run(args: argparse.Namespace, model: str, workdir: Path) -> tuple[Header, li
         started = time.monotonic()
         batches = [(short[:1], SHORT_TOKENS), (short, SHORT_TOKENS), ([x], PREFIX_TOKENS), ([y], PREFIX_TOKENS)]
         checks.append(vanilla_check(kwargs, batches, [plain, *all_plain, *plain_long], tolerance, workdir))
-        timings.append(("vanilla engine", time.monotonic() - started))
+        timings.append(("plugin-free engines", time.monotonic() - started))
     return header, checks, timings
 
 

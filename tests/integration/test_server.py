@@ -1,8 +1,9 @@
-"""hotwire's HTTP control plane against a real ``vllm serve`` (vLLM 0.25.1, CPU backend, tiny float32 model).
+"""hotwire's HTTP control plane against a real ``vllm serve`` (vLLM 0.25.1, tiny float32 model; CPU backend in CI).
 
 One server serves the whole module, started with ``HOTWIRE_API_KEY`` set, ``HOTWIRE_STORE`` in a temporary folder,
-``HOTWIRE_SLOTS=8`` and ``HOTWIRE_MAX_UPLOAD_MB=1``; the last test restarts it on the same store. It runs with
-``--enforce-eager`` to keep engine starts short (steering through torch.compile is covered by test_engine.py).
+``HOTWIRE_SLOTS=8`` and ``HOTWIRE_MAX_UPLOAD_MB=1``; the last test restarts it on the same store. On the CPU it
+runs with ``--enforce-eager`` to keep engine starts short (steering through torch.compile is covered by
+test_engine.py); on a GPU with torch.compile and CUDA graphs, as served in production.
 
 Tests share the server, so each uses its own vector ids; ``keep`` (registered by a fixture) is the vector bad
 requests try to damage. Streams steer from their own connection, so the main client stays free to act mid-stream.
@@ -28,6 +29,7 @@ from typing import Any
 import httpx
 import numpy as np
 import pytest
+import torch
 from safetensors.numpy import save as save_numpy
 
 from hotwire_api import cli, healthcheck
@@ -41,7 +43,7 @@ AUTH = {"Authorization": f"Bearer {KEY}"}
 HIDDEN, LAYERS, SLOTS = 256, 4, 8
 MAX_UPLOAD_MB = 1
 PROMPT = "The quick brown fox jumps over"
-SERVER_ARGS = ["--enforce-eager"]
+SERVER_ARGS = [] if torch.cuda.is_available() else ["--enforce-eager"]
 RECEIPT = "x-hotwire-receipt"
 
 

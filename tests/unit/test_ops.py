@@ -215,6 +215,8 @@ def test_switched_off_layer_is_left_alone() -> None:
     residual = off.residual.clone()
     torch.ops.hotwire.steer_(*off._replace(residual=residual))
     assert same_bits(residual, off.residual)
+    torch.ops.hotwire.steer_(*off._replace(residual=residual, layer_on=a.layer_on))  # switched on: it steers
+    assert not same_bits(residual, off.residual)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
@@ -403,3 +405,9 @@ def test_cuda_op_and_graph_replay() -> None:
         assert_matches_reference(residual, b)
         assert not torch.equal(residual, b.residual)
         assert not torch.equal(residual, captured), "replay gave the captured-time result"
+        # The layer switched off after capture (in the buffer the graph reads): every row is left alone.
+        a.layer_on[a.layer] = 0
+        residual.copy_(b.residual)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert same_bits(residual.cpu(), b.residual.cpu()), "a replay at a switched-off layer wrote a row"

@@ -9,10 +9,11 @@ import pytest
 import torch
 
 from hotwire_core.controller import BINDING_KEY, BankWrite, ModelInfo, SteeringController
-from hotwire_core.runtime import WorkerSteering, select_layers
+from hotwire_core.runtime import CONFIG_ROWS_PER_BATCH_SLOT, WorkerSteering, select_layers
 from hotwire_core.settings import Settings
 
 N_LAYERS, HIDDEN, MAX_TOKENS, MAX_REQS, SLOTS, STACK = 4, 8, 32, 3, 6, 2
+ROWS = 2 * CONFIG_ROWS_PER_BATCH_SLOT * MAX_REQS  # config rows a worker can hand out (row 0 aside)
 
 
 def ws(dtype=torch.float32, max_reqs=MAX_REQS) -> WorkerSteering:
@@ -57,7 +58,7 @@ def test_buffers_and_info():
     assert b["token_cfg"].shape == (MAX_TOKENS,) and b["token_cfg"].dtype == torch.int32
     assert b["layer_on"].shape == (N_LAYERS,) and b["layer_on"].dtype == torch.int32
     for name in ("cfg_slot", "cfg_scale", "cfg_rel"):
-        assert b[name].shape == (2 * MAX_REQS + 1, N_LAYERS, STACK)
+        assert b[name].shape == (ROWS + 1, N_LAYERS, STACK)
     assert all(int(t.count_nonzero()) == 0 for t in b.values())
     info = w.info()
     assert info["steerable"] is False and info["layers"] == [] and info["reason"]
@@ -132,7 +133,7 @@ def test_config_rows_per_phase_layer_and_stack():
     assert int(rel[drow].count_nonzero()) == 0
     # row 0 ("no steer") and unused rows stay zero
     used = {prow, drow}
-    for row in range(2 * MAX_REQS + 1):
+    for row in range(ROWS + 1):
         if row not in used:
             assert int(slot[row].count_nonzero()) == 0 and int(scale[row].count_nonzero()) == 0
 
@@ -142,7 +143,7 @@ def test_single_phase_configs_use_row_zero():
     step(w, new=[new_req("D", 4, {"p": [], "d": [[2, 1, 1.0, 0.0]]}), new_req("P", 4, {"p": [[2, 1, 1.0, 0.0]]})])
     assert w._active["D"][0] == 0 and w._active["D"][1] != 0
     assert w._active["P"][0] != 0 and w._active["P"][1] == 0
-    assert len(w._free_rows) == 2 * MAX_REQS - 2
+    assert len(w._free_rows) == ROWS - 2
 
 
 def test_layer_on_follows_the_live_configs():
@@ -160,6 +161,27 @@ def test_layer_on_follows_the_live_configs():
     assert on() == [0, 1, 0, 0]
     step(w, removed=["B", "plain"])
     assert on() == [0, 0, 0, 0] and not w._row_layers and not w._layer_users.any()
+
+
+def test_request_sent_again_without_steering_is_unsteered():
+    """A streaming-input update re-sends a request; without a binding it must lose its old rows, not keep them."""
+    w = ws()
+    step(w, new=[new_req("S", 3, CFG)])
+    assert fill(w, ["S"], [3], [0])[:3] != [0, 0, 0] and w.buffers["layer_on"].tolist() == [1, 1, 0, 1]
+    free = len(w._free_rows)
+    step(w, new=[new_req("S", 5)])
+    assert "S" not in w._active and len(w._free_rows) == free + 2
+    assert fill(w, ["S"], [5], [0])[:5] == [0] * 5 and w.buffers["layer_on"].tolist() == [0, 0, 0, 0]
+
+
+def test_config_rows_hold_preempted_requests_beside_a_full_batch_and_say_when_they_run_out():
+    """V1 keeps a preempted request's rows: a full batch of steered requests plus as many preempted ones fit;
+    past that the worker stops with a message instead of an IndexError."""
+    w = ws()
+    step(w, new=[new_req(f"r{i}", 3, CFG) for i in range(CONFIG_ROWS_PER_BATCH_SLOT * MAX_REQS)])
+    assert not w._free_rows
+    with pytest.raises(RuntimeError, match="steering config rows are in use"):
+        step(w, new=[new_req("one-more", 3, CFG)])
 
 
 def test_unsteered_new_requests_ignored():
@@ -296,7 +318,7 @@ def test_token_cfg_keeps_its_storage():
 
 
 def test_removed_requests_free_rows_for_reuse():
-    w = ws(max_reqs=2)  # config rows 1..4
+    w = ws(max_reqs=1)  # config rows 1..4: two steered requests
     step(w, new=[new_req("A", 3, CFG), new_req("B", 3, CFG)])
     assert w._free_rows == []
     rows_a = set(w._active["A"][:2])
@@ -314,7 +336,7 @@ def test_removing_single_phase_request_does_not_free_row_zero():
     w = ws(max_reqs=1)
     step(w, new=[new_req("D", 3, {"d": [[0, 1, 1.0, 0.0]]})])
     step(w, removed={"D"})
-    assert 0 not in w._free_rows and sorted(w._free_rows) == [1, 2]
+    assert 0 not in w._free_rows and sorted(w._free_rows) == [1, 2, 3, 4]
 
 
 def test_readded_request_starts_clean():
@@ -322,7 +344,7 @@ def test_readded_request_starts_clean():
     step(w, new=[new_req("A", 3, CFG)])
     step(w, new=[new_req("A", 7, {"p": [[2, 2, 4.0, 0.0]], "d": [[2, 2, 4.0, 0.0]]})])  # preempted + resumed (V2)
     prow, drow, plen = w._active["A"]
-    assert plen == 7 and w._free_rows == []
+    assert plen == 7 and len(w._free_rows) == ROWS // MAX_REQS - 2
     assert w.buffers["cfg_slot"][prow].tolist() == [[0, 0], [0, 0], [2, 0], [0, 0]]
 
 
@@ -460,7 +482,7 @@ def test_rebind_of_a_request_readded_in_the_same_step_uses_the_new_request():
     step(w, new=[new_req("A", 3, moved)], rebinds={"A": {"p": [], "d": [(2, 6, 1.0, 0.0)]}})
     row = w._active["A"][1]
     assert w.buffers["cfg_slot"][row, 2, 0].item() == 4
-    assert len(w._free_rows) == 2 * MAX_REQS - 1  # one config row taken, not two
+    assert len(w._free_rows) == ROWS - 1  # one config row taken, not two
 
 
 def _worker_info(steerable: bool, layers: list[int], reason: str = "") -> dict:

@@ -139,6 +139,14 @@ def test_vanilla_passes_when_each_request_equals_one_of_two_plugin_free_engines(
     check = check_vanilla(ours, [first, second], tolerance=0.0)
     assert not check.passed
     assert check.detail.startswith("3 plain requests: #2 from token 1 match neither of two plugin-free engines")
+    # The position is the earlier of the two references' and different tokens are called so.
+    c = result([-1.0, -2.0, -3.0])
+    late, early = result([-1.0, -2.0, -3.5]), result([-1.5, -2.0, -3.0])
+    check = check_vanilla([short, short, c], [[short, short, late], [short, result([-0.5]), early]], 0.0)
+    assert check.detail.startswith("3 plain requests: #2 from token 0 match neither") and "max |delta| to the nearer 0.5" in check.detail
+    swapped = result([-1.0, -2.0, -3.0], tokens=[0, 1, 9])
+    check = check_vanilla([short, short, swapped], [[short, short, c], [short, result([-0.5]), c]], 0.0)
+    assert "#2 from token 2 match neither of two plugin-free engines (different tokens)" in check.detail
     same_refs = check_vanilla([short, b, a], [first, first], tolerance=0.0)
     assert not same_refs.passed and same_refs.detail.endswith("which agree with each other")
     assert "#1 from token 1 match neither" in same_refs.detail
