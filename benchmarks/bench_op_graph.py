@@ -9,12 +9,20 @@ steered layers (the default) or switched on everywhere (``_all_on``: the cost wh
 switches on layers this batch does not steer). Reports ms per replay and the difference to ``vanilla`` per step
 and per hooked layer.
 
+An experiment rides along (``steered_1layer_l2pin``): the same op graph captured on a stream whose access-policy
+window marks ``token_cfg`` and ``layer_on`` (one allocation) as persisting in the L2 cache, so that the weights
+streaming through L2 between two layers need not evict them and the op's one round of loads may hit L2 instead
+of memory. hotwire does not do this; the variant measures whether it would pay. Where the driver refuses, the
+variant is left out and ``meta.l2pin`` says why. Its 1 MiB L2 set-aside then stays for the rest of the run, for
+every variant alike, and persisting lines are reset after each of its timings.
+
     python benchmarks/bench_op_graph.py [--tokens 1,8,64,256] [--out result.json]
 """
 
 from __future__ import annotations
 
 import argparse
+import ctypes
 import json
 import platform
 import statistics
@@ -22,7 +30,6 @@ import time
 
 import torch
 import triton
-import triton.language as tl
 
 import hotwire_core.ops  # noqa: F401  registers torch.ops.hotwire.steer_
 
@@ -56,8 +63,9 @@ class Decoder:
         self.bank = torch.randn(slots + 1, h, device="cuda", dtype=torch.bfloat16, generator=g)
         self.bank[0] = 0
         self.inv_norm = 1 / self.bank.float().norm(dim=1).clamp(min=1e-6)
-        self.token_cfg = torch.zeros(4096, device="cuda", dtype=torch.int32)
-        self.layer_on = torch.zeros(n, device="cuda", dtype=torch.int32)
+        # token_cfg and layer_on share one allocation, so that one L2 access-policy window covers both.
+        self.routing = torch.zeros(4096 + n, device="cuda", dtype=torch.int32)
+        self.token_cfg, self.layer_on = self.routing[:4096], self.routing[4096:]
         self.cfg_slot = torch.zeros(3, n, k, device="cuda", dtype=torch.int32)
         self.cfg_scale = torch.zeros(3, n, k, device="cuda", dtype=torch.float32)
         self.cfg_rel = torch.zeros(3, n, k, device="cuda", dtype=torch.float32)
@@ -66,7 +74,7 @@ class Decoder:
         for layer, (w_qkv, w_o, w_up, w_down) in enumerate(self.layers):
             x = x + (x @ w_qkv)[:, : self.attn_out] @ w_o
             hidden = (x @ w_up)[:, : self.inter] @ w_down
-            if hook == "op":
+            if hook in ("op", "op_l2pin"):
                 torch.ops.hotwire.steer_(
                     hidden, None, self.token_cfg, self.layer_on, self.cfg_slot, self.cfg_scale, self.cfg_rel,
                     self.bank, self.inv_norm, layer,
@@ -89,13 +97,67 @@ class Decoder:
         self.token_cfg.fill_(1 if steered else 0)
 
 
-def capture(decoder: Decoder, tokens: int, hook: str) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+class _AccessPolicyWindow(ctypes.Structure):
+    """CUDA driver API ``CUaccessPolicyWindow``."""
+
+    _fields_ = [("base_ptr", ctypes.c_void_p), ("num_bytes", ctypes.c_size_t), ("hit_ratio", ctypes.c_float),
+                ("hit_prop", ctypes.c_int), ("miss_prop", ctypes.c_int)]
+
+
+class _LaunchAttributeValue(ctypes.Union):
+    """CUDA driver API ``CUlaunchAttributeValue`` (64 bytes), as ``cuStreamSetAttribute`` takes it."""
+
+    _fields_ = [("access_policy_window", _AccessPolicyWindow), ("pad", ctypes.c_char * 64)]
+
+
+_CU_LIMIT_PERSISTING_L2_CACHE_SIZE = 0x06
+_CU_LAUNCH_ATTRIBUTE_ACCESS_POLICY_WINDOW = 1
+_CU_ACCESS_PROPERTY_NORMAL, _CU_ACCESS_PROPERTY_PERSISTING = 0, 2
+
+
+class L2Pin:
+    """Persisting L2 lines through the CUDA driver API (``libcuda``, always present where CUDA runs)."""
+
+    def __init__(self) -> None:
+        self.driver = ctypes.CDLL("libcuda.so.1")
+
+    def _check(self, what: str, status: int) -> None:
+        if status != 0:
+            raise RuntimeError(f"{what} returned CUresult {status}")
+
+    def pin(self, stream: torch.cuda.Stream, tensor: torch.Tensor) -> None:
+        """Reserve 1 MiB of L2 for persisting lines and mark ``tensor`` persisting for kernels launched on (or
+        captured from) ``stream``; RuntimeError with the driver's code when refused."""
+        limit = ctypes.c_size_t(1 << 20)
+        self._check("cuCtxSetLimit", self.driver.cuCtxSetLimit(ctypes.c_int(_CU_LIMIT_PERSISTING_L2_CACHE_SIZE), limit))
+        value = _LaunchAttributeValue()
+        value.access_policy_window = _AccessPolicyWindow(
+            tensor.data_ptr(), tensor.numel() * tensor.element_size(), 1.0,
+            _CU_ACCESS_PROPERTY_PERSISTING, _CU_ACCESS_PROPERTY_NORMAL,
+        )
+        attribute = ctypes.c_int(_CU_LAUNCH_ATTRIBUTE_ACCESS_POLICY_WINDOW)
+        status = self.driver.cuStreamSetAttribute(ctypes.c_void_p(stream.cuda_stream), attribute, ctypes.byref(value))
+        self._check("cuStreamSetAttribute", status)
+
+    def reset(self) -> None:
+        """Turn every persisting line back to normal, so that the pinned variant leaves nothing behind for the
+        variants measured after it."""
+        torch.cuda.synchronize()
+        self._check("cuCtxResetPersistingL2Cache", self.driver.cuCtxResetPersistingL2Cache())
+
+
+def capture(
+    decoder: Decoder, tokens: int, hook: str, l2: L2Pin | None = None
+) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
     x = torch.randn(tokens, decoder.hidden, device="cuda", dtype=torch.bfloat16) * 0.1
     for _ in range(2):  # compiles the Triton kernels and warms cuBLAS before capture
         decoder.step(x, hook)
     torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
+    graph, stream = torch.cuda.CUDAGraph(), torch.cuda.Stream()
+    if hook == "op_l2pin":
+        assert l2 is not None
+        l2.pin(stream, decoder.routing)  # captured kernel nodes take the stream's access-policy window
+    with torch.cuda.graph(graph, stream=stream):
         decoder.step(x, hook)
     return graph, x
 
@@ -110,7 +172,8 @@ def time_replays(graph: torch.cuda.CUDAGraph, replays: int) -> float:
     return start.elapsed_time(end) / replays
 
 
-def run(shape: str, tokens_list: list[int], reps: int, replays: int, slots: int, k: int) -> dict:
+def run(shape: str, tokens_list: list[int], reps: int, replays: int, slots: int, k: int) -> tuple[dict, str]:
+    """Results per token count, and what became of the L2 experiment ("measured" or why not)."""
     decoder = Decoder(shape, slots, k)
     n = decoder.n_layers
     middle = list(range(n // 2 - 4, n // 2 + 4))
@@ -123,10 +186,21 @@ def run(shape: str, tokens_list: list[int], reps: int, replays: int, slots: int,
         "steered_1layer_all_on": ("op", [n // 2], list(range(n))),
         "steered_8layers": ("op", middle, middle),
         "steered_all": ("op", list(range(n)), list(range(n))),
+        "steered_1layer_l2pin": ("op_l2pin", [n // 2], [n // 2]),
     }
     results: dict = {}
+    l2: L2Pin | None = None
+    l2_note = "measured"
     for tokens in tokens_list:
         graphs = {hook: capture(decoder, tokens, hook) for hook in ("none", "empty", "op")}
+        if "steered_1layer_l2pin" in variants:
+            try:
+                l2 = l2 or L2Pin()
+                graphs["op_l2pin"] = capture(decoder, tokens, "op_l2pin", l2)
+                l2.reset()
+            except (OSError, RuntimeError) as exc:
+                l2_note = f"left out: {type(exc).__name__}: {exc}"
+                del variants["steered_1layer_l2pin"]
         samples: dict[str, list[float]] = {name: [] for name in variants}
         for rep in range(reps):
             names = list(variants)
@@ -137,6 +211,8 @@ def run(shape: str, tokens_list: list[int], reps: int, replays: int, slots: int,
                 graph = graphs[hook][0]
                 graph.replay()  # settle after the reconfiguration
                 samples[name].append(time_replays(graph, replays))
+                if hook == "op_l2pin":
+                    l2.reset()
         base = statistics.median(samples["vanilla"])
         rows = {}
         for name, values in samples.items():
@@ -152,7 +228,7 @@ def run(shape: str, tokens_list: list[int], reps: int, replays: int, slots: int,
         results[str(tokens)] = rows
         del graphs
         torch.cuda.synchronize()
-    return results
+    return results, l2_note
 
 
 def main() -> None:
@@ -169,7 +245,7 @@ def main() -> None:
         raise SystemExit("bench_op_graph needs a CUDA GPU")
     tokens = [int(t) for t in args.tokens.split(",")]
     began = time.time()
-    results = run(args.shape, tokens, args.reps, args.replays, args.slots, args.max_stack)
+    results, l2_note = run(args.shape, tokens, args.reps, args.replays, args.slots, args.max_stack)
     meta = {
         "date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(began)),
         "gpu": torch.cuda.get_device_name(),
@@ -181,6 +257,7 @@ def main() -> None:
         "replays": args.replays,
         "slots": args.slots,
         "max_stack": args.max_stack,
+        "l2pin": l2_note,
         "seconds": round(time.time() - began, 1),
     }
     print(json.dumps(meta))
