@@ -1,8 +1,15 @@
 """A typed wrapper over ``engine_client.collective_rpc`` for the ``hotwire_*`` methods that the engine core
-answers (contract in docs/architecture.md). Every failure surfaces as a :class:`HotwireError`."""
+answers (contract in docs/architecture.md). Every failure surfaces as a :class:`HotwireError`.
+
+With data parallelism each engine core has its own registry copy and slot bank. Registrations reach every engine
+core (vLLM broadcasts the call); the answers of all of them are gathered where it matters: slot statistics are
+summed (rows carry their engine's index), and a vector's in-flight users are counted on every engine core, so
+``DELETE`` answers 202 while any of them still uses it. Admission asks the first engine core (the engine core
+that gets the request checks again)."""
 
 from __future__ import annotations
 
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, Protocol, TypeVar
 
 from pydantic import BaseModel, ValidationError
@@ -23,22 +30,34 @@ class RPCClient(Protocol):
 
 
 class HotwireEngine:
-    """The ``hotwire_*`` RPCs of one engine client."""
+    """The ``hotwire_*`` RPCs of one engine client. ``per_engine`` (see ``hotwire_api.mount.per_engine_rpc``)
+    gathers every engine core's answer under data parallelism; without it there is one engine core."""
 
-    def __init__(self, client: RPCClient):
+    def __init__(self, client: RPCClient, per_engine: Callable[[str, tuple], Awaitable[list[Any]]] | None = None):
         self._client = client
+        self._per_engine = per_engine
 
     @classmethod
     def of(cls, app: Any) -> HotwireEngine:
         """The engine of a vLLM app (``app.state.engine_client``, set by ``init_app_state``)."""
+        from hotwire_api.mount import per_engine_rpc
+
         client = getattr(app.state, "engine_client", None)
         if client is None:
             raise HotwireError(503, "engine_unavailable", "the engine is not running; retry once /health is OK")
-        return cls(client)
+        return cls(client, per_engine_rpc(client))
 
     async def _call(self, method: str, *args: Any) -> dict[str, Any]:
+        """The first engine core's answer."""
+        return (await self._call_each(method, *args, every_engine=False))[0]
+
+    async def _call_each(self, method: str, *args: Any, every_engine: bool = True) -> list[dict[str, Any]]:
+        """One answer per engine core (just the first one's unless ``every_engine``); any refusal is raised."""
         try:
-            results = await self._client.collective_rpc(method, args=args)
+            if every_engine and self._per_engine is not None:
+                answers = await self._per_engine(method, args)
+            else:
+                answers = [await self._client.collective_rpc(method, args=args)]
         except Exception as exc:  # the engine is dead, or it does not know the method
             raise HotwireError(
                 503,
@@ -46,6 +65,11 @@ class HotwireEngine:
                 f"the engine did not answer {method} ({type(exc).__name__}: {exc}); check that the hotwire plugin "
                 "is installed where the engine runs and not excluded by VLLM_PLUGINS",
             ) from exc
+        return [self._checked(method, answer) for answer in answers]
+
+    @staticmethod
+    def _checked(method: str, results: Any) -> dict[str, Any]:
+        """One engine core's answer (its first worker's), or its refusal raised."""
         result = results[0] if isinstance(results, list) and results else results
         if not isinstance(result, dict):
             raise HotwireError(
@@ -80,18 +104,53 @@ class HotwireEngine:
         return bool(result.get("created")), self._parse(VectorMeta, result.get("vector"), "hotwire_register")
 
     async def unregister(self, vector_id: str) -> int:
-        """Unregister a vector; returns how many requests still use it."""
-        result = await self._call("hotwire_unregister", vector_id)
-        return int(result.get("in_flight") or 0)
+        """Unregister a vector; returns how many requests still use it, on every engine core."""
+        answers = await self._call_each("hotwire_unregister", vector_id)
+        return sum(int(a.get("in_flight") or 0) for a in answers)
 
     async def vectors(self) -> list[VectorMeta]:
-        result = await self._call("hotwire_list")
-        return [self._parse(VectorMeta, v, "hotwire_list") for v in result.get("vectors") or []]
+        answers = await self._call_each("hotwire_list")
+        return [self._parse(VectorMeta, v, "hotwire_list") for v in merge_vector_lists(answers)]
 
     async def stats(self) -> SlotStats:
-        return self._parse(SlotStats, await self._call("hotwire_stats"), "hotwire_stats")
+        return self._parse(SlotStats, merge_stats(await self._call_each("hotwire_stats")), "hotwire_stats")
 
     async def check(self, spec: str) -> str:
         """Admit a request's spec; returns the receipt for ``x-hotwire-receipt``."""
         result = await self._call("hotwire_check", spec)
         return str(result.get("receipt", ""))
+
+
+# Counters of a hotwire_stats answer that add up across engine cores (each has its own bank).
+_SUMMED_STATS = (
+    "capacity", "used", "pinned", "free", "evictions", "steered_requests", "deferred", "deferrals", "suspended",
+    "resumptions",
+)
+
+
+def merge_stats(answers: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """One ``hotwire_stats`` answer for several engine cores: counters and refusals summed, rows concatenated with
+    their engine's index; the registry (``vectors``) and the model are the same everywhere, so the first's."""
+    if len(answers) == 1:
+        return answers[0]
+    merged = dict(answers[0])
+    for key in _SUMMED_STATS:
+        merged[key] = sum(int(a.get(key) or 0) for a in answers)
+    refused: dict[str, int] = {}
+    for answer in answers:
+        for reason, count in (answer.get("refused") or {}).items():
+            refused[reason] = refused.get(reason, 0) + int(count)
+    merged["refused"] = refused
+    merged["rows"] = [{**row, "engine": i} for i, a in enumerate(answers) for row in a.get("rows") or []]
+    merged["engines"] = len(answers)
+    return merged
+
+
+def merge_vector_lists(answers: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The first engine core's vector list with each vector's in-flight users counted on every engine core."""
+    in_flight: dict[tuple[str, int], int] = {}
+    for answer in answers:
+        for v in answer.get("vectors") or []:
+            key = (v.get("id"), v.get("version"))
+            in_flight[key] = in_flight.get(key, 0) + int(v.get("in_flight") or 0)
+    return [{**v, "in_flight": in_flight[(v.get("id"), v.get("version"))]} for v in answers[0].get("vectors") or []]

@@ -78,6 +78,7 @@ class SlotRow(_EngineResult):
     layer: int
     refcount: int = Field(description="Running requests pinning this row.")
     last_use: float
+    engine: int = Field(0, description="The data-parallel engine core whose bank holds the row (0 without DP).")
 
 
 class ModelSteering(_EngineResult):
@@ -109,4 +110,6 @@ class SlotStats(_EngineResult):
     vectors: int = Field(description="Registered vectors.")
     rows: list[SlotRow]
     model: ModelSteering
+    engines: int = Field(1, description="Engine cores counted (data parallelism): each has its own bank of "
+                         "HOTWIRE_SLOTS rows, and the counters are their sums.")
     age_ms: float = Field(0.0, description="How old these numbers are (see GET /steer/slots?max_age_ms).")

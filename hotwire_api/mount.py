@@ -11,10 +11,12 @@ innermost: vLLM's HTTP metrics, CORS, ``--api-key`` auth (``/v1`` only), scaling
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import importlib
 import multiprocessing
 import sys
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 _API_SERVER_MODULE = "vllm.entrypoints.openai.api_server"
@@ -60,3 +62,24 @@ def install() -> bool:
     setattr(register_hotwire_and_routers, _MARK, True)
     setattr(serve, _HOOK, register_hotwire_and_routers)
     return True
+
+
+PerEngineRPC = Callable[[str, tuple], Awaitable[list[Any]]]
+
+
+def per_engine_rpc(client: Any) -> PerEngineRPC | None:
+    """With data parallelism behind one API server, vLLM 0.25.1 sends a ``collective_rpc`` to every engine core
+    but returns only the first one's answer (``DPLBAsyncMPClient.call_utility_async``). This returns a call that
+    gathers every engine core's answer (each a list over its workers), or None when ``client`` (an ``AsyncLLM``)
+    talks to one engine core."""
+    core = getattr(client, "engine_core", None)
+    engines = getattr(core, "core_engines", None)
+    call = getattr(core, "_call_utility_async", None)
+    if call is None or not isinstance(engines, list) or len(engines) < 2:
+        return None
+
+    async def rpc(method: str, args: tuple) -> list[Any]:
+        calls = (call("collective_rpc", method, None, args, None, engine=engine) for engine in engines)
+        return list(await asyncio.gather(*calls))
+
+    return rpc

@@ -5,6 +5,7 @@ vLLM 0.25.1's actual app (no engine needed) and is marked ``integration`` becaus
 
 from __future__ import annotations
 
+import asyncio
 import multiprocessing
 import sys
 import types
@@ -103,3 +104,22 @@ def test_real_build_app(monkeypatch: pytest.MonkeyPatch) -> None:
     assert response.status_code == 401 and response.headers["www-authenticate"] == "Bearer"
     response = client.get("/steer/slots", headers={"Authorization": "Bearer k"})
     assert response.status_code == 503  # authorised; no engine in this test
+
+
+def test_per_engine_rpc_asks_every_data_parallel_engine_core() -> None:
+    """vLLM's DP client returns only the first engine core's answer; per_engine_rpc gathers all of them through
+    the same utility call vLLM uses, one per engine core."""
+    sent = []
+
+    async def call_utility(method, *args, engine):
+        sent.append((method, args, engine))
+        return [f"answer of {engine}"]
+
+    dp_core = types.SimpleNamespace(core_engines=["e0", "e1"], _call_utility_async=call_utility)
+    rpc = mount.per_engine_rpc(types.SimpleNamespace(engine_core=dp_core))
+    assert rpc is not None
+    assert asyncio.run(rpc("hotwire_stats", ("a",))) == [["answer of e0"], ["answer of e1"]]
+    assert sent == [("collective_rpc", ("hotwire_stats", None, ("a",), None), e) for e in ("e0", "e1")]
+    one_core = types.SimpleNamespace(core_engines=["e0"], _call_utility_async=call_utility)
+    assert mount.per_engine_rpc(types.SimpleNamespace(engine_core=one_core)) is None
+    assert mount.per_engine_rpc(object()) is None

@@ -392,8 +392,10 @@ def test_slots_is_one_rpc(client: TestClient, engine: FakeEngine) -> None:
     stats = client.get("/steer/slots").json()
     assert engine.methods() == ["hotwire_stats"]
     assert (stats["capacity"], stats["used"], stats["free"], stats["evictions"], stats["vectors"]) == (16, 1, 15, 3, 1)
-    assert stats["rows"][0] == {"slot": 1, "id": "v", "version": 1, "layer": 0, "refcount": 0, "last_use": 1.0}
-    assert stats["model"]["hidden_size"] == HIDDEN and "ok" not in stats
+    assert stats["rows"][0] == {
+        "slot": 1, "id": "v", "version": 1, "layer": 0, "refcount": 0, "last_use": 1.0, "engine": 0
+    }
+    assert stats["model"]["hidden_size"] == HIDDEN and "ok" not in stats and stats["engines"] == 1
 
 
 def test_slots_max_age_serves_the_snapshot_and_revalidates(client: TestClient, engine: FakeEngine) -> None:

@@ -1,0 +1,121 @@
+"""hotwire behind one ``vllm serve`` with data parallelism (``--data-parallel-size 2``, two engine cores, each
+with its own registry copy and slot bank; vLLM's CPU backend, tiny float32 model, eager).
+
+Requests are placed on an engine core with vLLM's ``X-data-parallel-rank`` header, so each test knows where its
+request runs: a vector registered over HTTP steers on both engine cores alike, ``/steer/slots`` counts both
+banks, and ``DELETE`` answers 202 while the vector's only user runs on the second engine core.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import math
+import threading
+import time
+from collections.abc import Iterator
+
+import httpx
+import numpy as np
+import pytest
+
+from server_fixture import VllmServer
+
+pytestmark = pytest.mark.integration
+
+HIDDEN, LAYER = 256, 2
+PROMPT = "The quick brown fox jumps over"
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model, tmp_path_factory) -> Iterator[VllmServer]:
+    srv = VllmServer(tiny_model, tmp_path_factory.mktemp("vllm-serve-dp"), {}, ["--enforce-eager", "--data-parallel-size", "2"])
+    srv.start()
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture
+def http(server) -> Iterator[httpx.Client]:
+    with httpx.Client(base_url=server.url, timeout=120) as client:
+        yield client
+
+
+def register(http: httpx.Client, vector_id: str, seed: int) -> None:
+    vector = np.random.default_rng(seed).standard_normal(HIDDEN).astype(np.float32) * 4
+    body = {"id": vector_id, "data": base64.b64encode(vector.tobytes()).decode(), "dtype": "float32", "shape": [HIDDEN]}
+    response = http.post("/steer/vectors", json=body)
+    assert response.status_code == 201, response.text
+
+
+def completion(http: httpx.Client, model: str, rank: int, vector_id: str | None = None, **params) -> httpx.Response:
+    body = {"model": model, "prompt": PROMPT, "max_tokens": 4, "temperature": 0, "logprobs": 1, **params}
+    if vector_id is not None:
+        body["vllm_xargs"] = {"hotwire": json.dumps({"id": vector_id, "layer": LAYER, "scale": 8.0})}
+    return http.post("/v1/completions", json=body, headers={"X-data-parallel-rank": str(rank)})
+
+
+def logprobs(response: httpx.Response) -> list[float]:
+    assert response.status_code == 200, response.text
+    values = response.json()["choices"][0]["logprobs"]["token_logprobs"]
+    assert values and all(math.isfinite(v) for v in values)
+    return values
+
+
+def max_diff(a: list[float], b: list[float]) -> float:
+    return max(abs(x - y) for x, y in zip(a, b, strict=True))
+
+
+def test_a_vector_registered_over_http_steers_on_every_engine_core(http, tiny_model) -> None:
+    model = str(tiny_model)
+    register(http, "dp-both", seed=1)
+    before = http.get("/steer/slots").json()
+    assert before["engines"] == 2 and before["capacity"] == 2 * 256
+    plain = [logprobs(completion(http, model, rank)) for rank in (0, 1)]
+    assert max_diff(*plain) < 1e-5  # the two engine cores serve the same model
+    steered = [completion(http, model, rank, "dp-both") for rank in (0, 1)]
+    assert [r.headers["x-hotwire-receipt"] for r in steered] == ["dp-both@1:L2x8"] * 2
+    first, second = (logprobs(r) for r in steered)
+    assert max_diff(first, plain[0]) > 1e-3, "the request on engine core 0 was not steered"
+    assert max_diff(second, first) < 1e-5, "engine core 1 steered differently (or not at all)"
+    after = http.get("/steer/slots").json()
+    assert after["steered_requests"] - before["steered_requests"] == 2  # one on each engine core's counter
+    assert {row["engine"] for row in after["rows"] if row["id"] == "dp-both"} == {0, 1}
+
+
+def test_delete_waits_for_a_user_on_the_second_engine_core(http, tiny_model) -> None:
+    """The vector's only in-flight user runs on engine core 1: DELETE is a 202, not a 204, and the rows go once
+    that request finishes."""
+    register(http, "dp-del", seed=2)
+    first_chunk = threading.Event()
+    outcome: dict = {}
+
+    def stream() -> None:
+        body = {
+            "model": str(tiny_model), "prompt": PROMPT, "max_tokens": 400, "ignore_eos": True, "stream": True,
+            "temperature": 0, "vllm_xargs": {"hotwire": json.dumps({"id": "dp-del", "layer": LAYER, "scale": 8.0})},
+        }
+        with httpx.Client(base_url=http.base_url, timeout=300) as own:
+            with own.stream("POST", "/v1/completions", json=body, headers={"X-data-parallel-rank": "1"}) as response:
+                outcome["status"] = response.status_code
+                for line in response.iter_lines():
+                    first_chunk.set()
+                    if line:
+                        outcome["last"] = line
+
+    worker = threading.Thread(target=stream)
+    worker.start()
+    try:
+        assert first_chunk.wait(120), "the stream did not start"
+        listed = {v["id"]: v for v in http.get("/steer/vectors").json()["vectors"]}
+        assert listed["dp-del"]["in_flight"] == 1
+        deleted = http.delete("/steer/vectors/dp-del")
+        assert deleted.status_code == 202, deleted.text
+        assert deleted.json() == {"id": "dp-del", "in_flight": 1}
+    finally:
+        worker.join(300)
+    assert outcome == {"status": 200, "last": "data: [DONE]"}
+    deadline = time.monotonic() + 30
+    while any(row["id"] == "dp-del" for row in http.get("/steer/slots").json()["rows"]):
+        assert time.monotonic() < deadline, "the deleted vector's rows were not freed after its last user finished"
+        time.sleep(0.2)

@@ -1,0 +1,91 @@
+"""hotwire_api.engine with several engine cores (data parallelism): which calls gather every engine core's
+answer and how the answers are merged. The real thing runs in tests/integration/test_data_parallel.py."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import pytest
+
+from hotwire_api.engine import HotwireEngine, merge_stats, merge_vector_lists
+from hotwire_api.errors import HotwireError
+
+
+def stats(capacity: int, used: int, rows: list[dict], refused: dict[str, int], steered: int) -> dict[str, Any]:
+    return {
+        "ok": True, "capacity": capacity, "used": used, "pinned": len(rows), "free": capacity - used, "evictions": 1,
+        "refused": refused, "steered_requests": steered, "vectors": 2, "rows": rows,
+        "model": {"steerable": True, "n_layers": 4, "hidden_size": 8},
+    }
+
+
+def row(slot: int, vector_id: str) -> dict[str, Any]:
+    return {"slot": slot, "id": vector_id, "version": 1, "layer": 2, "refcount": 1, "last_use": 5.0}
+
+
+def test_merge_stats_sums_counters_and_tags_rows_with_their_engine() -> None:
+    a = stats(8, 2, [row(1, "x"), row(2, "y")], {"slots_exhausted": 1}, 3)
+    b = stats(8, 1, [row(1, "x")], {"slots_exhausted": 2, "unknown_vector": 1}, 4)
+    merged = merge_stats([a, b])
+    assert (merged["capacity"], merged["used"], merged["free"], merged["pinned"], merged["evictions"]) == (16, 3, 13, 3, 2)
+    assert merged["steered_requests"] == 7 and merged["refused"] == {"slots_exhausted": 3, "unknown_vector": 1}
+    assert [(r["engine"], r["slot"], r["id"]) for r in merged["rows"]] == [(0, 1, "x"), (0, 2, "y"), (1, 1, "x")]
+    assert merged["vectors"] == 2 and merged["engines"] == 2 and merged["model"] == a["model"]
+    assert merge_stats([a]) is a  # one engine core: its answer as it is
+
+
+def test_merge_vector_lists_counts_users_on_every_engine() -> None:
+    first = {"vectors": [{"id": "x", "version": 2, "in_flight": 1}, {"id": "y", "version": 1, "in_flight": 0}]}
+    second = {"vectors": [{"id": "x", "version": 2, "in_flight": 3}, {"id": "y", "version": 1, "in_flight": 2}]}
+    assert merge_vector_lists([first, second]) == [
+        {"id": "x", "version": 2, "in_flight": 4}, {"id": "y", "version": 1, "in_flight": 2}
+    ]
+
+
+class TwoEngines:
+    """A stand-in engine client with two engine cores: ``collective_rpc`` answers as vLLM's DP client does
+    (the first engine core's answer); ``per_engine`` gathers both."""
+
+    def __init__(self, answers: dict[str, list[dict]]):
+        self.answers = answers
+        self.calls: list[tuple[str, str]] = []
+
+    async def collective_rpc(self, method: str, timeout: float | None = None, args: tuple = (), kwargs=None) -> list:
+        self.calls.append(("first", method))
+        return [self.answers[method][0]]
+
+    async def per_engine(self, method: str, args: tuple) -> list[list[dict]]:
+        self.calls.append(("each", method))
+        return [[answer] for answer in self.answers[method]]
+
+
+def test_engine_gathers_every_engine_core_where_it_matters() -> None:
+    client = TwoEngines({
+        "hotwire_unregister": [{"ok": True, "in_flight": 0}, {"ok": True, "in_flight": 2}],
+        "hotwire_stats": [stats(8, 1, [row(1, "x")], {}, 1), stats(8, 1, [row(3, "x")], {}, 2)],
+        "hotwire_check": [{"ok": True, "receipt": "x@1:L2x1"}, {"ok": True, "receipt": "never asked"}],
+    })
+    engine = HotwireEngine(client, client.per_engine)
+    assert asyncio.run(engine.unregister("x")) == 2  # in use on the second engine core: DELETE answers 202
+    merged = asyncio.run(engine.stats())
+    assert (merged.engines, merged.capacity, merged.steered_requests) == (2, 16, 3)
+    assert [(r.engine, r.slot) for r in merged.rows] == [(0, 1), (1, 3)]
+    assert asyncio.run(engine.check("{}")) == "x@1:L2x1"
+    assert client.calls == [("each", "hotwire_unregister"), ("each", "hotwire_stats"), ("first", "hotwire_check")]
+
+
+def test_a_refusal_from_any_engine_core_is_raised() -> None:
+    client = TwoEngines({"hotwire_unregister": [
+        {"ok": True, "in_flight": 0},
+        {"ok": False, "status": 404, "code": "unknown_vector", "error": "unknown steering vector 'x'", "field": "id"},
+    ]})
+    with pytest.raises(HotwireError) as err:
+        asyncio.run(HotwireEngine(client, client.per_engine).unregister("x"))
+    assert (err.value.status, err.value.code) == (404, "unknown_vector")
+
+
+def test_without_data_parallelism_every_call_is_one_collective_rpc() -> None:
+    client = TwoEngines({"hotwire_unregister": [{"ok": True, "in_flight": 1}, {"ok": True, "in_flight": 5}]})
+    assert asyncio.run(HotwireEngine(client).unregister("x")) == 1
+    assert client.calls == [("first", "hotwire_unregister")]
