@@ -12,8 +12,9 @@ The engine checks again when it admits the request; if the spec changed meanwhil
 the engine finishes the request with an error, which vLLM answers with a bare 500 "Internal server error" (or,
 in a stream that has sent its 200 already, an error event with that message). The middleware then asks the
 engine once more and, when the spec is now refused with a 4xx, answers that refusal instead: the 4xx response
-for a non-streamed request; for a streamed one, vLLM's error event in vLLM's shape with the refusal's message,
-its code as ``type``, its field as ``param`` and its status as ``code``.
+for a non-streamed request; for a streamed chat or text completion whose events so far carried no generated
+text, vLLM's error event in vLLM's shape with the refusal's message, its code as ``type``, its field as
+``param`` and its status as ``code``. (``/v1/responses`` streams end without an error event in vLLM 0.25.1.)
 """
 
 from __future__ import annotations
@@ -114,16 +115,23 @@ def _explain_engine_refusal(
     send: Send, scope: Scope, receive: Receive, refusal_now: Callable[[], Awaitable[HotwireError | None]]
 ) -> Send:
     """Hold a 500 response until its last body part and send the spec's current refusal instead when there is
-    one; in a stream, explain vLLM's error event the same way."""
+    one; in a stream, explain vLLM's error event the same way while no event before it carried generated output
+    (an engine refusal comes with the request's first output: a later error is about something else)."""
     held: list[Message] = []
+    generated = False
 
     async def send_explained(message: Message) -> None:
+        nonlocal generated
         if message["type"] == "http.response.start" and message.get("status") == 500:
             held.append(message)
             return
         if not held:
-            if message["type"] == "http.response.body" and message.get("body", b"").startswith(_STREAM_ERROR):
-                message = await _explained_stream_error(message, refusal_now)
+            if message["type"] == "http.response.body":
+                body = message.get("body", b"")
+                if body.startswith(_STREAM_ERROR) and not generated:
+                    message = await _explained_stream_error(message, refusal_now)
+                elif body.startswith(b"data: ") and not generated:
+                    generated = _carries_output(body)
             await send(message)
             return
         held.append(message)
@@ -155,6 +163,24 @@ async def _explained_stream_error(
         return message
     explained = {"message": refusal.message, "type": refusal.code, "param": refusal.field, "code": refusal.status}
     return {**message, "body": b"data: " + json.dumps({"error": explained}).encode() + b"\n\n"}
+
+
+def _carries_output(event: bytes) -> bool:
+    """Whether an OpenAI stream event carries generated text (completions ``text``, chat ``delta.content`` or
+    tool calls); chat's opening role-only chunk does not. Unknown events count as output."""
+    try:
+        choices = json.loads(event[len(b"data: "):]).get("choices")
+    except (ValueError, AttributeError):
+        return True
+    if not isinstance(choices, list):
+        return True
+    for choice in choices:
+        delta = choice.get("delta") if isinstance(choice, dict) else None
+        if not isinstance(choice, dict) or choice.get("text") or (isinstance(delta, dict) and (
+            delta.get("content") or delta.get("tool_calls") or delta.get("reasoning_content")
+        )):
+            return True
+    return False
 
 
 def _path(scope: Scope) -> str:

@@ -1,11 +1,11 @@
 """A typed wrapper over ``engine_client.collective_rpc`` for the ``hotwire_*`` methods that the engine core
 answers (contract in docs/architecture.md). Every failure surfaces as a :class:`HotwireError`.
 
-With data parallelism each engine core has its own registry copy and slot bank. Registrations reach every engine
-core (vLLM broadcasts the call); the answers of all of them are gathered where it matters: slot statistics are
-summed (rows carry their engine's index), and a vector's in-flight users are counted on every engine core, so
-``DELETE`` answers 202 while any of them still uses it. Admission asks the first engine core (the engine core
-that gets the request checks again)."""
+With data parallelism each engine core has its own registry copy and slot bank. Registrations and deletions go
+to every engine core and all answers are read (a registration the engine cores disagree on is an error); slot
+statistics are summed (rows carry their engine core's position), and a vector's in-flight users are counted on
+every engine core, so ``DELETE`` answers 202 while any of them still uses it. Admission asks the first engine
+core alone (the engine core that gets the request checks again)."""
 
 from __future__ import annotations
 
@@ -33,7 +33,7 @@ class HotwireEngine:
     """The ``hotwire_*`` RPCs of one engine client. ``per_engine`` (see ``hotwire_api.mount.per_engine_rpc``)
     gathers every engine core's answer under data parallelism; without it there is one engine core."""
 
-    def __init__(self, client: RPCClient, per_engine: Callable[[str, tuple], Awaitable[list[Any]]] | None = None):
+    def __init__(self, client: RPCClient, per_engine: Callable[[str, tuple, bool], Awaitable[list[Any]]] | None = None):
         self._client = client
         self._per_engine = per_engine
 
@@ -54,8 +54,8 @@ class HotwireEngine:
     async def _call_each(self, method: str, *args: Any, every_engine: bool = True) -> list[dict[str, Any]]:
         """One answer per engine core (just the first one's unless ``every_engine``); any refusal is raised."""
         try:
-            if every_engine and self._per_engine is not None:
-                answers = await self._per_engine(method, args)
+            if self._per_engine is not None:  # vLLM's own call would ask every engine core but read one answer
+                answers = await self._per_engine(method, args, not every_engine)
             else:
                 answers = [await self._client.collective_rpc(method, args=args)]
         except Exception as exc:  # the engine is dead, or it does not know the method
@@ -98,10 +98,19 @@ class HotwireEngine:
     async def register(self, vector_id: str, payload: VectorPayload, replace: bool) -> tuple[bool, VectorMeta]:
         """Register (or with ``replace`` re-register) a vector; returns (created, meta)."""
         layers = list(payload.layers) if payload.layers is not None else None
-        result = await self._call(
+        answers = await self._call_each(
             "hotwire_register", vector_id, payload.data, payload.dtype, list(payload.shape), layers, replace
         )
-        return bool(result.get("created")), self._parse(VectorMeta, result.get("vector"), "hotwire_register")
+        metas = [self._parse(VectorMeta, a.get("vector"), "hotwire_register") for a in answers]
+        if any((m.version, m.sha256) != (metas[0].version, metas[0].sha256) for m in metas[1:]):
+            raise HotwireError(
+                500,
+                "engines_disagree",
+                f"the data-parallel engine cores registered {vector_id!r} as versions "
+                f"{[m.version for m in metas]}: their registries have drifted apart; restart the server (engine "
+                "cores load the vector store at start) to bring them back in line",
+            )
+        return bool(answers[0].get("created")), metas[0]
 
     async def unregister(self, vector_id: str) -> int:
         """Unregister a vector; returns how many requests still use it, on every engine core."""
@@ -147,10 +156,10 @@ def merge_stats(answers: Sequence[dict[str, Any]]) -> dict[str, Any]:
 
 
 def merge_vector_lists(answers: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
-    """The first engine core's vector list with each vector's in-flight users counted on every engine core."""
-    in_flight: dict[tuple[str, int], int] = {}
+    """The first engine core's vector list with each vector's in-flight users (of any of its versions) counted
+    on every engine core."""
+    in_flight: dict[str, int] = {}
     for answer in answers:
         for v in answer.get("vectors") or []:
-            key = (v.get("id"), v.get("version"))
-            in_flight[key] = in_flight.get(key, 0) + int(v.get("in_flight") or 0)
-    return [{**v, "in_flight": in_flight[(v.get("id"), v.get("version"))]} for v in answers[0].get("vectors") or []]
+            in_flight[v.get("id")] = in_flight.get(v.get("id"), 0) + int(v.get("in_flight") or 0)
+    return [{**v, "in_flight": in_flight[v.get("id")]} for v in answers[0].get("vectors") or []]

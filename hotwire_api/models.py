@@ -78,7 +78,8 @@ class SlotRow(_EngineResult):
     layer: int
     refcount: int = Field(description="Running requests pinning this row.")
     last_use: float
-    engine: int = Field(0, description="The data-parallel engine core whose bank holds the row (0 without DP).")
+    engine: int = Field(0, description="Position of the data-parallel engine core whose bank holds the row among "
+                        "those this API server drives (its DP rank with one API server; 0 without DP).")
 
 
 class ModelSteering(_EngineResult):

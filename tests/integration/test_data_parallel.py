@@ -85,14 +85,14 @@ def test_a_vector_registered_over_http_steers_on_every_engine_core(http, tiny_mo
 
 def test_delete_waits_for_a_user_on_the_second_engine_core(http, tiny_model) -> None:
     """The vector's only in-flight user runs on engine core 1: DELETE is a 202, not a 204, and the rows go once
-    that request finishes."""
+    that request ends (here: its client disconnects, which aborts it)."""
     register(http, "dp-del", seed=2)
-    first_chunk = threading.Event()
+    first_chunk, hang_up = threading.Event(), threading.Event()
     outcome: dict = {}
 
     def stream() -> None:
         body = {
-            "model": str(tiny_model), "prompt": PROMPT, "max_tokens": 400, "ignore_eos": True, "stream": True,
+            "model": str(tiny_model), "prompt": PROMPT, "max_tokens": 1500, "ignore_eos": True, "stream": True,
             "temperature": 0, "vllm_xargs": {"hotwire": json.dumps({"id": "dp-del", "layer": LAYER, "scale": 8.0})},
         }
         with httpx.Client(base_url=http.base_url, timeout=300) as own:
@@ -100,8 +100,9 @@ def test_delete_waits_for_a_user_on_the_second_engine_core(http, tiny_model) -> 
                 outcome["status"] = response.status_code
                 for line in response.iter_lines():
                     first_chunk.set()
-                    if line:
-                        outcome["last"] = line
+                    outcome["finished"] = line == "data: [DONE]"
+                    if hang_up.is_set():
+                        break
 
     worker = threading.Thread(target=stream)
     worker.start()
@@ -113,8 +114,9 @@ def test_delete_waits_for_a_user_on_the_second_engine_core(http, tiny_model) -> 
         assert deleted.status_code == 202, deleted.text
         assert deleted.json() == {"id": "dp-del", "in_flight": 1}
     finally:
+        hang_up.set()
         worker.join(300)
-    assert outcome == {"status": 200, "last": "data: [DONE]"}
+    assert outcome == {"status": 200, "finished": False}, "the stream ended before the checks: make it longer"
     deadline = time.monotonic() + 30
     while any(row["id"] == "dp-del" for row in http.get("/steer/slots").json()["rows"]):
         assert time.monotonic() < deadline, "the deleted vector's rows were not freed after its last user finished"

@@ -37,8 +37,8 @@ def test_merge_stats_sums_counters_and_tags_rows_with_their_engine() -> None:
 
 def test_merge_vector_lists_counts_users_on_every_engine() -> None:
     first = {"vectors": [{"id": "x", "version": 2, "in_flight": 1}, {"id": "y", "version": 1, "in_flight": 0}]}
-    second = {"vectors": [{"id": "x", "version": 2, "in_flight": 3}, {"id": "y", "version": 1, "in_flight": 2}]}
-    assert merge_vector_lists([first, second]) == [
+    second = {"vectors": [{"id": "x", "version": 2, "in_flight": 3}, {"id": "y", "version": 4, "in_flight": 2}]}
+    assert merge_vector_lists([first, second]) == [  # counted by id: users of any version still use the id
         {"id": "x", "version": 2, "in_flight": 4}, {"id": "y", "version": 1, "in_flight": 2}
     ]
 
@@ -55,9 +55,10 @@ class TwoEngines:
         self.calls.append(("first", method))
         return [self.answers[method][0]]
 
-    async def per_engine(self, method: str, args: tuple) -> list[list[dict]]:
-        self.calls.append(("each", method))
-        return [[answer] for answer in self.answers[method]]
+    async def per_engine(self, method: str, args: tuple, first_only: bool) -> list[list[dict]]:
+        self.calls.append(("first alone" if first_only else "each", method))
+        answers = self.answers[method][:1] if first_only else self.answers[method]
+        return [[answer] for answer in answers]
 
 
 def test_engine_gathers_every_engine_core_where_it_matters() -> None:
@@ -72,7 +73,26 @@ def test_engine_gathers_every_engine_core_where_it_matters() -> None:
     assert (merged.engines, merged.capacity, merged.steered_requests) == (2, 16, 3)
     assert [(r.engine, r.slot) for r in merged.rows] == [(0, 1), (1, 3)]
     assert asyncio.run(engine.check("{}")) == "x@1:L2x1"
-    assert client.calls == [("each", "hotwire_unregister"), ("each", "hotwire_stats"), ("first", "hotwire_check")]
+    # Admission asks the first engine core alone: vLLM's own collective_rpc would wait for every one of them.
+    assert client.calls == [("each", "hotwire_unregister"), ("each", "hotwire_stats"), ("first alone", "hotwire_check")]
+
+
+def test_registration_the_engine_cores_disagree_on_is_an_error() -> None:
+    def answer(version: int) -> dict:
+        meta = {"id": "x", "version": version, "sha256": "ab", "dtype": "float32", "shape": [8], "layers": None,
+                "norms": {"*": 1.0}, "created_at": 1.0}
+        return {"ok": True, "created": True, "vector": meta}
+
+    from hotwire_api.codec import VectorPayload
+
+    payload = VectorPayload(data=b"\0" * 32, dtype="float32", shape=(8,), layers=None)
+    agreeing = TwoEngines({"hotwire_register": [answer(3), answer(3)]})
+    created, meta = asyncio.run(HotwireEngine(agreeing, agreeing.per_engine).register("x", payload, False))
+    assert created and meta.version == 3 and agreeing.calls == [("each", "hotwire_register")]
+    drifted = TwoEngines({"hotwire_register": [answer(3), answer(2)]})
+    with pytest.raises(HotwireError) as err:
+        asyncio.run(HotwireEngine(drifted, drifted.per_engine).register("x", payload, False))
+    assert (err.value.status, err.value.code) == (500, "engines_disagree") and "[3, 2]" in err.value.message
 
 
 def test_a_refusal_from_any_engine_core_is_raised() -> None:

@@ -120,6 +120,21 @@ def test_per_engine_rpc_asks_every_data_parallel_engine_core() -> None:
     assert rpc is not None
     assert asyncio.run(rpc("hotwire_stats", ("a",))) == [["answer of e0"], ["answer of e1"]]
     assert sent == [("collective_rpc", ("hotwire_stats", None, ("a",), None), e) for e in ("e0", "e1")]
+    sent.clear()
+    assert asyncio.run(rpc("hotwire_check", ("s",), True)) == [["answer of e0"]] and [e for *_, e in sent] == ["e0"]
     one_core = types.SimpleNamespace(core_engines=["e0"], _call_utility_async=call_utility)
     assert mount.per_engine_rpc(types.SimpleNamespace(engine_core=one_core)) is None
     assert mount.per_engine_rpc(object()) is None
+
+
+def test_per_engine_rpc_matches_vllms_utility_call() -> None:
+    """The private vLLM method per_engine_rpc relies on, and how vLLM's own collective_rpc calls it."""
+    import inspect
+
+    from vllm.v1.engine.core_client import AsyncMPClient, DPLBAsyncMPClient
+
+    params = inspect.signature(AsyncMPClient._call_utility_async).parameters
+    assert list(params)[:3] == ["self", "method", "args"] and params["engine"].kind is inspect.Parameter.KEYWORD_ONLY
+    source = inspect.getsource(AsyncMPClient.collective_rpc_async)
+    assert 'call_utility_async(\n            "collective_rpc", method, timeout, args, kwargs' in source
+    assert "core_engines" in inspect.getsource(DPLBAsyncMPClient.call_utility_async)

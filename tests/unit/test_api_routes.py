@@ -599,12 +599,17 @@ def test_other_engine_errors_pass_through(engine: FakeEngine) -> None:
 _VLLM_STREAM_ERROR = f"data: {json.dumps(_VLLM_500)}\n\n".encode()
 
 
-def _failing_stream_route(app: FastAPI, before_failing: Callable[[], None]) -> None:
+# Events before the error: chat's opening role-only chunk (no output yet), then one carrying generated text.
+_ROLE_CHUNK = b'data: {"choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}}]}\n\n'
+_TEXT_CHUNK = b'data: {"choices": [{"index": 0, "text": " jumps"}]}\n\n'
+
+
+def _failing_stream_route(app: FastAPI, before_failing: Callable[[], None], first: bytes = _ROLE_CHUNK) -> None:
     async def stream(request: Request) -> StreamingResponse:
         await request.body()
 
         async def chunks():
-            yield b'data: {"i": 0}\n\n'
+            yield first
             before_failing()
             yield _VLLM_STREAM_ERROR
             yield b"data: [DONE]\n\n"
@@ -629,7 +634,7 @@ def test_engine_refusal_after_admission_is_explained_in_a_stream(engine: FakeEng
     client = TestClient(app)
     _upload(client, "happy", _vector())
     first, error, done = _stream_events(client, _spec())
-    assert (first, done) == (b'data: {"i": 0}\n\n', b"data: [DONE]\n\n")
+    assert (first, done) == (_ROLE_CHUNK, b"data: [DONE]\n\n")
     event = json.loads(error.removeprefix(b"data: "))["error"]
     assert (event["type"], event["param"], event["code"]) == ("unknown_vector", "vllm_xargs.hotwire[0].id", 400)
     assert "after this request passed admission" in event["message"] and "unknown" in event["message"]
@@ -640,7 +645,17 @@ def test_other_stream_errors_pass_through(engine: FakeEngine) -> None:
     _failing_stream_route(app, lambda: None)  # the spec is still fine: the error is not about steering
     client = TestClient(app)
     _upload(client, "happy", _vector())
-    assert _stream_events(client, _spec()) == [b'data: {"i": 0}\n\n', _VLLM_STREAM_ERROR, b"data: [DONE]\n\n"]
+    assert _stream_events(client, _spec()) == [_ROLE_CHUNK, _VLLM_STREAM_ERROR, b"data: [DONE]\n\n"]
+
+
+def test_a_stream_error_after_generated_text_is_not_blamed_on_steering(engine: FakeEngine) -> None:
+    """An engine refusal comes before any output: an error after generated text is left as vLLM sent it, even
+    when the vector has been deleted meanwhile (the request kept its version)."""
+    app = _openai_app(engine, Settings())
+    _failing_stream_route(app, lambda: engine.vectors.pop("happy"), first=_TEXT_CHUNK)
+    client = TestClient(app)
+    _upload(client, "happy", _vector())
+    assert _stream_events(client, _spec()) == [_TEXT_CHUNK, _VLLM_STREAM_ERROR, b"data: [DONE]\n\n"]
 
 
 def test_streaming_response_passes_through(client: TestClient) -> None:
