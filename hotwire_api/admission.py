@@ -126,11 +126,11 @@ def _explain_engine_refusal(
             held.append(message)
             return
         if not held:
-            if message["type"] == "http.response.body":
+            if not generated and message["type"] == "http.response.body":  # once output flowed: pass through
                 body = message.get("body", b"")
-                if body.startswith(_STREAM_ERROR) and not generated:
+                if body.startswith(_STREAM_ERROR):
                     message = await _explained_stream_error(message, refusal_now)
-                elif body.startswith(b"data: ") and not generated:
+                elif body.startswith(b"data: "):
                     generated = _carries_output(body)
             await send(message)
             return

@@ -9,14 +9,17 @@ core alone (the engine core that gets the request checks again)."""
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable, Sequence
-from typing import Any, Protocol, TypeVar
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 from pydantic import BaseModel, ValidationError
 
 from hotwire_api.codec import VectorPayload
 from hotwire_api.errors import HotwireError
 from hotwire_api.models import SlotStats, VectorMeta
+
+if TYPE_CHECKING:
+    from hotwire_api.mount import PerEngineRPC
 
 _Model = TypeVar("_Model", bound=BaseModel)
 
@@ -33,7 +36,7 @@ class HotwireEngine:
     """The ``hotwire_*`` RPCs of one engine client. ``per_engine`` (see ``hotwire_api.mount.per_engine_rpc``)
     gathers every engine core's answer under data parallelism; without it there is one engine core."""
 
-    def __init__(self, client: RPCClient, per_engine: Callable[[str, tuple, bool], Awaitable[list[Any]]] | None = None):
+    def __init__(self, client: RPCClient, per_engine: PerEngineRPC | None = None):
         self._client = client
         self._per_engine = per_engine
 

@@ -20,7 +20,6 @@ import asyncio
 import contextlib
 import logging
 import math
-import multiprocessing
 import os
 import time
 from collections import Counter
@@ -34,6 +33,7 @@ from prometheus_client.registry import Collector
 from hotwire_api.engine import HotwireEngine
 from hotwire_api.errors import HotwireError
 from hotwire_api.models import SlotStats
+from hotwire_api.mount import is_first_api_server
 
 REFRESH_INTERVAL_S = 2.0
 logger = logging.getLogger(__name__)
@@ -201,19 +201,13 @@ _COLLECTOR = HotwireCollector(STATS)
 _registered = False
 
 
-def _first_api_server() -> bool:
-    """vLLM names its API server processes ``ApiServer_<i>`` when it runs several; a lone one is the main process."""
-    name = multiprocessing.current_process().name
-    return not name.startswith("ApiServer_") or name == "ApiServer_0"
-
-
 def register_collector() -> None:
     """Put :data:`STATS` on the registry vLLM's ``/metrics`` serves in this process; idempotent."""
     global _registered
     if _registered:
         return
     if os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
-        STATS.series = MultiprocessSeries(engine_wide=_first_api_server())
+        STATS.series = MultiprocessSeries(engine_wide=is_first_api_server())
     else:
         REGISTRY.register(_COLLECTOR)
     _registered = True

@@ -42,6 +42,13 @@ def is_api_server_process() -> bool:
     return _API_SERVER_MODULE in sys.modules or getattr(main_spec, "name", None) == _API_SERVER_MODULE
 
 
+def is_first_api_server() -> bool:
+    """True in the API server that speaks for all of them: ``ApiServer_0`` when vLLM runs several, else the lone
+    one (see :func:`is_api_server_process` for vLLM's process names)."""
+    name = multiprocessing.current_process().name
+    return not name.startswith("ApiServer_") or name == "ApiServer_0"
+
+
 def install() -> bool:
     """Make vLLM's app builder attach hotwire; returns whether the hook is in place. Does nothing outside the
     API server, and nothing the second time."""
