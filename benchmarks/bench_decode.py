@@ -8,8 +8,8 @@ machine (clocks, temperature, other tenants) then hits all configurations alike,
 
 Configurations: ``vanilla`` (no plugin loaded at all: ``VLLM_PLUGINS=""``), ``op`` (hotwire, opaque Triton op),
 ``op_1set`` (the op without idle graph variants: ``HOTWIRE_IDLE_GRAPHS=0``), ``op_8layers`` (the op hooked on
-the 8 middle layers only: ``HOTWIRE_LAYERS``; it cannot run ``steered_all_layers``),
-``inductor`` (hotwire, torch ops fused by Inductor), ``eager`` (hotwire's op with ``enforce_eager``: no
+the 8 middle layers only: ``HOTWIRE_LAYERS``; it cannot run ``steered_all_layers``), ``op_nopdl`` (the op
+without programmatic dependent launch: ``HOTWIRE_PDL=0``), ``inductor`` (hotwire, torch ops fused by Inductor), ``eager`` (hotwire's op with ``enforce_eager``: no
 torch.compile, no CUDA graphs, what hook-based steering tools pay). All use vLLM's default V2 model runner; a
 ``/v1`` suffix (``vanilla/v1``, ``op/v1``) runs the V1 runner instead, compared with ``vanilla/v1``.
 
@@ -47,6 +47,7 @@ CONFIGS = {
     "op": "hotwire, opaque Triton op (HOTWIRE_IMPL=op), idle graph variants for unsteered steps (the default)",
     "op_1set": "hotwire's op with one graph set for steered and unsteered steps (HOTWIRE_IDLE_GRAPHS=0)",
     "op_8layers": "hotwire's op hooked on the 8 middle layers only (HOTWIRE_LAYERS=n/2-4..n/2+3)",
+    "op_nopdl": "hotwire's op launched without programmatic dependent launch (HOTWIRE_PDL=0)",
     "inductor": "hotwire, torch ops fused by Inductor (HOTWIRE_IMPL=inductor)",
     "eager": "hotwire's op with enforce_eager=True (no torch.compile, no CUDA graphs)",
 }
@@ -133,6 +134,7 @@ class Engine:
             env.pop("VLLM_PLUGINS", None)
             env["HOTWIRE_IMPL"] = "inductor" if kind == "inductor" else "op"
             env["HOTWIRE_IDLE_GRAPHS"] = "0" if kind == "op_1set" else "1"
+            env["HOTWIRE_PDL"] = "0" if kind == "op_nopdl" else "1"
             env.pop("HOTWIRE_LAYERS", None)
             if kind == "op_8layers":
                 env["HOTWIRE_LAYERS"] = middle_layers(n_layers, 8)

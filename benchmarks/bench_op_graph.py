@@ -30,8 +30,10 @@ import time
 
 import torch
 import triton
+import triton.language as tl
+from triton.language.extra.cuda import gdc_wait
 
-import hotwire_core.ops  # noqa: F401  registers torch.ops.hotwire.steer_
+from hotwire_core import ops
 
 SHAPES = {
     # hidden, intermediate, q+kv projection width, attention output width, layers
@@ -41,8 +43,9 @@ SHAPES = {
 
 
 @triton.jit
-def _empty_kernel(x_ptr):
-    pass
+def _empty_kernel(x_ptr, PDL: tl.constexpr):
+    if PDL:
+        gdc_wait()
 
 
 class Decoder:
@@ -74,13 +77,7 @@ class Decoder:
         for layer, (w_qkv, w_o, w_up, w_down) in enumerate(self.layers):
             x = x + (x @ w_qkv)[:, : self.attn_out] @ w_o
             hidden = (x @ w_up)[:, : self.inter] @ w_down
-            if hook in ("op", "op_l2pin"):
-                torch.ops.hotwire.steer_(
-                    hidden, None, self.token_cfg, self.layer_on, self.cfg_slot, self.cfg_scale, self.cfg_rel,
-                    self.bank, self.inv_norm, layer,
-                )
-            elif hook == "empty":
-                _empty_kernel[(x.shape[0],)](hidden)
+            self.hook(hook, hidden, layer)
             x = x + hidden
         return x
 
@@ -95,6 +92,66 @@ class Decoder:
         for layer in layer_on:
             self.layer_on[layer] = 1
         self.token_cfg.fill_(1 if steered else 0)
+
+    def hook(self, hook: str, hidden: torch.Tensor, layer: int) -> torch.Tensor:
+        """Apply the variant's steering to ``hidden`` (in place, or returned for ``torch``)."""
+        args = (self.token_cfg, self.layer_on, self.cfg_slot, self.cfg_scale, self.cfg_rel, self.bank, self.inv_norm, layer)
+        if hook in ("op", "op_l2pin", "op_pdl"):
+            torch.ops.hotwire.steer_(hidden, None, *args)
+        elif hook in ("empty", "empty_pdl"):
+            _empty_kernel[(hidden.shape[0],)](hidden, PDL=hook == "empty_pdl", launch_pdl=hook == "empty_pdl")
+        elif hook == "torch":
+            return ops.steer_torch(hidden, None, *args, use_norm=False)
+        return hidden
+
+
+def _rms_norm(x32: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """vLLM 0.25.1's native RMSNorm (``RMSNorm.forward_static``) on a float32 input."""
+    variance = x32.pow(2).mean(dim=-1, keepdim=True)
+    return (x32 * torch.rsqrt(variance + 1e-6)).to(torch.bfloat16) * weight
+
+
+class CompiledDecoder(Decoder):
+    """The same weights in a step shaped like vLLM's compiled decoder layer (fused residual-add + RMSNorm in torch
+    ops, SiLU-and-mul, the hook on the MLP output), compiled by Inductor with a dynamic token count as vLLM does.
+    Here ``torch`` (``ops.steer_torch``, i.e. ``HOTWIRE_IMPL=inductor``) can fuse into the next layer's norm."""
+
+    def __init__(self, shape: str, slots: int, k: int):
+        super().__init__(shape, slots, k)
+        self.norms = torch.ones(self.n_layers, 2, self.hidden, device="cuda", dtype=torch.bfloat16)
+        self.compiled: dict[str, object] = {}
+        self.kernels: dict[str, dict] = {}
+
+    def eager_step(self, x: torch.Tensor, hook: str) -> torch.Tensor:
+        hidden, residual = x, torch.zeros_like(x)
+        for layer, (w_qkv, w_o, w_up, w_down) in enumerate(self.layers):
+            x32 = hidden.float() + residual.float()
+            residual = x32.to(torch.bfloat16)
+            attn = (_rms_norm(x32, self.norms[layer, 0]) @ w_qkv)[:, : self.attn_out] @ w_o
+            x32 = attn.float() + residual.float()
+            residual = x32.to(torch.bfloat16)
+            gate_up = _rms_norm(x32, self.norms[layer, 1]) @ w_up
+            hidden = (torch.nn.functional.silu(gate_up[:, : self.inter]) * gate_up[:, self.inter :]) @ w_down
+            hidden = self.hook(hook, hidden, layer)
+        return _rms_norm(hidden.float() + residual.float(), self.norms[0, 0])
+
+    def step(self, x: torch.Tensor, hook: str) -> torch.Tensor:
+        # One compile per token count (static shapes), shared by op and op_pdl: the launcher reads LAUNCH_PDL.
+        key = ("op" if hook == "op_pdl" else hook, x.shape[0])
+        if key not in self.compiled:
+            from torch._inductor.utils import run_and_get_code
+
+            fn = torch.compile(lambda t, _hook=key[0]: self.eager_step(t, _hook), fullgraph=True, dynamic=False)
+            _, code = run_and_get_code(fn, x)
+            text = "\n".join(code)
+            self.kernels[f"{key[0]}@{key[1]}"] = {
+                "triton_kernels": text.count("@triton.jit"),
+                "extern_mm": text.count("extern_kernels.mm"),
+                "hotwire_op": text.count("hotwire.steer_"),
+            }
+            self.compiled[key] = fn
+        return self.compiled[key](x)
+
 
 
 class _AccessPolicyWindow(ctypes.Structure):
@@ -150,6 +207,7 @@ def capture(
     decoder: Decoder, tokens: int, hook: str, l2: L2Pin | None = None
 ) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
     x = torch.randn(tokens, decoder.hidden, device="cuda", dtype=torch.bfloat16) * 0.1
+    ops.PDL = hook == "op_pdl"  # read by the op at every launch: during warm-up and capture here
     for _ in range(2):  # compiles the Triton kernels and warms cuBLAS before capture
         decoder.step(x, hook)
     torch.cuda.synchronize()
@@ -159,6 +217,7 @@ def capture(
         l2.pin(stream, decoder.routing)  # captured kernel nodes take the stream's access-policy window
     with torch.cuda.graph(graph, stream=stream):
         decoder.step(x, hook)
+    ops.PDL = False
     return graph, x
 
 
@@ -172,27 +231,48 @@ def time_replays(graph: torch.cuda.CUDAGraph, replays: int) -> float:
     return start.elapsed_time(end) / replays
 
 
-def run(shape: str, tokens_list: list[int], reps: int, replays: int, slots: int, k: int) -> tuple[dict, str]:
-    """Results per token count, and what became of the L2 experiment ("measured" or why not)."""
-    decoder = Decoder(shape, slots, k)
-    n = decoder.n_layers
-    middle = list(range(n // 2 - 4, n // 2 + 4))
-    # name -> (graph hook, steered layers, layers switched on)
-    variants = {
+def variants_for(n: int, compiled: bool) -> dict[str, tuple[str, list[int], list[int]]]:
+    """name -> (graph hook, steered layers, layers switched on)."""
+    middle, every, one = list(range(n // 2 - 4, n // 2 + 4)), list(range(n)), [n // 2]
+    if compiled:
+        return {
+            "vanilla": ("none", [], []),
+            "idle": ("op", [], []),
+            "steered_1layer": ("op", one, one),
+            "steered_1layer_pdl": ("op_pdl", one, one),
+            "torch_idle": ("torch", [], []),
+            "torch_steered_1layer": ("torch", one, one),
+            "torch_steered_all": ("torch", every, every),
+        }
+    return {
         "vanilla": ("none", [], []),
         "noop_kernel": ("empty", [], []),
+        "noop_kernel_pdl": ("empty_pdl", [], []),
         "idle": ("op", [], []),
-        "steered_1layer": ("op", [n // 2], [n // 2]),
-        "steered_1layer_all_on": ("op", [n // 2], list(range(n))),
+        "idle_pdl": ("op_pdl", [], []),
+        "steered_1layer": ("op", one, one),
+        "steered_1layer_pdl": ("op_pdl", one, one),
+        "steered_1layer_all_on": ("op", one, every),
         "steered_8layers": ("op", middle, middle),
-        "steered_all": ("op", list(range(n)), list(range(n))),
-        "steered_1layer_l2pin": ("op_l2pin", [n // 2], [n // 2]),
+        "steered_all": ("op", every, every),
+        "steered_1layer_l2pin": ("op_l2pin", one, one),
     }
+
+
+def run(
+    shape: str, tokens_list: list[int], reps: int, replays: int, slots: int, k: int, compiled: bool
+) -> tuple[dict, str, dict]:
+    """Results per token count, what became of the L2 experiment ("measured" or why not), and (compiled mode)
+    the kernels Inductor generated per hook and token count."""
+    decoder = (CompiledDecoder if compiled else Decoder)(shape, slots, k)
+    n = decoder.n_layers
+    variants = variants_for(n, compiled)
     results: dict = {}
     l2: L2Pin | None = None
-    l2_note = "measured"
+    l2_note = "measured" if "steered_1layer_l2pin" in variants else "not in this mode"
     for tokens in tokens_list:
-        graphs = {hook: capture(decoder, tokens, hook) for hook in ("none", "empty", "op")}
+        hooks = sorted({hook for hook, _, _ in variants.values()} - {"op_l2pin"})
+        graphs = {hook: capture(decoder, tokens, hook) for hook in hooks}
         if "steered_1layer_l2pin" in variants:
             try:
                 l2 = l2 or L2Pin()
@@ -228,7 +308,7 @@ def run(shape: str, tokens_list: list[int], reps: int, replays: int, slots: int,
         results[str(tokens)] = rows
         del graphs
         torch.cuda.synchronize()
-    return results, l2_note
+    return results, l2_note, getattr(decoder, "kernels", {})
 
 
 def main() -> None:
@@ -239,13 +319,15 @@ def main() -> None:
     parser.add_argument("--replays", type=int, default=50, help="graph replays per timing")
     parser.add_argument("--slots", type=int, default=256)
     parser.add_argument("--max-stack", type=int, default=4)
+    parser.add_argument("--compiled", action="store_true",
+                        help="vLLM-shaped layers compiled by Inductor; adds the torch formulation (HOTWIRE_IMPL=inductor)")
     parser.add_argument("--out", help="write the JSON result here")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("bench_op_graph needs a CUDA GPU")
     tokens = [int(t) for t in args.tokens.split(",")]
     began = time.time()
-    results, l2_note = run(args.shape, tokens, args.reps, args.replays, args.slots, args.max_stack)
+    results, l2_note, kernels = run(args.shape, tokens, args.reps, args.replays, args.slots, args.max_stack, args.compiled)
     meta = {
         "date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(began)),
         "gpu": torch.cuda.get_device_name(),
@@ -257,7 +339,9 @@ def main() -> None:
         "replays": args.replays,
         "slots": args.slots,
         "max_stack": args.max_stack,
+        "compiled": args.compiled,
         "l2pin": l2_note,
+        "kernels": kernels,
         "seconds": round(time.time() - began, 1),
     }
     print(json.dumps(meta))

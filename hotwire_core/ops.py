@@ -38,6 +38,11 @@ class Gate:
 
 GATE = Gate()
 
+# Launch the CUDA kernel as a programmatic dependent launch (set once per worker: HOTWIRE_PDL on a GPU of
+# compute capability 9.0 or later). The kernel then starts while the layer's last kernel drains and waits for it
+# on the device, instead of the launch gap between two dependent graph nodes (benchmarks/bench_op_graph.py).
+PDL = False
+
 
 def steer_torch(
     residual: torch.Tensor,
@@ -91,7 +96,7 @@ def _steer_cuda(*args: object) -> None:
     if GATE.open:
         from hotwire_core.triton_steer import steer_triton_
 
-        steer_triton_(*args)
+        steer_triton_(*args, pdl=PDL)
 
 
 def _steer_fake(*args: object) -> None:

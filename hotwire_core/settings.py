@@ -71,6 +71,7 @@ class Settings:
     norm: bool = False  # HOTWIRE_NORM: allow norm-relative entries at tensor parallel 1 (see runtime.SteerHook)
     idle_graphs: bool = True  # HOTWIRE_IDLE_GRAPHS: capture hotwire-free CUDA graphs for unsteered steps (ops.Gate)
     layers: frozenset[int] | None = None  # HOTWIRE_LAYERS: the only layers hooked (None: all); fewer, cheaper steps
+    pdl: bool = True  # HOTWIRE_PDL: programmatic dependent launch of the op's kernel where the GPU has it (ops.PDL)
 
     @classmethod
     def from_env(cls) -> "Settings":
@@ -84,6 +85,7 @@ class Settings:
             norm=_int_env("HOTWIRE_NORM", 0, 0, 1) == 1,
             idle_graphs=_int_env("HOTWIRE_IDLE_GRAPHS", 1, 0, 1) == 1,
             layers=parse_layers(os.environ["HOTWIRE_LAYERS"]) if os.environ.get("HOTWIRE_LAYERS") else None,
+            pdl=_int_env("HOTWIRE_PDL", 1, 0, 1) == 1,
             store=os.environ.get("HOTWIRE_STORE") or None,
             preload=os.environ.get("HOTWIRE_VECTORS") or None,
         )

@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_wait
 
 MAX_BLOCK_H = 4096
 
@@ -37,11 +38,17 @@ def _steer_kernel(
     K: tl.constexpr,
     HAS_HIDDEN: tl.constexpr,
     BLOCK_H: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     token = tl.program_id(0).to(tl.int64)
     # Both loads are independent, so their latencies overlap: a layer nobody steers costs one memory round trip.
     cfg = tl.load(token_cfg_ptr + token)
     on = tl.load(layer_on_ptr + layer)
+    if PDL:
+        # Launched as a programmatic dependent of the kernel that wrote the rows: everything above reads only
+        # buffers written before the graph; wait for that kernel before touching a row (and before finishing, so
+        # that the kernels after this one still see its writes).
+        gdc_wait()
     if (cfg == 0) | (on == 0):
         return
     entry0 = (cfg.to(tl.int64) * n_layers + layer) * K
@@ -109,8 +116,10 @@ def steer_triton_(
     bank: torch.Tensor,
     inv_norm: torch.Tensor,
     layer: int,
+    pdl: bool = False,
 ) -> None:
-    """Steer ``residual`` in place with the semantics of ``hotwire_core.ops.steer_torch``."""
+    """Steer ``residual`` in place with the semantics of ``hotwire_core.ops.steer_torch``. ``pdl``: launch as a
+    programmatic dependent launch (Hopper and later), overlapping this launch with the previous kernel's tail."""
     n_tokens, hidden_size = residual.shape
     if n_tokens == 0:
         return
@@ -136,5 +145,7 @@ def steer_triton_(
         K=cfg_slot.shape[2],
         HAS_HIDDEN=hidden is not None,
         BLOCK_H=block_h,
+        PDL=pdl,
         num_warps=min(8, max(1, block_h // 256)),
+        launch_pdl=pdl,
     )

@@ -34,6 +34,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
+from . import ops
 from .controller import ModelInfo, Refusal, SteeringController
 from .ops import GATE
 from .settings import Settings, format_layers
@@ -273,12 +274,13 @@ def _attach(worker: Any) -> None:
         n_layers = model_config.get_num_layers(worker.vllm_config.parallel_config)
         logger.warning("hotwire: %s has no steerable decoder layers; steering is off", type(model).__name__)
     layers = select_layers(found, n_layers, settings().layers) if found else found
+    device = torch.device(worker.device) if hasattr(worker, "device") else torch.device("cpu")
     runner.hotwire = WorkerSteering(
         layers,
         n_layers,
         model_config.get_hidden_size(),
         model_config.dtype,
-        torch.device(worker.device) if hasattr(worker, "device") else torch.device("cpu"),
+        device,
         runner.max_num_tokens,
         runner.max_num_reqs,
         settings(),
@@ -286,6 +288,7 @@ def _attach(worker: Any) -> None:
         steerable=bool(found),
     )
     GATE.split = _idle_graphs_possible(worker.vllm_config) and bool(layers)
+    ops.PDL = settings().pdl and device.type == "cuda" and torch.cuda.get_device_capability(device) >= (9, 0)
 
 
 def _idle_graphs_possible(vllm_config: Any) -> bool:
@@ -525,8 +528,6 @@ def install() -> None:
     if _INSTALLED:
         return
     _INSTALLED = True
-    from . import ops
-
     ops.register_ops()
     for name, patch in _PATCHES.items():
         if name in sys.modules:

@@ -378,9 +378,16 @@ def test_triton_kernel_in_interpreter() -> None:
     assert proc.returncode == 0, proc.stdout + proc.stderr
 
 
+def _pdl_modes() -> list[bool]:
+    """Programmatic dependent launch where the GPU has it (compute capability 9.0+), plain launches everywhere."""
+    return [False, True] if torch.cuda.is_available() and torch.cuda.get_device_capability() >= (9, 0) else [False]
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_cuda_op_and_graph_replay() -> None:
+@pytest.mark.parametrize("pdl", _pdl_modes())
+def test_cuda_op_and_graph_replay(pdl: bool, monkeypatch) -> None:
+    monkeypatch.setattr(ops, "PDL", pdl)
     check_triton_against_reference("cuda")
     dims = {"n_tokens": 64, "hidden_size": 5120, "k": 4, "n_cfg": 6, "n_layers": 3, "n_slots": 9, "layer": 2}
     for with_hidden in (True, False):
@@ -390,24 +397,30 @@ def test_cuda_op_and_graph_replay() -> None:
         assert_matches_reference(residual, a)
         captured = residual.clone()
 
-        residual.copy_(a.residual)
+        # As in a model: a kernel writes the rows right before the op and another reads them right after, so a
+        # programmatic dependent launch that did not wait for its predecessor, or finished before it, shows.
+        source, after = a.residual.clone(), torch.empty_like(residual)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
+            torch.mul(source, 1, out=residual)
             torch.ops.hotwire.steer_(*a._replace(residual=residual))
+            torch.mul(residual, 1, out=after)
         # New contents in the same buffers: the replay must read them, not what was there at capture.
         b = make_case(31, torch.bfloat16, with_hidden=with_hidden, **dims).to("cuda")
         for dst, src in zip(a[1:-1], b[1:-1]):
             if dst is not None:
                 dst.copy_(src)
-        residual.copy_(b.residual)
+        source.copy_(b.residual)
+        residual.zero_()
         graph.replay()
         torch.cuda.synchronize()
         assert_matches_reference(residual, b)
+        assert same_bits(after.cpu(), residual.cpu()), "the kernel after the op read rows the op had not written"
         assert not torch.equal(residual, b.residual)
         assert not torch.equal(residual, captured), "replay gave the captured-time result"
         # The layer switched off after capture (in the buffer the graph reads): every row is left alone.
         a.layer_on[a.layer] = 0
-        residual.copy_(b.residual)
+        residual.zero_()
         graph.replay()
         torch.cuda.synchronize()
         assert same_bits(residual.cpu(), b.residual.cpu()), "a replay at a switched-off layer wrote a row"

@@ -10,7 +10,7 @@ from hotwire_core import __version__
 from hotwire_core.settings import Settings, default_store_root, format_layers, middle_layer, parse_layers
 
 ENV = ("HOTWIRE_SLOTS", "HOTWIRE_MAX_STACK", "HOTWIRE_IMPL", "HOTWIRE_STORE", "HOTWIRE_VECTORS", "HOTWIRE_IDLE_GRAPHS",
-       "HOTWIRE_LAYERS")
+       "HOTWIRE_LAYERS", "HOTWIRE_PDL")
 
 
 @pytest.fixture
@@ -54,6 +54,7 @@ def test_empty_strings_mean_unset(env):
         ("HOTWIRE_IMPL", "", "must be 'op' or 'inductor'"),
         ("HOTWIRE_IDLE_GRAPHS", "2", "must be in [0, 1]"),
         ("HOTWIRE_IDLE_GRAPHS", "yes", "is not an integer"),
+        ("HOTWIRE_PDL", "2", "must be in [0, 1]"),
         ("HOTWIRE_LAYERS", "8-x", "'8-x' is not a layer index or a range"),
         ("HOTWIRE_LAYERS", "3,,4", "'' is not a layer index"),
         ("HOTWIRE_LAYERS", "9-3", "'9-3' is not a range of layers in [0, 65536)"),
@@ -108,6 +109,7 @@ def test_fingerprint():
     # the store and preload folders do not change the graph, nor do idle graph variants (captured, never cached)
     assert Settings(8, 4, "op", "/x", "/y").compile_fingerprint() == fp
     assert Settings(8, 4, "op", None, None, idle_graphs=False).compile_fingerprint() == fp
+    assert Settings(8, 4, "op", None, None, pdl=False).compile_fingerprint() == fp  # a launch attribute only
     # the hooked layers do change it: each hook is an op in the graph
     assert Settings(8, 4, "op", None, None, layers=frozenset({1, 2})).compile_fingerprint() != fp
     assert Settings(8, 4, "op", None, None, layers=frozenset({1, 2})).compile_fingerprint() != Settings(
@@ -151,3 +153,9 @@ def test_middle_layer_is_the_hooked_one_nearest_the_middle():
     assert middle_layer(None, 36) == middle_layer("", 36) == 18  # the server did not say: every layer
     assert middle_layer("0-2", 36) == 2
     assert middle_layer("16,20", 36) == 16  # a tie goes to the lower layer
+
+
+def test_pdl_switch(env):
+    assert Settings.from_env().pdl
+    env.setenv("HOTWIRE_PDL", "0")
+    assert not Settings.from_env().pdl
