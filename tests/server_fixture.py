@@ -9,6 +9,7 @@ workers go together). On a GPU host the same float32 model is served with CUDA g
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -17,10 +18,13 @@ from pathlib import Path
 import torch
 
 from hotwire_api.server_process import ServerExited, free_port, start_server, stop_server, wait_until_ready
+from hotwire_core.verify import untimed_compilation_config
 
 START_TIMEOUT_S = 240.0
-# A fixed KV cache skips vLLM's memory profiling, which miscounts when other engines share the GPU.
-GPU_ARGS = ["--kv-cache-memory-bytes", str(1 << 30), "--gpu-memory-utilization", "0.05"]
+# A fixed KV cache skips vLLM's memory profiling, which miscounts when other engines share the GPU; untimed
+# combo kernels let Inductor compile in deterministic mode (benchmarks/gpu_checks.sh turns it on).
+GPU_ARGS = ["--kv-cache-memory-bytes", str(1 << 30), "--gpu-memory-utilization", "0.05",
+            "--compilation-config", json.dumps(untimed_compilation_config())]
 
 
 class VllmServer:
