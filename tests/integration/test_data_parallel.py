@@ -1,5 +1,7 @@
 """hotwire behind one ``vllm serve`` with data parallelism (``--data-parallel-size 2``, two engine cores, each
-with its own registry copy and slot bank; vLLM's CPU backend, tiny float32 model, eager).
+with its own registry copy and slot bank; vLLM's CPU backend, tiny float32 model, eager). ``vllm serve`` then
+starts two API servers (vLLM's default ``--api-server-count`` for internal load balancing), which share the
+port: each request lands on either, and both must answer alike.
 
 Requests are placed on an engine core with vLLM's ``X-data-parallel-rank`` header, so each test knows where its
 request runs: a vector registered over HTTP steers on both engine cores alike, ``/steer/slots`` counts both
@@ -11,6 +13,7 @@ from __future__ import annotations
 import base64
 import json
 import math
+import re
 import threading
 import time
 from collections.abc import Iterator
@@ -29,7 +32,8 @@ PROMPT = "The quick brown fox jumps over"
 
 @pytest.fixture(scope="module")
 def server(tiny_model, tmp_path_factory) -> Iterator[VllmServer]:
-    srv = VllmServer(tiny_model, tmp_path_factory.mktemp("vllm-serve-dp"), {}, ["--enforce-eager", "--data-parallel-size", "2"])
+    args = ["--enforce-eager", "--data-parallel-size", "2"]
+    srv = VllmServer(tiny_model, tmp_path_factory.mktemp("vllm-serve-dp"), {}, args, cli=True)
     srv.start()
     yield srv
     srv.stop()
@@ -121,3 +125,48 @@ def test_delete_waits_for_a_user_on_the_second_engine_core(http, tiny_model) -> 
     while any(row["id"] == "dp-del" for row in http.get("/steer/slots").json()["rows"]):
         assert time.monotonic() < deadline, "the deleted vector's rows were not freed after its last user finished"
         time.sleep(0.2)
+
+
+def scrape(url: str) -> dict[str, list[tuple[dict, float]]]:
+    """hotwire's samples on ``/metrics``, by sample name."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    out: dict[str, list[tuple[dict, float]]] = {}
+    for family in text_string_to_metric_families(httpx.get(url + "/metrics", timeout=30).text):
+        for sample in family.samples:
+            if sample.name.startswith("hotwire_"):
+                out.setdefault(sample.name, []).append((sample.labels, sample.value))
+    return out
+
+
+def test_two_api_servers_share_routes_and_metrics(server, tiny_model) -> None:
+    """Every API server mounts the routes and answers from the same engine cores; ``/metrics`` (merged over the
+    API servers by vLLM) holds each engine-wide series once and sums the admission refusals of both."""
+    register(httpx.Client(base_url=server.url, timeout=120), "dp-api", seed=3)
+    seen, refused = set(), 0
+    before = sum(v for labels, v in scrape(server.url).get("hotwire_refusals_total", []) if labels["reason"] == "unknown_vector")
+    for _ in range(12):  # a new connection each time: the kernel spreads them over both API servers
+        with httpx.Client(base_url=server.url, timeout=120) as fresh:
+            listed = fresh.get("/steer/vectors").json()["vectors"]
+            seen.add(tuple(sorted(v["id"] for v in listed)))
+            response = completion(fresh, str(tiny_model), 0, "no-such-vector")
+            assert response.status_code == 400 and "unknown steering vector" in response.text, response.text
+            refused += 1
+            logprobs(completion(fresh, str(tiny_model), 1, "dp-api"))
+    assert len(seen) == 1 and "dp-api" in next(iter(seen))
+    # Both API servers answered (vLLM's access log names the process).
+    log = server.log_path.read_text(errors="replace")
+    assert "Defaulting api_server_count to data_parallel_size (2)" in log
+    answering = set(re.findall(r"\((?:APIServer|ApiServer_\d+) pid=(\d+)\)[^\n]*\"POST /v1/completions HTTP/1.1\" 400", log))
+    assert len(answering) == 2, f"the refused requests reached {len(answering)} API server(s)"
+    deadline = time.monotonic() + 15
+    while True:
+        metrics = scrape(server.url)
+        stats = httpx.get(server.url + "/steer/slots", timeout=30).json()
+        capacity = metrics.get("hotwire_slots_capacity", [])
+        steered = metrics.get("hotwire_steered_requests_total", [])
+        now = sum(v for labels, v in metrics.get("hotwire_refusals_total", []) if labels["reason"] == "unknown_vector")
+        if capacity == [({}, 2 * 256.0)] and steered == [({}, float(stats["steered_requests"]))] and now - before == refused:
+            break
+        assert time.monotonic() < deadline, (capacity, steered, stats["steered_requests"], now - before, refused)
+        time.sleep(0.5)
