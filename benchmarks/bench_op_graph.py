@@ -6,8 +6,13 @@ Variants, all in one process and measured round-robin: ``vanilla`` (no op), ``no
 kernel per layer: the price of a graph node alone), ``idle`` (the op, no token steered: what one graph set costs
 when nothing is steered), and every token steered at 1, 8 or all layers, with ``layer_on`` naming exactly the
 steered layers (the default) or switched on everywhere (``_all_on``: the cost when a live config elsewhere
-switches on layers this batch does not steer). Reports ms per replay and the difference to ``vanilla`` per step
-and per hooked layer.
+switches on layers this batch does not steer). ``_pdl`` variants launch the kernel as a programmatic dependent
+launch (hotwire's default on compute capability 9.0+, ``HOTWIRE_PDL``); the others launch it plainly. Reports ms
+per replay and the difference to ``vanilla`` per step and per hooked layer.
+
+``--compiled`` swaps the bare matmul chain for layers shaped like vLLM's compiled decoder layer (see
+``CompiledDecoder``) and adds ``torch_*`` variants: the same steering as torch ops (``HOTWIRE_IMPL=inductor``),
+which Inductor may fuse into the next layer's norm kernel. It also reports how many kernels Inductor generated.
 
 An experiment rides along (``steered_1layer_l2pin``): the same op graph captured on a stream whose access-policy
 window marks ``token_cfg`` and ``layer_on`` (one allocation) as persisting in the L2 cache, so that the weights
@@ -16,7 +21,7 @@ of memory. hotwire does not do this; the variant measures whether it would pay. 
 variant is left out and ``meta.l2pin`` says why. Its 1 MiB L2 set-aside then stays for the rest of the run, for
 every variant alike, and persisting lines are reset after each of its timings.
 
-    python benchmarks/bench_op_graph.py [--tokens 1,8,64,256] [--out result.json]
+    python benchmarks/bench_op_graph.py [--tokens 1,8,64,256] [--compiled] [--out result.json]
 """
 
 from __future__ import annotations
@@ -113,8 +118,10 @@ def _rms_norm(x32: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
 class CompiledDecoder(Decoder):
     """The same weights in a step shaped like vLLM's compiled decoder layer (fused residual-add + RMSNorm in torch
-    ops, SiLU-and-mul, the hook on the MLP output), compiled by Inductor with a dynamic token count as vLLM does.
-    Here ``torch`` (``ops.steer_torch``, i.e. ``HOTWIRE_IMPL=inductor``) can fuse into the next layer's norm."""
+    ops, SiLU-and-mul, the hook on the MLP output), compiled by Inductor. Unlike vLLM, which compiles one graph
+    with a dynamic token count, each token count gets its own static-shape compile here (an imitation, not
+    vLLM's code). ``torch`` (``ops.steer_torch``, i.e. ``HOTWIRE_IMPL=inductor``) can fuse into the next layer's
+    norm."""
 
     def __init__(self, shape: str, slots: int, k: int):
         super().__init__(shape, slots, k)
@@ -136,18 +143,20 @@ class CompiledDecoder(Decoder):
         return _rms_norm(hidden.float() + residual.float(), self.norms[0, 0])
 
     def step(self, x: torch.Tensor, hook: str) -> torch.Tensor:
-        # One compile per token count (static shapes), shared by op and op_pdl: the launcher reads LAUNCH_PDL.
+        # One compile per token count (static shapes), shared by op and op_pdl: the op reads ops.PDL per launch.
         key = ("op" if hook == "op_pdl" else hook, x.shape[0])
         if key not in self.compiled:
             from torch._inductor.utils import run_and_get_code
 
+            # Every compile here is of the same lambda: lift Dynamo's per-code-object limit (8) over them.
+            torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
             fn = torch.compile(lambda t, _hook=key[0]: self.eager_step(t, _hook), fullgraph=True, dynamic=False)
             _, code = run_and_get_code(fn, x)
             text = "\n".join(code)
             self.kernels[f"{key[0]}@{key[1]}"] = {
                 "triton_kernels": text.count("@triton.jit"),
                 "extern_mm": text.count("extern_kernels.mm"),
-                "hotwire_op": text.count("hotwire.steer_"),
+                "hotwire_op_mentions": text.count("hotwire.steer_"),  # text matches: 2 per hooked layer in session 6
             }
             self.compiled[key] = fn
         return self.compiled[key](x)

@@ -288,9 +288,22 @@ def _attach(worker: Any) -> None:
         steerable=bool(found),
     )
     GATE.split = _idle_graphs_possible(worker.vllm_config) and bool(layers)
-    ops.PDL = settings().pdl and device.type == "cuda" and torch.cuda.get_device_capability(device) >= (9, 0)
-    if layers:
+    ops.PDL = _pdl_possible(device)
+    if layers and settings().impl == "op" and device.type == "cuda":
         logger.info("hotwire: steering kernel launched %s", "as a programmatic dependent launch" if ops.PDL else "plainly")
+
+
+def _pdl_possible(device: Any) -> bool:
+    """``HOTWIRE_PDL`` on an NVIDIA GPU of compute capability 9.0+ (ROCm reports its GPUs as "cuda" devices with
+    capabilities of its own, and has no ``griddepcontrol``)."""
+    import torch
+
+    return (
+        settings().pdl
+        and device.type == "cuda"
+        and torch.version.hip is None
+        and torch.cuda.get_device_capability(device) >= (9, 0)
+    )
 
 
 def _idle_graphs_possible(vllm_config: Any) -> bool:

@@ -205,3 +205,25 @@ def test_gate_follows_the_scheduled_requests():
     GATE.split = False  # one graph set: the gate stays open whatever runs
     vllm_glue._set_gate(steering, SimpleNamespace(num_scheduled_tokens={"plain": 1}))
     assert GATE.open is True
+
+
+@pytest.mark.parametrize(
+    "device,hip,capability,enabled,expected",
+    [
+        ("cpu", None, None, True, False),
+        ("cuda", None, (9, 0), True, True),
+        ("cuda", None, (10, 0), True, True),
+        ("cuda", None, (8, 9), True, False),  # Ada and older have no programmatic dependent launch
+        ("cuda", "6.4", (9, 4), True, False),  # ROCm calls its GPUs "cuda" too (MI300: 9.4)
+        ("cuda", None, (9, 0), False, False),  # HOTWIRE_PDL=0
+    ],
+)
+def test_pdl_only_on_nvidia_hopper_and_later(monkeypatch, device, hip, capability, enabled, expected):
+    import torch
+
+    from hotwire_core.settings import Settings
+
+    monkeypatch.setattr(vllm_glue, "_SETTINGS", Settings(8, 4, "op", None, None, pdl=enabled))
+    monkeypatch.setattr(torch.version, "hip", hip)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda _device=None: capability)
+    assert vllm_glue._pdl_possible(torch.device(device)) is expected

@@ -129,8 +129,9 @@ def with_poisoned_idle_rows(a: OpArgs) -> OpArgs:
     return a._replace(residual=residual)
 
 
-def check_triton_against_reference(device: str) -> None:
+def check_triton_against_reference(device: str, pdl: bool = False) -> None:
     """Run the Triton launcher on ``device`` across dtypes, chunk counts and hidden=None; raise on mismatch.
+    ``pdl``: launch as a programmatic dependent launch (CUDA, compute capability 9.0+).
 
     Shared by the interpreter subprocess (CPU tensors) and the gpu test.
     """
@@ -142,7 +143,7 @@ def check_triton_against_reference(device: str) -> None:
         for with_hidden in (True, False):
             a = with_poisoned_idle_rows(make_case(seed, dtype, with_hidden=with_hidden, **sizes)).to(device)
             out = a.residual.clone()
-            triton_steer.steer_triton_(*a._replace(residual=out))
+            triton_steer.steer_triton_(*a._replace(residual=out), pdl=pdl)
             assert_matches_reference(out, a)
             torch.testing.assert_close(out, steer_torch(*a), equal_nan=True, **TOL[dtype])
     # A steered token at a layer its config leaves alone (all slots 0) is not written: its bits survive.
@@ -155,7 +156,7 @@ def check_triton_against_reference(device: str) -> None:
     residual[token_cfg[:6] == 1] = -0.0
     a = a._replace(residual=residual, cfg_slot=cfg_slot, token_cfg=token_cfg).to(device)
     out = a.residual.clone()
-    triton_steer.steer_triton_(*a._replace(residual=out))
+    triton_steer.steer_triton_(*a._replace(residual=out), pdl=pdl)
     untouched = token_cfg[:6] == 1
     assert same_bits(out.cpu()[untouched], residual[untouched]), "a row with no entry at this layer was written"
     assert_matches_reference(out, a)
@@ -167,7 +168,7 @@ def check_triton_against_reference(device: str) -> None:
     assert bool((a.cfg_slot[a.token_cfg[:5], a.layer] != 0).any()), "the case has no entry to skip"
     a = with_poisoned_idle_rows(a).to(device)
     out = a.residual.clone()
-    triton_steer.steer_triton_(*a._replace(residual=out))
+    triton_steer.steer_triton_(*a._replace(residual=out), pdl=pdl)
     assert same_bits(out.cpu(), a.residual.cpu()), "a row at a switched-off layer was written"
     # Many chunks at a small H, masked tail included.
     default_block = triton_steer.MAX_BLOCK_H
@@ -175,7 +176,7 @@ def check_triton_against_reference(device: str) -> None:
     try:
         a = make_case(20, torch.float32, hidden_size=100).to(device)
         out = a.residual.clone()
-        triton_steer.steer_triton_(*a._replace(residual=out))
+        triton_steer.steer_triton_(*a._replace(residual=out), pdl=pdl)
         assert_matches_reference(out, a)
     finally:
         triton_steer.MAX_BLOCK_H = default_block
@@ -378,17 +379,34 @@ def test_triton_kernel_in_interpreter() -> None:
     assert proc.returncode == 0, proc.stdout + proc.stderr
 
 
-def _pdl_modes() -> list[bool]:
-    """Programmatic dependent launch where the GPU has it (compute capability 9.0+), plain launches everywhere."""
-    return [False, True] if torch.cuda.is_available() and torch.cuda.get_device_capability() >= (9, 0) else [False]
+if torch.cuda.is_available():
+    import triton
+    import triton.language as tl
+    from triton.language.extra.cuda import gdc_launch_dependents
+
+    @triton.jit
+    def _slow_copy_kernel(src_ptr, dst_ptr, scratch_ptr, spins, row_len, BLOCK: tl.constexpr):
+        """Copy one row, late: let programmatic dependents start at once, then spin before writing, so that a
+        dependent that reads the rows without waiting for this kernel reads what was there before."""
+        gdc_launch_dependents()
+        x = tl.load(scratch_ptr)
+        for _ in range(spins):
+            x = x * 3 + 1
+        tl.store(scratch_ptr + 1 + tl.program_id(0), x)  # keeps the loop
+        offs = tl.arange(0, BLOCK)
+        row = tl.program_id(0).to(tl.int64) * row_len
+        values = tl.load(src_ptr + row + offs, mask=offs < row_len)
+        tl.store(dst_ptr + row + offs, values, mask=offs < row_len)
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("pdl", _pdl_modes())
+@pytest.mark.parametrize("pdl", [False, True])
 def test_cuda_op_and_graph_replay(pdl: bool, monkeypatch) -> None:
+    if pdl and torch.cuda.get_device_capability() < (9, 0):
+        pytest.skip("programmatic dependent launch needs compute capability 9.0+")
     monkeypatch.setattr(ops, "PDL", pdl)
-    check_triton_against_reference("cuda")
+    check_triton_against_reference("cuda", pdl=pdl)
     dims = {"n_tokens": 64, "hidden_size": 5120, "k": 4, "n_cfg": 6, "n_layers": 3, "n_slots": 9, "layer": 2}
     for with_hidden in (True, False):
         a = with_poisoned_idle_rows(make_case(30, torch.bfloat16, with_hidden=with_hidden, **dims)).to("cuda")
@@ -397,12 +415,20 @@ def test_cuda_op_and_graph_replay(pdl: bool, monkeypatch) -> None:
         assert_matches_reference(residual, a)
         captured = residual.clone()
 
-        # As in a model: a kernel writes the rows right before the op and another reads them right after, so a
-        # programmatic dependent launch that did not wait for its predecessor, or finished before it, shows.
+        # As in a model: a kernel writes the rows right before the op and another reads them right after. The
+        # writer lets its dependents start at once and writes milliseconds later, so an op that did not wait for
+        # it would read the zeroed rows; the reader is launched plainly and must see the op's writes.
         source, after = a.residual.clone(), torch.empty_like(residual)
+        scratch = torch.zeros(1 + dims["n_tokens"], dtype=torch.int32, device="cuda")
+        block = triton.next_power_of_2(dims["hidden_size"])
+
+        def write_rows(spins: int) -> None:
+            _slow_copy_kernel[(dims["n_tokens"],)](source, residual, scratch, spins, dims["hidden_size"], BLOCK=block)
+
+        write_rows(1)  # compiles the writer before capture
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
-            torch.mul(source, 1, out=residual)
+            write_rows(1 << 21)
             torch.ops.hotwire.steer_(*a._replace(residual=residual))
             torch.mul(residual, 1, out=after)
         # New contents in the same buffers: the replay must read them, not what was there at capture.
