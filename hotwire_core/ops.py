@@ -39,9 +39,10 @@ class Gate:
 GATE = Gate()
 
 # Launch the CUDA kernel as a programmatic dependent launch (set once per worker: HOTWIRE_PDL on an NVIDIA GPU of
-# compute capability 9.0 or later). The kernel reads token_cfg and layer_on before it waits for its predecessor:
-# they must only ever be written by copies issued before the forward, never by a kernel inside it. The kernel then starts while the layer's last kernel drains and waits for it
-# on the device, instead of the launch gap between two dependent graph nodes (benchmarks/bench_op_graph.py).
+# compute capability 9.0 or later). The kernel then starts while the layer's last kernel drains and waits for it
+# on the device, instead of paying the launch gap between two dependent graph nodes (benchmarks/bench_op_graph.py).
+# It reads token_cfg and layer_on before that wait: they must only ever be written by copies issued before the
+# forward, never by a kernel inside it.
 PDL = False
 
 

@@ -15,6 +15,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import httpx
 import torch
 
 from hotwire_api.server_process import ServerExited, free_port, start_server, stop_server, wait_until_ready
@@ -111,6 +112,14 @@ class VllmServer:
         except ServerExited as exc:
             self.stop()
             raise RuntimeError(f"vllm serve: {exc}:\n{self.log_tail()}") from None
+
+    def hotwire_samples(self) -> list[tuple[str, dict[str, str], float]]:
+        """hotwire's samples on ``/metrics`` as (name, labels, value), in the order vLLM serves them."""
+        from prometheus_client.parser import text_string_to_metric_families
+
+        text = httpx.get(self.url + "/metrics", timeout=30).text
+        return [(sample.name, sample.labels, sample.value) for family in text_string_to_metric_families(text)
+                for sample in family.samples if sample.name.startswith("hotwire_")]  # fmt: skip
 
     def stop(self) -> None:
         """Stop the whole process group (API server, engine core, workers)."""

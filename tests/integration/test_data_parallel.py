@@ -127,16 +127,16 @@ def test_delete_waits_for_a_user_on_the_second_engine_core(http, tiny_model) -> 
         time.sleep(0.2)
 
 
-def scrape(url: str) -> dict[str, list[tuple[dict, float]]]:
-    """hotwire's samples on ``/metrics``, by sample name."""
-    from prometheus_client.parser import text_string_to_metric_families
-
+def scrape(server: VllmServer) -> dict[str, list[tuple[dict, float]]]:
+    """hotwire's samples on ``/metrics``, by sample name (a series served twice shows as two entries)."""
     out: dict[str, list[tuple[dict, float]]] = {}
-    for family in text_string_to_metric_families(httpx.get(url + "/metrics", timeout=30).text):
-        for sample in family.samples:
-            if sample.name.startswith("hotwire_"):
-                out.setdefault(sample.name, []).append((sample.labels, sample.value))
+    for name, labels, value in server.hotwire_samples():
+        out.setdefault(name, []).append((labels, value))
     return out
+
+
+def unknown_vector_refusals(metrics: dict[str, list[tuple[dict, float]]]) -> float:
+    return sum(v for labels, v in metrics.get("hotwire_refusals_total", []) if labels["reason"] == "unknown_vector")
 
 
 def test_two_api_servers_share_routes_and_metrics(server, tiny_model) -> None:
@@ -150,7 +150,7 @@ def test_two_api_servers_share_routes_and_metrics(server, tiny_model) -> None:
     # opening new connections until both have answered (vLLM's access log names the process).
     refusal = re.compile(r"\((?:APIServer|ApiServer_\d+) pid=(\d+)\)[^\n]*\"POST /v1/completions HTTP/1.1\" 400")
     seen, refused, answering = set(), 0, set()
-    before = sum(v for labels, v in scrape(server.url).get("hotwire_refusals_total", []) if labels["reason"] == "unknown_vector")
+    before = unknown_vector_refusals(scrape(server))
     while refused < 12 or len(answering) < 2:
         assert refused < 100, f"100 connections all reached the same API server ({answering})"
         with httpx.Client(base_url=server.url, timeout=120) as fresh:
@@ -164,11 +164,11 @@ def test_two_api_servers_share_routes_and_metrics(server, tiny_model) -> None:
     assert len(seen) == 1 and "dp-api" in next(iter(seen))
     deadline = time.monotonic() + 15
     while True:
-        metrics = scrape(server.url)
+        metrics = scrape(server)
         stats = httpx.get(server.url + "/steer/slots", timeout=30).json()
         capacity = metrics.get("hotwire_slots_capacity", [])
         steered = metrics.get("hotwire_steered_requests_total", [])
-        now = sum(v for labels, v in metrics.get("hotwire_refusals_total", []) if labels["reason"] == "unknown_vector")
+        now = unknown_vector_refusals(metrics)
         if capacity == [({}, 2 * 256.0)] and steered == [({}, float(stats["steered_requests"]))] and now - before == refused:
             break
         assert time.monotonic() < deadline, (capacity, steered, stats["steered_requests"], now - before, refused)

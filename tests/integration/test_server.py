@@ -806,15 +806,7 @@ def test_slots_latency(http):
 
 
 def scrape(server: VllmServer) -> dict[tuple[str, tuple], float]:
-    from prometheus_client.parser import text_string_to_metric_families
-
-    text = httpx.get(server.url + "/metrics", timeout=30).text
-    out = {}
-    for family in text_string_to_metric_families(text):
-        if family.name.startswith("hotwire_"):
-            for sample in family.samples:
-                out[(sample.name, tuple(sorted(sample.labels.items())))] = sample.value
-    return out
+    return {(name, tuple(sorted(labels.items()))): value for name, labels, value in server.hotwire_samples()}
 
 
 def test_metrics_series(server, http, model):
