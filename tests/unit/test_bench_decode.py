@@ -75,3 +75,20 @@ def test_graph_capture_is_read_from_vllms_log():
            "took 0.61 GiB\n")
     assert bench.graph_capture(log) == {"seconds": 7.0, "gib": 0.61}
     assert bench.graph_capture("no graphs: enforce_eager") is None
+
+
+def test_request_times_time_the_requests_that_started_decoding_last():
+    from types import SimpleNamespace as NS
+
+    def out(first: float, last: float, n: int, ttft: float) -> NS:
+        return NS(request_id="r", metrics=NS(first_token_ts=first, last_token_ts=last, num_generation_tokens=n,
+                                            first_token_latency=ttft))
+
+    # Two requests got their first token in the last prefill step (t=10.004): 9 gaps of 5 and of 6 ms. The one
+    # that started earlier decoded through that prefill (9 gaps of 4 ms) and is not counted.
+    got = bench.request_times([out(10.0, 10.036, 10, 0.02), out(10.004, 10.049, 10, 0.03),
+                               out(10.004, 10.058, 10, 0.04)])
+    assert got["decode_ms"] == pytest.approx(5.5) and got["late_requests"] == 2
+    assert got["ttft_ms"] == pytest.approx(30.0)
+    with pytest.raises(RuntimeError, match="no per-request stats"):
+        bench.request_times([NS(request_id="r", metrics=None)])
