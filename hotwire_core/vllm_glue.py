@@ -39,7 +39,7 @@ from .controller import ModelInfo, Refusal, SteeringController
 from .ops import GATE
 from .settings import Settings, format_layers
 
-logger = logging.getLogger("hotwire")
+logger = logging.getLogger(__name__)
 _SETTINGS: Settings | None = None
 
 
@@ -537,12 +537,30 @@ class _PatchOnImport(importlib.abc.MetaPathFinder):
 _INSTALLED = False
 
 
+def _log_through_vllm() -> None:
+    """Where nothing handles log records (no handler on the root logger, as in vLLM's processes), hotwire's go out
+    through vLLM's handler, with its format and ``VLLM_LOGGING_LEVEL``: Python's defaults would drop the INFO
+    lines and print warnings bare. An application that configured logging keeps its own setup."""
+    import vllm.logger  # noqa: F401  (configures vLLM's logging, unless VLLM_CONFIGURE_LOGGING=0)
+
+    if logging.getLogger().handlers:
+        return
+    vllm_logger = logging.getLogger("vllm")
+    for name in ("hotwire_core", "hotwire_api"):
+        ours = logging.getLogger(name)
+        if not ours.handlers:
+            ours.setLevel(vllm_logger.level)
+            for handler in vllm_logger.handlers:
+                ours.addHandler(handler)
+
+
 def install() -> None:
     """Install every hook in this process (idempotent, imports nothing heavy, never touches CUDA)."""
     global _INSTALLED
     if _INSTALLED:
         return
     _INSTALLED = True
+    _log_through_vllm()
     ops.register_ops()
     for name, patch in _PATCHES.items():
         if name in sys.modules:

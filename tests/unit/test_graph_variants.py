@@ -227,3 +227,20 @@ def test_pdl_only_on_nvidia_hopper_and_later(monkeypatch, device, hip, capabilit
     monkeypatch.setattr(torch.version, "hip", hip)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda _device=None: capability)
     assert vllm_glue._pdl_possible(torch.device(device)) is expected
+
+
+def test_log_lines_go_out_as_vllms_do():
+    """In a fresh process, after install(): hotwire's INFO lines print with vLLM's format and level (by Python's
+    defaults they would be dropped)."""
+    import os
+    import subprocess
+    import sys
+
+    code = ("import logging; from hotwire_core import vllm_glue; vllm_glue.install(); "
+            "logging.getLogger('hotwire_core.runtime').info('hotwire: probe line'); "
+            "logging.getLogger('hotwire_api.metrics').debug('hotwire: debug line')")
+    env = {**os.environ, "VLLM_CONFIGURE_LOGGING": "1", "VLLM_LOGGING_LEVEL": "INFO"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    printed = [line for line in (out.stdout + out.stderr).splitlines() if "hotwire:" in line]
+    assert len(printed) == 1 and "INFO" in printed[0] and printed[0].endswith("hotwire: probe line"), printed
