@@ -102,15 +102,23 @@ def capacity_cost_pct(rows: list[dict]) -> float | None:
     return round(max(abs(statistics.median(r["decode_ms"]) / base - 1) * 100 for r in by_slots[1:]), 2)
 
 
+def under_load(stall: dict) -> bool:
+    """Whether the streams decoded through every phase: none ended before the stop, and each phase overlapped
+    some inter-token gap (a phase outlasting ``--stream-tokens`` measures an idle server)."""
+    return bool(stall) and not stall.get("streams_finished_early") and not stall.get("phases_without_load")
+
+
 def judge(result: dict) -> list[dict]:
-    """Each target with its limit, the measured value (None: not measured) and pass/miss."""
+    """Each target with its limit, the measured value (None: not measured, or not under load) and pass/miss."""
+    stall = result.get("decode_stall", {})
+    loaded = under_load(stall)
     checks = [
         ("registration usable by the next request, p99 (ms)", "usable_p99_ms",
          result.get("registration", {}).get("usable_ms", {}).get("p99")),
         ("decode stall while registering, p99 gap - idle p99 gap (ms)", "stall_ms",
-         result.get("decode_stall", {}).get("stall_p99_ms")),
+         stall.get("stall_p99_ms") if loaded else None),
         (f"GET /steer/slots?max_age_ms={POLL_MAX_AGE_MS} (a 1 Hz poller) while streams decode, p99 (ms)", "slots_p99_ms",
-         result.get("slots_get_ms", {}).get(f"max_age_ms={POLL_MAX_AGE_MS}", {}).get("p99")),
+         result.get("slots_get_ms", {}).get(f"max_age_ms={POLL_MAX_AGE_MS}", {}).get("p99") if loaded else None),
         ("decode ms/token change across slot capacities (%)", "capacity_cost_pct", capacity_cost_pct(result["capacity"])),
     ]
     return [{"target": name, "limit": TARGETS[key], "value": value, "pass": value is not None and value <= TARGETS[key]}
@@ -126,8 +134,11 @@ def _prompt(rng: np.random.Generator, n: int) -> list[int]:
 
 
 def _body(prompt: list[int], spec: str, max_tokens: int, stream: bool = False) -> dict:
-    return {"model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True,
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True,
             "stream": stream, "vllm_xargs": {"hotwire": spec}}
+    if stream:  # every event then says how many tokens the stream holds (an event can carry several)
+        body["stream_options"] = {"include_usage": True, "continuous_usage_stats": True}
+    return body
 
 
 def _vector(rng: np.random.Generator, *shape: int) -> np.ndarray:
@@ -212,18 +223,34 @@ def measure_registration(hw: HotwireClient, http: httpx.Client, shape: ModelShap
             "resident_steered_response_ms": summarize(resident), "usable_ms": summarize(usable)}
 
 
-async def _stream(http: httpx.AsyncClient, body: dict, times: list[float]) -> None:
+async def _stream(http: httpx.AsyncClient, body: dict, times: list[float], tokens: list[int] | None = None) -> None:
+    """Append the arrival time of each event of a streamed completion to ``times`` and, when ``tokens`` is given,
+    the stream's token count after it (from the event's usage) to ``tokens``."""
     async with http.stream("POST", "/v1/completions", json=body) as response:
         if response.status_code != 200:
             raise RuntimeError(f"stream refused: {response.status_code} {(await response.aread()).decode()[:500]}")
         async for line in response.aiter_lines():
-            if line.startswith("data: {"):
-                times.append(time.monotonic())
+            if not line.startswith("data: {"):
+                continue
+            arrived = time.monotonic()
+            if tokens is None:
+                times.append(arrived)
+                continue
+            event = json.loads(line[len("data: "):])
+            if event.get("choices"):  # not the closing usage-only event
+                times.append(arrived)
+                tokens.append(event["usage"]["completion_tokens"])
+
+
+def per_token_ms(times: list[float], tokens: list[int]) -> float:
+    """ms per token of one stream between its first and last event (an event can carry several tokens)."""
+    return (times[-1] - times[0]) / (tokens[-1] - tokens[0]) * 1e3
 
 
 async def stream_worker(cfg: dict) -> None:
     """Helper process: ``cfg['n']`` streams; prints READY once each has a token, stops them on a stdin line and
-    prints every stream's token arrival times (``time.monotonic``, shared by the processes of one machine)."""
+    prints every stream's event arrival times (``time.monotonic``, shared by the processes of one machine) and
+    how many streams had ended before the stop."""
     rng = np.random.default_rng(cfg["seed"])
     times: list[list[float]] = [[] for _ in range(cfg["n"])]
     async with httpx.AsyncClient(base_url=cfg["url"], timeout=None) as http:
@@ -237,10 +264,11 @@ async def stream_worker(cfg: dict) -> None:
             await asyncio.sleep(0.01)
         print("READY", flush=True)
         await asyncio.get_running_loop().run_in_executor(None, sys.stdin.readline)
+        ended = sum(task.done() for task in tasks)
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
-    print("RESULT " + json.dumps(times), flush=True)
+    print("RESULT " + json.dumps({"times": times, "ended": ended}), flush=True)
 
 
 def _summarize_ms(intervals: list[Interval]) -> dict:
@@ -295,11 +323,13 @@ def measure_under_load(hw: HotwireClient, url: str, shape: ModelShape, args: arg
         with httpx.Client(base_url=url, timeout=60.0) as http:
             busy["version"] = _timed([partial(_get_ok, http, "/version")] * args.polls, POLL_EVERY_S)
         end = time.monotonic()
-        streams = []
+        streams, ended = [], 0
         for worker in workers:
             worker.stdin.write("stop\n")
             worker.stdin.flush()
-            streams += json.loads(_read_line(worker, "RESULT "))
+            got = json.loads(_read_line(worker, "RESULT "))
+            streams += got["times"]
+            ended += got["ended"]
             worker.wait(30)
     finally:
         for worker in workers:
@@ -310,7 +340,8 @@ def measure_under_load(hw: HotwireClient, url: str, shape: ModelShape, args: arg
     for stat in ("p99", "max"):
         idle, reg = stall["idle"][stat], stall["register"][stat]
         stall[f"stall_{stat}_ms"] = None if idle is None or reg is None else round(reg - idle, 3)
-    stall["streams_finished_early"] = sum(len(times) >= args.stream_tokens for times in streams)
+    stall["streams_finished_early"] = ended
+    stall["phases_without_load"] = [kind for kind in busy if not gaps[kind]]
     latency = {"fresh": _summarize_ms(busy["slots"]), f"max_age_ms={POLL_MAX_AGE_MS}": _summarize_ms(polled),
                BASELINE_ROUTE: _summarize_ms(busy["version"])}
     return stall, latency
@@ -318,17 +349,18 @@ def measure_under_load(hw: HotwireClient, url: str, shape: ModelShape, args: arg
 
 async def measure_decode(url: str, shape: ModelShape, args: argparse.Namespace, rng: np.random.Generator) -> list[float]:
     """Decode ms/token of a batch of ``args.batch`` streamed steered completions, per rep: the median over the
-    batch of each request's (last token - first token) / (N - 1), as this process received them."""
+    batch of each request's ms per token between its first and last event, as this process received them."""
     specs = [_spec(f"cap{i % 8}", shape.num_layers // 2) for i in range(args.batch)]
     limits = httpx.Limits(max_connections=args.batch)
     decode = []
     async with httpx.AsyncClient(base_url=url, timeout=None, limits=limits) as http:
         for rep in range(1 + args.reps):  # the first: warm-up, first sight of this batch
             times: list[list[float]] = [[] for _ in specs]
+            tokens: list[list[int]] = [[] for _ in specs]
             await asyncio.gather(*(_stream(http, _body(_prompt(rng, args.prompt_len), spec, 1 + args.decode_tokens,
-                                                       stream=True), got) for spec, got in zip(specs, times)))
+                                                       stream=True), t, n) for spec, t, n in zip(specs, times, tokens)))
             if rep:
-                decode.append(round(statistics.median((t[-1] - t[0]) / (len(t) - 1) * 1e3 for t in times), 4))
+                decode.append(round(statistics.median(per_token_ms(t, n) for t, n in zip(times, tokens)), 4))
     return decode
 
 
@@ -355,7 +387,8 @@ def markdown(result: dict) -> str:
         lines += ["", f"## Inter-token gaps of {meta['streams']} streams, by what they overlapped (ms)", "",
                   *_table({k: stall[k] for k in ("idle", "register", "slots", "version")}), "",
                   f"stall: p99 {stall['stall_p99_ms']} ms, max {stall['stall_max_ms']} ms; streams that ran out of "
-                  f"tokens before the end: {stall['streams_finished_early']}", "",
+                  f"tokens before the end: {stall['streams_finished_early']}; phases the streams did not overlap: "
+                  f"{stall.get('phases_without_load') or 'none'}", "",
                   "## GET /steer/slots and a trivial vLLM route while the streams decode (ms)", "", *_table(result["slots_get_ms"])]
     if result["capacity"]:
         lines += ["", f"## Decode ms/token vs slot capacity (batch {meta['batch']})", "",

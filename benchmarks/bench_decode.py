@@ -121,8 +121,9 @@ def request_times(outputs: list) -> dict:
     each request's first and last token; the frontend's first-token latency).
 
     Decode is the median over the requests whose first token came last (one step): their whole decode ran after
-    every prefill of the batch, in steps with the full batch. An earlier request's decode also spans the steps
-    that prefilled later ones (at batch 256 its time per token varied by 0.5 ms of 7.4 within one batch)."""
+    every prefill of the batch (its last steps with fewer requests, as the ones that started earlier finish
+    earlier). An earlier request's decode also spans the steps that prefilled later ones (at batch 256 its time
+    per token varied by 0.5 ms of 7.4 within one batch)."""
     stats = []
     for out in outputs:
         m = out.metrics

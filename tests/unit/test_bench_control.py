@@ -59,3 +59,19 @@ def test_markdown_marks_unmeasured_targets():
     table = [line for line in bench.markdown(result).splitlines() if line.startswith("| ") and "(" in line]
     assert table[0].endswith("| 60.0 | MISS |")
     assert table[3].endswith("| None | not measured |")
+
+
+def test_targets_measured_under_load_only():
+    """A phase no inter-token gap overlapped (the streams had ended) measured an idle server: not a pass."""
+    result = {"decode_stall": {"stall_p99_ms": 0.5, "streams_finished_early": 0, "phases_without_load": []},
+              "slots_get_ms": {"max_age_ms=1000": {"p99": 4.0}}, "capacity": []}
+    assert [t["value"] for t in bench.judge(result)][1:3] == [0.5, 4.0]
+    result["decode_stall"]["phases_without_load"] = ["version"]
+    assert [t["value"] for t in bench.judge(result)][1:3] == [None, None]
+    result["decode_stall"].update(phases_without_load=[], streams_finished_early=3)
+    assert [t["pass"] for t in bench.judge(result)][1:3] == [False, False]
+
+
+def test_per_token_ms_counts_tokens_not_events():
+    # 3 events; the second carried 3 tokens (the client fell behind): 5 tokens in 20 ms after the first event.
+    assert bench.per_token_ms([1.000, 1.012, 1.020], [1, 4, 6]) == pytest.approx(4.0)
