@@ -540,10 +540,9 @@ _INSTALLED = False
 def _log_through_vllm() -> None:
     """Where nothing handles log records (no handler on the root logger, as in vLLM's processes), hotwire's go out
     through vLLM's handler, with its format and ``VLLM_LOGGING_LEVEL``: Python's defaults would drop the INFO
-    lines and print warnings bare. An application that configured logging keeps its own setup."""
-    import vllm.logger  # noqa: F401  (configures vLLM's logging, unless VLLM_CONFIGURE_LOGGING=0)
-
-    if logging.getLogger().handlers:
+    lines and print warnings bare. An application that configured logging keeps its own setup. vLLM's plugin
+    loader has imported ``vllm.logger`` (which sets up that handler) before it calls hotwire."""
+    if "vllm.logger" not in sys.modules or logging.getLogger().handlers:
         return
     vllm_logger = logging.getLogger("vllm")
     for name in ("hotwire_core", "hotwire_api"):

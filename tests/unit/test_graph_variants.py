@@ -230,13 +230,13 @@ def test_pdl_only_on_nvidia_hopper_and_later(monkeypatch, device, hip, capabilit
 
 
 def test_log_lines_go_out_as_vllms_do():
-    """In a fresh process, after install(): hotwire's INFO lines print with vLLM's format and level (by Python's
-    defaults they would be dropped)."""
+    """In a fresh process whose vLLM loads its plugins (hotwire among them): hotwire's INFO lines print with
+    vLLM's format and level (by Python's defaults they would be dropped)."""
     import os
     import subprocess
     import sys
 
-    code = ("import logging; from hotwire_core import vllm_glue; vllm_glue.install(); "
+    code = ("import logging; from vllm.plugins import load_general_plugins; load_general_plugins(); "
             "logging.getLogger('hotwire_core.runtime').info('hotwire: probe line'); "
             "logging.getLogger('hotwire_api.metrics').debug('hotwire: debug line')")
     env = {**os.environ, "VLLM_CONFIGURE_LOGGING": "1", "VLLM_LOGGING_LEVEL": "INFO"}
