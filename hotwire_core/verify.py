@@ -1,7 +1,7 @@
 """Self-test of hotwire on your own hardware, in one offline vLLM engine:
 
     python -m hotwire_core.verify [--model PATH_OR_ID | --arch ARCH] [--dtype DTYPE] [--runner v1|v2] [--vanilla]
-                                  [--tensor-parallel-size N] [--kv-cache-gib G]
+                                  [--tensor-parallel-size N] [--kv-cache-gib G] [--save-plain FILE]
 
 Without ``--model`` it builds the built-in tiny model (random weights, architecture ``--arch``, default qwen3) in
 a temporary folder; that also runs on a CPU, slowly. A random vector sized to the model is registered and these are checked:
@@ -21,8 +21,11 @@ e. with ``--vanilla``: the plain requests again, in a subprocess with no plugin 
    H200: tiny Qwen3 on the V1 runner, 0.0039). When the plain requests differ, a second plugin-free engine runs
    them too, and each request passes if it equals either engine's: at tensor parallel 2 on the H200 two
    plugin-free engines disagree with each other on a 72-token prefill by 0.0038 (``benchmarks/
-   tp2_vanilla_control.py``), so one reference cannot tell vLLM's own variation from hotwire's. The report says
+   tp2_identity.py``), so one reference cannot tell vLLM's own variation from hotwire's. The report says
    where the two references differ.
+
+``--save-plain FILE`` writes the plain results that (e) compares as JSON (compiling as (e) does), so that
+engines elsewhere can be compared with this one (``benchmarks/tp2_identity.py``).
 
 "Bit-identical" is exact on a GPU; on the CPU, whose backend jitters by an ulp even between identical batches,
 it is within ``CPU_TOLERANCE`` and the report gives the largest difference.
@@ -365,6 +368,14 @@ def decode_cost_check(llm: Any, short: list[list[int]], steer: dict) -> Check:
     return check_decode_cost(samples["idle"], samples["steered"], MAX_DECODE_OVERHEAD)
 
 
+def save_results(path: Path, results: Sequence[Result]) -> None:
+    path.write_text(json.dumps([asdict(r) for r in results]))
+
+
+def load_results(path: Path) -> list[Result]:
+    return [Result(**r) for r in json.loads(path.read_text())]
+
+
 def run_vanilla(kwargs: dict[str, Any], batches: Batches, workdir: Path, run: int = 0) -> list[Result]:
     """Run plain ``(prompts, max_tokens)`` batches in a fresh interpreter with ``VLLM_PLUGINS=""``; results in
     order, flattened. Each ``run`` > 0 compiles into its own cache, so it is a second, independent engine."""
@@ -377,20 +388,22 @@ def run_vanilla(kwargs: dict[str, Any], batches: Batches, workdir: Path, run: in
     proc = subprocess.run(command, env=env, capture_output=True, text=True)
     if proc.returncode != 0:
         raise RuntimeError(f"the vanilla engine failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
-    return [Result(**r) for r in json.loads(out.read_text())]
+    return load_results(out)
 
 
 def _vanilla_child(job_path: str, out_path: str) -> None:
+    """Run a job's plain batches; the engine must be plugin-free unless the job says ``"plugin_free": false``
+    (``benchmarks/tp2_identity.py`` runs the same job with hotwire loaded)."""
     from vllm import LLM
 
     job = json.loads(Path(job_path).read_text())
     llm = LLM(**job["engine"])
-    if any(name.startswith("hotwire_core.vllm_glue") for name in sys.modules):
+    if job.get("plugin_free", True) and any(name.startswith("hotwire_core.vllm_glue") for name in sys.modules):
         raise SystemExit("hotwire was loaded although VLLM_PLUGINS is empty")
     results = []
     for batch, max_tokens in job["batches"]:
         results += generate(llm, batch, [params(max_tokens, skip_cache=True) for _ in batch])
-    Path(out_path).write_text(json.dumps([asdict(r) for r in results]))
+    save_results(Path(out_path), results)
 
 
 def vanilla_check(
@@ -463,9 +476,8 @@ def run(args: argparse.Namespace, model: str, workdir: Path) -> tuple[Header, li
 
     timings: Timings = []
     started = time.monotonic()
-    kwargs = engine_kwargs(
-        model, args.dtype, args.tensor_parallel_size, args.kv_cache_gib, untimed=args.vanilla and torch.cuda.is_available()
-    )
+    untimed = (args.vanilla or args.save_plain is not None) and torch.cuda.is_available()
+    kwargs = engine_kwargs(model, args.dtype, args.tensor_parallel_size, args.kv_cache_gib, untimed=untimed)
     llm = LLM(**kwargs)
     timings.append(("engine start", time.monotonic() - started))
 
@@ -497,10 +509,14 @@ def run(args: argparse.Namespace, model: str, workdir: Path) -> tuple[Header, li
     timings.append(("decode timing", time.monotonic() - started))
     engine.engine_core.shutdown()
 
+    # The plain requests again, as (e) and --save-plain see them: these batches, in this order.
+    ours = [plain, *all_plain, *plain_long]
+    if args.save_plain is not None:
+        save_results(args.save_plain, ours)
     if args.vanilla:
         started = time.monotonic()
         batches = [(short[:1], SHORT_TOKENS), (short, SHORT_TOKENS), ([x], PREFIX_TOKENS), ([y], PREFIX_TOKENS)]
-        checks.append(vanilla_check(kwargs, batches, [plain, *all_plain, *plain_long], tolerance, workdir))
+        checks.append(vanilla_check(kwargs, batches, ours, tolerance, workdir))
         timings.append(("plugin-free engines", time.monotonic() - started))
     return header, checks, timings
 
@@ -518,6 +534,8 @@ def build_parser() -> argparse.ArgumentParser:
                         help="a fixed KV cache size instead of vLLM's memory profiling (lets engines share a GPU)")
     parser.add_argument("--runner", choices=("v1", "v2"), help="force vLLM's model runner (VLLM_USE_V2_MODEL_RUNNER)")
     parser.add_argument("--vanilla", action="store_true", help="also compare plain requests with a plugin-free engine")
+    parser.add_argument("--save-plain", type=Path, metavar="FILE",
+                        help="write the plain requests' results (those --vanilla compares) to FILE as JSON")
     parser.add_argument("--vanilla-job", nargs=2, metavar=("JOB", "OUT"), help=argparse.SUPPRESS)
     return parser
 
@@ -534,7 +552,7 @@ def _set_environment(args: argparse.Namespace, on_gpu: bool) -> None:
         os.environ["HF_HUB_OFFLINE"] = "1"
     os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
     os.environ["HOTWIRE_STORE"] = "off"
-    if args.vanilla:
+    if args.vanilla or args.save_plain is not None:
         os.environ.setdefault("TORCHINDUCTOR_DETERMINISTIC", "1")  # see check (e) above
     # This process may touch CUDA before vLLM starts its engine; a forked engine could then not use the GPU.
     os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")

@@ -168,15 +168,18 @@ def test_report_and_exit_status():
     assert exit_status([]) == 1
 
 
-@pytest.mark.parametrize("vanilla,preset,expected", [(True, None, "1"), (True, "0", "0"), (False, None, None)])
-def test_vanilla_comparison_compiles_deterministically(monkeypatch, vanilla, preset, expected):
-    """Check (e) pins Inductor's kernel choices (unless the user chose), and only check (e) does."""
+@pytest.mark.parametrize(
+    "flags,preset,expected",
+    [(["--vanilla"], None, "1"), (["--vanilla"], "0", "0"), (["--save-plain", "p.json"], None, "1"), ([], None, None)],
+)
+def test_vanilla_comparison_compiles_deterministically(monkeypatch, flags, preset, expected):
+    """Check (e) and --save-plain pin Inductor's kernel choices (unless the user chose), and only they do."""
     for name in ("TORCHINDUCTOR_DETERMINISTIC", "VLLM_USE_V2_MODEL_RUNNER", "HOTWIRE_STORE", "HF_HUB_OFFLINE",
                  "VLLM_NO_USAGE_STATS", "VLLM_WORKER_MULTIPROC_METHOD", *verify.CPU_ENV):
         monkeypatch.delenv(name, raising=False)
     if preset is not None:
         monkeypatch.setenv("TORCHINDUCTOR_DETERMINISTIC", preset)
-    args = verify.build_parser().parse_args(["--vanilla"] if vanilla else [])
+    args = verify.build_parser().parse_args(flags)
     verify._set_environment(args, on_gpu=True)
     assert os.environ.get("TORCHINDUCTOR_DETERMINISTIC") == expected
 
@@ -190,3 +193,10 @@ def test_engine_kwargs_pin_timed_kernel_choices_only_when_asked():
     }
     assert {k: v for k, v in untimed.items() if k != "compilation_config"} == plain
     json.dumps(untimed)  # travels to the vanilla child as JSON
+
+
+def test_saved_results_round_trip(tmp_path):
+    """--save-plain and the vanilla child write what run_vanilla and benchmarks/tp2_identity.py read back."""
+    results = [Result([1, 2], [-0.5, -1.25], 0), Result([3], [-2.0000001], 16)]
+    verify.save_results(tmp_path / "r.json", results)
+    assert verify.load_results(tmp_path / "r.json") == results
