@@ -9,6 +9,8 @@ short prompts, then its two 72-token prompts alone). Engine kinds:
 
 - ``vanilla``: no plugin loaded (``VLLM_PLUGINS=""``);
 - ``hotwire``: hotwire loaded, nothing ever steered;
+- ``vanilla-history``, ``hotwire-history``: the same, but each measured request runs where it runs in verify,
+  after verify's earlier requests on the same prompts (its steered ones here plain, none reading the cache);
 - ``verify``: ``python -m hotwire_core.verify --save-plain``: hotwire, with verify's steered requests between
   the plain ones;
 - a ``+nocar`` suffix (``vanilla``, ``hotwire``) turns vLLM's custom all-reduce off (``disable_custom_all_reduce``).
@@ -28,7 +30,15 @@ from pathlib import Path
 
 from hotwire_core import verify as v
 
-KINDS = ("vanilla", "hotwire", "verify")
+KINDS = ("vanilla", "hotwire", "vanilla-history", "hotwire-history", "verify")
+
+
+def with_history(short: list[list[int]], x: list[int], y: list[int]) -> list[list]:
+    """verify's requests up to its last plain one, in its order, steering left out; ``[prompts, max_tokens,
+    kept]``, kept for the plain results verify compares."""
+    s, p = v.SHORT_TOKENS, v.PREFIX_TOKENS
+    return [[short[:1], s, True], [short[:1], s, False], [short, s, True], [short, s, False],
+            [[x], p, False], [[x], p, False], [[x], p, True], [[x], p, False], [[y], p, True]]
 
 
 def groups(results: list[list[v.Result]], request: int) -> list[list[int]]:
@@ -89,9 +99,10 @@ def main() -> int:
         kind, _, variant = name.partition("+")
         job = args.out / f"job{i}.json"
         engine = {**base, **({"disable_custom_all_reduce": True} if variant == "nocar" else {})}
-        job.write_text(json.dumps({"engine": engine, "batches": batches, "plugin_free": kind == "vanilla"}))
+        sequence = with_history(short, x, y) if kind.endswith("-history") else batches
+        job.write_text(json.dumps({"engine": engine, "batches": sequence, "plugin_free": kind.startswith("vanilla")}))
         env = {**env_all, "VLLM_CACHE_ROOT": str(args.out / f"cache{i}")}
-        if kind == "vanilla":
+        if kind.startswith("vanilla"):
             env["VLLM_PLUGINS"] = ""
         else:
             env.pop("VLLM_PLUGINS", None)

@@ -392,8 +392,9 @@ def run_vanilla(kwargs: dict[str, Any], batches: Batches, workdir: Path, run: in
 
 
 def _vanilla_child(job_path: str, out_path: str) -> None:
-    """Run a job's plain batches; the engine must be plugin-free unless the job says ``"plugin_free": false``
-    (``benchmarks/tp2_identity.py`` runs the same job with hotwire loaded)."""
+    """Run a job's plain batches, ``[prompts, max_tokens]`` or ``[prompts, max_tokens, kept]``: results of batches
+    with ``kept`` false are dropped. The engine must be plugin-free unless the job says ``"plugin_free": false``
+    (``benchmarks/tp2_identity.py`` runs such jobs with hotwire loaded, and with a history of dropped batches)."""
     from vllm import LLM
 
     job = json.loads(Path(job_path).read_text())
@@ -401,8 +402,9 @@ def _vanilla_child(job_path: str, out_path: str) -> None:
     if job.get("plugin_free", True) and any(name.startswith("hotwire_core.vllm_glue") for name in sys.modules):
         raise SystemExit("hotwire was loaded although VLLM_PLUGINS is empty")
     results = []
-    for batch, max_tokens in job["batches"]:
-        results += generate(llm, batch, [params(max_tokens, skip_cache=True) for _ in batch])
+    for batch, max_tokens, *kept in job["batches"]:
+        done = generate(llm, batch, [params(max_tokens, skip_cache=True) for _ in batch])
+        results += done if kept in ([], [True]) else []
     save_results(Path(out_path), results)
 
 
