@@ -33,14 +33,6 @@ from hotwire_core import verify as v
 KINDS = ("vanilla", "hotwire", "vanilla-history", "hotwire-history", "verify")
 
 
-def with_history(short: list[list[int]], x: list[int], y: list[int]) -> list[list]:
-    """verify's requests up to its last plain one, in its order, steering left out; ``[prompts, max_tokens,
-    kept]``, kept for the plain results verify compares."""
-    s, p = v.SHORT_TOKENS, v.PREFIX_TOKENS
-    return [[short[:1], s, True], [short[:1], s, False], [short, s, True], [short, s, False],
-            [[x], p, False], [[x], p, False], [[x], p, True], [[x], p, False], [[y], p, True]]
-
-
 def groups(results: list[list[v.Result]], request: int) -> list[list[int]]:
     """Engines (indices) grouped by bit-identical results for ``request``, in order of first appearance."""
     found: list[list[int]] = []
@@ -89,7 +81,7 @@ def main() -> int:
     short = [tokenizer.encode(p) for p in v.PROMPTS]
     block = 16 if on_gpu else 128  # vLLM's default block size (CUDA, CPU), which verify's engine keeps
     x, y = (v.long_prompt(tokenizer, text, v.PREFIX_BLOCKS * block + block // 2) for text in v.LONG_TEXTS)
-    batches = [(short[:1], v.SHORT_TOKENS), (short, v.SHORT_TOKENS), ([x], v.PREFIX_TOKENS), ([y], v.PREFIX_TOKENS)]
+    batches = v.plain_batches(short, x, y)
     base = v.engine_kwargs(model, args.dtype, args.tensor_parallel_size, 1.0 if on_gpu else None, untimed=on_gpu)
 
     env_all = {**({} if on_gpu else v.CPU_ENV), **os.environ, "HF_HUB_OFFLINE": "1", "TORCHINDUCTOR_DETERMINISTIC": "1",
@@ -99,7 +91,7 @@ def main() -> int:
         kind, _, variant = name.partition("+")
         job = args.out / f"job{i}.json"
         engine = {**base, **({"disable_custom_all_reduce": True} if variant == "nocar" else {})}
-        sequence = with_history(short, x, y) if kind.endswith("-history") else batches
+        sequence = v.plain_history(short, x, y) if kind.endswith("-history") else batches
         job.write_text(json.dumps({"engine": engine, "batches": sequence, "plugin_free": kind.startswith("vanilla")}))
         env = {**env_all, "VLLM_CACHE_ROOT": str(args.out / f"cache{i}")}
         if kind.startswith("vanilla"):

@@ -19,10 +19,11 @@ e. with ``--vanilla``: the plain requests again, in a subprocess with no plugin 
    it on, and deterministic mode refuses that timing). Inductor otherwise picks some kernel configurations by
    timing them, and two compiles on a busy GPU may pick differently and differ in the last bits (seen on the
    H200: tiny Qwen3 on the V1 runner, 0.0039). When the plain requests differ, a second plugin-free engine runs
-   them too, and each request passes if it equals either engine's: at tensor parallel 2 on the H200 two
-   plugin-free engines disagree with each other on a 72-token prefill by 0.0038 (``benchmarks/
-   tp2_identity.py``), so one reference cannot tell vLLM's own variation from hotwire's. The report says
-   where the two references differ.
+   them too, this time in the order this engine ran them, after the same earlier requests (their steering left
+   out), and each request passes if it equals either engine's: at tensor parallel 2 on the V1 runner, plugin-free
+   engines running the same requests disagree with each other on a 72-token prefill (by 0.0038 or 1.1e-4, more
+   often after earlier requests: ``benchmarks/tp2_identity.py``), so one reference cannot tell vLLM's own
+   variation from hotwire's. The report says where the two references differ.
 
 ``--save-plain FILE`` writes the plain results that (e) compares as JSON (compiling as (e) does), so that
 engines elsewhere can be compared with this one (``benchmarks/tp2_identity.py``).
@@ -368,6 +369,21 @@ def decode_cost_check(llm: Any, short: list[list[int]], steer: dict) -> Check:
     return check_decode_cost(samples["idle"], samples["steered"], MAX_DECODE_OVERHEAD)
 
 
+def plain_batches(short: list[list[int]], x: list[int], y: list[int]) -> Batches:
+    """The batches of the plain results that (e) compares, ``(prompts, max_tokens)``, in :func:`run`'s order."""
+    return [(short[:1], SHORT_TOKENS), (short, SHORT_TOKENS), ([x], PREFIX_TOKENS), ([y], PREFIX_TOKENS)]
+
+
+def plain_history(short: list[list[int]], x: list[int], y: list[int]) -> list[list]:
+    """The requests :func:`run` sends, in its order, up to the last plain one that (e) compares, all plain and
+    reading no cache: ``[prompts, max_tokens, kept]`` batches for the vanilla child, ``kept`` where (e) compares
+    the results (they come out in the order of (e)'s batches)."""
+    s, p = SHORT_TOKENS, PREFIX_TOKENS
+    return [[short[:1], s, True], [short[:1], s, False],  # a: plain, steered
+            [short, s, True], [short, s, False],  # b: all plain, mixed
+            [[x], p, False], [[x], p, False], [[x], p, True], [[x], p, False], [[y], p, True]]  # c
+
+
 def save_results(path: Path, results: Sequence[Result]) -> None:
     path.write_text(json.dumps([asdict(r) for r in results]))
 
@@ -376,8 +392,8 @@ def load_results(path: Path) -> list[Result]:
     return [Result(**r) for r in json.loads(path.read_text())]
 
 
-def run_vanilla(kwargs: dict[str, Any], batches: Batches, workdir: Path, run: int = 0) -> list[Result]:
-    """Run plain ``(prompts, max_tokens)`` batches in a fresh interpreter with ``VLLM_PLUGINS=""``; results in
+def run_vanilla(kwargs: dict[str, Any], batches: Sequence[Sequence], workdir: Path, run: int = 0) -> list[Result]:
+    """Run plain batches (see :func:`_vanilla_child`) in a fresh interpreter with ``VLLM_PLUGINS=""``; results in
     order, flattened. Each ``run`` > 0 compiles into its own cache, so it is a second, independent engine."""
     job, out = workdir / f"vanilla-job-{run}.json", workdir / f"vanilla-out-{run}.json"
     job.write_text(json.dumps({"engine": kwargs, "batches": batches}))
@@ -409,10 +425,10 @@ def _vanilla_child(job_path: str, out_path: str) -> None:
 
 
 def vanilla_check(
-    kwargs: dict[str, Any], batches: Batches, ours: list[Result], tolerance: float, workdir: Path
+    kwargs: dict[str, Any], batches: Batches, history: list[list], ours: list[Result], tolerance: float, workdir: Path
 ) -> Check:
     """Check (e): ``ours`` are the plain results of ``batches`` in the engine under test. A second plugin-free
-    engine runs only when the first one's results differ from ours."""
+    engine runs only when the first one's results differ from ours; it runs ``history`` (:func:`plain_history`)."""
     try:
         references = [run_vanilla(kwargs, batches, workdir)]
     except RuntimeError as exc:
@@ -421,7 +437,7 @@ def vanilla_check(
     if compare(ours, references[0], tolerance)[0]:
         return check_vanilla(ours, references, tolerance)
     try:
-        references.append(run_vanilla(kwargs, batches, workdir, run=1))
+        references.append(run_vanilla(kwargs, history, workdir, run=1))
     except RuntimeError as exc:  # judged on the first reference alone, and the report says why
         print(exc, file=sys.stderr)
         check = check_vanilla(ours, references, tolerance)
@@ -517,8 +533,7 @@ def run(args: argparse.Namespace, model: str, workdir: Path) -> tuple[Header, li
         save_results(args.save_plain, ours)
     if args.vanilla:
         started = time.monotonic()
-        batches = [(short[:1], SHORT_TOKENS), (short, SHORT_TOKENS), ([x], PREFIX_TOKENS), ([y], PREFIX_TOKENS)]
-        checks.append(vanilla_check(kwargs, batches, ours, tolerance, workdir))
+        checks.append(vanilla_check(kwargs, plain_batches(short, x, y), plain_history(short, x, y), ours, tolerance, workdir))
         timings.append(("plugin-free engines", time.monotonic() - started))
     return header, checks, timings
 

@@ -200,3 +200,11 @@ def test_saved_results_round_trip(tmp_path):
     results = [Result([1, 2], [-0.5, -1.25], 0), Result([3], [-2.0000001], 16)]
     verify.save_results(tmp_path / "r.json", results)
     assert verify.load_results(tmp_path / "r.json") == results
+
+
+def test_the_second_reference_runs_the_compared_requests_where_verify_runs_them():
+    short, x, y = [[1], [2, 3], [4], [5]], [6] * 72, [7] * 72
+    history = verify.plain_history(short, x, y)
+    assert [(prompts, n) for prompts, n, kept in history if kept] == verify.plain_batches(short, x, y)
+    # before them, verify's other requests on the same prompts: one before the first two, two before x, one before y
+    assert [len(batch) for batch, _, kept in history if not kept] == [1, 4, 1, 1, 1]
