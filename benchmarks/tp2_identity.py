@@ -9,13 +9,14 @@ short prompts, then its two 72-token prompts alone). Engine kinds:
 
 - ``vanilla``: no plugin loaded (``VLLM_PLUGINS=""``);
 - ``hotwire``: hotwire loaded, nothing ever steered;
-- ``vanilla-history``, ``hotwire-history``: the same, but each measured request runs where it runs in verify,
-  after verify's earlier requests on the same prompts (its steered ones here plain, none reading the cache);
+- ``vanilla-history``, ``hotwire-history``: the same, but each compared request runs where it runs in verify,
+  after verify's earlier requests (``verify.plain_history``: its steered ones here plain);
 - ``verify``: ``python -m hotwire_core.verify --save-plain``: hotwire, with verify's steered requests between
   the plain ones;
-- a ``+nocar`` suffix (``vanilla``, ``hotwire``) turns vLLM's custom all-reduce off (``disable_custom_all_reduce``).
+- a ``+nocar`` suffix (every kind but ``verify``) turns vLLM's custom all-reduce off (``disable_custom_all_reduce``).
 
-Prints, for every request, the groups of engines whose results are bit-identical. Run on the device after
+Prints, for every request, the groups of engines whose results are bit-identical; an engine that failed or
+compared other prompts (e.g. another KV block size) is left out and named. Run on the device after
 ``source .gpu/env.sh``; logs and results go to ``--out``.
 """
 
@@ -48,6 +49,7 @@ def groups(results: list[list[v.Result]], request: int) -> list[list[int]]:
 
 
 def command(kind: str, job: Path, model: str, out: Path, args: argparse.Namespace, on_gpu: bool) -> list[str]:
+    """The engine's command line; all but ``verify`` run ``job`` in verify's plugin-free child."""
     if kind == "verify":
         return [sys.executable, "-m", "hotwire_core.verify", "--model", model, "--dtype", args.dtype,
                 "--tensor-parallel-size", str(args.tensor_parallel_size), "--runner", args.runner,
@@ -67,7 +69,7 @@ def main() -> int:
     for name in engines:
         kind, _, variant = name.partition("+")
         if kind not in KINDS or variant not in ("", "nocar") or (kind == "verify" and variant):
-            parser.error(f"unknown engine {name!r}: one of {KINDS}, with +nocar for vanilla and hotwire")
+            parser.error(f"unknown engine {name!r}: one of {KINDS}, with +nocar for all but verify")
 
     import torch
     from transformers import AutoTokenizer
@@ -86,28 +88,36 @@ def main() -> int:
 
     env_all = {**({} if on_gpu else v.CPU_ENV), **os.environ, "HF_HUB_OFFLINE": "1", "TORCHINDUCTOR_DETERMINISTIC": "1",
                "VLLM_USE_V2_MODEL_RUNNER": "1" if args.runner == "v2" else "0"}
-    procs = []
+    procs, outs = [], [args.out / f"out{i}.json" for i in range(len(engines))]
     for i, name in enumerate(engines):
         kind, _, variant = name.partition("+")
+        outs[i].unlink(missing_ok=True)  # an earlier run's results must not stand in for a failed engine
         job = args.out / f"job{i}.json"
-        engine = {**base, **({"disable_custom_all_reduce": True} if variant == "nocar" else {})}
-        sequence = v.plain_history(short, x, y) if kind.endswith("-history") else batches
-        job.write_text(json.dumps({"engine": engine, "batches": sequence, "plugin_free": kind.startswith("vanilla")}))
+        if kind != "verify":
+            engine = {**base, **({"disable_custom_all_reduce": True} if variant == "nocar" else {})}
+            steps = v.plain_history(short, x, y) if kind.endswith("-history") else v.as_steps(batches)
+            job.write_text(json.dumps({"engine": engine, "steps": steps, "plugin_free": kind.startswith("vanilla")}))
         env = {**env_all, "VLLM_CACHE_ROOT": str(args.out / f"cache{i}")}
         if kind.startswith("vanilla"):
             env["VLLM_PLUGINS"] = ""
         else:
             env.pop("VLLM_PLUGINS", None)
-        log = open(args.out / f"log{i}-{name}", "w")
-        procs.append(subprocess.Popen(command(kind, job, model, args.out / f"out{i}.json", args, on_gpu), env=env,
-                                      stdout=log, stderr=subprocess.STDOUT))
+        with open(args.out / f"log{i}-{name}", "w") as log:
+            procs.append(subprocess.Popen(command(kind, job, model, outs[i], args, on_gpu), env=env, stdout=log,
+                                          stderr=subprocess.STDOUT))
     codes = [p.wait() for p in procs]
-    ran = [i for i, (name, code) in enumerate(zip(engines, codes)) if (args.out / f"out{i}.json").exists()]
+    expected = json.loads(json.dumps(batches))  # as JSON gives it back
+    ran, results = [], []
     for i, (name, code) in enumerate(zip(engines, codes)):
-        print(f"engine {i} {name}: exit {code}" + ("" if i in ran else " (no results)"))
-    results = [v.load_results(args.out / f"out{i}.json") for i in ran]
+        saved = v.load_results(outs[i]) if code == 0 and outs[i].exists() else None
+        same_prompts = saved is not None and [list(b) for b in saved[0]] == [list(b) for b in expected]
+        print(f"engine {i} {name}: exit {code}" + ("" if saved else " (no results)")
+              + ("" if same_prompts or not saved else " (other prompts than the rest: left out)"))
+        if same_prompts:
+            ran.append(i)
+            results.append(saved[1])
     names = [f"{i}:{engines[i]}" for i in ran]
-    lengths = [len(prompts[0]) for prompts, _ in batches for _ in prompts]
+    lengths = [len(prompt) for prompts, _ in batches for prompt in prompts]
     for request in range(len(results[0]) if results else 0):
         found = groups(results, request)
         parts = " | ".join("{" + ", ".join(names[e] for e in group) + "}" for group in found)
@@ -115,7 +125,7 @@ def main() -> int:
                      for g in found)
         print(f"request {request} ({lengths[request]}-token prompt): {len(found)} outcome(s) {parts}"
               + (f", max |dlogprob| to the first {spread:.3g}" if len(found) > 1 else ""))
-    return 0 if results and all(code == 0 for code in codes) else 1
+    return 0 if len(ran) == len(engines) else 1
 
 
 if __name__ == "__main__":

@@ -21,9 +21,9 @@ e. with ``--vanilla``: the plain requests again, in a subprocess with no plugin 
    H200: tiny Qwen3 on the V1 runner, 0.0039). When the plain requests differ, a second plugin-free engine runs
    them too, this time in the order this engine ran them, after the same earlier requests (their steering left
    out), and each request passes if it equals either engine's: at tensor parallel 2 on the V1 runner, plugin-free
-   engines running the same requests disagree with each other on a 72-token prefill (by 0.0038 or 1.1e-4, more
-   often after earlier requests: ``benchmarks/tp2_identity.py``), so one reference cannot tell vLLM's own
-   variation from hotwire's. The report says where the two references differ.
+   engines running the same requests have disagreed with each other on a 72-token prefill (by 0.0038 or 1.1e-4,
+   on the H200: ``benchmarks/tp2_identity.py``), so one reference cannot tell vLLM's own variation from
+   hotwire's. The report says where the two references differ.
 
 ``--save-plain FILE`` writes the plain results that (e) compares as JSON (compiling as (e) does), so that
 engines elsewhere can be compared with this one (``benchmarks/tp2_identity.py``).
@@ -78,6 +78,9 @@ CPU_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "TORCHINDUCTOR_VEC_ISA_OK": "1"}
 Header = list[tuple[str, str]]  # report fields: (name, value)
 Timings = list[tuple[str, float]]  # (what, seconds)
 Batches = list[tuple[list[list[int]], int]]  # (prompts as token ids, max_tokens)
+# One batch of a plugin-free job: (prompts, max_tokens, kept: its results are returned, read_cache: it may read the
+# prefix cache); JSON carries it as a list.
+Step = tuple[list[list[int]], int, bool, bool]
 
 
 @dataclass(frozen=True)
@@ -201,10 +204,13 @@ def check_vanilla(ours: Sequence[Result], references: Sequence[Sequence[Result]]
     least one engine's. A failure names the requests that match none (numbered in the order they ran) and where
     they first differ; with two references the detail also says whether those two agree with each other."""
     name, first = "e. vanilla vLLM", references[0]
+    counts = [len(ref) for ref in references]
+    if any(count != len(ours) for count in counts):  # a reference that ran other requests cannot be compared
+        return Check(name, False, f"{len(ours)} plain requests, but the plugin-free engines returned {counts}")
     same, words = compare(ours, first, tolerance)
-    if same or len(references) == 1 or any(len(ref) != len(ours) for ref in references):
+    if same or len(references) == 1:
         detail = f"{len(ours)} plain requests: {words}"
-        if not same and len(ours) == len(first):
+        if not same:
             detail += f" (requests {describe(first_differences(ours, first, tolerance))})"
         return Check(name, same, detail)
     unmatched = [
@@ -349,6 +355,18 @@ def prefix_checks(
     return checks, [plain_x_uncached, plain_y]
 
 
+def checks_a_to_c(
+    llm: Any, short: list[list[int]], x: list[int], y: list[int], spec: dict, block_size: int, tolerance: float
+) -> tuple[list[Check], list[Result]]:
+    """Checks (a)-(c), and the plain results that (e) compares, in the order of :func:`plain_batches` (the
+    requests are sent in the order :func:`plain_history` repeats)."""
+    plain = one(llm, short[0], params(SHORT_TOKENS, skip_cache=True))
+    steered = one(llm, short[0], params(SHORT_TOKENS, spec, skip_cache=True))
+    batchmates, all_plain = batchmate_check(llm, short, spec, tolerance)
+    prefix, plain_long = prefix_checks(llm, x, y, spec, block_size, tolerance)
+    return [check_steering_fires(plain, steered), batchmates, *prefix], [plain, *all_plain, *plain_long]
+
+
 def timed(llm: Any, prompts: Sequence[list[int]], max_tokens: int, steer: dict | None) -> float:
     sampling = [params(max_tokens, steer, skip_cache=True) for _ in prompts]
     start = time.perf_counter()
@@ -374,29 +392,41 @@ def plain_batches(short: list[list[int]], x: list[int], y: list[int]) -> Batches
     return [(short[:1], SHORT_TOKENS), (short, SHORT_TOKENS), ([x], PREFIX_TOKENS), ([y], PREFIX_TOKENS)]
 
 
-def plain_history(short: list[list[int]], x: list[int], y: list[int]) -> list[list]:
-    """The requests :func:`run` sends, in its order, up to the last plain one that (e) compares, all plain and
-    reading no cache: ``[prompts, max_tokens, kept]`` batches for the vanilla child, ``kept`` where (e) compares
-    the results (they come out in the order of (e)'s batches)."""
+def plain_history(short: list[list[int]], x: list[int], y: list[int]) -> list[Step]:
+    """The requests :func:`checks_a_to_c` sends, in its order, up to the last plain one that (e) compares, all of
+    them plain: kept where (e) compares the results (they come out in the order of :func:`plain_batches`), and
+    reading the prefix cache only where the engine under test reads it (its repeated steered request on ``x``;
+    every other request there reads nothing, by ``skip_reading_prefix_cache`` or a different cache salt)."""
     s, p = SHORT_TOKENS, PREFIX_TOKENS
-    return [[short[:1], s, True], [short[:1], s, False],  # a: plain, steered
-            [short, s, True], [short, s, False],  # b: all plain, mixed
-            [[x], p, False], [[x], p, False], [[x], p, True], [[x], p, False], [[y], p, True]]  # c
+    return [(short[:1], s, True, False), (short[:1], s, False, False),  # a: plain, steered
+            (short, s, True, False), (short, s, False, False),  # b: all plain, mixed
+            ([x], p, False, False), ([x], p, False, False), ([x], p, True, False),  # c: steered, plain, uncached x
+            ([x], p, False, True), ([y], p, True, False)]  # c: steered x again (a cache hit), plain y
 
 
-def save_results(path: Path, results: Sequence[Result]) -> None:
-    path.write_text(json.dumps([asdict(r) for r in results]))
+def as_steps(batches: Batches) -> list[Step]:
+    """``batches`` as job steps: every result kept, no cache read."""
+    return [(prompts, max_tokens, True, False) for prompts, max_tokens in batches]
 
 
-def load_results(path: Path) -> list[Result]:
-    return [Result(**r) for r in json.loads(path.read_text())]
+def save_results(path: Path, batches: Batches, results: Sequence[Result]) -> None:
+    """Write ``results`` with the ``batches`` that produced them, so that a reader can check it compares the same
+    requests (``--save-plain``, the vanilla child)."""
+    path.write_text(json.dumps({"batches": batches, "results": [asdict(r) for r in results]}))
 
 
-def run_vanilla(kwargs: dict[str, Any], batches: Sequence[Sequence], workdir: Path, run: int = 0) -> list[Result]:
-    """Run plain batches (see :func:`_vanilla_child`) in a fresh interpreter with ``VLLM_PLUGINS=""``; results in
-    order, flattened. Each ``run`` > 0 compiles into its own cache, so it is a second, independent engine."""
+def load_results(path: Path) -> tuple[Batches, list[Result]]:
+    """What :func:`save_results` wrote: the batches (as lists) and the results."""
+    saved = json.loads(path.read_text())
+    return [(prompts, n) for prompts, n in saved["batches"]], [Result(**r) for r in saved["results"]]
+
+
+def run_vanilla(kwargs: dict[str, Any], steps: list[Step], workdir: Path, run: int = 0) -> list[Result]:
+    """Run plain ``steps`` (see :func:`_vanilla_child`) in a fresh interpreter with ``VLLM_PLUGINS=""``; the kept
+    steps' results in order, flattened. Each ``run`` > 0 compiles into its own cache, so it is a second,
+    independent engine."""
     job, out = workdir / f"vanilla-job-{run}.json", workdir / f"vanilla-out-{run}.json"
-    job.write_text(json.dumps({"engine": kwargs, "batches": batches}))
+    job.write_text(json.dumps({"engine": kwargs, "steps": steps}))
     env = {**os.environ, "VLLM_PLUGINS": ""}
     if run:
         env["VLLM_CACHE_ROOT"] = str(workdir / f"vanilla-cache-{run}")
@@ -404,33 +434,40 @@ def run_vanilla(kwargs: dict[str, Any], batches: Sequence[Sequence], workdir: Pa
     proc = subprocess.run(command, env=env, capture_output=True, text=True)
     if proc.returncode != 0:
         raise RuntimeError(f"the vanilla engine failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
-    return load_results(out)
+    return load_results(out)[1]
 
 
 def _vanilla_child(job_path: str, out_path: str) -> None:
-    """Run a job's plain batches, ``[prompts, max_tokens]`` or ``[prompts, max_tokens, kept]``: results of batches
-    with ``kept`` false are dropped. The engine must be plugin-free unless the job says ``"plugin_free": false``
-    (``benchmarks/tp2_identity.py`` runs such jobs with hotwire loaded, and with a history of dropped batches)."""
+    """Run a job's plain ``steps`` (:data:`Step`) and save the kept ones' batches and results. The engine must be
+    plugin-free, or have hotwire loaded where the job says ``"plugin_free": false`` (``benchmarks/tp2_identity.py``)."""
     from vllm import LLM
 
     job = json.loads(Path(job_path).read_text())
     llm = LLM(**job["engine"])
-    if job.get("plugin_free", True) and any(name.startswith("hotwire_core.vllm_glue") for name in sys.modules):
-        raise SystemExit("hotwire was loaded although VLLM_PLUGINS is empty")
-    results = []
-    for batch, max_tokens, *kept in job["batches"]:
-        done = generate(llm, batch, [params(max_tokens, skip_cache=True) for _ in batch])
-        results += done if kept in ([], [True]) else []
-    save_results(Path(out_path), results)
+    loaded = any(name.startswith("hotwire_core.vllm_glue") for name in sys.modules)
+    if loaded == job.get("plugin_free", True):
+        raise SystemExit("hotwire was loaded although VLLM_PLUGINS is empty" if loaded else
+                         "hotwire was not loaded: is hotwire-vllm installed and VLLM_PLUGINS unset?")
+    kept: Batches = []
+    results: list[Result] = []
+    for step in job["steps"]:
+        if len(step) != 4:
+            raise SystemExit(f"a job step is [prompts, max_tokens, kept, read_cache], not {json.dumps(step)[:200]}")
+        prompts, max_tokens, keep, read_cache = step
+        done = generate(llm, prompts, [params(max_tokens, skip_cache=not read_cache) for _ in prompts])
+        if keep:
+            kept.append((prompts, max_tokens))
+            results += done
+    save_results(Path(out_path), kept, results)
 
 
 def vanilla_check(
-    kwargs: dict[str, Any], batches: Batches, history: list[list], ours: list[Result], tolerance: float, workdir: Path
+    kwargs: dict[str, Any], batches: Batches, history: list[Step], ours: list[Result], tolerance: float, workdir: Path
 ) -> Check:
     """Check (e): ``ours`` are the plain results of ``batches`` in the engine under test. A second plugin-free
     engine runs only when the first one's results differ from ours; it runs ``history`` (:func:`plain_history`)."""
     try:
-        references = [run_vanilla(kwargs, batches, workdir)]
+        references = [run_vanilla(kwargs, as_steps(batches), workdir)]
     except RuntimeError as exc:
         print(exc, file=sys.stderr)
         return Check("e. vanilla vLLM", False, str(exc).splitlines()[0])
@@ -515,11 +552,7 @@ def run(args: argparse.Namespace, model: str, workdir: Path) -> tuple[Header, li
     x, y = (long_prompt(tokenizer, text, PREFIX_BLOCKS * block_size + block_size // 2) for text in LONG_TEXTS)
 
     started = time.monotonic()
-    plain = one(llm, short[0], params(SHORT_TOKENS, skip_cache=True))
-    steered = one(llm, short[0], params(SHORT_TOKENS, spec, skip_cache=True))
-    batchmates, all_plain = batchmate_check(llm, short, spec, tolerance)
-    prefix, plain_long = prefix_checks(llm, x, y, spec, block_size, tolerance)
-    checks = [check_steering_fires(plain, steered), batchmates, *prefix]
+    checks, ours = checks_a_to_c(llm, short, x, y, spec, block_size, tolerance)
     timings.append(("checks a-c", time.monotonic() - started))
 
     started = time.monotonic()
@@ -527,10 +560,8 @@ def run(args: argparse.Namespace, model: str, workdir: Path) -> tuple[Header, li
     timings.append(("decode timing", time.monotonic() - started))
     engine.engine_core.shutdown()
 
-    # The plain requests again, as (e) and --save-plain see them: these batches, in this order.
-    ours = [plain, *all_plain, *plain_long]
     if args.save_plain is not None:
-        save_results(args.save_plain, ours)
+        save_results(args.save_plain, plain_batches(short, x, y), ours)
     if args.vanilla:
         started = time.monotonic()
         checks.append(vanilla_check(kwargs, plain_batches(short, x, y), plain_history(short, x, y), ours, tolerance, workdir))

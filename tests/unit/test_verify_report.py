@@ -197,14 +197,52 @@ def test_engine_kwargs_pin_timed_kernel_choices_only_when_asked():
 
 def test_saved_results_round_trip(tmp_path):
     """--save-plain and the vanilla child write what run_vanilla and benchmarks/tp2_identity.py read back."""
-    results = [Result([1, 2], [-0.5, -1.25], 0), Result([3], [-2.0000001], 16)]
-    verify.save_results(tmp_path / "r.json", results)
-    assert verify.load_results(tmp_path / "r.json") == results
+    batches = [([[1, 2], [3]], 8), ([[4] * 72], 4)]
+    results = [Result([1, 2], [-0.5, -1.25], 0), Result([3], [-2.0000001], 16), Result([5], [-1.0], 0)]
+    verify.save_results(tmp_path / "r.json", batches, results)
+    assert verify.load_results(tmp_path / "r.json") == (batches, results)
 
 
-def test_the_second_reference_runs_the_compared_requests_where_verify_runs_them():
+def test_a_reference_that_returned_other_requests_fails_check_e_and_says_so():
+    ours = [Result([1], [-0.5], 0), Result([2], [-0.25], 0)]
+    check = check_vanilla(ours, [ours, ours[:1]], 0.0)
+    assert not check.passed and "returned [2, 1]" in check.detail
+
+
+class _RecordingLLM:
+    """Stands in for ``vllm.LLM`` in :func:`verify.checks_a_to_c`: records every request and answers with a
+    distinct result per request; an identical steered request on the same prompt reads a block from the cache."""
+
+    def __init__(self):
+        self.sent = []  # (prompt, max_tokens, steered, skip_cache), in order
+
+    def generate(self, inputs, sampling, use_tqdm):
+        from types import SimpleNamespace
+
+        outputs = []
+        for request, sp in zip(inputs, sampling):
+            ids, steered = request["prompt_token_ids"], sp.extra_args is not None
+            cached = 16 if steered and not sp.skip_reading_prefix_cache and (ids, 4, True, False) in self.sent else 0
+            self.sent.append((ids, sp.max_tokens, steered, sp.skip_reading_prefix_cache))
+            token = len(self.sent)
+            completion = SimpleNamespace(token_ids=[token], logprobs=[{token: SimpleNamespace(logprob=-token / 7)}])
+            outputs.append(SimpleNamespace(outputs=[completion], num_cached_tokens=cached))
+        return outputs
+
+
+def test_the_second_reference_repeats_verifys_requests_in_verifys_order():
+    """plain_history is what checks_a_to_c sends, steering left out: the same prompts in the same order, kept
+    exactly where checks_a_to_c returns a result for (e), reading the cache exactly where verify's engine does."""
     short, x, y = [[1], [2, 3], [4], [5]], [6] * 72, [7] * 72
-    history = verify.plain_history(short, x, y)
-    assert [(prompts, n) for prompts, n, kept in history if kept] == verify.plain_batches(short, x, y)
-    # before them, verify's other requests on the same prompts: one before the first two, two before x, one before y
-    assert [len(batch) for batch, _, kept in history if not kept] == [1, 4, 1, 1, 1]
+    llm = _RecordingLLM()
+    _, ours = verify.checks_a_to_c(llm, short, x, y, {"hotwire": "{}"}, 16, 0.0)
+    returned = {r.token_ids[0] - 1 for r in ours}  # indices into llm.sent of the results (e) compares
+    sent = [(ids, n, i in returned, steered and not skip and (ids, n, True, False) in llm.sent[:i])
+            for i, (ids, n, steered, skip) in enumerate(llm.sent)]
+    last = max(returned)
+    history = [(prompt, n, kept, read) for prompts, n, kept, read in verify.plain_history(short, x, y)
+               for prompt in prompts]
+    assert history == sent[: last + 1]
+    assert [(prompts, n) for prompts, n, kept, _ in verify.plain_history(short, x, y) if kept] == \
+        verify.plain_batches(short, x, y)
+    assert [r.token_ids[0] - 1 for r in ours] == sorted(returned)  # (e)'s order is the order they ran in
