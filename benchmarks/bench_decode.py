@@ -18,8 +18,15 @@ The decode time per token of a request is ``(last token - first token) / (N - 1)
 tokens over the batch: the step time every request sees, not throughput, with neither the prefill nor the
 requests' arrival in it (wall time over the call carried both: at batch 8 and 64 its TTFT alone varied by up to
 50 ms). A measurement is the median over the requests whose first token came last (their decode ran after every
-prefill of the batch: ``request_times``); TTFT is the median of vLLM's first-token latency over the batch. Reported: the median over repetitions of the paired ratio to vanilla, with its min and max, and the
-median ms/token.
+prefill of the batch: ``request_times``); TTFT is the median of vLLM's first-token latency over the batch.
+Reported: the median over repetitions of the paired ratio to vanilla, with its min and max, and the median
+ms/token.
+
+A second measure, ``step_ms``, is the median time between two consecutive engine steps in which every request
+of the batch got a token (``full_batch_step_ms``, from the engine core's timestamp on each step's outputs). It
+leaves out the steps that still prefill late arrivals and the tail where early requests have finished, which
+the per-request measure spans; at batch 256 the engine starts stepping before all requests have arrived, so
+how many requests "started last" varies (5 to 255 in one run).
 
     python benchmarks/bench_decode.py --shape qwen3-4b --batches 1,8,64,256 --out benchmarks/results/x.json
 """
@@ -38,6 +45,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 MODES = {
     "plain": "no request steered (vanilla: the baseline; hotwire: loaded and idle)",
@@ -108,12 +116,41 @@ def worker(args: argparse.Namespace) -> None:
                                          extra_args={"hotwire": spec} if spec else None))
         return request_times(llm.generate(prompts, params, use_tqdm=False))
 
+    clock = StepClock(llm.llm_engine.engine_core)
     print("READY", flush=True)
     for line in sys.stdin:
         job = json.loads(line)
         batch, mode = job["batch"], job["mode"]
+        clock.steps.clear()
         got = timed(batch, mode, 8 if job.get("warmup") else 1 + args.decode_tokens)
+        got["step_ms"] = full_batch_step_ms(clock.steps, batch)
         print("RESULT " + json.dumps({} if job.get("warmup") else got), flush=True)
+
+
+class StepClock:
+    """Records ``(engine core timestamp, requests that got a token)`` for every step's outputs the frontend
+    receives, by wrapping the engine client's ``get_output`` (vLLM 0.25.1: one ``EngineCoreOutputs`` per engine
+    step, stamped with ``time.monotonic()`` in the engine core when the step's outputs are made)."""
+
+    def __init__(self, engine_core: Any):
+        self.steps: list[tuple[float, int]] = []
+        get_output = engine_core.get_output
+
+        def recording_get_output(*args: Any, **kwargs: Any) -> Any:
+            outputs = get_output(*args, **kwargs)
+            emitted = sum(1 for o in outputs.outputs if o.new_token_ids)
+            if emitted:
+                self.steps.append((outputs.timestamp, emitted))
+            return outputs
+
+        engine_core.get_output = recording_get_output
+
+
+def full_batch_step_ms(steps: list[tuple[float, int]], batch: int) -> float | None:
+    """Median milliseconds between consecutive steps in which all ``batch`` requests got a token; None when no
+    two such steps follow each other."""
+    gaps = [(t - t_prev) * 1e3 for (t_prev, n_prev), (t, n) in zip(steps, steps[1:]) if n_prev == n == batch]
+    return statistics.median(gaps) if gaps else None
 
 
 def request_times(outputs: list) -> dict:
@@ -257,35 +294,59 @@ def measure(engines: list[Engine], args: argparse.Namespace) -> list[dict]:
     return rows
 
 
+def _median_min_max(xs: list[float]) -> tuple[float | None, float | None, float | None]:
+    return (statistics.median(xs), min(xs), max(xs)) if xs else (None, None, None)
+
+
+def _paired(rows: list[dict], all_rows: list[dict], metric: str, prefix: str) -> dict:
+    """Median, min and max of ``metric`` over ``rows`` (one cell's repetitions) and of its ratio to the vanilla run
+    of the same round; rows without the metric (None, or absent in older files) are left out."""
+    base = {(r["config"], r["batch"], r["rep"]): r.get(metric) for r in all_rows
+            if split_config(r["config"])[0] == "vanilla"}
+    values, ratios = [], []
+    for r in rows:
+        if r.get(metric) is None:
+            continue
+        values.append(r[metric])
+        vanilla = base.get((baseline_of(r["config"]), r["batch"], r["rep"]))
+        if vanilla is not None:
+            ratios.append(r[metric] / vanilla - 1)
+    (med, lo, hi), (rel, rel_lo, rel_hi) = _median_min_max(values), _median_min_max(ratios)
+    return {metric: med, f"{metric}_min": lo, f"{metric}_max": hi,
+            prefix: rel, f"{prefix}_min": rel_lo, f"{prefix}_max": rel_hi}
+
+
 def summarize(rows: list[dict]) -> list[dict]:
-    """Per (config, mode, batch): median ms/token and TTFT, and the paired ratio to vanilla per repetition."""
-    base = {(r["config"], r["batch"], r["rep"]): r["decode_ms"] for r in rows if split_config(r["config"])[0] == "vanilla"}
+    """Per (config, mode, batch): median ms/token, full-batch step ms and TTFT, and each one's paired ratio to
+    vanilla per repetition."""
     groups: dict[tuple, list[dict]] = {}
     for r in rows:
         groups.setdefault((r["config"], r["mode"], r["batch"]), []).append(r)
-    out = []
-    for (config, mode, batch), rs in groups.items():
-        keys = [(baseline_of(config), batch, r["rep"]) for r in rs]
-        ratios = [r["decode_ms"] / base[key] - 1 for r, key in zip(rs, keys) if key in base]
-        out.append({
-            "config": config, "mode": mode, "batch": batch, "reps": len(rs),
-            "decode_ms": statistics.median(r["decode_ms"] for r in rs),
-            "decode_ms_min": min(r["decode_ms"] for r in rs), "decode_ms_max": max(r["decode_ms"] for r in rs),
-            "ttft_ms": statistics.median(r["ttft_ms"] for r in rs),
-            "vs_vanilla": statistics.median(ratios) if ratios else None,
-            "vs_vanilla_min": min(ratios) if ratios else None, "vs_vanilla_max": max(ratios) if ratios else None,
-        })
-    return out
+    return [{"config": config, "mode": mode, "batch": batch, "reps": len(rs),
+             **_paired(rs, rows, "decode_ms", "vs_vanilla"), **_paired(rs, rows, "step_ms", "vs_vanilla_step"),
+             "ttft_ms": statistics.median(r["ttft_ms"] for r in rs)}
+            for (config, mode, batch), rs in groups.items()]
+
+
+def _cell(s: dict, metric: str, prefix: str) -> tuple[str, str]:
+    """``(ms (min-max), ratio (min..max))`` for the table; a dash where there is nothing to show."""
+    if s[metric] is None:
+        return "—", "—"
+    ms = f"{s[metric]:.3f} ({s[f'{metric}_min']:.3f}-{s[f'{metric}_max']:.3f})"
+    if split_config(s["config"])[0] == "vanilla" or s[prefix] is None:
+        return ms, "—"
+    return ms, f"{s[prefix] * 100:+.2f}% ({s[f'{prefix}_min'] * 100:+.1f}..{s[f'{prefix}_max'] * 100:+.1f})"
 
 
 def table(summary: list[dict]) -> str:
-    lines = ["| config | mode | batch | decode ms/token (median, min-max) | vs vanilla, paired (median, min..max) | TTFT ms |",
-             "|---|---|---|---|---|---|"]
+    lines = ["| config | mode | batch | decode ms/token (median, min-max) | vs vanilla, paired (median, min..max) "
+             "| full-batch step ms | vs vanilla, per step | TTFT ms |",
+             "|---|---|---|---|---|---|---|---|"]
     for s in summary:
-        rel = "—" if split_config(s["config"])[0] == "vanilla" or s["vs_vanilla"] is None else (
-            f"{s['vs_vanilla'] * 100:+.2f}% ({s['vs_vanilla_min'] * 100:+.1f}..{s['vs_vanilla_max'] * 100:+.1f})")
-        lines.append(f"| {s['config']} | {s['mode']} | {s['batch']} | {s['decode_ms']:.3f} "
-                     f"({s['decode_ms_min']:.3f}-{s['decode_ms_max']:.3f}) | {rel} | {s['ttft_ms']:.1f} |")
+        decode, rel = _cell(s, "decode_ms", "vs_vanilla")
+        step, step_rel = _cell(s, "step_ms", "vs_vanilla_step")
+        lines.append(f"| {s['config']} | {s['mode']} | {s['batch']} | {decode} | {rel} | {step} | {step_rel} "
+                     f"| {s['ttft_ms']:.1f} |")
     return "\n".join(lines)
 
 
@@ -362,7 +423,8 @@ def _write(args: argparse.Namespace, rows: list[dict], summary: list[dict], capt
         "shape": args.shape,
         "command": " ".join(sys.argv),
         "method": "decode ms/token per request = (last token - first token) / (N - 1) on the engine core's clock "
-                  "(RequestOutput.metrics), median over the requests whose first token came last; engines side by "
+                  "(RequestOutput.metrics), median over the requests whose first token came last; step_ms = median "
+                  "engine-core time between consecutive steps in which every request got a token; engines side by "
                   "side, round-robin, rotated order; ratios paired per round with vanilla; medians over reps",
         "configs": {c: CONFIGS[split_config(c)[0]] + ("; V1 model runner" if split_config(c)[1] == "v1" else "")
                     for c in args.configs.split(",")},

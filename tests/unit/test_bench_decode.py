@@ -92,3 +92,37 @@ def test_request_times_time_the_requests_that_started_decoding_last():
     assert got["ttft_ms"] == pytest.approx(30.0)
     with pytest.raises(RuntimeError, match="no per-request stats"):
         bench.request_times([NS(request_id="r", metrics=None)])
+
+
+def test_full_batch_steps_are_timed_between_steps_where_every_request_got_a_token():
+    # ramp-up (2 then 3 of 4 requests), four full steps 6, 5 and 7 ms apart, then the tail (3 of 4)
+    steps = [(1.000, 2), (1.004, 3), (1.010, 4), (1.016, 4), (1.021, 4), (1.028, 4), (1.030, 3)]
+    assert bench.full_batch_step_ms(steps, 4) == pytest.approx(6.0)
+    assert bench.full_batch_step_ms(steps[:3] + steps[-1:], 4) is None  # one full step: no gap to time
+
+
+def test_step_clock_records_the_steps_that_emitted_tokens():
+    from types import SimpleNamespace as NS
+
+    out = lambda ts, *tokens: NS(timestamp=ts, outputs=[NS(new_token_ids=t) for t in tokens])  # noqa: E731
+    answers = iter([out(1.0, [5], [6]), out(1.5), out(2.0, [7], [])])
+    core = NS(get_output=lambda: next(answers))
+    clock = bench.StepClock(core)
+    got = [core.get_output() for _ in range(3)]
+    assert [o.timestamp for o in got] == [1.0, 1.5, 2.0]  # the client's answers pass through
+    assert clock.steps == [(1.0, 2), (2.0, 1)]  # a step without tokens (e.g. stats only) is not a step
+
+
+def test_summary_pairs_full_batch_steps_and_tolerates_rows_without_them():
+    rows = [
+        {"config": "vanilla", "mode": "plain", "batch": 256, "rep": 0, "decode_ms": 8.0, "ttft_ms": 1.0, "step_ms": 7.0},
+        {"config": "op", "mode": "plain", "batch": 256, "rep": 0, "decode_ms": 9.0, "ttft_ms": 1.0, "step_ms": 7.07},
+        {"config": "op", "mode": "plain", "batch": 256, "rep": 1, "decode_ms": 8.0, "ttft_ms": 1.0, "step_ms": None},
+        {"config": "op", "mode": "steered", "batch": 256, "rep": 0, "decode_ms": 8.0, "ttft_ms": 1.0},  # older file
+    ]
+    by = {(s["config"], s["mode"]): s for s in bench.summarize(rows)}
+    assert by[("op", "plain")]["vs_vanilla_step"] == pytest.approx(0.01)
+    assert by[("op", "plain")]["step_ms"] == pytest.approx(7.07) and by[("op", "plain")]["reps"] == 2
+    assert by[("op", "steered")]["step_ms"] is None and by[("op", "steered")]["vs_vanilla_step"] is None
+    text = bench.table(bench.summarize(rows))
+    assert "| op | plain | 256 |" in text and "+1.00% (+1.0..+1.0)" in text
