@@ -106,11 +106,10 @@ def main() -> int:
             procs.append(subprocess.Popen(command(kind, job, model, outs[i], args, on_gpu), env=env, stdout=log,
                                           stderr=subprocess.STDOUT))
     codes = [p.wait() for p in procs]
-    expected = json.loads(json.dumps(batches))  # as JSON gives it back
     ran, results = [], []
     for i, (name, code) in enumerate(zip(engines, codes)):
         saved = v.load_results(outs[i]) if code == 0 and outs[i].exists() else None
-        same_prompts = saved is not None and [list(b) for b in saved[0]] == [list(b) for b in expected]
+        same_prompts = saved is not None and saved[0] == batches
         print(f"engine {i} {name}: exit {code}" + ("" if saved else " (no results)")
               + ("" if same_prompts or not saved else " (other prompts than the rest: left out)"))
         if same_prompts:

@@ -560,11 +560,12 @@ def run(args: argparse.Namespace, model: str, workdir: Path) -> tuple[Header, li
     timings.append(("decode timing", time.monotonic() - started))
     engine.engine_core.shutdown()
 
+    batches = plain_batches(short, x, y)
     if args.save_plain is not None:
-        save_results(args.save_plain, plain_batches(short, x, y), ours)
+        save_results(args.save_plain, batches, ours)
     if args.vanilla:
         started = time.monotonic()
-        checks.append(vanilla_check(kwargs, plain_batches(short, x, y), plain_history(short, x, y), ours, tolerance, workdir))
+        checks.append(vanilla_check(kwargs, batches, plain_history(short, x, y), ours, tolerance, workdir))
         timings.append(("plugin-free engines", time.monotonic() - started))
     return header, checks, timings
 
