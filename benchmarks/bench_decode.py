@@ -23,7 +23,7 @@ Reported: the median over repetitions of the paired ratio to vanilla, with its m
 ms/token.
 
 A second measure, ``step_ms``, is the median time between two consecutive engine steps in which every request
-of the batch got a token (``full_batch_step_ms``, from the engine core's timestamp on each step's outputs). It
+of the batch got a token (``full_batch_gaps``, from the engine core's timestamp on each step's outputs). It
 leaves out the steps that still prefill late arrivals and the tail where early requests have finished, which
 the per-request measure spans; at batch 256 the engine starts stepping before all requests have arrived, so
 how many requests "started last" varies (5 to 255 in one run).
@@ -84,6 +84,8 @@ def _spec(mode: str, n_layers: int, i: int) -> str | None:
 
 
 def worker(args: argparse.Namespace) -> None:
+    if args.cores:
+        os.sched_setaffinity(0, args.cores)  # before vLLM starts: its engine-core process inherits the set
     import torch
     from vllm import LLM, SamplingParams
 
@@ -123,7 +125,7 @@ def worker(args: argparse.Namespace) -> None:
         batch, mode = job["batch"], job["mode"]
         clock.steps.clear()
         got = timed(batch, mode, 8 if job.get("warmup") else 1 + args.decode_tokens)
-        got["step_ms"] = full_batch_step_ms(clock.steps, batch)
+        got.update(step_quantiles(full_batch_gaps(clock.steps, batch)))
         print("RESULT " + json.dumps({} if job.get("warmup") else got), flush=True)
 
 
@@ -146,11 +148,18 @@ class StepClock:
         engine_core.get_output = recording_get_output
 
 
-def full_batch_step_ms(steps: list[tuple[float, int]], batch: int) -> float | None:
-    """Median milliseconds between consecutive steps in which all ``batch`` requests got a token; None when no
-    two such steps follow each other."""
-    gaps = [(t - t_prev) * 1e3 for (t_prev, n_prev), (t, n) in zip(steps, steps[1:]) if n_prev == n == batch]
-    return statistics.median(gaps) if gaps else None
+def full_batch_gaps(steps: list[tuple[float, int]], batch: int) -> list[float]:
+    """Milliseconds between consecutive steps in which all ``batch`` requests got a token."""
+    return [(t - t_prev) * 1e3 for (t_prev, n_prev), (t, n) in zip(steps, steps[1:]) if n_prev == n == batch]
+
+
+def step_quantiles(gaps: list[float]) -> dict:
+    """``step_ms`` (the median gap) and its 10th and 90th percentiles, which tell a measurement whose every step
+    was slow from one with a few slow steps; None where there are fewer than two gaps."""
+    if len(gaps) < 2:
+        return {"step_ms": gaps[0] if gaps else None, "step_p10_ms": None, "step_p90_ms": None}
+    deciles = statistics.quantiles(gaps, n=10)
+    return {"step_ms": statistics.median(gaps), "step_p10_ms": deciles[0], "step_p90_ms": deciles[-1]}
 
 
 def request_times(outputs: list) -> dict:
@@ -177,7 +186,7 @@ def request_times(outputs: list) -> dict:
 class Engine:
     """A worker process and its line protocol."""
 
-    def __init__(self, config: str, args: argparse.Namespace, model: Path, n_layers: int):
+    def __init__(self, config: str, args: argparse.Namespace, model: Path, n_layers: int, cores: range | None = None):
         env = dict(os.environ)
         kind, runner = split_config(config)
         if runner == "v1":
@@ -201,6 +210,8 @@ class Engine:
         cmd = [sys.executable, __file__, "--worker", config, "--model", str(model), "--max-batch",
                str(max(args.batches)), "--kv-cache-gib", str(args.kv_cache_gib), "--vectors", str(vectors),
                "--decode-tokens", str(args.decode_tokens), "--prompt-len", str(args.prompt_len)]
+        if cores:
+            cmd += ["--cores", f"{cores.start}-{cores.stop - 1}"]
         self.config = config
         self.log = open(Path(tempfile.gettempdir()) / f"hotwire-bench-{tag}.log", "w")
         # vLLM's logs go to the log file: a full stdout pipe would stall an engine until this process reads it.
@@ -236,6 +247,26 @@ class Engine:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(self.proc.pid, signal.SIGKILL)  # the engine's own processes too
         self.proc.wait()
+
+
+def parse_cores(text: str) -> list[int]:
+    """``"4-7"`` -> ``[4, 5, 6, 7]``."""
+    first, _, last = text.partition("-")
+    return list(range(int(first), int(last or first) + 1))
+
+
+def engine_cores(n_engines: int, per_engine: int, available: list[int]) -> list[range | None]:
+    """Disjoint core ranges, one per engine, taken in order from ``available`` (which must hold them as runs of
+    consecutive cores); ``per_engine == 0`` pins nothing."""
+    if per_engine <= 0:
+        return [None] * n_engines
+    if n_engines * per_engine > len(available):
+        raise ValueError(f"--cores-per-engine {per_engine} needs {n_engines * per_engine} cores for {n_engines} "
+                         f"engines; this process may use {len(available)}")
+    sets = [available[i * per_engine:(i + 1) * per_engine] for i in range(n_engines)]
+    if any(s[-1] - s[0] != per_engine - 1 for s in sets):
+        raise ValueError(f"--cores-per-engine needs consecutive cores; this process may use {available}")
+    return [range(s[0], s[-1] + 1) for s in sets]
 
 
 def middle_layers(n_layers: int, count: int) -> str:
@@ -363,11 +394,15 @@ def main() -> None:
     parser.add_argument("--one-by-one", action="store_true",
                         help="start each engine once the previous one is ready (slower start; the graph capture "
                              "time and memory vLLM logs are then each engine's own)")
+    parser.add_argument("--cores-per-engine", type=int, default=0,
+                        help="give engine i (in --configs order) the CPU cores [i*N, (i+1)*N) of this process's "
+                             "own set, so that engines never share a core; 0 (default): no pinning")
     parser.add_argument("--out", type=Path, required=False)
     parser.add_argument("--worker", dest="config", help=argparse.SUPPRESS)
     parser.add_argument("--model", help=argparse.SUPPRESS)
     parser.add_argument("--max-batch", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--vectors", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--cores", type=parse_cores, help=argparse.SUPPRESS)
     args = parser.parse_args()
     args.batches = [int(b) for b in args.batches.split(",")]
     args.modes = args.modes.split(",")
@@ -381,6 +416,10 @@ def main() -> None:
     missing = {baseline_of(c) for c in configs} - set(configs)
     if missing:
         parser.error(f"--configs needs the baselines {sorted(missing)}")
+    try:
+        core_sets = engine_cores(len(configs), args.cores_per_engine, sorted(os.sched_getaffinity(0)))
+    except ValueError as e:
+        parser.error(str(e))
 
     from hotwire_core.tiny_model import SHAPES, build_model
 
@@ -389,8 +428,8 @@ def main() -> None:
     engines: list[Engine] = []
     finished = False
     try:
-        for config in configs:
-            engines.append(Engine(config, args, model, SHAPES[args.shape].num_layers))
+        for config, cores in zip(configs, core_sets):
+            engines.append(Engine(config, args, model, SHAPES[args.shape].num_layers, cores))
             if args.one_by_one:
                 engines[-1].ready()
         if not args.one_by_one:

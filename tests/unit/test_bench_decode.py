@@ -97,8 +97,24 @@ def test_request_times_time_the_requests_that_started_decoding_last():
 def test_full_batch_steps_are_timed_between_steps_where_every_request_got_a_token():
     # ramp-up (2 then 3 of 4 requests), four full steps 6, 5 and 7 ms apart, then the tail (3 of 4)
     steps = [(1.000, 2), (1.004, 3), (1.010, 4), (1.016, 4), (1.021, 4), (1.028, 4), (1.030, 3)]
-    assert bench.full_batch_step_ms(steps, 4) == pytest.approx(6.0)
-    assert bench.full_batch_step_ms(steps[:3] + steps[-1:], 4) is None  # one full step: no gap to time
+    gaps = bench.full_batch_gaps(steps, 4)
+    assert gaps == pytest.approx([6.0, 5.0, 7.0])
+    got = bench.step_quantiles(gaps)
+    assert got["step_ms"] == pytest.approx(6.0)
+    assert got["step_p10_ms"] < 5.5 and got["step_p90_ms"] > 6.5
+    assert bench.full_batch_gaps(steps[:3] + steps[-1:], 4) == []  # one full step: no gap to time
+    assert bench.step_quantiles([]) == {"step_ms": None, "step_p10_ms": None, "step_p90_ms": None}
+
+
+def test_engines_get_disjoint_runs_of_consecutive_cores():
+    assert bench.engine_cores(3, 0, list(range(16))) == [None, None, None]
+    assert bench.engine_cores(3, 4, list(range(16))) == [range(0, 4), range(4, 8), range(8, 12)]
+    assert bench.engine_cores(2, 2, [4, 5, 6, 7]) == [range(4, 6), range(6, 8)]
+    with pytest.raises(ValueError, match="needs 20 cores"):
+        bench.engine_cores(5, 4, list(range(16)))
+    with pytest.raises(ValueError, match="consecutive"):
+        bench.engine_cores(2, 2, [0, 2, 3, 4])
+    assert bench.parse_cores("4-7") == [4, 5, 6, 7] and bench.parse_cores("3") == [3]
 
 
 def test_step_clock_records_the_steps_that_emitted_tokens():
