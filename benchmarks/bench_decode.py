@@ -2,9 +2,10 @@
 
 Every configuration is its own engine in its own process, all started at once on the same GPU (each with a fixed
 KV cache, ``--kv-cache-gib``) and then measured in turn, round-robin: for each batch size and repetition every
-configuration runs every one of its modes back to back, with the order rotated per repetition. Slow drift of the
-machine (clocks, temperature, other tenants) then hits all configurations alike, and each repetition gives a
-*paired* ratio against the vanilla run of the same round.
+configuration runs a short unrecorded warm-up and then every one of its modes back to back, with the order of
+configurations and of modes rotated per repetition. Slow drift of the machine (clocks, temperature, other
+tenants) then hits all configurations alike, and each repetition gives a *paired* ratio against the vanilla run
+of the same round. ``--cores-per-engine`` gives each engine its own CPU cores.
 
 Configurations: ``vanilla`` (no plugin loaded at all: ``VLLM_PLUGINS=""``), ``op`` (hotwire, opaque Triton op),
 ``op_1set`` (the op without idle graph variants: ``HOTWIRE_IDLE_GRAPHS=0``), ``op_8layers`` (the op hooked on
@@ -309,16 +310,26 @@ def modes_of(config: str, modes: list[str]) -> list[str]:
     return modes
 
 
+def _rotated(items: list, rep: int) -> list:
+    shift = rep % len(items)
+    return items[shift:] + items[:shift]
+
+
 def measure(engines: list[Engine], args: argparse.Namespace) -> list[dict]:
+    """Every repetition runs every engine's modes, engines and each engine's modes in an order rotated per
+    repetition, and each engine first runs an unrecorded short warm-up: no mode is always the first to run after
+    another engine (which may leave caches and clocks in another state; until session 9 ``plain`` always was,
+    while steered modes never were, which could favour them)."""
     rows: list[dict] = []
     for batch in args.batches:
         for e in engines:
             for mode in modes_of(e.config, args.modes):
                 e.measure(batch, mode, warmup=True)  # first sight of these batch shapes
         for rep in range(args.reps):
-            shift = rep % len(engines)
-            for e in engines[shift:] + engines[:shift]:
-                for mode in modes_of(e.config, args.modes):
+            for e in _rotated(engines, rep):
+                modes = _rotated(modes_of(e.config, args.modes), rep)
+                e.measure(batch, modes[0], warmup=True)
+                for mode in modes:
                     got = e.measure(batch, mode)
                     rows.append({"config": e.config, "mode": mode, "batch": batch, "rep": rep, **got})
                     print("RESULT " + json.dumps(rows[-1]), flush=True)

@@ -142,3 +142,32 @@ def test_summary_pairs_full_batch_steps_and_tolerates_rows_without_them():
     assert by[("op", "steered")]["step_ms"] is None and by[("op", "steered")]["vs_vanilla_step"] is None
     text = bench.table(bench.summarize(rows))
     assert "| op | plain | 256 |" in text and "+1.00% (+1.0..+1.0)" in text
+
+
+def test_measure_rotates_engines_and_modes_and_warms_up_after_each_switch():
+    from types import SimpleNamespace as NS
+
+    calls = []
+
+    class FakeEngine:
+        def __init__(self, config):
+            self.config = config
+
+        def measure(self, batch, mode, warmup=False):
+            calls.append((self.config, mode, warmup))
+            return {"decode_ms": 1.0}
+
+    engines = [FakeEngine("vanilla"), FakeEngine("op")]
+    rows = bench.measure(engines, NS(batches=[8], modes=["plain", "steered"], reps=2))
+    measured = [(r["config"], r["mode"], r["rep"]) for r in rows]
+    assert measured == [("vanilla", "plain", 0), ("op", "plain", 0), ("op", "steered", 0),
+                        ("op", "steered", 1), ("op", "plain", 1), ("vanilla", "plain", 1)]
+    first_sight = [("vanilla", "plain", True), ("op", "plain", True), ("op", "steered", True)]
+    assert calls[:3] == first_sight
+    timed = calls[3:]
+    # every engine's measured modes follow a warm-up on that engine
+    for i, (config, _, warmup) in enumerate(timed):
+        if not warmup:
+            assert timed[i - 1][0] == config
+        if i == 0 or timed[i - 1][0] != config:
+            assert warmup
