@@ -1,0 +1,99 @@
+"""The hook timing of benchmarks/profile_host_step.py: a hook's own time is its time less the wrapped method's."""
+
+import functools
+import importlib.util
+from pathlib import Path
+
+import pytest
+
+_spec = importlib.util.spec_from_file_location(
+    "profile_host_step", Path(__file__).parents[2] / "benchmarks" / "profile_host_step.py")
+php = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(php)
+
+
+class FakeClock:
+    def __init__(self):
+        self.now = 0.0
+
+    def perf_counter(self):
+        return self.now
+
+
+@pytest.fixture
+def clock(monkeypatch):
+    fake = FakeClock()
+    monkeypatch.setattr(php, "time", fake)
+    return fake
+
+
+def _hooked_class(clock, hook_cost, vllm_cost, static=False):
+    """A class whose method ``step`` is wrapped the way vllm_glue._wrap wraps vLLM methods."""
+    def step(*args):
+        clock.now += vllm_cost
+        return "vllm"
+
+    def make(original):
+        def step(*args):
+            clock.now += hook_cost
+            return original(*args)
+        return step
+
+    wrapped = functools.wraps(step)(make(step))
+    wrapped._hotwire = True
+    return type("Runner", (), {"step": staticmethod(wrapped) if static else wrapped})
+
+
+@pytest.mark.parametrize("static", [False, True])
+def test_a_hooks_own_time_leaves_out_the_method_it_wraps(clock, static):
+    cls = _hooked_class(clock, hook_cost=3.0, vllm_cost=10.0, static=static)
+    timer = php.time_hook(cls, "step", vars(cls)["step"])
+    obj = cls()
+    assert obj.step() == "vllm" and obj.step() == "vllm"
+    assert timer.own == pytest.approx([3.0, 3.0])
+    assert timer.name == "Runner.step"
+    timer.reset()
+    assert timer.own == []
+
+
+def test_nested_hooks_each_keep_their_own_time(clock):
+    inner_cls = _hooked_class(clock, hook_cost=2.0, vllm_cost=5.0)
+    inner_timer = php.time_hook(inner_cls, "step", vars(inner_cls)["step"])
+    inner = inner_cls()
+
+    def run(*args):  # a vLLM method that calls another hooked one, as execute_model calls _model_forward
+        clock.now += 1.0
+        return inner.step()
+
+    def make(original):
+        def run_hook(*args):
+            clock.now += 4.0
+            return original(*args)
+        return run_hook
+
+    hook = functools.wraps(run)(make(run))
+    hook._hotwire = True
+    outer_cls = type("Outer", (), {"run": hook})
+    outer_timer = php.time_hook(outer_cls, "run", hook)
+    outer_cls().run()
+    assert outer_timer.own == pytest.approx([4.0]) and inner_timer.own == pytest.approx([2.0])
+
+
+def test_a_hook_without_the_method_in_its_own_closure_is_left_untimed(clock):
+    def capture(*args):
+        return None
+
+    def outer(original):
+        def two_passes(*args):
+            return original(*args)
+        return two_passes
+
+    def inner(original):
+        def capture(*args):
+            return original(*args)
+        return capture
+
+    hook = functools.wraps(capture)(outer(inner(capture)))
+    cls = type("Manager", (), {"capture": hook})
+    assert php.time_hook(cls, "capture", hook) is None
+    assert vars(cls)["capture"] is hook
