@@ -11,6 +11,8 @@ timed the same way, shows what any hook costs at that point of a step.
 
     python benchmarks/profile_host_step.py --batch 256            # the built-in tiny model on the CPU
     python benchmarks/profile_host_step.py --shape qwen3-4b --batch 256 --decode-tokens 128   # on a GPU
+
+Written for both; so far run on the CPU only (V1 runner; ``VLLM_USE_V2_MODEL_RUNNER=0`` selects V1 on a GPU).
 """
 
 from __future__ import annotations
