@@ -1,14 +1,9 @@
 """The pure helpers of ``benchmarks/bench_control.py`` (no server needed)."""
 
-import importlib.util
-from pathlib import Path
-
 import pytest
+from benchmark_module import load
 
-_PATH = Path(__file__).parents[2] / "benchmarks" / "bench_control.py"
-_SPEC = importlib.util.spec_from_file_location("bench_control", _PATH)
-bench = importlib.util.module_from_spec(_SPEC)
-_SPEC.loader.exec_module(bench)
+bench = load("bench_control")
 
 
 def test_summarize_percentiles_interpolate():

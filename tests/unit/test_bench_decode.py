@@ -2,16 +2,12 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
-from pathlib import Path
 
 import pytest
+from benchmark_module import load
 
-_PATH = Path(__file__).resolve().parents[2] / "benchmarks" / "bench_decode.py"
-_spec = importlib.util.spec_from_file_location("bench_decode", _PATH)
-bench = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(bench)
+bench = load("bench_decode")
 
 
 def test_specs_per_mode():

@@ -1,15 +1,11 @@
 """The hook timing of benchmarks/profile_host_step.py: a hook's own time is its time less the wrapped method's."""
 
 import functools
-import importlib.util
-from pathlib import Path
 
 import pytest
+from benchmark_module import load
 
-_spec = importlib.util.spec_from_file_location(
-    "profile_host_step", Path(__file__).parents[2] / "benchmarks" / "profile_host_step.py")
-php = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(php)
+php = load("profile_host_step")
 
 
 class FakeClock:

@@ -2,15 +2,11 @@
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
+from benchmark_module import load
 
 from hotwire_core.verify import Result
 
-_PATH = Path(__file__).resolve().parents[2] / "benchmarks" / "tp2_identity.py"
-_spec = importlib.util.spec_from_file_location("tp2_identity", _PATH)
-tp2 = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(tp2)
+tp2 = load("tp2_identity")
 
 
 def test_engines_group_by_bit_identical_tokens_and_logprobs():
