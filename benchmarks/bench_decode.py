@@ -340,11 +340,10 @@ def _median_min_max(xs: list[float]) -> tuple[float | None, float | None, float 
     return (statistics.median(xs), min(xs), max(xs)) if xs else (None, None, None)
 
 
-def _paired(rows: list[dict], all_rows: list[dict], metric: str, prefix: str) -> dict:
+def _paired(rows: list[dict], base: dict[tuple, float | None], metric: str, prefix: str) -> dict:
     """Median, min and max of ``metric`` over ``rows`` (one cell's repetitions) and of its ratio to the vanilla run
-    of the same round; rows without the metric (None, or absent in older files) are left out."""
-    base = {(r["config"], r["batch"], r["rep"]): r.get(metric) for r in all_rows
-            if split_config(r["config"])[0] == "vanilla"}
+    of the same round (``base``: the vanilla rows' ``metric`` by (config, batch, rep)); rows without the metric
+    (None, or absent in older files) are left out."""
     values, ratios = [], []
     for r in rows:
         if r.get(metric) is None:
@@ -364,8 +363,12 @@ def summarize(rows: list[dict]) -> list[dict]:
     groups: dict[tuple, list[dict]] = {}
     for r in rows:
         groups.setdefault((r["config"], r["mode"], r["batch"]), []).append(r)
+    vanilla = [r for r in rows if split_config(r["config"])[0] == "vanilla"]
+    base = {metric: {(r["config"], r["batch"], r["rep"]): r.get(metric) for r in vanilla}
+            for metric in ("decode_ms", "step_ms")}
     return [{"config": config, "mode": mode, "batch": batch, "reps": len(rs),
-             **_paired(rs, rows, "decode_ms", "vs_vanilla"), **_paired(rs, rows, "step_ms", "vs_vanilla_step"),
+             **_paired(rs, base["decode_ms"], "decode_ms", "vs_vanilla"),
+             **_paired(rs, base["step_ms"], "step_ms", "vs_vanilla_step"),
              "ttft_ms": statistics.median(r["ttft_ms"] for r in rs)}
             for (config, mode, batch), rs in groups.items()]
 
