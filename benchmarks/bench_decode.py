@@ -29,6 +29,10 @@ leaves out the steps that still prefill late arrivals and the tail where early r
 the per-request measure spans; at batch 256 the engine starts stepping before all requests have arrived, so
 how many requests "started last" varies (5 to 255 in one run).
 
+``--profile`` then runs one more ``generate`` per engine, batch and mode under vLLM's torch profiler and reports
+what the GPU ran in a decode step (``gpu_trace.py``: kernels, their time, span and period of the decode graph
+replay, how busy the GPU was), with the kernels that differ from the vanilla engine's idle step.
+
     python benchmarks/bench_decode.py --shape qwen3-4b --batches 1,8,64,256 --out benchmarks/results/x.json
 """
 
@@ -64,6 +68,7 @@ CONFIGS = {
     "inductor": "hotwire, torch ops fused by Inductor (HOTWIRE_IMPL=inductor)",
     "eager": "hotwire's op with enforce_eager=True (no torch.compile, no CUDA graphs)",
 }
+PROFILE_STEPS = 32  # decode steps in a profiled generate (--profile): a trace of a few MB
 
 
 def _spec(mode: str, n_layers: int, i: int) -> str | None:
@@ -96,6 +101,9 @@ def worker(args: argparse.Namespace) -> None:
         # A fixed KV cache: memory profiling miscounts while the other engines start on the same GPU.
         kv_cache_memory_bytes=int(args.kv_cache_gib * (1 << 30)), gpu_memory_utilization=0.05, seed=0, enforce_eager=kind == "eager",
         disable_log_stats=False,  # per-request timestamps (RequestOutput.metrics)
+        # The worker builds its profiler on the first start_profile: until then the engine is the same as without.
+        profiler_config={"profiler": "torch", "torch_profiler_dir": str(args.profile_dir), "torch_profiler_with_stack": False,
+                         "torch_profiler_dump_cuda_time_total": False} if args.profile_dir else None,
     )
     hf = llm.llm_engine.model_config.hf_config
     n_layers = hf.num_hidden_layers
@@ -124,10 +132,27 @@ def worker(args: argparse.Namespace) -> None:
     for line in sys.stdin:
         job = json.loads(line)
         batch, mode = job["batch"], job["mode"]
+        if job.get("profile"):
+            print("RESULT " + json.dumps(profiled(llm, lambda: timed(batch, mode, 1 + PROFILE_STEPS), args.profile_dir)), flush=True)
+            continue
         clock.steps.clear()
         got = timed(batch, mode, 8 if job.get("warmup") else 1 + args.decode_tokens)
         got.update(step_quantiles(full_batch_gaps(clock.steps, batch)))
         print("RESULT " + json.dumps({} if job.get("warmup") else got), flush=True)
+
+
+def profiled(llm: Any, run: Any, directory: Path) -> dict:
+    """``run()`` under the worker's torch profiler; the summary of the trace it wrote (which is then deleted)."""
+    gpu_trace = gpu_trace_module()
+    llm.start_profile()
+    try:
+        run()
+    finally:
+        llm.stop_profile()
+    trace = gpu_trace.newest_trace(directory)
+    summary = gpu_trace.summarize(gpu_trace.load_events(trace))
+    trace.unlink()
+    return summary
 
 
 class StepClock:
@@ -213,6 +238,8 @@ class Engine:
                "--decode-tokens", str(args.decode_tokens), "--prompt-len", str(args.prompt_len)]
         if cores:
             cmd += ["--cores", f"{cores.start}-{cores.stop - 1}"]
+        if args.profile:
+            cmd += ["--profile-dir", tempfile.mkdtemp(prefix=f"hotwire-trace-{tag}-")]
         self.config = config
         self.log = open(Path(tempfile.gettempdir()) / f"hotwire-bench-{tag}.log", "w")
         # vLLM's logs go to the log file: a full stdout pipe would stall an engine until this process reads it.
@@ -229,8 +256,8 @@ class Engine:
     def ready(self) -> None:
         self._line("READY")
 
-    def measure(self, batch: int, mode: str, warmup: bool = False) -> dict:
-        self.proc.stdin.write(json.dumps({"batch": batch, "mode": mode, "warmup": warmup}) + "\n")
+    def measure(self, batch: int, mode: str, warmup: bool = False, profile: bool = False) -> dict:
+        self.proc.stdin.write(json.dumps({"batch": batch, "mode": mode, "warmup": warmup, "profile": profile}) + "\n")
         self.proc.stdin.flush()
         return json.loads(self._line("RESULT "))
 
@@ -336,6 +363,47 @@ def measure(engines: list[Engine], args: argparse.Namespace) -> list[dict]:
     return rows
 
 
+def profile(engines: list[Engine], args: argparse.Namespace) -> list[dict]:
+    """One profiled ``generate`` per engine, batch and mode (after ``measure``'s warm-ups): what the GPU ran."""
+    profiles = []
+    for batch in args.batches:
+        for e in engines:
+            for mode in modes_of(e.config, args.modes):
+                profiles.append({"config": e.config, "mode": mode, "batch": batch, **e.measure(batch, mode, profile=True)})
+                print("PROFILE " + json.dumps({k: v for k, v in profiles[-1].items() if k != "by_name"}), flush=True)
+    return profiles
+
+
+def profile_table(profiles: list[dict]) -> str:
+    """Per engine, mode and batch: the decode graph replay's kernels, their summed time, span and period, how busy
+    the GPU was, and the kernels that differ from the vanilla engine's (same runner, same batch)."""
+    base = {(p["config"], p["batch"]): p for p in profiles if p["mode"] == "plain"}
+    lines = ["| config | mode | batch | replays | kernels | kernel µs | span µs | period µs | GPU busy | kernels unlike vanilla's "
+             "(count, µs per replay: vanilla → this) |", "|---|---|---|---|---|---|---|---|---|---|"]
+    for p in profiles:
+        if not p["replays"]:
+            lines.append(f"| {p['config']} | {p['mode']} | {p['batch']} | 0 | — | — | — | — | — | no graph replay traced |")
+            continue
+        vanilla = base.get((baseline_of(p["config"]), p["batch"]))
+        diff = "—" if vanilla is None or vanilla is p else "; ".join(
+            f"`{d['name'][:60]}` {d['count'][0]:g}→{d['count'][1]:g}, {d['us'][0]:.1f}→{d['us'][1]:.1f}"
+            for d in gpu_trace_module().kernel_diff(vanilla, p)[:4]) or "none"
+        period = "—" if p["period_us"] is None else f"{p['period_us']:.1f}"
+        lines.append(f"| {p['config']} | {p['mode']} | {p['batch']} | {p['replays']} | {p['kernels']} | "
+                     f"{p['kernel_us']:.1f} | {p['span_us']:.1f} | {period} | {p['busy'] * 100:.1f}% | {diff} |")
+    return "\n".join(lines)
+
+
+def gpu_trace_module() -> Any:
+    """``benchmarks/gpu_trace.py``, wherever this script was loaded from."""
+    sys.path.insert(0, str(Path(__file__).parent))
+    try:
+        import gpu_trace
+    finally:
+        sys.path.pop(0)
+    return gpu_trace
+
+
 def _median_min_max(xs: list[float]) -> tuple[float | None, float | None, float | None]:
     return (statistics.median(xs), min(xs), max(xs)) if xs else (None, None, None)
 
@@ -411,12 +479,16 @@ def main() -> None:
     parser.add_argument("--cores-per-engine", type=int, default=0,
                         help="give engine i (in --configs order) the CPU cores [i*N, (i+1)*N) of this process's "
                              "own set, so that engines never share a core; 0 (default): no pinning")
+    parser.add_argument("--profile", action="store_true",
+                        help=f"after the repetitions (--reps 0: none), one generate of {PROFILE_STEPS} decode steps per "
+                             "engine, batch and mode under vLLM's torch profiler: the decode step's kernels")
     parser.add_argument("--out", type=Path, required=False)
     parser.add_argument("--worker", dest="config", help=argparse.SUPPRESS)
     parser.add_argument("--model", help=argparse.SUPPRESS)
     parser.add_argument("--max-batch", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--vectors", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--cores", type=parse_cores, help=argparse.SUPPRESS)
+    parser.add_argument("--profile-dir", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args()
     args.batches = [int(b) for b in args.batches.split(",")]
     args.modes = args.modes.split(",")
@@ -454,17 +526,20 @@ def main() -> None:
         for config, logged in capture.items():
             print(f"{config}: graph capture {logged}", flush=True)
         rows = measure(engines, args)
+        profiles = profile(engines, args) if args.profile else []
         finished = True
     finally:
         for e in engines:
             e.close(finished)
     summary = summarize(rows)
     print(table(summary))
+    if profiles:
+        print(profile_table(profiles))
     if args.out:
-        _write(args, rows, summary, capture)
+        _write(args, rows, summary, capture, profiles)
 
 
-def _write(args: argparse.Namespace, rows: list[dict], summary: list[dict], capture: dict) -> None:
+def _write(args: argparse.Namespace, rows: list[dict], summary: list[dict], capture: dict, profiles: list[dict]) -> None:
     import torch
     import vllm
 
@@ -484,7 +559,10 @@ def _write(args: argparse.Namespace, rows: list[dict], summary: list[dict], capt
         "modes": {m: MODES[m] for m in args.modes},
     }
     meta["graph_capture"] = {"engines_started": "one by one" if args.one_by_one else "side by side", **capture}
-    args.out.write_text(json.dumps({"meta": meta, "summary": summary, "table": table(summary), "rows": rows}, indent=1))
+    out = {"meta": meta, "summary": summary, "table": table(summary), "rows": rows}
+    if profiles:
+        out.update(profile_table=profile_table(profiles), profiles=profiles)
+    args.out.write_text(json.dumps(out, indent=1))
 
 
 if __name__ == "__main__":
