@@ -452,6 +452,11 @@ class SteeringController:
         for request_id in [request_ids] if isinstance(request_ids, str) else request_ids:
             self.deferred.pop(request_id, None)
 
+    @property
+    def step_payload_pending(self) -> bool:
+        """Whether the next step has bank writes or rebinds to carry (most steps have neither)."""
+        return bool(self._writes or self._rebinds)
+
     def take_writes(self) -> list[BankWrite]:
         """Bank writes since the last step; a slot reloaded twice in between keeps only its last row."""
         writes, self._writes = self._writes, []

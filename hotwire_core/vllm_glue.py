@@ -168,11 +168,12 @@ def _patch_scheduler(module: Any) -> None:
     def make_schedule(original):
         def schedule(self, *args, **kwargs):
             controller = getattr(self, "hotwire", None)
-            if controller is not None:
+            if controller is not None and controller.deferred:
                 for request in controller.admit_deferred():
                     self.add_request(request)
             output = original(self, *args, **kwargs)
-            if controller is not None:
+            # Checked after vLLM's schedule: resuming a preempted request inside it may reload rows.
+            if controller is not None and controller.step_payload_pending:
                 writes = controller.take_writes()
                 if writes:
                     output.hotwire_writes = writes
@@ -370,7 +371,9 @@ def _patch_v2_runner(module: Any) -> None:
             steering = getattr(self, "hotwire", None)
             if steering is not None and not kwargs.get("dummy_run", False):
                 # V2 drops preempted requests and re-adds them as new ones when they resume.
-                removed = scheduler_output.finished_req_ids | set(scheduler_output.preempted_req_ids or ())
+                removed = scheduler_output.finished_req_ids
+                if scheduler_output.preempted_req_ids:
+                    removed = removed | set(scheduler_output.preempted_req_ids)
                 steering.on_step(scheduler_output, removed)
                 _set_gate(steering, scheduler_output)
             elif steering is not None and GATE.split:
@@ -486,10 +489,15 @@ def _patch_v2_cudagraphs(module: Any) -> None:
 
     def make_run(original):
         def run_fullgraph(self, desc):
-            if GATE.open or desc not in getattr(self, "_hotwire_idle_graphs", {}):
+            idle = None if GATE.open else self.__dict__.get("_hotwire_idle_graphs")
+            if not idle or desc not in idle:
                 return original(self, desc)
-            with idle_graphs(self):
+            # idle_graphs(self), inlined: this runs every step.
+            steered, self.graphs = self.graphs, idle
+            try:
                 return original(self, desc)
+            finally:
+                self.graphs = steered
 
         return run_fullgraph
 

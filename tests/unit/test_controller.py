@@ -152,9 +152,11 @@ def test_binding_config_phases_and_norm(c):
 
 
 def test_bank_writes_queued_once(c):
+    assert not c.step_payload_pending
     binding, _ = admit(c, "r1", [{"id": "a", "layer": [0, 3], "scale": 1}, {"id": "g", "layer": [1, 2], "scale": 2}])
+    assert c.step_payload_pending
     writes = c.take_writes()
-    assert c.take_writes() == []
+    assert c.take_writes() == [] and not c.step_payload_pending
     assert all(isinstance(w, BankWrite) for w in writes)
     slots = {(r["id"], r["layer"]): r["slot"] for r in c.stats()["rows"]}
     by_slot = {w.slot: w for w in writes}
@@ -770,6 +772,7 @@ def test_resumed_request_gets_its_rows_back_in_other_slots():
     assert c.resume(r1) is True
     (w,) = c.take_writes()
     assert torch.equal(w.row, a) and w.slot != slot_a  # version 1's values, in b's old slot
+    assert c.step_payload_pending  # the rebind still has to go out
     rebinds = c.take_rebinds()
     assert rebinds == {"r1": {"p": [[0, w.slot, 2.0, 0.0]], "d": [[0, w.slot, 2.0, 0.0]]}}
     assert r1.sampling_params.extra_args[BINDING_KEY] == rebinds["r1"]
