@@ -93,3 +93,29 @@ def test_a_hook_without_the_method_in_its_own_closure_is_left_untimed(clock):
     cls = type("Manager", (), {"capture": hook})
     assert php.time_hook(cls, "capture", hook) is None
     assert vars(cls)["capture"] is hook
+
+
+def test_a_hook_re_entered_from_its_own_method_subtracts_only_what_it_called(clock):
+    """V1's FULL-graph CUDAGraphWrapper runs the model, whose piecewise graphs are CUDAGraphWrappers too."""
+    def call(self, depth):
+        clock.now += 10.0
+        return self.call(depth - 1) if depth else "vllm"
+
+    def make(original):
+        def call(self, depth):
+            clock.now += 1.0 + depth  # outer 2 µs, inner 1 µs
+            return original(self, depth)
+        return call
+
+    hook = functools.wraps(call)(make(call))
+    hook._hotwire = True
+    cls = type("CUDAGraphWrapper", (), {"call": hook})
+    timer = php.time_hook(cls, "call", hook)
+    assert cls().call(1) == "vllm"
+    assert timer.own == pytest.approx([1.0, 2.0])  # inner first; the outer's own is not reduced by the inner's method
+
+
+def test_per_step_hooks_are_called_at_most_once_in_most_steps():
+    assert php.per_step(65, 65) and php.per_step(63, 65)
+    assert not php.per_step(256, 65)  # per request
+    assert not php.per_step(1, 65)  # the prefill step only
