@@ -24,6 +24,7 @@ import statistics
 import sys
 import tempfile
 import time
+from collections import Counter
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -37,10 +38,12 @@ class HookTimer:
 
     def __init__(self, name: str):
         self.name = name
+        self.step: Callable[[], int] = lambda: 0  # the engine step in progress (set by ``count_steps``)
         self.reset()
 
     def reset(self) -> None:
         self.own: list[float] = []
+        self.steps: list[int] = []  # the engine step of each call
         self._frames: list[float] = []  # per call in progress: the time of the method it called so far
 
     def timed_wrapper(self, wrapper: Callable) -> Callable:
@@ -51,6 +54,7 @@ class HookTimer:
                 return wrapper(*args, **kwargs)
             finally:
                 self.own.append(time.perf_counter() - start - self._frames.pop())
+                self.steps.append(self.step())
 
         return timed
 
@@ -136,11 +140,19 @@ def install_null_hooks() -> list[HookTimer]:
     return timers
 
 
-def per_step(calls: int, steps: int) -> bool:
-    """Whether a hook with ``calls`` calls over ``steps`` engine steps is a per-step hook: called at most once per
-    step and in at least half of them (not per request, nor only in the prefill or in the decode steps). The sum of
-    these hooks' median calls is the steady cost of a decode step."""
-    return steps / 2 <= calls <= steps
+def count_steps(timers: list[HookTimer]) -> None:
+    """Stamp every timed call with the engine step it ran in: the number of ``Scheduler.schedule`` calls so far."""
+    schedule = next(t for t in timers if t.name == "Scheduler.schedule")
+    for t in timers:
+        t.step = lambda: len(schedule.own)
+
+
+def per_step(timer: HookTimer, steps: int) -> bool:
+    """Whether a hook runs once per engine step: at most once in any step, and in at least half of the ``steps``
+    (not per request, nor only in the prefill step). The sum of these hooks' median calls is the steady cost of a
+    decode step."""
+    calls = Counter(timer.steps)
+    return bool(calls) and max(calls.values()) == 1 and len(calls) >= steps / 2
 
 
 def main() -> None:
@@ -167,6 +179,7 @@ def main() -> None:
     prompts = [{"prompt_token_ids": [(7 * i + j) % (vocab - 10) + 10 for j in range(16)]} for i in range(args.batch)]
     timers, untimed = instrument()
     nulls = install_null_hooks()
+    count_steps(timers + nulls)
     rows = []
     for mode in args.modes.split(","):
         extra = steer({"id": "v", "layer": hf.num_hidden_layers // 2, "scale": 1.0}) if mode == "steered" else None
@@ -181,8 +194,8 @@ def main() -> None:
         steps = next(len(t.own) for t in timers if t.name == "Scheduler.schedule")
         row = {"mode": mode, "batch": args.batch, "steps": steps, "wall_ms_per_step": wall / steps * 1e3,
                "hotwire_us_per_step": sum(sum(t.own) for t in timers) / steps * 1e6,
-               "steady_us_per_step": sum(statistics.median(t.own) for t in timers if per_step(len(t.own), steps)) * 1e6,
-               "steady_hooks": sum(per_step(len(t.own), steps) for t in timers),
+               "steady_us_per_step": sum(statistics.median(t.own) for t in timers if per_step(t, steps)) * 1e6,
+               "steady_hooks": sum(per_step(t, steps) for t in timers),
                "null_hook_us": max((statistics.median(t.own) * 1e6 for t in nulls if t.own), default=None),
                "untimed_hooks": untimed,
                "hooks": [{"hook": t.name, "calls": len(t.own), "median_us_per_call": statistics.median(t.own) * 1e6,

@@ -115,7 +115,27 @@ def test_a_hook_re_entered_from_its_own_method_subtracts_only_what_it_called(clo
     assert timer.own == pytest.approx([1.0, 2.0])  # inner first; the outer's own is not reduced by the inner's method
 
 
-def test_per_step_hooks_are_called_at_most_once_in_most_steps():
-    assert php.per_step(65, 65) and php.per_step(63, 65)
-    assert not php.per_step(256, 65)  # per request
-    assert not php.per_step(1, 65)  # the prefill step only
+def _called_in(steps):
+    timer = php.HookTimer("hook")
+    timer.steps = steps
+    return timer
+
+
+def test_per_step_hooks_run_once_in_most_steps():
+    assert php.per_step(_called_in(list(range(1, 66))), 65) and php.per_step(_called_in(list(range(3, 66))), 65)
+    assert not php.per_step(_called_in([1, 1] + list(range(2, 66))), 65)  # twice in one step
+    assert not php.per_step(_called_in([1] * 37), 65)  # 37 piecewise graphs of the one prefill step
+    assert not php.per_step(_called_in([]), 65)
+
+
+def test_calls_are_stamped_with_the_engine_step(clock):
+    schedule_cls = _hooked_class(clock, hook_cost=1.0, vllm_cost=1.0)
+    runner_cls = _hooked_class(clock, hook_cost=1.0, vllm_cost=1.0)
+    schedule = php.time_hook(schedule_cls, "step", vars(schedule_cls)["step"])
+    schedule.name = "Scheduler.schedule"
+    forward = php.time_hook(runner_cls, "step", vars(runner_cls)["step"])
+    php.count_steps([schedule, forward])
+    for _ in range(3):
+        schedule_cls().step()
+        runner_cls().step()
+    assert forward.steps == [1, 2, 3] and php.per_step(forward, 3)
