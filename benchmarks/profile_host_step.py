@@ -112,6 +112,22 @@ def instrument() -> tuple[list[HookTimer], list[str]]:
     return timers, untimed
 
 
+# Parts of the worker's per-step work, each timed whole (what it calls included) inside the hooks that call it, whose
+# figures hold it too: which part of a hook costs what. ``_batch_rows`` rebuilds its table only when the batch or the
+# set of steered requests changed; a median far above its usual 1-3 µs means ``fill`` left its steady path.
+PARTS = ("on_step", "steers_any", "fill", "_batch_rows")
+
+
+def time_parts(cls: type) -> list[HookTimer]:
+    """Time the methods ``PARTS`` of ``cls`` (``hotwire_core.runtime.WorkerSteering``)."""
+    timers = []
+    for name in PARTS:
+        timer = HookTimer(f"part: {cls.__name__}.{name}")
+        setattr(cls, name, timer.timed_wrapper(vars(cls)[name]))
+        timers.append(timer)
+    return timers
+
+
 # Per-step vLLM methods hotwire does not wrap: each gets a pass-through wrapper shaped like hotwire's hooks, timed
 # the same way. Its figure is what any hook costs at that point of a step (the timing included): the floor that
 # hotwire's own hooks are read against. A hook called right after the model's work finds cold caches.
@@ -168,6 +184,7 @@ def main() -> None:
     from vllm import LLM, SamplingParams
 
     from hotwire_core.offline import register_vector, steer
+    from hotwire_core.runtime import WorkerSteering
     from hotwire_core.tiny_model import build_model
 
     model = build_model(Path(tempfile.gettempdir()) / f"hotwire-profile-{args.shape}", args.shape, weights=False)
@@ -179,14 +196,15 @@ def main() -> None:
     prompts = [{"prompt_token_ids": [(7 * i + j) % (vocab - 10) + 10 for j in range(16)]} for i in range(args.batch)]
     timers, untimed = instrument()
     nulls = install_null_hooks()
-    count_steps(timers + nulls)
+    parts = time_parts(WorkerSteering)
+    count_steps(timers + nulls + parts)
     rows = []
     for mode in args.modes.split(","):
         extra = steer({"id": "v", "layer": hf.num_hidden_layers // 2, "scale": 1.0}) if mode == "steered" else None
         params = SamplingParams(max_tokens=args.decode_tokens, ignore_eos=True, temperature=0.0, detokenize=False,
                                 extra_args=extra)
         llm.generate(prompts, params, use_tqdm=False)  # warm-up: these batch shapes, caches
-        for t in timers + nulls:
+        for t in timers + nulls + parts:
             t.reset()
         start = time.perf_counter()
         llm.generate(prompts, params, use_tqdm=False)
@@ -199,7 +217,7 @@ def main() -> None:
                "null_hook_us": max((statistics.median(t.own) * 1e6 for t in nulls if t.own), default=None),
                "untimed_hooks": untimed,
                "hooks": [{"hook": t.name, "calls": len(t.own), "median_us_per_call": statistics.median(t.own) * 1e6,
-                          "us_per_step": sum(t.own) / steps * 1e6} for t in timers + nulls if t.own]}
+                          "us_per_step": sum(t.own) / steps * 1e6} for t in timers + nulls + parts if t.own]}
         rows.append(row)
         print(json.dumps(row, indent=1), flush=True)
     print("| mode | batch | steps | hotwire µs/step, all calls (admissions and releases included) "

@@ -139,3 +139,18 @@ def test_calls_are_stamped_with_the_engine_step(clock):
         schedule_cls().step()
         runner_cls().step()
     assert forward.steps == [1, 2, 3] and php.per_step(forward, 3)
+
+
+def test_parts_are_timed_whole(clock):
+    def method(cost):
+        def run(self, *args):
+            clock.now += cost
+            return cost
+        return run
+
+    cls = type("WorkerSteering", (), {name: method(float(i + 1)) for i, name in enumerate(php.PARTS)})
+    timers = php.time_parts(cls)
+    obj = cls()
+    assert [getattr(obj, name)() for name in php.PARTS] == [1.0, 2.0, 3.0, 4.0]
+    assert [t.name for t in timers] == [f"part: WorkerSteering.{name}" for name in php.PARTS]
+    assert [t.own for t in timers] == [[1.0], [2.0], [3.0], [4.0]]
