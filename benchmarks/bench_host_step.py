@@ -40,7 +40,7 @@ def per_step_us(batch: int, steered: bool, shape: str, steps: int) -> float:
         computed[:] += 1
         w.on_step(no_news, ())
         w.steers_any(batch_set)
-        w.fill(ids, scheduled, computed)
+        w.fill(ids, scheduled, computed, batch)
 
     step()
     return timeit.timeit(step, number=steps) / steps * 1e6

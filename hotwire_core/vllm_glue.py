@@ -353,7 +353,7 @@ def _patch_v1_runner(module: Any) -> None:
                 batch = self.input_batch
                 n = batch.num_reqs
                 qsl = self.query_start_loc.np[: n + 1]
-                steering.fill(batch.req_ids[:n], qsl[1:] - qsl[:-1], batch.num_computed_tokens_cpu[:n])
+                steering.fill(batch.req_ids[:n], qsl[1:] - qsl[:-1], batch.num_computed_tokens_cpu[:n], int(qsl[n]))
             return original(self, *args, **kwargs)
 
         return _model_forward
@@ -387,7 +387,7 @@ def _patch_v2_runner(module: Any) -> None:
             batch = original(self, scheduler_output, *args, **kwargs)
             steering = getattr(self, "hotwire", None)
             if steering is not None:
-                steering.fill(batch.req_ids, batch.num_scheduled_tokens, batch.num_computed_tokens_np)
+                steering.fill(batch.req_ids, batch.num_scheduled_tokens, batch.num_computed_tokens_np, batch.num_tokens)
             return batch
 
         return prepare_inputs

@@ -40,7 +40,7 @@ def step(w, new=(), removed=(), writes=None, rebinds=None):
 
 
 def fill(w, req_ids, scheduled, computed):
-    w.fill(list(req_ids), np.array(scheduled, dtype=np.int32), np.array(computed, dtype=np.int32))
+    w.fill(list(req_ids), np.array(scheduled, dtype=np.int32), np.array(computed, dtype=np.int32), sum(scheduled))
     return w.buffers["token_cfg"].tolist()
 
 
