@@ -114,7 +114,8 @@ def instrument() -> tuple[list[HookTimer], list[str]]:
 
 # Parts of the worker's per-step work, each timed whole (what it calls included) inside the hooks that call it, whose
 # figures hold it too: which part of a hook costs what. ``_batch_rows`` rebuilds its table only when the batch or the
-# set of steered requests changed; a median far above its usual 1-3 µs means ``fill`` left its steady path.
+# set of steered requests changed (batch 256, this development machine's CPU, warm: 2 µs unchanged, 112 µs rebuilding):
+# a median near the second means it rebuilds every step, i.e. ``fill`` never reaches its steady path.
 PARTS = ("on_step", "steers_any", "fill", "_batch_rows")
 
 
