@@ -52,6 +52,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+import gpu_trace  # beside this script
+
 MODES = {
     "plain": "no request steered (vanilla: the baseline; hotwire: loaded and idle)",
     "steered": "every request steered: one vector at one middle layer",
@@ -143,7 +145,6 @@ def worker(args: argparse.Namespace) -> None:
 
 def profiled(llm: Any, run: Any, directory: Path) -> dict:
     """``run()`` under the worker's torch profiler; the summary of the trace it wrote (which is then deleted)."""
-    gpu_trace = gpu_trace_module()
     llm.start_profile()
     try:
         run()
@@ -387,21 +388,11 @@ def profile_table(profiles: list[dict]) -> str:
         vanilla = base.get((baseline_of(p["config"]), p["batch"]))
         diff = "—" if vanilla is None or vanilla is p else "; ".join(
             f"`{d['name'][:60]}` {d['count'][0]:g}→{d['count'][1]:g}, {d['us'][0]:.1f}→{d['us'][1]:.1f}"
-            for d in gpu_trace_module().kernel_diff(vanilla, p)[:4]) or "none"
+            for d in gpu_trace.kernel_diff(vanilla, p)[:4]) or "none"
         period = "—" if p["period_us"] is None else f"{p['period_us']:.1f}"
         lines.append(f"| {p['config']} | {p['mode']} | {p['batch']} | {p['replays']} | {p['kernels']} | "
                      f"{p['kernel_us']:.1f} | {p['span_us']:.1f} | {period} | {p['busy'] * 100:.1f}% | {diff} |")
     return "\n".join(lines)
-
-
-def gpu_trace_module() -> Any:
-    """``benchmarks/gpu_trace.py``, wherever this script was loaded from."""
-    sys.path.insert(0, str(Path(__file__).parent))
-    try:
-        import gpu_trace
-    finally:
-        sys.path.pop(0)
-    return gpu_trace
 
 
 def _median_min_max(xs: list[float]) -> tuple[float | None, float | None, float | None]:

@@ -345,7 +345,7 @@ class WorkerSteering:
 
     def fill(self, req_ids: Sequence[str], num_scheduled: np.ndarray, num_computed: np.ndarray, num_tokens: int) -> None:
         """Write ``token_cfg`` for a batch laid out request by request in ``req_ids`` order; ``num_tokens`` is the
-        sum of ``num_scheduled`` (both runners have it at hand: summing here cost a steady step half its time).
+        sum of ``num_scheduled`` (both runners have it at hand; summing it here was about 40% of a steady step's fill).
 
         A token at position ``p`` of a request with prompt length ``P`` uses the prefill config when ``p < P``
         and the decode config otherwise. Steps with no steered request leave a clean buffer untouched."""

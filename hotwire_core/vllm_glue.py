@@ -489,15 +489,10 @@ def _patch_v2_cudagraphs(module: Any) -> None:
 
     def make_run(original):
         def run_fullgraph(self, desc):
-            idle = None if GATE.open else self.__dict__.get("_hotwire_idle_graphs")
-            if not idle or desc not in idle:
+            if GATE.open or desc not in getattr(self, "_hotwire_idle_graphs", {}):
                 return original(self, desc)
-            # idle_graphs(self), inlined: this runs every step.
-            steered, self.graphs = self.graphs, idle
-            try:
+            with idle_graphs(self):
                 return original(self, desc)
-            finally:
-                self.graphs = steered
 
         return run_fullgraph
 
