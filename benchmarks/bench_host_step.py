@@ -1,8 +1,14 @@
 """Host time hotwire's worker adds to one decode step (no GPU needed; the per-step work is NumPy on the host).
 
 Per step, a worker runs ``WorkerSteering.on_step`` (new and finished requests), ``steers_any`` (the step's graph
-variant) and ``fill`` (``token_cfg``). This times the three on a steady decode batch of B requests, none or
-every one steered (one vector at one layer), on a CPU device (the fill's device copy then is a host copy too).
+variant) and ``fill`` (``token_cfg``). This times the three on a decode batch of B requests, on a CPU device (the
+device copies then are host copies too), in four modes:
+
+- ``idle``: nothing steered, the batch unchanged from step to step;
+- ``steered``: every request steered by one vector at one layer, the batch unchanged (a steady decode step);
+- ``churn``: as ``steered``, but in every step one request finishes and a new one, steered the same way, takes
+  its place in the batch with its whole prompt (a server at a full batch: some request finishes in most steps);
+- ``churn-distinct``: as ``churn``, each new request with a config of its own (its own vector).
 
     python benchmarks/bench_host_step.py --batches 1,64,256
 """
@@ -12,6 +18,7 @@ from __future__ import annotations
 import argparse
 import platform
 import timeit
+from collections.abc import Callable
 from types import SimpleNamespace
 
 import numpy as np
@@ -22,28 +29,46 @@ from hotwire_core.runtime import WorkerSteering
 from hotwire_core.settings import Settings
 from hotwire_core.tiny_model import SHAPES
 
+MODES = ("idle", "steered", "churn", "churn-distinct")
+PROMPT = 32  # prompt tokens of every request
 
-def per_step_us(batch: int, steered: bool, shape: str, steps: int) -> float:
+
+def decode_step(batch: int, mode: str, shape: str) -> Callable[[], None]:
+    """One step of ``mode`` on a worker holding a decode batch of ``batch`` requests (see the module doc)."""
     s = SHAPES[shape]
     w = WorkerSteering({}, s.num_layers, s.hidden_size, torch.bfloat16, torch.device("cpu"), 8192, batch,
                        Settings(256, 4, "op", None, None))
-    ids = [f"cmpl-{i:032x}-0" for i in range(batch)]  # vLLM-like request ids
-    if steered:
-        binding = {"d": [[s.num_layers // 2, 1, 2.0, 0.0]]}
-        new = [SimpleNamespace(req_id=r, prompt_token_ids=list(range(32)),
-                               sampling_params=SimpleNamespace(extra_args={BINDING_KEY: binding})) for r in ids]
-        w.on_step(SimpleNamespace(scheduled_new_reqs=new), set())
-    scheduled, computed, no_news = np.ones(batch, np.int32), np.full(batch, 32, np.int32), SimpleNamespace(scheduled_new_reqs=[])
-    batch_set = set(ids)
+    layer = s.num_layers // 2
+
+    def request(n: int) -> SimpleNamespace:
+        slot = 1 + (n % 256 if mode == "churn-distinct" else 0)
+        binding = {"d": [[layer, slot, 2.0, 0.0]]}
+        return SimpleNamespace(req_id=f"cmpl-{n:032x}-0", prompt_token_ids=list(range(PROMPT)),  # vLLM-like ids
+                               sampling_params=SimpleNamespace(extra_args={BINDING_KEY: binding}))
+
+    ids = [f"cmpl-{n:032x}-0" for n in range(batch)]
+    if mode != "idle":
+        w.on_step(SimpleNamespace(scheduled_new_reqs=[request(n) for n in range(batch)]), set())
+    scheduled, computed = np.ones(batch, np.int32), np.full(batch, PROMPT, np.int32)
+    no_news = SimpleNamespace(scheduled_new_reqs=[])
+    arrivals = iter(range(batch, 1 << 62))
+    tokens = batch + (PROMPT - 1 if mode.startswith("churn") else 0)  # the runner's count of the step's tokens
 
     def step() -> None:
-        computed[:] += 1
-        w.on_step(no_news, ())
-        w.steers_any(batch_set)
-        w.fill(ids, scheduled, computed, batch)
+        computed[:] += scheduled
+        scheduled[:] = 1
+        if mode.startswith("churn"):
+            n = next(arrivals)
+            finished, ids[n % batch] = ids[n % batch], f"cmpl-{n:032x}-0"
+            scheduled[n % batch], computed[n % batch] = PROMPT, 0  # the new request's prompt, in this step
+            w.on_step(SimpleNamespace(scheduled_new_reqs=[request(n)]), (finished,))
+        else:
+            w.on_step(no_news, ())
+        w.steers_any(ids)
+        w.fill(ids, scheduled, computed, tokens)
 
     step()
-    return timeit.timeit(step, number=steps) / steps * 1e6
+    return step
 
 
 def main() -> None:
@@ -53,9 +78,10 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=20000)
     args = parser.parse_args()
     print(f"# {platform.processor() or platform.machine()}, Python {platform.python_version()}, shape {args.shape}")
-    print("| batch | idle (µs/step) | every request steered (µs/step) |\n|---|---|---|")
+    print("| batch | " + " | ".join(f"{m} (µs/step)" for m in MODES) + " |\n|---|" + "---|" * len(MODES))
     for b in (int(x) for x in args.batches.split(",")):
-        print(f"| {b} | {per_step_us(b, False, args.shape, args.steps):.1f} | {per_step_us(b, True, args.shape, args.steps):.1f} |")
+        cells = [timeit.timeit(decode_step(b, m, args.shape), number=args.steps) / args.steps * 1e6 for m in MODES]
+        print(f"| {b} | " + " | ".join(f"{c:.1f}" for c in cells) + " |")
 
 
 if __name__ == "__main__":

@@ -115,17 +115,20 @@ def instrument() -> tuple[list[HookTimer], list[str]]:
 # Parts of the worker's per-step work, each timed whole (what it calls included) inside the hooks that call it, whose
 # figures hold it too: which part of a hook costs what. ``_batch_rows`` rebuilds its table only when the batch or the
 # set of steered requests changed (batch 256, this development machine's CPU, warm: 2 µs unchanged, 112 µs rebuilding):
-# a median near the second means it rebuilds every step, i.e. ``fill`` never reaches its steady path.
-PARTS = ("on_step", "steers_any", "fill", "_batch_rows")
+# a median near the second means it rebuilds every step, i.e. ``fill`` never reaches its steady path. The uploader's
+# ``to_device`` (pinned host copy, host-to-device copy, event) runs once per table written: its calls per step count
+# the uploads.
+PARTS = {"WorkerSteering": ("on_step", "steers_any", "fill", "_batch_rows"), "_Uploader": ("to_device",)}
 
 
-def time_parts(cls: type) -> list[HookTimer]:
-    """Time the methods ``PARTS`` of ``cls`` (``hotwire_core.runtime.WorkerSteering``)."""
+def time_parts(*classes: type) -> list[HookTimer]:
+    """Time the methods ``PARTS`` names for each of ``classes`` (``hotwire_core.runtime``'s, by class name)."""
     timers = []
-    for name in PARTS:
-        timer = HookTimer(f"part: {cls.__name__}.{name}")
-        setattr(cls, name, timer.timed_wrapper(vars(cls)[name]))
-        timers.append(timer)
+    for cls in classes:
+        for name in PARTS[cls.__name__]:
+            timer = HookTimer(f"part: {cls.__name__}.{name}")
+            setattr(cls, name, timer.timed_wrapper(vars(cls)[name]))
+            timers.append(timer)
     return timers
 
 
@@ -172,12 +175,20 @@ def per_step(timer: HookTimer, steps: int) -> bool:
     return bool(calls) and max(calls.values()) == 1 and len(calls) >= steps / 2
 
 
+DISTINCT_VECTORS = 200  # within the default 256 bank slots
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shape", default="tiny", help="a shape from hotwire_core.tiny_model.SHAPES")
     parser.add_argument("--batch", type=int, default=256)
     parser.add_argument("--decode-tokens", type=int, default=64)
-    parser.add_argument("--modes", default="plain,steered", help="plain (nothing steered), steered (every request)")
+    parser.add_argument("--modes", default="plain,steered",
+                        help="comma-separated: plain (nothing steered), steered (every request, one vector), distinct "
+                             f"(each request its own vector, {DISTINCT_VECTORS} in turn); with -churn (plain-churn, "
+                             "...): 4x the batch with lengths spread, so that requests finish and join every step")
+    parser.add_argument("--kv-cache-gib", type=float, default=4.0,
+                        help="a fixed KV cache, so that several runs can share a GPU (256 x 80 tokens of Qwen3-4B: 2.8 GiB)")
     args = parser.parse_args()
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
 
@@ -185,25 +196,37 @@ def main() -> None:
     from vllm import LLM, SamplingParams
 
     from hotwire_core.offline import register_vector, steer
-    from hotwire_core.runtime import WorkerSteering
+    from hotwire_core.runtime import WorkerSteering, _Uploader
     from hotwire_core.tiny_model import build_model
 
     model = build_model(Path(tempfile.gettempdir()) / f"hotwire-profile-{args.shape}", args.shape, weights=False)
     llm = LLM(str(model), load_format="dummy", max_model_len=512, max_num_seqs=args.batch, seed=0,
-              distributed_executor_backend="uni", **({} if torch.cuda.is_available() else {"dtype": "float32"}))
+              distributed_executor_backend="uni", kv_cache_memory_bytes=int(args.kv_cache_gib * (1 << 30)),
+              gpu_memory_utilization=0.05, **({} if torch.cuda.is_available() else {"dtype": "float32"}))
     hf = llm.llm_engine.model_config.hf_config
-    register_vector(llm, "v", torch.randn(hf.hidden_size) * 0.01)
+    for i in range(DISTINCT_VECTORS):
+        register_vector(llm, f"v{i}", torch.randn(hf.hidden_size) * 0.01)
     vocab = min(hf.vocab_size, 30000)
-    prompts = [{"prompt_token_ids": [(7 * i + j) % (vocab - 10) + 10 for j in range(16)]} for i in range(args.batch)]
     timers, untimed = instrument()
     nulls = install_null_hooks()
-    parts = time_parts(WorkerSteering)
+    parts = time_parts(WorkerSteering, _Uploader)
     count_steps(timers + nulls + parts)
     rows = []
     for mode in args.modes.split(","):
-        extra = steer({"id": "v", "layer": hf.num_hidden_layers // 2, "scale": 1.0}) if mode == "steered" else None
-        params = SamplingParams(max_tokens=args.decode_tokens, ignore_eos=True, temperature=0.0, detokenize=False,
-                                extra_args=extra)
+        steering, _, churn = mode.partition("-")
+        if steering not in ("plain", "steered", "distinct") or churn not in ("", "churn"):
+            parser.error(f"unknown mode {mode!r}")
+        # churn: 4x the batch, lengths spread over 0.5-1.5x --decode-tokens: requests finish and join every step
+        n = args.batch * (4 if churn else 1)
+        prompts = [{"prompt_token_ids": [(7 * i + j) % (vocab - 10) + 10 for j in range(16)]} for i in range(n)]
+        lengths = [args.decode_tokens // 2 + (37 * i) % args.decode_tokens if churn else args.decode_tokens for i in range(n)]
+        layer = hf.num_hidden_layers // 2
+        params = [
+            SamplingParams(max_tokens=length, ignore_eos=True, temperature=0.0, detokenize=False,
+                           extra_args=None if steering == "plain" else
+                           steer({"id": f"v{i % DISTINCT_VECTORS if steering == 'distinct' else 0}", "layer": layer, "scale": 1.0}))
+            for i, length in enumerate(lengths)
+        ]
         llm.generate(prompts, params, use_tqdm=False)  # warm-up: these batch shapes, caches
         for t in timers + nulls + parts:
             t.reset()

@@ -148,9 +148,11 @@ def test_parts_are_timed_whole(clock):
             return cost
         return run
 
-    cls = type("WorkerSteering", (), {name: method(float(i + 1)) for i, name in enumerate(php.PARTS)})
-    timers = php.time_parts(cls)
-    obj = cls()
-    assert [getattr(obj, name)() for name in php.PARTS] == [1.0, 2.0, 3.0, 4.0]
-    assert [t.name for t in timers] == [f"part: WorkerSteering.{name}" for name in php.PARTS]
-    assert [t.own for t in timers] == [[1.0], [2.0], [3.0], [4.0]]
+    names = php.PARTS["WorkerSteering"] + php.PARTS["_Uploader"]
+    costs = iter(float(i + 1) for i in range(len(names)))
+    classes = [type(c, (), {name: method(next(costs)) for name in php.PARTS[c]}) for c in ("WorkerSteering", "_Uploader")]
+    timers = php.time_parts(*classes)
+    results = [getattr(cls(), name)() for cls in classes for name in php.PARTS[cls.__name__]]
+    assert results == [1.0, 2.0, 3.0, 4.0, 5.0]
+    assert [t.name for t in timers] == [f"part: {c.__name__}.{n}" for c in classes for n in php.PARTS[c.__name__]]
+    assert [t.own for t in timers] == [[1.0], [2.0], [3.0], [4.0], [5.0]]
