@@ -11,6 +11,7 @@ from __future__ import annotations
 import inspect
 import logging
 from collections import deque
+from itertools import repeat
 from typing import Any, Collection, Iterable, Sequence
 
 import numpy as np
@@ -25,7 +26,6 @@ logger = logging.getLogger(__name__)
 
 _LAYER_ARGS = ["positions", "hidden_states", "residual"]
 CONFIG_ROWS_PER_BATCH_SLOT = 2  # requests with config rows per --max-num-seqs slot (see WorkerSteering)
-_NO_STEER = (0, 0, 0)  # (prefill config row, decode config row, prompt length) of an unsteered request
 # Decoder layers with the right arguments whose return value is not (hidden_states, residual | None).
 _UNSUPPORTED_LAYERS = {"HunYuanDecoderLayer"}
 
@@ -151,6 +151,52 @@ class _Uploader:
         return out
 
 
+class ConfigRows:
+    """Which rows of the device's config table (``cfg_slot`` / ``cfg_scale`` / ``cfg_rel``) hold which per-phase
+    config. Requests with the same config share its row (refcounted), so admitting one whose config is live
+    already writes nothing to the device. Row 0 is "no steer" and never handed out."""
+
+    def __init__(self, n_rows: int, n_layers: int):
+        self.n_rows = n_rows
+        self._free = list(range(n_rows - 1, 0, -1))
+        self._row_of: dict[tuple, int] = {}  # config items -> its row
+        self._key_of: dict[int, tuple] = {}
+        self._users: dict[int, int] = {}  # row -> requests (phases) using it
+        self._layers: dict[int, np.ndarray] = {}  # row -> the layers it steers (bool [n_layers])
+        self.layer_users = np.zeros(n_layers, np.int64)  # live rows steering each layer
+
+    def __len__(self) -> int:
+        """Rows in use."""
+        return len(self._users)
+
+    def acquire(self, items: Sequence[Sequence[float]]) -> tuple[int, bool]:
+        """The row holding config ``items`` (``[layer, slot, scale, rel]`` each), and whether it is new (then the
+        caller writes it to the device)."""
+        key = tuple(map(tuple, items))
+        row = self._row_of.get(key)
+        if row is not None:
+            self._users[row] += 1
+            return row, False
+        if not self._free:
+            raise RuntimeError(
+                f"hotwire: all {self.n_rows - 1} steering config rows hold configs of running or preempted steered "
+                "requests; this should not happen (please report it), and a larger --max-num-seqs makes room"
+            )
+        row = self._free.pop()
+        layers = np.zeros(len(self.layer_users), bool)
+        layers[[int(item[0]) for item in items]] = True
+        self._row_of[key], self._key_of[row], self._users[row], self._layers[row] = row, key, 1, layers
+        self.layer_users += layers
+        return row, True
+
+    def release(self, row: int) -> None:
+        self._users[row] -= 1
+        if not self._users[row]:
+            del self._users[row], self._row_of[self._key_of.pop(row)]
+            self.layer_users -= self._layers.pop(row)
+            self._free.append(row)
+
+
 class WorkerSteering:
     """Steering state of one worker (one TP/PP rank)."""
 
@@ -193,15 +239,15 @@ class WorkerSteering:
             wrap_layer_class(type(module))
             module.add_module("hotwire_steer", SteerHook(self.buffers, index, settings.impl, self.target, self.norm))
         self._uploader = _Uploader(device)
-        self._free_rows = list(range(n_cfg - 1, 0, -1))
-        self._active: dict[str, tuple[int, int, int]] = {}  # req_id -> (prefill row, decode row, prompt len)
-        self._row_layers: dict[int, np.ndarray] = {}  # config row -> the layers it steers (bool [n_layers])
-        self._layer_users = np.zeros(n_layers, np.int64)  # live config rows steering each layer
+        self.config_rows = ConfigRows(n_cfg, n_layers)
+        self._line_of: dict[str, int] = {}  # steered req_id -> its line in _lines
+        self._lines = np.zeros((8, 3), np.int64)  # per steered request: (prefill row, decode row, prompt len); line 0: none
+        self._free_lines = list(range(len(self._lines) - 1, 0, -1))
         self._layer_on = np.zeros(n_layers, np.int32)  # what layer_on holds on the device
         self._dirty = 0  # token_cfg[:_dirty] may be non-zero on the device
         self._staging = np.zeros(max_tokens, dtype=np.int32)
         self._uploaded = np.zeros(0, np.int32)  # what token_cfg[:len] holds on the device since the last copy
-        self._epoch = 0  # bumped whenever _active changes
+        self._epoch = 0  # bumped whenever the set of steered requests changes
         self._rows_key: tuple[str, ...] = ()
         self._rows_epoch = -1
         self._rows = np.zeros((0, 3), np.int64)
@@ -237,16 +283,26 @@ class WorkerSteering:
             extra = r.sampling_params.extra_args if r.sampling_params is not None else None
             if extra and BINDING_KEY in extra:
                 new.append((r.req_id, _prompt_len(r), extra[BINDING_KEY]))
-            elif r.req_id in self._active:  # sent again without steering (a streaming-input update): unsteered now
+            elif r.req_id in self._line_of:  # sent again without steering (a streaming-input update): unsteered now
                 self._remove(r.req_id)
         rebinds = getattr(scheduler_output, "hotwire_rebinds", None)
         if rebinds:  # preempted requests whose rows moved before they resumed (V1 keeps them; V2 re-adds them)
             added = {r.req_id for r in scheduler_output.scheduled_new_reqs}
-            new += [(r, self._active[r][2], config) for r, config in rebinds.items() if r in self._active and r not in added]
+            new += [(r, int(self._lines[self._line_of[r], 2]), config) for r, config in rebinds.items()
+                    if r in self._line_of and r not in added]
         if new:
             self._add(new)
         if self._epoch != epoch:
             self._sync_layer_on()
+
+    def request_rows(self, req_id: str) -> tuple[int, int, int] | None:
+        """``(prefill row, decode row, prompt length)`` of a steered request; None for one that is not."""
+        line = self._line_of.get(req_id)
+        return None if line is None else tuple(int(x) for x in self._lines[line])
+
+    @property
+    def steered_requests(self) -> int:
+        return len(self._line_of)
 
     def _apply_writes(self, writes: Sequence[Any]) -> None:
         slots = torch.tensor([w.slot for w in writes], dtype=torch.long)
@@ -257,73 +313,82 @@ class WorkerSteering:
         self.buffers["inv_norm"].index_copy_(0, idx, self._uploader.to_device(inv))
 
     def _remove(self, req_id: str) -> None:
-        rows = self._active.pop(req_id, None)
-        if rows is not None:
+        line = self._line_of.pop(req_id, None)
+        if line is not None:
             self._epoch += 1
-            for row in rows[:2]:
+            for row in self._lines[line, :2]:
                 if row:
-                    self._layer_users -= self._row_layers.pop(row)
-                    self._free_rows.append(row)
+                    self.config_rows.release(int(row))
+            self._lines[line] = 0
+            self._free_lines.append(line)
 
     def _sync_layer_on(self) -> None:
         """Switch on exactly the layers some live config steers: at the others the op returns after one load.
 
         A superset of the layers the scheduled tokens steer is always correct (the op then checks each token's
         own entries), so this follows admissions and removals rather than every step."""
-        on = (self._layer_users > 0).astype(np.int32)
+        on = (self.config_rows.layer_users > 0).astype(np.int32)
         if not np.array_equal(on, self._layer_on):
             self._layer_on = on
             self.buffers["layer_on"].copy_(self._uploader.to_device(torch.from_numpy(on)), non_blocking=True)
 
     def _add(self, new: list[tuple[str, int, dict]]) -> None:
-        k = self.settings.max_stack
-        row_ids, slots, scales, rels = [], [], [], []
+        """Give each new request its config rows: a config already live is shared, a new one is written to the
+        device (all of this step's in one copy)."""
+        fresh: list[tuple[int, list]] = []
         for req_id, prompt_len, config in new:
             self._remove(req_id)  # a re-added (preempted or streaming) request starts clean
-            pair = []
-            for phase in ("p", "d"):
+            pair = [0, 0]
+            for i, phase in enumerate(("p", "d")):
                 items = config.get(phase) or []
-                if not items:
-                    pair.append(0)
-                    continue
-                if not self._free_rows:
-                    raise RuntimeError(
-                        f"hotwire: all {len(self.buffers['cfg_slot']) - 1} steering config rows are in use by "
-                        f"{len(self._active)} running or preempted steered requests; this should not happen "
-                        "(please report it), and a larger --max-num-seqs makes room"
-                    )
-                row = self._free_rows.pop()
-                slot = np.zeros((self.n_layers, k), np.int32)
-                scale = np.zeros((self.n_layers, k), np.float32)
-                rel = np.zeros((self.n_layers, k), np.float32)
-                used = np.zeros(self.n_layers, np.int64)
-                for layer, s, sc, rl in items:
-                    layer = int(layer)
-                    j = used[layer]
-                    slot[layer, j], scale[layer, j], rel[layer, j] = int(s), sc, rl
-                    used[layer] += 1
-                self._row_layers[row] = used > 0
-                self._layer_users += used > 0
-                row_ids.append(row)
-                slots.append(slot)
-                scales.append(scale)
-                rels.append(rel)
-                pair.append(row)
-            self._active[req_id] = (pair[0], pair[1], prompt_len)
+                if items:
+                    pair[i], created = self.config_rows.acquire(items)
+                    if created:
+                        fresh.append((pair[i], items))
+            if pair == [0, 0]:
+                continue
+            if not self._free_lines:
+                grown = len(self._lines)
+                self._lines = np.concatenate([self._lines, np.zeros_like(self._lines)])
+                self._free_lines = list(range(len(self._lines) - 1, grown - 1, -1))
+            line = self._free_lines.pop()
+            self._lines[line] = (pair[0], pair[1], prompt_len)
+            self._line_of[req_id] = line
             self._epoch += 1
-        if row_ids:
-            idx = self._uploader.to_device(torch.tensor(row_ids, dtype=torch.long))
-            for name, values in (("cfg_slot", slots), ("cfg_scale", scales), ("cfg_rel", rels)):
-                self.buffers[name].index_copy_(0, idx, self._uploader.to_device(torch.from_numpy(np.stack(values))))
+        if fresh:
+            self._write_rows(fresh)
+
+    def _write_rows(self, fresh: list[tuple[int, list]]) -> None:
+        """Write config rows ``(row, [layer, slot, scale, rel] items)`` to ``cfg_slot`` / ``cfg_scale`` /
+        ``cfg_rel`` with one host-to-device copy: the row ids and the three tables travel as one int32 array
+        (the float tables as their bits), split on the device."""
+        k, n = self.settings.max_stack, len(fresh)
+        packed = np.zeros((n, 1 + 3 * self.n_layers * k), np.int32)
+        packed[:, 0] = [row for row, _ in fresh]
+        slot, scale, rel = (packed[:, 1:].reshape(n, 3, self.n_layers, k)[:, i] for i in range(3))
+        scale, rel = scale.view(np.float32), rel.view(np.float32)
+        for i, (_, items) in enumerate(fresh):
+            used = [0] * self.n_layers
+            for layer, s, sc, rl in items:
+                layer = int(layer)
+                j = used[layer]
+                slot[i, layer, j], scale[i, layer, j], rel[i, layer, j] = int(s), sc, rl
+                used[layer] += 1
+        device = self._uploader.to_device(torch.from_numpy(packed))
+        idx = device[:, 0].long()
+        tables = device[:, 1:].view(n, 3, self.n_layers, k)
+        self.buffers["cfg_slot"].index_copy_(0, idx, tables[:, 0])
+        self.buffers["cfg_scale"].index_copy_(0, idx, tables[:, 1].view(torch.float32))
+        self.buffers["cfg_rel"].index_copy_(0, idx, tables[:, 2].view(torch.float32))
 
     def steers_any(self, scheduled: Collection[str]) -> bool:
         """Whether any scheduled request has a steering config (for prefill or decode): the step's ``ops.GATE``."""
-        active = self._active
-        if not active:
+        steered = self._line_of
+        if not steered:
             return False
-        if len(active) <= len(scheduled):
-            return any((rows[0] or rows[1]) and req_id in scheduled for req_id, rows in active.items())
-        return any(req_id in active and any(active[req_id][:2]) for req_id in scheduled)
+        if len(steered) <= len(scheduled):
+            return any(req_id in scheduled for req_id in steered)
+        return any(req_id in steered for req_id in scheduled)
 
     # -- per-step fill ---------------------------------------------------------------------------------------
 
@@ -332,16 +397,16 @@ class WorkerSteering:
         the set of steered requests changed (decode steps usually repeat the previous batch)."""
         key = tuple(req_ids)
         if key != self._rows_key or self._rows_epoch != self._epoch:
-            active = self._active
-            self._rows = np.array([active.get(r, _NO_STEER) for r in key], dtype=np.int64).reshape(-1, 3)
-            self._batch_steered = bool((self._rows[:, :2] > 0).any())
+            lines = np.fromiter(map(self._line_of.get, key, repeat(0, len(key))), np.intp, len(key))
+            self._rows = self._lines[lines]
+            self._batch_steered = bool(lines.any())
             self._rows_key, self._rows_epoch = key, self._epoch
         return self._rows
 
     @property
     def clean(self) -> bool:
         """No request is steered and ``token_cfg`` holds no config: ``fill`` has nothing to do."""
-        return not self._active and not self._dirty
+        return not self._line_of and not self._dirty
 
     def fill(self, req_ids: Sequence[str], num_scheduled: np.ndarray, num_computed: np.ndarray, num_tokens: int) -> None:
         """Write ``token_cfg`` for a batch laid out request by request in ``req_ids`` order; ``num_tokens`` is the
@@ -354,25 +419,27 @@ class WorkerSteering:
         rows = self._batch_rows(req_ids)
         if not self._batch_steered and not self._dirty:
             return
-        # Vectorised per token (no Python loop over requests): batch row of each token and its position.
         n = num_tokens
-        if n == len(rows):  # uniform decode: one token per request
-            if rows is self._steady_rows:
-                return  # same batch, every token past its prompt last step: positions only grow, nothing changes
-            positions, per_token = np.asarray(num_computed, np.int64), rows
-        else:
-            starts = np.cumsum(num_scheduled) - num_scheduled
-            positions = np.repeat(np.asarray(num_computed, np.int64) - starts, num_scheduled) + np.arange(n)
-            per_token = rows[np.repeat(np.arange(len(rows)), num_scheduled)]
+        if n == len(rows) and rows is self._steady_rows:
+            return  # same batch, one token each, all past their prompts last step: positions only grow
+        # Per request (vectorised): the config of its first token this step, repeated over its tokens.
+        computed = np.asarray(num_computed, np.int64)
+        in_prompt = computed < rows[:, 2]
+        per_request = np.where(in_prompt, rows[:, 0], rows[:, 1])
         length = max(n, self._dirty)
         host = self._staging[:length]
         host[n:] = 0
-        in_prompt = positions < per_token[:, 2]
-        np.copyto(host[:n], np.where(in_prompt, per_token[:, 0], per_token[:, 1]), casting="unsafe")
+        if n == len(rows):  # one token per request
+            host[:n] = per_request
+        else:
+            host[:n] = np.repeat(per_request, num_scheduled)
+            # Rare: tokens that run past the prompt in one step (a resumed request recomputing its output).
+            for i in np.flatnonzero(in_prompt & (computed + num_scheduled > rows[:, 2])):
+                start = int(num_scheduled[:i].sum())
+                host[start + rows[i, 2] - computed[i] : start + num_scheduled[i]] = rows[i, 1]
         self._steady_rows = rows if n == len(rows) == length and not in_prompt.any() else None
         if length == len(self._uploaded) and np.array_equal(host, self._uploaded):
             return  # the device already holds exactly this
         self._uploaded = host.copy()
         self.buffers["token_cfg"][:length].copy_(self._uploader.to_device(torch.from_numpy(self._uploaded)), non_blocking=True)
-        steered_tokens = np.flatnonzero(host[:n])
-        self._dirty = int(steered_tokens[-1]) + 1 if len(steered_tokens) else 0
+        self._dirty = n if host[:n].any() else 0

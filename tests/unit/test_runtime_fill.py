@@ -39,6 +39,15 @@ def step(w, new=(), removed=(), writes=None, rebinds=None):
     w.on_step(out, set(removed))
 
 
+def steered(w) -> set[str]:
+    return set(w._line_of)
+
+
+def distinct_cfg(i: int) -> dict:
+    """A config of its own for request ``i`` (requests with equal configs share rows)."""
+    return {"p": [[1, 3, float(i + 1), 0.0]], "d": [[0, 5, -float(i + 1), 0.0]]}
+
+
 def fill(w, req_ids, scheduled, computed):
     w.fill(list(req_ids), np.array(scheduled, dtype=np.int32), np.array(computed, dtype=np.int32), sum(scheduled))
     return w.buffers["token_cfg"].tolist()
@@ -116,7 +125,7 @@ def test_no_writes_attribute_or_empty():
 def test_config_rows_per_phase_layer_and_stack():
     w = ws()
     step(w, new=[new_req("A", 6, CFG)])
-    prow, drow, plen = w._active["A"]
+    prow, drow, plen = w.request_rows("A")
     assert plen == 6 and prow != drow and 0 not in (prow, drow)
     slot, scale, rel = (w.buffers[n] for n in ("cfg_slot", "cfg_scale", "cfg_rel"))
     exp_slot = torch.zeros(N_LAYERS, STACK, dtype=torch.int32)
@@ -141,9 +150,9 @@ def test_config_rows_per_phase_layer_and_stack():
 def test_single_phase_configs_use_row_zero():
     w = ws()
     step(w, new=[new_req("D", 4, {"p": [], "d": [[2, 1, 1.0, 0.0]]}), new_req("P", 4, {"p": [[2, 1, 1.0, 0.0]]})])
-    assert w._active["D"][0] == 0 and w._active["D"][1] != 0
-    assert w._active["P"][0] != 0 and w._active["P"][1] == 0
-    assert len(w._free_rows) == ROWS - 2
+    assert w.request_rows("D")[0] == 0 and w.request_rows("D")[1] != 0
+    assert w.request_rows("P")[0] != 0 and w.request_rows("P")[1] == 0
+    assert w.request_rows("P")[0] == w.request_rows("D")[1] and len(w.config_rows) == 1  # the same config: one row
 
 
 def test_layer_on_follows_the_live_configs():
@@ -160,7 +169,7 @@ def test_layer_on_follows_the_live_configs():
     step(w, new=[new_req("B", 2, {"d": [[1, 1, 1.0, 0.0]]})])  # re-added with another config (V2 after preemption)
     assert on() == [0, 1, 0, 0]
     step(w, removed=["B", "plain"])
-    assert on() == [0, 0, 0, 0] and not w._row_layers and not w._layer_users.any()
+    assert on() == [0, 0, 0, 0] and len(w.config_rows) == 0 and not w.config_rows.layer_users.any()
 
 
 def test_request_sent_again_without_steering_is_unsteered():
@@ -168,9 +177,9 @@ def test_request_sent_again_without_steering_is_unsteered():
     w = ws()
     step(w, new=[new_req("S", 3, CFG)])
     assert fill(w, ["S"], [3], [0])[:3] != [0, 0, 0] and w.buffers["layer_on"].tolist() == [1, 1, 0, 1]
-    free = len(w._free_rows)
+    assert len(w.config_rows) == 2
     step(w, new=[new_req("S", 5)])
-    assert "S" not in w._active and len(w._free_rows) == free + 2
+    assert "S" not in steered(w) and len(w.config_rows) == 0
     assert fill(w, ["S"], [5], [0])[:5] == [0] * 5 and w.buffers["layer_on"].tolist() == [0, 0, 0, 0]
 
 
@@ -178,10 +187,12 @@ def test_config_rows_hold_preempted_requests_beside_a_full_batch_and_say_when_th
     """V1 keeps a preempted request's rows: a full batch of steered requests plus as many preempted ones fit;
     past that the worker stops with a message instead of an IndexError."""
     w = ws()
-    step(w, new=[new_req(f"r{i}", 3, CFG) for i in range(CONFIG_ROWS_PER_BATCH_SLOT * MAX_REQS)])
-    assert not w._free_rows
-    with pytest.raises(RuntimeError, match="steering config rows are in use"):
-        step(w, new=[new_req("one-more", 3, CFG)])
+    n = CONFIG_ROWS_PER_BATCH_SLOT * MAX_REQS
+    step(w, new=[new_req(f"r{i}", 3, distinct_cfg(i)) for i in range(n)])
+    assert len(w.config_rows) == ROWS
+    step(w, new=[new_req("same-as-r0", 3, distinct_cfg(0))])  # a live config needs no row of its own
+    with pytest.raises(RuntimeError, match="steering config rows hold configs of running or preempted"):
+        step(w, new=[new_req("one-more", 3, distinct_cfg(n))])
 
 
 def test_unsteered_new_requests_ignored():
@@ -192,7 +203,7 @@ def test_unsteered_new_requests_ignored():
         SimpleNamespace(req_id="pool", prompt_token_ids=[1, 2], sampling_params=None),
     ]
     step(w, new=reqs)
-    assert w._active == {}
+    assert steered(w) == set()
     assert int(w.buffers["cfg_slot"].count_nonzero()) == 0
 
 
@@ -216,7 +227,7 @@ def test_controller_to_worker():
     w = ws()
     step(w, new=[SimpleNamespace(req_id="R", prompt_token_ids=[1, 2, 3], sampling_params=req.sampling_params)],
          writes=c.take_writes())
-    prow, drow, plen = w._active["R"]
+    prow, drow, plen = w.request_rows("R")
     b = w.buffers
     # decode row, layer 1: a's row with scale 3 and g's row as a norm-relative entry
     s_a1, s_g = int(b["cfg_slot"][drow, 1, 0]), int(b["cfg_slot"][drow, 1, 1])
@@ -234,8 +245,8 @@ def test_controller_to_worker():
 def test_fill_phases_straddle_unsteered_and_padding():
     w = ws()
     step(w, new=[new_req("A", 5, CFG), new_req("B", 9), new_req("C", 4, CFG)])
-    pa, da, _ = w._active["A"]
-    pc, dc, _ = w._active["C"]
+    pa, da, _ = w.request_rows("A")
+    pc, dc, _ = w.request_rows("C")
     # A: positions 3..6 with prompt 5 -> 3,4 prefill, 5,6 decode; B unsteered; C decoding at 10, 11
     cfg = fill(w, ["A", "B", "C"], [4, 3, 2], [3, 0, 10])
     assert cfg[:9] == [pa, pa, da, da, 0, 0, 0, dc, dc]
@@ -248,17 +259,36 @@ def test_fill_phases_straddle_unsteered_and_padding():
     assert cfg[:5] == [pa] * 5 and cfg[5:] == [0] * (MAX_TOKENS - 5)
 
 
+def test_fill_matches_a_per_token_reference_on_random_batches():
+    """Token by token: position < prompt length -> prefill row, else decode row; unsteered and padding 0.
+    Random batches mix decode tokens, prefill chunks and chunks that run past the prompt."""
+    rng = np.random.default_rng(0)
+    w = ws(max_reqs=8)
+    ids = [f"r{i}" for i in range(8)]
+    for i, r in enumerate(ids[:6]):  # r6, r7 unsteered
+        step(w, new=[new_req(r, int(rng.integers(1, 6)), distinct_cfg(i))])
+    for _ in range(200):
+        batch = list(rng.permutation(ids)[: rng.integers(0, 9)])
+        scheduled = [int(rng.choice([1, 1, 1, rng.integers(1, 4)])) for _ in batch]  # at most 24 < MAX_TOKENS
+        computed = [int(rng.integers(0, 9)) for _ in batch]
+        expected = []
+        for r, n, c in zip(batch, scheduled, computed):
+            prow, drow, plen = w.request_rows(r) or (0, 0, 0)
+            expected += [prow if c + j < plen else drow for j in range(n)]
+        assert fill(w, batch, scheduled, computed) == expected + [0] * (MAX_TOKENS - len(expected))
+
+
 def test_fill_order_follows_req_ids_not_arrival():
     w = ws()
     step(w, new=[new_req("A", 2, CFG), new_req("C", 2, CFG)])
-    da, dc = w._active["A"][1], w._active["C"][1]
+    da, dc = w.request_rows("A")[1], w.request_rows("C")[1]
     assert fill(w, ["C", "X", "A"], [1, 2, 1], [5, 5, 5])[:4] == [dc, 0, 0, da]
 
 
 def test_clean_step_after_steered_clears_once_then_never_copies():
     w = ws()
     step(w, new=[new_req("A", 3, CFG), new_req("B", 3)])
-    pa = w._active["A"][0]
+    pa = w.request_rows("A")[0]
     cfg = fill(w, ["A", "B"], [3, 3], [0, 0])
     assert cfg[:6] == [pa, pa, pa, 0, 0, 0]
     # A is still active but not scheduled this step: the region is cleared once
@@ -277,7 +307,7 @@ def test_clean_step_after_request_removed():
     step(w, new=[new_req("A", 3, CFG)])
     fill(w, ["A"], [8], [0])
     step(w, removed={"A"})
-    assert w._active == {}
+    assert steered(w) == set()
     assert not w.clean  # no steered request, but the device still holds A's configs
     assert fill(w, ["B"], [2], [0]) == [0] * MAX_TOKENS  # the 8 old tokens cleared even though only 2 run
     assert w.clean
@@ -319,40 +349,59 @@ def test_token_cfg_keeps_its_storage():
 
 def test_removed_requests_free_rows_for_reuse():
     w = ws(max_reqs=1)  # config rows 1..4: two steered requests
-    step(w, new=[new_req("A", 3, CFG), new_req("B", 3, CFG)])
-    assert w._free_rows == []
-    rows_a = set(w._active["A"][:2])
-    step(w, new=[new_req("C", 3, CFG)], removed={"A"})
-    assert set(w._active["C"][:2]) == rows_a
-    assert set(w._active) == {"B", "C"}
-    for i in range(20):  # churn never leaks rows
-        step(w, new=[new_req(f"N{i}", 3, CFG)], removed={"C" if i == 0 else f"N{i - 1}"})
-    assert len(w._free_rows) == 0 and len(w._active) == 2
+    step(w, new=[new_req("A", 3, distinct_cfg(0)), new_req("B", 3, distinct_cfg(1))])
+    assert len(w.config_rows) == ROWS // MAX_REQS
+    rows_a = set(w.request_rows("A")[:2])
+    step(w, new=[new_req("C", 3, distinct_cfg(2))], removed={"A"})
+    assert set(w.request_rows("C")[:2]) == rows_a
+    assert steered(w) == {"B", "C"}
+    for i in range(20):  # churn never leaks rows (nor request lines)
+        step(w, new=[new_req(f"N{i}", 3, distinct_cfg(3 + i))], removed={"C" if i == 0 else f"N{i - 1}"})
+    assert len(w.config_rows) == ROWS // MAX_REQS and len(steered(w)) == 2 and len(w._lines) == 8
     step(w, removed={"B", "N19", "unknown"})
-    assert sorted(w._free_rows) == [1, 2, 3, 4] and w._active == {}
+    assert len(w.config_rows) == 0 and steered(w) == set()
 
 
 def test_removing_single_phase_request_does_not_free_row_zero():
     w = ws(max_reqs=1)
     step(w, new=[new_req("D", 3, {"d": [[0, 1, 1.0, 0.0]]})])
     step(w, removed={"D"})
-    assert 0 not in w._free_rows and sorted(w._free_rows) == [1, 2, 3, 4]
+    assert len(w.config_rows) == 0 and sorted(w.config_rows._free) == [1, 2, 3, 4]  # row 0 never handed out
 
 
 def test_readded_request_starts_clean():
     w = ws(max_reqs=1)
     step(w, new=[new_req("A", 3, CFG)])
     step(w, new=[new_req("A", 7, {"p": [[2, 2, 4.0, 0.0]], "d": [[2, 2, 4.0, 0.0]]})])  # preempted + resumed (V2)
-    prow, drow, plen = w._active["A"]
-    assert plen == 7 and len(w._free_rows) == ROWS // MAX_REQS - 2
+    prow, drow, plen = w.request_rows("A")
+    assert plen == 7 and len(w.config_rows) == 1  # its old rows freed; the new phases share one config
     assert w.buffers["cfg_slot"][prow].tolist() == [[0, 0], [0, 0], [2, 0], [0, 0]]
 
 
 def test_removed_before_added_in_same_step():
-    w = ws(max_reqs=1)
+    w = ws(max_reqs=1)  # 4 config rows: two requests with configs of their own
+    step(w, new=[new_req("A", 3, distinct_cfg(0)), new_req("X", 3, distinct_cfg(1))])
+    step(w, new=[new_req("B", 3, distinct_cfg(2))], removed={"A"})  # only works if removal happens first
+    assert steered(w) == {"B", "X"}
+
+
+def test_equal_configs_share_rows_and_write_nothing_more():
+    """Admitting a request whose config is live uses its rows as they are on the device; the rows go when
+    their last user does, and a config admitted again afterwards is written afresh."""
+    w = ws()
     step(w, new=[new_req("A", 3, CFG)])
-    step(w, new=[new_req("B", 3, CFG)], removed={"A"})  # only works if removal happens first
-    assert set(w._active) == {"B"}
+    pa, da, _ = w.request_rows("A")
+    w.buffers["cfg_scale"][da, 0, 0] = 99.0  # a second write of A's config would overwrite this
+    step(w, new=[new_req("B", 5, {"p": [list(x) for x in CFG["p"]], "d": [tuple(x) for x in CFG["d"]]})])
+    assert w.request_rows("B") == (pa, da, 5) and len(w.config_rows) == 2
+    assert w.buffers["cfg_scale"][da, 0, 0].item() == 99.0
+    assert fill(w, ["A", "B"], [1, 1], [3, 4])[:2] == [da, pa]
+    step(w, removed={"A"})
+    assert len(w.config_rows) == 2 and w.buffers["layer_on"].tolist() == [1, 1, 0, 1]  # B still uses them
+    step(w, removed={"B"})
+    assert len(w.config_rows) == 0 and w.buffers["layer_on"].tolist() == [0, 0, 0, 0]
+    step(w, new=[new_req("C", 3, CFG)])
+    assert w.buffers["cfg_scale"][w.request_rows("C")[1], 0, 0].item() == 1.5
 
 
 def test_stale_config_of_removed_request_not_used():
@@ -366,7 +415,7 @@ def test_stale_config_of_removed_request_not_used():
 def test_prompt_embeds_request_prompt_length():
     w = ws()
     step(w, new=[new_req("E", 0, CFG, prompt_token_ids=None, prompt_embeds=torch.zeros(5, HIDDEN))])
-    prow, drow, plen = w._active["E"]
+    prow, drow, plen = w.request_rows("E")
     assert plen == 5
     assert fill(w, ["E"], [6], [0])[:6] == [prow] * 5 + [drow]
 
@@ -415,7 +464,7 @@ def test_bank_writes_of_mixed_dtypes_are_cast_to_the_model_dtype():
 def test_steady_decode_is_not_recomputed_until_the_batch_changes(monkeypatch):
     w = ws()
     step(w, new=[new_req("A", 3, CFG), new_req("B", 2)])
-    pa, da = w._active["A"][:2]
+    pa, da = w.request_rows("A")[:2]
     assert fill(w, ["A", "B"], [1, 1], [2, 2])[:2] == [pa, 0]  # A's last prompt token: not steady yet
     assert w._steady_rows is None
     assert fill(w, ["A", "B"], [1, 1], [3, 3])[:2] == [da, 0]  # both decoding: steady from here on
@@ -428,7 +477,7 @@ def test_steady_decode_is_not_recomputed_until_the_batch_changes(monkeypatch):
     monkeypatch.undo()
     # A new batchmate, or a prefill chunk, leaves the steady path.
     step(w, new=[new_req("C", 4, CFG)])
-    pc = w._active["C"][0]
+    pc = w.request_rows("C")[0]
     assert fill(w, ["A", "B", "C"], [1, 1, 1], [8, 8, 0])[:3] == [da, 0, pc]
     assert w._steady_rows is None
 
@@ -438,7 +487,7 @@ def test_preemption_disarms_the_steady_decode_shortcut():
     (here one token per step): the prefill config must come back."""
     w = ws()
     step(w, new=[new_req("A", 3, CFG)])
-    pa, da = w._active["A"][:2]
+    pa, da = w.request_rows("A")[:2]
     assert fill(w, ["A"], [1], [5])[0] == da and w._steady_rows is not None
     out = SimpleNamespace(scheduled_new_reqs=[], preempted_req_ids={"A"})
     w.on_step(out, set())
@@ -465,14 +514,14 @@ def test_rebind_moves_a_kept_request_to_its_new_slots():
     """V1 keeps a preempted request; when it resumes with rows in other slots, its config rows follow."""
     w = ws()
     step(w, new=[new_req("A", 3, {"p": [(1, 2, 1.5, 0.0)], "d": [(1, 2, 1.5, 0.0)]}), new_req("B", 3)])
-    prompt_len = w._active["A"][2]
+    prompt_len = w.request_rows("A")[2]
     moved = {"p": [(1, 5, 1.5, 0.0)], "d": [(1, 5, 1.5, 0.0)]}
     step(w, rebinds={"A": moved, "gone": moved})  # a request this worker does not hold is ignored
-    assert set(w._active) == {"A"} and w._active["A"][2] == prompt_len  # B is plain: never tracked
-    for row in w._active["A"][:2]:
+    assert steered(w) == {"A"} and w.request_rows("A")[2] == prompt_len  # B is plain: never tracked
+    for row in w.request_rows("A")[:2]:
         assert w.buffers["cfg_slot"][row, 1, 0].item() == 5
         assert w.buffers["cfg_scale"][row, 1, 0].item() == 1.5
-    assert fill(w, ["A"], [1], [3])[0] == w._active["A"][1]
+    assert fill(w, ["A"], [1], [3])[0] == w.request_rows("A")[1]
 
 
 def test_rebind_of_a_request_readded_in_the_same_step_uses_the_new_request():
@@ -480,9 +529,9 @@ def test_rebind_of_a_request_readded_in_the_same_step_uses_the_new_request():
     w = ws()
     moved = {"p": [], "d": [(2, 4, 1.0, 0.0)]}
     step(w, new=[new_req("A", 3, moved)], rebinds={"A": {"p": [], "d": [(2, 6, 1.0, 0.0)]}})
-    row = w._active["A"][1]
+    row = w.request_rows("A")[1]
     assert w.buffers["cfg_slot"][row, 2, 0].item() == 4
-    assert len(w._free_rows) == ROWS - 1  # one config row taken, not two
+    assert len(w.config_rows) == 1  # one config row taken, not two
 
 
 def _worker_info(steerable: bool, layers: list[int], reason: str = "") -> dict:
