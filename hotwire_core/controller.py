@@ -26,6 +26,7 @@ from .store import StoredVector, VectorStore, load_preload_dir
 logger = logging.getLogger(__name__)
 
 BINDING_KEY = "hotwire.binding"  # extra_args key the controller writes for the workers
+USER_SALT_ATTR = "hotwire_user_salt"  # on a vLLM Request built with hotwire's cache salt: the user's own salt
 
 
 @dataclass(frozen=True)
@@ -294,13 +295,38 @@ class SteeringController:
             parts.append(f"{v.vector_id}@{v.version}:L{'+'.join(map(str, e.layers))}x{e.scale:g}{flags}")
         return ";".join(parts)
 
+    @staticmethod
+    def _cache_salt(user_salt: str | None, resolved: Any) -> str:
+        """The cache salt of a request steered as ``resolved`` ((entry, vector) pairs): its KV is reused only by
+        requests with the same user salt, entries and vector contents."""
+        return SALT_PREFIX + hashlib.sha256(
+            f"{user_salt or ''}|hotwire|".encode() + "|".join(f"{e.to_json()}@{v.sha256}" for e, v in resolved).encode()
+        ).hexdigest()
+
+    def cache_salt_for(self, spec: Any, user_salt: str | None) -> str | None:
+        """The cache salt ``admit`` would give a request with this spec and user salt as the registry stands now;
+        None where it would refuse it. Only reads, so vLLM's input thread may call it while the engine steps:
+        setting the salt before vLLM hashes the prompt's blocks spares ``admit`` hashing them again."""
+        if user_salt and user_salt.startswith(SALT_PREFIX):
+            return None
+        try:
+            entries = parse_spec(spec)
+        except SpecError:
+            return None
+        vectors = [self.registry.current(e.vector_id) for e in entries]
+        if None in vectors:
+            return None
+        return self._cache_salt(user_salt, zip(entries, vectors))
+
     def admit(self, request: Any) -> Binding | None:
         """Bind a new engine request (a ``vllm.v1.request.Request``) to its steering, or raise :class:`Refusal`
         (code ``slots_exhausted`` when it would fit once running requests release their rows: see ``defer``).
 
         On success the request carries the binding for the workers and a cache salt that separates its KV
-        from every other steering config (none included)."""
-        if request.cache_salt and request.cache_salt.startswith(SALT_PREFIX):
+        from every other steering config (none included). A request built with that salt already (see
+        ``cache_salt_for``; ``USER_SALT_ATTR`` then holds the user's own) keeps its block hashes."""
+        user_salt = getattr(request, USER_SALT_ATTR, request.cache_salt)
+        if user_salt and user_salt.startswith(SALT_PREFIX):
             self.refused["reserved_salt"] += 1
             raise Refusal(400, "reserved_salt", f"cache_salt may not start with {SALT_PREFIX!r}", "cache_salt")
         self.release(request.request_id)  # a request added again (a streaming-input update) starts over
@@ -340,13 +366,11 @@ class SteeringController:
         self.steered_requests += 1
 
         self._set_binding(request, config)  # the workers read it from the request's sampling params
-        salt = SALT_PREFIX + hashlib.sha256(
-            f"{request.cache_salt or ''}|hotwire|".encode()
-            + "|".join(f"{e.to_json()}@{v.sha256}" for e, v in resolved).encode()
-        ).hexdigest()
-        request.cache_salt = salt
-        request.block_hashes.clear()
-        request.update_block_hashes()
+        salt = self._cache_salt(user_salt, resolved)
+        if request.cache_salt != salt:  # hashed without it (or the registry changed since): hash again
+            request.cache_salt = salt
+            request.block_hashes.clear()
+            request.update_block_hashes()
         return binding
 
     def _load(self, loads: list[tuple[int, RowKey]], sources: dict[RowKey, tuple[HostVector, int]]) -> None:

@@ -14,6 +14,7 @@ the token's residual norm, ``residual += scale * |residual| * v/|v|``).
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import re
@@ -114,10 +115,22 @@ def _parse_entry(raw: Any, field: str) -> SteeringEntry:
 def parse_spec(value: Any) -> tuple[SteeringEntry, ...]:
     """Parse a spec (JSON string, dict or list of dicts) into entries; raises :class:`SpecError`."""
     if isinstance(value, str):
-        try:
-            value = json.loads(value)
-        except json.JSONDecodeError as exc:
-            raise SpecError(SPEC_KEY, f"is not valid JSON ({exc.msg} at char {exc.pos})") from None
+        return _parse_spec_string(value)
+    return _parse_spec_value(value)
+
+
+@functools.lru_cache(maxsize=1024)
+def _parse_spec_string(text: str) -> tuple[SteeringEntry, ...]:
+    """Cached (the result is immutable): a server sees the same few spec strings over and over, and the engine
+    parses each request's twice (``cache_salt_for``, then admission)."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise SpecError(SPEC_KEY, f"is not valid JSON ({exc.msg} at char {exc.pos})") from None
+    return _parse_spec_value(value)
+
+
+def _parse_spec_value(value: Any) -> tuple[SteeringEntry, ...]:
     if isinstance(value, dict):
         return (_parse_entry(value, SPEC_KEY),)
     if not isinstance(value, list):

@@ -9,6 +9,7 @@ this file (and ``hotwire_api/mount.py``) only.
 | ``VllmConfig.compute_hash`` | compile/AOT caches never mix graphs built with and without (this) hotwire |
 | ``EngineCore._initialize_kv_caches`` | create the controller once the workers have loaded the model |
 | ``EngineCore.add_request`` | admission: bind versions and slots, salt the prefix cache, or refuse |
+| ``EngineCore.preprocess_add_request`` | give a steered request its cache salt before vLLM hashes its blocks (input thread) |
 | ``EngineCore.collective_rpc`` | answer ``hotwire_*`` RPCs in the engine core |
 | ``Scheduler._free_request`` | release a finished/aborted request's pins |
 | ``Scheduler._preempt_request`` / ``_is_blocked_waiting_status`` / ``_try_promote_blocked_waiting_request`` | a preempted request unpins; it waits until it can pin again |
@@ -35,9 +36,10 @@ from pathlib import Path
 from typing import Any, Callable, Iterator
 
 from . import ops
-from .controller import ModelInfo, Refusal, SteeringController
+from .controller import USER_SALT_ATTR, ModelInfo, Refusal, SteeringController
 from .ops import GATE
 from .settings import Settings, format_layers
+from .spec import SPEC_KEY
 
 logger = logging.getLogger(__name__)
 _SETTINGS: Settings | None = None
@@ -148,6 +150,29 @@ def _patch_engine_core(module: Any) -> None:
 
         return add_request
 
+    def make_preprocess(original):
+        def preprocess_add_request(self, request):
+            # vLLM's input thread: hash a steered request's prompt blocks with hotwire's cache salt from the
+            # start (admission checks it, and hashes again only if the registry changed in between).
+            controller = getattr(self, "hotwire", None)
+            extra = request.sampling_params.extra_args if request.sampling_params is not None else None
+            if controller is None or not extra or SPEC_KEY not in extra:
+                return original(self, request)
+            user_salt = request.cache_salt
+            try:
+                salt = controller.cache_salt_for(extra[SPEC_KEY], user_salt)
+            except Exception:  # never fail a request here: admission decides and says why
+                logger.exception("hotwire: cache salt of %s", request.request_id)
+                salt = None
+            if salt is None:
+                return original(self, request)
+            request.cache_salt = salt
+            req, wave = original(self, request)
+            setattr(req, USER_SALT_ATTR, user_salt)
+            return req, wave
+
+        return preprocess_add_request
+
     def make_rpc(original):
         def collective_rpc(self, method, timeout=None, args=(), kwargs=None):
             if isinstance(method, str) and method.startswith("hotwire_") and method != "hotwire_worker_info":
@@ -159,6 +184,7 @@ def _patch_engine_core(module: Any) -> None:
 
     _wrap(cls, "_initialize_kv_caches", make_init_kv)
     _wrap(cls, "add_request", make_add)
+    _wrap(cls, "preprocess_add_request", make_preprocess)
     _wrap(cls, "collective_rpc", make_rpc)
 
 

@@ -15,7 +15,7 @@ from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
 from vllm.v1.request import Request
 from vllm.utils.hashing import sha256
 
-from hotwire_core.controller import SALT_PREFIX, BINDING_KEY, BankWrite, ModelInfo, Refusal, SteeringController
+from hotwire_core.controller import SALT_PREFIX, BINDING_KEY, USER_SALT_ATTR, BankWrite, ModelInfo, Refusal, SteeringController
 from hotwire_core.settings import Settings
 
 N_LAYERS, HIDDEN, BLOCK = 4, 8, 16
@@ -263,6 +263,48 @@ def test_user_salt_cannot_collide_with_steered_salt(c):
     with pytest.raises(Refusal) as exc:
         c.admit(forged)
     assert exc.value.code == "reserved_salt" and exc.value.field == "cache_salt"
+
+
+def presalted(c, rid, spec, salt=None) -> Request:
+    """A request built as hotwire's ``preprocess_add_request`` hook builds it: salted before vLLM hashes it."""
+    spec_json = json.dumps(spec)
+    presalt = c.cache_salt_for(spec_json, salt)
+    assert presalt is not None
+    req = request(rid, spec_json, salt=presalt)
+    setattr(req, USER_SALT_ATTR, salt)
+    return req
+
+
+@pytest.mark.parametrize("salt", [None, "tenant-1"])
+def test_presalted_request_keeps_its_block_hashes(c, salt):
+    spec = {"id": "a", "layer": 1, "scale": 2}
+    _, ref = admit(c, "ref", spec, salt=salt)  # salted by admission, blocks hashed again
+    req = presalted(c, "r", spec, salt)
+    hashed, hasher = [], req._block_hasher
+    req._block_hasher = lambda r: hashed.append(r) or hasher(r)
+    c.admit(req)
+    assert hashed == [] and req.cache_salt == ref.cache_salt and req.block_hashes == ref.block_hashes
+
+
+def test_presalted_request_is_hashed_again_when_the_vector_changed_meanwhile(c):
+    spec = {"id": "a", "layer": 1, "scale": 2}
+    req = presalted(c, "r", spec)
+    old = list(req.block_hashes)
+    register(c, "a", vec(N_LAYERS, HIDDEN, seed=9), replace=True)  # between the input thread and admission
+    c.admit(req)
+    _, ref = admit(c, "ref", spec)
+    assert req.cache_salt == ref.cache_salt and req.block_hashes == ref.block_hashes != old
+
+
+def test_cache_salt_for_requests_admission_would_refuse_is_none(c):
+    assert c.cache_salt_for('{"id": "nope", "layer": 1, "scale": 1}', None) is None  # unknown vector
+    assert c.cache_salt_for("{not json", None) is None
+    forged = c.cache_salt_for('{"id": "a", "layer": 1, "scale": 1}', None)
+    assert c.cache_salt_for('{"id": "a", "layer": 1, "scale": 1}', forged) is None  # a reserved user salt
+    req = request("f", salt=forged)  # and admission refuses it, as before
+    setattr(req, USER_SALT_ATTR, forged)
+    with pytest.raises(Refusal, match="cache_salt may not start"):
+        c.admit(req)
 
 
 def test_same_vector_twice_shares_rows_and_refs(c):
