@@ -130,26 +130,55 @@ def wrap_layer_class(cls: type) -> None:
 
 
 class _Uploader:
-    """Host-to-device copies that never stall the CPU on the GPU: pinned sources, kept alive until their copy
-    has run (checked with events). On a CPU device it is a plain copy."""
+    """Host-to-device copies that neither stall the CPU on the GPU nor pin memory per copy: values are staged in
+    a pinned ring, and a region of it is written again only once the copy that read it has run (an event per
+    copy; the CPU waits only if the ring comes round before the GPU got there). On a CPU device: plain copies."""
 
-    def __init__(self, device: torch.device):
+    ALIGN = 64
+
+    def __init__(self, device: torch.device, ring_bytes: int = 1 << 22):
         self.device = device
         self.cuda = device.type == "cuda"
-        self._inflight: deque[tuple[Any, torch.Tensor]] = deque()
+        self._ring = torch.empty(ring_bytes if self.cuda else 0, dtype=torch.uint8, pin_memory=self.cuda)
+        self._head = 0
+        self._inflight: deque[tuple[Any, int, int, torch.Tensor | None]] = deque()  # (event, start, end, own pinned copy)
 
     def to_device(self, host: torch.Tensor) -> torch.Tensor:
+        """A new device tensor holding ``host``'s values (for ``index_copy_`` sources)."""
         if not self.cuda:
             return host
-        while self._inflight and self._inflight[0][0].query():
-            self._inflight.popleft()
-        pinned = host.pin_memory()
-        out = pinned.to(self.device, non_blocking=True)
-        event = torch.cuda.Event()
-        event.record()
-        self._inflight.append((event, pinned))
+        out = self._stage(host).to(self.device, non_blocking=True)
+        self._record()
         return out
 
+    def copy_(self, dst: torch.Tensor, host: torch.Tensor) -> None:
+        """``dst.copy_(host)``, one host-to-device copy straight into ``dst``."""
+        if not self.cuda:
+            dst.copy_(host)
+            return
+        dst.copy_(self._stage(host), non_blocking=True)
+        self._record()
+
+    def _stage(self, host: torch.Tensor) -> torch.Tensor:
+        while self._inflight and self._inflight[0][0].query():
+            self._inflight.popleft()
+        size = -(-host.numel() * host.element_size() // self.ALIGN) * self.ALIGN
+        if size > len(self._ring):  # larger than the ring (a big batch of bank writes): a pinned copy of its own
+            self._staged = (0, 0, host.pin_memory())
+            return self._staged[2]
+        start = self._head if self._head + size <= len(self._ring) else 0
+        end = self._head = start + size
+        for event, a, b, _ in self._inflight:
+            if a < end and start < b:  # the ring came round to a copy the GPU has not run yet
+                event.synchronize()
+        self._staged = (start, end, None)
+        staged = self._ring[start : start + host.numel() * host.element_size()].view(host.dtype).view(host.shape)
+        return staged.copy_(host)
+
+    def _record(self) -> None:
+        event = torch.cuda.Event()
+        event.record()
+        self._inflight.append((event, *self._staged))
 
 class ConfigRows:
     """Which rows of the device's config table (``cfg_slot`` / ``cfg_scale`` / ``cfg_rel``) hold which per-phase
@@ -330,7 +359,7 @@ class WorkerSteering:
         on = (self.config_rows.layer_users > 0).astype(np.int32)
         if not np.array_equal(on, self._layer_on):
             self._layer_on = on
-            self.buffers["layer_on"].copy_(self._uploader.to_device(torch.from_numpy(on)), non_blocking=True)
+            self._uploader.copy_(self.buffers["layer_on"], torch.from_numpy(on))
 
     def _add(self, new: list[tuple[str, int, dict]]) -> None:
         """Give each new request its config rows: a config already live is shared, a new one is written to the
@@ -441,5 +470,5 @@ class WorkerSteering:
         if length == len(self._uploaded) and np.array_equal(host, self._uploaded):
             return  # the device already holds exactly this
         self._uploaded = host.copy()
-        self.buffers["token_cfg"][:length].copy_(self._uploader.to_device(torch.from_numpy(self._uploaded)), non_blocking=True)
+        self._uploader.copy_(self.buffers["token_cfg"][:length], torch.from_numpy(self._uploaded))
         self._dirty = n if host[:n].any() else 0
