@@ -8,6 +8,7 @@ same ``SchedulerOutput``. See docs/architecture.md.
 from __future__ import annotations
 
 import copy
+import functools
 import hashlib
 import logging
 from collections import Counter, OrderedDict
@@ -91,6 +92,14 @@ class Binding:
     @property
     def keys(self) -> Collection[RowKey]:
         return self.sources.keys()
+
+
+@functools.lru_cache(maxsize=4096)
+def _salt(user_salt: str | None, entries: tuple[tuple[SteeringEntry, str], ...]) -> str:
+    """Cached: the input thread and admission both need a request's salt, and requests repeat specs."""
+    return SALT_PREFIX + hashlib.sha256(
+        f"{user_salt or ''}|hotwire|".encode() + "|".join(f"{e.to_json()}@{sha}" for e, sha in entries).encode()
+    ).hexdigest()
 
 
 class Refusal(EngineError):
@@ -246,7 +255,7 @@ class SteeringController:
                         f"hotwire[{i}].layer",
                     )
             resolved.append((entry, vector))
-        for phase in (Phase.PREFILL, Phase.DECODE):
+        for phase in (Phase.PREFILL, Phase.DECODE) if len(resolved) > self.settings.max_stack else ():
             per_layer = Counter(l for e, _ in resolved if e.phase in (Phase.ALL, phase) for l in e.layers)
             for layer, count in per_layer.items():
                 if count > self.settings.max_stack:
@@ -299,9 +308,7 @@ class SteeringController:
     def _cache_salt(user_salt: str | None, resolved: Any) -> str:
         """The cache salt of a request steered as ``resolved`` ((entry, vector) pairs): its KV is reused only by
         requests with the same user salt, entries and vector contents."""
-        return SALT_PREFIX + hashlib.sha256(
-            f"{user_salt or ''}|hotwire|".encode() + "|".join(f"{e.to_json()}@{v.sha256}" for e, v in resolved).encode()
-        ).hexdigest()
+        return _salt(user_salt, tuple((e, v.sha256) for e, v in resolved))
 
     def cache_salt_for(self, spec: Any, user_salt: str | None) -> str | None:
         """The cache salt ``admit`` would give a request with this spec and user salt as the registry stands now;
