@@ -1,0 +1,30 @@
+"""The host benchmarks' set-ups do what their modes say (``bench_host_step``, ``bench_admission``)."""
+
+from __future__ import annotations
+
+import pytest
+
+from benchmark_module import load
+
+bench_host_step = load("bench_host_step")
+bench_admission = load("bench_admission")
+
+
+@pytest.mark.parametrize("mode", bench_host_step.MODES)
+def test_host_step_modes_run(mode):
+    step = bench_host_step.decode_step(4, mode, "tiny")  # a warm-up step ran already
+    for _ in range(6):
+        step()
+
+
+def test_admission_modes_hash_as_named(monkeypatch):
+    c = bench_admission.controller("tiny")
+    hashed = []
+    original = bench_admission.Request.update_block_hashes
+    monkeypatch.setattr(bench_admission.Request, "update_block_hashes", lambda self: hashed.append(1) or original(self))
+    counts = {}
+    for mode in ("plain", "salted late", "presalted"):
+        hashed.clear()
+        assert bench_admission.per_request_us(c, 32, mode, 1) > 0
+        counts[mode] = len(hashed) / 5  # per request: timeit.repeat ran 5 times
+    assert counts == {"plain": 1, "salted late": 2, "presalted": 1}
