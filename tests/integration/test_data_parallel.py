@@ -22,7 +22,7 @@ import httpx
 import numpy as np
 import pytest
 
-from server_fixture import VllmServer
+from server_fixture import MAX_MODEL_LEN, StreamMissed, VllmServer, retried_on_a_busy_cpu
 
 pytestmark = pytest.mark.integration
 
@@ -87,23 +87,24 @@ def test_a_vector_registered_over_http_steers_on_every_engine_core(http, tiny_mo
     assert {row["engine"] for row in after["rows"] if row["id"] == "dp-both"} == {0, 1}
 
 
+@retried_on_a_busy_cpu
 def test_delete_waits_for_a_user_on_the_second_engine_core(http, tiny_model) -> None:
     """The vector's only in-flight user runs on engine core 1: DELETE is a 202, not a 204, and the rows go once
     that request ends (here: its client disconnects, which aborts it)."""
     register(http, "dp-del", seed=2)
-    first_chunk, hang_up = threading.Event(), threading.Event()
+    started, hang_up = threading.Event(), threading.Event()
     outcome: dict = {}
 
     def stream() -> None:
         body = {
-            "model": str(tiny_model), "prompt": PROMPT, "max_tokens": 1500, "ignore_eos": True, "stream": True,
+            "model": str(tiny_model), "prompt": PROMPT, "max_tokens": MAX_MODEL_LEN - 100, "ignore_eos": True, "stream": True,
             "temperature": 0, "vllm_xargs": {"hotwire": json.dumps({"id": "dp-del", "layer": LAYER, "scale": 8.0})},
         }
         with httpx.Client(base_url=http.base_url, timeout=300) as own:
             with own.stream("POST", "/v1/completions", json=body, headers={"X-data-parallel-rank": "1"}) as response:
                 outcome["status"] = response.status_code
+                started.set()
                 for line in response.iter_lines():
-                    first_chunk.set()
                     outcome["finished"] = line == "data: [DONE]"
                     if hang_up.is_set():
                         break
@@ -111,9 +112,14 @@ def test_delete_waits_for_a_user_on_the_second_engine_core(http, tiny_model) -> 
     worker = threading.Thread(target=stream)
     worker.start()
     try:
-        assert first_chunk.wait(120), "the stream did not start"
-        listed = {v["id"]: v for v in http.get("/steer/vectors").json()["vectors"]}
-        assert listed["dp-del"]["in_flight"] == 1
+        assert started.wait(120), "the stream did not start"
+        # Wait for the engine, not for a first chunk: vLLM on a busy CPU may send a stream's chunks only at its end.
+        deadline = time.monotonic() + 60
+        while {v["id"]: v for v in http.get("/steer/vectors").json()["vectors"]}["dp-del"]["in_flight"] != 1:
+            if not worker.is_alive():
+                raise StreamMissed("the stream ended before the engine was seen running it")
+            assert time.monotonic() < deadline, "the engine did not admit the stream"
+            time.sleep(0.05)
         deleted = http.delete("/steer/vectors/dp-del")
         assert deleted.status_code == 202, deleted.text
         assert deleted.json() == {"id": "dp-del", "in_flight": 1}
