@@ -141,6 +141,7 @@ class _Uploader:
         self.cuda = device.type == "cuda"
         self._ring = torch.empty(ring_bytes if self.cuda else 0, dtype=torch.uint8, pin_memory=self.cuda)
         self._head = 0
+        self._staged: tuple[int, int, torch.Tensor | None] = (0, 0, None)  # the last staged copy's ring region
         self._inflight: deque[tuple[Any, int, int, torch.Tensor | None]] = deque()  # (event, start, end, own pinned copy)
 
     def to_device(self, host: torch.Tensor) -> torch.Tensor:
@@ -179,6 +180,7 @@ class _Uploader:
         event = torch.cuda.Event()
         event.record()
         self._inflight.append((event, *self._staged))
+
 
 class ConfigRows:
     """Which rows of the device's config table (``cfg_slot`` / ``cfg_scale`` / ``cfg_rel``) hold which per-phase
