@@ -94,6 +94,13 @@ class Binding:
         return self.sources.keys()
 
 
+def steering_args(request: Any) -> dict | None:
+    """A vLLM request's (``Request`` or ``EngineCoreRequest``) ``extra_args`` if they hold a steering spec
+    (``SPEC_KEY``), else None."""
+    extra = request.sampling_params.extra_args if request.sampling_params is not None else None
+    return extra if extra and SPEC_KEY in extra else None
+
+
 @functools.lru_cache(maxsize=4096)
 def _salt(user_salt: str | None, entries: tuple[tuple[SteeringEntry, str], ...]) -> str:
     """Cached: the input thread and admission both need a request's salt, and requests repeat specs."""
@@ -337,8 +344,8 @@ class SteeringController:
             self.refused["reserved_salt"] += 1
             raise Refusal(400, "reserved_salt", f"cache_salt may not start with {SALT_PREFIX!r}", "cache_salt")
         self.release(request.request_id)  # a request added again (a streaming-input update) starts over
-        extra = request.sampling_params.extra_args if request.sampling_params is not None else None
-        if not extra or SPEC_KEY not in extra:
+        extra = steering_args(request)
+        if extra is None:
             return None
         try:
             resolved = self._validate(extra[SPEC_KEY])

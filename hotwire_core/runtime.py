@@ -141,15 +141,17 @@ class _Uploader:
         self.cuda = device.type == "cuda"
         self._ring = torch.empty(ring_bytes if self.cuda else 0, dtype=torch.uint8, pin_memory=self.cuda)
         self._head = 0
-        self._staged: tuple[int, int, torch.Tensor | None] = (0, 0, None)  # the last staged copy's ring region
-        self._inflight: deque[tuple[Any, int, int, torch.Tensor | None]] = deque()  # (event, start, end, own pinned copy)
+        # Per copy the GPU may not have run yet: (event, start, end) of its ring region, or (event, 0, 0) and the
+        # pinned copy of its own to keep alive.
+        self._inflight: deque[tuple[Any, int, int, torch.Tensor | None]] = deque()
 
     def to_device(self, host: torch.Tensor) -> torch.Tensor:
         """A new device tensor holding ``host``'s values (for ``index_copy_`` sources)."""
         if not self.cuda:
             return host
-        out = self._stage(host).to(self.device, non_blocking=True)
-        self._record()
+        staged, region = self._stage(host)
+        out = staged.to(self.device, non_blocking=True)
+        self._record(region)
         return out
 
     def copy_(self, dst: torch.Tensor, host: torch.Tensor) -> None:
@@ -157,29 +159,31 @@ class _Uploader:
         if not self.cuda:
             dst.copy_(host)
             return
-        dst.copy_(self._stage(host), non_blocking=True)
-        self._record()
+        staged, region = self._stage(host)
+        dst.copy_(staged, non_blocking=True)
+        self._record(region)
 
-    def _stage(self, host: torch.Tensor) -> torch.Tensor:
+    def _stage(self, host: torch.Tensor) -> tuple[torch.Tensor, tuple[int, int, torch.Tensor | None]]:
+        """A pinned copy of ``host`` and what keeps it valid until the GPU read it: ``(start, end, None)`` in the
+        ring, or ``(0, 0, copy)`` for a copy of its own."""
         while self._inflight and self._inflight[0][0].query():
             self._inflight.popleft()
         size = -(-host.numel() * host.element_size() // self.ALIGN) * self.ALIGN
         if size > len(self._ring):  # larger than the ring (a big batch of bank writes): a pinned copy of its own
-            self._staged = (0, 0, host.pin_memory())
-            return self._staged[2]
+            pinned = host.pin_memory()
+            return pinned, (0, 0, pinned)
         start = self._head if self._head + size <= len(self._ring) else 0
         end = self._head = start + size
         for event, a, b, _ in self._inflight:
             if a < end and start < b:  # the ring came round to a copy the GPU has not run yet
                 event.synchronize()
-        self._staged = (start, end, None)
         staged = self._ring[start : start + host.numel() * host.element_size()].view(host.dtype).view(host.shape)
-        return staged.copy_(host)
+        return staged.copy_(host), (start, end, None)
 
-    def _record(self) -> None:
+    def _record(self, region: tuple[int, int, torch.Tensor | None]) -> None:
         event = torch.cuda.Event()
         event.record()
-        self._inflight.append((event, *self._staged))
+        self._inflight.append((event, *region))
 
 
 class ConfigRows:
@@ -330,10 +334,6 @@ class WorkerSteering:
         """``(prefill row, decode row, prompt length)`` of a steered request; None for one that is not."""
         line = self._line_of.get(req_id)
         return None if line is None else tuple(int(x) for x in self._lines[line])
-
-    @property
-    def steered_requests(self) -> int:
-        return len(self._line_of)
 
     def _apply_writes(self, writes: Sequence[Any]) -> None:
         slots = torch.tensor([w.slot for w in writes], dtype=torch.long)

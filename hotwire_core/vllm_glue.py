@@ -36,7 +36,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterator
 
 from . import ops
-from .controller import USER_SALT_ATTR, ModelInfo, Refusal, SteeringController
+from .controller import USER_SALT_ATTR, ModelInfo, Refusal, SteeringController, steering_args
 from .ops import GATE
 from .settings import Settings, format_layers
 from .spec import SPEC_KEY
@@ -155,8 +155,8 @@ def _patch_engine_core(module: Any) -> None:
             # vLLM's input thread: hash a steered request's prompt blocks with hotwire's cache salt from the
             # start (admission checks it, and hashes again only if the registry changed in between).
             controller = getattr(self, "hotwire", None)
-            extra = request.sampling_params.extra_args if request.sampling_params is not None else None
-            if controller is None or not extra or SPEC_KEY not in extra:
+            extra = steering_args(request)
+            if controller is None or extra is None:
                 return original(self, request)
             user_salt = request.cache_salt
             try:

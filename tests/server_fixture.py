@@ -35,6 +35,7 @@ START_TIMEOUT_S = 240.0
 # The tiny models' max_position_embeddings: room for streams long enough to stay in flight while a test acts on
 # them (a stalled test process has taken seconds to send its next request).
 MAX_MODEL_LEN = 4096
+LONG_STREAM_TOKENS = MAX_MODEL_LEN - 100  # max_tokens of a stream a test acts on while it runs (~10 s on a CPU)
 # A fixed KV cache skips vLLM's memory profiling, which miscounts when other engines share the GPU; untimed
 # combo kernels let Inductor compile in deterministic mode (benchmarks/gpu_checks.sh turns it on).
 GPU_ARGS = ["--kv-cache-memory-bytes", str(1 << 30), "--gpu-memory-utilization", "0.05",

@@ -22,7 +22,7 @@ import httpx
 import numpy as np
 import pytest
 
-from server_fixture import MAX_MODEL_LEN, StreamMissed, VllmServer, retried_on_a_busy_cpu
+from server_fixture import LONG_STREAM_TOKENS, StreamMissed, VllmServer, retried_on_a_busy_cpu
 
 pytestmark = pytest.mark.integration
 
@@ -97,7 +97,7 @@ def test_delete_waits_for_a_user_on_the_second_engine_core(http, tiny_model) -> 
 
     def stream() -> None:
         body = {
-            "model": str(tiny_model), "prompt": PROMPT, "max_tokens": MAX_MODEL_LEN - 100, "ignore_eos": True, "stream": True,
+            "model": str(tiny_model), "prompt": PROMPT, "max_tokens": LONG_STREAM_TOKENS, "ignore_eos": True, "stream": True,
             "temperature": 0, "vllm_xargs": {"hotwire": json.dumps({"id": "dp-del", "layer": LAYER, "scale": 8.0})},
         }
         with httpx.Client(base_url=http.base_url, timeout=300) as own:

@@ -34,7 +34,7 @@ from safetensors.numpy import save as save_numpy
 
 from hotwire_api import cli, healthcheck
 from hotwire_api.client import AsyncHotwireClient, HotwireClient, HotwireError
-from server_fixture import MAX_MODEL_LEN, StreamMissed, VllmServer, retried_on_a_busy_cpu
+from server_fixture import LONG_STREAM_TOKENS, StreamMissed, VllmServer, retried_on_a_busy_cpu
 
 pytestmark = pytest.mark.integration
 
@@ -45,7 +45,6 @@ MAX_UPLOAD_MB = 1
 PROMPT = "The quick brown fox jumps over"
 SERVER_ARGS = [] if torch.cuda.is_available() else ["--enforce-eager"]
 RECEIPT = "x-hotwire-receipt"
-LONG = MAX_MODEL_LEN - 100  # max_tokens of a stream that must stay in flight while the test acts (~10 s on a CPU)
 
 
 # -- helpers ---------------------------------------------------------------------------------------------------
@@ -601,7 +600,7 @@ def test_no_row_for_layer(http, model):
 def test_delete_while_streaming_is_202_and_frees_on_completion(server, http, model, store):
     registered = http.post("/steer/vectors?replace=true", json=json_body("doomed", vec(80, (LAYERS, HIDDEN))))
     assert registered.status_code in (200, 201)  # 200: left by an earlier attempt (see retried_on_a_busy_cpu)
-    body = completion_body(model, spec("doomed", [0, 1]), max_tokens=LONG, ignore_eos=True, logprobs=None,
+    body = completion_body(model, spec("doomed", [0, 1]), max_tokens=LONG_STREAM_TOKENS, ignore_eos=True, logprobs=None,
                            stream_options={"include_usage": True})  # fmt: skip
     with stream(server, body) as (response, lines):
         assert response.status_code == 200 and response.headers[RECEIPT] == f"doomed@{registered.json()['version']}:L0+1x8"
@@ -626,7 +625,7 @@ def test_delete_while_streaming_is_202_and_frees_on_completion(server, http, mod
         assert still["pinned"] == 2 and sum(row["id"] == "doomed" for row in still["rows"]) == 2
 
         chunks, finish, usage = drain(lines)
-    assert finish == "length" and usage["completion_tokens"] == LONG, (chunks, finish, usage)
+    assert finish == "length" and usage["completion_tokens"] == LONG_STREAM_TOKENS, (chunks, finish, usage)
     after = wait_idle(http)
     assert after["pinned"] == 0
     assert not any(row["id"] == "doomed" for row in after["rows"]), after["rows"]
@@ -641,7 +640,7 @@ def test_slot_exhaustion_is_429_with_retry_after(server, http, model):
         assert r.status_code in (200, 201), r.text
     assert http.post("/steer/vectors?replace=true", json=json_body("narrow", vec(92))).status_code in (200, 201)
     hog = json.dumps([{"id": "wide-a", "layer": [0, 1, 2, 3], "scale": 1.0}, {"id": "narrow", "layer": 0, "scale": 1}])
-    hog_tokens = LONG  # ignore_eos: run to the end, it generates exactly this many
+    hog_tokens = LONG_STREAM_TOKENS  # ignore_eos: run to the end, it generates exactly this many
     body = completion_body(model, hog, max_tokens=hog_tokens, ignore_eos=True, logprobs=None)
     generated = vllm_counter(server, "vllm:generation_tokens")
     with stream(server, body) as (response, _lines):
@@ -680,7 +679,7 @@ def test_slot_exhaustion_is_429_with_retry_after(server, http, model):
 def test_replace_while_streaming_keeps_the_running_version(server, http, model):
     assert http.post("/steer/vectors?replace=true", json=json_body("live", vec(95))).status_code in (200, 201)
     version = http.get("/steer/vectors/live").json()["version"]
-    body = completion_body(model, spec("live", 1), max_tokens=LONG, ignore_eos=True, logprobs=None)
+    body = completion_body(model, spec("live", 1), max_tokens=LONG_STREAM_TOKENS, ignore_eos=True, logprobs=None)
     with stream(server, body) as (response, lines):
         assert response.headers[RECEIPT] == f"live@{version}:L1x8"
         replaced = http.post("/steer/vectors?replace=true", json=json_body("live", vec(96)))
@@ -732,7 +731,7 @@ def test_requests_past_the_check_wait_for_rows_instead_of_failing(server, http, 
     deferrals = slots(http)["deferrals"]
     pool = concurrent.futures.ThreadPoolExecutor(racers)
     try:
-        with stream(server, completion_body(model, hog, max_tokens=LONG, ignore_eos=True, logprobs=None)):
+        with stream(server, completion_body(model, hog, max_tokens=LONG_STREAM_TOKENS, ignore_eos=True, logprobs=None)):
             assert slots(http)["pinned"] == 5  # 3 rows left: one racer fits at a time
             futures = [pool.submit(send, i) for i in range(racers)]
             deadline = time.time() + 30
