@@ -8,6 +8,8 @@ so that importing this module neither needs a working Triton nor initialises CUD
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 OP_NAMESPACE = "hotwire"
@@ -28,12 +30,25 @@ class Gate:
     ``split`` is set once a model is hooked with idle graphs on (``HOTWIRE_IDLE_GRAPHS``); the runner then sets
     ``open`` before every forward: closed when no scheduled request is steered. A closed gate makes the op a
     no-op that launches nothing, so a graph captured while closed holds no hotwire node at all, i.e. it is
-    vLLM's own graph; ``vllm_glue`` captures every graph in both variants and replays the one the gate names.
+    vLLM's own graph; ``vllm_glue`` captures every graph in both variants and, through ``on_change``, puts the
+    set the gate names in place when the gate opens or closes (not on every graph replay).
     """
 
     def __init__(self) -> None:
         self.split = False
-        self.open = True
+        self._open = True
+        self.on_change: Callable[[bool], None] | None = None
+
+    @property
+    def open(self) -> bool:
+        return self._open
+
+    @open.setter
+    def open(self, value: bool) -> None:
+        if value != self._open:
+            self._open = value
+            if self.on_change is not None:
+                self.on_change(value)
 
 
 GATE = Gate()

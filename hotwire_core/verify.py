@@ -12,7 +12,8 @@ b. batchmates: plain requests batched with steered ones are bit-identical to the
 c. prefix cache, both directions, on prompts of at least 4 KV blocks: a plain request after a steered one (and a
    steered one after a plain one) reads no cached tokens and equals the same request with
    ``skip_reading_prefix_cache``; an identical steered request does hit the cache;
-d. decode cost: time per decode step of a batch of 8, idle (hotwire loaded, nothing steered) vs all steered;
+d. decode cost: time per decode step of a batch of 8, idle (hotwire loaded, nothing steered) vs all steered; with
+   CUDA graphs on, an unsteered step must have replayed hotwire-free graphs (the idle variants) on every rank;
 e. with ``--vanilla``: the plain requests again, in a subprocess with no plugin at all (``VLLM_PLUGINS=""``),
    compared bit for bit. Both engines then compile in Inductor's deterministic mode (``TORCHINDUCTOR_DETERMINISTIC=1``
    unless set) and, on a GPU, with vLLM's combo kernels always fused (``benchmark_combo_kernel`` off: vLLM turns
@@ -170,14 +171,27 @@ def per_step_ms(short_s: float, long_s: float, extra_tokens: int) -> float:
     return (long_s - short_s) / extra_tokens * 1000.0
 
 
-def check_decode_cost(idle_ms: Sequence[float], steered_ms: Sequence[float], max_overhead: float) -> Check:
+def idle_graphs_in_place(ranks: Sequence[dict]) -> tuple[bool, str]:
+    """Whether every rank served its hotwire-free CUDA graphs in an unsteered step (``hotwire_graph_sets`` of
+    each rank, read right after one): the idle figure of check (d) rests on it."""
+    wrappers = sum(rank.get("wrappers", 0) for rank in ranks)
+    if wrappers == 0 or not all(rank["split"] for rank in ranks):
+        return True, "one graph set (no CUDA graphs, or HOTWIRE_IDLE_GRAPHS=0)"
+    serving = sum(rank["serving_idle"] for rank in ranks)
+    return serving == wrappers, f"an unsteered step replayed hotwire-free graphs in {serving} of {wrappers} graph wrappers"
+
+
+def check_decode_cost(
+    idle_ms: Sequence[float], steered_ms: Sequence[float], max_overhead: float, graph_sets: Sequence[dict]
+) -> Check:
     idle, steered = statistics.median(idle_ms), statistics.median(steered_ms)
     overhead = steered / idle - 1.0 if idle > 0 else math.inf
+    graphs_ok, graphs = idle_graphs_in_place(graph_sets)
     detail = (
         f"batch {DECODE_BATCH}: idle {idle:.3f} ms/step, steered {steered:.3f} ms/step "
-        f"({overhead:+.1%}, limit {max_overhead:+.0%}; median of {len(idle_ms)})"
+        f"({overhead:+.1%}, limit {max_overhead:+.0%}; median of {len(idle_ms)}); {graphs}"
     )
-    return Check("d. decode cost", overhead <= max_overhead, detail)
+    return Check("d. decode cost", overhead <= max_overhead and graphs_ok, detail)
 
 
 def first_differences(ours: Sequence[Result], theirs: Sequence[Result], tolerance: float) -> list[tuple[int, int]]:
@@ -384,7 +398,9 @@ def decode_cost_check(llm: Any, short: list[list[int]], steer: dict) -> Check:
             t_long = timed(llm, batch, 1 + DECODE_TOKENS, spec)
             if repeat:
                 samples[name].append(per_step_ms(t_short, t_long, DECODE_TOKENS))
-    return check_decode_cost(samples["idle"], samples["steered"], MAX_DECODE_OVERHEAD)
+    timed(llm, batch, 1 + DECODE_TOKENS, None)
+    graph_sets = llm.collective_rpc("hotwire_graph_sets")
+    return check_decode_cost(samples["idle"], samples["steered"], MAX_DECODE_OVERHEAD, graph_sets)
 
 
 def plain_batches(short: list[list[int]], x: list[int], y: list[int]) -> Batches:

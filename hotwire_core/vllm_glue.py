@@ -16,11 +16,11 @@ this file (and ``hotwire_api/mount.py``) only.
 | ``Scheduler.schedule`` | admit requests deferred for slots; bank writes ride on the ``SchedulerOutput`` |
 | ``Scheduler.has_requests`` / ``finish_requests`` | deferred requests keep the engine stepping; aborts drop them |
 | ``Worker.load_model`` | allocate buffers and hook decoder layers before compile and capture |
-| ``WorkerBase.hotwire_worker_info`` | what this rank could hook, for the controller |
+| ``WorkerBase.hotwire_worker_info`` / ``hotwire_graph_sets`` | what this rank could hook, for the controller; which graph set it serves |
 | V1 ``GPUModelRunner.execute_model`` / ``_model_forward`` | lifecycle, gate; per-step fill before (FULL graph) forward |
 | V2 ``GPUModelRunner.execute_model`` / ``prepare_inputs`` | lifecycle (preempted = removed), gate; fill before ``run_fullgraph`` |
 | V1 ``GPUModelRunner._warmup_and_capture``, V2 ``ModelCudaGraphManager.capture`` | capture each graph gate-closed (idle) and open |
-| ``CUDAGraphWrapper.__call__`` / ``clear_graphs``, V2 ``CudaGraphManager.run_fullgraph`` | replay the variant the gate names |
+| ``CUDAGraphWrapper._all_instances`` / ``concrete_cudagraph_entries`` / ``clear_graphs``, V2 ``CudaGraphManager.run_fullgraph`` | replay the variant the gate names |
 """
 
 from __future__ import annotations
@@ -175,7 +175,7 @@ def _patch_engine_core(module: Any) -> None:
 
     def make_rpc(original):
         def collective_rpc(self, method, timeout=None, args=(), kwargs=None):
-            if isinstance(method, str) and method.startswith("hotwire_") and method != "hotwire_worker_info":
+            if isinstance(method, str) and method.startswith("hotwire_") and method not in _WORKER_METHODS:
                 handler = getattr(self.hotwire, method.removeprefix("hotwire_"))
                 return [handler(*args, **(kwargs or {}))]
             return original(self, method, timeout, args, kwargs)
@@ -277,6 +277,9 @@ def _patch_scheduler(module: Any) -> None:
 # -- workers ---------------------------------------------------------------------------------------------------
 
 
+_WORKER_METHODS = ("hotwire_worker_info", "hotwire_graph_sets")  # answered by the workers, not the engine core
+
+
 def _patch_worker_base(module: Any) -> None:
     def hotwire_worker_info(self) -> dict:
         steering = getattr(self.model_runner, "hotwire", None)
@@ -285,7 +288,13 @@ def _patch_worker_base(module: Any) -> None:
                     "hidden_size": 0, "dtype": ""}
         return steering.info()
 
+    def hotwire_graph_sets(self) -> dict:
+        """Which CUDA graph set this rank serves now (``_GraphSets.counts``), for verify and the GPU tests."""
+        counts = _GRAPH_SETS.counts() if _GRAPH_SETS is not None else {}
+        return {"split": GATE.split, "gate_open": GATE.open, **counts}
+
     module.WorkerBase.hotwire_worker_info = hotwire_worker_info
+    module.WorkerBase.hotwire_graph_sets = hotwire_graph_sets
 
 
 def _attach(worker: Any) -> None:
@@ -426,13 +435,18 @@ def _patch_v2_runner(module: Any) -> None:
 
 
 def _set_gate(steering: Any, scheduler_output: Any) -> None:
-    if GATE.split:
+    # A step that schedules nothing (it only frees finished requests) runs no forward: the gate stays put, so
+    # that the graph sets are not swapped out and back around it.
+    if GATE.split and scheduler_output.num_scheduled_tokens:
         GATE.open = steering.steers_any(scheduler_output.num_scheduled_tokens)
 
 
 @contextmanager
 def _gate_closed() -> Iterator[None]:
     GATE.open = False
+    if _GRAPH_SETS is not None:
+        # Wrappers compiled since the gate last moved (in a dummy step that closed it) capture into idle sets too.
+        _GRAPH_SETS.put_in_place(False, capturing=True)
     try:
         yield
     finally:
@@ -441,7 +455,7 @@ def _gate_closed() -> Iterator[None]:
 
 def _capture_both_variants(original: Callable) -> Callable:
     """Capture (and warm up) the idle variant first, then the steered one: until the steered variant exists,
-    a closed gate must find no graph to fall back on (see ``_patch_cuda_graph_wrapper``)."""
+    a closed gate must find no graph to fall back on (see ``_GraphSets``)."""
 
     def capture(self, *args, **kwargs):
         if GATE.split:
@@ -452,44 +466,94 @@ def _capture_both_variants(original: Callable) -> Callable:
     return capture
 
 
-def _patch_cuda_graph_wrapper(module: Any) -> None:
-    """Each ``CUDAGraphWrapper`` (the V1 FULL graph, every piecewise graph) keeps its entries per variant: its
-    own dict for the steered variant, a second one for the idle variant. A closed gate replays the idle
-    entry, or the steered one for graphs captured only that way (e.g. a drafter captured outside hotwire's
-    capture hook): steered graphs serve unsteered steps correctly, the reverse never happens."""
-    cls = module.CUDAGraphWrapper
+class _WrapperSets:
+    """One wrapper's two graph sets: ``steered`` (vLLM's own entries dict) and ``idle``, plus the dict it serves
+    unsteered steps from: the idle set completed with graphs captured only steered."""
 
-    def entries_for_gate(wrapper: Any) -> dict:
+    __slots__ = ("steered", "idle", "serving_idle", "_sizes")
+
+    def __init__(self, steered: dict):
+        self.steered, self.idle = steered, {}
+        self.serving_idle: dict = self.idle
+        self._sizes: tuple[int, int] | None = None
+
+    def holds(self, entries: dict) -> bool:
+        return entries is self.steered or entries is self.idle or entries is self.serving_idle
+
+    def for_idle_steps(self) -> dict:
+        sizes = (len(self.steered), len(self.idle))
+        if sizes != self._sizes:  # graphs are captured at startup only; ``clear`` resets this
+            missing = self.steered.keys() - self.idle.keys()
+            self.serving_idle = {**self.idle, **{d: self.steered[d] for d in missing}} if missing else self.idle
+            self._sizes = sizes
+        return self.serving_idle
+
+    def clear(self) -> None:
+        for entries in (self.steered, self.idle, self.serving_idle):
+            entries.clear()
+        self._sizes = None
+
+
+class _GraphSets:
+    """The two graph sets of every ``CUDAGraphWrapper`` (the V1 FULL graph, every piecewise graph) in this
+    process. When the gate moves, each wrapper gets the set the gate names as its ``concrete_cudagraph_entries``,
+    so a graph replay costs hotwire nothing.
+
+    Unsteered steps may replay a graph captured only steered (e.g. a drafter's, captured outside hotwire's
+    capture hook): steered graphs serve unsteered steps correctly, the reverse never happens. While capturing
+    with the gate closed, a wrapper gets its bare idle dict, so that new graphs land there."""
+
+    def __init__(self, wrapper_class: type):
+        self._instances = wrapper_class._all_instances  # vLLM's WeakSet of every wrapper in this process
+
+    @staticmethod
+    def sets_of(wrapper: Any) -> _WrapperSets:
         own = wrapper.__dict__
-        current = own["concrete_cudagraph_entries"]
-        if current is not own.get("_hotwire_steered") and current is not own.get("_hotwire_idle"):
-            # First call, or vLLM replaced the dict to drop its graphs (elastic EP): both sets start over.
-            own["_hotwire_steered"], own["_hotwire_idle"] = current, {}
-        steered = own["_hotwire_steered"]
-        if GATE.open:
-            return steered
-        idle = own["_hotwire_idle"]
-        desc = module.get_forward_context().batch_descriptor
-        return steered if desc not in idle and desc in steered else idle
+        current, sets = own["concrete_cudagraph_entries"], own.get("_hotwire_sets")
+        if sets is None or not sets.holds(current):
+            # First sight, or vLLM put in a new dict to drop its graphs (elastic EP): both sets start over.
+            sets = own["_hotwire_sets"] = _WrapperSets(current)
+        return sets
 
-    def make_call(original):
-        def __call__(self, *args, **kwargs):
-            if GATE.split and module.is_forward_context_available():
-                self.concrete_cudagraph_entries = entries_for_gate(self)
-            return original(self, *args, **kwargs)
+    def put_in_place(self, gate_open: bool, capturing: bool = False) -> None:
+        for wrapper in list(self._instances):
+            sets = self.sets_of(wrapper)
+            if gate_open:
+                wrapper.concrete_cudagraph_entries = sets.steered
+            else:
+                wrapper.concrete_cudagraph_entries = sets.idle if capturing else sets.for_idle_steps()
 
-        return __call__
+    def counts(self) -> dict[str, int]:
+        """Wrappers holding idle graphs, how many of them serve those now, and the graphs in each set."""
+        counts = dict.fromkeys(("wrappers", "serving_idle", "idle_graphs", "steered_graphs"), 0)
+        for wrapper in list(self._instances):
+            sets = wrapper.__dict__.get("_hotwire_sets")
+            if sets is None or not sets.idle:
+                continue
+            counts["wrappers"] += 1
+            counts["serving_idle"] += wrapper.concrete_cudagraph_entries is not sets.steered
+            counts["idle_graphs"] += sum(e.cudagraph is not None for e in sets.idle.values())
+            counts["steered_graphs"] += sum(e.cudagraph is not None for e in sets.steered.values())
+        return counts
+
+
+_GRAPH_SETS: _GraphSets | None = None
+
+
+def _patch_cuda_graph_wrapper(module: Any) -> None:
+    global _GRAPH_SETS
+    _GRAPH_SETS = _GraphSets(module.CUDAGraphWrapper)
+    GATE.on_change = _GRAPH_SETS.put_in_place
 
     def make_clear(original):
         def clear_graphs(self):
             original(self)
-            for name in ("_hotwire_steered", "_hotwire_idle"):
-                self.__dict__.get(name, {}).clear()
+            if "_hotwire_sets" in self.__dict__:
+                self._hotwire_sets.clear()
 
         return clear_graphs
 
-    _wrap(cls, "__call__", make_call)
-    _wrap(cls, "clear_graphs", make_clear)
+    _wrap(module.CUDAGraphWrapper, "clear_graphs", make_clear)
 
 
 def _patch_v2_cudagraphs(module: Any) -> None:

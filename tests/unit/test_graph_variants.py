@@ -31,89 +31,127 @@ def split_gate():
 
 
 class Wrapper(cuda_graph.CUDAGraphWrapper):
-    """vLLM's wrapper without its constructor (which needs a CUDA graph pool); __call__ is vLLM's."""
+    """vLLM's wrapper without its constructor (which needs a CUDA graph pool); it joins vLLM's set of wrappers."""
 
-    __call__ = cuda_graph.CUDAGraphWrapper.__call__
     clear_graphs = cuda_graph.CUDAGraphWrapper.clear_graphs
 
     def __init__(self):
         self.runnable = lambda: "ran"
         self.runtime_mode = CUDAGraphMode.FULL
         self.concrete_cudagraph_entries = {}
+        cuda_graph.CUDAGraphWrapper._all_instances.add(self)
 
 
-vllm_glue._patch_cuda_graph_wrapper(SimpleNamespace(
-    CUDAGraphWrapper=Wrapper,
-    get_forward_context=cuda_graph.get_forward_context,
-    is_forward_context_available=cuda_graph.is_forward_context_available,
-))
+vllm_glue._patch_cuda_graph_wrapper(SimpleNamespace(CUDAGraphWrapper=Wrapper))
 
 CONFIG = VllmConfig()
 DESC, OTHER = BatchDescriptor(num_tokens=8, num_reqs=8, uniform=True), BatchDescriptor(num_tokens=16)
 
 
-def entries_used(wrapper: Wrapper, desc: BatchDescriptor) -> dict:
-    """Call the wrapper the way a forward does; the dict it would capture into or replay from."""
-    with set_forward_context(None, CONFIG, batch_descriptor=desc, cudagraph_runtime_mode=CUDAGraphMode.NONE):
-        assert wrapper() == "ran"
-    return wrapper.concrete_cudagraph_entries
+def entry(name: str) -> SimpleNamespace:
+    return SimpleNamespace(cudagraph=name)
 
 
-def test_wrapper_keeps_a_second_set_for_a_closed_gate():
+def captured(gate_open: bool) -> Wrapper:
+    """A wrapper with DESC captured in both variants (idle first, as hotwire's capture hook does)."""
     w = Wrapper()
-    steered = w.concrete_cudagraph_entries
-    assert entries_used(w, DESC) is steered
+    with vllm_glue._gate_closed():
+        w.concrete_cudagraph_entries[DESC] = entry("idle graph")
+    w.concrete_cudagraph_entries[DESC] = entry("steered graph")
+    GATE.open = gate_open
+    return w
+
+
+def graph(w: Wrapper, desc: BatchDescriptor = DESC) -> str:
+    """The graph vLLM's ``__call__`` would replay for ``desc``: it looks in ``concrete_cudagraph_entries``."""
+    return w.concrete_cudagraph_entries[desc].cudagraph
+
+
+def test_the_gate_puts_each_wrappers_set_in_place_when_it_moves():
+    w = captured(gate_open=True)
+    assert graph(w) == "steered graph"
     GATE.open = False
-    idle = entries_used(w, DESC)  # nothing captured yet: a closed gate captures into its own set
-    assert idle is not steered
-    idle[DESC] = "idle graph"
-    steered[DESC] = "steered graph"
-    assert entries_used(w, DESC) is idle
+    assert graph(w) == "idle graph"
     GATE.open = True
-    assert entries_used(w, DESC) is steered
+    assert graph(w) == "steered graph"
+
+
+def test_a_replay_runs_vllms_own_call_unwrapped():
+    """Graph replays pay no hotwire hook: the set is swapped when the gate moves, not looked up per call."""
+    assert not getattr(cuda_graph.CUDAGraphWrapper.__call__, "_hotwire", False)
+    w = captured(gate_open=False)
+    with set_forward_context(None, CONFIG, batch_descriptor=DESC, cudagraph_runtime_mode=CUDAGraphMode.NONE):
+        assert w() == "ran"
+    assert graph(w) == "idle graph"
 
 
 def test_closed_gate_falls_back_to_a_steered_only_graph_never_the_reverse():
-    w = Wrapper()
-    steered = w.concrete_cudagraph_entries
-    steered[OTHER] = "steered graph, captured outside hotwire's capture hook"
+    w = captured(gate_open=True)
+    w.concrete_cudagraph_entries[OTHER] = entry("steered graph, captured outside hotwire's capture hook")
     GATE.open = False
-    assert entries_used(w, OTHER) is steered  # a steered graph serves an unsteered step
+    assert graph(w, OTHER).startswith("steered graph")  # a steered graph serves an unsteered step
+    assert graph(w) == "idle graph"
     GATE.open = True
-    w._hotwire_idle[DESC] = "idle graph only"
-    assert entries_used(w, DESC) is steered  # an open gate never replays an idle graph
+    w._hotwire_sets.idle[BatchDescriptor(num_tokens=32)] = entry("idle graph only")
+    assert BatchDescriptor(num_tokens=32) not in w.concrete_cudagraph_entries  # never an idle graph when steering
+
+
+def test_capturing_closed_fills_the_bare_idle_set_even_if_the_gate_was_closed_already():
+    """V2's dummy steps close the gate, and vLLM compiles its piecewise wrappers in such a step: a wrapper made
+    while the gate is closed must still capture its idle graphs apart from its steered ones."""
+    GATE.open = False
+    w = Wrapper()  # made while closed: its dict is vLLM's own, the steered set
+    with vllm_glue._gate_closed():
+        w.concrete_cudagraph_entries[DESC] = entry("idle graph")
+    w.concrete_cudagraph_entries[DESC] = entry("steered graph")
+    assert graph(w) == "steered graph"
+    GATE.open = False
+    assert graph(w) == "idle graph"
 
 
 def test_gate_not_split_leaves_the_wrapper_alone():
-    GATE.split, GATE.open = False, False
+    GATE.split, GATE.open = False, True
     w = Wrapper()
     steered = w.concrete_cudagraph_entries
-    assert entries_used(w, DESC) is steered
-    assert "_hotwire_idle" not in w.__dict__
+    steering = SimpleNamespace(steers_any=lambda scheduled: False)
+    vllm_glue._set_gate(steering, SimpleNamespace(num_scheduled_tokens={"plain": 1}))
+    assert w.concrete_cudagraph_entries is steered and "_hotwire_sets" not in w.__dict__
 
 
 def test_a_replaced_entries_dict_starts_both_sets_over():
     """vLLM drops a wrapper's graphs by assigning a new dict (elastic EP): the idle set must go too."""
-    w = Wrapper()
+    w = captured(gate_open=True)
+    fresh = w.concrete_cudagraph_entries = {}
     GATE.open = False
-    entries_used(w, DESC)[DESC] = "old idle graph"
+    assert w.concrete_cudagraph_entries == {} and w._hotwire_sets.steered is fresh
     GATE.open = True
-    entries_used(w, DESC)[DESC] = "old steered graph"
-    w.concrete_cudagraph_entries = {}
-    fresh = entries_used(w, DESC)
-    assert fresh == {} and w._hotwire_steered is fresh and w._hotwire_idle == {}
-    GATE.open = False
-    assert entries_used(w, DESC) == {}
+    assert w.concrete_cudagraph_entries is fresh
 
 
 def test_clear_graphs_clears_both_sets():
-    w = Wrapper()
-    entries_used(w, DESC)
-    GATE.open = False
-    entries_used(w, DESC)[DESC] = "idle"
-    w._hotwire_steered[DESC] = "steered"
+    w = captured(gate_open=False)
     w.clear_graphs()
-    assert w._hotwire_idle == {} and w._hotwire_steered == {}
+    assert w._hotwire_sets.idle == {} and w._hotwire_sets.steered == {} and w.concrete_cudagraph_entries == {}
+    with vllm_glue._gate_closed():  # captured again, with the same batch shapes
+        w.concrete_cudagraph_entries[DESC] = entry("new idle graph")
+    w.concrete_cudagraph_entries[DESC] = entry("new steered graph")
+    GATE.open = False
+    assert graph(w) == "new idle graph"
+
+
+def test_graph_set_counts():
+    sets = vllm_glue._GRAPH_SETS
+    before = sets.counts()
+    w = captured(gate_open=True)
+    w.concrete_cudagraph_entries[OTHER] = entry("steered only")
+    Wrapper().concrete_cudagraph_entries[DESC] = entry("no idle variant: not counted")
+    after = sets.counts()
+    assert after["wrappers"] - before["wrappers"] == 1 and after["serving_idle"] == 0
+    assert (after["idle_graphs"] - before["idle_graphs"], after["steered_graphs"] - before["steered_graphs"]) == (1, 2)
+    GATE.open = False
+    closed = sets.counts()
+    assert closed["serving_idle"] == closed["wrappers"] >= 1
+    del w
 
 
 class Graph:
@@ -201,6 +239,8 @@ def test_gate_follows_the_scheduled_requests():
     vllm_glue._set_gate(steering, SimpleNamespace(num_scheduled_tokens={"plain": 1}))
     assert GATE.open is False
     vllm_glue._set_gate(steering, SimpleNamespace(num_scheduled_tokens={"plain": 1, "s": 1}))
+    assert GATE.open is True
+    vllm_glue._set_gate(steering, SimpleNamespace(num_scheduled_tokens={}))  # frees finished requests only
     assert GATE.open is True
     GATE.split = False  # one graph set: the gate stays open whatever runs
     vllm_glue._set_gate(steering, SimpleNamespace(num_scheduled_tokens={"plain": 1}))

@@ -94,10 +94,28 @@ def test_per_step_ms():
     assert per_step_ms(0.5, 0.5 + 64 * 0.002, 64) == pytest.approx(2.0)
 
 
+NO_GRAPHS = [{"split": True, "gate_open": False}]  # a CPU rank: no graph wrappers
+
+
 def test_decode_cost_uses_medians_and_the_limit():
-    ok = check_decode_cost([2.0, 9.0, 2.0], [2.2, 2.1, 2.4], max_overhead=0.5)
+    ok = check_decode_cost([2.0, 9.0, 2.0], [2.2, 2.1, 2.4], 0.5, NO_GRAPHS)
     assert ok.passed and "idle 2.000 ms/step, steered 2.200 ms/step (+10.0%" in ok.detail
-    assert not check_decode_cost([2.0, 2.0, 2.0], [3.5, 3.5, 3.5], max_overhead=0.5).passed
+    assert "one graph set" in ok.detail
+    assert not check_decode_cost([2.0, 2.0, 2.0], [3.5, 3.5, 3.5], 0.5, NO_GRAPHS).passed
+
+
+def graph_rank(serving_idle: int, wrappers: int = 37, split: bool = True) -> dict:
+    return {"split": split, "gate_open": False, "wrappers": wrappers, "serving_idle": serving_idle,
+            "idle_graphs": 10 * wrappers, "steered_graphs": 10 * wrappers}
+
+
+def test_decode_cost_needs_every_ranks_idle_graphs_after_an_unsteered_step():
+    ok = check_decode_cost([2.0], [2.1], 0.5, [graph_rank(37), graph_rank(37)])
+    assert ok.passed and "hotwire-free graphs in 74 of 74 graph wrappers" in ok.detail
+    stale = check_decode_cost([2.0], [2.1], 0.5, [graph_rank(37), graph_rank(0)])
+    assert not stale.passed and "in 37 of 74" in stale.detail
+    one_set = check_decode_cost([2.0], [2.1], 0.5, [graph_rank(0, split=False)])
+    assert one_set.passed and "one graph set" in one_set.detail
 
 
 def test_vanilla_exact_on_gpu_tolerance_on_cpu():
