@@ -23,6 +23,7 @@ import os
 import statistics
 import sys
 import tempfile
+import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Iterator
@@ -118,7 +119,8 @@ def instrument() -> tuple[list[HookTimer], list[str]]:
 # a median near the second means it rebuilds every step, i.e. ``fill`` never reaches its steady path. The uploader's
 # ``to_device`` (pinned host copy, host-to-device copy, event) runs once per table written: its calls per step count
 # the uploads.
-PARTS = {"WorkerSteering": ("on_step", "steers_any", "fill", "_batch_rows"), "_Uploader": ("to_device",)}
+PARTS = {"WorkerSteering": ("on_step", "steers_any", "fill", "_batch_rows"),
+         "_Uploader": ("to_device", "copy_", "_stage", "_record")}
 
 
 def time_parts(*classes: type) -> list[HookTimer]:
@@ -189,8 +191,13 @@ def main() -> None:
                              "...): 4x the batch with lengths spread, so that requests finish and join every step")
     parser.add_argument("--kv-cache-gib", type=float, default=4.0,
                         help="a fixed KV cache, so that several runs can share a GPU (256 x 80 tokens of Qwen3-4B: 2.8 GiB)")
+    parser.add_argument("--untimed-compile", action="store_true",
+                        help="compile without timing-based kernel choices (hotwire_core.verify.UNTIMED_INDUCTOR, "
+                             "TORCHINDUCTOR_DETERMINISTIC=1), so that runs of different code get the same kernels")
     args = parser.parse_args()
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    if args.untimed_compile:
+        os.environ["TORCHINDUCTOR_DETERMINISTIC"] = "1"
 
     import torch
     from vllm import LLM, SamplingParams
@@ -198,11 +205,13 @@ def main() -> None:
     from hotwire_core.offline import register_vector, steer
     from hotwire_core.runtime import WorkerSteering, _Uploader
     from hotwire_core.tiny_model import build_model
+    from hotwire_core.verify import untimed_compilation_config
 
     model = build_model(Path(tempfile.gettempdir()) / f"hotwire-profile-{args.shape}", args.shape, weights=False)
     llm = LLM(str(model), load_format="dummy", max_model_len=512, max_num_seqs=args.batch, seed=0,
               distributed_executor_backend="uni", kv_cache_memory_bytes=int(args.kv_cache_gib * (1 << 30)),
-              gpu_memory_utilization=0.05, **({} if torch.cuda.is_available() else {"dtype": "float32"}))
+              gpu_memory_utilization=0.05, **({} if torch.cuda.is_available() else {"dtype": "float32"}),
+              **({"compilation_config": untimed_compilation_config()} if args.untimed_compile else {}))
     hf = llm.llm_engine.model_config.hf_config
     for i in range(DISTINCT_VECTORS):
         register_vector(llm, f"v{i}", torch.randn(hf.hidden_size) * 0.01)
@@ -244,6 +253,8 @@ def main() -> None:
                           "us_per_step": sum(t.own) / steps * 1e6} for t in timers + nulls + parts if t.own]}
         rows.append(row)
         print(json.dumps(row, indent=1), flush=True)
+    # Other Python threads in this process compete with the step for the GIL (every torch call releases it).
+    print("threads:", ", ".join(sorted(t.name for t in threading.enumerate())))
     print("| mode | batch | steps | hotwire µs/step, all calls (admissions and releases included) "
           "| hotwire µs/step, steady (median call of each per-step hook) | per-step hooks | slowest null hook µs "
           "| wall ms/step |\n|---|---|---|---|---|---|---|---|")

@@ -153,6 +153,7 @@ def test_parts_are_timed_whole(clock):
     classes = [type(c, (), {name: method(next(costs)) for name in php.PARTS[c]}) for c in ("WorkerSteering", "_Uploader")]
     timers = php.time_parts(*classes)
     results = [getattr(cls(), name)() for cls in classes for name in php.PARTS[cls.__name__]]
-    assert results == [1.0, 2.0, 3.0, 4.0, 5.0]
+    expected = [float(i + 1) for i in range(len(names))]
+    assert results == expected
     assert [t.name for t in timers] == [f"part: {c.__name__}.{n}" for c in classes for n in php.PARTS[c.__name__]]
-    assert [t.own for t in timers] == [[1.0], [2.0], [3.0], [4.0], [5.0]]
+    assert [t.own for t in timers] == [[cost] for cost in expected]
