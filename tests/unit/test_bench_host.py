@@ -1,4 +1,5 @@
-"""The host benchmarks' set-ups do what their modes say (``bench_host_step``, ``bench_admission``)."""
+"""The host benchmarks' set-ups do what their modes say (``bench_host_step``, ``bench_admission``,
+``bench_gate_switch``)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ from benchmark_module import load
 
 bench_host_step = load("bench_host_step")
 bench_admission = load("bench_admission")
+bench_gate_switch = load("bench_gate_switch")
 
 
 @pytest.mark.parametrize("mode", bench_host_step.MODES)
@@ -28,3 +30,21 @@ def test_admission_modes_hash_as_named(monkeypatch):
         assert bench_admission.per_request_us(c, 32, mode, 1) > 0
         counts[mode] = len(hashed) / 5  # per request: timeit.repeat ran 5 times
     assert counts == {"plain": 1, "salted late": 2, "presalted": 1}
+
+
+def test_gate_switch_moves_every_wrapper_between_its_two_sets():
+    from hotwire_core.ops import GATE
+
+    wrappers = bench_gate_switch.captured_wrappers(3, 2)
+    try:
+        def variants() -> set:
+            return {entry.cudagraph for w in wrappers for entry in w.concrete_cudagraph_entries.values()}
+
+        assert variants() == {"steered"}
+        GATE.open = False
+        assert variants() == {"idle"}
+        assert bench_gate_switch.per_move_us(10) > 0 and variants() == {"steered"}
+    finally:
+        for w in wrappers:
+            bench_gate_switch.cuda_graph.CUDAGraphWrapper._all_instances.discard(w)
+        GATE.split, GATE.open = False, True
