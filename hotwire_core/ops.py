@@ -46,9 +46,9 @@ class Gate:
     @open.setter
     def open(self, value: bool) -> None:
         if value != self._open:
-            self._open = value
             if self.on_change is not None:
-                self.on_change(value)
+                self.on_change(value)  # first: if it fails, the gate keeps its state and the next set retries
+            self._open = value
 
 
 GATE = Gate()

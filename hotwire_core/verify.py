@@ -13,7 +13,7 @@ c. prefix cache, both directions, on prompts of at least 4 KV blocks: a plain re
    steered one after a plain one) reads no cached tokens and equals the same request with
    ``skip_reading_prefix_cache``; an identical steered request does hit the cache;
 d. decode cost: time per decode step of a batch of 8, idle (hotwire loaded, nothing steered) vs all steered; with
-   CUDA graphs on, an unsteered step must have replayed hotwire-free graphs (the idle variants) on every rank;
+   CUDA graphs on, every rank must have its hotwire-free graphs (the idle variants) in place after an unsteered step;
 e. with ``--vanilla``: the plain requests again, in a subprocess with no plugin at all (``VLLM_PLUGINS=""``),
    compared bit for bit. Both engines then compile in Inductor's deterministic mode (``TORCHINDUCTOR_DETERMINISTIC=1``
    unless set) and, on a GPU, with vLLM's combo kernels always fused (``benchmark_combo_kernel`` off: vLLM turns
@@ -172,13 +172,13 @@ def per_step_ms(short_s: float, long_s: float, extra_tokens: int) -> float:
 
 
 def idle_graphs_in_place(ranks: Sequence[dict]) -> tuple[bool, str]:
-    """Whether every rank served its hotwire-free CUDA graphs in an unsteered step (``hotwire_graph_sets`` of
-    each rank, read right after one): the idle figure of check (d) rests on it."""
-    wrappers = sum(rank.get("wrappers", 0) for rank in ranks)
-    if wrappers == 0 or not all(rank["split"] for rank in ranks):
+    """Whether every rank had its hotwire-free CUDA graphs in place right after an unsteered step
+    (``hotwire_graph_sets`` of each rank): the idle figure of check (d) rests on it."""
+    holders = sum(rank.get("holders", 0) for rank in ranks)
+    if holders == 0 or not all(rank["split"] for rank in ranks):
         return True, "one graph set (no CUDA graphs, or HOTWIRE_IDLE_GRAPHS=0)"
     serving = sum(rank["serving_idle"] for rank in ranks)
-    return serving == wrappers, f"an unsteered step replayed hotwire-free graphs in {serving} of {wrappers} graph wrappers"
+    return serving == holders, f"after an unsteered step {serving} of {holders} graph holders had their hotwire-free set in place"
 
 
 def check_decode_cost(

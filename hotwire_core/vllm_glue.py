@@ -20,7 +20,7 @@ this file (and ``hotwire_api/mount.py``) only.
 | V1 ``GPUModelRunner.execute_model`` / ``_model_forward`` | lifecycle, gate; per-step fill before (FULL graph) forward |
 | V2 ``GPUModelRunner.execute_model`` / ``prepare_inputs`` | lifecycle (preempted = removed), gate; fill before ``run_fullgraph`` |
 | V1 ``GPUModelRunner._warmup_and_capture``, V2 ``ModelCudaGraphManager.capture`` | capture each graph gate-closed (idle) and open |
-| ``CUDAGraphWrapper._all_instances`` / ``concrete_cudagraph_entries`` / ``clear_graphs``, V2 ``CudaGraphManager.run_fullgraph`` | replay the variant the gate names |
+| ``CUDAGraphWrapper._all_instances`` / ``concrete_cudagraph_entries`` / ``__init__`` / ``clear_graphs``, V2 ``CudaGraphManager.run_fullgraph`` | replay the variant the gate names |
 """
 
 from __future__ import annotations
@@ -289,8 +289,19 @@ def _patch_worker_base(module: Any) -> None:
         return steering.info()
 
     def hotwire_graph_sets(self) -> dict:
-        """Which CUDA graph set this rank serves now (``_GraphSets.counts``), for verify and the GPU tests."""
-        counts = _GRAPH_SETS.counts() if _GRAPH_SETS is not None else {}
+        """Which CUDA graph set this rank has in place now, for verify and the GPU tests: ``holders`` (every
+        ``CUDAGraphWrapper`` and V2 FULL-graph manager holding idle graphs), how many of them serve their idle
+        set (``serving_idle``), and the graphs in each set."""
+        counts = dict.fromkeys(("holders", "serving_idle", "idle_graphs", "steered_graphs"), 0)
+        if _GRAPH_SETS is not None:
+            _GRAPH_SETS.count_into(counts)
+        manager = getattr(self.model_runner, "cudagraph_manager", None)  # V2's FULL graphs (V1 has none)
+        idle_full = getattr(manager, "_hotwire_idle_graphs", None)
+        if idle_full:  # run_fullgraph replays them whenever the gate is closed
+            counts["holders"] += 1
+            counts["serving_idle"] += not GATE.open
+            counts["idle_graphs"] += len(idle_full)
+            counts["steered_graphs"] += len(manager.graphs)
         return {"split": GATE.split, "gate_open": GATE.open, **counts}
 
     module.WorkerBase.hotwire_worker_info = hotwire_worker_info
@@ -523,18 +534,16 @@ class _GraphSets:
             else:
                 wrapper.concrete_cudagraph_entries = sets.idle if capturing else sets.for_idle_steps()
 
-    def counts(self) -> dict[str, int]:
-        """Wrappers holding idle graphs, how many of them serve those now, and the graphs in each set."""
-        counts = dict.fromkeys(("wrappers", "serving_idle", "idle_graphs", "steered_graphs"), 0)
+    def count_into(self, counts: dict[str, int]) -> None:
+        """Add the wrappers holding idle graphs to ``counts`` (see ``hotwire_graph_sets``)."""
         for wrapper in list(self._instances):
             sets = wrapper.__dict__.get("_hotwire_sets")
             if sets is None or not sets.idle:
                 continue
-            counts["wrappers"] += 1
+            counts["holders"] += 1
             counts["serving_idle"] += wrapper.concrete_cudagraph_entries is not sets.steered
             counts["idle_graphs"] += sum(e.cudagraph is not None for e in sets.idle.values())
             counts["steered_graphs"] += sum(e.cudagraph is not None for e in sets.steered.values())
-        return counts
 
 
 _GRAPH_SETS: _GraphSets | None = None
@@ -545,6 +554,16 @@ def _patch_cuda_graph_wrapper(module: Any) -> None:
     _GRAPH_SETS = _GraphSets(module.CUDAGraphWrapper)
     GATE.on_change = _GRAPH_SETS.put_in_place
 
+    def make_init(original):
+        def __init__(self, *args, **kwargs):
+            original(self, *args, **kwargs)
+            if not GATE.open:
+                # Made while the gate is closed (vLLM compiles inside a capture pass after elastic EP resets its
+                # compiled graphs): what it captures now is idle, and must not become its steered set.
+                self.concrete_cudagraph_entries = _GraphSets.sets_of(self).idle
+
+        return __init__
+
     def make_clear(original):
         def clear_graphs(self):
             original(self)
@@ -553,6 +572,7 @@ def _patch_cuda_graph_wrapper(module: Any) -> None:
 
         return clear_graphs
 
+    _wrap(module.CUDAGraphWrapper, "__init__", make_init)
     _wrap(module.CUDAGraphWrapper, "clear_graphs", make_clear)
 
 

@@ -216,21 +216,20 @@ def test_decode_only_and_prefill_only_follow_request_state(llm, prompts):
 
 
 def test_unsteered_steps_replay_hotwire_free_graphs(llm, prompts):
-    """A step with nothing steered has the idle graph variants in place (``vllm_glue._GraphSets``), a steered
-    step the steered ones. With CUDA graphs on, every graph hotwire's capture made exists in both variants; the
-    CPU has no graphs, only the gate."""
+    """A step with nothing steered has the idle graph variants in place (``vllm_glue._GraphSets``; V2's FULL
+    graphs by the gate in ``run_fullgraph``), a steered step the steered ones. With CUDA graphs on, every graph
+    hotwire's capture made exists in both variants; the CPU has no graphs, only the gate."""
     one(llm, prompts["short"], **GREEDY)
     idle = llm.collective_rpc("hotwire_graph_sets")[0]
     one(llm, prompts["short"], **GREEDY, extra_args=spec({"id": "a", "layer": 1, "scale": 2.0}))
     steered = llm.collective_rpc("hotwire_graph_sets")[0]
     assert idle["split"] and (idle["gate_open"], steered["gate_open"]) == (False, True)
     if ON_GPU:
-        assert idle["wrappers"] > 0 and idle["serving_idle"] == idle["wrappers"], idle
+        assert idle["holders"] > 0 and idle["serving_idle"] == idle["holders"], idle
         assert steered["serving_idle"] == 0, steered
         assert idle["idle_graphs"] == idle["steered_graphs"] > 0, idle
     else:
-        assert idle["wrappers"] == 0, idle
-
+        assert idle["holders"] == 0, idle
 
 
 def test_unsteered_and_batchmates_bit_identical_to_vanilla(llm, prompts, vanilla):

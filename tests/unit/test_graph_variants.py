@@ -79,10 +79,6 @@ def test_the_gate_puts_each_wrappers_set_in_place_when_it_moves():
 def test_a_replay_runs_vllms_own_call_unwrapped():
     """Graph replays pay no hotwire hook: the set is swapped when the gate moves, not looked up per call."""
     assert not getattr(cuda_graph.CUDAGraphWrapper.__call__, "_hotwire", False)
-    w = captured(gate_open=False)
-    with set_forward_context(None, CONFIG, batch_descriptor=DESC, cudagraph_runtime_mode=CUDAGraphMode.NONE):
-        assert w() == "ran"
-    assert graph(w) == "idle graph"
 
 
 def test_closed_gate_falls_back_to_a_steered_only_graph_never_the_reverse():
@@ -139,19 +135,54 @@ def test_clear_graphs_clears_both_sets():
     assert graph(w) == "new idle graph"
 
 
+def counts() -> dict:
+    counts = dict.fromkeys(("holders", "serving_idle", "idle_graphs", "steered_graphs"), 0)
+    vllm_glue._GRAPH_SETS.count_into(counts)
+    return counts
+
+
 def test_graph_set_counts():
-    sets = vllm_glue._GRAPH_SETS
-    before = sets.counts()
+    before = counts()
     w = captured(gate_open=True)
     w.concrete_cudagraph_entries[OTHER] = entry("steered only")
     Wrapper().concrete_cudagraph_entries[DESC] = entry("no idle variant: not counted")
-    after = sets.counts()
-    assert after["wrappers"] - before["wrappers"] == 1 and after["serving_idle"] == 0
+    after = counts()
+    assert after["holders"] - before["holders"] == 1 and after["serving_idle"] == 0
     assert (after["idle_graphs"] - before["idle_graphs"], after["steered_graphs"] - before["steered_graphs"]) == (1, 2)
     GATE.open = False
-    closed = sets.counts()
-    assert closed["serving_idle"] == closed["wrappers"] >= 1
+    closed = counts()
+    assert closed["serving_idle"] == closed["holders"] >= 1
     del w
+
+
+def test_a_wrapper_made_during_a_closed_capture_keeps_its_idle_graphs_apart():
+    """After elastic EP resets vLLM's compiled graphs, vLLM compiles (and makes new wrappers) inside the first,
+    closed, capture pass: what such a wrapper captures there is idle and must not become its steered set."""
+    with vllm_glue._gate_closed():
+        w = Wrapper()
+        w.concrete_cudagraph_entries[DESC] = entry("idle graph")
+    assert w.concrete_cudagraph_entries == {}  # the steered pass finds nothing and captures its own
+    w.concrete_cudagraph_entries[DESC] = entry("steered graph")
+    GATE.open = False
+    assert graph(w) == "idle graph"
+
+
+def test_a_failed_switch_leaves_the_gate_as_it_was():
+    w = captured(gate_open=True)
+    switch = GATE.on_change
+
+    def failing(gate_open):
+        raise RuntimeError("switch failed")
+
+    GATE.on_change = failing
+    try:
+        with pytest.raises(RuntimeError):
+            GATE.open = False
+    finally:
+        GATE.on_change = switch
+    assert GATE.open is True and graph(w) == "steered graph"
+    GATE.open = False  # the next move goes through
+    assert graph(w) == "idle graph"
 
 
 class Graph:

@@ -104,16 +104,16 @@ def test_decode_cost_uses_medians_and_the_limit():
     assert not check_decode_cost([2.0, 2.0, 2.0], [3.5, 3.5, 3.5], 0.5, NO_GRAPHS).passed
 
 
-def graph_rank(serving_idle: int, wrappers: int = 37, split: bool = True) -> dict:
-    return {"split": split, "gate_open": False, "wrappers": wrappers, "serving_idle": serving_idle,
-            "idle_graphs": 10 * wrappers, "steered_graphs": 10 * wrappers}
+def graph_rank(serving_idle: int, holders: int = 37, split: bool = True) -> dict:
+    return {"split": split, "gate_open": False, "holders": holders, "serving_idle": serving_idle,
+            "idle_graphs": 10 * holders, "steered_graphs": 10 * holders}
 
 
 def test_decode_cost_needs_every_ranks_idle_graphs_after_an_unsteered_step():
     ok = check_decode_cost([2.0], [2.1], 0.5, [graph_rank(37), graph_rank(37)])
-    assert ok.passed and "hotwire-free graphs in 74 of 74 graph wrappers" in ok.detail
+    assert ok.passed and "74 of 74 graph holders had their hotwire-free set in place" in ok.detail
     stale = check_decode_cost([2.0], [2.1], 0.5, [graph_rank(37), graph_rank(0)])
-    assert not stale.passed and "in 37 of 74" in stale.detail
+    assert not stale.passed and "37 of 74 graph holders" in stale.detail
     one_set = check_decode_cost([2.0], [2.1], 0.5, [graph_rank(0, split=False)])
     assert one_set.passed and "one graph set" in one_set.detail
 

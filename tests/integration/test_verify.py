@@ -1,0 +1,33 @@
+"""``python -m hotwire_core.verify`` end to end on the built-in tiny model: a real engine runs checks a-d.
+
+On the CPU there are no CUDA graphs, so check d reports one graph set; on a GPU the same run needs every rank's
+hotwire-free graphs in place after an unsteered step (``benchmarks/gpu_checks.sh matrix`` runs it there)."""
+
+import re
+import subprocess
+import sys
+
+import pytest
+
+pytestmark = pytest.mark.integration
+
+BUDGET_S = 300  # about 40 s on a 2-core CPU, most of it the engine start
+
+
+def test_verify_passes_and_reports_every_check(tmp_path):
+    proc = subprocess.run(
+        [sys.executable, "-m", "hotwire_core.verify", "--kv-cache-gib", "1"],
+        capture_output=True,
+        text=True,
+        timeout=BUDGET_S,
+        cwd=tmp_path,
+    )
+    out = proc.stdout
+    assert proc.returncode == 0, f"verify exited {proc.returncode}\n{out[-3000:]}\n{proc.stderr[-3000:]}"
+    for check in ("a. steering fires", "b. batchmates", "c. prefix cache: steered -> plain",
+                  "c. prefix cache: plain -> steered", "c. prefix cache: steered hit", "d. decode cost"):
+        assert re.search(rf"^PASS  {re.escape(check)} ", out, re.M), f"{check!r} did not pass\n{out[-3000:]}"
+    decode = re.search(r"^PASS  d\. decode cost .*$", out, re.M).group(0)
+    expected = "one graph set" if "device     CPU" in out else "had their hotwire-free set in place"
+    assert expected in decode, decode
+    assert re.search(r"^result +PASS \(6/6 checks\)$", out, re.M)
