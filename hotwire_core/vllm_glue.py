@@ -456,7 +456,8 @@ def _set_gate(steering: Any, scheduler_output: Any) -> None:
 def _gate_closed() -> Iterator[None]:
     GATE.open = False
     if _GRAPH_SETS is not None:
-        # Wrappers compiled since the gate last moved (in a dummy step that closed it) capture into idle sets too.
+        # Even if a dummy step closed the gate already: captures must land in the bare idle dicts, not in the
+        # sets that serve unsteered steps (those may be completed with steered graphs).
         _GRAPH_SETS.put_in_place(False, capturing=True)
     try:
         yield

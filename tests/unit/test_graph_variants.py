@@ -93,16 +93,18 @@ def test_closed_gate_falls_back_to_a_steered_only_graph_never_the_reverse():
 
 
 def test_capturing_closed_fills_the_bare_idle_set_even_if_the_gate_was_closed_already():
-    """V2's dummy steps close the gate, and vLLM compiles its piecewise wrappers in such a step: a wrapper made
-    while the gate is closed must still capture its idle graphs apart from its steered ones."""
+    """V2's dummy steps close the gate before capture. A wrapper then serves unsteered steps from its idle set
+    completed with steered-only graphs; what a capture adds must still land in the bare idle set."""
+    w = captured(gate_open=True)
+    w.concrete_cudagraph_entries[OTHER] = entry("steered graph only")
     GATE.open = False
-    w = Wrapper()  # made while closed: its dict is vLLM's own, the steered set
+    new = BatchDescriptor(num_tokens=32)
     with vllm_glue._gate_closed():
-        w.concrete_cudagraph_entries[DESC] = entry("idle graph")
-    w.concrete_cudagraph_entries[DESC] = entry("steered graph")
-    assert graph(w) == "steered graph"
+        w.concrete_cudagraph_entries[new] = entry("new idle graph")
+    w.concrete_cudagraph_entries[new] = entry("new steered graph")
+    assert graph(w, new) == "new steered graph"
     GATE.open = False
-    assert graph(w) == "idle graph"
+    assert graph(w, new) == "new idle graph" and graph(w, OTHER) == "steered graph only"
 
 
 def test_gate_not_split_leaves_the_wrapper_alone():
