@@ -323,7 +323,7 @@ class WorkerSteering:
         rebinds = getattr(scheduler_output, "hotwire_rebinds", None)
         if rebinds:  # preempted requests whose rows moved before they resumed (V1 keeps them; V2 re-adds them)
             added = {r.req_id for r in scheduler_output.scheduled_new_reqs}
-            new += [(r, int(self._lines[self._line_of[r], 2]), config) for r, config in rebinds.items()
+            new += [(r, self.request_rows(r)[2], config) for r, config in rebinds.items()
                     if r in self._line_of and r not in added]
         if new:
             self._add(new)

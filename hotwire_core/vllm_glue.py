@@ -278,6 +278,7 @@ def _patch_scheduler(module: Any) -> None:
 
 
 _WORKER_METHODS = ("hotwire_worker_info", "hotwire_graph_sets")  # answered by the workers, not the engine core
+_V2_IDLE_GRAPHS = "_hotwire_idle_graphs"  # the V2 model manager's attribute holding its idle FULL graphs
 
 
 def _patch_worker_base(module: Any) -> None:
@@ -296,7 +297,7 @@ def _patch_worker_base(module: Any) -> None:
         if _GRAPH_SETS is not None:
             _GRAPH_SETS.count_into(counts)
         manager = getattr(self.model_runner, "cudagraph_manager", None)  # V2's FULL graphs (V1 has none)
-        idle_full = getattr(manager, "_hotwire_idle_graphs", None)
+        idle_full = getattr(manager, _V2_IDLE_GRAPHS, None)
         if idle_full:  # run_fullgraph replays them whenever the gate is closed
             counts["holders"] += 1
             counts["serving_idle"] += not GATE.open
@@ -583,7 +584,7 @@ def _patch_v2_cudagraphs(module: Any) -> None:
 
     @contextmanager
     def idle_graphs(manager: Any) -> Iterator[None]:
-        steered, manager.graphs = manager.graphs, manager.__dict__.setdefault("_hotwire_idle_graphs", {})
+        steered, manager.graphs = manager.graphs, manager.__dict__.setdefault(_V2_IDLE_GRAPHS, {})
         try:
             yield
         finally:
@@ -600,7 +601,7 @@ def _patch_v2_cudagraphs(module: Any) -> None:
 
     def make_run(original):
         def run_fullgraph(self, desc):
-            if GATE.open or desc not in getattr(self, "_hotwire_idle_graphs", {}):
+            if GATE.open or desc not in getattr(self, _V2_IDLE_GRAPHS, {}):
                 return original(self, desc)
             with idle_graphs(self):
                 return original(self, desc)
