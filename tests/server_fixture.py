@@ -59,9 +59,11 @@ def retried_on_a_busy_cpu(test: Callable) -> Callable:
         for attempt in range(attempts):
             try:
                 return test(*args, **kwargs)
-            except (AssertionError, StreamMissed, httpx.HTTPError):
+            except (AssertionError, StreamMissed, httpx.HTTPError) as failure:
                 if attempt == attempts - 1:
                     raise
+                # shown with the test's output if the last attempt fails too: what each earlier attempt hit
+                print(f"attempt {attempt + 1} of {attempts} failed: {type(failure).__name__}: {failure}", file=sys.stderr)
 
     return run
 

@@ -635,9 +635,11 @@ def test_delete_while_streaming_is_202_and_frees_on_completion(server, http, mod
 
 @retried_on_a_busy_cpu
 def test_slot_exhaustion_is_429_with_retry_after(server, http, model):
+    versions = {}  # replace=true makes a new version on every attempt (see retried_on_a_busy_cpu)
     for vector_id, seed in (("wide-a", 90), ("wide-b", 91)):
         r = http.post("/steer/vectors?replace=true", json=json_body(vector_id, vec(seed, (LAYERS, HIDDEN))))
         assert r.status_code in (200, 201), r.text
+        versions[vector_id] = r.json()["version"]
     assert http.post("/steer/vectors?replace=true", json=json_body("narrow", vec(92))).status_code in (200, 201)
     hog = json.dumps([{"id": "wide-a", "layer": [0, 1, 2, 3], "scale": 1.0}, {"id": "narrow", "layer": 0, "scale": 1}])
     hog_tokens = LONG_STREAM_TOKENS  # ignore_eos: run to the end, it generates exactly this many
@@ -660,7 +662,7 @@ def test_slot_exhaustion_is_429_with_retry_after(server, http, model):
 
         # what fits is admitted next to the hog: 3 rows
         fits = http.post("/v1/completions", json=completion_body(model, spec("wide-b", [0, 1, 2])))
-        assert fits.headers[RECEIPT] == "wide-b@1:L0+1+2x8"
+        assert fits.headers[RECEIPT] == f"wide-b@{versions['wide-b']}:L0+1+2x8"
         token_logprobs(fits)
         assert wait_pinned_at_most(http, 5)["pinned"] == 5
     # leaving the stream early aborts the hog; its rows are unpinned
@@ -671,7 +673,7 @@ def test_slot_exhaustion_is_429_with_retry_after(server, http, model):
     assert vllm_counter(server, "vllm:generation_tokens") - generated < hog_tokens
     assert all(v["in_flight"] == 0 for v in by_id(http).values())
     retried = http.post("/v1/completions", json=all_b)
-    assert retried.headers[RECEIPT] == "wide-b@1:L0+1+2+3x8"
+    assert retried.headers[RECEIPT] == f"wide-b@{versions['wide-b']}:L0+1+2+3x8"
     token_logprobs(retried)
 
 
