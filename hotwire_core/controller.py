@@ -13,7 +13,7 @@ import hashlib
 import logging
 from collections import Counter, OrderedDict
 from dataclasses import dataclass, field
-from typing import Any, Callable, Collection
+from typing import Any, Callable, Collection, Sequence
 
 import torch
 
@@ -147,48 +147,108 @@ class SteeringController:
             self.store.note_versions({s.vector_id: s.version for s in stored if s.version is not None})
             for vector_id, version in self.store.last_versions().items():
                 self.registry.note_version(vector_id, version)
-        if self.settings.preload:
-            from pathlib import Path
-
-            known = {s.vector_id for s in stored}
-            stored += [s for s in load_preload_dir(Path(self.settings.preload)) if s.vector_id not in known]
         for s in stored:
             try:
                 vector = self.registry.register(
                     s.vector_id, s.data, s.dtype, s.shape, s.layers, replace=False, version=s.version, created_at=s.created_at
                 )
-                if self.store is not None and s.version is None:
-                    self.store.save(vector)
             except RegistryError as exc:
                 logger.error("hotwire: cannot restore vector %r: %s", s.vector_id, exc.message)
-        if stored:
+                continue
+            if s.version is None:
+                self._store_at_start(vector)
+        if self.settings.preload:
+            from pathlib import Path
+
+            for s in load_preload_dir(Path(self.settings.preload)):
+                self._preload(s)
+        if self.registry.vectors():
             logger.info("hotwire: restored %d steering vector(s)", len(self.registry.vectors()))
 
+    def _preload(self, s: StoredVector) -> None:
+        """A ``HOTWIRE_VECTORS`` file, read at every start: it becomes a new version of its id unless the store
+        holds that content already (so an edited file takes effect at the next start)."""
+        current = self.registry.current(s.vector_id)
+        try:
+            vector = self.registry.prepare(s.vector_id, s.data, s.dtype, s.shape, s.layers, replace=True)
+        except RegistryError as exc:
+            logger.error("hotwire: cannot preload vector %r: %s", s.vector_id, exc.message)
+            return
+        if current is not None and current.sha256 == vector.sha256:
+            return
+        if current is not None:
+            logger.info("hotwire: the preloaded %r differs from the stored %s@%d: registered as version %d",
+                        s.vector_id, s.vector_id, current.version, vector.version)
+        self.registry.add(vector)
+        self._store_at_start(vector)
+
+    def _store_at_start(self, vector: HostVector) -> None:
+        """Store a vector restored or preloaded at start; a store that cannot be written costs durability only."""
+        if self.store is None:
+            return
+        try:
+            self.store.save(vector)
+        except OSError as exc:
+            logger.error("hotwire: cannot write %s@%d to the store at %s (%s); it is served but not stored",
+                         vector.vector_id, vector.version, self.store.root, exc)
+
+    def _store_failed(self, what: str, exc: OSError) -> dict:
+        return EngineError(
+            500, "store_failed",
+            f"could not {what} the store at {self.store.root} ({type(exc).__name__}: {exc}); "
+            "nothing changed: make the folder writable or free space (HOTWIRE_STORE), then retry",
+        ).to_result()
+
     # -- RPC surface (msgpack-native in and out) -------------------------------------------------------------
+
+    RPC_METHODS = frozenset({"register", "unregister", "list", "stats", "check"})  # reachable as hotwire_<name>
+
+    def answer(self, method: str, args: Sequence[Any], kwargs: dict[str, Any]) -> dict:
+        """The answer to RPC ``hotwire_<method>``: always a dict, never an exception (one leaving
+        ``collective_rpc`` reaches the API server as an engine that does not answer). Refusals are failure dicts
+        already; anything else that goes wrong becomes a 500 naming the exception, its traceback logged here."""
+        if method not in self.RPC_METHODS:
+            return EngineError(
+                501, "unknown_method", f"hotwire_{method} is not an engine method: are hotwire_core and its caller from different versions?"
+            ).to_result()
+        try:
+            return getattr(self, method)(*args, **kwargs)
+        except Exception as exc:
+            logger.exception("hotwire: hotwire_%s failed", method)
+            return EngineError(
+                500, "internal", f"hotwire_{method} failed in the engine ({type(exc).__name__}: {exc}); its log has the traceback"
+            ).to_result()
 
     def register(
         self, vector_id: str, data: bytes, dtype: str, shape: list[int], layers: list[int] | None = None, replace: bool = False
     ) -> dict:
         old = self.registry.current(vector_id)
         try:
-            vector = self.registry.register(vector_id, bytes(data), dtype, list(shape), layers, bool(replace))
+            vector = self.registry.prepare(vector_id, bytes(data), dtype, list(shape), layers, bool(replace))
         except RegistryError as exc:
             return exc.to_result()
+        if self.store is not None:
+            try:
+                self.store.save(vector)
+            except OSError as exc:
+                return self._store_failed(f"write {vector_id!r} to", exc)
+        self.registry.add(vector)
         created = old is None
         if old is not None and old.refs == 0:
             self.slots.drop(old.vector_id, old.version)
-        if self.store is not None:
-            self.store.save(vector)
         logger.info("hotwire: registered %s@%d (%s)", vector.vector_id, vector.version, vector.sha256[:12])
         return _ok(created=created, vector=vector.meta())
 
     def unregister(self, vector_id: str) -> dict:
+        if self.store is not None and self.registry.current(vector_id) is not None:
+            try:
+                self.store.delete(vector_id)
+            except OSError as exc:
+                return self._store_failed(f"delete {vector_id!r} from", exc)
         try:
             vector = self.registry.unregister(vector_id)
         except RegistryError as exc:
             return exc.to_result()
-        if self.store is not None:
-            self.store.delete(vector_id)
         if vector.refs == 0:
             self.slots.drop(vector.vector_id, vector.version)
         return _ok(in_flight=self.registry.in_flight(vector_id))

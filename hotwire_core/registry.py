@@ -11,6 +11,7 @@ import hashlib
 import math
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import torch
@@ -151,7 +152,13 @@ class VectorRegistry:
         self._retired: dict[tuple[str, int], HostVector] = {}
         self._last_version: dict[str, int] = {}
 
-    def register(
+    def register(self, *args: Any, **kwargs: Any) -> HostVector:
+        """Add a vector (or a new version of one): :meth:`prepare` (same arguments), then :meth:`add`."""
+        vector = self.prepare(*args, **kwargs)
+        self.add(vector)
+        return vector
+
+    def prepare(
         self,
         vector_id: str,
         data: bytes,
@@ -162,7 +169,8 @@ class VectorRegistry:
         version: int | None = None,
         created_at: float | None = None,
     ) -> HostVector:
-        """Add a vector (or a new version of one). ``version``/``created_at`` are given only when restoring."""
+        """The vector (or new version) ``register`` would add, checked and decoded, without adding it: the caller
+        may still fail to store it. ``version``/``created_at`` are given only when restoring."""
         if not isinstance(vector_id, str) or not VECTOR_ID_RE.fullmatch(vector_id):
             raise RegistryError(400, "bad_id", f"id must match {VECTOR_ID_RE.pattern}, got {vector_id!r}", "id")
         if vector_id in self._current and not replace:
@@ -171,16 +179,19 @@ class VectorRegistry:
             )
         rows, layers_t, norms = decode_vector(data, dtype, list(shape), layers, self.n_layers, self.hidden_size)
         version = version if version is not None else self._last_version.get(vector_id, 0) + 1
-        self._last_version[vector_id] = max(version, self._last_version.get(vector_id, 0))
         sha = content_sha256(rows, dtype, layers_t)
         vector = HostVector(vector_id, version, sha, dtype, tuple(shape), layers_t, rows, norms)
         if created_at is not None:
             vector.created_at = created_at
-        old = self._current.pop(vector_id, None)
+        return vector
+
+    def add(self, vector: HostVector) -> None:
+        """Make a prepared vector the current version of its id; the one it replaces is retired."""
+        self.note_version(vector.vector_id, vector.version)
+        old = self._current.pop(vector.vector_id, None)
         if old is not None:
             self._retire(old)
-        self._current[vector_id] = vector
-        return vector
+        self._current[vector.vector_id] = vector
 
     def note_version(self, vector_id: str, version: int) -> None:
         """``vector_id`` had ``version`` once (restored from the store): its next version is higher."""

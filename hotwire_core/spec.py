@@ -98,8 +98,11 @@ def _parse_entry(raw: Any, field: str) -> SteeringEntry:
         raise SpecError(f"{field}.layer", f"lists a layer twice: {layer!r}")
 
     scale = raw["scale"]
-    if isinstance(scale, int) and not isinstance(scale, bool) and abs(scale) < 2**53:
-        scale = float(scale)
+    if isinstance(scale, int) and not isinstance(scale, bool):
+        try:
+            scale = float(scale)
+        except OverflowError:
+            raise SpecError(f"{field}.scale", f"is too large for a float ({len(str(abs(scale)))} digits)") from None
     if not isinstance(scale, float) or not math.isfinite(scale):
         raise SpecError(f"{field}.scale", f"must be a finite number, got {scale!r}")
 
@@ -127,6 +130,10 @@ def _parse_spec_string(text: str) -> tuple[SteeringEntry, ...]:
         value = json.loads(text)
     except json.JSONDecodeError as exc:
         raise SpecError(SPEC_KEY, f"is not valid JSON ({exc.msg} at char {exc.pos})") from None
+    except RecursionError:
+        raise SpecError(SPEC_KEY, "nests too deeply to be read; a spec is an object or a list of objects") from None
+    except ValueError:  # Python refuses integers of over 4300 digits
+        raise SpecError(SPEC_KEY, "holds a number with too many digits to be read") from None
     return _parse_spec_value(value)
 
 

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 from safetensors import safe_open
-from safetensors.torch import save_file
+from safetensors.torch import save
 
 from .registry import DTYPES, HostVector
 
@@ -96,8 +96,10 @@ class VectorStore:
             "created_at": repr(vector.created_at),
         }
         rows = vector.rows.contiguous()
-        _write_atomically(self.root / f"{vector.vector_id}.safetensors", lambda tmp: save_file({"rows": rows}, tmp, metadata=meta))
+        # The version first: should the file then fail, versions.json is ahead of the files, never behind them.
         self.note_versions({vector.vector_id: vector.version})
+        data = save({"rows": rows}, metadata=meta)  # bytes: a failed write is an OSError like every other here
+        _write_atomically(self.root / f"{vector.vector_id}.safetensors", lambda tmp: Path(tmp).write_bytes(data))
 
     def delete(self, vector_id: str) -> None:
         (self.root / f"{vector_id}.safetensors").unlink(missing_ok=True)

@@ -176,8 +176,7 @@ def _patch_engine_core(module: Any) -> None:
     def make_rpc(original):
         def collective_rpc(self, method, timeout=None, args=(), kwargs=None):
             if isinstance(method, str) and method.startswith("hotwire_") and method not in _WORKER_METHODS:
-                handler = getattr(self.hotwire, method.removeprefix("hotwire_"))
-                return [handler(*args, **(kwargs or {}))]
+                return [self.hotwire.answer(method.removeprefix("hotwire_"), args, kwargs or {})]
             return original(self, method, timeout, args, kwargs)
 
         return collective_rpc

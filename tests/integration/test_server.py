@@ -562,6 +562,9 @@ BAD_SPECS = {
     "not-json": ("{id: keep", 400, "bad_spec", "vllm_xargs.hotwire"),
     "not-a-string": (5, 400, "bad_spec", "vllm_xargs.hotwire"),
     "empty-list": ("[]", 400, "bad_spec", "vllm_xargs.hotwire"),
+    # JSON Python's parser cannot read: once a 503 "engine did not answer" (the exception left the engine's RPC)
+    "nested-past-the-stack": ("[" * 5000, 400, "bad_spec", "vllm_xargs.hotwire"),
+    "scale-of-5000-digits": ('{"id": "keep", "layer": 1, "scale": %s}' % ("9" * 5000), 400, "bad_spec", "vllm_xargs.hotwire"),
     "both-phases": (spec("keep", 1, decode_only=True, prefill_only=True), 400, "bad_spec",
                     "vllm_xargs.hotwire.decode_only"),
     "layer-4": (spec("keep", LAYERS), 400, "layer_out_of_range", "vllm_xargs.hotwire[0].layer"),

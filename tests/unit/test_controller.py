@@ -748,22 +748,99 @@ def test_preload_dir(tmp_path):
     c1 = ctrl(store=str(store))
     register(c1, "a", vec(HIDDEN, seed=1))
     register(c1, "a", vec(HIDDEN, seed=2), replace=True)  # a@2 in the store
-    save_file({"t": vec(HIDDEN, seed=10)}, str(pre / "a.safetensors"))  # loses to the stored a
+    register(c1, "same", vec(HIDDEN, seed=3))  # same@1 in the store, and the same content in a file below
+    save_file({"t": vec(HIDDEN, seed=10)}, str(pre / "a.safetensors"))  # differs from the stored a
+    save_file({"t": vec(HIDDEN, seed=3)}, str(pre / "same.safetensors"))
     save_file({"t": vec(N_LAYERS, HIDDEN, seed=11)}, str(pre / "p1.safetensors"))
     torch.save(vec(HIDDEN, seed=12).half(), pre / "p2.pt")
     torch.save(vec(HIDDEN + 1), pre / "wrongsize.pt")  # refused by the registry, logged, skipped
 
     c2 = ctrl(store=str(store), preload=str(pre))
     metas = {m["id"]: m for m in c2.list()["vectors"]}
-    assert set(metas) == {"a", "p1", "p2"}
-    assert metas["a"]["version"] == 2 and torch.equal(c2.registry.current("a").rows[0], vec(HIDDEN, seed=2))
+    assert set(metas) == {"a", "same", "p1", "p2"}
+    # a file that differs from the stored vector of its id wins, as a new version; an unchanged one changes nothing
+    assert metas["a"]["version"] == 3 and torch.equal(c2.registry.current("a").rows[0], vec(HIDDEN, seed=10))
+    assert metas["same"]["version"] == 1
     assert metas["p1"]["version"] == 1 and metas["p1"]["layers"] == list(range(N_LAYERS))
     assert metas["p2"]["dtype"] == "float16"
     assert torch.equal(c2.registry.current("p1").rows, vec(N_LAYERS, HIDDEN, seed=11))
-    # preloaded vectors are written to the store, so a third start reads them from there
+    # preloaded vectors are written to the store, so a start without the folder reads them from there
     assert (c2.store.root / "p1.safetensors").exists() and (c2.store.root / "p2.safetensors").exists()
     c3 = ctrl(store=str(store))
-    assert {m["id"]: m["version"] for m in c3.list()["vectors"]} == {"a": 2, "p1": 1, "p2": 1}
+    assert {m["id"]: m["version"] for m in c3.list()["vectors"]} == {"a": 3, "same": 1, "p1": 1, "p2": 1}
+    # with the folder again and nothing edited: the same versions (no new version per restart)
+    c4 = ctrl(store=str(store), preload=str(pre))
+    assert {m["id"]: m["version"] for m in c4.list()["vectors"]} == {"a": 3, "same": 1, "p1": 1, "p2": 1}
+    # a vector deleted over the API comes back from its file at the next start, as a new version
+    c4.unregister("p1")
+    c5 = ctrl(store=str(store), preload=str(pre))
+    assert {m["id"]: m["version"] for m in c5.list()["vectors"]}["p1"] == 2
+
+
+def test_store_write_failure_registers_nothing(tmp_path, monkeypatch):
+    """A store that cannot be written: a 500 store_failed that says what to do, and nothing changes, neither in
+    memory nor on disk (the old version stays current and stored; a retry is not a 409)."""
+    from pathlib import Path
+
+    c = ctrl(store=str(tmp_path))
+    register(c, "a", vec(HIDDEN, seed=1))
+
+    def full(path, data):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(Path, "write_bytes", full)
+    for replace in (True, False):
+        out = c.register("new" if not replace else "a", raw(vec(HIDDEN, seed=2)), "float32", [HIDDEN], None, replace)
+        assert out["ok"] is False and out["status"] == 500 and out["code"] == "store_failed"
+        assert "No space left on device" in out["error"] and "HOTWIRE_STORE" in out["error"]
+    assert {m["id"]: m["version"] for m in c.list()["vectors"]} == {"a": 1}
+    assert torch.equal(c.registry.current("a").rows[0], vec(HIDDEN, seed=1))
+    monkeypatch.undo()
+    assert register(c, "new", vec(HIDDEN, seed=2))["created"] is True  # not a 409: the failed try left nothing
+    assert register(c, "a", vec(HIDDEN, seed=2), replace=True)["vector"]["version"] == 2  # no one saw the failed 2
+    assert {s.vector_id: s.version for s in c.store.load()} == {"a": 2, "new": 1}
+
+
+def test_store_delete_failure_unregisters_nothing(tmp_path, monkeypatch):
+    from pathlib import Path
+
+    c = ctrl(store=str(tmp_path))
+    register(c, "a", vec(HIDDEN, seed=1))
+
+    def locked(path, missing_ok=False):
+        raise PermissionError(13, "Permission denied")
+
+    monkeypatch.setattr(Path, "unlink", locked)
+    out = c.unregister("a")
+    assert out["ok"] is False and out["code"] == "store_failed" and "Permission denied" in out["error"]
+    assert [m["id"] for m in c.list()["vectors"]] == ["a"]
+    assert c.unregister("nope")["code"] == "unknown_vector"  # a 404 still, whatever the store
+
+
+def test_preload_with_a_store_it_cannot_write_still_serves(tmp_path, monkeypatch):
+    from pathlib import Path
+
+    pre = tmp_path / "pre"
+    pre.mkdir()
+    torch.save(vec(HIDDEN, seed=1), pre / "v.pt")
+
+    def full(path, data):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(Path, "write_bytes", full)
+    c = ctrl(store=str(tmp_path / "store"), preload=str(pre))
+    assert [m["id"] for m in c.list()["vectors"]] == ["v"]
+
+
+def test_rpc_answers_are_dicts_whatever_fails(monkeypatch):
+    """``answer`` is what the engine core's collective_rpc returns for hotwire_*: never an exception."""
+    c = ctrl()
+    assert c.answer("check", ("[" * 100_000,), {})["code"] == "bad_spec"
+    monkeypatch.setattr(c.registry, "vectors", lambda: 1 / 0)
+    out = c.answer("list", (), {})
+    assert out == {"ok": False, "status": 500, "code": "internal",
+                   "error": "hotwire_list failed in the engine (ZeroDivisionError: division by zero); its log has the traceback"}  # fmt: skip
+    assert c.answer("admit", (None,), {})["code"] == "unknown_method"  # only the RPC surface is reachable
 
 
 def test_preload_without_store(tmp_path):

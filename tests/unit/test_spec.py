@@ -198,7 +198,27 @@ def test_nan_inf_scale_from_json_string():
 
 def test_huge_int_scale_is_spec_error():
     err = spec_error('{"id": "a", "layer": 1, "scale": %s}' % ("9" * 400))
-    assert err.field == "hotwire.scale"
+    assert err.field == "hotwire.scale" and "too large for a float (400 digits)" in err.message
+
+
+def test_large_int_scale_within_float_range_is_accepted():
+    # 2**53 and above are not exact as floats, but they are finite numbers like 1e20: same value, same entry
+    assert parse_spec('{"id": "a", "layer": 1, "scale": 100000000000000000000}') == parse_spec(
+        '{"id": "a", "layer": 1, "scale": 1e20}'
+    )
+
+
+@pytest.mark.parametrize(
+    "text,words",
+    [
+        ("[" * 100_000 + "]" * 100_000, "nests too deeply"),  # deeper than Python's stack
+        ('{"id": "a", "layer": 1, "scale": %s}' % ("9" * 5000), "too many digits"),  # Python's int-string limit
+    ],
+)
+def test_json_python_cannot_read_is_spec_error(text, words):
+    """Not a ValueError/RecursionError escaping to the engine: a spec error naming the field, so a 400."""
+    err = spec_error(text)
+    assert err.field == SPEC_KEY and words in err.message
 
 
 def test_decode_and_prefill_only_exclusive():

@@ -90,17 +90,18 @@ def test_failed_save_keeps_old_file_and_no_tmp(tmp_path, monkeypatch):
     st.save(r.register("v", raw(vec(HIDDEN, seed=1)), "float32", [HIDDEN], None, False))
     v2 = r.register("v", raw(vec(HIDDEN, seed=2)), "float32", [HIDDEN], None, True)
 
-    def broken(tensors, path, metadata=None):
+    def broken(path, data):
         with open(path, "wb") as f:
-            f.write(b"partial")
-        raise OSError("disk full")
+            f.write(data[:10])
+        raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr(store_mod, "save_file", broken)
+    monkeypatch.setattr(store_mod.Path, "write_bytes", broken)
     with pytest.raises(OSError):
         st.save(v2)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["v.safetensors", "versions.json"]
     (loaded,) = st.load()
     assert loaded.version == 1 and loaded.data == raw(vec(HIDDEN, seed=1))
+    assert st.last_versions() == {"v": 2}  # recorded before the file: version 2 is never handed out again
 
 
 def test_delete(tmp_path):
