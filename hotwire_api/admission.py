@@ -203,7 +203,7 @@ def _find_spec(body: bytes) -> tuple[dict[str, Any], Any] | None:
     object (vLLM reports that itself)."""
     try:
         request = json.loads(body)
-    except ValueError:
+    except (ValueError, RecursionError):
         return None
     if not isinstance(request, dict):
         return None

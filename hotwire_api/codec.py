@@ -90,7 +90,7 @@ def parse_layers(value: object, field: str = "layers") -> tuple[int, ...] | None
         text = value.strip()
         try:
             parsed = json.loads(text) if text.startswith("[") else [int(part) for part in text.split(",")]
-        except ValueError:
+        except (ValueError, RecursionError):
             raise _bad(field, f"must be layer indices like 10,12 or [10, 12], got {value!r}", "bad_layers") from None
     if (
         not isinstance(parsed, list)
@@ -246,8 +246,11 @@ def _decode_layer_lists(rows: Mapping[str, object]) -> VectorPayload:
             or any(isinstance(v, bool) or not isinstance(v, (int, float)) for v in values)
         ):
             raise _bad(field, "must be a non-empty list of numbers", "bad_data")
-        with np.errstate(over="ignore"):
-            row = np.asarray(values, dtype=np.float64).astype("<f4")
+        try:
+            with np.errstate(over="ignore"):
+                row = np.asarray(values, dtype=np.float64).astype("<f4")
+        except OverflowError:  # an integer beyond float64
+            raise _bad(field, "holds an integer too large for a float; every value must be finite", "not_finite") from None
         if not np.isfinite(row).all():
             index = int(np.flatnonzero(~np.isfinite(row))[0])
             raise _bad(field, f"value {index} is NaN or infinite in float32; every value must be finite", "not_finite")
@@ -270,6 +273,8 @@ def decode_json(obj: object) -> tuple[str, VectorPayload]:
     if not isinstance(obj, dict):
         raise _bad(None, "the body must be a JSON object", "bad_body")
     for name in obj:
+        if name == "replace":
+            raise _bad(name, "is a query parameter, not a body field: POST /steer/vectors?replace=true", "bad_body")
         if name not in _JSON_FIELDS:
             raise _bad(name, f"unknown field; allowed: {', '.join(_JSON_FIELDS)}", "bad_body")
     vector_id = validate_id(obj.get("id"))

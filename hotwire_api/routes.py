@@ -118,6 +118,8 @@ async def _read_upload(request: Request, limit: int) -> tuple[str, VectorPayload
         obj = json.loads(body)
     except ValueError as exc:
         raise HotwireError(400, "bad_body", f"the body is not valid JSON ({exc})") from None
+    except RecursionError:
+        raise HotwireError(400, "bad_body", "the body nests too deeply to be read; see the registration format") from None
     return decode_json(obj)
 
 
@@ -137,6 +139,7 @@ def _refresh_stats_later(background: BackgroundTasks, engine: HotwireEngine) -> 
         409: _error("The id is taken; pass `?replace=true` to replace it."),
         413: _error("Larger than HOTWIRE_MAX_UPLOAD_MB."),
         415: _error("Neither multipart/form-data nor application/json."),
+        500: _error("`store_failed`: the vector store could not be written; nothing was registered."),
     },
 )
 async def register_vector(
@@ -189,6 +192,7 @@ async def get_vector(vector_id: str, request: Request, background: BackgroundTas
     responses={
         202: {"model": DeleteResult, "description": "Deleted for new requests; running ones keep it until done."},
         404: _error("No vector has this id."),
+        500: _error("`store_failed`: its stored file could not be removed; it stays registered."),
     },
 )
 async def delete_vector(vector_id: str, request: Request, background: BackgroundTasks) -> Response:

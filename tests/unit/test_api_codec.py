@@ -111,6 +111,10 @@ def test_parse_layers(value: object, expected: tuple[int, ...] | None) -> None:
     assert parse_layers(value) == expected
 
 
+def test_parse_layers_refuses_what_json_cannot_read() -> None:
+    assert _refused(parse_layers, "[" * 100_000).code == "bad_layers"  # a RecursionError in json, not a 500
+
+
 # ---- refusals ---------------------------------------------------------------------------------------------
 
 
@@ -179,7 +183,7 @@ def test_non_finite_bfloat16_refused(bits: int) -> None:
     assert err.code == "not_finite" and "column 2" in err.message
 
 
-@pytest.mark.parametrize("value", [float("nan"), float("inf"), 1e39])  # 1e39 overflows float32
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), 1e39, 10**400])  # 1e39: float32; 10**400: float64
 def test_non_finite_per_layer_list_refused(value: float) -> None:
     row = [0.0] * HIDDEN
     row[5] = value
@@ -221,6 +225,8 @@ def test_layers_disagree_with_shape(layers: object, shape: list[int]) -> None:
 def test_json_structure_errors() -> None:
     assert _refused(decode_json, [1, 2]).code == "bad_body"
     assert _refused(decode_json, _json(extra=1)).field == "extra"
+    misplaced = _refused(decode_json, _json(replace=True))
+    assert misplaced.field == "replace" and "?replace=true" in misplaced.message
     assert _refused(decode_json, _json(data="***")).field == "data"
     assert _refused(decode_json, {"id": "v", "dtype": "float32", "shape": [HIDDEN]}).field == "data"
 
