@@ -9,9 +9,12 @@ Against ``http://localhost:${PORT:-8000}`` (or ``--url`` / ``HOTWIRE_HEALTHCHECK
    ``POST /steer/vectors?replace=true`` (JSON registration);
 3. one short greedy completion (``max_tokens`` 2, ``logprobs`` 1) is sent twice to ``/v1/completions``, plain and
    with ``vllm_xargs.hotwire`` steering the probe at the first layer the server hooks (``model.layers``, e.g.
-   0, or the first of ``HOTWIRE_LAYERS``), scale 50; the logprobs must differ;
+   0, or the first of ``HOTWIRE_LAYERS``), scale 50; the logprobs must differ. A server whose bank has no row
+   free for the probe (429 ``slots_exhausted``, or with ``HOTWIRE_LENIENT=1`` an unsteered answer that says so) is
+   busy, not broken: healthy, with the steering unproven this time;
 4. the probe is deleted again (best effort; ``--keep`` leaves it registered).
 
+``--timeout`` (default 25 s) bounds the whole check, so it ends within the 30 s the Docker healthchecks allow.
 Exit 0 when all holds (one ``ok`` line on stdout), else 1 with a one-line reason on stderr, as Docker's
 ``HEALTHCHECK`` expects. Keys: ``/steer/*`` gets ``HOTWIRE_API_KEY`` (else ``VLLM_API_KEY``), the OpenAI routes get
 ``VLLM_API_KEY`` (else ``HOTWIRE_API_KEY``), each as ``Authorization: Bearer <key>`` and only when set.
@@ -28,6 +31,7 @@ import os
 import random
 import struct
 import sys
+import time
 from typing import Any
 
 import httpx
@@ -41,7 +45,8 @@ MAX_TOKENS = 2
 # Smallest change in a token's logprob that counts as "steered" (steering at scale 50 moves them by far more;
 # this only keeps run-to-run numerical noise from passing for steering).
 MIN_LOGPROB_DELTA = 1e-4
-DEFAULT_TIMEOUT_S = 20.0
+DEFAULT_TIMEOUT_S = 25.0  # the whole check; Docker's healthchecks here give it 30 s
+BANK_FULL = "slots_exhausted"  # the refusal (or lenient reason) of a steered request when no bank row is free
 
 
 class Unhealthy(Exception):
@@ -63,18 +68,51 @@ def _keys() -> tuple[str | None, str | None]:
     return hotwire or vllm, vllm or hotwire
 
 
-def _call(client: httpx.Client, method: str, path: str, ok: tuple[int, ...] = (200,), **kwargs: Any) -> Any:
+class Deadline:
+    """The time left for the whole check; each request may take what is left."""
+
+    def __init__(self, seconds: float):
+        self.seconds, self.end = seconds, time.monotonic() + seconds
+
+    def left(self, what: str) -> float:
+        left = self.end - time.monotonic()
+        if left <= 0:
+            raise Unhealthy(f"{what}: the check ran past its {self.seconds:g} s (--timeout)")
+        return left
+
+
+def _send(client: httpx.Client, deadline: Deadline, method: str, path: str, **kwargs: Any) -> httpx.Response:
     what = f"{method} {path}"
     try:
-        resp = client.request(method, path, **kwargs)
+        return client.request(method, path, timeout=deadline.left(what), **kwargs)
+    except httpx.TimeoutException:
+        raise Unhealthy(f"{what}: no answer within the check's {deadline.seconds:g} s (--timeout)") from None
     except httpx.HTTPError as exc:
         raise Unhealthy(f"{what}: cannot reach {client.base_url}: {type(exc).__name__}: {exc}") from None
+
+
+def _json(resp: httpx.Response, what: str, ok: tuple[int, ...] = (200,)) -> Any:
     if resp.status_code not in ok:
         raise Unhealthy(f"{what}: HTTP {resp.status_code}: {resp.text[:200]}")
     try:
         return resp.json()
     except ValueError:
         raise Unhealthy(f"{what}: HTTP {resp.status_code} but the body is not JSON: {resp.text[:200]}") from None
+
+
+def _call(client: httpx.Client, deadline: Deadline, method: str, path: str, ok: tuple[int, ...] = (200,), **kwargs: Any) -> Any:
+    return _json(_send(client, deadline, method, path, **kwargs), f"{method} {path}", ok)
+
+
+def _bank_full(resp: httpx.Response) -> bool:
+    """A steered answer that found no free bank row: a 429 ``slots_exhausted``, or (lenient mode) served unsteered
+    with that reason in ``x-hotwire-lenient``."""
+    if resp.status_code == 429:
+        try:
+            return resp.json()["error"]["code"] == BANK_FULL
+        except (ValueError, KeyError, TypeError):
+            return False
+    return resp.headers.get("x-hotwire-lenient", "").startswith(BANK_FULL)
 
 
 def probe_vector(hidden: int, rng: random.Random) -> bytes:
@@ -123,12 +161,14 @@ def check(
     openai_key: str | None = None,
     rng: random.Random | None = None,
     keep: bool = False,
+    timeout: float = DEFAULT_TIMEOUT_S,
 ) -> str:
-    """Run the checks against ``client`` (its base URL is the server); return a one-line summary or raise
-    :class:`Unhealthy`."""
+    """Run the checks against ``client`` (its base URL is the server) within ``timeout`` seconds in all; return a
+    one-line summary or raise :class:`Unhealthy`."""
+    deadline = Deadline(timeout)
     steer = _bearer(steer_key)
     openai = _bearer(openai_key)
-    slots = _call(client, "GET", "/steer/slots", headers=steer)
+    slots = _call(client, deadline, "GET", "/steer/slots", headers=steer)
     model = slots.get("model") if isinstance(slots, dict) else None
     if not isinstance(model, dict):
         raise Unhealthy(f"GET /steer/slots: no 'model' in the answer: {json.dumps(slots)[:200]}")
@@ -145,18 +185,24 @@ def check(
         "dtype": "float32",
         "shape": [hidden],
     }
-    _call(client, "POST", "/steer/vectors", ok=(200, 201), params={"replace": "true"}, json=registration, headers=steer)
+    _call(client, deadline, "POST", "/steer/vectors", ok=(200, 201), params={"replace": "true"}, json=registration, headers=steer)
     try:
-        models = _call(client, "GET", "/v1/models", headers=openai)
+        models = _call(client, deadline, "GET", "/v1/models", headers=openai)
         try:
             name = models["data"][0]["id"]
         except (KeyError, IndexError, TypeError):
             raise Unhealthy(f"GET /v1/models: no model listed: {json.dumps(models)[:200]}") from None
         request = {"model": name, "prompt": PROMPT, "max_tokens": MAX_TOKENS, "temperature": 0, "logprobs": 1}
-        plain = _logprobs(_call(client, "POST", "/v1/completions", json=request, headers=openai), "plain")
+        plain = _logprobs(_call(client, deadline, "POST", "/v1/completions", json=request, headers=openai), "plain")
         layer = probe_layer(model)
         steered_request = {**request, "vllm_xargs": {"hotwire": steering_spec(layer)}}
-        steered = _logprobs(_call(client, "POST", "/v1/completions", json=steered_request, headers=openai), "steered")
+        answer = _send(client, deadline, "POST", "/v1/completions", json=steered_request, headers=openai)
+        if _bank_full(answer):
+            return f"ok: {name!r} answers; every bank row is pinned by running requests, so steering was not probed"
+        steered = _logprobs(_json(answer, "POST /v1/completions (steered)"), "steered")
+        lenient = answer.headers.get("x-hotwire-lenient")
+        if lenient:
+            raise Unhealthy(f"the steered probe was served unsteered (lenient mode): {lenient}")
         if not logprobs_differ(plain, steered):
             raise Unhealthy(
                 f"steering had no effect: {PROBE_ID} at layer {layer}, scale {PROBE_SCALE} left the logprobs "
@@ -164,8 +210,8 @@ def check(
             )
     finally:
         if not keep:
-            try:
-                client.delete(f"/steer/vectors/{PROBE_ID}", headers=steer)
+            try:  # given a few seconds even past the deadline: a probe left behind holds a vector, not a row
+                client.delete(f"/steer/vectors/{PROBE_ID}", headers=steer, timeout=3.0)
             except httpx.HTTPError:
                 pass
     return (
@@ -178,7 +224,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="python -m hotwire_api.healthcheck", description="Check that a hotwire server answers and steers."
     )
     parser.add_argument("--url", default=default_url(), help="server URL (default http://localhost:${PORT:-8000})")
-    parser.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT_S, help="seconds per HTTP request")
+    parser.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT_S, help="seconds for the whole check")
     parser.add_argument("--keep", action="store_true", help=f"leave the probe vector {PROBE_ID!r} registered")
     return parser
 
@@ -191,8 +237,8 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     steer_key, openai_key = _keys()
     try:
-        with httpx.Client(base_url=args.url, timeout=args.timeout) as client:
-            summary = check(client, steer_key, openai_key, keep=args.keep)
+        with httpx.Client(base_url=args.url) as client:
+            summary = check(client, steer_key, openai_key, keep=args.keep, timeout=args.timeout)
     except Unhealthy as exc:
         print(f"unhealthy: {_one_line(str(exc))}", file=sys.stderr)
         return 1

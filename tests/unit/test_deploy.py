@@ -1087,7 +1087,10 @@ class FakeServer:
     /v1/completions, where a steered request changes the logprobs when ``effect`` is true."""
 
     def __init__(self, hidden: int = 16, steerable: bool = True, effect: bool = True, slots_status: int = 200,
-                 layers: str | None = None):
+                 layers: str | None = None, refusal: tuple[int, str] | None = None, lenient: str | None = None):
+        """``refusal``: (status, code) answered to the steered completion; ``lenient``: its x-hotwire-lenient
+        reason (then it is served unsteered)."""
+        self.refusal, self.lenient = refusal, lenient
         self.hidden = hidden
         self.layers = layers
         self.steerable = steerable
@@ -1115,11 +1118,15 @@ class FakeServer:
             return httpx.Response(200, json={"object": "list", "data": [{"id": "tiny-model"}]})
         if path == "/v1/completions":
             body = json.loads(request.content)
-            steered = "vllm_xargs" in body and self.effect
+            if "vllm_xargs" in body and self.refusal:
+                status, code = self.refusal
+                return httpx.Response(status, json={"error": {"message": "refused", "code": code}})
+            steered = "vllm_xargs" in body and self.effect and not self.lenient
             values = [-5.3, -5.4] if steered else [-5.48, -5.26]
             top = [{"a": values[0]}, {"b": values[1]}]
             logprobs = {"tokens": ["a", "b"], "token_logprobs": values, "top_logprobs": top}
-            return httpx.Response(200, json={"choices": [{"text": "ab", "logprobs": logprobs}]})
+            headers = {"x-hotwire-lenient": self.lenient} if "vllm_xargs" in body and self.lenient else {}
+            return httpx.Response(200, json={"choices": [{"text": "ab", "logprobs": logprobs}]}, headers=headers)
         return httpx.Response(404, json={"detail": "Not Found"})
 
 
@@ -1187,6 +1194,48 @@ def test_healthcheck_sends_no_auth_header_without_keys() -> None:
 def test_healthcheck_fails(server: FakeServer, reason: str) -> None:
     with pytest.raises(healthcheck.Unhealthy, match=reason):
         _check(server)
+
+
+@pytest.mark.parametrize(
+    "server",
+    [FakeServer(refusal=(429, "slots_exhausted")), FakeServer(lenient="slots_exhausted: 3 rows needed, 0 free")],
+    ids=["429", "lenient"],
+)
+def test_healthcheck_a_full_bank_is_busy_not_broken(server: FakeServer) -> None:
+    """Every row pinned by running requests: the server works, so an orchestrator must not restart it."""
+    summary = _check(server)
+    assert summary.startswith("ok") and "not probed" in summary and server.deleted
+
+
+@pytest.mark.parametrize(
+    ("server", "reason"),
+    [
+        (FakeServer(refusal=(429, "rate_limited")), "HTTP 429"),
+        (FakeServer(refusal=(400, "layer_out_of_range")), "HTTP 400"),
+        (FakeServer(lenient="unknown_vector: unknown steering vector '_healthcheck'"), "served unsteered .*unknown_vector"),
+    ],
+    ids=["other-429", "400", "lenient-refusal"],
+)
+def test_healthcheck_other_refusals_of_the_probe_fail(server: FakeServer, reason: str) -> None:
+    with pytest.raises(healthcheck.Unhealthy, match=reason):
+        _check(server)
+
+
+def test_healthcheck_timeout_bounds_the_whole_check() -> None:
+    """A server that accepts connections and never answers: the check ends after --timeout in all, not after
+    --timeout per request, and says why."""
+    import socket
+    import time
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        sock.listen(8)  # connections complete in the backlog; nothing ever answers them
+        with httpx.Client(base_url=f"http://127.0.0.1:{sock.getsockname()[1]}") as client:
+            start = time.monotonic()
+            with pytest.raises(healthcheck.Unhealthy, match=r"GET /steer/slots: no answer within the check's 1.5 s"):
+                healthcheck.check(client, timeout=1.5)
+            assert 1.4 < time.monotonic() - start < 4
+    assert healthcheck.build_parser().parse_args([]).timeout == 25  # inside the 30 s Docker gives the check
 
 
 def test_healthcheck_deletes_the_probe_even_when_failing() -> None:
