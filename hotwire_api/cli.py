@@ -1,7 +1,10 @@
 """The ``hotwire`` command: manage steering vectors on a running server.
 
-    hotwire [--url URL] [--api-key KEY] register ID FILE [--replace] [--layers 10,12]
+    hotwire register ID FILE [--replace] [--layers 10,12]
     hotwire list | slots | delete ID
+
+Every command takes ``--url URL`` (env ``HOTWIRE_URL``, default http://localhost:8000) and ``--api-key KEY`` (env
+``HOTWIRE_API_KEY``), before or after the command name.
 
 FILE is ``.safetensors`` (one tensor, or 1-D tensors named by layer index) or ``.json`` in the registration
 format. Results print as JSON; errors print to stderr (exit 1 for server errors, 2 for local ones).
@@ -27,21 +30,33 @@ def _layers(value: str) -> list[int]:
         raise argparse.ArgumentTypeError(f"expected layer indices like 10,12, got {value!r}") from None
 
 
+def _server_options(parser: argparse.ArgumentParser, defaults: bool) -> None:
+    """``--url`` / ``--api-key``: on the main parser with their defaults, and on every command without any (a
+    default there would overwrite what was given before the command name)."""
+    url = os.environ.get("HOTWIRE_URL", DEFAULT_URL) if defaults else argparse.SUPPRESS
+    key = os.environ.get("HOTWIRE_API_KEY") if defaults else argparse.SUPPRESS
+    parser.add_argument("--url", default=url, help="server URL (env HOTWIRE_URL)")
+    parser.add_argument("--api-key", default=key, help="API key (env HOTWIRE_API_KEY)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="hotwire", description="Manage hotwire steering vectors on a vLLM server.")
-    parser.add_argument(
-        "--url", default=os.environ.get("HOTWIRE_URL", DEFAULT_URL), help="server URL (env HOTWIRE_URL)"
-    )
-    parser.add_argument("--api-key", default=os.environ.get("HOTWIRE_API_KEY"), help="API key (env HOTWIRE_API_KEY)")
+    _server_options(parser, defaults=True)
+    server = argparse.ArgumentParser(add_help=False)
+    _server_options(server, defaults=False)
     commands = parser.add_subparsers(dest="command", required=True)
-    register = commands.add_parser("register", help="register a vector from a .safetensors or .json file")
+
+    def command(name: str, help: str) -> argparse.ArgumentParser:
+        return commands.add_parser(name, help=help, parents=[server])
+
+    register = command("register", "register a vector from a .safetensors or .json file")
     register.add_argument("id")
     register.add_argument("file")
     register.add_argument("--replace", action="store_true", help="replace a vector with the same id")
     register.add_argument("--layers", type=_layers, help="layers naming the rows of a single tensor, e.g. 10,12")
-    commands.add_parser("list", help="list registered vectors")
-    commands.add_parser("slots", help="show steering bank occupancy and counters")
-    delete = commands.add_parser("delete", help="delete a vector")
+    command("list", "list registered vectors")
+    command("slots", "show steering bank occupancy and counters")
+    delete = command("delete", "delete a vector")
     delete.add_argument("id")
     return parser
 

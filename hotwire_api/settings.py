@@ -6,6 +6,8 @@ import math
 import os
 from dataclasses import dataclass
 
+from hotwire_core.settings import flag_env
+
 DEFAULT_MAX_UPLOAD_MB = 64.0
 
 
@@ -28,5 +30,5 @@ class Settings:
             mb = math.nan
         if not math.isfinite(mb) or mb <= 0:
             raise ValueError(f"HOTWIRE_MAX_UPLOAD_MB must be a positive number of megabytes, got {raw_mb!r}")
-        lenient = os.environ.get("HOTWIRE_LENIENT", "").strip().lower() in ("1", "true", "yes", "on")
+        lenient = flag_env("HOTWIRE_LENIENT", False)
         return cls(int(mb * 1024 * 1024), lenient, os.environ.get("HOTWIRE_API_KEY") or None)

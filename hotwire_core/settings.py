@@ -24,6 +24,20 @@ def _int_env(name: str, default: int, lo: int, hi: int) -> int:
     return value
 
 
+_YES, _NO = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
+
+
+def flag_env(name: str, default: bool) -> bool:
+    """A yes/no setting: 1/true/yes/on or 0/false/no/off in any case; unset or empty means ``default``. Anything
+    else is an error, not a silent "off"."""
+    raw = os.environ.get(name, "").strip().lower()
+    if not raw:
+        return default
+    if raw in _YES or raw in _NO:
+        return raw in _YES
+    raise ValueError(f"{name}={os.environ[name]!r} must be 1 or 0 (true/false, yes/no and on/off work too)")
+
+
 MAX_LAYER = 1 << 16  # far above any model's depth; bounds HOTWIRE_LAYERS ranges before they are expanded
 
 
@@ -82,10 +96,10 @@ class Settings:
             slots=_int_env("HOTWIRE_SLOTS", 256, 1, 1 << 16),
             max_stack=_int_env("HOTWIRE_MAX_STACK", 4, 1, 16),
             impl=impl,
-            norm=_int_env("HOTWIRE_NORM", 0, 0, 1) == 1,
-            idle_graphs=_int_env("HOTWIRE_IDLE_GRAPHS", 1, 0, 1) == 1,
+            norm=flag_env("HOTWIRE_NORM", False),
+            idle_graphs=flag_env("HOTWIRE_IDLE_GRAPHS", True),
             layers=parse_layers(os.environ["HOTWIRE_LAYERS"]) if os.environ.get("HOTWIRE_LAYERS") else None,
-            pdl=_int_env("HOTWIRE_PDL", 1, 0, 1) == 1,
+            pdl=flag_env("HOTWIRE_PDL", True),
             store=os.environ.get("HOTWIRE_STORE") or None,
             preload=os.environ.get("HOTWIRE_VECTORS") or None,
         )

@@ -327,6 +327,8 @@ def test_register_errors(
 def test_register_bad_id_and_body(client: TestClient, engine: FakeEngine) -> None:
     _error(_upload(client, "no spaces", _vector()), 400, "bad_id", "id")
     _error(client.post("/steer/vectors", content=b"{", headers={"content-type": "application/json"}), 400, "bad_body")
+    deep = b"[" * 2000  # a RecursionError in json (past the interpreter's depth): a 400, not a bare 500
+    _error(client.post("/steer/vectors", content=deep, headers={"content-type": "application/json"}), 400, "bad_body")
     _error(
         client.post("/steer/vectors", content=b"x", headers={"content-type": "text/plain"}),
         415,
@@ -743,6 +745,12 @@ def test_settings_from_env(monkeypatch: pytest.MonkeyPatch) -> None:
         monkeypatch.setenv("HOTWIRE_MAX_UPLOAD_MB", bad)
         with pytest.raises(ValueError, match="HOTWIRE_MAX_UPLOAD_MB"):
             Settings.from_env()
+    monkeypatch.setenv("HOTWIRE_MAX_UPLOAD_MB", "1")
+    monkeypatch.setenv("HOTWIRE_LENIENT", "lenient")  # not quietly "off": a start-up error naming the variable
+    with pytest.raises(ValueError, match="HOTWIRE_LENIENT='lenient' must be 1 or 0"):
+        Settings.from_env()
+    monkeypatch.setenv("HOTWIRE_LENIENT", "off")
+    assert Settings.from_env().lenient is False
 
 
 def test_attach_reads_the_environment(engine: FakeEngine, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -874,6 +882,10 @@ def test_cli_refuses_pickles_and_reads_env(run_cli: Any, tmp_path: Path, monkeyp
     assert run_cli.seen == {"url": "http://testserver", "api_key": "k"}
     run_cli("--url", "http://other", "--api-key", "x", "list")
     assert run_cli.seen == {"url": "http://other", "api_key": "x"}
+    run_cli("list", "--url", "http://after", "--api-key", "y")  # after the command name too
+    assert run_cli.seen == {"url": "http://after", "api_key": "y"}
+    run_cli("--url", "http://before", "slots")  # one given before the command is not reset by the command's parser
+    assert run_cli.seen == {"url": "http://before", "api_key": "k"}
 
 
 def test_cli_with_auth(engine: FakeEngine, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:

@@ -10,7 +10,7 @@ from hotwire_core import __version__
 from hotwire_core.settings import Settings, default_store_root, format_layers, middle_layer, parse_layers
 
 ENV = ("HOTWIRE_SLOTS", "HOTWIRE_MAX_STACK", "HOTWIRE_IMPL", "HOTWIRE_STORE", "HOTWIRE_VECTORS", "HOTWIRE_IDLE_GRAPHS",
-       "HOTWIRE_LAYERS", "HOTWIRE_PDL")
+       "HOTWIRE_LAYERS", "HOTWIRE_PDL", "HOTWIRE_NORM")
 
 
 @pytest.fixture
@@ -33,6 +33,16 @@ def test_values(env):
     assert Settings.from_env() == Settings(17, 16, "inductor", "/tmp/st", "/tmp/vecs")
 
 
+@pytest.mark.parametrize("name,default", [("HOTWIRE_NORM", False), ("HOTWIRE_IDLE_GRAPHS", True), ("HOTWIRE_PDL", True)])
+def test_flags_take_the_usual_spellings(env, name, default):
+    field = {"HOTWIRE_NORM": "norm", "HOTWIRE_IDLE_GRAPHS": "idle_graphs", "HOTWIRE_PDL": "pdl"}[name]
+    assert getattr(Settings.from_env(), field) is default
+    for value, expected in (("1", True), ("TRUE", True), (" yes ", True), ("on", True),
+                            ("0", False), ("False", False), ("no", False), ("OFF", False), ("", default)):  # fmt: skip
+        env.setenv(name, value)
+        assert getattr(Settings.from_env(), field) is expected, value
+
+
 def test_empty_strings_mean_unset(env):
     for name in ENV:
         env.setenv(name, "")
@@ -52,9 +62,10 @@ def test_empty_strings_mean_unset(env):
         ("HOTWIRE_MAX_STACK", "17", "must be in [1, 16]"),
         ("HOTWIRE_IMPL", "triton", "must be 'op' or 'inductor'"),
         ("HOTWIRE_IMPL", "", "must be 'op' or 'inductor'"),
-        ("HOTWIRE_IDLE_GRAPHS", "2", "must be in [0, 1]"),
-        ("HOTWIRE_IDLE_GRAPHS", "yes", "is not an integer"),
-        ("HOTWIRE_PDL", "2", "must be in [0, 1]"),
+        ("HOTWIRE_IDLE_GRAPHS", "2", "must be 1 or 0"),
+        ("HOTWIRE_IDLE_GRAPHS", "enabled", "must be 1 or 0"),
+        ("HOTWIRE_PDL", "2", "must be 1 or 0"),
+        ("HOTWIRE_NORM", "y", "must be 1 or 0"),
         ("HOTWIRE_LAYERS", "8-x", "'8-x' is not a layer index or a range"),
         ("HOTWIRE_LAYERS", "3,,4", "'' is not a layer index"),
         ("HOTWIRE_LAYERS", "9-3", "'9-3' is not a range of layers in [0, 65536)"),
