@@ -49,7 +49,7 @@ def per_request_us(c: SteeringController, prompt_len: int, mode: str, number: in
     ids = itertools.count()
 
     def one() -> None:
-        salt = c.cache_salt_for(params.extra_args["hotwire"], None) if mode == "presalted" else None
+        salt = c.cache_salt_for(params.extra_args["hotwire"], None, prompt_len) if mode == "presalted" else None
         request = Request(f"r{next(ids)}", prompt, params, None, cache_salt=salt, block_hasher=hasher)
         if salt is not None:
             setattr(request, USER_SALT_ATTR, None)

@@ -27,6 +27,7 @@ from .store import StoredVector, VectorStore, load_preload_dir
 logger = logging.getLogger(__name__)
 
 BINDING_KEY = "hotwire.binding"  # extra_args key the controller writes for the workers
+ENDED_SESSIONS_KEPT = 4096  # streaming-input sessions ended by a refusal, remembered until their end marker comes
 USER_SALT_ATTR = "hotwire_user_salt"  # on a vLLM Request built with hotwire's cache salt: the user's own salt
 
 
@@ -102,11 +103,35 @@ def steering_args(request: Any) -> dict | None:
 
 
 @functools.lru_cache(maxsize=4096)
-def _salt(user_salt: str | None, entries: tuple[tuple[SteeringEntry, str], ...]) -> str:
+def _salt(user_salt: str | None, entries: tuple[tuple[SteeringEntry, str], ...], prompt_len: int | None) -> str:
     """Cached: the input thread and admission both need a request's salt, and requests repeat specs."""
+    boundary = "" if prompt_len is None else f"|prompt={prompt_len}"
     return SALT_PREFIX + hashlib.sha256(
-        f"{user_salt or ''}|hotwire|".encode() + "|".join(f"{e.to_json()}@{sha}" for e, sha in entries).encode()
+        f"{user_salt or ''}|hotwire|".encode()
+        + "|".join(f"{e.to_json()}@{sha}" for e, sha in entries).encode()
+        + boundary.encode()
     ).hexdigest()
+
+
+def prompt_length(request: Any) -> int:
+    """Prompt tokens of a vLLM ``Request``, ``EngineCoreRequest`` or ``NewRequestData`` (token ids, or the rows
+    of ``prompt_embeds`` when there are none)."""
+    if request.prompt_token_ids is not None:
+        return len(request.prompt_token_ids)
+    embeds = getattr(request, "prompt_embeds", None)
+    return 0 if embeds is None else int(embeds.shape[0])
+
+
+def _same_steering(a: Any, b: Any) -> bool:
+    """Whether two specs (raw ``extra_args`` values; None: unsteered) ask for the same steering."""
+    if a == b:
+        return True
+    if a is None or b is None:
+        return False
+    try:
+        return parse_spec(a) == parse_spec(b)
+    except SpecError:
+        return False
 
 
 class Refusal(EngineError):
@@ -133,6 +158,7 @@ class SteeringController:
         self._writes: list[BankWrite] = []
         self._rebinds: dict[str, dict[str, list[list[float]]]] = {}  # resumed request id -> its new config
         self._waiting_to_resume: set[str] = set()  # preempted requests whose rows could not be pinned again yet
+        self._ended_sessions: OrderedDict[str, None] = OrderedDict()  # see note_ended_session
         self.resumptions = 0
         store_dir = settings.store_dir(model_name)
         self.store = VectorStore(store_dir) if store_dir is not None else None
@@ -372,12 +398,17 @@ class SteeringController:
         return ";".join(parts)
 
     @staticmethod
-    def _cache_salt(user_salt: str | None, resolved: Any) -> str:
+    def _cache_salt(user_salt: str | None, resolved: Any, prompt_len: int) -> str:
         """The cache salt of a request steered as ``resolved`` ((entry, vector) pairs): its KV is reused only by
-        requests with the same user salt, entries and vector contents."""
-        return _salt(user_salt, tuple((e, v.sha256) for e, v in resolved))
+        requests with the same user salt, entries and vector contents. With a ``prefill_only`` / ``decode_only``
+        entry, also the same prompt length: a token's KV then depends on whether it was prompt or output, and
+        vLLM caches output tokens' blocks too (a follow-up whose prompt holds an earlier answer would read KV
+        steered as output for tokens that are now prompt)."""
+        resolved = tuple(resolved)
+        phased = any(e.phase is not Phase.ALL for e, _ in resolved)
+        return _salt(user_salt, tuple((e, v.sha256) for e, v in resolved), prompt_len if phased else None)
 
-    def cache_salt_for(self, spec: Any, user_salt: str | None) -> str | None:
+    def cache_salt_for(self, spec: Any, user_salt: str | None, prompt_len: int) -> str | None:
         """The cache salt ``admit`` would give a request with this spec and user salt as the registry stands now;
         None where it would refuse it. Only reads, so vLLM's input thread may call it while the engine steps:
         setting the salt before vLLM hashes the prompt's blocks spares ``admit`` hashing them again."""
@@ -390,7 +421,7 @@ class SteeringController:
         vectors = [self.registry.current(e.vector_id) for e in entries]
         if None in vectors:
             return None
-        return self._cache_salt(user_salt, zip(entries, vectors))
+        return self._cache_salt(user_salt, zip(entries, vectors), prompt_len)
 
     def admit(self, request: Any) -> Binding | None:
         """Bind a new engine request (a ``vllm.v1.request.Request``) to its steering, or raise :class:`Refusal`
@@ -403,7 +434,6 @@ class SteeringController:
         if user_salt and user_salt.startswith(SALT_PREFIX):
             self.refused["reserved_salt"] += 1
             raise Refusal(400, "reserved_salt", f"cache_salt may not start with {SALT_PREFIX!r}", "cache_salt")
-        self.release(request.request_id)  # a request added again (a streaming-input update) starts over
         extra = steering_args(request)
         if extra is None:
             return None
@@ -440,12 +470,50 @@ class SteeringController:
         self.steered_requests += 1
 
         self._set_binding(request, config)  # the workers read it from the request's sampling params
-        salt = self._cache_salt(user_salt, resolved)
+        salt = self._cache_salt(user_salt, resolved, prompt_length(request))
         if request.cache_salt != salt:  # hashed without it (or the registry changed since): hash again
             request.cache_salt = salt
             request.block_hashes.clear()
             request.update_block_hashes()
         return binding
+
+    def admit_update(self, update: Any, session: Any | None) -> None:
+        """A streaming-input chunk for a session vLLM's scheduler holds already (``session``; None while the
+        session's first chunk waits here for rows), or the session's end marker (not ``resumable``).
+
+        The session keeps the binding of its first chunk (versions, rows and cache salt), so every chunk must ask
+        for the same steering; nothing is pinned or released in between (the chunk before may still be running),
+        and ``keep_binding`` restores the binding when vLLM applies the chunk. Raises :class:`Refusal` otherwise."""
+        request_id = update.request_id
+        if session is None:  # its first chunk is deferred: vLLM never saw the session
+            self.deferred.pop(request_id, None)
+            raise Refusal(429, "slots_exhausted",
+                          "this streaming-input session's first chunk was still waiting for bank rows when more input "
+                          "came; start the session again once rows are free")  # fmt: skip
+        if not update.resumable:
+            return  # the end marker: vLLM finishes the session, which releases its binding
+        if not _same_steering((steering_args(update) or {}).get(SPEC_KEY), (steering_args(session) or {}).get(SPEC_KEY)):
+            self.refused["steering_changed"] += 1
+            raise Refusal(400, "steering_changed",
+                          "every chunk of a streaming-input session must carry the steering its first chunk had "
+                          "(or none, if it had none); start a new request to steer differently", SPEC_KEY)  # fmt: skip
+
+    def note_ended_session(self, request_id: str) -> None:
+        """A refusal ended this streaming-input session; vLLM's client will still send its end marker."""
+        self._ended_sessions[request_id] = None
+        while len(self._ended_sessions) > ENDED_SESSIONS_KEPT:  # markers of cancelled sessions never come
+            self._ended_sessions.popitem(last=False)
+
+    def forget_ended_session(self, request_id: str) -> bool:
+        """Whether ``request_id`` is a session a refusal ended (forgotten now: this is its end marker)."""
+        return self._ended_sessions.pop(request_id, 0) is None
+
+    def keep_binding(self, session: Any) -> None:
+        """vLLM gave a session its next chunk's sampling params: put the session's binding back in them (its
+        current config: rows may have moved while it was preempted)."""
+        binding = self.bindings.get(session.request_id)
+        if binding is not None:
+            self._set_binding(session, binding.config)
 
     def _load(self, loads: list[tuple[int, RowKey]], sources: dict[RowKey, tuple[HostVector, int]]) -> None:
         for slot, key in loads:
@@ -542,13 +610,14 @@ class SteeringController:
             admitted.append(request)
         return admitted
 
-    def drop_deferred(self, request_ids: Any) -> None:
-        """Forget deferred requests that were aborted (``None``: all)."""
+    def drop_deferred(self, request_ids: Any) -> list[Any]:
+        """Forget deferred requests that were aborted (``None``: all); returns them."""
         if request_ids is None:
+            dropped = list(self.deferred.values())
             self.deferred.clear()
-            return
-        for request_id in [request_ids] if isinstance(request_ids, str) else request_ids:
-            self.deferred.pop(request_id, None)
+            return dropped
+        ids = [request_ids] if isinstance(request_ids, str) else request_ids
+        return [r for r in (self.deferred.pop(request_id, None) for request_id in ids) if r is not None]
 
     @property
     def step_payload_pending(self) -> bool:

@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from . import ops
-from .controller import BINDING_KEY
+from .controller import BINDING_KEY, prompt_length
 from .settings import Settings, format_layers
 
 logger = logging.getLogger(__name__)
@@ -62,14 +62,6 @@ def select_layers(found: dict[int, nn.Module], n_layers: int, allowed: frozenset
             f"layers (0-{n_layers - 1}); fix HOTWIRE_LAYERS or unset it to steer every layer"
         )
     return {index: module for index, module in found.items() if index in allowed}
-
-
-def _prompt_len(new_request: Any) -> int:
-    """Prompt length of a ``NewRequestData``: token ids, or the rows of ``prompt_embeds`` when there are none."""
-    if new_request.prompt_token_ids is not None:
-        return len(new_request.prompt_token_ids)
-    embeds = getattr(new_request, "prompt_embeds", None)
-    return 0 if embeds is None else int(embeds.shape[0])
 
 
 class SteerHook(nn.Module):
@@ -247,12 +239,15 @@ class WorkerSteering:
         settings: Settings,
         allreduce_rms_fusion: bool = False,
         steerable: bool | None = None,
+        reason: str | None = None,
     ):
         """``layers``: the modules to hook on this rank, by global index. ``steerable``: whether the model has
         layers hotwire can hook (default: whether ``layers`` is non-empty; a pipeline rank that ``HOTWIRE_LAYERS``
-        leaves without a hooked layer is still steerable)."""
+        leaves without a hooked layer is still steerable). ``reason``: why it is not steerable, where not for want
+        of layers."""
         self.layers, self.n_layers, self.hidden_size = layers, n_layers, hidden_size
         self.steerable = bool(layers) if steerable is None else steerable
+        self.reason = reason or "no decoder layer with the (positions, hidden_states, residual) contract"
         self.target = "residual" if allreduce_rms_fusion else "hidden"
         # Norm-relative steering is always possible when steering the residual (hidden is read anyway).
         self.norm = settings.norm or self.target == "residual"
@@ -292,7 +287,7 @@ class WorkerSteering:
     def info(self) -> dict:
         return {
             "steerable": self.steerable,
-            "reason": "" if self.steerable else "no decoder layer with the (positions, hidden_states, residual) contract",
+            "reason": "" if self.steerable else self.reason,
             "layers": sorted(self.layers),
             "n_layers": self.n_layers,
             "hidden_size": self.hidden_size,
@@ -317,7 +312,7 @@ class WorkerSteering:
         for r in scheduler_output.scheduled_new_reqs:
             extra = r.sampling_params.extra_args if r.sampling_params is not None else None
             if extra and BINDING_KEY in extra:
-                new.append((r.req_id, _prompt_len(r), extra[BINDING_KEY]))
+                new.append((r.req_id, prompt_length(r), extra[BINDING_KEY]))
             elif r.req_id in self._line_of:  # sent again without steering (a streaming-input update): unsteered now
                 self._remove(r.req_id)
         rebinds = getattr(scheduler_output, "hotwire_rebinds", None)

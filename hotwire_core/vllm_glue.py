@@ -8,13 +8,14 @@ this file (and ``hotwire_api/mount.py``) only.
 |---|---|
 | ``VllmConfig.compute_hash`` | compile/AOT caches never mix graphs built with and without (this) hotwire |
 | ``EngineCore._initialize_kv_caches`` | create the controller once the workers have loaded the model |
-| ``EngineCore.add_request`` | admission: bind versions and slots, salt the prefix cache, or refuse |
+| ``EngineCore.add_request`` | admission: bind versions and slots, salt the prefix cache, or refuse; a streaming-input chunk keeps its session's binding |
 | ``EngineCore.preprocess_add_request`` | give a steered request its cache salt before vLLM hashes its blocks (input thread) |
 | ``EngineCore.collective_rpc`` | answer ``hotwire_*`` RPCs in the engine core |
 | ``Scheduler._free_request`` | release a finished/aborted request's pins |
 | ``Scheduler._preempt_request`` / ``_is_blocked_waiting_status`` / ``_try_promote_blocked_waiting_request`` | a preempted request unpins; it waits until it can pin again |
 | ``Scheduler.schedule`` | admit requests deferred for slots; bank writes ride on the ``SchedulerOutput`` |
-| ``Scheduler.has_requests`` / ``finish_requests`` | deferred requests keep the engine stepping; aborts drop them |
+| ``Scheduler.has_requests`` / ``finish_requests`` | deferred requests keep an unpaused engine stepping; aborts drop them (abort-all reports them) |
+| ``Scheduler._update_request_as_session`` | a session's next chunk gets the session's binding back |
 | ``Worker.load_model`` | allocate buffers and hook decoder layers before compile and capture |
 | ``WorkerBase.hotwire_worker_info`` / ``hotwire_graph_sets`` | what this rank could hook, for the controller; which graph set it serves |
 | V1 ``GPUModelRunner.execute_model`` / ``_model_forward`` | lifecycle, gate; per-step fill before (FULL graph) forward |
@@ -36,7 +37,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterator
 
 from . import ops
-from .controller import USER_SALT_ATTR, ModelInfo, Refusal, SteeringController, steering_args
+from .controller import USER_SALT_ATTR, ModelInfo, Refusal, SteeringController, prompt_length, steering_args
 from .ops import GATE
 from .settings import Settings, format_layers
 from .spec import SPEC_KEY
@@ -113,6 +114,7 @@ def _send_refusal(engine: Any, request: Any, exc: Refusal, in_caller: bool = Tru
 
 def _patch_engine_core(module: Any) -> None:
     cls = module.EngineCore
+    aborted = module.RequestStatus.FINISHED_ABORTED
 
     # vLLM loads general plugins inside EngineCore.__init__, so __init__ itself cannot be wrapped for the engine
     # being built; _initialize_kv_caches runs later in that __init__, after the workers loaded the model.
@@ -134,16 +136,29 @@ def _patch_engine_core(module: Any) -> None:
         def add_request(self, request, request_wave=0):
             self.scheduler.hotwire = self.hotwire  # the scheduler is built after the controller
             self.hotwire.on_refused = functools.partial(_send_refusal, self, in_caller=False)
+            # A request id vLLM holds already is a streaming-input session's next chunk (or its end marker).
+            session = self.scheduler.requests.get(request.request_id)
+            update = session is not None or request.request_id in self.hotwire.deferred
+            if not update and not request.resumable and self.hotwire.forget_ended_session(request.request_id):
+                return  # the end marker of a session a refusal ended: there is nothing left to finish
             try:
-                self.hotwire.admit(request)
+                if update:
+                    self.hotwire.admit_update(request, session)
+                else:
+                    self.hotwire.admit(request)
             except Exception as exc:  # a bad request must never take the engine down
-                if isinstance(exc, Refusal) and exc.code == "slots_exhausted":
+                if not update and isinstance(exc, Refusal) and exc.code == "slots_exhausted":
                     # It fits once running requests release their rows: wait, like any queued request.
                     self.hotwire.defer(request)
                     return
                 if not isinstance(exc, Refusal):
                     logger.exception("hotwire: admission of %s failed", request.request_id)
                     exc = Refusal(500, "internal", f"steering admission failed: {exc}")
+                if update:  # the refusal ends the session: its client hears of it once, now
+                    if session is not None:
+                        self.scheduler.finish_requests(request.request_id, aborted)
+                    if request.resumable:  # its end marker is still to come
+                        self.hotwire.note_ended_session(request.request_id)
                 _send_refusal(self, request, exc)
                 return
             return original(self, request, request_wave)
@@ -160,7 +175,7 @@ def _patch_engine_core(module: Any) -> None:
                 return original(self, request)
             user_salt = request.cache_salt
             try:
-                salt = controller.cache_salt_for(extra[SPEC_KEY], user_salt)
+                salt = controller.cache_salt_for(extra[SPEC_KEY], user_salt, prompt_length(request))
             except Exception:  # never fail a request here: admission decides and says why
                 logger.exception("hotwire: cache salt of %s", request.request_id)
                 salt = None
@@ -189,6 +204,7 @@ def _patch_engine_core(module: Any) -> None:
 
 def _patch_scheduler(module: Any) -> None:
     cls = module.Scheduler
+    unpaused = module.PauseState.UNPAUSED
 
     def make_schedule(original):
         def schedule(self, *args, **kwargs):
@@ -220,20 +236,34 @@ def _patch_scheduler(module: Any) -> None:
 
     def make_has_requests(original):
         def has_requests(self):
-            # Deferred requests are work: the engine must keep stepping to admit them.
+            # Deferred requests are work: the engine must keep stepping to admit them. Like vLLM's own waiting
+            # requests, not while it is paused (a pause completes once nothing counts as work).
             controller = getattr(self, "hotwire", None)
-            return original(self) or bool(controller is not None and controller.deferred)
+            deferred = controller is not None and controller.deferred and self.pause_state == unpaused
+            return original(self) or bool(deferred)
 
         return has_requests
 
     def make_finish(original):
         def finish_requests(self, request_ids, finished_status):
             controller = getattr(self, "hotwire", None)
-            if controller is not None:
-                controller.drop_deferred(request_ids)
-            return original(self, request_ids, finished_status)
+            dropped = controller.drop_deferred(request_ids) if controller is not None else []
+            finished = original(self, request_ids, finished_status)
+            if request_ids is None:  # pause(abort), shutdown: vLLM sends an abort output for each one it returns
+                finished = [*finished, *((r.request_id, r.client_index) for r in dropped)]
+            return finished
 
         return finish_requests
+
+    def make_update_session(original):
+        def _update_request_as_session(self, session, update):
+            result = original(self, session, update)
+            controller = getattr(self, "hotwire", None)
+            if controller is not None:
+                controller.keep_binding(session)
+            return result
+
+        return _update_request_as_session
 
     def make_preempt(original):
         def _preempt_request(self, request, *args, **kwargs):
@@ -271,6 +301,7 @@ def _patch_scheduler(module: Any) -> None:
     _wrap(cls, "_try_promote_blocked_waiting_request", make_promote)
     _wrap(cls, "has_requests", make_has_requests)
     _wrap(cls, "finish_requests", make_finish)
+    _wrap(cls, "_update_request_as_session", make_update_session)
 
 
 # -- workers ---------------------------------------------------------------------------------------------------
@@ -317,9 +348,14 @@ def _attach(worker: Any) -> None:
     model = runner.get_model()
     found, n_layers = find_decoder_layers(model)
     model_config = worker.vllm_config.model_config
+    unsupported = _unsupported_setup(worker.vllm_config)
+    if unsupported:
+        logger.warning("hotwire: steering is off: %s", unsupported)
+        found = {}
+    elif not found:
+        logger.warning("hotwire: %s has no steerable decoder layers; steering is off", type(model).__name__)
     if not found:
         n_layers = model_config.get_num_layers(worker.vllm_config.parallel_config)
-        logger.warning("hotwire: %s has no steerable decoder layers; steering is off", type(model).__name__)
     layers = select_layers(found, n_layers, settings().layers) if found else found
     device = torch.device(worker.device) if hasattr(worker, "device") else torch.device("cpu")
     runner.hotwire = WorkerSteering(
@@ -333,11 +369,20 @@ def _attach(worker: Any) -> None:
         settings(),
         bool(worker.vllm_config.compilation_config.pass_config.fuse_allreduce_rms),
         steerable=bool(found),
+        reason=unsupported,
     )
     GATE.split = _idle_graphs_possible(worker.vllm_config) and bool(layers)
     ops.PDL = _pdl_possible(device)
     if layers and settings().impl == "op" and device.type == "cuda":
         logger.info("hotwire: steering kernel launched %s", "as a programmatic dependent launch" if ops.PDL else "plainly")
+
+
+def _unsupported_setup(vllm_config: Any) -> str | None:
+    """Why hotwire cannot steer correctly under this configuration, or None. DBO micro-batching runs the model on
+    slices of the batch, whose tokens would read ``token_cfg`` from its start."""
+    if vllm_config.parallel_config.use_ubatching:
+        return "DBO micro-batching (--enable-dbo) runs the model on slices of the batch, which hotwire cannot steer"
+    return None
 
 
 def _pdl_possible(device: Any) -> bool:

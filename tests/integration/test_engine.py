@@ -281,6 +281,22 @@ def test_prefix_cache_never_serves_kv_across_steering(llm, prompts, vanilla):
     assert other["num_cached_tokens"] == 0
 
 
+def test_phase_steered_kv_is_not_reused_across_the_prompt_boundary(llm, prompts):
+    """decode_only steers a token by whether it is past its request's prompt. A follow-up whose prompt holds an
+    earlier answer must not read that answer's KV: vLLM caches output tokens' blocks too, and those were computed
+    steered, as output, while in the follow-up they are prompt tokens, which decode_only leaves alone."""
+    x = prompts["long_z"]
+    steer = spec({"id": "b", "layer": 1, "scale": 3.0, "decode_only": True})
+    first = one(llm, x, max_tokens=48, temperature=0.0, logprobs=0, ignore_eos=True, extra_args=steer)
+    again = one(llm, x, **PREFIX_PARAMS, extra_args=steer)
+    assert again["num_cached_tokens"] >= 64  # the same prompt (and so the same boundary) still shares its blocks
+    follow = x + first["token_ids"]
+    followup = one(llm, follow, **PREFIX_PARAMS, extra_args=steer)
+    uncached = one(llm, follow, **PREFIX_PARAMS, extra_args=steer, skip_reading_prefix_cache=True)
+    assert followup["num_cached_tokens"] == 0
+    assert max_diff(followup["logprobs"], uncached["logprobs"]) < 1e-5
+
+
 # -- versions, slots, bad input --------------------------------------------------------------------------------
 
 

@@ -15,6 +15,7 @@ from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
 from vllm.v1.request import Request
 from vllm.utils.hashing import sha256
 
+from hotwire_core import controller as controller_mod
 from hotwire_core.controller import SALT_PREFIX, BINDING_KEY, USER_SALT_ATTR, BankWrite, ModelInfo, Refusal, SteeringController
 from hotwire_core.settings import Settings
 
@@ -233,6 +234,24 @@ def test_cache_salt_differs_per_spec(c, other):
     assert r1.block_hashes[0] != r2.block_hashes[0]
 
 
+@pytest.mark.parametrize("flag", ["decode_only", "prefill_only"])
+def test_phase_restricted_salt_depends_on_the_prompt_length(c, flag):
+    """A token's KV under a decode_only/prefill_only entry depends on whether it was prompt or output, so such
+    requests share KV only with requests of the same prompt length; other specs do not care."""
+    phased = {"id": "a", "layer": 1, "scale": 2, flag: True}
+    plain_spec = {"id": "a", "layer": 1, "scale": 2}
+    _, short = admit(c, "s", phased)
+    _, same = admit(c, "s2", phased)
+    _, longer = admit(c, "l", phased, prompt=PROMPT + [7, 8, 9])
+    assert short.cache_salt == same.cache_salt != longer.cache_salt
+    assert short.block_hashes[0] != longer.block_hashes[0]  # the same first block, not shared
+    _, a = admit(c, "p1", plain_spec)
+    _, b = admit(c, "p2", plain_spec, prompt=PROMPT + [7, 8, 9])
+    assert a.cache_salt == b.cache_salt and a.block_hashes[0] == b.block_hashes[0]
+    # the input thread's presalt agrees with admission
+    assert c.cache_salt_for(json.dumps(phased), None, len(PROMPT) + 3) == longer.cache_salt
+
+
 def test_cache_salt_follows_vector_content(c):
     spec = {"id": "g", "layer": 1, "scale": 2}
     _, r1 = admit(c, "r1", spec)
@@ -268,7 +287,7 @@ def test_user_salt_cannot_collide_with_steered_salt(c):
 def presalted(c, rid, spec, salt=None) -> Request:
     """A request built as hotwire's ``preprocess_add_request`` hook builds it: salted before vLLM hashes it."""
     spec_json = json.dumps(spec)
-    presalt = c.cache_salt_for(spec_json, salt)
+    presalt = c.cache_salt_for(spec_json, salt, len(PROMPT))
     assert presalt is not None
     req = request(rid, spec_json, salt=presalt)
     setattr(req, USER_SALT_ATTR, salt)
@@ -297,10 +316,10 @@ def test_presalted_request_is_hashed_again_when_the_vector_changed_meanwhile(c):
 
 
 def test_cache_salt_for_requests_admission_would_refuse_is_none(c):
-    assert c.cache_salt_for('{"id": "nope", "layer": 1, "scale": 1}', None) is None  # unknown vector
-    assert c.cache_salt_for("{not json", None) is None
-    forged = c.cache_salt_for('{"id": "a", "layer": 1, "scale": 1}', None)
-    assert c.cache_salt_for('{"id": "a", "layer": 1, "scale": 1}', forged) is None  # a reserved user salt
+    assert c.cache_salt_for('{"id": "nope", "layer": 1, "scale": 1}', None, 40) is None  # unknown vector
+    assert c.cache_salt_for("{not json", None, 40) is None
+    forged = c.cache_salt_for('{"id": "a", "layer": 1, "scale": 1}', None, 40)
+    assert c.cache_salt_for('{"id": "a", "layer": 1, "scale": 1}', forged, 40) is None  # a reserved user salt
     req = request("f", salt=forged)  # and admission refuses it, as before
     setattr(req, USER_SALT_ATTR, forged)
     with pytest.raises(Refusal, match="cache_salt may not start"):
@@ -944,13 +963,89 @@ def test_releasing_a_preempted_request_that_waits_lets_others_in():
     admit(c, "r3", {"id": "a", "layer": 0, "scale": 1})
 
 
-def test_a_request_added_again_replaces_its_binding():
-    """A streaming-input update reaches admission with the same request id: the old pins must not leak."""
+def session_chunk(rid, spec=None, resumable=True, prompt=PROMPT) -> Request:
+    """A streaming-input chunk (or, not resumable, the session's end marker) as vLLM's input processor builds it."""
+    req = request(rid, spec, prompt=prompt)
+    req.resumable = resumable
+    return req
+
+
+def test_a_streaming_chunk_keeps_its_sessions_binding():
+    """The next chunk of a session (same id, vLLM holds the session) pins and releases nothing: the chunk before
+    may still be running on those rows. The session keeps its versions even if the vector is re-registered."""
     c = ctrl(slots=4)
     register(c, "a", vec(HIDDEN, seed=1))
+    spec = {"id": "a", "layer": 0, "scale": 1}
+    binding, session = admit(c, "s", spec)
+    register(c, "a", vec(HIDDEN, seed=2), replace=True)  # a@2; the session keeps a@1
+    before = state(c)
+    c.admit_update(session_chunk("s", '{"scale": 1.0, "layer": [0], "id": "a"}'), session)  # same steering
+    c.admit_update(session_chunk("s", {"id": "other", "layer": 3, "scale": 9}, resumable=False), session)  # end marker
+    assert state(c) == before and c.bindings["s"] is binding
+    # vLLM gives the session the chunk's params: the binding goes back into them
+    session.sampling_params = session_chunk("s", spec).sampling_params
+    c.keep_binding(session)
+    assert session.sampling_params.extra_args[BINDING_KEY] == binding.config
+    c.release("s")
+    assert c.stats()["pinned"] == 0 and c.registry.in_flight("a") == 0
+
+
+@pytest.mark.parametrize(
+    "first,chunk",
+    [
+        ({"id": "a", "layer": 0, "scale": 1}, {"id": "a", "layer": 0, "scale": 2}),
+        ({"id": "a", "layer": 0, "scale": 1}, None),
+        (None, {"id": "a", "layer": 0, "scale": 1}),
+        ({"id": "a", "layer": 0, "scale": 1}, "{not json"),
+    ],
+    ids=["other-scale", "steered-then-plain", "plain-then-steered", "unreadable"],
+)
+def test_a_streaming_chunk_that_changes_the_steering_is_refused(first, chunk):
+    """A session's KV is salted for its first chunk's steering: a chunk steered otherwise is a 400 that changes
+    nothing (the engine glue then ends the session, which releases its binding)."""
+    c = ctrl(slots=4)
+    register(c, "a", vec(HIDDEN, seed=1))
+    _, session = admit(c, "s", first)
+    before = state(c)
+    with pytest.raises(Refusal) as info:
+        c.admit_update(session_chunk("s", chunk), session)
+    assert (info.value.status, info.value.code, info.value.field) == (400, "steering_changed", "hotwire")
+    assert c.refused["steering_changed"] == 1
+    assert state(c)[1:] == before[1:]
+
+
+def test_a_chunk_for_a_session_still_waiting_for_rows_ends_it():
+    c = ctrl(slots=1)
+    register(c, "a", vec(HIDDEN, seed=1))
     register(c, "b", vec(HIDDEN, seed=2))
-    admit(c, "r", {"id": "a", "layer": 0, "scale": 1})
-    admit(c, "r", {"id": "b", "layer": 0, "scale": 1})
-    assert c.stats()["pinned"] == 1 and c.registry.current("a").refs == 0
-    c.release("r")
-    assert c.stats()["pinned"] == 0 and c.registry.current("b").refs == 0
+    admit(c, "hog", {"id": "a", "layer": 0, "scale": 1})
+    first = session_chunk("s", {"id": "b", "layer": 0, "scale": 1})
+    with pytest.raises(Refusal):
+        c.admit(first)
+    c.defer(first)
+    with pytest.raises(Refusal) as info:
+        c.admit_update(session_chunk("s", {"id": "b", "layer": 0, "scale": 1}), None)
+    assert info.value.status == 429 and "start the session again" in info.value.message
+    assert not c.deferred and c.admit_deferred() == []
+
+
+def test_ended_sessions_are_remembered_until_their_end_marker_and_bounded(monkeypatch):
+    c = ctrl()
+    c.note_ended_session("s")
+    assert c.forget_ended_session("s") is True and c.forget_ended_session("s") is False
+    monkeypatch.setattr(controller_mod, "ENDED_SESSIONS_KEPT", 3)
+    for i in range(5):
+        c.note_ended_session(f"s{i}")
+    assert [c.forget_ended_session(f"s{i}") for i in range(5)] == [False, False, True, True, True]
+
+
+def test_drop_deferred_returns_what_it_dropped():
+    c = ctrl(slots=1)
+    register(c, "a", vec(HIDDEN, seed=1))
+    admit(c, "hog", {"id": "a", "layer": 0, "scale": 1})
+    register(c, "b", vec(HIDDEN, seed=2))
+    waiting = [request(f"w{i}", {"id": "b", "layer": 0, "scale": 1}) for i in range(3)]
+    for r in waiting:
+        c.defer(r)
+    assert c.drop_deferred("w1") == [waiting[1]] and c.drop_deferred(["w9"]) == []
+    assert c.drop_deferred(None) == [waiting[0], waiting[2]] and not c.deferred

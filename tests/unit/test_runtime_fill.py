@@ -91,6 +91,22 @@ def test_rank_without_hooked_layers_is_still_steerable():
     assert info["steerable"] is True and info["layers"] == [] and not info["reason"]
 
 
+def test_dbo_micro_batching_makes_the_model_unsteerable_with_its_reason():
+    """Micro-batches run on slices of the batch, whose tokens would read token_cfg from its start: such a server
+    starts, says why it cannot steer, and refuses steered requests (503) instead of steering the wrong tokens."""
+    from hotwire_core.vllm_glue import _unsupported_setup
+
+    def config(ubatching: bool) -> SimpleNamespace:
+        return SimpleNamespace(parallel_config=SimpleNamespace(use_ubatching=ubatching))
+
+    assert _unsupported_setup(config(False)) is None
+    reason = _unsupported_setup(config(True))
+    assert "--enable-dbo" in reason
+    w = WorkerSteering({}, N_LAYERS, HIDDEN, torch.float32, torch.device("cpu"), MAX_TOKENS, MAX_REQS,
+                       Settings(SLOTS, STACK, "op", None, None), steerable=False, reason=reason)
+    assert w.info()["steerable"] is False and w.info()["reason"] == reason
+
+
 # -- bank writes ---------------------------------------------------------------------------------------------
 
 
@@ -221,8 +237,8 @@ def test_controller_to_worker():
     c.register("g", g.view(torch.uint8).numpy().tobytes(), "float32", [HIDDEN])
     spec = [{"id": "a", "layer": [1, 2], "scale": 3.0}, {"id": "g", "layer": 1, "scale": 0.5, "norm": True, "decode_only": True}]
     sp = SimpleNamespace(extra_args={"hotwire": json.dumps(spec)})
-    req = SimpleNamespace(request_id="R", sampling_params=sp, cache_salt=None, block_hashes=[],
-                          update_block_hashes=lambda: None)
+    req = SimpleNamespace(request_id="R", prompt_token_ids=[1, 2, 3], sampling_params=sp, cache_salt=None,
+                          block_hashes=[], update_block_hashes=lambda: None)
     c.admit(req)
     w = ws()
     step(w, new=[SimpleNamespace(req_id="R", prompt_token_ids=[1, 2, 3], sampling_params=req.sampling_params)],
