@@ -68,6 +68,7 @@ def decode_step(batch: int, mode: str, shape: str) -> Callable[[], None]:
         w.fill(ids, scheduled, computed, tokens)
 
     step()
+    step.worker = w  # type: ignore[attr-defined]  # for tests
     return step
 
 

@@ -1,6 +1,7 @@
-"""Other decoder architectures than Qwen3: hotwire finds their layers, and steering equals a transformers
-forward with a hook on the same weights (CPU, float32, real random weights). The Gemma engine hooks only layers
-1-2 (``HOTWIRE_LAYERS``): the others are refused, and the hooked ones still equal the reference."""
+"""Other decoder architectures than Qwen3 (Llama, Qwen2, Mistral, Gemma): hotwire finds their layers, and
+steering equals a transformers forward with a hook on the same weights (CPU, float32, real random weights). The
+Gemma engine hooks only layers 1-2 (``HOTWIRE_LAYERS``): the others are refused, and the hooked ones still equal
+the reference."""
 
 from __future__ import annotations
 
@@ -14,10 +15,10 @@ import hf_reference
 from engine_results import engine_kwargs, run_batches
 
 pytestmark = pytest.mark.integration
-HOOKED = {"llama": "0-3", "gemma": "1-2"}  # HOTWIRE_LAYERS per engine (the tiny models have 4 layers)
+HOOKED = {"llama": "0-3", "qwen2": "0-3", "mistral": "0-3", "gemma": "1-2"}  # HOTWIRE_LAYERS per engine (the tiny models have 4 layers)
 
 
-@pytest.fixture(scope="module", params=["llama", "gemma"])
+@pytest.fixture(scope="module", params=list(HOOKED))
 def arch_engine(request, model_root):
     from vllm import LLM
 

@@ -13,10 +13,18 @@ bench_gate_switch = load("bench_gate_switch")
 
 
 @pytest.mark.parametrize("mode", bench_host_step.MODES)
-def test_host_step_modes_run(mode):
+def test_host_step_modes_do_what_they_say(mode):
     step = bench_host_step.decode_step(4, mode, "tiny")  # a warm-up step ran already
+    w = step.worker
+    before = set(w._line_of)
     for _ in range(6):
         step()
+    steered, rows = set(w._line_of), len(w.config_rows)
+    assert len(steered) == (0 if mode == "idle" else 4)
+    assert (steered == before) == (mode in ("idle", "steered"))  # churn: requests finish and join every step
+    assert rows == {"idle": 0, "steered": 1, "churn": 1, "churn-distinct": 4}[mode]  # one config row per config
+    # steered tokens: every decoding request's one token; churn's newcomer is in its prompt (steered decode-only)
+    assert int(w.buffers["token_cfg"].ne(0).sum()) == {"idle": 0, "steered": 4, "churn": 3, "churn-distinct": 3}[mode]
 
 
 def test_admission_modes_hash_as_named(monkeypatch):

@@ -1049,3 +1049,37 @@ def test_drop_deferred_returns_what_it_dropped():
         c.defer(r)
     assert c.drop_deferred("w1") == [waiting[1]] and c.drop_deferred(["w9"]) == []
     assert c.drop_deferred(None) == [waiting[0], waiting[2]] and not c.deferred
+
+
+def test_the_engine_hooks_salt_a_steered_prompt_before_vllm_hashes_it_once():
+    """vLLM's own ``EngineCore.preprocess_add_request`` (input thread) and ``add_request``, with hotwire's hooks:
+    the steered prompt's blocks are hashed once, with the steered salt, and admission keeps those hashes."""
+    from types import SimpleNamespace
+
+    from vllm.v1.engine import EngineCoreRequest
+    from vllm.v1.engine import core as vllm_core
+
+    from hotwire_core import vllm_glue
+
+    names = ("_initialize_kv_caches", "add_request", "preprocess_add_request", "collective_rpc")
+    Core = type("Core", (), {n: vllm_core.EngineCore.__dict__[n] for n in names})
+    vllm_glue._patch_engine_core(SimpleNamespace(EngineCore=Core, RequestStatus=vllm_core.RequestStatus))
+    hashed = []
+    hasher = get_request_block_hasher(BLOCK, sha256)
+    added = []
+    engine = Core.__new__(Core)
+    engine.mm_receiver_cache = None
+    engine.request_block_hasher = lambda r: hashed.append(r.request_id) or hasher(r)
+    engine.hotwire = c = ctrl()
+    engine.scheduler = SimpleNamespace(requests={}, add_request=added.append)
+    register(c, "a", vec(N_LAYERS, HIDDEN, seed=1))
+    spec = json.dumps({"id": "a", "layer": 1, "scale": 2})
+    core_request = EngineCoreRequest("s", list(PROMPT), None, SamplingParams(max_tokens=8, extra_args={"hotwire": spec}),
+                                     None, 0.0, None, "tenant", None)  # fmt: skip
+    req, _ = engine.preprocess_add_request(core_request)
+    assert req.cache_salt.startswith(SALT_PREFIX) and getattr(req, USER_SALT_ATTR) == "tenant"
+    hashes = list(req.block_hashes)
+    engine.add_request(req)
+    assert added == [req] and hashed == ["s"] and req.block_hashes == hashes and "s" in c.bindings
+    _, ref = admit(c, "ref", json.loads(spec), salt="tenant")  # salted by admission alone: the same salt
+    assert ref.cache_salt == req.cache_salt
