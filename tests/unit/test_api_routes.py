@@ -495,6 +495,18 @@ def test_hotwire_api_key(engine: FakeEngine) -> None:
     assert client.post("/v1/chat/completions", json=_chat()).status_code == 200  # /v1 is vLLM's to guard
 
 
+def test_keys_are_compared_in_constant_time_against_every_key(monkeypatch: pytest.MonkeyPatch) -> None:
+    """hmac.compare_digest for each configured key, with no early exit on a match."""
+    from hotwire_api import auth
+
+    compared = []
+    real = auth.hmac.compare_digest
+    monkeypatch.setattr(auth.hmac, "compare_digest", lambda a, b: compared.append(b) or real(a, b))
+    assert auth._matches("k1", ["k1", "k2", "k3"]) is True
+    assert compared == [b"k1", b"k2", b"k3"]
+    assert auth._matches("nope", ["k1"]) is False
+
+
 def test_vllm_api_keys_apply_when_hotwire_has_none(engine: FakeEngine, monkeypatch: pytest.MonkeyPatch) -> None:
     app = _openai_app(engine, Settings())
     app.state.args = Namespace(api_key=["k1", "k2"])  # vLLM 0.25.1: --api-key is a list

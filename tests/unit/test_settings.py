@@ -170,3 +170,23 @@ def test_pdl_switch(env):
     assert Settings.from_env().pdl
     env.setenv("HOTWIRE_PDL", "0")
     assert not Settings.from_env().pdl
+
+
+def test_compile_cache_key_follows_hotwire_sources(monkeypatch):
+    """vLLM's compile-cache key (VllmConfig.compute_hash) mixes in the op sources, so a changed op never reuses
+    graphs compiled with the old one."""
+    from types import SimpleNamespace
+
+    from hotwire_core import vllm_glue
+
+    def key(source_digest: str) -> str:
+        monkeypatch.setattr(vllm_glue, "_source_digest", lambda: source_digest)
+        config = type("VllmConfig", (), {"compute_hash": lambda self: "vllm's own key"})
+        vllm_glue._patch_config(SimpleNamespace(VllmConfig=config))
+        return config().compute_hash()
+
+    assert key("ops-v1") == key("ops-v1") != key("ops-v2")
+    assert key("ops-v1") != "vllm's own key"
+    monkeypatch.undo()
+    digest = vllm_glue._source_digest()
+    assert len(digest) == 16 and digest == vllm_glue._source_digest()
