@@ -504,9 +504,11 @@ class SteeringController:
         while len(self._ended_sessions) > ENDED_SESSIONS_KEPT:  # markers of cancelled sessions never come
             self._ended_sessions.popitem(last=False)
 
-    def forget_ended_session(self, request_id: str) -> bool:
-        """Whether ``request_id`` is a session a refusal ended (forgotten now: this is its end marker)."""
-        return self._ended_sessions.pop(request_id, 0) is None
+    def session_ended(self, request_id: str, final: bool) -> bool:
+        """Whether ``request_id`` is a session a refusal ended; ``final`` (its end marker came): forget it."""
+        if final:
+            return self._ended_sessions.pop(request_id, 0) is None
+        return request_id in self._ended_sessions
 
     def keep_binding(self, session: Any) -> None:
         """vLLM gave a session its next chunk's sampling params: put the session's binding back in them (its

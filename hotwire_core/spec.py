@@ -102,7 +102,7 @@ def _parse_entry(raw: Any, field: str) -> SteeringEntry:
         try:
             scale = float(scale)
         except OverflowError:
-            raise SpecError(f"{field}.scale", f"is too large for a float ({len(str(abs(scale)))} digits)") from None
+            raise SpecError(f"{field}.scale", f"is too large for a float (about 2**{scale.bit_length()})") from None
     if not isinstance(scale, float) or not math.isfinite(scale):
         raise SpecError(f"{field}.scale", f"must be a finite number, got {scale!r}")
 

@@ -145,6 +145,8 @@ def load_preload_dir(directory: Path) -> list[StoredVector]:
                     raise ValueError(f"expected a tensor, found {type(tensor).__name__}")
             else:
                 continue
+            if any(s.vector_id == path.stem for s in out):  # a.pt beside a.safetensors: which one is meant?
+                raise ValueError(f"another file in {directory} has the id {path.stem!r}; keep one")
             out.append(tensor_to_stored(path.stem, tensor))
         except Exception as exc:
             logger.error("hotwire: skipping preload file %s: %s", path, exc)

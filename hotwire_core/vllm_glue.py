@@ -139,8 +139,12 @@ def _patch_engine_core(module: Any) -> None:
             # A request id vLLM holds already is a streaming-input session's next chunk (or its end marker).
             session = self.scheduler.requests.get(request.request_id)
             update = session is not None or request.request_id in self.hotwire.deferred
-            if not update and not request.resumable and self.hotwire.forget_ended_session(request.request_id):
-                return  # the end marker of a session a refusal ended: there is nothing left to finish
+            if not update and self.hotwire.session_ended(request.request_id, final=not request.resumable):
+                # More input (or the end marker) of a session a refusal ended: an error again, so that vLLM's
+                # client, which keeps a streaming request open past a chunk's error, finishes it
+                _send_refusal(self, request, Refusal(400, "session_ended", "this streaming-input session was ended "
+                                                     "by an earlier refusal; start a new request"))  # fmt: skip
+                return
             try:
                 if update:
                     self.hotwire.admit_update(request, session)
@@ -154,11 +158,10 @@ def _patch_engine_core(module: Any) -> None:
                 if not isinstance(exc, Refusal):
                     logger.exception("hotwire: admission of %s failed", request.request_id)
                     exc = Refusal(500, "internal", f"steering admission failed: {exc}")
-                if update:  # the refusal ends the session: its client hears of it once, now
-                    if session is not None:
-                        self.scheduler.finish_requests(request.request_id, aborted)
-                    if request.resumable:  # its end marker is still to come
-                        self.hotwire.note_ended_session(request.request_id)
+                if session is not None:  # the refusal ends the session
+                    self.scheduler.finish_requests(request.request_id, aborted)
+                if request.resumable:  # a session: more chunks and its end marker are still to come
+                    self.hotwire.note_ended_session(request.request_id)
                 _send_refusal(self, request, exc)
                 return
             return original(self, request, request_wave)
@@ -381,7 +384,8 @@ def _unsupported_setup(vllm_config: Any) -> str | None:
     """Why hotwire cannot steer correctly under this configuration, or None. DBO micro-batching runs the model on
     slices of the batch, whose tokens would read ``token_cfg`` from its start."""
     if vllm_config.parallel_config.use_ubatching:
-        return "DBO micro-batching (--enable-dbo) runs the model on slices of the batch, which hotwire cannot steer"
+        return ("micro-batching (DBO: --enable-dbo, or ubatch_size > 1) runs the model on slices of the batch, "
+                "which hotwire cannot steer")
     return None
 
 
@@ -400,14 +404,13 @@ def _pdl_possible(device: Any) -> bool:
 
 def _idle_graphs_possible(vllm_config: Any) -> bool:
     """Idle graph variants need the opaque op (traced torch ops cannot be switched off) and vLLM's own
-    ``CUDAGraphWrapper``: the breakable and micro-batching wrappers keep graphs of their own."""
+    ``CUDAGraphWrapper``: the breakable wrapper keeps graphs of its own (micro-batching: see _unsupported_setup)."""
     from vllm.compilation.breakable_cudagraph import is_breakable_cudagraph_enabled
 
     return (
         settings().idle_graphs
         and settings().impl == "op"
         and not is_breakable_cudagraph_enabled()
-        and not vllm_config.parallel_config.use_ubatching
     )
 
 

@@ -1032,11 +1032,12 @@ def test_a_chunk_for_a_session_still_waiting_for_rows_ends_it():
 def test_ended_sessions_are_remembered_until_their_end_marker_and_bounded(monkeypatch):
     c = ctrl()
     c.note_ended_session("s")
-    assert c.forget_ended_session("s") is True and c.forget_ended_session("s") is False
+    assert c.session_ended("s", final=False) is True  # more input: still ended
+    assert c.session_ended("s", final=True) is True and c.session_ended("s", final=True) is False
     monkeypatch.setattr(controller_mod, "ENDED_SESSIONS_KEPT", 3)
     for i in range(5):
         c.note_ended_session(f"s{i}")
-    assert [c.forget_ended_session(f"s{i}") for i in range(5)] == [False, False, True, True, True]
+    assert [c.session_ended(f"s{i}", final=True) for i in range(5)] == [False, False, True, True, True]
 
 
 def test_drop_deferred_returns_what_it_dropped():

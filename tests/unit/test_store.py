@@ -211,6 +211,16 @@ def test_preload_pt_never_unpickles_code(tmp_path, writer):
     assert not marker.exists()
 
 
+def test_preload_files_sharing_an_id_load_only_the_first(tmp_path, caplog):
+    """a.pt beside a.safetensors: the first (in name order) is loaded, the other refused with a log line, so a
+    restart does not make a new version from each in turn."""
+    save_file({"t": vec(HIDDEN, seed=1)}, str(tmp_path / "a.safetensors"))
+    torch.save(vec(HIDDEN, seed=2), tmp_path / "a.pt")
+    out = load_preload_dir(tmp_path)
+    assert [s.vector_id for s in out] == ["a"] and out[0].data == raw(vec(HIDDEN, seed=2))  # a.pt sorts first
+    assert "has the id 'a'" in caplog.text
+
+
 def test_missing_preload_directory_is_a_clear_error(tmp_path):
     with pytest.raises(ValueError, match="HOTWIRE_VECTORS=.* is not a directory"):
         load_preload_dir(tmp_path / "nope")
