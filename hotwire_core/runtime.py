@@ -313,7 +313,7 @@ class WorkerSteering:
             extra = r.sampling_params.extra_args if r.sampling_params is not None else None
             if extra and BINDING_KEY in extra:
                 new.append((r.req_id, prompt_length(r), extra[BINDING_KEY]))
-            elif r.req_id in self._line_of:  # sent again without steering (a streaming-input update): unsteered now
+            elif r.req_id in self._line_of:  # an id sent again without a binding: its old rows must not linger
                 self._remove(r.req_id)
         rebinds = getattr(scheduler_output, "hotwire_rebinds", None)
         if rebinds:  # preempted requests whose rows moved before they resumed (V1 keeps them; V2 re-adds them)
