@@ -4,6 +4,8 @@
 #             steps, PIECEWISE for prefill), plugin-free vLLM as reference; V2 and V1 runner
 #   identity: tests/integration/test_bit_identity.py (plain requests bit-identical to plugin-free vLLM); V2 and V1
 #   ops:      tests/unit/test_ops.py (Triton op vs reference, CUDA-graph replay)
+#   async:    tests/integration/test_async_engine.py (AsyncLLM: streaming-input sessions, pause_generation, a
+#             request waiting for a bank row) and test_unsteerable_model.py (GPT-2: starts, refuses steering); V2, V1
 #   server:   tests/integration/test_server.py: real `vllm serve` with graphs on (float32 tiny model, fixed 1 GiB KV
 #             cache); V2 runner
 #   matrix:   python -m hotwire_core.verify --vanilla on tiny Llama, Qwen2, Qwen3, Mistral and Gemma models with
@@ -16,7 +18,7 @@ set -o pipefail
 log_dir=${LOG_DIR:-${OUT:-/tmp/hotwire-gpu-checks}}
 limit=${JOB_TIMEOUT:-540}
 mkdir -p "$log_dir"
-parts=${*:-engine identity ops server matrix tp2}
+parts=${*:-engine identity ops async server matrix tp2}
 n_gpus=$(nvidia-smi -L | wc -l)
 read -r -a gpus_list <<< "${CHECK_GPUS:-$(seq -s ' ' 0 $((n_gpus - 1)))}"  # GPUs for the one-GPU jobs
 {
@@ -56,6 +58,12 @@ for part in $parts; do
       for runner in v2 v1; do launch "$part-$runner" next $runner "${pytest_cmd[@]}" "$file"; done
       ;;
     ops) launch ops next v2 "${pytest_cmd[@]}" tests/unit/test_ops.py ;;
+    async)
+      for runner in v2 v1; do
+        launch "async-$runner" next $runner "${pytest_cmd[@]}" tests/integration/test_async_engine.py \
+          tests/integration/test_unsteerable_model.py
+      done
+      ;;
     server) launch server next v2 "${pytest_cmd[@]}" tests/integration/test_server.py ;;
     matrix)
       for arch in llama qwen2 qwen3 mistral gemma; do
