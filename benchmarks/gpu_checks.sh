@@ -9,7 +9,8 @@
 #   server:   tests/integration/test_server.py: real `vllm serve` with graphs on (float32 tiny model, fixed 1 GiB KV
 #             cache); V2 runner
 #   matrix:   python -m hotwire_core.verify --vanilla on tiny Llama, Qwen2, Qwen3, Mistral and Gemma models with
-#             random weights, bf16, graphs on; V2 and V1 runner
+#             random weights, bf16, graphs on; V2 and V1 runner. MATRIX_ARCHS picks architectures (e.g. "qwen3");
+#             MATRIX_REPEAT=N runs each N times, each with its own compile cache (jobs named ...-r1, -r2, ...)
 #   tp2:      verify --vanilla with --tensor-parallel-size 2 (needs 2 GPUs); V2 and V1 runner
 # One-GPU jobs are spread round-robin over the visible GPUs (or those in CHECK_GPUS, e.g. "1"); each has its own compile cache and a fixed KV cache, so
 # several share a GPU. Logs go to $LOG_DIR (default $OUT, else /tmp/hotwire-gpu-checks), one per job, plus
@@ -66,8 +67,14 @@ for part in $parts; do
       ;;
     server) launch server next v2 "${pytest_cmd[@]}" tests/integration/test_server.py ;;
     matrix)
-      for arch in llama qwen2 qwen3 mistral gemma; do
-        for runner in v2 v1; do launch "matrix-$arch-$runner" next $runner "${verify_cmd[@]}" --arch $arch --runner $runner; done
+      repeat=${MATRIX_REPEAT:-1}
+      for arch in ${MATRIX_ARCHS:-llama qwen2 qwen3 mistral gemma}; do
+        for runner in v2 v1; do
+          for rep in $(seq 1 "$repeat"); do
+            launch "matrix-$arch-$runner$([ "$repeat" -gt 1 ] && echo "-r$rep")" next $runner \
+              "${verify_cmd[@]}" --arch $arch --runner $runner
+          done
+        done
       done
       ;;
     tp2)

@@ -207,10 +207,20 @@ def test_engine_kwargs_pin_timed_kernel_choices_only_when_asked():
     assert "compilation_config" not in plain
     untimed = verify.engine_kwargs("m", "bfloat16", untimed=True)
     assert untimed["compilation_config"] == {
-        "inductor_compile_config": {"combo_kernels": True, "benchmark_combo_kernel": False}
+        "inductor_compile_config": {"combo_kernels": True, "benchmark_combo_kernel": False,
+                                    "triton.autotune_pointwise": False}
     }
     assert {k: v for k, v in untimed.items() if k != "compilation_config"} == plain
     json.dumps(untimed)  # travels to the vanilla child as JSON
+
+
+def test_untimed_inductor_settings_are_inductor_config_keys():
+    """vLLM hands them to Inductor as config patches, which refuse unknown (e.g. misspelt) keys."""
+    from torch._inductor import config as inductor_config
+
+    with inductor_config.patch(verify.UNTIMED_INDUCTOR):
+        assert inductor_config.triton.autotune_pointwise is False
+        assert inductor_config.benchmark_combo_kernel is False
 
 
 def test_saved_results_round_trip(tmp_path):
