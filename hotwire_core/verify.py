@@ -277,7 +277,15 @@ def exit_status(checks: Sequence[Check]) -> int:
 
 
 # Inductor settings that leave no kernel choice to timing, with vLLM's combo kernels kept (see check e).
-UNTIMED_INDUCTOR = {"combo_kernels": True, "benchmark_combo_kernel": False, "triton.autotune_pointwise": False}
+# ``deterministic`` is also patched in, not only set through TORCHINDUCTOR_DETERMINISTIC: the H200 run of 2026-12-01
+# found kernels of vLLM's compiled model with ``'deterministic': False`` in their metadata despite that variable
+# (benchmarks/diag_qwen3_kernels.sh), and Qwen3's q/k RMSNorm timed between two configurations.
+UNTIMED_INDUCTOR = {
+    "combo_kernels": True,
+    "benchmark_combo_kernel": False,
+    "deterministic": True,
+    "triton.autotune_pointwise": False,
+}
 
 
 def untimed_compilation_config() -> dict[str, Any]:

@@ -207,7 +207,7 @@ def test_engine_kwargs_pin_timed_kernel_choices_only_when_asked():
     assert "compilation_config" not in plain
     untimed = verify.engine_kwargs("m", "bfloat16", untimed=True)
     assert untimed["compilation_config"] == {
-        "inductor_compile_config": {"combo_kernels": True, "benchmark_combo_kernel": False,
+        "inductor_compile_config": {"combo_kernels": True, "benchmark_combo_kernel": False, "deterministic": True,
                                     "triton.autotune_pointwise": False}
     }
     assert {k: v for k, v in untimed.items() if k != "compilation_config"} == plain
@@ -221,6 +221,7 @@ def test_untimed_inductor_settings_are_inductor_config_keys():
     with inductor_config.patch(verify.UNTIMED_INDUCTOR):
         assert inductor_config.triton.autotune_pointwise is False
         assert inductor_config.benchmark_combo_kernel is False
+        assert inductor_config.deterministic is True
 
 
 def test_saved_results_round_trip(tmp_path):
