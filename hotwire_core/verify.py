@@ -16,13 +16,13 @@ d. decode cost: time per decode step of a batch of 8, idle (hotwire loaded, noth
    CUDA graphs on, every rank must have its hotwire-free graphs (the idle variants) in place after an unsteered step;
 e. with ``--vanilla``: the plain requests again, in a subprocess with no plugin at all (``VLLM_PLUGINS=""``),
    compared bit for bit. Both engines then compile in Inductor's deterministic mode (``TORCHINDUCTOR_DETERMINISTIC=1``
-   unless set) and, on a GPU, with vLLM's combo kernels always fused (``benchmark_combo_kernel`` off: vLLM turns
-   it on, and deterministic mode refuses that timing) and one configuration per pointwise kernel
-   (``triton.autotune_pointwise`` off: Inductor emits a combo kernel that holds a persistent reduction, such as
-   Qwen3's q/k RMSNorm, as a pointwise kernel, and times its configurations even in deterministic mode, though
-   they order the reduction differently). Inductor otherwise picks some kernel configurations by timing them, and
-   two compiles on a busy GPU may pick differently and differ in the last bits (seen on the H200: tiny Qwen3,
-   0.0039 or 4e-5). When the plain requests differ, a second plugin-free engine runs
+   unless set, and on a GPU also patched into vLLM's compile, whose kernels did not see the variable on the H200)
+   with vLLM's combo kernels always fused (``benchmark_combo_kernel`` off: vLLM turns it on, and deterministic mode
+   refuses that timing) and one configuration per pointwise kernel (``triton.autotune_pointwise`` off: a combo
+   kernel holding a reduction is emitted as a pointwise one, whose configurations deterministic mode still times).
+   Inductor otherwise picks some kernel configurations by timing them, and two compiles on a busy GPU may pick
+   differently and differ in the last bits (seen on the H200: tiny Qwen3's q/k RMSNorm, 0.0039 or 4e-5 in a
+   logprob). When the plain requests differ, a second plugin-free engine runs
    them too, this time in the order this engine ran them, after the same earlier requests (their steering left
    out), and each request passes if it equals either engine's: at tensor parallel 2 on the V1 runner, plugin-free
    engines running the same requests have disagreed with each other on a 72-token prefill (by 0.0038 or 1.1e-4,
