@@ -192,12 +192,10 @@ def main() -> None:
     parser.add_argument("--kv-cache-gib", type=float, default=4.0,
                         help="a fixed KV cache, so that several runs can share a GPU (256 x 80 tokens of Qwen3-4B: 2.8 GiB)")
     parser.add_argument("--untimed-compile", action="store_true",
-                        help="compile without timing-based kernel choices (hotwire_core.verify.UNTIMED_INDUCTOR, "
-                             "TORCHINDUCTOR_DETERMINISTIC=1), so that runs of different code get the same kernels")
+                        help="compile without timing-based kernel choices (hotwire_core.verify.UNTIMED_INDUCTOR), "
+                             "so that runs of different code get the same kernels")
     args = parser.parse_args()
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-    if args.untimed_compile:
-        os.environ["TORCHINDUCTOR_DETERMINISTIC"] = "1"
 
     import torch
     from vllm import LLM, SamplingParams

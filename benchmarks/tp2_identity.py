@@ -4,7 +4,7 @@ tensor parallel 2, where plugin-free engines have disagreed with each other on a
     python benchmarks/tp2_identity.py --engines vanilla,vanilla,hotwire,verify [--runner v1] [--out DIR]
 
 All engines start at the same time on the same GPUs (tensor parallel 2 by default), each in its own process with
-its own compile cache, in Inductor's deterministic mode, and run exactly the plain requests verify compares (its
+its own compile cache, with no kernel choice left to timing (``verify.UNTIMED_INDUCTOR``), and run exactly the plain requests verify compares (its
 short prompts, then its two 72-token prompts alone). Engine kinds:
 
 - ``vanilla``: no plugin loaded (``VLLM_PLUGINS=""``);
@@ -86,7 +86,7 @@ def main() -> int:
     batches = v.plain_batches(short, x, y)
     base = v.engine_kwargs(model, args.dtype, args.tensor_parallel_size, 1.0 if on_gpu else None, untimed=on_gpu)
 
-    env_all = {**({} if on_gpu else v.CPU_ENV), **os.environ, "HF_HUB_OFFLINE": "1", "TORCHINDUCTOR_DETERMINISTIC": "1",
+    env_all = {**({} if on_gpu else v.CPU_ENV), **os.environ, "HF_HUB_OFFLINE": "1",
                "VLLM_USE_V2_MODEL_RUNNER": "1" if args.runner == "v2" else "0"}
     procs, outs = [], [args.out / f"out{i}.json" for i in range(len(engines))]
     for i, name in enumerate(engines):

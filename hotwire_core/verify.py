@@ -15,9 +15,9 @@ c. prefix cache, both directions, on prompts of at least 4 KV blocks: a plain re
 d. decode cost: time per decode step of a batch of 8, idle (hotwire loaded, nothing steered) vs all steered; with
    CUDA graphs on, every rank must have its hotwire-free graphs (the idle variants) in place after an unsteered step;
 e. with ``--vanilla``: the plain requests again, in a subprocess with no plugin at all (``VLLM_PLUGINS=""``),
-   compared bit for bit. Both engines then compile in Inductor's deterministic mode (``TORCHINDUCTOR_DETERMINISTIC=1``
-   unless set, and on a GPU also patched into vLLM's compile, whose kernels did not see the variable on the H200)
-   with vLLM's combo kernels always fused (``benchmark_combo_kernel`` off: vLLM turns it on, and deterministic mode
+   compared bit for bit. On a GPU both engines then compile with :data:`UNTIMED_INDUCTOR`: Inductor's
+   deterministic mode patched into vLLM's compile (``TORCHINDUCTOR_DETERMINISTIC=1`` does not reach it: Dynamo
+   resets the setting after every trace), vLLM's combo kernels always fused (``benchmark_combo_kernel`` off: vLLM turns it on, and deterministic mode
    refuses that timing) and one configuration per pointwise kernel (``triton.autotune_pointwise`` off: a combo
    kernel holding a reduction is emitted as a pointwise one, whose configurations deterministic mode still times).
    Inductor otherwise picks some kernel configurations by timing them, and two compiles on a busy GPU may pick
@@ -277,9 +277,9 @@ def exit_status(checks: Sequence[Check]) -> int:
 
 
 # Inductor settings that leave no kernel choice to timing, with vLLM's combo kernels kept (see check e).
-# ``deterministic`` is also patched in, not only set through TORCHINDUCTOR_DETERMINISTIC: the H200 run of 2026-12-01
-# found kernels of vLLM's compiled model with ``'deterministic': False`` in their metadata despite that variable
-# (benchmarks/diag_qwen3_kernels.sh), and Qwen3's q/k RMSNorm timed between two configurations.
+# ``deterministic`` must be a config patch: TORCHINDUCTOR_DETERMINISTIC=1 sets it at import, but every Dynamo trace
+# ends with torch.use_deterministic_algorithms(<the previous ATen flag>), which writes that flag (False) into
+# Inductor's setting, so vLLM's compile ran without it (the H200, 2026-12-01: benchmarks/diag_qwen3_kernels.sh).
 UNTIMED_INDUCTOR = {
     "combo_kernels": True,
     "benchmark_combo_kernel": False,
@@ -628,8 +628,6 @@ def _set_environment(args: argparse.Namespace, on_gpu: bool) -> None:
         os.environ["HF_HUB_OFFLINE"] = "1"
     os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
     os.environ["HOTWIRE_STORE"] = "off"
-    if args.vanilla or args.save_plain is not None:
-        os.environ.setdefault("TORCHINDUCTOR_DETERMINISTIC", "1")  # see check (e) above
     # This process may touch CUDA before vLLM starts its engine; a forked engine could then not use the GPU.
     os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
 

@@ -17,7 +17,7 @@ def engine_kwargs() -> dict[str, Any]:
     """float32 on the CPU (exact comparisons with transformers); bf16 with graphs on a GPU, with a fixed KV cache
     (no memory profiling, which miscounts when other engines share the GPU: the vanilla reference beside the
     engine under test, or other checks run at the same time) and no kernel choice left to timing (engines
-    compared bit for bit compile separately: ``verify.UNTIMED_INDUCTOR``, with ``TORCHINDUCTOR_DETERMINISTIC=1``
+    compared bit for bit compile separately: ``verify.UNTIMED_INDUCTOR``
     from ``benchmarks/gpu_checks.sh``)."""
     import torch
 

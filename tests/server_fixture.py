@@ -36,8 +36,8 @@ START_TIMEOUT_S = 240.0
 # them (a stalled test process has taken seconds to send its next request).
 MAX_MODEL_LEN = 4096
 LONG_STREAM_TOKENS = MAX_MODEL_LEN - 100  # max_tokens of a stream a test acts on while it runs (~10 s on a CPU)
-# A fixed KV cache skips vLLM's memory profiling, which miscounts when other engines share the GPU; untimed
-# combo kernels let Inductor compile in deterministic mode (benchmarks/gpu_checks.sh turns it on).
+# A fixed KV cache skips vLLM's memory profiling, which miscounts when other engines share the GPU; the untimed
+# compile leaves no kernel choice to timing (hotwire_core.verify.UNTIMED_INDUCTOR).
 GPU_ARGS = ["--kv-cache-memory-bytes", str(1 << 30), "--gpu-memory-utilization", "0.05",
             "--compilation-config", json.dumps(untimed_compilation_config())]
 
