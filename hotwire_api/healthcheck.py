@@ -5,7 +5,7 @@
 Against ``http://localhost:${PORT:-8000}`` (or ``--url`` / ``HOTWIRE_HEALTHCHECK_URL``):
 
 1. ``GET /steer/slots`` must answer 200 with ``model.steerable`` true (hotwire is attached and the engine can steer);
-2. a probe vector ``_healthcheck`` of random float32 values, ``model.hidden_size`` long, is registered with
+2. a probe vector ``_healthcheck`` of random float32 values, ``model.hidden_size`` long (norm 16), is registered with
    ``POST /steer/vectors?replace=true`` (JSON registration);
 3. one short greedy completion (``max_tokens`` 2, ``logprobs`` 1) is sent twice to ``/v1/completions``, plain and
    with ``vllm_xargs.hotwire`` steering the probe at the first layer the server hooks (``model.layers``, e.g.
@@ -115,9 +115,14 @@ def _bank_full(resp: httpx.Response) -> bool:
     return resp.headers.get("x-hotwire-lenient", "").startswith(BANK_FULL)
 
 
+PROBE_NORM = 16.0  # x PROBE_SCALE: well inside what the server lets a request add (float16 models: 4096)
+
+
 def probe_vector(hidden: int, rng: random.Random) -> bytes:
-    """``hidden`` standard-normal float32 values, little-endian."""
-    return struct.pack(f"<{hidden}f", *(rng.gauss(0.0, 1.0) for _ in range(hidden)))
+    """``hidden`` random float32 values (little-endian) of norm :data:`PROBE_NORM`, whatever the model's width."""
+    values = [rng.gauss(0.0, 1.0) for _ in range(hidden)]
+    factor = PROBE_NORM / math.sqrt(sum(v * v for v in values))
+    return struct.pack(f"<{hidden}f", *(v * factor for v in values))
 
 
 def probe_layer(model: dict[str, Any]) -> int:

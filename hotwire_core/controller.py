@@ -11,6 +11,7 @@ import copy
 import functools
 import hashlib
 import logging
+import math
 from collections import Counter, OrderedDict
 from dataclasses import dataclass, field
 from typing import Any, Callable, Collection, Sequence
@@ -29,6 +30,22 @@ logger = logging.getLogger(__name__)
 BINDING_KEY = "hotwire.binding"  # extra_args key the controller writes for the workers
 ENDED_SESSIONS_KEPT = 4096  # streaming-input sessions ended by a refusal, remembered until their end marker comes
 USER_SALT_ATTR = "hotwire_user_salt"  # on a vLLM Request built with hotwire's cache salt: the user's own salt
+
+
+@dataclass(frozen=True)
+class StrengthLimit:
+    """How hard one request may steer a token, per phase, summed over its entries and layers: absolute entries
+    add at most ``added_norm`` to the residual stream (|scale| x the row's norm each), norm-relative ones grow
+    its norm at most ``norm_growth``-fold (1 + |scale| each). Stronger steering overflows the model's arithmetic,
+    and the NaN or inf it writes into KV blocks outlives the request: on vLLM's CPU backend later plain
+    requests read it back from reused blocks."""
+
+    added_norm: float
+    norm_growth: float
+
+
+STRENGTH_LIMITS = {"float16": StrengthLimit(4096.0, 8.0)}  # float16 overflows at 65504
+DEFAULT_STRENGTH_LIMIT = StrengthLimit(1e6, 1e3)  # bfloat16 and float32: sums of squares stay far from 3.4e38
 
 
 @dataclass(frozen=True)
@@ -357,7 +374,31 @@ class SteeringController:
                         f"{count} entries steer layer {layer}; at most HOTWIRE_MAX_STACK={self.settings.max_stack} may",
                         SPEC_KEY,
                     )
+        self._check_strength(resolved)
         return resolved
+
+    def _check_strength(self, resolved: list[tuple[SteeringEntry, HostVector]]) -> None:
+        limit = STRENGTH_LIMITS.get(self.model.dtype, DEFAULT_STRENGTH_LIMIT)
+        for phase in (Phase.PREFILL, Phase.DECODE):
+            added, log_growth = 0.0, 0.0  # the growth as a log: (1 + |scale|) ** n overflows a float
+            for entry, vector in resolved:
+                if entry.phase not in (Phase.ALL, phase):
+                    continue
+                if entry.norm:
+                    log_growth += len(entry.layers) * math.log1p(abs(entry.scale))
+                else:
+                    added += abs(entry.scale) * sum(vector.row_norm(layer) for layer in entry.layers)
+            if added > limit.added_norm:
+                what = (f"its entries add up to {added:.3g} to a token's residual-stream norm (|scale| x vector norm, "
+                        f"summed over entries and layers; at most {limit.added_norm:.3g} for a {self.model.dtype} model)")
+            elif log_growth > math.log(limit.norm_growth) + 1e-12:  # a growth of exactly the limit is allowed
+                growth = f"{math.exp(log_growth):.3g}" if log_growth < 700 else f"e^{log_growth:.0f}"
+                what = (f"its norm-relative entries can grow a token's residual-stream norm {growth}-fold (1 + |scale| "
+                        f"per entry and layer; at most {limit.norm_growth:.3g} for a {self.model.dtype} model)")
+            else:
+                continue
+            raise Refusal(400, "too_strong", f"this spec steers too strongly: {what}; stronger steering overflows "
+                          "the model's arithmetic. Lower the scale.", SPEC_KEY)
 
     def _steered_layers(self) -> str:
         layers = format_layers(self.model.layers)

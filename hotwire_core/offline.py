@@ -11,6 +11,8 @@
 
 from __future__ import annotations
 
+import operator
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -36,12 +38,32 @@ def _call(llm: Any, method: str, *args: Any) -> dict:
     return result
 
 
+def _layer_list(layers: Any) -> list[int] | None:
+    """``layers`` as plain ints: numpy / torch integers (or an array of them) do not cross vLLM's RPC as ints."""
+    if layers is None:
+        return None
+    if hasattr(layers, "tolist"):  # a numpy array or torch tensor
+        layers = layers.tolist()
+    if isinstance(layers, (str, bytes)) or not hasattr(layers, "__iter__"):
+        raise TypeError(f"layers must be a list of layer indices, got {type(layers).__name__}")
+    out = []
+    for layer in layers:
+        if isinstance(layer, bool) or getattr(layer, "dtype", None) == torch.bool:
+            raise TypeError(f"layers must be integers, got {layer!r}")
+        try:
+            out.append(operator.index(layer))
+        except TypeError:
+            raise TypeError(f"layers must be integers, got {layer!r}") from None
+    return out
+
+
 def register_vector(
-    llm: Any, vector_id: str, tensor: torch.Tensor, layers: list[int] | None = None, replace: bool = False
+    llm: Any, vector_id: str, tensor: torch.Tensor, layers: Sequence[int] | None = None, replace: bool = False
 ) -> dict:
-    """Register ``tensor`` (``[hidden]``, ``[n_layers, hidden]`` or ``[len(layers), hidden]``); returns its metadata."""
+    """Register ``tensor`` (``[hidden]``, ``[n_layers, hidden]`` or ``[len(layers), hidden]``); returns its metadata.
+    ``layers`` may be a list, tuple, numpy array or tensor of integers."""
     stored = tensor_to_stored(vector_id, tensor)
-    return _call(llm, "register", vector_id, stored.data, stored.dtype, stored.shape, layers, replace)["vector"]
+    return _call(llm, "register", vector_id, stored.data, stored.dtype, stored.shape, _layer_list(layers), replace)["vector"]
 
 
 def unregister_vector(llm: Any, vector_id: str) -> int:
@@ -55,6 +77,16 @@ def list_vectors(llm: Any) -> list[dict]:
 
 def slot_stats(llm: Any) -> dict:
     return _call(llm, "stats")
+
+
+def check_steering(llm: Any, extra_args: dict[str, Any] | str) -> dict:
+    """Would a request steered by ``extra_args`` (what :func:`steer` returns, or a spec string) be admitted now?
+    Returns the receipt and the bank rows it would load; raises :class:`HotwireError` saying why not (an offline
+    ``generate`` reports a refused request only as ``finish_reason="error"``, with the reason in the log)."""
+    spec = extra_args.get(SPEC_KEY) if isinstance(extra_args, dict) else extra_args
+    if spec is None:
+        raise ValueError(f"extra_args has no {SPEC_KEY!r} key: build it with steer(...)")
+    return _call(llm, "check", spec)
 
 
 def steer(*entries: dict[str, Any]) -> dict[str, str]:

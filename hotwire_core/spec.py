@@ -17,6 +17,8 @@ from __future__ import annotations
 import functools
 import json
 import math
+import numbers
+import operator
 import re
 from dataclasses import dataclass
 from enum import Enum
@@ -27,6 +29,7 @@ SALT_PREFIX = "hotwire:"  # steered requests' cache salts; a user cache_salt may
 VECTOR_ID_RE = re.compile(r"[A-Za-z0-9._-]{1,64}")  # use with fullmatch
 MAX_ENTRIES = 64
 _ENTRY_FIELDS = {"id", "layer", "scale", "decode_only", "prefill_only", "norm"}
+FLOAT32_MAX = 3.4028234663852886e38
 
 
 class Phase(str, Enum):
@@ -105,6 +108,8 @@ def _parse_entry(raw: Any, field: str) -> SteeringEntry:
             raise SpecError(f"{field}.scale", f"is too large for a float (about 2**{scale.bit_length()})") from None
     if not isinstance(scale, float) or not math.isfinite(scale):
         raise SpecError(f"{field}.scale", f"must be a finite number, got {scale!r}")
+    if abs(scale) > FLOAT32_MAX:  # the per-token scale table is float32: a larger scale would become inf there
+        raise SpecError(f"{field}.scale", f"{scale!r} is outside float32's range (|scale| <= {FLOAT32_MAX:.4g})")
 
     decode_only = _bool(raw.get("decode_only", False), f"{field}.decode_only")
     prefill_only = _bool(raw.get("prefill_only", False), f"{field}.prefill_only")
@@ -160,5 +165,40 @@ def build_spec(*entries: dict[str, Any]) -> str:
 
     >>> build_spec({"id": "happy", "layer": 10, "scale": 4.0})
     '[{"id":"happy","layer":[10],"scale":4.0}]'
+
+    Numpy and torch numbers (and arrays or tuples of layers) are taken as the Python numbers they hold.
     """
-    return canonical_spec(parse_spec(list(entries)))
+    return canonical_spec(parse_spec([_python_numbers(e) for e in entries]))
+
+
+def _python_numbers(entry: Any) -> Any:
+    if not isinstance(entry, dict):
+        return entry
+    out = dict(entry)
+    layer = out.get("layer")
+    if hasattr(layer, "tolist"):  # numpy / torch: an array, or a scalar (tolist gives its Python number)
+        layer = layer.tolist()
+    if isinstance(layer, (tuple, range)):
+        layer = list(layer)
+    if isinstance(layer, list):
+        layer = [_index(v) for v in layer]
+    elif layer is not None:
+        layer = _index(layer)
+    if "layer" in out:
+        out["layer"] = layer
+    scale = out.get("scale")
+    if isinstance(scale, numbers.Real) and not isinstance(scale, (bool, int, float)):
+        out["scale"] = float(scale)
+    elif hasattr(scale, "item") and getattr(scale, "ndim", None) == 0:  # a 0-dim tensor
+        out["scale"] = scale.item()
+    return out
+
+
+def _index(value: Any) -> Any:
+    """An integer-like value (numpy / torch integer) as an int; anything else unchanged, for parse_spec to refuse."""
+    if isinstance(value, (bool, int)) or not hasattr(value, "__index__"):
+        return value
+    try:
+        return operator.index(value)
+    except TypeError:
+        return value

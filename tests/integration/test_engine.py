@@ -13,6 +13,7 @@ import json
 import math
 import os
 
+import numpy as np
 import pytest
 import torch
 
@@ -425,8 +426,10 @@ def test_preempted_request_unpins_its_rows_and_resumes_steered(llm, prompts, vec
         (json.dumps({"id": "nope", "layer": 1, "scale": 1.0}), "unknown_vector"),
         (json.dumps({"id": "a", "layer": 99, "scale": 1.0}), "layer_out_of_range"),
         ('{"id": "a", "layer": 1, "scale": NaN}', "bad_spec"),
+        # finite, but it would overflow the model: the NaN it wrote into KV blocks reached later plain requests
+        (json.dumps({"id": "a", "layer": 1, "scale": 3e38}), "too_strong"),
     ],
-    ids=["malformed", "unknown-id", "layer-out-of-range", "nan-scale"],
+    ids=["malformed", "unknown-id", "layer-out-of-range", "nan-scale", "too-strong"],
 )
 def test_bad_input_is_refused_and_batchmates_unaffected(llm, prompts, bad, reason):
     from vllm import SamplingParams
@@ -463,3 +466,20 @@ def test_offline_api_errors_and_listing(llm, vectors):
     with pytest.raises(HotwireError) as exc:
         unregister_vector(llm, "temp")
     assert exc.value.status == 404
+
+
+def test_offline_check_and_numpy_layers(llm):
+    from hotwire_core.offline import HotwireError, check_steering, register_vector, steer, unregister_vector
+
+    assert check_steering(llm, steer({"id": "a", "layer": np.int64(1), "scale": np.float32(2)}))["receipt"].startswith("a@")
+    with pytest.raises(HotwireError) as exc:
+        check_steering(llm, steer({"id": "a", "layer": 1, "scale": 3e38}))
+    assert (exc.value.status, exc.value.code) == (400, "too_strong")
+    with pytest.raises(HotwireError) as exc:
+        check_steering(llm, json.dumps({"id": "a", "layer": 99, "scale": 1.0}))
+    assert exc.value.code == "layer_out_of_range"
+    meta = register_vector(llm, "np-layers", torch.randn(2, HIDDEN), layers=np.array([3, 1]))
+    assert meta["layers"] == [1, 3]
+    assert unregister_vector(llm, "np-layers") == 0
+    with pytest.raises(TypeError, match="layers must be integers"):
+        register_vector(llm, "bad-layers", torch.randn(2, HIDDEN), layers=[1.0, 3.0])

@@ -605,6 +605,8 @@ BAD_SPECS = {
     "norm-without-HOTWIRE_NORM": (spec("keep", 1, 0.5, norm=True), 400, "norm_disabled", "vllm_xargs.hotwire[0].norm"),
     "too-many-on-a-layer": (json.dumps([{"id": "keep", "layer": 1, "scale": 1.0}] * 5), 400, "too_many_entries",
                             "vllm_xargs.hotwire"),
+    "scale-outside-float32": (spec("keep", 1, 1e39), 400, "bad_spec", "vllm_xargs.hotwire.scale"),
+    "too-strong": (spec("keep", 1, 3e38), 400, "too_strong", "vllm_xargs.hotwire"),
 }  # fmt: skip
 
 

@@ -16,7 +16,10 @@ from vllm.v1.request import Request
 from vllm.utils.hashing import sha256
 
 from hotwire_core import controller as controller_mod
-from hotwire_core.controller import SALT_PREFIX, BINDING_KEY, USER_SALT_ATTR, BankWrite, ModelInfo, Refusal, SteeringController
+from hotwire_core.controller import (
+    DEFAULT_STRENGTH_LIMIT, SALT_PREFIX, BINDING_KEY, STRENGTH_LIMITS, USER_SALT_ATTR, BankWrite, ModelInfo, Refusal,
+    SteeringController,
+)
 from hotwire_core.settings import Settings
 
 N_LAYERS, HIDDEN, BLOCK = 4, 8, 16
@@ -379,6 +382,42 @@ def test_stack_limit_is_per_phase(c):
     # ... one more entry for every phase does not
     err = refusal(c, spec + [{"id": "a", "layer": 1, "scale": 3}])
     assert err.code == "too_many_entries" and "HOTWIRE_MAX_STACK=2" in err.message
+
+
+def test_steering_strong_enough_to_overflow_the_model_is_refused(c):
+    g_norm = c.registry.current("g").row_norm(1)
+    fits = 0.99 * DEFAULT_STRENGTH_LIMIT.added_norm / g_norm
+    admit(c, "ok", {"id": "g", "layer": 1, "scale": -fits})
+    c.release("ok")
+    for spec in (
+        {"id": "g", "layer": [1, 2], "scale": fits},  # summed over layers
+        [{"id": "g", "layer": 1, "scale": fits}, {"id": "a", "layer": 2, "scale": fits}],  # and over entries
+        {"id": "g", "layer": 1, "scale": 3e38},
+        {"id": "g", "layer": list(range(N_LAYERS)), "scale": 10.0, "norm": True},  # 11**4 > 1e3
+    ):
+        before = state(c)
+        err = refusal(c, spec)
+        assert (err.status, err.code, err.field) == (400, "too_strong", "hotwire"), spec
+        assert "float32 model" in err.message and "Lower the scale" in err.message
+        assert state(c)[1:] == before[1:]
+    # per phase: the strongest prefill-only and decode-only entries never apply to the same token
+    admit(c, "phases", [{"id": "g", "layer": 1, "scale": fits, "prefill_only": True},
+                        {"id": "g", "layer": 2, "scale": fits, "decode_only": True}])
+    admit(c, "norm", {"id": "g", "layer": [0, 1, 2], "scale": 9.0, "norm": True})  # 10**3: at the limit
+    huge = {"layer": list(range(N_LAYERS)), "scale": 3e38, "norm": True}  # a growth of e^709: no float overflow
+    assert "e^709-fold" in refusal(c, [{"id": "g", **huge}, {"id": "a", **huge}]).message
+    assert c.check(json.dumps({"id": "g", "layer": [1, 2], "scale": fits}))["code"] == "too_strong"
+
+
+def test_float16_models_have_a_lower_strength_limit():
+    fp16 = ModelInfo(True, "", N_LAYERS, HIDDEN, "float16", frozenset(range(N_LAYERS)))
+    c = SteeringController(fp16, Settings(8, 2, "op", None, None), "org/model")
+    register(c, "g", vec(HIDDEN))
+    g_norm = c.registry.current("g").row_norm(0)
+    limit = STRENGTH_LIMITS["float16"]
+    admit(c, "ok", {"id": "g", "layer": 0, "scale": 0.99 * limit.added_norm / g_norm})
+    err = refusal(c, {"id": "g", "layer": 0, "scale": 1.01 * limit.added_norm / g_norm})
+    assert err.code == "too_strong" and "float16 model" in err.message
 
 
 def test_layer_without_hook_refused():

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
 from hotwire_core.spec import (
     MAX_ENTRIES,
@@ -203,6 +204,14 @@ def test_huge_int_scale_is_spec_error():
     assert spec_error({"id": "a", "layer": 1, "scale": 10**5000}).field == "hotwire.scale"
 
 
+def test_scale_outside_float32_is_spec_error():
+    # the per-token scale table is float32: 1e39 would silently become inf there
+    for literal in ("1e39", "-1e39", "3.5e38"):
+        err = spec_error('{"id": "a", "layer": 1, "scale": %s}' % literal)
+        assert err.field == "hotwire.scale" and "float32" in err.message, literal
+    assert parse_spec('{"id": "a", "layer": 1, "scale": -3.4e38}')[0].scale == -3.4e38
+
+
 def test_large_int_scale_within_float_range_is_accepted():
     # 2**53 and above are not exact as floats, but they are finite numbers like 1e20: same value, same entry
     assert parse_spec('{"id": "a", "layer": 1, "scale": 100000000000000000000}') == parse_spec(
@@ -248,3 +257,16 @@ def test_spec_error_is_value_error():
     err = spec_error({})
     assert isinstance(err, ValueError)
     assert err.field == "hotwire.id"
+
+
+def test_build_spec_takes_numpy_and_torch_numbers():
+    import numpy as np
+
+    assert build_spec({"id": "a", "layer": np.int64(3), "scale": np.float32(2)}) == '[{"id":"a","layer":[3],"scale":2.0}]'
+    assert build_spec({"id": "a", "layer": np.array([3, 1]), "scale": torch.tensor(2.5)}) == (
+        '[{"id":"a","layer":[1,3],"scale":2.5}]'
+    )
+    assert build_spec({"id": "a", "layer": (1, 2), "scale": 1}) == build_spec({"id": "a", "layer": range(1, 3), "scale": 1})
+    for bad in ({"layer": np.array([True])}, {"layer": torch.tensor([1.5])}, {"scale": np.array([1.0, 2.0])}):
+        with pytest.raises(SpecError):
+            build_spec({"id": "a", "layer": 1, "scale": 1.0, **bad})

@@ -1,0 +1,33 @@
+"""The offline API's argument handling (the engine side is in tests/integration/test_engine.py)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from hotwire_core.offline import _layer_list, check_steering
+
+
+@pytest.mark.parametrize(
+    "layers",
+    [[3, 1], (3, 1), np.array([3, 1]), torch.tensor([3, 1]), [np.int64(3), np.int32(1)], [torch.tensor(3), 1]],
+)
+def test_layers_become_plain_ints(layers):
+    out = _layer_list(layers)
+    assert out == [3, 1] and all(type(v) is int for v in out)
+
+
+@pytest.mark.parametrize("layers", [[1.0, 3.0], [True, 2], np.array([True]), torch.tensor([1.5]), "13", 3])
+def test_layers_that_are_not_integers_are_refused(layers):
+    with pytest.raises(TypeError, match="layers must be"):
+        _layer_list(layers)
+
+
+def test_no_layers_stays_none():
+    assert _layer_list(None) is None
+
+
+def test_check_steering_needs_a_spec():
+    with pytest.raises(ValueError, match="steer"):
+        check_steering(object(), {"other": 1})
