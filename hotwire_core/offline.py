@@ -15,6 +15,7 @@ import operator
 from collections.abc import Sequence
 from typing import Any
 
+import numpy as np
 import torch
 
 from .spec import SPEC_KEY, build_spec
@@ -57,12 +58,28 @@ def _layer_list(layers: Any) -> list[int] | None:
     return out
 
 
+def _as_vector(tensor: Any) -> torch.Tensor:
+    """A torch tensor of real numbers with at least one dimension (numpy arrays are taken as they are)."""
+    if not isinstance(tensor, torch.Tensor):
+        if not hasattr(tensor, "__array__"):
+            raise TypeError(f"the vector must be a torch tensor or numpy array, got {type(tensor).__name__}")
+        tensor = torch.as_tensor(np.asarray(tensor))
+    if tensor.is_complex() or tensor.dtype == torch.bool:
+        raise TypeError(f"the vector must hold real numbers, got {tensor.dtype}")
+    if tensor.dim() == 0:
+        raise ValueError("the vector must be [hidden], [n_layers, hidden] or [len(layers), hidden], got a scalar")
+    if tensor.dtype == torch.float64 and bool((tensor.abs() > torch.finfo(torch.float32).max).any()):
+        raise ValueError("the vector holds values outside float32's range, in which it is sent and applied")
+    return tensor
+
+
 def register_vector(
     llm: Any, vector_id: str, tensor: torch.Tensor, layers: Sequence[int] | None = None, replace: bool = False
 ) -> dict:
-    """Register ``tensor`` (``[hidden]``, ``[n_layers, hidden]`` or ``[len(layers), hidden]``); returns its metadata.
+    """Register ``tensor`` (``[hidden]``, ``[n_layers, hidden]`` or ``[len(layers), hidden]``; a torch tensor or
+    numpy array of real numbers, sent as float32 unless it is float16 / bfloat16); returns its metadata.
     ``layers`` may be a list, tuple, numpy array or tensor of integers."""
-    stored = tensor_to_stored(vector_id, tensor)
+    stored = tensor_to_stored(vector_id, _as_vector(tensor))
     return _call(llm, "register", vector_id, stored.data, stored.dtype, stored.shape, _layer_list(layers), replace)["vector"]
 
 

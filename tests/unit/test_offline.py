@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from hotwire_core.offline import _layer_list, check_steering
+from hotwire_core.offline import _as_vector, _layer_list, check_steering
 
 
 @pytest.mark.parametrize(
@@ -31,3 +31,23 @@ def test_no_layers_stays_none():
 def test_check_steering_needs_a_spec():
     with pytest.raises(ValueError, match="steer"):
         check_steering(object(), {"other": 1})
+
+
+def test_vectors_may_be_numpy_arrays():
+    out = _as_vector(np.arange(4, dtype=np.float64))
+    assert isinstance(out, torch.Tensor) and out.tolist() == [0.0, 1.0, 2.0, 3.0]
+
+
+@pytest.mark.parametrize(
+    "vector, error, words",
+    [
+        (torch.tensor(1.0), ValueError, "got a scalar"),
+        (torch.ones(4, dtype=torch.complex64), TypeError, "real numbers"),
+        (torch.ones(4, dtype=torch.bool), TypeError, "real numbers"),
+        (torch.tensor([1.0, 1e39], dtype=torch.float64), ValueError, "float32's range"),
+        ([1.0, 2.0], TypeError, "torch tensor or numpy array"),
+    ],
+)
+def test_vectors_that_cannot_be_sent_say_why(vector, error, words):
+    with pytest.raises(error, match=words):
+        _as_vector(vector)
