@@ -7,7 +7,8 @@ Every command takes ``--url URL`` (env ``HOTWIRE_URL``, default http://localhost
 ``HOTWIRE_API_KEY``), before or after the command name.
 
 FILE is ``.safetensors`` (one tensor, or 1-D tensors named by layer index) or ``.json`` in the registration
-format. Results print as JSON; errors print to stderr (exit 1 for server errors, 2 for local ones).
+format. Results print as JSON; errors print to stderr (exit 1 for a refusal, an unreachable
+server or an answer this client cannot read; 2 for local errors such as a bad file).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import os
 import sys
 
 import httpx
+import pydantic
 
 from hotwire_api.client import DEFAULT_URL, HotwireClient
 from hotwire_api.errors import HotwireError
@@ -82,6 +84,10 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     except httpx.HTTPError as err:
         print(f"hotwire: cannot reach {args.url}: {err}", file=sys.stderr)
+        return 1
+    except pydantic.ValidationError as err:  # a ValueError, but the server's fault, not the caller's
+        print(f"hotwire: {args.url} answered with something this client cannot read (is it a hotwire server of "
+              f"the same version?): {err.errors()[0]['msg']}", file=sys.stderr)
         return 1
     except (OSError, ValueError, TypeError) as err:
         print(f"hotwire: {err}", file=sys.stderr)

@@ -102,7 +102,9 @@ class SlotStats(_EngineResult):
     pinned: int
     free: int
     evictions: int
-    refused: dict[str, int] = Field(description="Requests refused, by reason (e.g. the slot budget).")
+    refused: dict[str, int] = Field(
+        description="Requests the engine refused at admission, by reason (HTTP refusals: /metrics hotwire_refusals_total)."
+    )
     steered_requests: int
     deferred: int = Field(0, description="Requests admitted over HTTP now waiting in the engine for bank rows.")
     deferrals: int = Field(0, description="Requests that have had to wait for bank rows, since start.")

@@ -1,0 +1,58 @@
+"""The ``hotwire`` command's exit codes against a plain HTTP server (the real-server paths are in test_server.py)."""
+
+import http.server
+import json
+import socket
+import threading
+
+import pytest
+
+from hotwire_api import cli
+
+
+class _WrongServer(http.server.BaseHTTPRequestHandler):
+    """Answers 200 with JSON that is not a hotwire answer, as a different service on the port would."""
+
+    def do_GET(self):  # noqa: N802 (http.server's name)
+        body = json.dumps({"status": "ok"}).encode()
+        self.send_response(200)
+        self.send_header("content-type", "application/json")
+        self.send_header("content-length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *args):
+        pass
+
+
+@pytest.fixture
+def wrong_server():
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _WrongServer)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    yield f"http://127.0.0.1:{server.server_address[1]}"
+    server.shutdown()
+    server.server_close()
+
+
+def test_an_answer_that_is_not_hotwires_is_the_servers_fault(wrong_server, capsys):
+    assert cli.main(["--url", wrong_server, "slots"]) == 1
+    err = capsys.readouterr().err
+    assert "cannot read" in err and wrong_server in err
+
+
+def test_an_unreachable_server_exits_1(capsys):
+    assert cli.main(["--url", _closed_port_url(), "list"]) == 1
+    assert "cannot reach" in capsys.readouterr().err
+
+
+def test_a_bad_local_file_exits_2(tmp_path, capsys):
+    missing = tmp_path / "nope.safetensors"
+    assert cli.main(["--url", "http://127.0.0.1:9", "register", "v", str(missing)]) == 2
+    assert "nope.safetensors" in capsys.readouterr().err
+
+
+def _closed_port_url() -> str:
+    """A URL on a local port nothing listens on."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return f"http://127.0.0.1:{s.getsockname()[1]}"
