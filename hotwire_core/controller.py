@@ -34,11 +34,10 @@ USER_SALT_ATTR = "hotwire_user_salt"  # on a vLLM Request built with hotwire's c
 
 @dataclass(frozen=True)
 class StrengthLimit:
-    """How hard one request may steer a token, per phase, summed over its entries and layers: absolute entries
-    add at most ``added_norm`` to the residual stream (|scale| x the row's norm each), norm-relative ones grow
-    its norm at most ``norm_growth``-fold (1 + |scale| each). Stronger steering overflows the model's arithmetic,
-    and the NaN or inf it writes into KV blocks outlives the request: on vLLM's CPU backend later plain
-    requests read it back from reused blocks."""
+    """How hard one request may steer a token, per phase, over all its layers (``_check_strength``): absolute
+    entries add at most ``added_norm`` to the residual-stream norm, norm-relative ones grow it at most
+    ``norm_growth``-fold. Stronger steering overflows the model's arithmetic, and the NaN or inf it writes into
+    KV blocks outlives the request: on vLLM's CPU backend later plain requests read it back from reused blocks."""
 
     added_norm: float
     norm_growth: float
@@ -163,7 +162,7 @@ class SteeringController:
     def __init__(self, model: ModelInfo, settings: Settings, model_name: str):
         self.model = model
         self.settings = settings
-        self.registry = VectorRegistry(model.n_layers, model.hidden_size)
+        self.registry = VectorRegistry(model.n_layers, model.hidden_size, model.dtype)
         self.slots = SlotCache(settings.slots)
         self.bindings: dict[str, Binding] = {}
         self.refused: Counter[str] = Counter()
@@ -378,27 +377,40 @@ class SteeringController:
         return resolved
 
     def _check_strength(self, resolved: list[tuple[SteeringEntry, HostVector]]) -> None:
+        """Bound what the spec can do to a token's residual-stream norm ``n``, layer by layer in order: a layer's
+        absolute entries add at most ``A = sum |scale| x row norm``, its norm-relative ones (one norm read per
+        layer) multiply by at most ``g = 1 + sum |scale|``, so ``n -> g n + A``. Over the layers that composes to
+        ``G n + added``; ``G`` and ``added`` must stay within the model dtype's limits."""
         limit = STRENGTH_LIMITS.get(self.model.dtype, DEFAULT_STRENGTH_LIMIT)
+        phased = any(entry.phase is not Phase.ALL for entry, _ in resolved)
         for phase in (Phase.PREFILL, Phase.DECODE):
-            added, log_growth = 0.0, 0.0  # the growth as a log: (1 + |scale|) ** n overflows a float
-            for entry, vector in resolved:
-                if entry.phase not in (Phase.ALL, phase):
-                    continue
-                if entry.norm:
-                    log_growth += len(entry.layers) * math.log1p(abs(entry.scale))
-                else:
-                    added += abs(entry.scale) * sum(vector.row_norm(layer) for layer in entry.layers)
-            if added > limit.added_norm:
-                what = (f"its entries add up to {added:.3g} to a token's residual-stream norm (|scale| x vector norm, "
-                        f"summed over entries and layers; at most {limit.added_norm:.3g} for a {self.model.dtype} model)")
-            elif log_growth > math.log(limit.norm_growth) + 1e-12:  # a growth of exactly the limit is allowed
-                growth = f"{math.exp(log_growth):.3g}" if log_growth < 700 else f"e^{log_growth:.0f}"
-                what = (f"its norm-relative entries can grow a token's residual-stream norm {growth}-fold (1 + |scale| "
-                        f"per entry and layer; at most {limit.norm_growth:.3g} for a {self.model.dtype} model)")
+            active = [(i, e, v) for i, (e, v) in enumerate(resolved) if e.phase in (Phase.ALL, phase)]
+            added, log_growth = 0.0, 0.0  # the growth as a log: it can exceed a float
+            for layer in sorted({layer for _, entry, _ in active for layer in entry.layers}):
+                here = [(e, v) for _, e, v in active if layer in e.layers]
+                growth = 1.0 + sum(abs(e.scale) for e, _ in here if e.norm)
+                added = added * growth + sum(abs(e.scale) * v.row_norm(layer) for e, v in here if not e.norm)
+                log_growth += math.log(growth)
+            tokens = f" on {'prompt' if phase is Phase.PREFILL else 'generated'} tokens" if phased else ""
+            if log_growth > math.log(limit.norm_growth) + 1e-12:  # a growth of exactly the limit is allowed
+                growth_text = f"{math.exp(log_growth):.3g}" if log_growth < 700 else f"e^{log_growth:.0f}"
+                what = (f"its norm-relative entries can grow a token's residual-stream norm {growth_text}-fold"
+                        f"{tokens} (1 + the sum of |scale| at a layer, multiplied over layers; at most "
+                        f"{limit.norm_growth:.3g} for a {self.model.dtype} model)")
+                culprit = max((i for i, e, _ in active if e.norm), key=lambda i: abs(resolved[i][0].scale))
+            elif added > limit.added_norm:
+                what = (f"it can add up to {added:.3g} to a token's residual-stream norm{tokens} (|scale| x vector "
+                        "norm, summed over entries and layers, multiplied by the growth of norm-relative entries at "
+                        f"later layers; at most {limit.added_norm:.3g} for a {self.model.dtype} model)")
+                culprit = max(
+                    (i for i, e, _ in active if not e.norm),
+                    key=lambda i: abs(resolved[i][0].scale) * sum(map(resolved[i][1].row_norm, resolved[i][0].layers)),
+                )
             else:
                 continue
             raise Refusal(400, "too_strong", f"this spec steers too strongly: {what}; stronger steering overflows "
-                          "the model's arithmetic. Lower the scale.", SPEC_KEY)
+                          f"the model's arithmetic. Lower the scale (hotwire[{culprit}] weighs most).",
+                          f"hotwire[{culprit}].scale")
 
     def _steered_layers(self) -> str:
         layers = format_layers(self.model.layers)

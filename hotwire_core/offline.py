@@ -43,10 +43,10 @@ def _layer_list(layers: Any) -> list[int] | None:
     """``layers`` as plain ints: numpy / torch integers (or an array of them) do not cross vLLM's RPC as ints."""
     if layers is None:
         return None
-    if hasattr(layers, "tolist"):  # a numpy array or torch tensor
+    if isinstance(layers, (np.ndarray, torch.Tensor)):
         layers = layers.tolist()
-    if isinstance(layers, (str, bytes)) or not hasattr(layers, "__iter__"):
-        raise TypeError(f"layers must be a list of layer indices, got {type(layers).__name__}")
+    if not isinstance(layers, (list, tuple, range)):  # a set or dict would lose the order rows are given in
+        raise TypeError(f"layers must be a list of layer indices (one per row, in order), got {type(layers).__name__}")
     out = []
     for layer in layers:
         if isinstance(layer, bool) or getattr(layer, "dtype", None) == torch.bool:
@@ -63,13 +63,19 @@ def _as_vector(tensor: Any) -> torch.Tensor:
     if not isinstance(tensor, torch.Tensor):
         if not hasattr(tensor, "__array__"):
             raise TypeError(f"the vector must be a torch tensor or numpy array, got {type(tensor).__name__}")
-        tensor = torch.as_tensor(np.asarray(tensor))
+        array = np.asarray(tensor)
+        if array.dtype.kind not in "fiu":
+            raise TypeError(f"the vector must hold real numbers, got {array.dtype}")
+        native = array.dtype.newbyteorder("=")
+        # torch takes float16/32 as they are (any byte order or stride once copied); other kinds go via float64
+        array = array.astype(native if native in (np.float16, np.float32) else np.float64, copy=False)
+        tensor = torch.from_numpy(np.ascontiguousarray(array))
     if tensor.is_complex() or tensor.dtype == torch.bool:
         raise TypeError(f"the vector must hold real numbers, got {tensor.dtype}")
     if tensor.dim() == 0:
         raise ValueError("the vector must be [hidden], [n_layers, hidden] or [len(layers), hidden], got a scalar")
     if tensor.dtype == torch.float64 and bool((tensor.abs() > torch.finfo(torch.float32).max).any()):
-        raise ValueError("the vector holds values outside float32's range, in which it is sent and applied")
+        raise ValueError("the vector holds values outside float32's range (it is sent as float32): scale it down")
     return tensor
 
 

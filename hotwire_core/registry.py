@@ -88,9 +88,16 @@ class HostVector:
 
 
 def decode_vector(
-    data: bytes, dtype: str, shape: list[int], layers: list[int] | None, n_layers: int, hidden_size: int
+    data: bytes,
+    dtype: str,
+    shape: list[int],
+    layers: list[int] | None,
+    n_layers: int,
+    hidden_size: int,
+    model_dtype: str = "float32",
 ) -> tuple[torch.Tensor, tuple[int, ...] | None, tuple[float, ...]]:
-    """Check raw bytes against the served model; return ``(rows [R, hidden], layers or None, row norms)``."""
+    """Check raw bytes against the served model; return ``(rows [R, hidden], layers or None, row norms)``.
+    ``model_dtype`` is the dtype the bank holds rows in: a value it cannot hold would be inf there."""
     if dtype not in DTYPES:
         raise RegistryError(400, "bad_dtype", f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}", "dtype")
     if not isinstance(shape, (list, tuple)) or not all(isinstance(d, int) and d > 0 for d in shape):
@@ -132,6 +139,15 @@ def decode_vector(
         layers_t = tuple(sorted(layers))
     values = values.copy()  # own the bytes (and make them writable for torch)
     wide = as_float32(values, dtype).astype(np.float64)
+    largest = _largest_value(model_dtype)
+    peak = float(np.abs(wide).max())
+    if peak > largest:
+        raise RegistryError(
+            400, "out_of_range",
+            f"the vector holds {peak:.6g}, beyond the largest value of this model's {model_dtype} ({largest:.6g}): "
+            "divide the vector by a constant and multiply the spec's scale by it",
+            "data",
+        )
     norms = tuple(float(n) for n in np.sqrt(np.einsum("ij,ij->i", wide, wide)))
     return torch.from_numpy(values).view(DTYPES[dtype]), layers_t, norms
 
@@ -143,11 +159,17 @@ def content_sha256(rows: torch.Tensor, dtype: str, layers: tuple[int, ...] | Non
     return h.hexdigest()
 
 
+def _largest_value(model_dtype: str) -> float:
+    """The largest finite value of the model's dtype (unbounded for a dtype torch does not know)."""
+    dtype = getattr(torch, model_dtype, None) if model_dtype else None
+    return torch.finfo(dtype).max if isinstance(dtype, torch.dtype) and dtype.is_floating_point else math.inf
+
+
 class VectorRegistry:
     """All vectors of one engine. Not thread-safe: the engine core calls it from its busy loop only."""
 
-    def __init__(self, n_layers: int, hidden_size: int):
-        self.n_layers, self.hidden_size = n_layers, hidden_size
+    def __init__(self, n_layers: int, hidden_size: int, model_dtype: str = "float32"):
+        self.n_layers, self.hidden_size, self.model_dtype = n_layers, hidden_size, model_dtype
         self._current: dict[str, HostVector] = {}
         self._retired: dict[tuple[str, int], HostVector] = {}
         self._last_version: dict[str, int] = {}
@@ -177,7 +199,9 @@ class VectorRegistry:
             raise RegistryError(
                 409, "exists", f"vector {vector_id!r} is already registered; pass replace=true to make a new version", "id"
             )
-        rows, layers_t, norms = decode_vector(data, dtype, list(shape), layers, self.n_layers, self.hidden_size)
+        rows, layers_t, norms = decode_vector(
+            data, dtype, list(shape), layers, self.n_layers, self.hidden_size, self.model_dtype
+        )
         version = version if version is not None else self._last_version.get(vector_id, 0) + 1
         sha = content_sha256(rows, dtype, layers_t)
         vector = HostVector(vector_id, version, sha, dtype, tuple(shape), layers_t, rows, norms)

@@ -195,8 +195,9 @@ def _python_numbers(entry: Any) -> Any:
 
 
 def _index(value: Any) -> Any:
-    """An integer-like value (numpy / torch integer) as an int; anything else unchanged, for parse_spec to refuse."""
-    if isinstance(value, (bool, int)) or not hasattr(value, "__index__"):
+    """An integer-like value (numpy / torch integer) as an int; anything else (a bool tensor too, which has
+    ``__index__``) unchanged, for parse_spec to refuse."""
+    if isinstance(value, (bool, int)) or not hasattr(value, "__index__") or "bool" in str(getattr(value, "dtype", "")):
         return value
     try:
         return operator.index(value)

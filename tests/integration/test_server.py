@@ -606,7 +606,7 @@ BAD_SPECS = {
     "too-many-on-a-layer": (json.dumps([{"id": "keep", "layer": 1, "scale": 1.0}] * 5), 400, "too_many_entries",
                             "vllm_xargs.hotwire"),
     "scale-outside-float32": (spec("keep", 1, 1e39), 400, "bad_spec", "vllm_xargs.hotwire.scale"),
-    "too-strong": (spec("keep", 1, 3e38), 400, "too_strong", "vllm_xargs.hotwire"),
+    "too-strong": (spec("keep", 1, 3e38), 400, "too_strong", "vllm_xargs.hotwire[0].scale"),
 }  # fmt: skip
 
 

@@ -389,35 +389,74 @@ def test_steering_strong_enough_to_overflow_the_model_is_refused(c):
     fits = 0.99 * DEFAULT_STRENGTH_LIMIT.added_norm / g_norm
     admit(c, "ok", {"id": "g", "layer": 1, "scale": -fits})
     c.release("ok")
-    for spec in (
-        {"id": "g", "layer": [1, 2], "scale": fits},  # summed over layers
-        [{"id": "g", "layer": 1, "scale": fits}, {"id": "a", "layer": 2, "scale": fits}],  # and over entries
-        {"id": "g", "layer": 1, "scale": 3e38},
-        {"id": "g", "layer": list(range(N_LAYERS)), "scale": 10.0, "norm": True},  # 11**4 > 1e3
+    for spec, culprit in (
+        ({"id": "g", "layer": [1, 2], "scale": fits}, 0),  # summed over layers
+        ([{"id": "g", "layer": 1, "scale": fits / 20}, {"id": "g", "layer": 2, "scale": fits}], 1),  # and over entries
+        ({"id": "g", "layer": 1, "scale": 3e38}, 0),
+        ([{"id": "g", "layer": 0, "scale": 1.0, "norm": True},  # 11**4 > 1e3
+          {"id": "g", "layer": list(range(N_LAYERS)), "scale": 10.0, "norm": True}], 1),
     ):
         before = state(c)
         err = refusal(c, spec)
-        assert (err.status, err.code, err.field) == (400, "too_strong", "hotwire"), spec
-        assert "float32 model" in err.message and "Lower the scale" in err.message
+        assert (err.status, err.code, err.field) == (400, "too_strong", f"hotwire[{culprit}].scale"), spec
+        assert "float32 model" in err.message and f"hotwire[{culprit}] weighs most" in err.message
+        assert " tokens (" not in err.message  # no phase named when every entry steers every token
         assert state(c)[1:] == before[1:]
     # per phase: the strongest prefill-only and decode-only entries never apply to the same token
     admit(c, "phases", [{"id": "g", "layer": 1, "scale": fits, "prefill_only": True},
                         {"id": "g", "layer": 2, "scale": fits, "decode_only": True}])
+    err = refusal(c, [{"id": "g", "layer": 1, "scale": 1.0}, {"id": "g", "layer": 2, "scale": 3e38, "decode_only": True}])
+    assert "on generated tokens" in err.message and err.field == "hotwire[1].scale"
     admit(c, "norm", {"id": "g", "layer": [0, 1, 2], "scale": 9.0, "norm": True})  # 10**3: at the limit
-    huge = {"layer": list(range(N_LAYERS)), "scale": 3e38, "norm": True}  # a growth of e^709: no float overflow
-    assert "e^709-fold" in refusal(c, [{"id": "g", **huge}, {"id": "a", **huge}]).message
     assert c.check(json.dumps({"id": "g", "layer": [1, 2], "scale": fits}))["code"] == "too_strong"
 
 
-def test_float16_models_have_a_lower_strength_limit():
+def test_strength_growth_beyond_a_float_is_reported_as_a_power_of_e():
+    deep = ModelInfo(True, "", 16, HIDDEN, "float32", frozenset(range(16)))
+    c = SteeringController(deep, Settings(8, 2, "op", None, None), "org/model")
+    register(c, "g", vec(HIDDEN))
+    err = refusal(c, {"id": "g", "layer": list(range(16)), "scale": 3e38, "norm": True})
+    assert err.code == "too_strong" and "e^1418-fold" in err.message  # 16 * ln(1 + 3e38): exp() would overflow
+
+
+def fp16_controller() -> SteeringController:
     fp16 = ModelInfo(True, "", N_LAYERS, HIDDEN, "float16", frozenset(range(N_LAYERS)))
     c = SteeringController(fp16, Settings(8, 2, "op", None, None), "org/model")
     register(c, "g", vec(HIDDEN))
+    return c
+
+
+def test_float16_models_have_a_lower_strength_limit():
+    c = fp16_controller()
     g_norm = c.registry.current("g").row_norm(0)
     limit = STRENGTH_LIMITS["float16"]
     admit(c, "ok", {"id": "g", "layer": 0, "scale": 0.99 * limit.added_norm / g_norm})
     err = refusal(c, {"id": "g", "layer": 0, "scale": 1.01 * limit.added_norm / g_norm})
     assert err.code == "too_strong" and "float16 model" in err.message
+
+
+def test_norm_relative_entries_multiply_what_earlier_layers_added():
+    """A token's norm goes n -> g n + A layer by layer: a norm-relative entry scales up absolute steering added at
+    an earlier layer, not at a later one (found by review: each limit alone let 8 x (n + 4096) through on float16)."""
+    c = fp16_controller()
+    limit = STRENGTH_LIMITS["float16"]
+    strong = 0.9 * limit.added_norm / c.registry.current("g").row_norm(0)
+    grow = limit.norm_growth - 1
+    admit(c, "later", [{"id": "g", "layer": 0, "scale": grow, "norm": True}, {"id": "g", "layer": 1, "scale": strong}])
+    c.release("later")
+    err = refusal(c, [{"id": "g", "layer": 0, "scale": strong}, {"id": "g", "layer": 1, "scale": grow, "norm": True}])
+    assert err.code == "too_strong" and err.field == "hotwire[0].scale"
+    assert "multiplied by the growth of norm-relative entries at later layers" in err.message
+
+
+def test_stacked_norm_relative_entries_share_one_norm_read():
+    """The kernel reads a layer's norm once for all its entries: growth 1 + sum |scale|, not a product."""
+    c = fp16_controller()
+    half = (STRENGTH_LIMITS["float16"].norm_growth - 1) / 2
+    admit(c, "at-limit", [{"id": "g", "layer": 0, "scale": half, "norm": True}, {"id": "g", "layer": 0, "scale": -half, "norm": True}])
+    c.release("at-limit")
+    err = refusal(c, [{"id": "g", "layer": 0, "scale": half, "norm": True}, {"id": "g", "layer": 0, "scale": half + 0.1, "norm": True}])
+    assert err.code == "too_strong" and err.field == "hotwire[1].scale"
 
 
 def test_layer_without_hook_refused():

@@ -18,7 +18,9 @@ def test_layers_become_plain_ints(layers):
     assert out == [3, 1] and all(type(v) is int for v in out)
 
 
-@pytest.mark.parametrize("layers", [[1.0, 3.0], [True, 2], np.array([True]), torch.tensor([1.5]), "13", 3])
+@pytest.mark.parametrize(
+    "layers", [[1.0, 3.0], [True, 2], np.array([True]), torch.tensor([1.5]), "13", 3, {3, 1}, {3: 0}]
+)
 def test_layers_that_are_not_integers_are_refused(layers):
     with pytest.raises(TypeError, match="layers must be"):
         _layer_list(layers)
@@ -33,9 +35,24 @@ def test_check_steering_needs_a_spec():
         check_steering(object(), {"other": 1})
 
 
-def test_vectors_may_be_numpy_arrays():
-    out = _as_vector(np.arange(4, dtype=np.float64))
-    assert isinstance(out, torch.Tensor) and out.tolist() == [0.0, 1.0, 2.0, 3.0]
+@pytest.mark.parametrize(
+    "array",
+    [
+        np.arange(4, dtype=np.float64),
+        np.arange(4, dtype=np.float32)[::-1][::-1],
+        np.arange(4, dtype=">f4"),  # big-endian
+        np.arange(4, dtype=np.longdouble),
+        np.arange(4, dtype=np.uint32),
+        np.arange(8, dtype=np.float16)[::2],
+    ],
+)
+def test_vectors_may_be_numpy_arrays(array):
+    out = _as_vector(array)
+    assert isinstance(out, torch.Tensor) and out.tolist() == array.astype(np.float64).tolist()
+
+
+def test_a_reversed_numpy_view_keeps_its_order():
+    assert _as_vector(np.arange(4, dtype=np.float32)[::-1]).tolist() == [3.0, 2.0, 1.0, 0.0]
 
 
 @pytest.mark.parametrize(
@@ -46,6 +63,9 @@ def test_vectors_may_be_numpy_arrays():
         (torch.ones(4, dtype=torch.bool), TypeError, "real numbers"),
         (torch.tensor([1.0, 1e39], dtype=torch.float64), ValueError, "float32's range"),
         ([1.0, 2.0], TypeError, "torch tensor or numpy array"),
+        (np.array([object(), object()]), TypeError, "real numbers"),
+        (np.array(["1", "2"]), TypeError, "real numbers"),
+        (np.array([True]), TypeError, "real numbers"),
     ],
 )
 def test_vectors_that_cannot_be_sent_say_why(vector, error, words):

@@ -132,6 +132,23 @@ def test_not_finite(r, bad, dtype):
     assert (err.status, err.code, err.field) == (400, "not_finite", "data")
 
 
+@pytest.mark.parametrize(
+    "model_dtype, largest, dtype",
+    [("float16", 65504.0, "float32"), ("bfloat16", 3.3895e38, "float32"), ("float32", 3.4028e38, "float32")],
+)
+def test_values_the_models_dtype_cannot_hold_are_refused(model_dtype, largest, dtype):
+    """The bank holds rows in the model's dtype: 1e5 is inf in a float16 bank, and scale 0 makes it NaN."""
+    r = VectorRegistry(N_LAYERS, HIDDEN, model_dtype)
+    t = torch.zeros(HIDDEN)
+    t[1] = -largest * 0.999
+    assert reg(r, "fits", t, dtype).row_norm(0) == pytest.approx(largest * 0.999, rel=1e-6)
+    if model_dtype != "float32":  # float32's own range is all a float32 vector can hold
+        t[1] = largest * 1.001
+        err = reg_error(reg, r, "over", t, dtype)
+        assert (err.status, err.code, err.field) == (400, "out_of_range", "data")
+        assert model_dtype in err.message and "scale" in err.message
+
+
 @pytest.mark.parametrize("dtype", ["float64", "int8", "fp32", "", None])
 def test_bad_dtype(r, dtype):
     err = reg_error(r.register, "v", b"\0" * 32, dtype, [HIDDEN], None, False)

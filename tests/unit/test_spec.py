@@ -267,6 +267,12 @@ def test_build_spec_takes_numpy_and_torch_numbers():
         '[{"id":"a","layer":[1,3],"scale":2.5}]'
     )
     assert build_spec({"id": "a", "layer": (1, 2), "scale": 1}) == build_spec({"id": "a", "layer": range(1, 3), "scale": 1})
-    for bad in ({"layer": np.array([True])}, {"layer": torch.tensor([1.5])}, {"scale": np.array([1.0, 2.0])}):
+    for bad in (
+        {"layer": np.array([True])},
+        {"layer": [torch.tensor(True)]},  # a bool tensor has __index__, but it is not a layer
+        {"layer": [np.True_, 2]},
+        {"layer": torch.tensor([1.5])},
+        {"scale": np.array([1.0, 2.0])},
+    ):
         with pytest.raises(SpecError):
             build_spec({"id": "a", "layer": 1, "scale": 1.0, **bad})
