@@ -28,16 +28,19 @@ def test_plain_and_batchmates_bit_identical_in_bf16(tiny_model, tmp_path):
     def req(ids, **extra):
         return {"prompt_token_ids": ids, "params": {**GREEDY, **extra}}
 
-    plain_batches = [[req(p1)], [req(p1), req(p2)], [req(long)]]
-    # The long prompt runs steered first: its plain run must read none of that KV and match vanilla exactly.
+    # The long prompt runs steered first: its plain run must read none of that KV and match vanilla exactly, and
+    # a repeat shows the cache is in use. No prompt logprobs there: vLLM skips reading the cache for them.
+    cached = dict(prompt_logprobs=None)
+    plain_batches = [[req(p1)], [req(p1), req(p2)], [req(long, **cached)]]
     ours_batches = [[req(p1)], [req(p1), req(p2, extra_args=steer)], [req(p2, extra_args=norm)],
-                    [req(long, extra_args=steer)], [req(long)]]
+                    [req(long, **cached, extra_args=steer)], [req(long, **cached)], [req(long, **cached)]]
     bf16 = {"dtype": "bfloat16"}
     vanilla = run_in_subprocess(tiny_model, plain_batches, tmp_path, overrides=bf16)
     vector = torch.randn(256, generator=torch.Generator().manual_seed(7)).tolist()
     ours = run_in_subprocess(tiny_model, ours_batches, tmp_path, plugins=True, vectors={"v": vector}, overrides=bf16)
 
     assert len(long) >= 96 and ours[4][0]["num_cached_tokens"] == 0, "a plain request read steered KV"
+    assert ours[5][0]["num_cached_tokens"] >= 64, "prefix caching is off: the check above proves nothing"
     for got, want in ((ours[0][0], vanilla[0][0]), (ours[1][0], vanilla[1][0]), (ours[4][0], vanilla[2][0])):
         for key in ("token_ids", "logprobs", "prompt_logprobs"):
             assert got[key] == want[key], f"plain request {key} differ from vLLM without hotwire"

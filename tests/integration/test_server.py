@@ -682,6 +682,7 @@ def test_slot_exhaustion_is_429_with_retry_after(server, http, model):
     hog_tokens = LONG_STREAM_TOKENS  # ignore_eos: run to the end, it generates exactly this many
     body = completion_body(model, hog, max_tokens=hog_tokens, ignore_eos=True, logprobs=None)
     generated = vllm_counter(server, "vllm:generation_tokens")
+    exhausted = refusal_counts(server).get("slots_exhausted", 0)
     with stream(server, body) as (response, _lines):
         assert response.status_code == 200, response.text
         before = slots(http)
@@ -695,7 +696,8 @@ def test_slot_exhaustion_is_429_with_retry_after(server, http, model):
         chat = {"model": model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2,
                 "vllm_xargs": {"hotwire": spec("wide-b", [0, 1, 2, 3])}}  # fmt: skip
         assert_error(http.post("/v1/chat/completions", json=chat), 429, "slots_exhausted")
-        assert slots(http) == before  # a refusal pins, loads and counts nothing
+        assert slots(http) == before  # a refusal pins, loads and counts nothing in the engine
+        assert refusal_counts(server)["slots_exhausted"] == exhausted + 2  # /metrics counts both
 
         # what fits is admitted next to the hog: 3 rows
         fits = http.post("/v1/completions", json=completion_body(model, spec("wide-b", [0, 1, 2])))
@@ -860,6 +862,11 @@ def scrape(server: VllmServer) -> dict[tuple[str, tuple], float]:
     return {(name, tuple(sorted(labels.items()))): value for name, labels, value in server.hotwire_samples()}
 
 
+def refusal_counts(server: VllmServer) -> dict[str, float]:
+    """``hotwire_refusals_total`` by reason."""
+    return {labels["reason"]: value for name, labels, value in server.hotwire_samples() if name == "hotwire_refusals_total"}
+
+
 def test_metrics_series(server, http, model):
     stats = wait_idle(http)
     metrics = scrape(server)
@@ -869,16 +876,17 @@ def test_metrics_series(server, http, model):
     assert metrics[("hotwire_slot_evictions_total", ())] == stats["evictions"]
     assert metrics[("hotwire_vectors_registered", ())] == stats["vectors"] == len(by_id(http))
     assert metrics[("hotwire_steered_requests_total", ())] == stats["steered_requests"] > 0
-    refusals = {dict(labels)["reason"]: value for (name, labels), value in metrics.items()
-                if name == "hotwire_refusals_total"}  # fmt: skip
-    # earlier tests were refused for these reasons at admission (never reaching the engine)
-    for reason in ("slots_exhausted", "unknown_vector", "bad_spec", "layer_out_of_range", "no_row_for_layer"):
-        assert refusals.get(reason, 0) >= 1, refusals
-
-    # a refusal counts at once; a steered request shows up through the background refresh (every 2 s)
-    before_refusals = refusals["unknown_vector"]
-    assert http.post("/v1/completions", json=completion_body(model, spec("nope", 0))).status_code == 400
-    assert scrape(server)[("hotwire_refusals_total", (("reason", "unknown_vector"),))] == before_refusals + 1
+    # a refusal at admission (it never reaches the engine) counts at once, by reason (slots_exhausted: see
+    # test_slot_exhaustion_is_429_with_retry_after)
+    assert http.post("/steer/vectors?replace=true", json={"id": "m-l3", "layers": {"3": vec(71).tolist()}}).status_code in (200, 201)
+    refused = {"unknown_vector": spec("nope", 0), "bad_spec": "{not json", "layer_out_of_range": spec("keep", 99),
+               "no_row_for_layer": spec("m-l3", 0)}  # fmt: skip
+    for reason, steer in refused.items():
+        before = refusal_counts(server).get(reason, 0)
+        assert http.post("/v1/completions", json=completion_body(model, steer)).status_code == 400
+        assert refusal_counts(server).get(reason) == before + 1, reason
+    # a steered request shows up through the background refresh (every 2 s)
+    stats = wait_idle(http)
     token_logprobs(http.post("/v1/completions", json=completion_body(model, spec("keep", 0))))
     deadline = time.monotonic() + 10
     while scrape(server)[("hotwire_steered_requests_total", ())] != stats["steered_requests"] + 1:

@@ -169,6 +169,11 @@ def test_single_phase_configs_use_row_zero():
     assert w.request_rows("D")[0] == 0 and w.request_rows("D")[1] != 0
     assert w.request_rows("P")[0] != 0 and w.request_rows("P")[1] == 0
     assert w.request_rows("P")[0] == w.request_rows("D")[1] and len(w.config_rows) == 1  # the same config: one row
+    row = w.request_rows("P")[0]
+    # prompt tokens of P and generated ones of D are steered, the other phase of each is not
+    assert fill(w, ["D", "P"], [4, 4], [0, 0]) == [0] * 4 + [row] * 4 + [0] * (MAX_TOKENS - 8)
+    assert fill(w, ["D", "P"], [1, 1], [4, 4]) == [row, 0] + [0] * (MAX_TOKENS - 2)
+    assert fill(w, ["D", "P"], [2, 2], [3, 3]) == [0, row, row, 0] + [0] * (MAX_TOKENS - 4)  # across the boundary
 
 
 def test_layer_on_follows_the_live_configs():

@@ -228,3 +228,18 @@ def test_randomised_invariants():
             assert set(slots) == keys and len(set(slots.values())) == len(keys)
             held.append(keys)
         check_consistent(c)
+
+
+def test_a_requests_own_resident_row_is_pinned_before_its_missing_rows_evict():
+    """Keys in any order (a list naming the missing row first): the request's resident row is pinned first, so
+    the missing one evicts another row instead of the request's own."""
+    c = SlotCache(2)
+    a_slot = c.acquire([K("a")])[0][K("a")]
+    c.acquire([K("x")])
+    c.release([K("a")])  # a is the least recently used
+    c.release([K("x")])
+    slots, loads = c.acquire([K("b"), K("a")])
+    assert slots[K("a")] == a_slot and loads == [(slots[K("b")], K("b"))]
+    assert c.evictions == 1 and K("x") not in c._slot_of
+    check_consistent(c)
+
