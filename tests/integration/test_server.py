@@ -867,7 +867,7 @@ def refusal_counts(server: VllmServer) -> dict[str, float]:
     return {labels["reason"]: value for name, labels, value in server.hotwire_samples() if name == "hotwire_refusals_total"}
 
 
-def test_metrics_series(server, http, model):
+def test_metrics_series(server, http, model, keep):
     stats = wait_idle(http)
     metrics = scrape(server)
     assert metrics[("hotwire_slots_capacity", ())] == SLOTS
