@@ -875,7 +875,7 @@ def test_metrics_series(server, http, model, keep):
     assert metrics[("hotwire_slots_pinned", ())] == 0
     assert metrics[("hotwire_slot_evictions_total", ())] == stats["evictions"]
     assert metrics[("hotwire_vectors_registered", ())] == stats["vectors"] == len(by_id(http))
-    assert metrics[("hotwire_steered_requests_total", ())] == stats["steered_requests"] > 0
+    assert metrics[("hotwire_steered_requests_total", ())] == stats["steered_requests"]  # counting: see the end
     # a refusal at admission (it never reaches the engine) counts at once, by reason (slots_exhausted: see
     # test_slot_exhaustion_is_429_with_retry_after)
     assert http.post("/steer/vectors?replace=true", json={"id": "m-l3", "layers": {"3": vec(71).tolist()}}).status_code in (200, 201)
