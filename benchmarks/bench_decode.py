@@ -5,7 +5,10 @@ KV cache, ``--kv-cache-gib``) and then measured in turn, round-robin: for each b
 configuration runs a short unrecorded warm-up and then every one of its modes back to back, with the order of
 configurations and of modes rotated per repetition. Slow drift of the machine (clocks, temperature, other
 tenants) then hits all configurations alike, and each repetition gives a *paired* ratio against the vanilla run
-of the same round. ``--cores-per-engine`` gives each engine its own CPU cores.
+of the same round. ``--cores-per-engine`` gives each engine its own CPU cores. ``--untimed`` compiles every engine with
+``hotwire_core.verify.UNTIMED_INDUCTOR``: vLLM's compile otherwise picks some Inductor kernel configurations by
+timing them (session 14: Qwen3's q/k RMSNorm), so two separately compiled engines can run different kernels for
+the same op, a difference between the engines that is not hotwire's.
 
 Configurations: ``vanilla`` (no plugin loaded at all: ``VLLM_PLUGINS=""``), ``op`` (hotwire, opaque Triton op),
 ``op_1set`` (the op without idle graph variants: ``HOTWIRE_IDLE_GRAPHS=0``), ``op_8layers`` (the op hooked on
@@ -97,6 +100,8 @@ def worker(args: argparse.Namespace) -> None:
     import torch
     from vllm import LLM, SamplingParams
 
+    from hotwire_core.verify import untimed_compilation_config
+
     kind = split_config(args.config)[0]
     llm = LLM(
         args.model, load_format="dummy", dtype="bfloat16", max_model_len=1024, max_num_seqs=args.max_batch,
@@ -106,6 +111,7 @@ def worker(args: argparse.Namespace) -> None:
         # The worker builds its profiler on the first start_profile: until then the engine is the same as without.
         profiler_config={"profiler": "torch", "torch_profiler_dir": str(args.profile_dir), "torch_profiler_with_stack": False,
                          "torch_profiler_dump_cuda_time_total": False} if args.profile_dir else None,
+        compilation_config=untimed_compilation_config() if args.untimed else None,
     )
     hf = llm.llm_engine.model_config.hf_config
     n_layers = hf.num_hidden_layers
@@ -239,6 +245,8 @@ class Engine:
                "--decode-tokens", str(args.decode_tokens), "--prompt-len", str(args.prompt_len)]
         if cores:
             cmd += ["--cores", f"{cores.start}-{cores.stop - 1}"]
+        if args.untimed:
+            cmd.append("--untimed")
         if args.profile:
             cmd += ["--profile-dir", tempfile.mkdtemp(prefix=f"hotwire-trace-{tag}-")]
         self.config = config
@@ -470,6 +478,9 @@ def main() -> None:
     parser.add_argument("--cores-per-engine", type=int, default=0,
                         help="give engine i (in --configs order) the CPU cores [i*N, (i+1)*N) of this process's "
                              "own set, so that engines never share a core; 0 (default): no pinning")
+    parser.add_argument("--untimed", action="store_true",
+                        help="compile every engine with no Inductor kernel choice left to timing "
+                             "(hotwire_core.verify.UNTIMED_INDUCTOR), so that all engines run the same kernels")
     parser.add_argument("--profile", action="store_true",
                         help=f"after the repetitions (--reps 0: none), one generate of {PROFILE_STEPS} decode steps per "
                              "engine, batch and mode under vLLM's torch profiler: the decode step's kernels")
@@ -541,6 +552,7 @@ def _write(args: argparse.Namespace, rows: list[dict], summary: list[dict], capt
         "torch": torch.__version__,
         "shape": args.shape,
         "command": " ".join(sys.argv),
+        "inductor": "UNTIMED_INDUCTOR (no kernel choice by timing)" if args.untimed else "vLLM's default compile",
         "method": "decode ms/token per request = (last token - first token) / (N - 1) on the engine core's clock "
                   "(RequestOutput.metrics), median over the requests whose first token came last; step_ms = median "
                   "engine-core time between consecutive steps in which every request got a token; engines side by "
