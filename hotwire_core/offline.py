@@ -11,14 +11,13 @@
 
 from __future__ import annotations
 
-import operator
 from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 import torch
 
-from .spec import SPEC_KEY, build_spec
+from .spec import SPEC_KEY, as_index, build_spec
 from .store import tensor_to_stored
 
 
@@ -47,14 +46,10 @@ def _layer_list(layers: Any) -> list[int] | None:
         layers = layers.tolist()
     if not isinstance(layers, (list, tuple, range)):  # a set or dict would lose the order rows are given in
         raise TypeError(f"layers must be a list of layer indices (one per row, in order), got {type(layers).__name__}")
-    out = []
-    for layer in layers:
-        if isinstance(layer, bool) or getattr(layer, "dtype", None) == torch.bool:
+    out = [as_index(layer) for layer in layers]
+    for layer, value in zip(layers, out):
+        if isinstance(value, bool) or not isinstance(value, int):
             raise TypeError(f"layers must be integers, got {layer!r}")
-        try:
-            out.append(operator.index(layer))
-        except TypeError:
-            raise TypeError(f"layers must be integers, got {layer!r}") from None
     return out
 
 

@@ -7,7 +7,7 @@ holding one entry or a list of entries::
     [{"id": "happy", "layer": 10, "scale": 4.0, "decode_only": true},
      {"id": "formal", "layer": 10, "scale": 0.1, "norm": true}]
 
-Entry fields: ``id`` (string), ``layer`` (int or list of ints), ``scale`` (finite float), optional
+Entry fields: ``id`` (string), ``layer`` (int or list of ints), ``scale`` (finite float, taken as float32), optional
 ``decode_only`` / ``prefill_only`` (bool, mutually exclusive) and ``norm`` (bool: the scale is relative to
 the token's residual norm, ``residual += scale * |residual| * v/|v|``).
 """
@@ -23,6 +23,8 @@ import re
 from dataclasses import dataclass
 from enum import Enum
 from typing import Any
+
+import numpy as np
 
 SPEC_KEY = "hotwire"
 SALT_PREFIX = "hotwire:"  # steered requests' cache salts; a user cache_salt may not start with it (it could forge one)
@@ -108,8 +110,13 @@ def _parse_entry(raw: Any, field: str) -> SteeringEntry:
             raise SpecError(f"{field}.scale", f"is too large for a float (about 2**{scale.bit_length()})") from None
     if not isinstance(scale, float) or not math.isfinite(scale):
         raise SpecError(f"{field}.scale", f"must be a finite number, got {scale!r}")
-    if abs(scale) > FLOAT32_MAX:  # the per-token scale table is float32: a larger scale would become inf there
+    with np.errstate(over="ignore"):
+        scale32 = np.float32(scale)
+    if not np.isfinite(scale32):  # the per-token scale table is float32: a larger scale would become inf there
         raise SpecError(f"{field}.scale", f"{scale!r} is outside float32's range (|scale| <= {FLOAT32_MAX:.4g})")
+    # What steers is the float32 value: written with the fewest digits that give it back, scales that steer
+    # alike canonicalise (salt, receipt) alike, e.g. 0.1 and numpy's float32(0.1) = 0.10000000149011612.
+    scale = float(str(scale32))
 
     decode_only = _bool(raw.get("decode_only", False), f"{field}.decode_only")
     prefill_only = _bool(raw.get("prefill_only", False), f"{field}.prefill_only")
@@ -181,9 +188,9 @@ def _python_numbers(entry: Any) -> Any:
     if isinstance(layer, (tuple, range)):
         layer = list(layer)
     if isinstance(layer, list):
-        layer = [_index(v) for v in layer]
+        layer = [as_index(v) for v in layer]
     elif layer is not None:
-        layer = _index(layer)
+        layer = as_index(layer)
     if "layer" in out:
         out["layer"] = layer
     scale = out.get("scale")
@@ -194,9 +201,9 @@ def _python_numbers(entry: Any) -> Any:
     return out
 
 
-def _index(value: Any) -> Any:
+def as_index(value: Any) -> Any:
     """An integer-like value (numpy / torch integer) as an int; anything else (a bool tensor too, which has
-    ``__index__``) unchanged, for parse_spec to refuse."""
+    ``__index__``) unchanged, for the caller to refuse."""
     if isinstance(value, (bool, int)) or not hasattr(value, "__index__") or "bool" in str(getattr(value, "dtype", "")):
         return value
     try:

@@ -212,6 +212,20 @@ def test_scale_outside_float32_is_spec_error():
     assert parse_spec('{"id": "a", "layer": 1, "scale": -3.4e38}')[0].scale == -3.4e38
 
 
+def test_scales_that_steer_alike_canonicalise_alike():
+    """The scale table is float32: a scale is taken as its float32 value, written with the fewest digits."""
+    import numpy as np
+
+    as_float32 = build_spec({"id": "a", "layer": 1, "scale": np.float32(0.1)})
+    assert as_float32 == build_spec({"id": "a", "layer": 1, "scale": 0.1}) == '[{"id":"a","layer":[1],"scale":0.1}]'
+    # digits float32 cannot hold are dropped: 0.1 + 1e-12 is float32's 0.1 too
+    assert parse_spec('{"id": "a", "layer": 1, "scale": 0.100000000001}')[0].scale == 0.1
+    assert parse_spec('{"id": "a", "layer": 1, "scale": 0.123456789}')[0].scale == 0.12345679
+    # float32's largest value canonicalises to 3.4028235e38, a little above it as a float64: still accepted
+    biggest = parse_spec('{"id": "a", "layer": 1, "scale": 3.4028234663852886e38}')[0]
+    assert biggest.scale == 3.4028235e38 and parse_spec(canonical_spec((biggest,))) == (biggest,)
+
+
 def test_large_int_scale_within_float_range_is_accepted():
     # 2**53 and above are not exact as floats, but they are finite numbers like 1e20: same value, same entry
     assert parse_spec('{"id": "a", "layer": 1, "scale": 100000000000000000000}') == parse_spec(
