@@ -15,11 +15,11 @@ from __future__ import annotations
 
 import base64
 import binascii
+import dataclasses
 import json
 import math
 import re
 from collections.abc import AsyncIterable, Mapping
-from dataclasses import dataclass
 
 import numpy as np
 import safetensors
@@ -37,7 +37,7 @@ CONVERT_HINT = (
 )
 
 
-@dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True)
 class VectorPayload:
     """What ``hotwire_register`` takes after the id: row-major little-endian ``data`` of ``dtype`` and
     ``shape``; ``layers`` names the rows (None: one row per model layer, or one row usable at any layer)."""
@@ -46,6 +46,9 @@ class VectorPayload:
     dtype: str
     shape: tuple[int, ...]
     layers: tuple[int, ...] | None
+    # The request field the values came from ("data", "file" or "layers"): the engine's checks of the values
+    # name "data", and the answer should name what the client sent.
+    source: str = dataclasses.field(default="data", compare=False)
 
 
 def _bad(field: str | None, message: str, code: str) -> HotwireError:
@@ -153,7 +156,7 @@ def _finish(
         elif shape[0] != len(layers):
             raise _bad("layers", f"names {len(layers)} layers but the tensor has {shape[0]} rows", "bad_layers")
     _check_finite(data, dtype, shape[-1], field)
-    return VectorPayload(data, dtype, shape, layers)
+    return VectorPayload(data, dtype, shape, layers, field)
 
 
 def decode_safetensors(raw: bytes, layers: tuple[int, ...] | None = None, field: str = "file") -> VectorPayload:

@@ -101,9 +101,14 @@ class HotwireEngine:
     async def register(self, vector_id: str, payload: VectorPayload, replace: bool) -> tuple[bool, VectorMeta]:
         """Register (or with ``replace`` re-register) a vector; returns (created, meta)."""
         layers = list(payload.layers) if payload.layers is not None else None
-        answers = await self._call_each(
-            "hotwire_register", vector_id, payload.data, payload.dtype, list(payload.shape), layers, replace
-        )
+        try:
+            answers = await self._call_each(
+                "hotwire_register", vector_id, payload.data, payload.dtype, list(payload.shape), layers, replace
+            )
+        except HotwireError as exc:
+            if exc.field == "data":  # the engine checked the values: name the field they were sent in
+                exc.field = payload.source
+            raise
         metas = [self._parse(VectorMeta, a.get("vector"), "hotwire_register") for a in answers]
         if any((m.version, m.sha256) != (metas[0].version, metas[0].sha256) for m in metas[1:]):
             raise HotwireError(

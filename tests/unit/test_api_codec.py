@@ -47,7 +47,7 @@ def test_json_base64_round_trips(dtype: str, shape: tuple[int, ...]) -> None:
     body = {"id": "happy", "data": base64.b64encode(array.tobytes()).decode(), "dtype": dtype, "shape": list(shape)}
     vector_id, payload = decode_json(body)
     assert vector_id == "happy"
-    assert payload == VectorPayload(array.tobytes(), dtype, shape, None)
+    assert payload == VectorPayload(array.tobytes(), dtype, shape, None) and payload.source == "data"
 
 
 def test_json_base64_bfloat16_with_layers() -> None:
@@ -75,7 +75,7 @@ def test_json_per_layer_lists_round_trip_as_float32() -> None:
     rows = {"10": [0.5] * HIDDEN, "2": list(range(HIDDEN))}
     _, payload = decode_json({"id": "v", "layers": rows})
     expected = np.stack([np.arange(HIDDEN, dtype="<f4"), np.full(HIDDEN, 0.5, "<f4")]).tobytes()
-    assert payload == VectorPayload(expected, "float32", (2, HIDDEN), (2, 10))
+    assert payload == VectorPayload(expected, "float32", (2, HIDDEN), (2, 10)) and payload.source == "layers"
 
 
 @pytest.mark.parametrize("dtype", ["float32", "float16"])
@@ -89,6 +89,7 @@ def test_safetensors_single_tensor_with_layers_form_field() -> None:
     array = np.ones((2, HIDDEN), np.float32)
     vector_id, payload = decode_form({"id": "v", "file": save_numpy({"x": array}), "layers": "7, 9"})
     assert vector_id == "v" and payload == VectorPayload(array.tobytes(), "float32", (2, HIDDEN), (7, 9))
+    assert payload.source == "file"  # what an engine refusal of the values names
 
 
 def test_safetensors_tensors_named_by_layer_stack_in_layer_order() -> None:

@@ -95,6 +95,25 @@ def test_registration_the_engine_cores_disagree_on_is_an_error() -> None:
     assert (err.value.status, err.value.code) == (500, "engines_disagree") and "[3, 2]" in err.value.message
 
 
+def test_a_refusal_of_the_values_names_the_field_they_were_sent_in() -> None:
+    """The engine checks the values (out_of_range) and names "data"; a multipart upload sent them as "file"."""
+    from hotwire_api.codec import VectorPayload
+
+    refusal = {"ok": False, "status": 400, "code": "out_of_range", "error": "the vector holds 1e+05", "field": "data"}
+    for source in ("file", "data", "layers"):
+        client = TwoEngines({"hotwire_register": [refusal, refusal]})
+        payload = VectorPayload(data=b"\0" * 32, dtype="float32", shape=(8,), layers=None, source=source)
+        with pytest.raises(HotwireError) as err:
+            asyncio.run(HotwireEngine(client, client.per_engine).register("x", payload, False))
+        assert (err.value.code, err.value.field) == ("out_of_range", source)
+    other = {"ok": False, "status": 409, "code": "exists", "error": "taken", "field": "id"}
+    client = TwoEngines({"hotwire_register": [other, other]})
+    payload = VectorPayload(data=b"\0" * 32, dtype="float32", shape=(8,), layers=None, source="file")
+    with pytest.raises(HotwireError) as err:
+        asyncio.run(HotwireEngine(client, client.per_engine).register("x", payload, False))
+    assert err.value.field == "id"
+
+
 def test_a_refusal_from_any_engine_core_is_raised() -> None:
     client = TwoEngines({"hotwire_unregister": [
         {"ok": True, "in_flight": 0},
