@@ -106,11 +106,13 @@ class VllmServer:
         self.port = free_port()
         run_dir = self.workdir / f"run-{self.starts}"
         # TMPDIR stays the test run's (short) one: vLLM puts ZMQ IPC sockets there, whose paths may not exceed
-        # 107 characters.
+        # 107 characters. The run's caches too, where it has its own (scripts/test.sh): servers start one at a
+        # time, and a server that finds the kernels and model facts earlier engines of the run compiled starts
+        # in less time (vLLM's own compile cache stays off, VLLM_DISABLE_COMPILE_CACHE).
         env = {
             **os.environ,
-            "VLLM_CACHE_ROOT": str(run_dir / "vllm-cache"),
-            "TORCHINDUCTOR_CACHE_DIR": str(run_dir / "inductor"),
+            "VLLM_CACHE_ROOT": os.environ.get("VLLM_CACHE_ROOT", str(run_dir / "vllm-cache")),
+            "TORCHINDUCTOR_CACHE_DIR": os.environ.get("TORCHINDUCTOR_CACHE_DIR", str(run_dir / "inductor")),
             "PYTHONUNBUFFERED": "1",
             # On a busy two-core machine the test process can stall for seconds (seen: 4 s); with uvicorn's 5 s
             # keep-alive the server may close a pooled connection just as the client reuses it.
