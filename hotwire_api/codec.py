@@ -46,8 +46,8 @@ class VectorPayload:
     dtype: str
     shape: tuple[int, ...]
     layers: tuple[int, ...] | None
-    # The request field the values came from ("data", "file" or "layers"): the engine's checks of the values
-    # name "data", and the answer should name what the client sent.
+    # The request field the values came from ("data", "file" or "layers"): the engine's checks name the base64
+    # upload's fields (data, shape, dtype), and the answer should name what the client sent.
     source: str = dataclasses.field(default="data", compare=False)
 
 

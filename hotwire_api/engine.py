@@ -106,7 +106,8 @@ class HotwireEngine:
                 "hotwire_register", vector_id, payload.data, payload.dtype, list(payload.shape), layers, replace
             )
         except HotwireError as exc:
-            if exc.field == "data":  # the engine checked the values: name the field they were sent in
+            # The engine names the base64 upload's fields; a file or per-layer lists carried all of them.
+            if exc.field == "data" or (exc.field in ("shape", "dtype") and payload.source != "data"):
                 exc.field = payload.source
             raise
         metas = [self._parse(VectorMeta, a.get("vector"), "hotwire_register") for a in answers]

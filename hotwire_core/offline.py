@@ -46,10 +46,12 @@ def _layer_list(layers: Any) -> list[int] | None:
         layers = layers.tolist()
     if not isinstance(layers, (list, tuple, range)):  # a set or dict would lose the order rows are given in
         raise TypeError(f"layers must be a list of layer indices (one per row, in order), got {type(layers).__name__}")
-    out = [as_index(layer) for layer in layers]
-    for layer, value in zip(layers, out):
+    out = []
+    for layer in layers:
+        value = as_index(layer)
         if isinstance(value, bool) or not isinstance(value, int):
             raise TypeError(f"layers must be integers, got {layer!r}")
+        out.append(int(value))  # an int subclass (IntEnum) as a plain int for vLLM's RPC
     return out
 
 

@@ -115,8 +115,8 @@ def _parse_entry(raw: Any, field: str) -> SteeringEntry:
     if not np.isfinite(scale32):  # the per-token scale table is float32: a larger scale would become inf there
         raise SpecError(f"{field}.scale", f"{scale!r} is outside float32's range (|scale| <= {FLOAT32_MAX:.4g})")
     # What steers is the float32 value: written with the fewest digits that give it back, scales that steer
-    # alike canonicalise (salt, receipt) alike, e.g. 0.1 and numpy's float32(0.1) = 0.10000000149011612.
-    scale = float(str(scale32))
+    # alike get one cache salt, e.g. 0.1 and numpy's float32(0.1) = 0.10000000149011612.
+    scale = float(str(scale32 + np.float32(0)))  # + 0: -0.0 (or a negative scale too small for float32) is 0.0
 
     decode_only = _bool(raw.get("decode_only", False), f"{field}.decode_only")
     prefill_only = _bool(raw.get("prefill_only", False), f"{field}.prefill_only")

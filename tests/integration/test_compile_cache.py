@@ -29,11 +29,16 @@ def _hashes(model, *envs: dict[str, str]) -> list[str]:
         for env in envs
     ]  # fmt: skip
     hashes = []
-    for proc in procs:
-        out, err = proc.communicate(timeout=300)
-        lines = [line for line in out.splitlines() if line.startswith("HASH ")]
-        assert lines, err[-3000:]
-        hashes.append(lines[0].split()[1])
+    try:
+        for proc in procs:
+            out, err = proc.communicate(timeout=300)
+            lines = [line for line in out.splitlines() if line.startswith("HASH ")]
+            assert lines, err[-3000:]
+            hashes.append(lines[0].split()[1])
+    finally:
+        for proc in procs:  # after a failure, the ones not read yet
+            proc.kill()
+            proc.wait()
     return hashes
 
 

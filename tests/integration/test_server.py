@@ -439,8 +439,9 @@ BAD_REGISTRATIONS = {
     "id-too-long": ({"json": json_body("x" * 65, vec(1))}, 400, "bad_id", "id"),
     "missing-id": ({"json": {"data": b64(vec(1)), "dtype": "float32", "shape": [HIDDEN]}}, 400, "bad_id", "id"),
     "hidden-255": ({"json": json_body("keep", vec(1, (255,)))}, 400, "bad_shape", "shape"),
-    "hidden-300-form": (multipart("keep", save_numpy({"v": vec(1, (300,))})), 400, "bad_shape", "shape"),
-    "lists-128": ({"json": {"id": "keep", "layers": {"1": vec(1, (128,)).tolist()}}}, 400, "bad_shape", "shape"),
+    # a file and per-layer lists carry their own shape: the error names the field the client sent
+    "hidden-300-form": (multipart("keep", save_numpy({"v": vec(1, (300,))})), 400, "bad_shape", "file"),
+    "lists-128": ({"json": {"id": "keep", "layers": {"1": vec(1, (128,)).tolist()}}}, 400, "bad_shape", "layers"),
     "3-rows-no-layers": ({"json": json_body("keep", vec(1, (3, HIDDEN)))}, 400, "bad_shape", "shape"),
     "nan-b64": ({"json": json_body("keep", _nan(vec(1)))}, 400, "not_finite", "data"),
     "inf-f16": ({"json": json_body("keep", _nan(vec(1, dtype=np.float16), 3, math.inf), "float16")}, 400,

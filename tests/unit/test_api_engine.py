@@ -106,6 +106,14 @@ def test_a_refusal_of_the_values_names_the_field_they_were_sent_in() -> None:
         with pytest.raises(HotwireError) as err:
             asyncio.run(HotwireEngine(client, client.per_engine).register("x", payload, False))
         assert (err.value.code, err.value.field) == ("out_of_range", source)
+    # a file (or per-layer lists) carried the shape and dtype too: a vector made for another model names the file
+    wrong_width = {"ok": False, "status": 400, "code": "bad_shape", "error": "does not fit", "field": "shape"}
+    for source, named in (("file", "file"), ("layers", "layers"), ("data", "shape")):
+        client = TwoEngines({"hotwire_register": [wrong_width, wrong_width]})
+        payload = VectorPayload(data=b"\0" * 32, dtype="float32", shape=(8,), layers=None, source=source)
+        with pytest.raises(HotwireError) as err:
+            asyncio.run(HotwireEngine(client, client.per_engine).register("x", payload, False))
+        assert err.value.field == named
     other = {"ok": False, "status": 409, "code": "exists", "error": "taken", "field": "id"}
     client = TwoEngines({"hotwire_register": [other, other]})
     payload = VectorPayload(data=b"\0" * 32, dtype="float32", shape=(8,), layers=None, source="file")

@@ -309,7 +309,7 @@ def test_same_id_conflicts_unless_replace(client: TestClient) -> None:
 @pytest.mark.parametrize(
     "array,layers,status,code,field",
     [
-        (np.ones(HIDDEN + 1, np.float32), None, 400, "hidden_size_mismatch", "shape"),  # engine-side check
+        (np.ones(HIDDEN + 1, np.float32), None, 400, "hidden_size_mismatch", "file"),  # engine-side check, named as the upload
         (np.ones((2, HIDDEN), np.float32), "2,9", 400, "layer_out_of_range", "layers"),  # engine-side check
         (np.ones(HIDDEN, np.float64), None, 400, "bad_dtype", "file"),
         (np.full(HIDDEN, np.nan, np.float32), None, 400, "not_finite", "file"),

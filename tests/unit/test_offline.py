@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from enum import IntEnum
+
 import numpy as np
 import pytest
 import torch
@@ -11,7 +13,8 @@ from hotwire_core.offline import _as_vector, _layer_list, check_steering
 
 @pytest.mark.parametrize(
     "layers",
-    [[3, 1], (3, 1), np.array([3, 1]), torch.tensor([3, 1]), [np.int64(3), np.int32(1)], [torch.tensor(3), 1]],
+    [[3, 1], (3, 1), np.array([3, 1]), torch.tensor([3, 1]), [np.int64(3), np.int32(1)], [torch.tensor(3), 1],
+     [IntEnum("Layer", {"A": 3}).A, 1]],
 )
 def test_layers_become_plain_ints(layers):
     out = _layer_list(layers)

@@ -224,6 +224,9 @@ def test_scales_that_steer_alike_canonicalise_alike():
     # float32's largest value canonicalises to 3.4028235e38, a little above it as a float64: still accepted
     biggest = parse_spec('{"id": "a", "layer": 1, "scale": 3.4028234663852886e38}')[0]
     assert biggest.scale == 3.4028235e38 and parse_spec(canonical_spec((biggest,))) == (biggest,)
+    # -0.0, and a negative scale float32 cannot tell from 0, steer as 0 does
+    for literal in ("-0.0", "-1e-46", "0.0"):
+        assert build_spec({"id": "a", "layer": 1, "scale": float(literal)}) == '[{"id":"a","layer":[1],"scale":0.0}]'
 
 
 def test_large_int_scale_within_float_range_is_accepted():
