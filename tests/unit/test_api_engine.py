@@ -95,31 +95,29 @@ def test_registration_the_engine_cores_disagree_on_is_an_error() -> None:
     assert (err.value.status, err.value.code) == (500, "engines_disagree") and "[3, 2]" in err.value.message
 
 
-def test_a_refusal_of_the_values_names_the_field_they_were_sent_in() -> None:
-    """The engine checks the values (out_of_range) and names "data"; a multipart upload sent them as "file"."""
+def _registration_refused(answer: dict, source: str) -> HotwireError:
+    """The error ``register`` raises when both engine cores give ``answer`` for a payload sent as ``source``."""
     from hotwire_api.codec import VectorPayload
 
+    client = TwoEngines({"hotwire_register": [answer, answer]})
+    payload = VectorPayload(data=b"\0" * 32, dtype="float32", shape=(8,), layers=None, source=source)
+    with pytest.raises(HotwireError) as err:
+        asyncio.run(HotwireEngine(client, client.per_engine).register("x", payload, False))
+    return err.value
+
+
+def test_a_refusal_of_the_values_names_the_field_they_were_sent_in() -> None:
+    """The engine checks the values (out_of_range) and names "data"; a multipart upload sent them as "file"."""
     refusal = {"ok": False, "status": 400, "code": "out_of_range", "error": "the vector holds 1e+05", "field": "data"}
     for source in ("file", "data", "layers"):
-        client = TwoEngines({"hotwire_register": [refusal, refusal]})
-        payload = VectorPayload(data=b"\0" * 32, dtype="float32", shape=(8,), layers=None, source=source)
-        with pytest.raises(HotwireError) as err:
-            asyncio.run(HotwireEngine(client, client.per_engine).register("x", payload, False))
-        assert (err.value.code, err.value.field) == ("out_of_range", source)
+        err = _registration_refused(refusal, source)
+        assert (err.code, err.field) == ("out_of_range", source)
     # a file (or per-layer lists) carried the shape and dtype too: a vector made for another model names the file
     wrong_width = {"ok": False, "status": 400, "code": "bad_shape", "error": "does not fit", "field": "shape"}
     for source, named in (("file", "file"), ("layers", "layers"), ("data", "shape")):
-        client = TwoEngines({"hotwire_register": [wrong_width, wrong_width]})
-        payload = VectorPayload(data=b"\0" * 32, dtype="float32", shape=(8,), layers=None, source=source)
-        with pytest.raises(HotwireError) as err:
-            asyncio.run(HotwireEngine(client, client.per_engine).register("x", payload, False))
-        assert err.value.field == named
+        assert _registration_refused(wrong_width, source).field == named
     other = {"ok": False, "status": 409, "code": "exists", "error": "taken", "field": "id"}
-    client = TwoEngines({"hotwire_register": [other, other]})
-    payload = VectorPayload(data=b"\0" * 32, dtype="float32", shape=(8,), layers=None, source="file")
-    with pytest.raises(HotwireError) as err:
-        asyncio.run(HotwireEngine(client, client.per_engine).register("x", payload, False))
-    assert err.value.field == "id"
+    assert _registration_refused(other, "file").field == "id"
 
 
 def test_a_refusal_from_any_engine_core_is_raised() -> None:
