@@ -12,14 +12,17 @@ on a ``hotwire_core.tiny_model`` shape with dummy weights (bf16 on a GPU, float3
   processes timestamp every token. Meanwhile this process idles, registers ``--registrations`` vectors one at a
   time, idles, then polls ``GET /steer/slots`` ``--polls`` times fresh and ``--polls`` times with
   ``max_age_ms=1000`` (what a 1 Hz poller sends), then ``--polls`` times vLLM's own ``GET /version`` (a
-  trivial route: the floor any route of this server pays under the same load). Each inter-token gap is classed
-  by what it overlapped: a registration, a poll, or nothing (idle). stall = p99 gap while registering - p99 idle
-  gap.
+  trivial route: the floor any route of this server pays under the same load). The polls share one HTTP
+  connection, so with several API servers they all reach the same one, and each is timed until its body has
+  arrived (no client-side parsing). Each inter-token gap is classed by what it overlapped: a registration, a
+  poll, or nothing (idle). stall = p99 gap while registering - p99 idle gap.
 
-All servers start at once and are measured one at a time (the others idle). On one server per ``--slots`` value:
-decode ms/token of ``--batch`` streamed steered completions (8 vectors, one middle layer, so 8 rows fit every
-capacity): each request's ``(last token - first token) / (N - 1)`` as this process received them, median over
-the batch, per repetition (``--reps``, after one warm-up batch).
+All servers start at once. The capacity sweep, on one server per ``--slots`` value: decode ms/token of
+``--batch`` streamed steered completions (8 vectors, one middle layer, so 8 rows fit every capacity): each
+request's ``(last token - first token) / (N - 1)`` as this process received them, median over the batch. After
+one warm-up batch per server, ``--reps`` rounds measure every server once, one at a time (the others idle), in
+an order rotated per round; the cost of a capacity is the median over rounds of its ratio to the smallest
+capacity in the same round (paired, so the machine's drift hits both sides of a ratio alike).
 
     python benchmarks/bench_control.py --shape qwen3-8b --out benchmarks/results/x.json   # also writes x.md
 """
@@ -46,6 +49,7 @@ import numpy as np
 
 from hotwire_api.admission import RECEIPT_HEADER
 from hotwire_api.client import HotwireClient
+from hotwire_api.models import SlotStats
 from hotwire_api.server_process import (
     ServerExited,
     free_port,
@@ -93,13 +97,17 @@ def classify_gaps(streams: list[list[float]], busy: dict[str, list[Interval]], w
     return gaps
 
 
+def paired_change_pct(row: dict, base: dict) -> list[float]:
+    """Per round, ``row``'s decode ms/token change (%) against ``base`` measured in the same round."""
+    return [(ms / b - 1) * 100 for ms, b in zip(row["decode_ms"], base["decode_ms"], strict=True)]
+
+
 def capacity_cost_pct(rows: list[dict]) -> float | None:
-    """Largest decode ms/token change (%) against the smallest capacity measured."""
+    """Largest change (%), by absolute value, of a capacity's paired median against the smallest capacity."""
     if len(rows) < 2:
         return None
-    by_slots = sorted(rows, key=lambda r: r["slots"])
-    base = statistics.median(by_slots[0]["decode_ms"])
-    return round(max(abs(statistics.median(r["decode_ms"]) / base - 1) * 100 for r in by_slots[1:]), 2)
+    base, *others = sorted(rows, key=lambda r: r["slots"])
+    return round(max(abs(statistics.median(paired_change_pct(r, base))) for r in others), 2)
 
 
 def under_load(stall: dict) -> bool:
@@ -299,9 +307,10 @@ def _read_line(proc: subprocess.Popen, prefix: str) -> str:
     return line[len(prefix):]
 
 
-def measure_under_load(hw: HotwireClient, url: str, shape: ModelShape, args: argparse.Namespace,
+def measure_under_load(hw: HotwireClient, http: httpx.Client, url: str, shape: ModelShape, args: argparse.Namespace,
                        rng: np.random.Generator) -> tuple[dict, dict]:
-    """Decode gaps of ``args.streams`` steered streams around registrations and slot polls; the polls' latency."""
+    """Decode gaps of ``args.streams`` steered streams around registrations and slot polls; the polls' latency.
+    The polls go over ``http``'s one connection (one API server), timed to the end of the body."""
     spec = _spec("resident", list(range(shape.num_layers)))
     workers = []
     for seed, first in enumerate(range(0, args.streams, STREAMS_PER_WORKER)):
@@ -318,10 +327,10 @@ def measure_under_load(hw: HotwireClient, url: str, shape: ModelShape, args: arg
         busy = {"register": _timed([partial(hw.register, f"live{i}", v) for i, v in enumerate(vectors)],
                                    REGISTER_EVERY_S)}
         time.sleep(QUIET_S)
-        busy["slots"] = _timed([hw.slots] * args.polls, POLL_EVERY_S)
-        polled = _timed([partial(hw.slots, max_age_ms=POLL_MAX_AGE_MS)] * args.polls, POLL_EVERY_S)
-        with httpx.Client(base_url=url, timeout=60.0) as http:
-            busy["version"] = _timed([partial(_get_ok, http, "/version")] * args.polls, POLL_EVERY_S)
+        busy["slots"] = _timed([partial(_get_ok, http, "/steer/slots")] * args.polls, POLL_EVERY_S)
+        polled = _timed([partial(_get_ok, http, f"/steer/slots?max_age_ms={POLL_MAX_AGE_MS}")] * args.polls,
+                        POLL_EVERY_S)
+        busy["version"] = _timed([partial(_get_ok, http, "/version")] * args.polls, POLL_EVERY_S)
         end = time.monotonic()
         streams, ended = [], 0
         for worker in workers:
@@ -347,21 +356,41 @@ def measure_under_load(hw: HotwireClient, url: str, shape: ModelShape, args: arg
     return stall, latency
 
 
-async def measure_decode(url: str, shape: ModelShape, args: argparse.Namespace, rng: np.random.Generator) -> list[float]:
-    """Decode ms/token of a batch of ``args.batch`` streamed steered completions, per rep: the median over the
-    batch of each request's ms per token between its first and last event, as this process received them."""
+async def _decode_batch(http: httpx.AsyncClient, specs: list[str], args: argparse.Namespace,
+                        rng: np.random.Generator) -> float:
+    """Decode ms/token of one batch of streamed steered completions: the median over the batch of each request's
+    ms per token between its first and last event, as this process received them."""
+    times: list[list[float]] = [[] for _ in specs]
+    tokens: list[list[int]] = [[] for _ in specs]
+    await asyncio.gather(*(_stream(http, _body(_prompt(rng, args.prompt_len), spec, 1 + args.decode_tokens,
+                                               stream=True), t, n) for spec, t, n in zip(specs, times, tokens)))
+    return round(statistics.median(per_token_ms(t, n) for t, n in zip(times, tokens)), 4)
+
+
+def rotated(items: list, k: int) -> list:
+    """``items`` starting at position ``k`` (mod its length): round ``k``'s measuring order."""
+    k %= len(items)
+    return items[k:] + items[:k]
+
+
+async def measure_capacity(urls: dict[int, str], shape: ModelShape, args: argparse.Namespace,
+                           rng: np.random.Generator) -> list[dict]:
+    """Decode ms/token per server (slot capacity) and round: a warm-up batch each, then ``args.reps`` rounds
+    measuring every server once, in an order rotated per round. Round ``k`` is ``decode_ms[k]`` of every row."""
     specs = [_spec(f"cap{i % 8}", shape.num_layers // 2) for i in range(args.batch)]
     limits = httpx.Limits(max_connections=args.batch)
-    decode = []
-    async with httpx.AsyncClient(base_url=url, timeout=None, limits=limits) as http:
-        for rep in range(1 + args.reps):  # the first: warm-up, first sight of this batch
-            times: list[list[float]] = [[] for _ in specs]
-            tokens: list[list[int]] = [[] for _ in specs]
-            await asyncio.gather(*(_stream(http, _body(_prompt(rng, args.prompt_len), spec, 1 + args.decode_tokens,
-                                                       stream=True), t, n) for spec, t, n in zip(specs, times, tokens)))
-            if rep:
-                decode.append(round(statistics.median(per_token_ms(t, n) for t, n in zip(times, tokens)), 4))
-    return decode
+    clients = {s: httpx.AsyncClient(base_url=url, timeout=None, limits=limits) for s, url in urls.items()}
+    try:
+        for http in clients.values():
+            await _decode_batch(http, specs, args, rng)  # first sight of this batch
+        decode: dict[int, list[float]] = {s: [] for s in urls}
+        for k in range(args.reps):
+            for slots in rotated(list(urls), k):
+                decode[slots].append(await _decode_batch(clients[slots], specs, args, rng))
+    finally:
+        for http in clients.values():
+            await http.aclose()
+    return [{"slots": s, "decode_ms": ms} for s, ms in decode.items()]
 
 
 def _table(rows: dict[str, dict]) -> list[str]:
@@ -391,10 +420,16 @@ def markdown(result: dict) -> str:
                   f"{stall.get('phases_without_load') or 'none'}", "",
                   "## GET /steer/slots and a trivial vLLM route while the streams decode (ms)", "", *_table(result["slots_get_ms"])]
     if result["capacity"]:
-        lines += ["", f"## Decode ms/token vs slot capacity (batch {meta['batch']})", "",
-                  "| HOTWIRE_SLOTS | median | min-max |", "|---|---|---|",
-                  *(f"| {r['slots']} | {statistics.median(r['decode_ms']):.3f} | {min(r['decode_ms']):.3f}-"
-                    f"{max(r['decode_ms']):.3f} |" for r in result["capacity"])]
+        base = min(result["capacity"], key=lambda r: r["slots"])
+        lines += ["", f"## Decode ms/token vs slot capacity (batch {meta['batch']}, {len(base['decode_ms'])} rounds)",
+                  "", f"| HOTWIRE_SLOTS | median | min-max | vs {base['slots']} slots, paired (median, min..max) |",
+                  "|---|---|---|---|"]
+        for r in sorted(result["capacity"], key=lambda r: r["slots"]):
+            change = paired_change_pct(r, base)
+            paired = "—" if r is base else (f"{statistics.median(change):+.2f}% "
+                                             f"({min(change):+.1f}..{max(change):+.1f})")
+            lines.append(f"| {r['slots']} | {statistics.median(r['decode_ms']):.3f} | {min(r['decode_ms']):.3f}-"
+                         f"{max(r['decode_ms']):.3f} | {paired} |")
     return "\n".join(lines)
 
 
@@ -423,7 +458,7 @@ def main() -> None:
                         help="HOTWIRE_SLOTS of the control phases' server (>= 2 x n_layers; 0: skip the phases)")
     parser.add_argument("--batch", type=int, default=64)
     parser.add_argument("--decode-tokens", type=int, default=128)
-    parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--reps", type=int, default=10, help="rounds of the capacity sweep")
     parser.add_argument("--prompt-len", type=int, default=32)
     parser.add_argument("--api-servers", type=int, default=1,
                         help="vLLM's --api-server-count: API server processes sharing the port and the streams")
@@ -443,21 +478,27 @@ def main() -> None:
     rng = np.random.default_rng(0)
     result: dict = {"meta": _meta(args, gpu, shape, log_dir), "capacity": []}
     slot_counts = sweep + ([args.control_slots] if args.control_slots not in [0, *sweep] else [])
+    def save() -> None:
+        result["targets"] = judge(result)
+        if args.out:
+            args.out.write_text(json.dumps(result, indent=1))
+            args.out.with_suffix(".md").write_text(markdown(result) + "\n")
+
     with serving(model, shape, slot_counts, args, gpu, log_dir) as urls:
-        for slots, url in urls.items():
+        if args.control_slots:
+            url = urls[args.control_slots]
             with HotwireClient(url) as hw, httpx.Client(base_url=url, timeout=120.0) as http:
-                if slots == args.control_slots:
-                    hw.register("resident", _vector(rng, shape.num_layers, shape.hidden_size))
-                    result["registration"] = measure_registration(hw, http, shape, args.registrations, args.prompt_len, rng)
-                    result["decode_stall"], result["slots_get_ms"] = measure_under_load(hw, url, shape, args, rng)
-                if slots in sweep:
-                    for k in range(8):
-                        hw.register(f"cap{k}", _vector(rng, shape.hidden_size))
-                    result["capacity"].append({"slots": slots, "decode_ms": asyncio.run(measure_decode(url, shape, args, rng))})
-            result["targets"] = judge(result)
-            if args.out:
-                args.out.write_text(json.dumps(result, indent=1))
-                args.out.with_suffix(".md").write_text(markdown(result) + "\n")
+                hw.register("resident", _vector(rng, shape.num_layers, shape.hidden_size))
+                result["registration"] = measure_registration(hw, http, shape, args.registrations, args.prompt_len, rng)
+                result["decode_stall"], result["slots_get_ms"] = measure_under_load(hw, http, url, shape, args, rng)
+                SlotStats.model_validate(http.get("/steer/slots").json())  # the polled route answers what it should
+            save()
+        for slots in sweep:
+            with HotwireClient(urls[slots]) as hw:
+                for k in range(8):
+                    hw.register(f"cap{k}", _vector(rng, shape.hidden_size))
+        result["capacity"] = asyncio.run(measure_capacity({s: urls[s] for s in sweep}, shape, args, rng))
+        save()
     print(markdown(result))
 
 

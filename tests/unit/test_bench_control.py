@@ -30,11 +30,33 @@ def test_classify_gaps_touching_is_not_overlapping():
     assert gaps == {"idle": [1000.0, 1000.0], "register": []}
 
 
-def test_capacity_cost_pct():
-    rows = [{"slots": 4096, "decode_ms": [10.3, 10.2, 10.4]}, {"slots": 16, "decode_ms": [10.0, 9.0, 11.0]},
-            {"slots": 256, "decode_ms": [9.9]}]
+def test_capacity_cost_pct_is_paired_per_round():
+    # The machine drifts between rounds (10 -> 12 ms); 4096 slots is 1% slower than 16 in each round but the
+    # middle one. Unpaired medians (11 vs 12.1) would say 10%.
+    rows = [{"slots": 4096, "decode_ms": [10.1, 12.1, 12.12]}, {"slots": 16, "decode_ms": [10.0, 11.0, 12.0]},
+            {"slots": 256, "decode_ms": [9.9, 11.0, 12.0]}]
+    assert bench.paired_change_pct(rows[0], rows[1]) == pytest.approx([1.0, 10.0, 1.0])
+    assert bench.capacity_cost_pct(rows) == pytest.approx(1.0)
+    rows[2]["decode_ms"] = [9.7, 10.67, 11.64]  # 3% faster in every round: a change either way counts
     assert bench.capacity_cost_pct(rows) == pytest.approx(3.0)
     assert bench.capacity_cost_pct(rows[:1]) is None
+    with pytest.raises(ValueError):  # rounds must line up
+        bench.capacity_cost_pct([{"slots": 16, "decode_ms": [1.0]}, {"slots": 32, "decode_ms": [1.0, 2.0]}])
+
+
+def test_rotated_order_per_round():
+    assert [bench.rotated([16, 256, 4096], k) for k in range(4)] == [
+        [16, 256, 4096], [256, 4096, 16], [4096, 16, 256], [16, 256, 4096]]
+
+
+def test_markdown_capacity_paired_column():
+    result = {"meta": {"batch": 64}, "capacity": [{"slots": 256, "decode_ms": [10.2, 11.0]},
+                                                   {"slots": 16, "decode_ms": [10.0, 11.0]}]}
+    result["targets"] = bench.judge(result)
+    lines = bench.markdown(result).splitlines()
+    assert "| 16 | 10.500 | 10.000-11.000 | — |" in lines
+    assert "| 256 | 10.600 | 10.200-11.000 | +1.00% (+0.0..+2.0) |" in lines
+    assert any(line.startswith("## Decode ms/token vs slot capacity (batch 64, 2 rounds)") for line in lines)
 
 
 def test_judge_pass_miss_and_missing():
