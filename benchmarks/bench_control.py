@@ -60,6 +60,8 @@ from hotwire_api.server_process import (
 )
 from hotwire_core.tiny_model import SHAPES, ModelShape, build_model
 
+from bench_decode import rotated  # beside this script: one rotation for both benchmarks
+
 MODEL = "bench"
 TARGETS = {"usable_p99_ms": 50.0, "stall_ms": 2.0, "slots_p99_ms": 10.0, "capacity_cost_pct": 2.0}
 QUIET_S, REGISTER_EVERY_S, POLL_EVERY_S = 1.0, 0.1, 0.01
@@ -367,12 +369,6 @@ async def _decode_batch(http: httpx.AsyncClient, specs: list[str], args: argpars
     return round(statistics.median(per_token_ms(t, n) for t, n in zip(times, tokens)), 4)
 
 
-def rotated(items: list, k: int) -> list:
-    """``items`` starting at position ``k`` (mod its length): round ``k``'s measuring order."""
-    k %= len(items)
-    return items[k:] + items[:k]
-
-
 async def measure_capacity(urls: dict[int, str], shape: ModelShape, args: argparse.Namespace,
                            rng: np.random.Generator) -> list[dict]:
     """Decode ms/token per server (slot capacity) and round: a warm-up batch each, then ``args.reps`` rounds
@@ -478,6 +474,7 @@ def main() -> None:
     rng = np.random.default_rng(0)
     result: dict = {"meta": _meta(args, gpu, shape, log_dir), "capacity": []}
     slot_counts = sweep + ([args.control_slots] if args.control_slots not in [0, *sweep] else [])
+
     def save() -> None:
         result["targets"] = judge(result)
         if args.out:

@@ -346,7 +346,8 @@ def modes_of(config: str, modes: list[str]) -> list[str]:
     return modes
 
 
-def _rotated(items: list, rep: int) -> list:
+def rotated(items: list, rep: int) -> list:
+    """``items`` starting at position ``rep`` (mod its length): repetition ``rep``'s measuring order."""
     shift = rep % len(items)
     return items[shift:] + items[:shift]
 
@@ -362,8 +363,8 @@ def measure(engines: list[Engine], args: argparse.Namespace) -> list[dict]:
             for mode in modes_of(e.config, args.modes):
                 e.measure(batch, mode, warmup=True)  # first sight of these batch shapes
         for rep in range(args.reps):
-            for e in _rotated(engines, rep):
-                modes = _rotated(modes_of(e.config, args.modes), rep)
+            for e in rotated(engines, rep):
+                modes = rotated(modes_of(e.config, args.modes), rep)
                 e.measure(batch, modes[0], warmup=True)
                 for mode in modes:
                     got = e.measure(batch, mode)

@@ -44,7 +44,7 @@ def test_capacity_cost_pct_is_paired_per_round():
         bench.capacity_cost_pct([{"slots": 16, "decode_ms": [1.0]}, {"slots": 32, "decode_ms": [1.0, 2.0]}])
 
 
-def test_rotated_order_per_round():
+def test_rotated_order_per_round():  # bench_decode's rotation, which the sweep uses
     assert [bench.rotated([16, 256, 4096], k) for k in range(4)] == [
         [16, 256, 4096], [256, 4096, 16], [4096, 16, 256], [16, 256, 4096]]
 
