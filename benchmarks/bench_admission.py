@@ -23,7 +23,8 @@ from vllm.utils.hashing import sha256_cbor
 from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
 from vllm.v1.request import Request
 
-from hotwire_core.controller import USER_SALT_ATTR, ModelInfo, SteeringController
+from hotwire_core.admission import ModelInfo
+from hotwire_core.controller import USER_SALT_ATTR, SteeringController
 from hotwire_core.offline import steer
 from hotwire_core.settings import Settings
 from hotwire_core.tiny_model import SHAPES

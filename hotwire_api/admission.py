@@ -1,37 +1,41 @@
 """Admission of steered requests on the OpenAI routes.
 
-A pure ASGI middleware (responses, streamed or not, pass through untouched) for ``POST /v1/chat/completions``,
-``/v1/completions`` and ``/v1/responses``. A body that mentions ``hotwire`` is parsed; when it carries
-``vllm_xargs.hotwire`` (a JSON string spec) the engine admits it with ``hotwire_check`` before vLLM sees the
-request: 400 for a bad spec, an unknown vector or layer; 429 (``Retry-After: 1``) when its rows cannot be pinned
-now; 503 when the model cannot be steered. Admitted requests reach vLLM with their body unchanged and the
-response carries ``x-hotwire-receipt``. With lenient mode a 4xx instead strips the spec, serves the request
-unsteered and adds ``x-hotwire-lenient: <reason>``.
+A pure ASGI middleware for ``POST /v1/chat/completions``, ``/v1/completions`` and ``/v1/responses``. A body
+that carries ``vllm_xargs.hotwire`` (a JSON string spec) is decided here, once, against this process's copy of
+the engine's catalog (``hotwire_api.catalog``; no engine round trip): 400 for a bad spec, an unknown vector or
+layer, too strong a spec; 503 when the model cannot be steered. An admitted request reaches vLLM with its spec
+pinned to the versions decided here (``"version"`` in each entry) and a ticket (``vllm_xargs.hotwire_ticket``);
+the response carries ``x-hotwire-receipt`` naming those versions, and the engine applies exactly them. A request
+whose bank rows are taken waits in the engine until they free up. With lenient mode a 4xx instead strips the
+spec, serves the request unsteered and adds ``x-hotwire-lenient: <reason>``.
 
-The engine checks again when it admits the request; if the spec changed meanwhile (its vector deleted, say)
-the engine finishes the request with an error, which vLLM answers with a bare 500 "Internal server error" (or,
-in a stream that has sent its 200 already, an error event with that message). The middleware then asks the
-engine once more and, when the spec is now refused with a 4xx, answers that refusal instead: the 4xx response
-for a non-streamed request; for a streamed chat or text completion whose events so far carried no generated
-text, vLLM's error event in vLLM's shape with the refusal's message, its code as ``type``, its field as
-``param`` and its status as ``code``. (``/v1/responses`` streams end without an error event in vLLM 0.25.1.)
+The engine can still refuse a request it gets (a pinned version past its retention, say). vLLM reports that as
+a failed request: a bare 500, or a stream that ends with an error event or none at all. The engine keeps the
+refusal under the request's ticket, and this middleware answers with it: as the refusal's own status and body
+when nothing of the response has reached the client yet (a stream's start is held until its first event that
+carries output), else as an error event in the stream (OpenAI's shape: message, ``type`` = hotwire's code,
+``param`` = field, ``code`` = status). No request that was refused ends as a success.
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Awaitable, Callable
+import secrets
 from typing import Any
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from hotwire_api.catalog import CATALOG
 from hotwire_api.engine import HotwireEngine
 from hotwire_api.errors import HotwireError
 from hotwire_api.metrics import STATS
-from hotwire_core.spec import SALT_PREFIX, SPEC_KEY
+from hotwire_core.admission import Refusal, pinned_spec, receipt, resolve
+from hotwire_core.controller import TICKET_KEY
+from hotwire_core.spec import SALT_PREFIX, SPEC_KEY, SpecError, parse_spec
+
+__all__ = ["AdmissionMiddleware", "LENIENT_HEADER", "RECEIPT_HEADER", "ROUTES"]
 
 ROUTES = frozenset({"/v1/chat/completions", "/v1/completions", "/v1/responses"})
-_STREAM_ERROR = b'data: {"error"'  # how vLLM's error events in a stream begin
 _FIELD = f"vllm_xargs.{SPEC_KEY}"
 RECEIPT_HEADER = b"x-hotwire-receipt"
 LENIENT_HEADER = b"x-hotwire-lenient"
@@ -66,16 +70,8 @@ class AdmissionMiddleware:
             await self.app(scope, _replay(body, receive), send)
             return
         try:
-            if not isinstance(spec, str):
-                raise HotwireError(
-                    400,
-                    "bad_spec",
-                    f"{_FIELD} must be a JSON string, e.g. "
-                    '"vllm_xargs": {"hotwire": "{\\"id\\": \\"happy\\", \\"layer\\": 10, \\"scale\\": 4.0}"}',
-                    _FIELD,
-                )
             engine = HotwireEngine.of(scope["app"])
-            receipt = await _check(engine, spec)
+            decided, pinned = await _decide(engine, spec)
         except HotwireError as err:
             STATS.count_refusal(err.code)
             if not (self.lenient and 400 <= err.status < 500):
@@ -86,101 +82,192 @@ class AdmissionMiddleware:
             lenient_send = _add_header(send, LENIENT_HEADER, f"{err.code}: {err.message}")
             await self.app(_with_length(scope, len(body)), _replay(body, receive), lenient_send)
             return
-        explained = _explain_engine_refusal(send, scope, receive, lambda: _refusal_now(engine, spec))
-        await self.app(scope, _replay(body, receive), _add_header(explained, RECEIPT_HEADER, receipt))
+        ticket = secrets.token_hex(16)
+        request["vllm_xargs"][SPEC_KEY] = pinned
+        request["vllm_xargs"][TICKET_KEY] = ticket
+        body = json.dumps(request, separators=(",", ":")).encode()
+        answer = _Answer(engine, ticket, scope, receive, _add_header(send, RECEIPT_HEADER, decided))
+        await self.app(_with_length(scope, len(body)), _replay(body, receive), answer.send)
+        await answer.finish()
 
 
-async def _check(engine: HotwireEngine, spec: str) -> str:
-    """The engine's receipt for ``spec``, or its refusal with the field named as in the request body."""
+async def _decide(engine: HotwireEngine, spec: Any) -> tuple[str, str]:
+    """The receipt and the pinned spec of an admitted request, or its refusal (:class:`HotwireError`, with the
+    field named as in the request body)."""
+    if not isinstance(spec, str):
+        raise HotwireError(
+            400, "bad_spec",
+            f"{_FIELD} must be a JSON string, e.g. "
+            '"vllm_xargs": {"hotwire": "{\\"id\\": \\"happy\\", \\"layer\\": 10, \\"scale\\": 4.0}"}',
+            _FIELD,
+        )
     try:
-        return await engine.check(spec)
-    except HotwireError as err:
-        if err.field is not None and err.field.startswith(SPEC_KEY):
-            err.field = f"vllm_xargs.{err.field}"
-        raise
+        try:
+            entries = parse_spec(spec)
+        except SpecError as exc:
+            raise Refusal(400, "bad_spec", str(exc), exc.field) from None
+        if any(e.version is not None and CATALOG.lookup(e.vector_id, e.version) is None for e in entries):
+            # A version the catalog does not hold as current may be retained in the engine: it decides.
+            return await engine.check(spec)
+        rules = await CATALOG.ready(engine)
+        try:
+            resolved = resolve(spec, CATALOG.lookup, rules)
+        except Refusal as exc:
+            if exc.code != "unknown_vector":
+                raise
+            await CATALOG.refresh(engine)  # registered since the last refresh (through another API server)?
+            resolved = resolve(spec, CATALOG.lookup, rules)
+    except (Refusal, HotwireError) as exc:
+        raise _in_body(exc) from None
+    return receipt(resolved), pinned_spec(resolved)
 
 
-async def _refusal_now(engine: HotwireEngine, spec: str) -> HotwireError | None:
-    """The 4xx the engine would give ``spec`` now (429 aside: a busy bank did not fail the request), else None."""
-    try:
-        await _check(engine, spec)
-    except HotwireError as err:
-        if 400 <= err.status < 500 and err.status != 429:
-            err.message += " (the engine refused the steering after this request passed admission)"
-            return err
-    return None
+def _in_body(exc: Refusal | HotwireError) -> HotwireError:
+    """A refusal with its field named as in the request body (``vllm_xargs.hotwire[0].id``)."""
+    field = exc.field
+    if field is not None and field.startswith(SPEC_KEY):
+        field = f"vllm_xargs.{field}"
+    return HotwireError(exc.status, exc.code, exc.message, field)
 
 
-def _explain_engine_refusal(
-    send: Send, scope: Scope, receive: Receive, refusal_now: Callable[[], Awaitable[HotwireError | None]]
-) -> Send:
-    """Hold a 500 response until its last body part and send the spec's current refusal instead when there is
-    one; in a stream, explain vLLM's error event the same way while no event before it carried generated output
-    (an engine refusal comes with the request's first output: a later error is about something else)."""
-    held: list[Message] = []
-    generated = False
+class _Answer:
+    """The response to an admitted request, on its way to the client. A failed request's answer is replaced by
+    the refusal the engine kept under the request's ticket, if it kept one (see the module docstring)."""
 
-    async def send_explained(message: Message) -> None:
-        nonlocal generated
-        if message["type"] == "http.response.start" and message.get("status") == 500:
-            held.append(message)
+    def __init__(self, engine: HotwireEngine, ticket: str, scope: Scope, receive: Receive, send: Send):
+        self.engine, self.ticket, self.scope, self.receive, self._send = engine, ticket, scope, receive, send
+        self.held: list[Message] = []  # what the client has not been sent yet
+        self.streaming = False
+        self.started = False  # whether anything went to the client
+        self.output = False  # whether a stream event carried output
+        self.failed = False  # a 5xx start, or an error event
+        self.explained = False
+        self.replaced = False  # the refusal went out instead: the rest of vLLM's answer is dropped
+
+    async def send(self, message: Message) -> None:
+        if self.replaced:
             return
-        if not held:
-            if not generated and message["type"] == "http.response.body":  # once output flowed: pass through
-                body = message.get("body", b"")
-                if body.startswith(_STREAM_ERROR):
-                    message = await _explained_stream_error(message, refusal_now)
-                elif body.startswith(b"data: "):
-                    generated = _carries_output(body)
-            await send(message)
+        if message["type"] == "http.response.start":
+            self.streaming = _is_event_stream(message)
+            self.failed = message.get("status", 200) >= 500
+            self.held.append(message)
             return
-        held.append(message)
-        if message["type"] == "http.response.body" and message.get("more_body", False):
+        if message["type"] != "http.response.body":
+            await self._send(message)
             return
-        refusal = await refusal_now()
-        if refusal is not None:
-            await refusal.response()(scope, receive, send)
+        if self.streaming and not self.failed:
+            await self._stream_body(message)
             return
-        for kept in held:
-            await send(kept)
+        self.held.append(message)
+        if not message.get("more_body", False):
+            await self._end()
 
-    return send_explained
+    async def _stream_body(self, message: Message) -> None:
+        events = message.get("body", b"")
+        if _is_error_event(events):
+            refusal = await self._refusal()
+            if refusal is not None and not self.started:
+                await self._refuse(refusal)
+                return
+            if refusal is not None:
+                message = {**message, "body": _error_event(refusal)}
+        elif not self.output and _carries_output(events):
+            self.output = True
+        if not self.started and not self.output and message.get("more_body", False):
+            self.held.append(message)  # the start and the events before the first output wait
+            return
+        if not self.started and not self.output:  # the stream ended without output: refused?
+            refusal = await self._refusal()
+            if refusal is not None:
+                await self._refuse(refusal)
+                return
+        await self._flush()
+        await self._send(message)
+
+    async def _end(self) -> None:
+        """A whole (non-streamed or failed) response has been produced: send it, or the refusal behind it."""
+        if self.failed:
+            refusal = await self._refusal()
+            if refusal is not None:
+                await self._refuse(refusal)
+                return
+        await self._flush()
+
+    async def _flush(self) -> None:
+        held, self.held = self.held, []
+        for message in held:
+            await self._send(message)
+        self.started = True
+
+    async def _refusal(self) -> HotwireError | None:
+        if self.explained:
+            return None
+        self.explained = True
+        try:
+            found = await self.engine.refusals([self.ticket])
+        except HotwireError:
+            return None
+        refusal = found.get(self.ticket)  # counted by the engine (/steer/slots refused, /metrics)
+        return None if refusal is None else _in_body(refusal)
+
+    async def _refuse(self, refusal: HotwireError) -> None:
+        self.held = []
+        self.started = self.replaced = True
+        await refusal.response()(self.scope, self.receive, self._send)
+
+    async def finish(self) -> None:
+        """After the app returned: what is still held goes out (a stream the app left without a last body part)."""
+        if self.held:
+            await self._flush()
 
 
-async def _explained_stream_error(
-    message: Message, refusal_now: Callable[[], Awaitable[HotwireError | None]]
-) -> Message:
-    """vLLM's event for a request the engine failed, ``data: {"error": {... "type": "InternalServerError" ...}}``,
-    with the spec's current refusal in its place when there is one; any other event unchanged."""
-    try:
-        error = json.loads(message["body"][len(b"data: "):])["error"]
-    except (ValueError, KeyError, TypeError):
-        return message
-    if not isinstance(error, dict) or error.get("type") != "InternalServerError":
-        return message
-    refusal = await refusal_now()
-    if refusal is None:
-        return message
-    explained = {"message": refusal.message, "type": refusal.code, "param": refusal.field, "code": refusal.status}
-    return {**message, "body": b"data: " + json.dumps({"error": explained}).encode() + b"\n\n"}
+def _is_event_stream(start: Message) -> bool:
+    for name, value in start.get("headers", []):
+        if name.lower() == b"content-type":
+            return value.split(b";")[0].strip().lower() == b"text/event-stream"
+    return False
 
 
-def _carries_output(event: bytes) -> bool:
-    """Whether an OpenAI stream event carries generated text (completions ``text``, chat ``delta.content`` or
-    tool calls); chat's opening role-only chunk does not. Unknown events count as output."""
-    try:
-        choices = json.loads(event[len(b"data: "):]).get("choices")
-    except (ValueError, AttributeError):
-        return True
-    if not isinstance(choices, list):
-        return True
-    for choice in choices:
-        delta = choice.get("delta") if isinstance(choice, dict) else None
-        if not isinstance(choice, dict) or choice.get("text") or (isinstance(delta, dict) and (
-            delta.get("content") or delta.get("tool_calls") or delta.get("reasoning_content")
-        )):
+def _event_data(events: bytes) -> list[Any]:
+    """The JSON payloads of the ``data:`` lines of one or more SSE events (``[DONE]`` and junk left out)."""
+    out = []
+    for line in events.split(b"\n"):
+        if line.startswith(b"data: ") and line != b"data: [DONE]":
+            try:
+                out.append(json.loads(line[len(b"data: "):]))
+            except ValueError:
+                out.append(None)
+    return out
+
+
+def _is_error_event(events: bytes) -> bool:
+    """vLLM's error events: chat and completions ``data: {"error": {...}}``, responses ``"type": "error"``."""
+    return any(isinstance(d, dict) and ("error" in d and "choices" not in d or d.get("type") == "error")
+               for d in _event_data(events))
+
+
+def _carries_output(events: bytes) -> bool:
+    """Whether SSE events report generated tokens (their text may still be empty: a token can end inside a UTF-8
+    character): completions' choices, chat's choices after its opening role chunk, a responses ``*.delta``.
+    Responses' lifecycle events do not. An event that is not JSON counts as output."""
+    for data in _event_data(events):
+        if not isinstance(data, dict):
+            return True
+        if isinstance(data.get("type"), str):  # /v1/responses
+            if data["type"].endswith(".delta"):
+                return True
+            continue
+        choices = data.get("choices")
+        if isinstance(choices, list) and any(
+            not isinstance(c, dict) or not isinstance(c.get("delta"), dict) or "role" not in c["delta"] for c in choices
+        ):
             return True
     return False
+
+
+def _error_event(refusal: HotwireError) -> bytes:
+    error = {"message": refusal.message, "type": refusal.code, "param": refusal.field, "code": refusal.status}
+    return b"data: " + json.dumps({"error": error}).encode() + b"\n\n"
 
 
 def _path(scope: Scope) -> str:

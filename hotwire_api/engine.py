@@ -2,10 +2,11 @@
 answers (contract in docs/architecture.md). Every failure surfaces as a :class:`HotwireError`.
 
 With data parallelism each engine core has its own registry copy and slot bank. Registrations and deletions go
-to every engine core and all answers are read (a registration the engine cores disagree on is an error); slot
-statistics are summed (rows carry their engine core's position), and a vector's in-flight users are counted on
-every engine core, so ``DELETE`` answers 202 while any of them still uses it. Admission asks the first engine
-core alone (the engine core that gets the request checks again)."""
+to the first engine core, which numbers the version, then to every other one with that number, so that all agree
+whatever the order in which concurrent registrations reach them (a version that arrives after a newer one is
+only retained: ``hotwire_core.registry``); slot statistics are summed (rows carry their engine core's position),
+and a vector's in-flight users are counted on every engine core, so ``DELETE`` answers 202 while any of them
+still uses it. The catalog comes from the first engine core; kept refusals are asked of all."""
 
 from __future__ import annotations
 
@@ -40,6 +41,11 @@ class HotwireEngine:
         self._client = client
         self._per_engine = per_engine
 
+    @property
+    def client(self) -> RPCClient:
+        """The engine client these RPCs go to."""
+        return self._client
+
     @classmethod
     def of(cls, app: Any) -> HotwireEngine:
         """The engine of a vLLM app (``app.state.engine_client``, set by ``init_app_state``)."""
@@ -52,13 +58,15 @@ class HotwireEngine:
 
     async def _call(self, method: str, *args: Any) -> dict[str, Any]:
         """The first engine core's answer."""
-        return (await self._call_each(method, *args, every_engine=False))[0]
+        return (await self._call_each(method, *args, which=slice(1)))[0]
 
-    async def _call_each(self, method: str, *args: Any, every_engine: bool = True) -> list[dict[str, Any]]:
-        """One answer per engine core (just the first one's unless ``every_engine``); any refusal is raised."""
+    async def _call_each(self, method: str, *args: Any, which: slice = slice(None)) -> list[dict[str, Any]]:
+        """One answer per engine core ``which`` selects (all by default); any refusal is raised."""
         try:
             if self._per_engine is not None:  # vLLM's own call would ask every engine core but read one answer
-                answers = await self._per_engine(method, args, not every_engine)
+                answers = await self._per_engine(method, args, which)
+            elif which.start:  # the other engine cores: there are none
+                answers = []
             else:
                 answers = [await self._client.collective_rpc(method, args=args)]
         except Exception as exc:  # the engine is dead, or it does not know the method
@@ -101,30 +109,31 @@ class HotwireEngine:
     async def register(self, vector_id: str, payload: VectorPayload, replace: bool) -> tuple[bool, VectorMeta]:
         """Register (or with ``replace`` re-register) a vector; returns (created, meta)."""
         layers = list(payload.layers) if payload.layers is not None else None
+        args = (vector_id, payload.data, payload.dtype, list(payload.shape), layers, replace)
         try:
-            answers = await self._call_each(
-                "hotwire_register", vector_id, payload.data, payload.dtype, list(payload.shape), layers, replace
-            )
+            first = await self._call("hotwire_register", *args)
+            meta = self._parse(VectorMeta, first.get("vector"), "hotwire_register")
+            others = await self._call_each("hotwire_register", *args, meta.version, which=slice(1, None))
         except HotwireError as exc:
             # The engine names the base64 upload's fields; a file or per-layer lists carried all of them.
             if exc.field == "data" or (exc.field in ("shape", "dtype") and payload.source != "data"):
                 exc.field = payload.source
             raise
-        metas = [self._parse(VectorMeta, a.get("vector"), "hotwire_register") for a in answers]
-        if any((m.version, m.sha256) != (metas[0].version, metas[0].sha256) for m in metas[1:]):
+        metas = [self._parse(VectorMeta, a.get("vector"), "hotwire_register") for a in others]
+        if any(m.sha256 != meta.sha256 for m in metas):
             raise HotwireError(
                 500,
                 "engines_disagree",
-                f"the data-parallel engine cores registered {vector_id!r} as versions "
-                f"{[m.version for m in metas]}: their registries have drifted apart; restart the server (engine "
-                "cores load the vector store at start) to bring them back in line",
+                f"the data-parallel engine cores decoded {vector_id!r}@{meta.version} to different contents: "
+                "hotwire_core differs between them; install one version everywhere and restart the server",
             )
-        return bool(answers[0].get("created")), metas[0]
+        return bool(first.get("created")), meta
 
     async def unregister(self, vector_id: str) -> int:
         """Unregister a vector; returns how many requests still use it, on every engine core."""
-        answers = await self._call_each("hotwire_unregister", vector_id)
-        return sum(int(a.get("in_flight") or 0) for a in answers)
+        first = await self._call("hotwire_unregister", vector_id)
+        others = await self._call_each("hotwire_unregister", vector_id, int(first["version"]), which=slice(1, None))
+        return sum(int(a.get("in_flight") or 0) for a in (first, *others))
 
     async def vectors(self) -> list[VectorMeta]:
         answers = await self._call_each("hotwire_list")
@@ -133,10 +142,24 @@ class HotwireEngine:
     async def stats(self) -> SlotStats:
         return self._parse(SlotStats, merge_stats(await self._call_each("hotwire_stats")), "hotwire_stats")
 
-    async def check(self, spec: str) -> str:
-        """Admit a request's spec; returns the receipt for ``x-hotwire-receipt``."""
+    async def check(self, spec: str) -> tuple[str, str]:
+        """Decide a request's spec in the engine (for versions the API's catalog does not hold): its receipt for
+        ``x-hotwire-receipt`` and the spec pinned to the versions the receipt names."""
         result = await self._call("hotwire_check", spec)
-        return str(result.get("receipt", ""))
+        return str(result.get("receipt", "")), str(result.get("spec", spec))
+
+    async def catalog(self, generation: int) -> dict[str, Any]:
+        """The first engine core's catalog (``unchanged`` when it is still at ``generation``)."""
+        return await self._call("hotwire_catalog", generation)
+
+    async def refusals(self, tickets: list[str]) -> dict[str, HotwireError]:
+        """The refusals the engine cores kept for these tickets (``hotwire_core.controller.TICKET_KEY``)."""
+        found: dict[str, HotwireError] = {}
+        for answer in await self._call_each("hotwire_refusals", tickets):
+            for ticket, r in (answer.get("refusals") or {}).items():
+                found[ticket] = HotwireError(int(r.get("status") or 500), str(r.get("code") or "engine_error"),
+                                             str(r.get("error") or "the engine refused the request"), r.get("field"))
+        return found
 
 
 # Counters of a hotwire_stats answer that add up across engine cores (each has its own bank).

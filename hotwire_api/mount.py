@@ -71,23 +71,22 @@ def install() -> bool:
     return True
 
 
-PerEngineRPC = Callable[[str, tuple, bool], Awaitable[list[Any]]]
+PerEngineRPC = Callable[[str, tuple, slice], Awaitable[list[Any]]]
 
 
 def per_engine_rpc(client: Any) -> PerEngineRPC | None:
     """With data parallelism behind one API server (internal load balancing), vLLM 0.25.1 sends a
     ``collective_rpc`` to every engine core this server drives but returns only the first one's answer
-    (``DPLBAsyncMPClient.call_utility_async``). This returns ``rpc(method, args, first_only)``: every engine
-    core's answer (each a list over its workers) in the order vLLM keeps them, or with ``first_only`` just the
-    first engine core's, asked alone. None when ``client`` (an ``AsyncLLM``) drives one engine core."""
+    (``DPLBAsyncMPClient.call_utility_async``). This returns ``rpc(method, args, which)``: the answers of the
+    engine cores ``which`` selects (a slice of them in the order vLLM keeps them), each a list over its workers.
+    None when ``client`` (an ``AsyncLLM``) drives one engine core."""
     core = getattr(client, "engine_core", None)
     engines = getattr(core, "core_engines", None)
     call = getattr(core, "_call_utility_async", None)
     if call is None or not isinstance(engines, list) or len(engines) < 2:
         return None
 
-    async def rpc(method: str, args: tuple, first_only: bool = False) -> list[Any]:
-        targets = engines[:1] if first_only else engines
-        return list(await asyncio.gather(*(call("collective_rpc", method, None, args, None, engine=e) for e in targets)))
+    async def rpc(method: str, args: tuple, which: slice = slice(None)) -> list[Any]:
+        return list(await asyncio.gather(*(call("collective_rpc", method, None, args, None, engine=e) for e in engines[which])))
 
     return rpc

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import contextlib
+import time
 from collections.abc import AsyncIterator, Callable, Coroutine
 from typing import Any
 
@@ -13,6 +15,7 @@ from starlette.datastructures import Headers, UploadFile
 from starlette.formparsers import MultiPartException, MultiPartParser
 
 from hotwire_api.auth import require_api_key
+from hotwire_api.catalog import CATALOG, keeping_current
 from hotwire_api.codec import VectorPayload, decode_form, decode_json, read_limited, too_large
 from hotwire_api.engine import HotwireEngine
 from hotwire_api.errors import HotwireError
@@ -42,6 +45,13 @@ class _HotwireRoute(APIRoute):
         return route
 
 
+@contextlib.asynccontextmanager
+async def _background(app: Any) -> AsyncIterator[None]:
+    """Lifespan: keep the slot statistics and the catalog fresh while ``app`` runs."""
+    async with refreshing(app), keeping_current(app):
+        yield
+
+
 def _error(description: str) -> dict[str, Any]:
     return {"model": ErrorBody, "description": description}
 
@@ -51,7 +61,7 @@ router = APIRouter(
     tags=["hotwire"],
     route_class=_HotwireRoute,
     dependencies=[Depends(require_api_key)],
-    lifespan=refreshing,
+    lifespan=_background,
     responses={
         401: _error("Missing or wrong API key."),
         503: _error("The engine is not running, or cannot be steered."),
@@ -127,6 +137,14 @@ def _refresh_stats_later(background: BackgroundTasks, engine: HotwireEngine) -> 
     background.add_task(STATS.refresh, engine)
 
 
+async def _refresh_catalog(engine: HotwireEngine) -> None:
+    """Before answering a registration or deletion: this API server's next request sees it."""
+    try:
+        await CATALOG.refresh(engine, not_before=time.monotonic())
+    except HotwireError:
+        pass  # the change is made; the background refresh catches up once the engine answers
+
+
 @router.post(
     "/vectors",
     status_code=201,
@@ -154,6 +172,7 @@ async def register_vector(
     created, meta = await engine.register(vector_id, payload, replace)
     if not created:
         response.status_code = 200
+    await _refresh_catalog(engine)
     _refresh_stats_later(background, engine)
     return meta
 
@@ -198,6 +217,7 @@ async def get_vector(vector_id: str, request: Request, background: BackgroundTas
 async def delete_vector(vector_id: str, request: Request, background: BackgroundTasks) -> Response:
     engine = HotwireEngine.of(request.app)
     in_flight = await engine.unregister(vector_id)
+    await _refresh_catalog(engine)
     _refresh_stats_later(background, engine)
     if in_flight > 0:
         body = DeleteResult(id=vector_id, in_flight=in_flight).model_dump_json()

@@ -8,68 +8,28 @@ same ``SchedulerOutput``. See docs/architecture.md.
 from __future__ import annotations
 
 import copy
-import functools
-import hashlib
 import logging
-import math
 from collections import Counter, OrderedDict
 from dataclasses import dataclass, field
 from typing import Any, Callable, Collection, Sequence
 
 import torch
 
+from .admission import ModelInfo, Refusal, Resolved, Rules, cache_salt, pinned_spec, receipt, resolve
 from .errors import EngineError
 from .registry import HostVector, RegistryError, VectorRegistry
-from .settings import Settings, format_layers
+from .settings import Settings
 from .slots import RowKey, SlotCache, SlotsExhausted
-from .spec import SALT_PREFIX, SPEC_KEY, Phase, SpecError, SteeringEntry, parse_spec
+from .spec import SALT_PREFIX, SPEC_KEY, Phase, SpecError, parse_spec
 from .store import StoredVector, VectorStore, load_preload_dir
 
 logger = logging.getLogger(__name__)
 
 BINDING_KEY = "hotwire.binding"  # extra_args key the controller writes for the workers
+TICKET_KEY = "hotwire_ticket"  # extra_args key (vllm_xargs) the HTTP admission gives a request: refusals are kept by it
 ENDED_SESSIONS_KEPT = 4096  # streaming-input sessions ended by a refusal, remembered until their end marker comes
+REFUSALS_KEPT = 4096  # refusals of ticketed requests, kept until the API server that sent them asks
 USER_SALT_ATTR = "hotwire_user_salt"  # on a vLLM Request built with hotwire's cache salt: the user's own salt
-
-
-@dataclass(frozen=True)
-class StrengthLimit:
-    """How hard one request may steer a token, per phase, over all its layers (``_check_strength``): absolute
-    entries add at most ``added_norm`` to the residual-stream norm, norm-relative ones grow it at most
-    ``norm_growth``-fold. Stronger steering overflows the model's arithmetic, and the NaN or inf it writes into
-    KV blocks outlives the request: on vLLM's CPU backend later plain requests read it back from reused blocks."""
-
-    added_norm: float
-    norm_growth: float
-
-
-STRENGTH_LIMITS = {"float16": StrengthLimit(4096.0, 8.0)}  # float16 overflows at 65504
-DEFAULT_STRENGTH_LIMIT = StrengthLimit(1e6, 1e3)  # bfloat16 and float32: sums of squares stay far from 3.4e38
-
-
-@dataclass(frozen=True)
-class ModelInfo:
-    """What the workers reported about the served model."""
-
-    steerable: bool
-    reason: str
-    n_layers: int
-    hidden_size: int
-    dtype: str
-    layers: frozenset[int]  # layers with a hook, over all PP ranks
-    norm: bool = True  # norm-relative entries supported (see runtime.SteerHook)
-
-    def to_json(self, max_stack: int) -> dict:
-        return {
-            "steerable": self.steerable,
-            "reason": self.reason,
-            "n_layers": self.n_layers,
-            "hidden_size": self.hidden_size,
-            "dtype": self.dtype,
-            "max_stack": max_stack,
-            "norm": self.norm,
-            "layers": format_layers(self.layers),
-        }
 
 
 @dataclass(frozen=True)
@@ -118,17 +78,6 @@ def steering_args(request: Any) -> dict | None:
     return extra if extra and SPEC_KEY in extra else None
 
 
-@functools.lru_cache(maxsize=4096)
-def _salt(user_salt: str | None, entries: tuple[tuple[SteeringEntry, str], ...], prompt_len: int | None) -> str:
-    """Cached: the input thread and admission both need a request's salt, and requests repeat specs."""
-    boundary = "" if prompt_len is None else f"|prompt={prompt_len}"
-    return SALT_PREFIX + hashlib.sha256(
-        f"{user_salt or ''}|hotwire|".encode()
-        + "|".join(f"{e.to_json()}@{sha}" for e, sha in entries).encode()
-        + boundary.encode()
-    ).hexdigest()
-
-
 def prompt_length(request: Any) -> int:
     """Prompt tokens of a vLLM ``Request``, ``EngineCoreRequest`` or ``NewRequestData`` (token ids, or the rows
     of ``prompt_embeds`` when there are none)."""
@@ -150,10 +99,6 @@ def _same_steering(a: Any, b: Any) -> bool:
         return False
 
 
-class Refusal(EngineError):
-    """A request the engine cannot steer as asked."""
-
-
 def _ok(**kwargs: Any) -> dict:
     return {"ok": True, **kwargs}
 
@@ -162,13 +107,16 @@ class SteeringController:
     def __init__(self, model: ModelInfo, settings: Settings, model_name: str):
         self.model = model
         self.settings = settings
-        self.registry = VectorRegistry(model.n_layers, model.hidden_size, model.dtype)
+        self.registry = VectorRegistry(model.n_layers, model.hidden_size, model.dtype, settings.retain_s)
+        self.rules = Rules(model, settings.max_stack, settings.slots, settings.layers is not None)
         self.slots = SlotCache(settings.slots)
         self.bindings: dict[str, Binding] = {}
         self.refused: Counter[str] = Counter()
         self.steered_requests = 0
         self.deferred: OrderedDict[str, Any] = OrderedDict()  # request id -> request waiting for slots
+        self._deferred_holds: dict[str, list[HostVector]] = {}  # the versions a deferred request keeps
         self.deferrals = 0
+        self._refusals: OrderedDict[str, dict] = OrderedDict()  # ticket -> refusal (see note_refusal)
         # Set by the engine glue: finishes a deferred request that can no longer be admitted with an error.
         self.on_refused: Callable[[Any, Refusal], None] = lambda request, exc: None
         self._writes: list[BankWrite] = []
@@ -243,7 +191,8 @@ class SteeringController:
 
     # -- RPC surface (msgpack-native in and out) -------------------------------------------------------------
 
-    RPC_METHODS = frozenset({"register", "unregister", "list", "stats", "check"})  # reachable as hotwire_<name>
+    # reachable as hotwire_<name>
+    RPC_METHODS = frozenset({"register", "unregister", "list", "stats", "check", "catalog", "refusals"})
 
     def answer(self, method: str, args: Sequence[Any], kwargs: dict[str, Any]) -> dict:
         """The answer to RPC ``hotwire_<method>``: always a dict, never an exception (one leaving
@@ -262,38 +211,52 @@ class SteeringController:
             ).to_result()
 
     def register(
-        self, vector_id: str, data: bytes, dtype: str, shape: list[int], layers: list[int] | None = None, replace: bool = False
+        self,
+        vector_id: str,
+        data: bytes,
+        dtype: str,
+        shape: list[int],
+        layers: list[int] | None = None,
+        replace: bool = False,
+        version: int | None = None,
     ) -> dict:
+        """Register a vector. ``version``: the number the first data-parallel engine core gave it (the others
+        take it, so that every engine core agrees; a version that arrives after a newer one is only retained)."""
         old = self.registry.current(vector_id)
         try:
-            vector = self.registry.prepare(vector_id, bytes(data), dtype, list(shape), layers, bool(replace))
+            vector = self.registry.prepare(vector_id, bytes(data), dtype, list(shape), layers, bool(replace), version)
         except RegistryError as exc:
             return exc.to_result()
-        if self.store is not None:
+        current = self.registry.supersedes(vector)
+        if self.store is not None and current:
             try:
                 self.store.save(vector)
             except OSError as exc:
                 return self._store_failed(f"write {vector_id!r} to", exc)
         self.registry.add(vector)
-        created = old is None
-        if old is not None and old.refs == 0:
+        if current and old is not None and old.refs == 0:
             self.slots.drop(old.vector_id, old.version)
         logger.info("hotwire: registered %s@%d (%s)", vector.vector_id, vector.version, vector.sha256[:12])
-        return _ok(created=created, vector=vector.meta())
+        return _ok(created=old is None, vector=vector.meta())
 
-    def unregister(self, vector_id: str) -> dict:
-        if self.store is not None and self.registry.current(vector_id) is not None:
+    def unregister(self, vector_id: str, version: int | None = None) -> dict:
+        """Delete a vector's current version. ``version``: the version the first data-parallel engine core
+        deleted (a newer one here stays)."""
+        current = self.registry.current(vector_id)
+        deletes = current is not None and (version is None or current.version <= version)
+        if self.store is not None and deletes:
             try:
                 self.store.delete(vector_id)
             except OSError as exc:
                 return self._store_failed(f"delete {vector_id!r} from", exc)
         try:
-            vector = self.registry.unregister(vector_id)
+            vector = self.registry.unregister(vector_id, version)
         except RegistryError as exc:
             return exc.to_result()
-        if vector.refs == 0:
+        if vector is not None and vector.refs == 0:
             self.slots.drop(vector.vector_id, vector.version)
-        return _ok(in_flight=self.registry.in_flight(vector_id))
+        deleted = vector.version if vector is not None else version
+        return _ok(in_flight=self.registry.in_flight(vector_id), version=deleted)
 
     def list(self) -> dict:
         vectors = []
@@ -317,120 +280,58 @@ class SteeringController:
         )
 
     def check(self, spec: str) -> dict:
-        """Would a request with this spec be admitted now? Admission re-checks; this is for the API's 4xx."""
+        """Would a request with this spec be admitted now (``offline.check_steering``)? 429 ``slots_exhausted``:
+        it would wait for bank rows."""
         try:
-            entries = self._validate(spec)
+            entries = self._resolve(spec)
             keys = self._row_sources(entries).keys()
-            self._check_capacity(keys)
             self._check_no_preempted_waiting()
             needed, available = self.slots.missing(keys), self.slots.available(keys)
             if needed > available:
                 raise Refusal(429, "slots_exhausted", str(SlotsExhausted(needed, available, self.slots.capacity)))
         except Refusal as exc:
             return exc.to_result()
-        return _ok(receipt=self._receipt(entries), new_rows=needed)
+        return _ok(receipt=receipt(entries), spec=pinned_spec(entries), new_rows=needed)
+
+    def catalog(self, generation: int = -1) -> dict:
+        """What an API server needs to decide steered requests itself (``hotwire_core.admission``): the rules and
+        every current version's metadata; just ``unchanged`` when the caller holds ``generation`` already."""
+        if generation == self.registry.generation:
+            return _ok(generation=generation, unchanged=True)
+        rules = self.rules
+        return _ok(
+            generation=self.registry.generation,
+            model=self.model.to_json(rules.max_stack),
+            capacity=rules.capacity,
+            layers_setting=rules.layers_setting,
+            vectors=[v.meta() for v in self.registry.vectors()],
+        )
+
+    def note_refusal(self, request: Any, exc: Refusal) -> None:
+        """Keep the refusal of a request the HTTP admission ticketed, for ``refusals``: vLLM reports a refused
+        request to its client only as a failed one."""
+        extra = request.sampling_params.extra_args if request.sampling_params is not None else None
+        ticket = extra.get(TICKET_KEY) if extra else None
+        if isinstance(ticket, str):
+            self._refusals[ticket] = exc.to_result()
+            while len(self._refusals) > REFUSALS_KEPT:  # a ticket nobody asks for (its client left)
+                self._refusals.popitem(last=False)
+
+    def refusals(self, tickets: list[str]) -> dict:
+        """The refusals kept for ``tickets`` (each handed out once)."""
+        found = {t: self._refusals.pop(t) for t in tickets if t in self._refusals}
+        return _ok(refusals=found)
 
     # -- admission -------------------------------------------------------------------------------------------
 
-    def _validate(self, spec: Any) -> list[tuple[SteeringEntry, HostVector]]:
-        if not self.model.steerable:
-            raise Refusal(503, "model_not_steerable", f"this model cannot be steered: {self.model.reason}")
-        try:
-            entries = parse_spec(spec)
-        except SpecError as exc:
-            raise Refusal(400, "bad_spec", str(exc), exc.field) from None
-        resolved = []
-        for i, entry in enumerate(entries):
-            vector = self.registry.current(entry.vector_id)
-            if vector is None:
-                raise Refusal(400, "unknown_vector", f"unknown steering vector {entry.vector_id!r}; register it first", f"hotwire[{i}].id")
-            if entry.norm and not self.model.norm:
-                raise Refusal(
-                    400, "norm_disabled",
-                    "norm-relative steering is off on this server; start it with HOTWIRE_NORM=1 to allow it",
-                    f"hotwire[{i}].norm",
-                )
-            for layer in entry.layers:
-                if layer not in self.model.layers:
-                    raise Refusal(
-                        400, "layer_out_of_range",
-                        f"layer {layer} cannot be steered: this server steers layers {self._steered_layers()}",
-                        f"hotwire[{i}].layer",
-                    )
-                if vector.row(layer) is None:
-                    raise Refusal(
-                        400, "no_row_for_layer",
-                        f"vector {entry.vector_id!r}@{vector.version} has no row for layer {layer} (it has {list(vector.layers or [])})",
-                        f"hotwire[{i}].layer",
-                    )
-            resolved.append((entry, vector))
-        for phase in (Phase.PREFILL, Phase.DECODE) if len(resolved) > self.settings.max_stack else ():
-            per_layer = Counter(l for e, _ in resolved if e.phase in (Phase.ALL, phase) for l in e.layers)
-            for layer, count in per_layer.items():
-                if count > self.settings.max_stack:
-                    raise Refusal(
-                        400, "too_many_entries",
-                        f"{count} entries steer layer {layer}; at most HOTWIRE_MAX_STACK={self.settings.max_stack} may",
-                        SPEC_KEY,
-                    )
-        self._check_strength(resolved)
-        return resolved
-
-    def _check_strength(self, resolved: list[tuple[SteeringEntry, HostVector]]) -> None:
-        """Bound what the spec can do to a token's residual-stream norm ``n``, layer by layer in order: a layer's
-        absolute entries add at most ``A = sum |scale| x row norm``, its norm-relative ones (one norm read per
-        layer) multiply by at most ``g = 1 + sum |scale|``, so ``n -> g n + A``. Over the layers that composes to
-        ``G n + added``; ``G`` and ``added`` must stay within the model dtype's limits."""
-        limit = STRENGTH_LIMITS.get(self.model.dtype, DEFAULT_STRENGTH_LIMIT)
-        phased = any(entry.phase is not Phase.ALL for entry, _ in resolved)
-        for phase in (Phase.PREFILL, Phase.DECODE):
-            active = [(i, e, v) for i, (e, v) in enumerate(resolved) if e.phase in (Phase.ALL, phase)]
-            added, log_growth = 0.0, 0.0  # the growth as a log: it can exceed a float
-            for layer in sorted({layer for _, entry, _ in active for layer in entry.layers}):
-                here = [(e, v) for _, e, v in active if layer in e.layers]
-                growth = 1.0 + sum(abs(e.scale) for e, _ in here if e.norm)
-                added = added * growth + sum(abs(e.scale) * v.row_norm(layer) for e, v in here if not e.norm)
-                log_growth += math.log(growth)
-            tokens = f" on {'prompt' if phase is Phase.PREFILL else 'generated'} tokens" if phased else ""
-            if log_growth > math.log(limit.norm_growth) + 1e-12:  # a growth of exactly the limit is allowed
-                growth_text = f"{math.exp(log_growth):.3g}" if log_growth < 700 else f"e^{log_growth:.0f}"
-                what = (f"its norm-relative entries can grow a token's residual-stream norm {growth_text}-fold"
-                        f"{tokens} (1 + the sum of |scale| at a layer, multiplied over layers; at most "
-                        f"{limit.norm_growth:.3g} for a {self.model.dtype} model)")
-                culprit = max((i for i, e, _ in active if e.norm), key=lambda i: abs(resolved[i][0].scale))
-            elif added > limit.added_norm:
-                what = (f"it can add up to {added:.3g} to a token's residual-stream norm{tokens} (|scale| x vector "
-                        "norm, summed over entries and layers, multiplied by the growth of norm-relative entries at "
-                        f"later layers; at most {limit.added_norm:.3g} for a {self.model.dtype} model)")
-                culprit = max(
-                    (i for i, e, _ in active if not e.norm),
-                    key=lambda i: abs(resolved[i][0].scale) * sum(map(resolved[i][1].row_norm, resolved[i][0].layers)),
-                )
-            else:
-                continue
-            raise Refusal(400, "too_strong", f"this spec steers too strongly: {what}; stronger steering overflows "
-                          f"the model's arithmetic. Lower the scale (hotwire[{culprit}] weighs most).",
-                          f"hotwire[{culprit}].scale")
-
-    def _steered_layers(self) -> str:
-        layers = format_layers(self.model.layers)
-        if self.settings.layers is not None:
-            return f"{layers} (HOTWIRE_LAYERS; the model has 0-{self.model.n_layers - 1})"
-        return layers
+    def _resolve(self, spec: Any) -> Resolved:
+        return resolve(spec, self.registry.lookup, self.rules)
 
     def _check_no_preempted_waiting(self) -> None:
         """New steered requests queue behind a preempted one that waits for rows, or a stream of small requests
         could keep it from ever pinning its own again."""
         if self._waiting_to_resume:
             raise Refusal(429, "slots_exhausted", "a preempted steered request is waiting for bank rows; this one waits behind it")
-
-    def _check_capacity(self, keys: Collection[RowKey]) -> None:
-        if len(keys) > self.slots.capacity:
-            raise Refusal(
-                400, "too_many_rows",
-                f"this spec needs {len(keys)} bank rows but HOTWIRE_SLOTS is {self.slots.capacity}",
-                SPEC_KEY,
-            )
 
     @staticmethod
     def _row_key(vector: HostVector, layer: int) -> RowKey:
@@ -442,25 +343,6 @@ class SteeringController:
         """The bank rows a spec reads, each with the (vector, layer) its values come from."""
         return {cls._row_key(v, l): (v, l) for e, v in resolved for l in e.layers}
 
-    @staticmethod
-    def _receipt(resolved: list[tuple[SteeringEntry, HostVector]]) -> str:
-        parts = []
-        for e, v in resolved:
-            flags = "".join(f",{f}" for f, on in (("norm", e.norm), (e.phase.value + "_only", e.phase is not Phase.ALL)) if on)
-            parts.append(f"{v.vector_id}@{v.version}:L{'+'.join(map(str, e.layers))}x{e.scale:g}{flags}")
-        return ";".join(parts)
-
-    @staticmethod
-    def _cache_salt(user_salt: str | None, resolved: Any, prompt_len: int) -> str:
-        """The cache salt of a request steered as ``resolved`` ((entry, vector) pairs): its KV is reused only by
-        requests with the same user salt, entries and vector contents. With a ``prefill_only`` / ``decode_only``
-        entry, also the same prompt length: a token's KV then depends on whether it was prompt or output, and
-        vLLM caches output tokens' blocks too (a follow-up whose prompt holds an earlier answer would read KV
-        steered as output for tokens that are now prompt)."""
-        resolved = tuple(resolved)
-        phased = any(e.phase is not Phase.ALL for e, _ in resolved)
-        return _salt(user_salt, tuple((e, v.sha256) for e, v in resolved), prompt_len if phased else None)
-
     def cache_salt_for(self, spec: Any, user_salt: str | None, prompt_len: int) -> str | None:
         """The cache salt ``admit`` would give a request with this spec and user salt as the registry stands now;
         None where it would refuse it. Only reads, so vLLM's input thread may call it while the engine steps:
@@ -471,10 +353,10 @@ class SteeringController:
             entries = parse_spec(spec)
         except SpecError:
             return None
-        vectors = [self.registry.current(e.vector_id) for e in entries]
+        vectors = [self.registry.lookup(e.vector_id, e.version) for e in entries]
         if None in vectors:
             return None
-        return self._cache_salt(user_salt, zip(entries, vectors), prompt_len)
+        return cache_salt(user_salt, zip(entries, vectors), prompt_len)
 
     def admit(self, request: Any) -> Binding | None:
         """Bind a new engine request (a ``vllm.v1.request.Request``) to its steering, or raise :class:`Refusal`
@@ -491,10 +373,12 @@ class SteeringController:
         if extra is None:
             return None
         try:
-            resolved = self._validate(extra[SPEC_KEY])
+            resolved = self._resolve(extra[SPEC_KEY])
             sources = self._row_sources(resolved)
-            self._check_capacity(sources.keys())
             self._check_no_preempted_waiting()
+            if self.deferred and request.request_id not in self.deferred and self.slots.missing(sources.keys()):
+                # First come, first served: rows that free up go to the requests waiting for them.
+                raise Refusal(429, "slots_exhausted", "earlier requests are waiting for bank rows; this one waits behind them")
             try:
                 slot_of, loads = self.slots.acquire(sources.keys())
             except SlotsExhausted as exc:
@@ -518,12 +402,12 @@ class SteeringController:
             for e, v in resolved for layer in e.layers
         ]
         config = self._config(entries, slot_of)
-        binding = Binding(vectors, self._receipt(resolved), entries, sources, config)
+        binding = Binding(vectors, receipt(resolved), entries, sources, config)
         self.bindings[request.request_id] = binding
         self.steered_requests += 1
 
         self._set_binding(request, config)  # the workers read it from the request's sampling params
-        salt = self._cache_salt(user_salt, resolved, prompt_length(request))
+        salt = cache_salt(user_salt, resolved, prompt_length(request))
         if request.cache_salt != salt:  # hashed without it (or the registry changed since): hash again
             request.cache_salt = salt
             request.block_hashes.clear()
@@ -539,7 +423,7 @@ class SteeringController:
         and ``keep_binding`` restores the binding when vLLM applies the chunk. Raises :class:`Refusal` otherwise."""
         request_id = update.request_id
         if session is None:  # its first chunk is deferred: vLLM never saw the session
-            self.deferred.pop(request_id, None)
+            self._undefer(request_id)
             raise Refusal(429, "slots_exhausted",
                           "this streaming-input session's first chunk was still waiting for bank rows when more input "
                           "came; start the session again once rows are free")  # fmt: skip
@@ -586,11 +470,15 @@ class SteeringController:
                 config[phase].append([e.layer, slot_of[e.key], e.scale, e.rel])
         return config
 
+    @classmethod
+    def _set_binding(cls, request: Any, config: dict[str, list[list[float]]]) -> None:
+        cls._set_extra(request, BINDING_KEY, config)
+
     @staticmethod
-    def _set_binding(request: Any, config: dict[str, list[list[float]]]) -> None:
+    def _set_extra(request: Any, key: str, value: Any) -> None:
         # Copied params, so that a caller's object (offline, in-process engines) is never modified.
         params = copy.copy(request.sampling_params)
-        params.extra_args = {**params.extra_args, BINDING_KEY: config}
+        params.extra_args = {**params.extra_args, key: value}
         request.sampling_params = params
 
     def suspend(self, request_id: str) -> None:
@@ -643,9 +531,24 @@ class SteeringController:
     # -- requests waiting for slots ----------------------------------------------------------------------------
 
     def defer(self, request: Any) -> None:
-        """Hold a request whose rows cannot be pinned now; ``admit_deferred`` adds it once they can."""
+        """Hold a request whose rows cannot be pinned now; ``admit_deferred`` adds it once they can. It keeps the
+        versions it resolved to now (its spec is pinned to them, and it holds them), whatever is registered
+        while it waits."""
+        resolved = self._resolve(steering_args(request)[SPEC_KEY])
+        holds = list({id(v): v for _, v in resolved}.values())
+        for vector in holds:
+            self.registry.acquire(vector)
+        self._set_extra(request, SPEC_KEY, pinned_spec(resolved))
+        self._deferred_holds[request.request_id] = holds
         self.deferred[request.request_id] = request
         self.deferrals += 1
+
+    def _undefer(self, request_id: str) -> Any:
+        """Take a request out of the deferred ones, letting go of the versions it kept."""
+        for vector in self._deferred_holds.pop(request_id, ()):
+            if self.registry.release(vector):
+                self.slots.drop(vector.vector_id, vector.version)
+        return self.deferred.pop(request_id, None)
 
     def admit_deferred(self) -> list[Any]:
         """Deferred requests that could be admitted now, in arrival order (the first that still does not fit
@@ -658,21 +561,19 @@ class SteeringController:
             except Refusal as exc:
                 if exc.code == "slots_exhausted":
                     break
-                self.deferred.pop(request_id)  # the registry changed meanwhile: it can never be admitted
+                self._undefer(request_id)
                 self.on_refused(request, exc)
                 continue
-            self.deferred.pop(request_id)
+            self._undefer(request_id)
             admitted.append(request)
         return admitted
 
     def drop_deferred(self, request_ids: Any) -> list[Any]:
         """Forget deferred requests that were aborted (``None``: all); returns them."""
         if request_ids is None:
-            dropped = list(self.deferred.values())
-            self.deferred.clear()
-            return dropped
+            request_ids = list(self.deferred)
         ids = [request_ids] if isinstance(request_ids, str) else request_ids
-        return [r for r in (self.deferred.pop(request_id, None) for request_id in ids) if r is not None]
+        return [r for r in (self._undefer(request_id) for request_id in ids) if r is not None]
 
     @property
     def step_payload_pending(self) -> bool:

@@ -1,8 +1,15 @@
 """Host registry of steering vectors: every registered vector, keyed by id, with a version per content.
 
-A version is immutable. Re-registering an id makes a new version; the old one is *retired*: new requests can no
-longer name it, but requests admitted under it keep it until they finish. A retired version is dropped when its
-last reference goes.
+A version is immutable. Re-registering an id makes a new version; the old one is *retired*: requests that do
+not name a version get the new one, while requests admitted under the old one keep it until they finish. A
+retired version stays usable by requests that name it (``"version": N``: the HTTP admission pins every
+request's versions so) for ``retain_s`` seconds after it was retired, and for as long as a request holds it;
+then it is dropped. That covers a request that passed the HTTP check before a replace or delete and reaches the
+engine after it.
+
+Versions are ordered: a version older than the id's current one (or than its last deletion) that arrives late
+(data-parallel engine cores hear of registrations in different orders) is retired at once, never made current,
+so every engine core ends with the same current version.
 """
 
 from __future__ import annotations
@@ -42,6 +49,7 @@ class HostVector:
     created_at: float = field(default_factory=time.time)
     refs: int = 0
     retired: bool = False
+    retired_at: float = 0.0  # time.monotonic() when retired
 
     def _index(self, layer: int) -> int | None:
         if self.layers is None:
@@ -55,6 +63,9 @@ class HostVector:
         """The row applied at ``layer``, or None if this vector has no row for it."""
         i = self._index(layer)
         return None if i is None else self.rows[i]
+
+    def has_row(self, layer: int) -> bool:
+        return self._index(layer) is not None
 
     def row_norm(self, layer: int) -> float:
         """The norm of the row applied at ``layer`` (0.0 if there is none)."""
@@ -166,13 +177,17 @@ def _largest_value(model_dtype: str) -> float:
 
 
 class VectorRegistry:
-    """All vectors of one engine. Not thread-safe: the engine core calls it from its busy loop only."""
+    """All vectors of one engine. Not thread-safe: the engine core calls it from its busy loop only.
+    ``generation`` counts changes of the current versions (what ``hotwire_catalog`` hands the API servers)."""
 
-    def __init__(self, n_layers: int, hidden_size: int, model_dtype: str = "float32"):
+    def __init__(self, n_layers: int, hidden_size: int, model_dtype: str = "float32", retain_s: float = 60.0):
         self.n_layers, self.hidden_size, self.model_dtype = n_layers, hidden_size, model_dtype
+        self.retain_s = retain_s
+        self.generation = 0
         self._current: dict[str, HostVector] = {}
         self._retired: dict[tuple[str, int], HostVector] = {}
         self._last_version: dict[str, int] = {}
+        self._deleted_upto: dict[str, int] = {}  # id -> the newest version a deletion removed
 
     def register(self, *args: Any, **kwargs: Any) -> HostVector:
         """Add a vector (or a new version of one): :meth:`prepare` (same arguments), then :meth:`add`."""
@@ -192,12 +207,14 @@ class VectorRegistry:
         created_at: float | None = None,
     ) -> HostVector:
         """The vector (or new version) ``register`` would add, checked and decoded, without adding it: the caller
-        may still fail to store it. ``version``/``created_at`` are given only when restoring."""
+        may still fail to store it. ``version`` is given when restoring, or by the engine core that numbers
+        versions for all (data parallelism); ``created_at`` only when restoring."""
         if not isinstance(vector_id, str) or not VECTOR_ID_RE.fullmatch(vector_id):
             raise RegistryError(400, "bad_id", f"id must match {VECTOR_ID_RE.pattern}, got {vector_id!r}", "id")
-        if vector_id in self._current and not replace:
+        if vector_id in self._current and not replace and version is None:
             raise RegistryError(
-                409, "exists", f"vector {vector_id!r} is already registered; pass replace=true to make a new version", "id"
+                409, "exists", f"vector {vector_id!r} is already registered; register it with replace=true "
+                "(hotwire register --replace) to make a new version", "id"
             )
         rows, layers_t, norms = decode_vector(
             data, dtype, list(shape), layers, self.n_layers, self.hidden_size, self.model_dtype
@@ -209,35 +226,86 @@ class VectorRegistry:
             vector.created_at = created_at
         return vector
 
-    def add(self, vector: HostVector) -> None:
-        """Make a prepared vector the current version of its id; the one it replaces is retired."""
-        self.note_version(vector.vector_id, vector.version)
-        old = self._current.pop(vector.vector_id, None)
+    def supersedes(self, vector: HostVector) -> bool:
+        """Whether :meth:`add` would make ``vector`` current (it is newer than the current version and than the
+        id's last deletion)."""
+        old = self._current.get(vector.vector_id)
+        newest = max(old.version if old is not None else 0, self._deleted_upto.get(vector.vector_id, 0))
+        return vector.version > newest
+
+    def add(self, vector: HostVector) -> bool:
+        """Make a prepared vector the current version of its id (the one it replaces is retired); a version older
+        than the current one or than the id's last deletion is retired at once. Returns whether it became current."""
+        vector_id = vector.vector_id
+        old = self._current.get(vector_id)
+        if not self.supersedes(vector):
+            if old is None or old.version != vector.version:
+                self._retire(vector)
+            self.note_version(vector_id, vector.version)
+            return False
+        self.note_version(vector_id, vector.version)
         if old is not None:
             self._retire(old)
-        self._current[vector.vector_id] = vector
+        self._current[vector_id] = vector
+        self.generation += 1
+        self._prune()
+        return True
 
     def note_version(self, vector_id: str, version: int) -> None:
         """``vector_id`` had ``version`` once (restored from the store): its next version is higher."""
         self._last_version[vector_id] = max(version, self._last_version.get(vector_id, 0))
 
-    def unregister(self, vector_id: str) -> HostVector:
-        vector = self._current.pop(vector_id, None)
-        if vector is None:
+    def unregister(self, vector_id: str, version: int | None = None) -> HostVector | None:
+        """Retire the current version of ``vector_id``. ``version``: the version another engine core deleted
+        (data parallelism): a newer current one stays, and the deletion still holds for any older one that
+        arrives later. Returns the retired vector (None when ``version`` left a newer one in place)."""
+        current = self._current.get(vector_id)
+        if version is not None:
+            self._deleted_upto[vector_id] = max(version, self._deleted_upto.get(vector_id, 0))
+            self.note_version(vector_id, version)
+            if current is None or current.version > version:
+                return None
+        if current is None:
             raise RegistryError(404, "unknown_vector", f"unknown steering vector {vector_id!r}", "id")
-        self._retire(vector)
-        return vector
+        del self._current[vector_id]
+        self._deleted_upto[vector_id] = max(current.version, self._deleted_upto.get(vector_id, 0))
+        self._retire(current)
+        self.generation += 1
+        self._prune()
+        return current
 
     def _retire(self, vector: HostVector) -> None:
         vector.retired = True
-        if vector.refs:
-            self._retired[(vector.vector_id, vector.version)] = vector
+        vector.retired_at = time.monotonic()
+        self._retired[(vector.vector_id, vector.version)] = vector
+
+    def _prune(self) -> None:
+        """Drop retired versions that no request holds and whose retention is over."""
+        deadline = time.monotonic() - self.retain_s
+        for key in [k for k, v in self._retired.items() if v.refs == 0 and v.retired_at <= deadline]:
+            del self._retired[key]
 
     def current(self, vector_id: str) -> HostVector | None:
         return self._current.get(vector_id)
 
+    def lookup(self, vector_id: str, version: int | None = None) -> HostVector | None:
+        """The current version of ``vector_id`` (``version`` None), or that version while it is current or
+        retained; None otherwise."""
+        current = self._current.get(vector_id)
+        if version is None or (current is not None and current.version == version):
+            return current
+        vector = self._retired.get((vector_id, version))
+        if vector is not None and vector.refs == 0 and vector.retired_at <= time.monotonic() - self.retain_s:
+            return None  # its retention is over (pruned at the next change: vLLM's input thread reads here too)
+        return vector
+
     def vectors(self) -> list[HostVector]:
         return list(self._current.values())
+
+    def retained(self) -> list[HostVector]:
+        """Retired versions still held by requests or within their retention."""
+        self._prune()
+        return list(self._retired.values())
 
     def in_flight(self, vector_id: str) -> int:
         """References held by admitted requests on every live version of ``vector_id``."""
@@ -250,9 +318,10 @@ class VectorRegistry:
         vector.refs += 1
 
     def release(self, vector: HostVector) -> bool:
-        """Drop one reference; True when this was the last one on a retired version (now gone)."""
+        """Drop one reference; True when this was the last one on a retired version (its bank rows can go; its
+        host copy stays for the rest of its retention)."""
         vector.refs -= 1
         if vector.refs == 0 and vector.retired:
-            self._retired.pop((vector.vector_id, vector.version), None)
+            self._prune()
             return True
         return False

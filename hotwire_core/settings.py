@@ -86,6 +86,8 @@ class Settings:
     idle_graphs: bool = True  # HOTWIRE_IDLE_GRAPHS: capture hotwire-free CUDA graphs for unsteered steps (ops.Gate)
     layers: frozenset[int] | None = None  # HOTWIRE_LAYERS: the only layers hooked (None: all); fewer, cheaper steps
     pdl: bool = True  # HOTWIRE_PDL: programmatic dependent launch of the op's kernel where the GPU has it (ops.PDL)
+    # HOTWIRE_RETAIN_S: seconds a replaced or deleted version stays usable by requests pinned to it (registry)
+    retain_s: int = 60
 
     @classmethod
     def from_env(cls) -> "Settings":
@@ -100,6 +102,7 @@ class Settings:
             idle_graphs=flag_env("HOTWIRE_IDLE_GRAPHS", True),
             layers=parse_layers(os.environ["HOTWIRE_LAYERS"]) if os.environ.get("HOTWIRE_LAYERS") else None,
             pdl=flag_env("HOTWIRE_PDL", True),
+            retain_s=_int_env("HOTWIRE_RETAIN_S", 60, 0, 86_400),
             store=os.environ.get("HOTWIRE_STORE") or None,
             preload=os.environ.get("HOTWIRE_VECTORS") or None,
         )

@@ -8,12 +8,15 @@ holding one entry or a list of entries::
      {"id": "formal", "layer": 10, "scale": 0.1, "norm": true}]
 
 Entry fields: ``id`` (string), ``layer`` (int or list of ints), ``scale`` (finite float, taken as float32), optional
-``decode_only`` / ``prefill_only`` (bool, mutually exclusive) and ``norm`` (bool: the scale is relative to
-the token's residual norm, ``residual += scale * |residual| * v/|v|``).
+``decode_only`` / ``prefill_only`` (bool, mutually exclusive), ``norm`` (bool: the scale is relative to
+the token's residual norm, ``residual += scale * |residual| * v/|v|``) and ``version`` (int: steer with that
+version of the vector, which must be current or still retained; absent: the version current at admission).
+The HTTP admission pins every entry's version this way, so the engine applies what the receipt names.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import math
@@ -30,7 +33,7 @@ SPEC_KEY = "hotwire"
 SALT_PREFIX = "hotwire:"  # steered requests' cache salts; a user cache_salt may not start with it (it could forge one)
 VECTOR_ID_RE = re.compile(r"[A-Za-z0-9._-]{1,64}")  # use with fullmatch
 MAX_ENTRIES = 64
-_ENTRY_FIELDS = {"id", "layer", "scale", "decode_only", "prefill_only", "norm"}
+_ENTRY_FIELDS = {"id", "layer", "scale", "decode_only", "prefill_only", "norm", "version"}
 FLOAT32_MAX = 3.4028234663852886e38
 
 
@@ -60,6 +63,16 @@ class SteeringEntry:
     scale: float
     phase: Phase = Phase.ALL
     norm: bool = False
+    version: int | None = None  # None: the version current when the engine admits the request
+
+    def pinned(self, version: int) -> SteeringEntry:
+        """This entry bound to ``version`` of its vector."""
+        return dataclasses.replace(self, version=version)
+
+    def steering(self) -> SteeringEntry:
+        """What the entry does, without the version that names its vector's contents (the cache salt and the
+        strength check use the contents themselves)."""
+        return self if self.version is None else dataclasses.replace(self, version=None)
 
     def to_json(self) -> dict[str, Any]:
         out: dict[str, Any] = {"id": self.vector_id, "layer": list(self.layers), "scale": self.scale}
@@ -69,6 +82,8 @@ class SteeringEntry:
             out["prefill_only"] = True
         if self.norm:
             out["norm"] = True
+        if self.version is not None:
+            out["version"] = self.version
         return out
 
 
@@ -124,7 +139,10 @@ def _parse_entry(raw: Any, field: str) -> SteeringEntry:
         raise SpecError(f"{field}.decode_only", "decode_only and prefill_only exclude each other")
     phase = Phase.DECODE if decode_only else Phase.PREFILL if prefill_only else Phase.ALL
     norm = _bool(raw.get("norm", False), f"{field}.norm")
-    return SteeringEntry(vector_id, tuple(sorted(layers)), float(scale), phase, norm)
+    version = raw.get("version")
+    if version is not None and (isinstance(version, bool) or not isinstance(version, int) or version < 1):
+        raise SpecError(f"{field}.version", f"must be a positive int (a version of the vector), got {version!r}")
+    return SteeringEntry(vector_id, tuple(sorted(layers)), float(scale), phase, norm, version)
 
 
 def parse_spec(value: Any) -> tuple[SteeringEntry, ...]:

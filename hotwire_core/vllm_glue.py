@@ -37,7 +37,8 @@ from pathlib import Path
 from typing import Any, Callable, Iterator
 
 from . import ops
-from .controller import USER_SALT_ATTR, ModelInfo, Refusal, SteeringController, prompt_length, steering_args
+from .admission import ModelInfo, Refusal
+from .controller import USER_SALT_ATTR, SteeringController, prompt_length, steering_args
 from .ops import GATE
 from .settings import Settings, format_layers
 from .spec import SPEC_KEY
@@ -103,8 +104,12 @@ def _send_refusal(engine: Any, request: Any, exc: Refusal, in_caller: bool = Tru
     """Finish a request the engine will not serve with an error (vLLM reports it as a failed request).
 
     An in-process engine (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) has no output queue: a refusal at
-    ``add_request`` raises to the caller; one found later, in the scheduler (``in_caller=False``), is logged."""
+    ``add_request`` raises to the caller; one found later, in the scheduler (``in_caller=False``), is logged.
+    The controller keeps the refusal for the API server that ticketed the request: it answers the client with it."""
     logger.warning("hotwire: refused request %s: %s", request.request_id, exc.message)
+    controller = getattr(engine, "hotwire", None)
+    if controller is not None:
+        controller.note_refusal(request, exc)
     send_error = getattr(engine, "_send_error_outputs_to_client", None)
     if send_error is not None:
         send_error([request.request_id], request.client_index)

@@ -6,6 +6,10 @@ port: each request lands on either, and both must answer alike.
 Requests are placed on an engine core with vLLM's ``X-data-parallel-rank`` header, so each test knows where its
 request runs: a vector registered over HTTP steers on both engine cores alike, ``/steer/slots`` counts both
 banks, and ``DELETE`` answers 202 while the vector's only user runs on the second engine core.
+
+The server keeps no replaced version (``HOTWIRE_RETAIN_S=0``) and refreshes each API server's catalog only once
+an hour (``HOTWIRE_CATALOG_REFRESH_MS``), so an API server that did not see a replace pins requests to a version
+the engine cores no longer have: the refusal that vLLM reports as a bare failure must reach the client as itself.
 """
 
 from __future__ import annotations
@@ -33,7 +37,8 @@ PROMPT = "The quick brown fox jumps over"
 @pytest.fixture(scope="module")
 def server(tiny_model, tmp_path_factory) -> Iterator[VllmServer]:
     args = ["--enforce-eager", "--data-parallel-size", "2"]
-    srv = VllmServer(tiny_model, tmp_path_factory.mktemp("vllm-serve-dp"), {}, args, cli=True)
+    env = {"HOTWIRE_RETAIN_S": "0", "HOTWIRE_CATALOG_REFRESH_MS": "3600000"}
+    srv = VllmServer(tiny_model, tmp_path_factory.mktemp("vllm-serve-dp"), env, args, cli=True)
     srv.start()
     yield srv
     srv.stop()
@@ -179,3 +184,60 @@ def test_two_api_servers_share_routes_and_metrics(server, tiny_model) -> None:
             break
         assert time.monotonic() < deadline, (capacity, steered, stats["steered_requests"], now - before, refused)
         time.sleep(0.5)
+
+
+_ACCESS = r"\((?:APIServer|ApiServer_\d+) pid=(\d+)\)[^\n]*\"POST {path} HTTP/1.1\" {status}"
+
+
+def _answered(server: VllmServer, path: str, status: int) -> set[str]:
+    """The API servers (pids) whose access log shows ``path`` answered with ``status``."""
+    return set(re.findall(_ACCESS.format(path=re.escape(path), status=status), server.log_path.read_text(errors="replace")))
+
+
+def _steered_body(route: str, model: str, vector_id: str, stream: bool) -> dict:
+    steer = {"hotwire": json.dumps({"id": vector_id, "layer": LAYER, "scale": 8.0})}
+    body = {"model": model, "temperature": 0, "stream": stream, "vllm_xargs": steer}
+    if route == "/v1/responses":
+        return {**body, "input": PROMPT, "max_output_tokens": 4}
+    if route == "/v1/chat/completions":
+        return {**body, "messages": [{"role": "user", "content": PROMPT}], "max_tokens": 4}
+    return {**body, "prompt": PROMPT, "max_tokens": 4}
+
+
+ROUTES = ("/v1/completions", "/v1/chat/completions", "/v1/responses")
+
+
+def test_an_engine_refusal_after_admission_reaches_the_client_as_itself(server, tiny_model) -> None:
+    """Both API servers learn vec@1; a replace through one leaves the other's copy at version 1, which the
+    engine cores dropped at once. On every route, streamed or not, a request either steers with version 2 or
+    comes back as hotwire's 410 ``version_gone`` — never vLLM's bare 500, an error event, or an empty success."""
+    model = str(tiny_model)
+    with httpx.Client(base_url=server.url, timeout=120) as client:
+        register(client, "dp-stale", seed=4)
+    while len(_answered(server, "/v1/completions", 200)) < 2:  # until both API servers steered with version 1
+        with httpx.Client(base_url=server.url, timeout=120) as fresh:
+            response = fresh.post("/v1/completions", json=_steered_body("/v1/completions", model, "dp-stale", False))
+            assert response.headers["x-hotwire-receipt"].startswith("dp-stale@1:"), response.text
+    with httpx.Client(base_url=server.url, timeout=120) as client:
+        vector = np.random.default_rng(5).standard_normal(HIDDEN).astype(np.float32) * 4
+        body = {"id": "dp-stale", "data": base64.b64encode(vector.tobytes()).decode(), "dtype": "float32", "shape": [HIDDEN]}
+        replaced = client.post("/steer/vectors?replace=true", json=body)
+        assert replaced.status_code == 200 and replaced.json()["version"] == 2, replaced.text
+    for route in ROUTES:
+        for stream in (False, True):
+            outcomes: set[int] = set()
+            for attempt in range(60):
+                if outcomes == {200, 410}:
+                    break
+                with httpx.Client(base_url=server.url, timeout=120) as fresh:
+                    response = fresh.post(route, json=_steered_body(route, model, "dp-stale", stream))
+                outcomes.add(response.status_code)
+                if response.status_code == 200:
+                    assert response.headers["x-hotwire-receipt"].startswith("dp-stale@2:"), response.text
+                    assert ('"error"' not in response.text) and len(response.text) > 50, response.text
+                    continue
+                assert response.status_code == 410, (route, stream, response.status_code, response.text[:500])
+                error = response.json()["error"]
+                assert (error["code"], error["field"]) == ("version_gone", "vllm_xargs.hotwire[0].version"), error
+                assert "x-hotwire-receipt" not in response.headers
+            assert outcomes == {200, 410}, (route, stream, outcomes)

@@ -45,41 +45,49 @@ def test_merge_vector_lists_counts_users_on_every_engine() -> None:
 
 class TwoEngines:
     """A stand-in engine client with two engine cores: ``collective_rpc`` answers as vLLM's DP client does
-    (the first engine core's answer); ``per_engine`` gathers both."""
+    (the first engine core's answer); ``per_engine`` asks the engine cores a slice selects."""
 
     def __init__(self, answers: dict[str, list[dict]]):
         self.answers = answers
         self.calls: list[tuple[str, str]] = []
+        self.args: list[tuple] = []
 
     async def collective_rpc(self, method: str, timeout: float | None = None, args: tuple = (), kwargs=None) -> list:
         self.calls.append(("first", method))
         return [self.answers[method][0]]
 
-    async def per_engine(self, method: str, args: tuple, first_only: bool) -> list[list[dict]]:
-        self.calls.append(("first alone" if first_only else "each", method))
-        answers = self.answers[method][:1] if first_only else self.answers[method]
-        return [[answer] for answer in answers]
+    async def per_engine(self, method: str, args: tuple, which: slice) -> list[list[dict]]:
+        names = {(None, 1): "first alone", (1, None): "the others", (None, None): "each"}
+        self.calls.append((names[which.start, which.stop], method))
+        self.args.append(args)
+        return [[answer] for answer in self.answers[method][which]]
 
 
 def test_engine_gathers_every_engine_core_where_it_matters() -> None:
     client = TwoEngines({
-        "hotwire_unregister": [{"ok": True, "in_flight": 0}, {"ok": True, "in_flight": 2}],
+        "hotwire_unregister": [{"ok": True, "in_flight": 0, "version": 4}, {"ok": True, "in_flight": 2, "version": 4}],
         "hotwire_stats": [stats(8, 1, [row(1, "x")], {}, 1), stats(8, 1, [row(3, "x")], {}, 2)],
-        "hotwire_check": [{"ok": True, "receipt": "x@1:L2x1"}, {"ok": True, "receipt": "never asked"}],
+        "hotwire_check": [{"ok": True, "receipt": "x@1:L2x1", "spec": "pinned"}, {"ok": True, "receipt": "never asked"}],
+        "hotwire_refusals": [{"ok": True, "refusals": {}}, {"ok": True, "refusals": {"t": {
+            "ok": False, "status": 410, "code": "version_gone", "error": "gone", "field": "hotwire[0].version"}}}],
     })
     engine = HotwireEngine(client, client.per_engine)
     assert asyncio.run(engine.unregister("x")) == 2  # in use on the second engine core: DELETE answers 202
+    assert client.args[-1] == ("x", 4)  # the others delete the version the first one deleted
     merged = asyncio.run(engine.stats())
     assert (merged.engines, merged.capacity, merged.steered_requests) == (2, 16, 3)
     assert [(r.engine, r.slot) for r in merged.rows] == [(0, 1), (1, 3)]
-    assert asyncio.run(engine.check("{}")) == "x@1:L2x1"
-    # Admission asks the first engine core alone: vLLM's own collective_rpc would wait for every one of them.
-    assert client.calls == [("each", "hotwire_unregister"), ("each", "hotwire_stats"), ("first alone", "hotwire_check")]
+    assert asyncio.run(engine.check("{}")) == ("x@1:L2x1", "pinned")
+    refused = asyncio.run(engine.refusals(["t"]))["t"]  # kept by whichever engine core refused the request
+    assert (refused.status, refused.code, refused.field) == (410, "version_gone", "hotwire[0].version")
+    # Deciding asks the first engine core alone: vLLM's own collective_rpc would wait for every one of them.
+    assert client.calls == [("first alone", "hotwire_unregister"), ("the others", "hotwire_unregister"),
+                            ("each", "hotwire_stats"), ("first alone", "hotwire_check"), ("each", "hotwire_refusals")]
 
 
 def test_registration_the_engine_cores_disagree_on_is_an_error() -> None:
-    def answer(version: int) -> dict:
-        meta = {"id": "x", "version": version, "sha256": "ab", "dtype": "float32", "shape": [8], "layers": None,
+    def answer(version: int, sha256: str = "ab") -> dict:
+        meta = {"id": "x", "version": version, "sha256": sha256, "dtype": "float32", "shape": [8], "layers": None,
                 "norms": {"*": 1.0}, "created_at": 1.0}
         return {"ok": True, "created": True, "vector": meta}
 
@@ -88,11 +96,14 @@ def test_registration_the_engine_cores_disagree_on_is_an_error() -> None:
     payload = VectorPayload(data=b"\0" * 32, dtype="float32", shape=(8,), layers=None)
     agreeing = TwoEngines({"hotwire_register": [answer(3), answer(3)]})
     created, meta = asyncio.run(HotwireEngine(agreeing, agreeing.per_engine).register("x", payload, False))
-    assert created and meta.version == 3 and agreeing.calls == [("each", "hotwire_register")]
-    drifted = TwoEngines({"hotwire_register": [answer(3), answer(2)]})
+    # the first engine core numbers the version; the others are told it
+    assert created and meta.version == 3
+    assert agreeing.calls == [("first alone", "hotwire_register"), ("the others", "hotwire_register")]
+    assert agreeing.args[1][-1] == 3 and len(agreeing.args[0]) == len(agreeing.args[1]) - 1
+    drifted = TwoEngines({"hotwire_register": [answer(3), answer(3, "cd")]})
     with pytest.raises(HotwireError) as err:
         asyncio.run(HotwireEngine(drifted, drifted.per_engine).register("x", payload, False))
-    assert (err.value.status, err.value.code) == (500, "engines_disagree") and "[3, 2]" in err.value.message
+    assert (err.value.status, err.value.code) == (500, "engines_disagree") and "x'@3" in err.value.message
 
 
 def _registration_refused(answer: dict, source: str) -> HotwireError:
@@ -122,7 +133,7 @@ def test_a_refusal_of_the_values_names_the_field_they_were_sent_in() -> None:
 
 def test_a_refusal_from_any_engine_core_is_raised() -> None:
     client = TwoEngines({"hotwire_unregister": [
-        {"ok": True, "in_flight": 0},
+        {"ok": True, "in_flight": 0, "version": 1},
         {"ok": False, "status": 404, "code": "unknown_vector", "error": "unknown steering vector 'x'", "field": "id"},
     ]})
     with pytest.raises(HotwireError) as err:
@@ -131,6 +142,6 @@ def test_a_refusal_from_any_engine_core_is_raised() -> None:
 
 
 def test_without_data_parallelism_every_call_is_one_collective_rpc() -> None:
-    client = TwoEngines({"hotwire_unregister": [{"ok": True, "in_flight": 1}, {"ok": True, "in_flight": 5}]})
+    client = TwoEngines({"hotwire_unregister": [{"ok": True, "in_flight": 1, "version": 1}, {"ok": True, "in_flight": 5}]})
     assert asyncio.run(HotwireEngine(client).unregister("x")) == 1
     assert client.calls == [("first", "hotwire_unregister")]

@@ -121,7 +121,10 @@ def test_per_engine_rpc_asks_every_data_parallel_engine_core() -> None:
     assert asyncio.run(rpc("hotwire_stats", ("a",))) == [["answer of e0"], ["answer of e1"]]
     assert sent == [("collective_rpc", ("hotwire_stats", None, ("a",), None), e) for e in ("e0", "e1")]
     sent.clear()
-    assert asyncio.run(rpc("hotwire_check", ("s",), True)) == [["answer of e0"]] and [e for *_, e in sent] == ["e0"]
+    assert asyncio.run(rpc("hotwire_check", ("s",), slice(1))) == [["answer of e0"]] and [e for *_, e in sent] == ["e0"]
+    sent.clear()
+    assert asyncio.run(rpc("hotwire_register", ("r",), slice(1, None))) == [["answer of e1"]]
+    assert [e for *_, e in sent] == ["e1"]
     one_core = types.SimpleNamespace(core_engines=["e0"], _call_utility_async=call_utility)
     assert mount.per_engine_rpc(types.SimpleNamespace(engine_core=one_core)) is None
     assert mount.per_engine_rpc(object()) is None

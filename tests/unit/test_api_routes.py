@@ -47,9 +47,10 @@ class FakeEngine:
         self.in_flight: Counter[str] = Counter()
         self.calls: list[tuple[str, tuple[Any, ...]]] = []
         self.steerable = True
-        self.busy: set[str] = set()
         self.refused: Counter[str] = Counter()
         self.steered = 0
+        self.generation = 0
+        self.kept_refusals: dict[str, dict[str, Any]] = {}
 
     async def collective_rpc(
         self, method: str, timeout: float | None = None, args: tuple = (), kwargs: dict[str, Any] | None = None
@@ -79,25 +80,40 @@ class FakeEngine:
             if dtype != "bfloat16"
             else np.zeros((1, HIDDEN))
         )
-        keys = layers if layers is not None else (list(range(shape[0])) if len(shape) == 2 else [-1])
+        keys = layers if layers is not None else (list(range(shape[0])) if len(shape) == 2 else ["*"])
         meta = {
             "id": vector_id,
             "version": existing["version"] + 1 if existing else 1,
             "sha256": hashlib.sha256(data).hexdigest(),
             "dtype": dtype,
             "shape": shape,
-            "layers": layers,
-            "norms": {k: float(np.linalg.norm(r)) for k, r in zip(keys, rows, strict=False)},
+            "layers": layers if layers is not None or len(shape) == 1 else list(range(shape[0])),
+            "norms": {str(k): float(np.linalg.norm(r)) for k, r in zip(keys, rows, strict=False)},
             "in_flight": 0,
             "created_at": time.time(),
         }
         self.vectors[vector_id] = meta
+        self.generation += 1
         return {"ok": True, "created": existing is None, "vector": meta}
 
     def hotwire_unregister(self, vector_id: str) -> dict[str, Any]:
-        if self.vectors.pop(vector_id, None) is None:
+        meta = self.vectors.pop(vector_id, None)
+        if meta is None:
             return _fail(404, "unknown_vector", f"unknown steering vector {vector_id!r}", "id")
-        return {"ok": True, "in_flight": self.in_flight.pop(vector_id, 0)}
+        self.generation += 1
+        return {"ok": True, "in_flight": self.in_flight.pop(vector_id, 0), "version": meta["version"]}
+
+    def hotwire_catalog(self, generation: int) -> dict[str, Any]:
+        if generation == self.generation:
+            return {"ok": True, "generation": generation, "unchanged": True}
+        model = {"steerable": self.steerable, "reason": "no decoder layers" if not self.steerable else "",
+                 "n_layers": N_LAYERS, "hidden_size": HIDDEN, "dtype": "float32", "max_stack": 4, "norm": False,
+                 "layers": f"0-{N_LAYERS - 1}"}
+        return {"ok": True, "generation": self.generation, "model": model, "capacity": 16,
+                "vectors": list(self.vectors.values())}
+
+    def hotwire_refusals(self, tickets: list[str]) -> dict[str, Any]:
+        return {"ok": True, "refusals": {t: self.kept_refusals.pop(t) for t in tickets if t in self.kept_refusals}}
 
     def hotwire_list(self) -> dict[str, Any]:
         return {"ok": True, "vectors": [{**m, "in_flight": self.in_flight[m["id"]]} for m in self.vectors.values()]}
@@ -149,11 +165,9 @@ class FakeEngine:
                 return _fail(
                     400, "layer_out_of_range", f"layer {entry['layer']} is out of range", f"hotwire[{i}].layer"
                 )
-            if entry["id"] in self.busy:
-                return _fail(429, "slots_exhausted", "no free steering slots; retry shortly")
         self.steered += 1
         first = self.vectors[entries[0]["id"]]
-        return {"ok": True, "receipt": f"{first['id']}@v{first['version']}", "new_rows": 1}
+        return {"ok": True, "receipt": f"{first['id']}@v{first['version']}", "spec": spec, "new_rows": 1}
 
 
 def _openai_app(engine: FakeEngine | None, settings: Settings) -> FastAPI:
@@ -247,8 +261,8 @@ def _chat(vllm_xargs: dict[str, Any] | None = None, **extra: Any) -> dict[str, A
     return body
 
 
-def _spec(vector_id: str = "happy", layer: int = 1) -> str:
-    return json.dumps({"id": vector_id, "layer": layer, "scale": 4.0})
+def _spec(vector_id: str = "happy", layer: int = 1, scale: float = 4.0) -> str:
+    return json.dumps({"id": vector_id, "layer": layer, "scale": scale})
 
 
 # ---- /steer/vectors ---------------------------------------------------------------------------------------
@@ -281,7 +295,7 @@ def test_register_json_base64_and_per_layer_lists(client: TestClient, engine: Fa
         "layers": [1, 3],
     }
     assert client.post("/steer/vectors", json=body).status_code == 201
-    assert engine.calls[-2][1][2:5] == ("float16", [2, HIDDEN], [1, 3])  # the call before the stats refresh
+    assert engine.calls[-3][1][2:5] == ("float16", [2, HIDDEN], [1, 3])  # before the catalog and stats refreshes
 
     response = client.post("/steer/vectors", json={"id": "lists", "layers": {"2": [1.0] * HIDDEN}})
     assert response.status_code == 201, response.text
@@ -426,16 +440,15 @@ def test_slots_max_age_serves_the_snapshot_and_revalidates(client: TestClient, e
 
 def test_steer_calls_refresh_the_metrics_snapshot(client: TestClient, engine: FakeEngine) -> None:
     _upload(client, "v", _vector())
-    assert engine.methods() == ["hotwire_register", "hotwire_stats"]
+    assert engine.methods() == ["hotwire_register", "hotwire_catalog", "hotwire_stats"]
     assert STATS.snapshot is not None and STATS.snapshot.vectors == 1
 
 
 def test_metrics_series(client: TestClient, engine: FakeEngine) -> None:
     assert "hotwire_slots_capacity" not in client.get("/metrics").text  # no snapshot yet: no bank series
     _upload(client, "happy", _vector())
-    engine.refused["slots_exhausted"] = 2  # refused by the engine when it admitted requests
-    engine.busy.add("happy")
-    client.post("/v1/chat/completions", json=_chat({"hotwire": _spec()}))  # refused by admission
+    engine.refused["version_gone"] = 2  # refused by the engine when it admitted requests
+    client.post("/v1/chat/completions", json=_chat({"hotwire": _spec("happy", layer=99)}))  # refused by admission
     client.post("/v1/chat/completions", json=_chat({"hotwire": _spec("nope")}))
     client.get("/steer/slots")
     text = client.get("/metrics").text
@@ -446,7 +459,8 @@ def test_metrics_series(client: TestClient, engine: FakeEngine) -> None:
         "hotwire_slot_evictions_total 3.0",
         "hotwire_vectors_registered 1.0",
         "hotwire_steered_requests_total 0.0",
-        'hotwire_refusals_total{reason="slots_exhausted"} 3.0',
+        'hotwire_refusals_total{reason="version_gone"} 2.0',
+        'hotwire_refusals_total{reason="layer_out_of_range"} 1.0',
         'hotwire_refusals_total{reason="unknown_vector"} 1.0',
     ):
         assert line in text, line
@@ -535,16 +549,51 @@ def test_requests_without_hotwire_are_untouched(client: TestClient, engine: Fake
     assert engine.calls == []
 
 
-def test_steered_request_is_admitted_with_a_receipt(client: TestClient, engine: FakeEngine) -> None:
+def test_steered_request_is_admitted_with_a_receipt_and_pinned_without_an_engine_call(
+    client: TestClient, engine: FakeEngine
+) -> None:
     _upload(client, "happy", _vector())
-    raw = json.dumps(_chat({"hotwire": _spec()}), indent=1).encode()
+    calls = len(engine.calls)
+    raw = json.dumps(_chat({"hotwire": _spec(), "keep": 1}), indent=1).encode()
     response = client.post("/v1/chat/completions", content=raw, headers={"content-type": "application/json"})
     assert response.status_code == 200
-    assert response.headers["x-hotwire-receipt"] == "happy@v1"
-    assert response.json()["raw"].encode() == raw  # replayed byte for byte
-    assert ("hotwire_check", (_spec(),)) in engine.calls
+    assert response.headers["x-hotwire-receipt"] == "happy@1:L1x4"
+    forwarded = json.loads(response.json()["raw"])
+    xargs = forwarded.pop("vllm_xargs")
+    assert forwarded == {k: v for k, v in json.loads(raw).items() if k != "vllm_xargs"}  # the rest unchanged
+    assert json.loads(xargs["hotwire"]) == [{"id": "happy", "layer": [1], "scale": 4.0, "version": 1}]
+    assert xargs["keep"] == 1 and len(xargs["hotwire_ticket"]) == 32
+    assert response.json()["content_length"] == str(len(response.json()["raw"]))
     response = client.post("/v1/responses", json={"input": "hi", "vllm_xargs": {"hotwire": _spec()}})
-    assert response.headers["x-hotwire-receipt"] == "happy@v1"
+    assert response.headers["x-hotwire-receipt"] == "happy@1:L1x4"
+    assert engine.methods()[calls:] == []  # decided from the catalog this process holds
+
+
+def test_a_replace_is_seen_by_the_next_request_and_receipts_name_the_pinned_version(
+    client: TestClient, engine: FakeEngine
+) -> None:
+    _upload(client, "happy", _vector())
+    assert client.post("/v1/chat/completions", json=_chat({"hotwire": _spec()})).headers["x-hotwire-receipt"] == "happy@1:L1x4"
+    assert _upload(client, "happy", _vector() + 1, replace=True).status_code == 200
+    response = client.post("/v1/chat/completions", json=_chat({"hotwire": _spec()}))
+    assert response.headers["x-hotwire-receipt"] == "happy@2:L1x4"
+    assert json.loads(json.loads(response.json()["raw"])["vllm_xargs"]["hotwire"])[0]["version"] == 2
+
+
+def test_an_id_registered_elsewhere_is_fetched_on_first_use(client: TestClient, engine: FakeEngine) -> None:
+    client.post("/v1/chat/completions", json=_chat(None))
+    _upload(client, "first", _vector())
+    engine.hotwire_register("elsewhere", _vector().tobytes(), "float32", [HIDDEN], None, False)  # another API server
+    response = client.post("/v1/chat/completions", json=_chat({"hotwire": _spec("elsewhere")}))
+    assert response.headers["x-hotwire-receipt"] == "elsewhere@1:L1x4"
+
+
+def test_a_version_the_catalog_does_not_hold_is_decided_by_the_engine(client: TestClient, engine: FakeEngine) -> None:
+    _upload(client, "happy", _vector())
+    pinned = json.dumps({"id": "happy", "layer": 1, "scale": 4.0, "version": 7})
+    response = client.post("/v1/chat/completions", json=_chat({"hotwire": pinned}))
+    assert response.headers["x-hotwire-receipt"] == "happy@v1"  # the fake engine's receipt
+    assert ("hotwire_check", (pinned,)) in engine.calls
 
 
 def test_reserved_cache_salt_is_refused_before_the_engine(client: TestClient, engine: FakeEngine) -> None:
@@ -569,39 +618,48 @@ def test_no_receipt_when_vllm_rejects_the_request(engine: FakeEngine) -> None:
     _upload(client, "happy", _vector())
     response = client.post("/v1/chat/completions", json=_chat({"hotwire": _spec()}))
     assert response.status_code == 400 and "x-hotwire-receipt" not in response.headers
-    assert ("hotwire_check", (_spec(),)) in engine.calls
+    assert response.json() == {"error": "max_tokens too large"}
 
 
 # What vLLM 0.25.1 answers for a request the engine finished with an error (generation_error_handler).
 _VLLM_500 = {"error": {"message": "Internal server error", "type": "InternalServerError", "param": None, "code": 500}}
 
 
-def _failing_chat_route(app: FastAPI, before_failing: Callable[[], None]) -> None:
+def _ticket(body: bytes) -> str:
+    return json.loads(body)["vllm_xargs"]["hotwire_ticket"]
+
+
+def _refuse_in_engine(engine: FakeEngine) -> Callable[[str], None]:
+    """What the engine does for a request it refuses after admission: keep the refusal under its ticket."""
+    def refuse(ticket: str) -> None:
+        engine.kept_refusals[ticket] = _fail(410, "version_gone", "version 1 of 'happy' is not retained any more",
+                                             "hotwire[0].version")
+    return refuse
+
+
+def _failing_chat_route(app: FastAPI, before_failing: Callable[[str], None]) -> None:
     async def fail(request: Request) -> JSONResponse:
-        await request.body()
-        before_failing()
+        before_failing(_ticket(await request.body()))
         return JSONResponse(_VLLM_500, status_code=500)
 
     app.router.routes = [r for r in app.router.routes if getattr(r, "path", "") != "/v1/chat/completions"]
     app.add_api_route("/v1/chat/completions", fail, methods=["POST"])
 
 
-def test_engine_refusal_after_admission_is_explained(engine: FakeEngine) -> None:
-    """The vector is deleted between admission and the engine: the engine's error becomes the spec's 400."""
+def test_engine_refusal_after_admission_is_answered_with_its_status(engine: FakeEngine) -> None:
     app = _openai_app(engine, Settings())
-    _failing_chat_route(app, lambda: engine.vectors.pop("happy"))
+    _failing_chat_route(app, _refuse_in_engine(engine))
     client = TestClient(app)
     _upload(client, "happy", _vector())
     response = client.post("/v1/chat/completions", json=_chat({"hotwire": _spec()}))
-    error = _error(response, 400, "unknown_vector", "vllm_xargs.hotwire[0].id")
-    assert "after this request passed admission" in error["message"]
+    _error(response, 410, "version_gone", "vllm_xargs.hotwire[0].version")
     assert "x-hotwire-receipt" not in response.headers
-    assert [c for c in engine.calls if c[0] == "hotwire_check"] == [("hotwire_check", (_spec(),))] * 2
+    assert engine.kept_refusals == {}  # asked for, and handed out
 
 
 def test_other_engine_errors_pass_through(engine: FakeEngine) -> None:
     app = _openai_app(engine, Settings())
-    _failing_chat_route(app, lambda: None)  # the spec is still fine: the 500 is not about steering
+    _failing_chat_route(app, lambda ticket: None)  # the engine kept no refusal: the 500 is not about steering
     client = TestClient(app)
     _upload(client, "happy", _vector())
     response = client.post("/v1/chat/completions", json=_chat({"hotwire": _spec()}))
@@ -618,14 +676,16 @@ _ROLE_CHUNK = b'data: {"choices": [{"index": 0, "delta": {"role": "assistant", "
 _TEXT_CHUNK = b'data: {"choices": [{"index": 0, "text": " jumps"}]}\n\n'
 
 
-def _failing_stream_route(app: FastAPI, before_failing: Callable[[], None], first: bytes = _ROLE_CHUNK) -> None:
+def _failing_stream_route(app: FastAPI, before_failing: Callable[[str], None], first: bytes = _ROLE_CHUNK,
+                          error: bytes | None = _VLLM_STREAM_ERROR) -> None:
     async def stream(request: Request) -> StreamingResponse:
-        await request.body()
+        ticket = _ticket(await request.body())
 
         async def chunks():
             yield first
-            before_failing()
-            yield _VLLM_STREAM_ERROR
+            before_failing(ticket)
+            if error is not None:
+                yield error
             yield b"data: [DONE]\n\n"
 
         return StreamingResponse(chunks(), media_type="text/event-stream")
@@ -634,39 +694,47 @@ def _failing_stream_route(app: FastAPI, before_failing: Callable[[], None], firs
     app.add_api_route("/v1/completions", stream, methods=["POST"])
 
 
-def _stream_events(client: TestClient, spec: str) -> list[bytes]:
+def _stream_events(client: TestClient, spec: str, status: int = 200) -> list[bytes]:
     body = {"model": "m", "prompt": "hi", "stream": True, "vllm_xargs": {"hotwire": spec}}
     with client.stream("POST", "/v1/completions", json=body) as response:
-        assert response.status_code == 200
+        assert response.status_code == status
         return [e + b"\n\n" for e in b"".join(response.iter_bytes()).split(b"\n\n") if e]
 
 
-def test_engine_refusal_after_admission_is_explained_in_a_stream(engine: FakeEngine) -> None:
-    """Deleted mid-way in a stream that has sent its 200: vLLM's error event carries the spec's refusal."""
+@pytest.mark.parametrize("error", [_VLLM_STREAM_ERROR, None], ids=["error-event", "no-event"])
+def test_engine_refusal_before_any_output_answers_the_stream_with_its_status(engine: FakeEngine, error) -> None:
+    """Refused before output (vLLM's chat stream then ends with no error event at all): the held start and role
+    chunk never go out; the client gets the refusal as a plain 4xx."""
     app = _openai_app(engine, Settings())
-    _failing_stream_route(app, lambda: engine.vectors.pop("happy"))
+    _failing_stream_route(app, _refuse_in_engine(engine), error=error)
+    client = TestClient(app)
+    _upload(client, "happy", _vector())
+    [body] = _stream_events(client, _spec(), status=410)
+    assert json.loads(body)["error"]["code"] == "version_gone"
+
+
+def test_engine_refusal_after_output_is_an_error_event(engine: FakeEngine) -> None:
+    app = _openai_app(engine, Settings())
+    _failing_stream_route(app, _refuse_in_engine(engine), first=_TEXT_CHUNK)
     client = TestClient(app)
     _upload(client, "happy", _vector())
     first, error, done = _stream_events(client, _spec())
-    assert (first, done) == (_ROLE_CHUNK, b"data: [DONE]\n\n")
+    assert (first, done) == (_TEXT_CHUNK, b"data: [DONE]\n\n")
     event = json.loads(error.removeprefix(b"data: "))["error"]
-    assert (event["type"], event["param"], event["code"]) == ("unknown_vector", "vllm_xargs.hotwire[0].id", 400)
-    assert "after this request passed admission" in event["message"] and "unknown" in event["message"]
+    assert (event["type"], event["param"], event["code"]) == ("version_gone", "vllm_xargs.hotwire[0].version", 410)
 
 
 def test_other_stream_errors_pass_through(engine: FakeEngine) -> None:
     app = _openai_app(engine, Settings())
-    _failing_stream_route(app, lambda: None)  # the spec is still fine: the error is not about steering
+    _failing_stream_route(app, lambda ticket: None)  # no refusal kept: the error is not about steering
     client = TestClient(app)
     _upload(client, "happy", _vector())
     assert _stream_events(client, _spec()) == [_ROLE_CHUNK, _VLLM_STREAM_ERROR, b"data: [DONE]\n\n"]
 
 
-def test_a_stream_error_after_generated_text_is_not_blamed_on_steering(engine: FakeEngine) -> None:
-    """An engine refusal comes before any output: an error after generated text is left as vLLM sent it, even
-    when the vector has been deleted meanwhile (the request kept its version)."""
+def test_a_stream_error_after_generated_text_without_a_refusal_passes_through(engine: FakeEngine) -> None:
     app = _openai_app(engine, Settings())
-    _failing_stream_route(app, lambda: engine.vectors.pop("happy"), first=_TEXT_CHUNK)
+    _failing_stream_route(app, lambda ticket: engine.vectors.pop("happy"), first=_TEXT_CHUNK)
     client = TestClient(app)
     _upload(client, "happy", _vector())
     assert _stream_events(client, _spec()) == [_TEXT_CHUNK, _VLLM_STREAM_ERROR, b"data: [DONE]\n\n"]
@@ -676,7 +744,7 @@ def test_streaming_response_passes_through(client: TestClient) -> None:
     _upload(client, "happy", _vector())
     body = {"model": "m", "prompt": "hi", "stream": True, "vllm_xargs": {"hotwire": _spec()}}
     with client.stream("POST", "/v1/completions", json=body) as response:
-        assert response.headers["x-hotwire-receipt"] == "happy@v1"
+        assert response.headers["x-hotwire-receipt"] == "happy@1:L1x4"
         assert response.headers["content-type"].startswith("text/event-stream")
         chunks = b"".join(response.iter_bytes())
     assert chunks == b'data: {"i": 0}\n\ndata: {"i": 1}\n\ndata: {"i": 2}\n\ndata: [DONE]\n\n'
@@ -689,21 +757,23 @@ def test_streaming_response_passes_through(client: TestClient) -> None:
         (_spec("happy", layer=99), 400, "layer_out_of_range", "vllm_xargs.hotwire[0].layer"),
         ("{not json", 400, "bad_spec", "vllm_xargs.hotwire"),
         (["a", "b"], 400, "bad_spec", "vllm_xargs.hotwire"),  # chat allows lists of strings; not our format
-        (_spec("busy"), 429, "slots_exhausted", None),
+        (json.dumps([{"id": "happy", "layer": 1, "scale": 1.0}] * 5), 400, "too_many_entries", "vllm_xargs.hotwire"),
+        (_spec("happy", scale=1e30), 400, "too_strong", "vllm_xargs.hotwire[0].scale"),
     ],
 )
 def test_admission_refusals(
     client: TestClient, engine: FakeEngine, spec: Any, status: int, code: str, field: str | None
 ) -> None:
     _upload(client, "happy", _vector())
-    _upload(client, "busy", _vector())
-    engine.busy.add("busy")
+    calls = len(engine.calls)
     response = client.post("/v1/chat/completions", json=_chat({"hotwire": spec}))
     error = _error(response, status, code, field)
     if code == "unknown_vector":
-        assert error["message"] == "unknown steering vector 'nope'"
-    assert (response.headers.get("retry-after") == "1") == (status == 429)
-    assert "x-hotwire-receipt" not in response.headers
+        assert error["message"] == "unknown steering vector 'nope'; register it first"
+        assert engine.methods()[calls:] == ["hotwire_catalog"]  # one refresh: registered elsewhere meanwhile?
+    else:
+        assert engine.methods()[calls:] == []
+    assert "retry-after" not in response.headers and "x-hotwire-receipt" not in response.headers
 
 
 def test_unsteerable_model_is_503(client: TestClient, engine: FakeEngine) -> None:
@@ -720,18 +790,19 @@ def test_lenient_mode_serves_unsteered(engine: FakeEngine) -> None:
     body = _chat({"hotwire": _spec("nope"), "keep": 1}, temperature=0.5)
     response = client.post("/v1/chat/completions", json=body)
     assert response.status_code == 200
-    assert response.headers["x-hotwire-lenient"] == "unknown_vector: unknown steering vector 'nope'"
+    assert response.headers["x-hotwire-lenient"] == "unknown_vector: unknown steering vector 'nope'; register it first"
     assert "x-hotwire-receipt" not in response.headers
     echoed = response.json()
     assert json.loads(echoed["raw"]) == _chat({"keep": 1}, temperature=0.5)
     assert int(echoed["content_length"]) == len(echoed["raw"].encode())
 
-    engine.busy.add("happy")
     _upload(client, "happy", _vector())
-    response = client.post("/v1/chat/completions", json=_chat({"hotwire": _spec()}))
-    assert response.status_code == 200 and response.headers["x-hotwire-lenient"].startswith("slots_exhausted")
+    response = client.post("/v1/chat/completions", json=_chat({"hotwire": _spec("happy", layer=99)}))
+    assert response.status_code == 200 and response.headers["x-hotwire-lenient"].startswith("layer_out_of_range")
 
-    engine.steerable = False  # 5xx is not softened
+    unsteerable = FakeEngine()
+    unsteerable.steerable = False  # 5xx is not softened
+    client = TestClient(_openai_app(unsteerable, Settings(lenient=True)))
     _error(client.post("/v1/chat/completions", json=_chat({"hotwire": _spec()})), 503, "model_not_steerable")
 
 

@@ -16,10 +16,9 @@ from vllm.v1.request import Request
 from vllm.utils.hashing import sha256
 
 from hotwire_core import controller as controller_mod
-from hotwire_core.controller import (
-    DEFAULT_STRENGTH_LIMIT, SALT_PREFIX, BINDING_KEY, STRENGTH_LIMITS, USER_SALT_ATTR, BankWrite, ModelInfo, Refusal,
-    SteeringController,
-)
+from hotwire_core.admission import DEFAULT_STRENGTH_LIMIT, STRENGTH_LIMITS, ModelInfo, Refusal
+from hotwire_core.controller import BINDING_KEY, USER_SALT_ATTR, BankWrite, SteeringController
+from hotwire_core.spec import SALT_PREFIX
 from hotwire_core.settings import Settings
 
 N_LAYERS, HIDDEN, BLOCK = 4, 8, 16
@@ -560,7 +559,7 @@ def test_deferred_requests_are_admitted_in_order_when_rows_free():
     assert c.stats()["deferred"] == 0 and c.stats()["deferrals"] == 2 and c.stats()["pinned"] == 2
 
 
-def test_deferred_request_that_can_no_longer_be_admitted_is_refused_not_lost():
+def test_deferred_request_keeps_the_version_it_resolved_when_the_vector_is_deleted():
     c = ctrl(slots=2)
     register(c, "a", vec(N_LAYERS, HIDDEN))
     register(c, "b", vec(HIDDEN))
@@ -569,12 +568,83 @@ def test_deferred_request_that_can_no_longer_be_admitted_is_refused_not_lost():
     with pytest.raises(Refusal):
         c.admit(late)
     c.defer(late)
-    refused = []
-    c.on_refused = lambda req, exc: refused.append((req, exc.code))
+    assert c.list()["vectors"][1]["in_flight"] == 1  # the deferred request holds b@1
     c.unregister("b")
+    register(c, "b", vec(HIDDEN, seed=9))  # b@2, registered while late waits
     c.release("holder")
-    assert c.admit_deferred() == []
-    assert refused == [(late, "unknown_vector")] and c.stats()["deferred"] == 0
+    assert c.admit_deferred() == [late]
+    assert c.bindings["late"].receipt == "b@1:L0x1"
+    c.release("late")
+    assert all(v["in_flight"] == 0 for v in c.list()["vectors"])
+
+
+def test_a_pinned_version_is_applied_while_retained():
+    c = ctrl()
+    register(c, "a", vec(HIDDEN, seed=1))
+    register(c, "a", vec(HIDDEN, seed=2), replace=True)
+    binding, _ = admit(c, "old", {"id": "a", "layer": 0, "scale": 1, "version": 1})
+    assert binding.receipt == "a@1:L0x1"
+    assert admit(c, "new", {"id": "a", "layer": 0, "scale": 1})[0].receipt == "a@2:L0x1"
+    c.unregister("a")
+    assert admit(c, "after-delete", {"id": "a", "layer": 0, "scale": 1, "version": 2})[0].receipt == "a@2:L0x1"
+    assert refusal(c, {"id": "a", "layer": 0, "scale": 1}).code == "unknown_vector"
+    assert refusal(c, {"id": "a", "layer": 0, "scale": 1, "version": 7}).code == "unknown_vector"
+
+
+def test_a_pinned_version_past_its_retention_is_refused_not_replaced():
+    c = SteeringController(model(True, None), Settings(8, 2, "op", None, None, retain_s=0), "org/model")
+    register(c, "a", vec(HIDDEN, seed=1))
+    register(c, "a", vec(HIDDEN, seed=2), replace=True)
+    gone = refusal(c, {"id": "a", "layer": 0, "scale": 1, "version": 1})
+    assert (gone.status, gone.code, gone.field) == (410, "version_gone", "hotwire[0].version")
+
+
+def test_pinned_and_unpinned_specs_of_the_same_contents_share_a_cache_salt():
+    c = ctrl()
+    register(c, "a", vec(HIDDEN, seed=1))
+    _, plain = admit(c, "x", {"id": "a", "layer": 0, "scale": 1})
+    _, pinned = admit(c, "y", {"id": "a", "layer": 0, "scale": 1, "version": 1})
+    assert plain.cache_salt == pinned.cache_salt
+
+
+def test_versions_numbered_by_another_engine_core_agree_whatever_the_order():
+    first, late = ctrl(), ctrl()
+    register(first, "a", vec(HIDDEN, seed=1))
+    register(first, "a", vec(HIDDEN, seed=2), replace=True)
+    for version, seed in ((2, 2), (1, 1)):  # the second engine core hears of version 2 first
+        t = vec(HIDDEN, seed=seed)
+        assert late.register("a", raw(t), "float32", [HIDDEN], None, False, version)["ok"]
+    assert [v["version"] for v in late.list()["vectors"]] == [2]
+    assert late.list()["vectors"][0]["sha256"] == first.list()["vectors"][0]["sha256"]
+    assert admit(late, "r", {"id": "a", "layer": 0, "scale": 1, "version": 1})[0].receipt == "a@1:L0x1"
+    # a deletion of version 2 heard before a registration of version 3, and one of version 1 after version 2
+    assert late.unregister("a", 1)["ok"] and late.list()["vectors"][0]["version"] == 2
+    assert late.unregister("a", 2)["ok"] and late.list()["vectors"] == []
+    assert late.register("a", raw(vec(HIDDEN)), "float32", [HIDDEN], None, False, 2)["ok"]
+    assert late.list()["vectors"] == []
+
+
+def test_catalog_is_the_registry_for_api_servers():
+    c = ctrl()
+    first = c.catalog()
+    assert first["ok"] and first["vectors"] == [] and first["capacity"] == 8 and first["model"]["n_layers"] == N_LAYERS
+    assert c.catalog(first["generation"]) == {"ok": True, "generation": first["generation"], "unchanged": True}
+    register(c, "a", vec(HIDDEN))
+    changed = c.catalog(first["generation"])
+    assert changed["generation"] > first["generation"]
+    assert [(v["id"], v["version"]) for v in changed["vectors"]] == [("a", 1)]
+
+
+def test_refusals_of_ticketed_requests_are_kept_for_their_api_server():
+    c = ctrl()
+    ticketed = request("t", {"id": "nope", "layer": 0, "scale": 1}, extra={"hotwire_ticket": "T1"})
+    with pytest.raises(Refusal) as info:
+        c.admit(ticketed)
+    c.note_refusal(ticketed, info.value)
+    c.note_refusal(request("u", {"id": "nope", "layer": 0, "scale": 1}), info.value)  # no ticket: nothing kept
+    found = c.refusals(["T1", "T2"])["refusals"]
+    assert list(found) == ["T1"] and found["T1"]["code"] == "unknown_vector"
+    assert c.refusals(["T1"])["refusals"] == {}  # handed out once
 
 
 def test_aborted_deferred_requests_are_dropped():
@@ -653,7 +723,7 @@ def test_replace_drops_unreferenced_old_rows(c):
 def test_unregister_returns_in_flight(c):
     admit(c, "r1", {"id": "a", "layer": 1, "scale": 2})
     admit(c, "r2", {"id": "a", "layer": 1, "scale": 3})
-    assert c.unregister("a") == {"ok": True, "in_flight": 2}
+    assert c.unregister("a") == {"ok": True, "in_flight": 2, "version": 1}
     assert [v["id"] for v in c.list()["vectors"]] == ["g", "part"]
     err = refusal(c, {"id": "a", "layer": 1, "scale": 2})
     assert err.code == "unknown_vector"
@@ -669,7 +739,7 @@ def test_unregister_idle_drops_rows_now(c):
     admit(c, "r1", {"id": "g", "layer": 1, "scale": 2})
     c.release("r1")
     assert c.stats()["used"] == 1
-    assert c.unregister("g") == {"ok": True, "in_flight": 0}
+    assert c.unregister("g") == {"ok": True, "in_flight": 0, "version": 1}
     assert c.stats()["used"] == 0 and c.stats()["free"] == 8
 
 
@@ -706,7 +776,8 @@ def test_check_ok_without_side_effects(c):
     spec = json.dumps([{"id": "a", "layer": [1, 2], "scale": 3}, {"id": "g", "layer": 0, "scale": 1, "norm": True}])
     before = state(c)
     out = c.check(spec)
-    assert out == {"ok": True, "receipt": "a@1:L1+2x3;g@1:L0x1,norm", "new_rows": 3}
+    assert out == {"ok": True, "receipt": "a@1:L1+2x3;g@1:L0x1,norm", "new_rows": 3, "spec": (
+        '[{"id":"a","layer":[1,2],"scale":3.0,"version":1},{"id":"g","layer":[0],"norm":true,"scale":1.0,"version":1}]')}
     assert state(c) == before
     b, _ = admit(c, "r", spec)
     assert b.receipt == out["receipt"]
@@ -738,7 +809,8 @@ def test_check_429_and_503():
     out = c.check('{"id": "a", "layer": 1, "scale": 1}')
     assert (out["ok"], out["status"], out["code"]) == (False, 429, "slots_exhausted")
     assert "field" not in out
-    assert c.check('{"id": "a", "layer": 0, "scale": 7}') == {"ok": True, "receipt": "a@1:L0x7", "new_rows": 0}
+    assert c.check('{"id": "a", "layer": 0, "scale": 7}') == {
+        "ok": True, "receipt": "a@1:L0x7", "new_rows": 0, "spec": '[{"id":"a","layer":[0],"scale":7.0,"version":1}]'}
     assert state(c) == before
     d = ctrl(steerable=False)
     out = d.check('{"id": "a", "layer": 0, "scale": 1}')

@@ -305,11 +305,50 @@ def test_unregister_with_refs_counts_in_flight(r):
     assert r.in_flight("v") == 1
 
 
-def test_retired_without_refs_not_kept(r):
+def test_retired_without_refs_counts_no_users(r):
     reg(r, t=vec(HIDDEN, seed=1))
     reg(r, t=vec(HIDDEN, seed=2), replace=True)
     assert r.in_flight("v") == 0
     assert r.in_flight("other") == 0
+
+
+def test_retired_versions_stay_usable_by_version_for_the_retention(monkeypatch):
+    clock = [1000.0]
+    monkeypatch.setattr("hotwire_core.registry.time.monotonic", lambda: clock[0])
+    r = VectorRegistry(N_LAYERS, HIDDEN, retain_s=60)
+    v1 = reg(r, t=vec(HIDDEN, seed=1))
+    v2 = reg(r, t=vec(HIDDEN, seed=2), replace=True)
+    assert r.lookup("v") is v2 and r.lookup("v", 2) is v2 and r.lookup("v", 1) is v1 and r.lookup("v", 3) is None
+    r.unregister("v")
+    assert r.lookup("v") is None and r.lookup("v", 2) is v2
+    clock[0] += 59
+    assert r.lookup("v", 1) is v1
+    r.acquire(v1)  # held by a request past its retention: kept until released
+    clock[0] += 2
+    assert r.lookup("v", 1) is v1 and r.lookup("v", 2) is None
+    assert r.release(v1) is True
+    assert r.lookup("v", 1) is None and [v.version for v in r.retained()] == []
+
+
+def test_versions_from_another_numbering_never_go_back(r):
+    late = r.prepare("v", raw(vec(HIDDEN, seed=1)), "float32", [HIDDEN], None, False, version=3)
+    assert r.add(late) is True
+    early = r.prepare("v", raw(vec(HIDDEN, seed=2)), "float32", [HIDDEN], None, False, version=2)
+    assert r.supersedes(early) is False and r.add(early) is False
+    assert r.current("v") is late and r.lookup("v", 2) is early
+    assert r.unregister("v", version=2) is None and r.current("v") is late  # a deletion of an older version
+    assert r.unregister("v", version=3) is late and r.current("v") is None
+    stale = r.prepare("v", raw(vec(HIDDEN, seed=3)), "float32", [HIDDEN], None, False, version=3)
+    assert r.add(stale) is False and r.current("v") is None
+    assert reg(r).version == 4  # numbering goes on past every version seen
+
+
+def test_generation_counts_changes_of_current_versions(r):
+    g = r.generation
+    reg(r)
+    reg(r, t=vec(HIDDEN, seed=5), replace=True)
+    r.unregister("v")
+    assert r.generation == g + 3
 
 
 def test_in_flight_is_per_id(r):

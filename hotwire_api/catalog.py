@@ -1,0 +1,145 @@
+"""The API server's copy of the engine's catalog: the server's rules and every vector's current version, so that
+admission decides a steered request in this process (``hotwire_core.admission``), without an engine round trip.
+
+Kept current three ways: at once after this process registers or deletes a vector, every
+``HOTWIRE_CATALOG_REFRESH_MS`` (default 200) in the background (an engine answer of a few bytes while nothing
+changed), and on demand when a request names an id the copy does not know (registered through another API
+server). A copy that is behind is still truthful: the request is pinned to the version the copy names, which
+the engine retains (``HOTWIRE_RETAIN_S``) after a replace or delete, and the receipt names that version.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import math
+import os
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+from hotwire_api.engine import HotwireEngine
+from hotwire_api.errors import HotwireError
+from hotwire_core.admission import ModelInfo, Rules
+from hotwire_core.settings import parse_layers
+
+__all__ = ["CATALOG", "Catalog", "CatalogVector", "keeping_current"]
+
+logger = logging.getLogger(__name__)
+
+
+def _refresh_interval_s() -> float:
+    raw = os.environ.get("HOTWIRE_CATALOG_REFRESH_MS", "").strip()
+    try:
+        ms = int(raw) if raw else 200
+    except ValueError:
+        ms = -1
+    if not 10 <= ms <= 3_600_000:
+        raise ValueError(f"HOTWIRE_CATALOG_REFRESH_MS must be an integer from 10 to 3600000, got {raw!r}")
+    return ms / 1000
+
+
+@dataclass(frozen=True)
+class CatalogVector:
+    """One current version, as the engine described it (``VectorMeta``); a ``hotwire_core.admission.VectorView``."""
+
+    vector_id: str
+    version: int
+    sha256: str
+    layers: tuple[int, ...] | None
+    norms: dict[str, float]  # "*" for a [hidden] vector, else str(layer)
+
+    @classmethod
+    def from_meta(cls, meta: dict[str, Any]) -> CatalogVector:
+        layers = meta.get("layers")
+        norms = {str(k): float(v) for k, v in (meta.get("norms") or {}).items()}
+        return cls(str(meta["id"]), int(meta["version"]), str(meta["sha256"]),
+                   None if layers is None else tuple(int(l) for l in layers), norms)
+
+    def has_row(self, layer: int) -> bool:
+        return self.layers is None or layer in self.layers
+
+    def row_norm(self, layer: int) -> float:
+        if self.layers is None:
+            return self.norms.get("*", 0.0)
+        return self.norms.get(str(layer), 0.0) if layer in self.layers else 0.0
+
+
+def _rules(answer: dict[str, Any]) -> Rules:
+    model = answer["model"]
+    layers = frozenset(parse_layers(model["layers"])) if model.get("layers") else frozenset()
+    info = ModelInfo(bool(model["steerable"]), str(model.get("reason") or ""), int(model["n_layers"]),
+                     int(model["hidden_size"]), str(model["dtype"]), layers, bool(model.get("norm", True)))
+    return Rules(info, int(model["max_stack"]), int(answer["capacity"]), bool(answer.get("layers_setting")))
+
+
+class Catalog:
+    """This process's copy of the engine's catalog (see the module docstring)."""
+
+    def __init__(self) -> None:
+        self.generation = -1
+        self.rules: Rules | None = None
+        self.vectors: dict[str, CatalogVector] = {}
+        self.taken_at = -math.inf
+        self._inflight: asyncio.Task[None] | None = None
+        self._inflight_sent = -math.inf
+        self._source: Any = None  # the engine client the copy is of
+
+    def lookup(self, vector_id: str, version: int | None = None) -> CatalogVector | None:
+        """The current version of ``vector_id`` if it is ``version`` (or ``version`` is None)."""
+        vector = self.vectors.get(vector_id)
+        return vector if vector is not None and version in (None, vector.version) else None
+
+    async def refresh(self, engine: HotwireEngine, not_before: float = -math.inf) -> None:
+        """Bring the copy up to date with an answer the engine gave at or after ``not_before``
+        (``time.monotonic()``); concurrent callers share one round trip. Raises :class:`HotwireError` when the
+        engine does not answer."""
+        if engine.client is not self._source:  # another engine (a test's, a restarted one): start over
+            self.__init__()
+            self._source = engine.client
+        if self._inflight is None or self._inflight.done() or self._inflight_sent < not_before:
+            self._inflight = asyncio.ensure_future(self._fetch(engine))
+            self._inflight_sent = time.monotonic()
+        await asyncio.shield(self._inflight)
+
+    async def ready(self, engine: HotwireEngine) -> Rules:
+        """The server's rules, fetching the catalog first if this process has none yet."""
+        if self.rules is None or engine.client is not self._source:
+            await self.refresh(engine)
+        assert self.rules is not None
+        return self.rules
+
+    async def _fetch(self, engine: HotwireEngine) -> None:
+        answer = await engine.catalog(self.generation)
+        if not answer.get("unchanged"):
+            self.rules = _rules(answer)
+            self.vectors = {v.vector_id: v for v in map(CatalogVector.from_meta, answer.get("vectors") or [])}
+            self.generation = int(answer["generation"])
+        self.taken_at = time.monotonic()
+
+    async def run(self, app: Any, interval_s: float) -> None:
+        """Refresh from ``app``'s engine every ``interval_s`` until cancelled."""
+        while True:
+            if getattr(app.state, "engine_client", None) is not None:
+                try:
+                    await self.refresh(HotwireEngine.of(app))
+                except HotwireError as err:
+                    logger.debug("hotwire catalog refresh failed: %s", err)
+            await asyncio.sleep(interval_s)
+
+
+CATALOG = Catalog()
+
+
+@contextlib.asynccontextmanager
+async def keeping_current(app: Any) -> AsyncIterator[None]:
+    """Lifespan: refresh :data:`CATALOG` in the background while ``app`` runs."""
+    task = asyncio.create_task(CATALOG.run(app, _refresh_interval_s()))
+    try:
+        yield
+    finally:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task

@@ -1,0 +1,246 @@
+"""Deciding a steered request: which versions it steers with, whether they may be applied as asked, its
+receipt and its cache salt.
+
+Pure functions over a catalog of vectors, so that the engine core (over its registry) and the API servers (over
+the catalog snapshot the engine core hands them: ``hotwire_catalog``) decide alike. The API server decides a
+request once, pins every entry to the version it resolved (``"version"`` in the spec) and writes the receipt;
+the engine core resolves the pinned spec again against its registry, where retired versions are retained long
+enough for that, and applies exactly those versions. What only the engine core knows (free bank rows) it
+decides alone: a request whose rows are taken waits for them.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import math
+from collections import Counter
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from .errors import EngineError
+from .settings import format_layers
+from .spec import SALT_PREFIX, SPEC_KEY, Phase, SpecError, SteeringEntry, canonical_spec, parse_spec
+
+__all__ = [
+    "DEFAULT_STRENGTH_LIMIT", "STRENGTH_LIMITS", "ModelInfo", "Refusal", "Resolved", "Rules", "StrengthLimit",
+    "VectorView", "cache_salt", "pinned_spec", "receipt", "resolve",
+]
+
+
+class Refusal(EngineError):
+    """A request the engine cannot steer as asked."""
+
+
+class VectorView(Protocol):
+    """What deciding a request needs of one version of a vector (a registry ``HostVector``, or an entry of the
+    API server's catalog snapshot)."""
+
+    vector_id: str
+    version: int
+    sha256: str
+    layers: tuple[int, ...] | None
+
+    def has_row(self, layer: int) -> bool: ...
+    def row_norm(self, layer: int) -> float: ...
+
+
+Lookup = Callable[[str, "int | None"], "VectorView | None"]  # (id, version or None for the current) -> version
+Resolved = list[tuple[SteeringEntry, Any]]  # (entry, its VectorView), in spec order
+
+
+@dataclass(frozen=True)
+class StrengthLimit:
+    """How hard one request may steer a token, per phase, over all its layers (``_check_strength``): absolute
+    entries add at most ``added_norm`` to the residual-stream norm, norm-relative ones grow it at most
+    ``norm_growth``-fold. Stronger steering overflows the model's arithmetic, and the NaN or inf it writes into
+    KV blocks outlives the request: on vLLM's CPU backend later plain requests read it back from reused blocks."""
+
+    added_norm: float
+    norm_growth: float
+
+
+STRENGTH_LIMITS = {"float16": StrengthLimit(4096.0, 8.0)}  # float16 overflows at 65504
+DEFAULT_STRENGTH_LIMIT = StrengthLimit(1e6, 1e3)  # bfloat16 and float32: sums of squares stay far from 3.4e38
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """What the workers reported about the served model."""
+
+    steerable: bool
+    reason: str
+    n_layers: int
+    hidden_size: int
+    dtype: str
+    layers: frozenset[int]  # layers with a hook, over all PP ranks
+    norm: bool = True  # norm-relative entries supported (see runtime.SteerHook)
+
+    def to_json(self, max_stack: int) -> dict:
+        return {
+            "steerable": self.steerable,
+            "reason": self.reason,
+            "n_layers": self.n_layers,
+            "hidden_size": self.hidden_size,
+            "dtype": self.dtype,
+            "max_stack": max_stack,
+            "norm": self.norm,
+            "layers": format_layers(self.layers),
+        }
+
+
+@dataclass(frozen=True)
+class Rules:
+    """The server's fixed limits that every decision checks against."""
+
+    model: ModelInfo
+    max_stack: int
+    capacity: int  # bank rows (HOTWIRE_SLOTS)
+    layers_setting: bool = False  # HOTWIRE_LAYERS restricts the hooked layers
+
+    def steered_layers(self) -> str:
+        layers = format_layers(self.model.layers)
+        if self.layers_setting:
+            return f"{layers} (HOTWIRE_LAYERS; the model has 0-{self.model.n_layers - 1})"
+        return layers
+
+
+def resolve(spec: Any, lookup: Lookup, rules: Rules) -> Resolved:
+    """Parse ``spec`` and bind each entry to a version (its pinned one, else the current one); raise
+    :class:`Refusal` for anything that can never be served as asked (bank rows aside: they free up)."""
+    model = rules.model
+    if not model.steerable:
+        raise Refusal(503, "model_not_steerable", f"this model cannot be steered: {model.reason}")
+    try:
+        entries = parse_spec(spec)
+    except SpecError as exc:
+        raise Refusal(400, "bad_spec", str(exc), exc.field) from None
+    resolved: Resolved = []
+    for i, entry in enumerate(entries):
+        vector = lookup(entry.vector_id, entry.version)
+        if vector is None:
+            if entry.version is None or lookup(entry.vector_id, None) is None:
+                raise Refusal(400, "unknown_vector", f"unknown steering vector {entry.vector_id!r}; register it first",
+                              f"{SPEC_KEY}[{i}].id")
+            raise Refusal(410, "version_gone", f"version {entry.version} of {entry.vector_id!r} is neither current "
+                          "nor retained any more; leave out 'version' to steer with the current one",
+                          f"{SPEC_KEY}[{i}].version")
+        if entry.norm and not model.norm:
+            raise Refusal(
+                400, "norm_disabled",
+                "norm-relative steering is off on this server; start it with HOTWIRE_NORM=1 to allow it",
+                f"{SPEC_KEY}[{i}].norm",
+            )
+        for layer in entry.layers:
+            if layer not in model.layers:
+                raise Refusal(
+                    400, "layer_out_of_range",
+                    f"layer {layer} cannot be steered: this server steers layers {rules.steered_layers()}",
+                    f"{SPEC_KEY}[{i}].layer",
+                )
+            if not vector.has_row(layer):
+                raise Refusal(
+                    400, "no_row_for_layer",
+                    f"vector {entry.vector_id!r}@{vector.version} has no row for layer {layer} (it has "
+                    f"{list(vector.layers or [])})",
+                    f"{SPEC_KEY}[{i}].layer",
+                )
+        resolved.append((entry, vector))
+    _check_stack(resolved, rules.max_stack)
+    _check_strength(resolved, model.dtype)
+    rows = len(row_keys(resolved))
+    if rows > rules.capacity:
+        raise Refusal(400, "too_many_rows", f"this spec needs {rows} bank rows but HOTWIRE_SLOTS is {rules.capacity}",
+                      SPEC_KEY)
+    return resolved
+
+
+def row_keys(resolved: Resolved) -> set[tuple[str, int, int]]:
+    """The bank rows a resolved spec reads: (id, version, layer; -1 for a vector with one row for any layer)."""
+    return {(v.vector_id, v.version, -1 if v.layers is None else layer) for e, v in resolved for layer in e.layers}
+
+
+def _check_stack(resolved: Resolved, max_stack: int) -> None:
+    for phase in (Phase.PREFILL, Phase.DECODE) if len(resolved) > max_stack else ():
+        per_layer = Counter(l for e, _ in resolved if e.phase in (Phase.ALL, phase) for l in e.layers)
+        for layer, count in per_layer.items():
+            if count > max_stack:
+                raise Refusal(
+                    400, "too_many_entries",
+                    f"{count} entries steer layer {layer}; at most HOTWIRE_MAX_STACK={max_stack} may",
+                    SPEC_KEY,
+                )
+
+
+def _check_strength(resolved: Resolved, dtype: str) -> None:
+    """Bound what the spec can do to a token's residual-stream norm ``n``, layer by layer in order: a layer's
+    absolute entries add at most ``A = sum |scale| x row norm``, its norm-relative ones (one norm read per
+    layer) multiply by at most ``g = 1 + sum |scale|``, so ``n -> g n + A``. Over the layers that composes to
+    ``G n + added``; ``G`` and ``added`` must stay within the model dtype's limits."""
+    limit = STRENGTH_LIMITS.get(dtype, DEFAULT_STRENGTH_LIMIT)
+    phased = any(entry.phase is not Phase.ALL for entry, _ in resolved)
+    for phase in (Phase.PREFILL, Phase.DECODE):
+        active = [(i, e, v) for i, (e, v) in enumerate(resolved) if e.phase in (Phase.ALL, phase)]
+        added, log_growth = 0.0, 0.0  # the growth as a log: it can exceed a float
+        for layer in sorted({layer for _, entry, _ in active for layer in entry.layers}):
+            here = [(e, v) for _, e, v in active if layer in e.layers]
+            growth = 1.0 + sum(abs(e.scale) for e, _ in here if e.norm)
+            added = added * growth + sum(abs(e.scale) * v.row_norm(layer) for e, v in here if not e.norm)
+            log_growth += math.log(growth)
+        tokens = f" on {'prompt' if phase is Phase.PREFILL else 'generated'} tokens" if phased else ""
+        if log_growth > math.log(limit.norm_growth) + 1e-12:  # a growth of exactly the limit is allowed
+            growth_text = f"{math.exp(log_growth):.3g}" if log_growth < 700 else f"e^{log_growth:.0f}"
+            what = (f"its norm-relative entries can grow a token's residual-stream norm {growth_text}-fold"
+                    f"{tokens} (1 + the sum of |scale| at a layer, multiplied over layers; at most "
+                    f"{limit.norm_growth:.3g} for a {dtype} model)")
+            culprit = max((i for i, e, _ in active if e.norm), key=lambda i: abs(resolved[i][0].scale))
+        elif added > limit.added_norm:
+            what = (f"it can add up to {added:.3g} to a token's residual-stream norm{tokens} (|scale| x vector "
+                    "norm, summed over entries and layers, multiplied by the growth of norm-relative entries at "
+                    f"later layers; at most {limit.added_norm:.3g} for a {dtype} model)")
+            culprit = max(
+                (i for i, e, _ in active if not e.norm),
+                key=lambda i: abs(resolved[i][0].scale) * sum(map(resolved[i][1].row_norm, resolved[i][0].layers)),
+            )
+        else:
+            continue
+        raise Refusal(400, "too_strong", f"this spec steers too strongly: {what}; stronger steering overflows "
+                      f"the model's arithmetic. Lower the scale ({SPEC_KEY}[{culprit}] weighs most).",
+                      f"{SPEC_KEY}[{culprit}].scale")
+
+
+def receipt(resolved: Resolved) -> str:
+    """``id@version:L<layers>x<scale>[,norm][,<phase>_only]`` per entry, joined by ``;``."""
+    parts = []
+    for e, v in resolved:
+        flags = "".join(f",{f}" for f, on in (("norm", e.norm), (e.phase.value + "_only", e.phase is not Phase.ALL)) if on)
+        parts.append(f"{v.vector_id}@{v.version}:L{'+'.join(map(str, e.layers))}x{e.scale:g}{flags}")
+    return ";".join(parts)
+
+
+def pinned_spec(resolved: Resolved) -> str:
+    """The spec as a JSON string with every entry pinned to the version it resolved to."""
+    return canonical_spec(tuple(e.pinned(v.version) for e, v in resolved))
+
+
+def cache_salt(user_salt: str | None, resolved: Iterable[tuple[SteeringEntry, Any]], prompt_len: int) -> str:
+    """The cache salt of a request steered as ``resolved``: its KV is reused only by requests with the same user
+    salt, entries and vector contents (not version numbers: a pinned and an unpinned spec of the same contents
+    share KV). With a ``prefill_only`` / ``decode_only`` entry, also the same prompt length: a token's KV then
+    depends on whether it was prompt or output, and vLLM caches output tokens' blocks too (a follow-up whose
+    prompt holds an earlier answer would read KV steered as output for tokens that are now prompt)."""
+    resolved = tuple(resolved)
+    phased = any(e.phase is not Phase.ALL for e, _ in resolved)
+    return _salt(user_salt, tuple((e.steering(), v.sha256) for e, v in resolved), prompt_len if phased else None)
+
+
+@functools.lru_cache(maxsize=4096)
+def _salt(user_salt: str | None, entries: tuple[tuple[SteeringEntry, str], ...], prompt_len: int | None) -> str:
+    """Cached: the input thread and admission both need a request's salt, and requests repeat specs."""
+    boundary = "" if prompt_len is None else f"|prompt={prompt_len}"
+    return SALT_PREFIX + hashlib.sha256(
+        f"{user_salt or ''}|hotwire|".encode()
+        + "|".join(f"{e.to_json()}@{sha}" for e, sha in entries).encode()
+        + boundary.encode()
+    ).hexdigest()
