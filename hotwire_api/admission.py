@@ -30,8 +30,7 @@ from hotwire_api.engine import HotwireEngine
 from hotwire_api.errors import HotwireError
 from hotwire_api.metrics import STATS
 from hotwire_core.admission import Refusal, pinned_spec, receipt, resolve
-from hotwire_core.controller import TICKET_KEY
-from hotwire_core.spec import SALT_PREFIX, SPEC_KEY, SpecError, parse_spec
+from hotwire_core.spec import SALT_PREFIX, SPEC_KEY, TICKET_KEY, SpecError, parse_spec
 
 __all__ = ["AdmissionMiddleware", "LENIENT_HEADER", "RECEIPT_HEADER", "ROUTES"]
 

@@ -153,7 +153,7 @@ class HotwireEngine:
         return await self._call("hotwire_catalog", generation)
 
     async def refusals(self, tickets: list[str]) -> dict[str, HotwireError]:
-        """The refusals the engine cores kept for these tickets (``hotwire_core.controller.TICKET_KEY``)."""
+        """The refusals the engine cores kept for these tickets (``hotwire_core.spec.TICKET_KEY``)."""
         found: dict[str, HotwireError] = {}
         for answer in await self._call_each("hotwire_refusals", tickets):
             for ticket, r in (answer.get("refusals") or {}).items():

@@ -20,13 +20,12 @@ from .errors import EngineError
 from .registry import HostVector, RegistryError, VectorRegistry
 from .settings import Settings
 from .slots import RowKey, SlotCache, SlotsExhausted
-from .spec import SALT_PREFIX, SPEC_KEY, Phase, SpecError, parse_spec
+from .spec import SALT_PREFIX, SPEC_KEY, TICKET_KEY, Phase, SpecError, parse_spec
 from .store import StoredVector, VectorStore, load_preload_dir
 
 logger = logging.getLogger(__name__)
 
 BINDING_KEY = "hotwire.binding"  # extra_args key the controller writes for the workers
-TICKET_KEY = "hotwire_ticket"  # extra_args key (vllm_xargs) the HTTP admission gives a request: refusals are kept by it
 ENDED_SESSIONS_KEPT = 4096  # streaming-input sessions ended by a refusal, remembered until their end marker comes
 REFUSALS_KEPT = 4096  # refusals of ticketed requests, kept until the API server that sent them asks
 USER_SALT_ATTR = "hotwire_user_salt"  # on a vLLM Request built with hotwire's cache salt: the user's own salt

@@ -30,6 +30,7 @@ from typing import Any
 import numpy as np
 
 SPEC_KEY = "hotwire"
+TICKET_KEY = "hotwire_ticket"  # extra_args key the HTTP admission gives a request: the engine keeps its refusal by it
 SALT_PREFIX = "hotwire:"  # steered requests' cache salts; a user cache_salt may not start with it (it could forge one)
 VECTOR_ID_RE = re.compile(r"[A-Za-z0-9._-]{1,64}")  # use with fullmatch
 MAX_ENTRIES = 64
