@@ -86,7 +86,14 @@ class AdmissionMiddleware:
         request["vllm_xargs"][TICKET_KEY] = ticket
         body = json.dumps(request, separators=(",", ":")).encode()
         answer = _Answer(engine, ticket, scope, receive, _add_header(send, RECEIPT_HEADER, decided))
-        await self.app(_with_length(scope, len(body)), _replay(body, receive), answer.send)
+        try:
+            await self.app(_with_length(scope, len(body)), _replay(body, receive), answer.send)
+        except Exception:
+            # vLLM's /v1/responses stream raises while it turns a failed request into an event (0.25.1: a
+            # pydantic ValidationError), which would end the connection without a response.
+            if not await answer.explain_crash():
+                raise
+            return
         await answer.finish()
 
 
@@ -135,6 +142,7 @@ class _Answer:
 
     def __init__(self, engine: HotwireEngine, ticket: str, scope: Scope, receive: Receive, send: Send):
         self.engine, self.ticket, self.scope, self.receive, self._send = engine, ticket, scope, receive, send
+        self.responses_api = _path(scope) == "/v1/responses"
         self.held: list[Message] = []  # what the client has not been sent yet
         self.streaming = False
         self.started = False  # whether anything went to the client
@@ -169,7 +177,7 @@ class _Answer:
                 await self._refuse(refusal)
                 return
             if refusal is not None:
-                message = {**message, "body": _error_event(refusal)}
+                message = {**message, "body": _error_event(refusal, self.responses_api)}
         elif not self.output and _carries_output(events):
             self.output = True
         if not self.started and not self.output and message.get("more_body", False):
@@ -213,6 +221,20 @@ class _Answer:
         self.held = []
         self.started = self.replaced = True
         await refusal.response()(self.scope, self.receive, self._send)
+
+    async def explain_crash(self) -> bool:
+        """The app raised: answer with the ticket's refusal if the engine kept one (the response, or the rest of
+        the stream as an error event); False when it kept none (the crash is not about steering)."""
+        if self.replaced:
+            return True
+        refusal = await self._refusal()
+        if refusal is None:
+            return False
+        if not self.started:
+            await self._refuse(refusal)
+        else:
+            await self._send({"type": "http.response.body", "body": _error_event(refusal, self.responses_api)})
+        return True
 
     async def finish(self) -> None:
         """After the app returned: what is still held goes out (a stream the app left without a last body part)."""
@@ -264,7 +286,12 @@ def _carries_output(events: bytes) -> bool:
     return False
 
 
-def _error_event(refusal: HotwireError) -> bytes:
+def _error_event(refusal: HotwireError, responses_api: bool) -> bytes:
+    """An SSE error event with the refusal: OpenAI's ``error`` event on /v1/responses, else vLLM's chat and
+    completions error chunk (``type`` = hotwire's code, ``param`` = field, ``code`` = status)."""
+    if responses_api:
+        event = {"type": "error", "code": refusal.code, "message": refusal.message, "param": refusal.field}
+        return b"event: error\ndata: " + json.dumps(event).encode() + b"\n\n"
     error = {"message": refusal.message, "type": refusal.code, "param": refusal.field, "code": refusal.status}
     return b"data: " + json.dumps({"error": error}).encode() + b"\n\n"
 

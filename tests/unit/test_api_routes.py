@@ -732,6 +732,64 @@ def test_other_stream_errors_pass_through(engine: FakeEngine) -> None:
     assert _stream_events(client, _spec()) == [_ROLE_CHUNK, _VLLM_STREAM_ERROR, b"data: [DONE]\n\n"]
 
 
+_CREATED = b'event: response.created\ndata: {"type": "response.created", "sequence_number": 0}\n\n'
+_DELTA = b'event: response.output_text.delta\ndata: {"type": "response.output_text.delta", "delta": "hi"}\n\n'
+
+
+def _crashing_responses_route(app: FastAPI, engine: FakeEngine, first: bytes, refuse: bool) -> None:
+    """vLLM 0.25.1's /v1/responses stream for a failed request: its events so far, then an exception (turning
+    the failure into an event fails validation), which ends the connection mid-stream."""
+    async def stream(request: Request) -> StreamingResponse:
+        ticket = _ticket(await request.body())
+
+        async def events():
+            yield first
+            if refuse:
+                _refuse_in_engine(engine)(ticket)
+            raise ValueError("105 validation errors for union[ResponseCreatedEvent, ...]")
+
+        return StreamingResponse(events(), media_type="text/event-stream")
+
+    app.router.routes = [r for r in app.router.routes if getattr(r, "path", "") != "/v1/responses"]
+    app.add_api_route("/v1/responses", stream, methods=["POST"])
+
+
+def _responses_stream(client: TestClient, status: int) -> bytes:
+    body = {"model": "m", "input": "hi", "stream": True, "vllm_xargs": {"hotwire": _spec()}}
+    with client.stream("POST", "/v1/responses", json=body) as response:
+        assert response.status_code == status
+        return b"".join(response.iter_bytes())
+
+
+def test_a_responses_stream_that_crashes_on_a_refusal_before_output_answers_with_the_refusal(engine: FakeEngine) -> None:
+    app = _openai_app(engine, Settings())
+    _crashing_responses_route(app, engine, _CREATED, refuse=True)
+    client = TestClient(app)
+    _upload(client, "happy", _vector())
+    assert json.loads(_responses_stream(client, 410))["error"]["code"] == "version_gone"
+
+
+def test_a_responses_stream_that_crashes_after_output_ends_with_an_error_event(engine: FakeEngine) -> None:
+    app = _openai_app(engine, Settings())
+    _crashing_responses_route(app, engine, _DELTA, refuse=True)
+    client = TestClient(app)
+    _upload(client, "happy", _vector())
+    delta, error = _responses_stream(client, 200).split(b"\n\n")[:2]
+    assert delta + b"\n\n" == _DELTA
+    event = json.loads(error.split(b"data: ", 1)[1])
+    assert error.startswith(b"event: error\n") and (event["type"], event["code"]) == ("error", "version_gone")
+
+
+def test_a_crash_without_a_refusal_is_not_hidden(engine: FakeEngine) -> None:
+    """Not about steering: the exception goes on to the server, which answers 500 (nothing was sent yet)."""
+    app = _openai_app(engine, Settings())
+    _crashing_responses_route(app, engine, _CREATED, refuse=False)
+    client = TestClient(app)
+    _upload(client, "happy", _vector())
+    with pytest.raises(ValueError, match="validation errors"):
+        _responses_stream(client, 500)
+
+
 def test_a_stream_error_after_generated_text_without_a_refusal_passes_through(engine: FakeEngine) -> None:
     app = _openai_app(engine, Settings())
     _failing_stream_route(app, lambda ticket: engine.vectors.pop("happy"), first=_TEXT_CHUNK)
