@@ -52,6 +52,11 @@ def main() -> None:
     shape = SHAPES[args.shape]
     work = Path(tempfile.mkdtemp(prefix="bench-prefill-"))
     model = build_model(work / "model", shape, weights=False)
+    # The built folders declare 4096 positions; past them the rotary table is indexed out of bounds (a GPU run
+    # with VLLM_ALLOW_LONG_MAX_MODEL_LEN=1 crashed the engine core on the first 8192-token prompt).
+    config = json.loads((model / "config.json").read_text())
+    config["max_position_embeddings"] = max(config["max_position_embeddings"], args.prompt_len + 16)
+    (model / "config.json").write_text(json.dumps(config, indent=1))
     port = free_port()
     cmd = [*vllm_serve_command(str(model)), "--served-model-name", MODEL, "--load-format", "dummy",
            "--dtype", "bfloat16" if gpu else "float32", "--max-model-len", str(args.prompt_len + 16),
@@ -59,9 +64,7 @@ def main() -> None:
            "--disable-uvicorn-access-log"]
     if gpu:
         cmd += ["--gpu-memory-utilization", "0.3"]
-    # The built model folders declare 4096 positions; dummy weights time the same at any length.
-    env = {**os.environ, "HOTWIRE_STORE": "off", "HF_HUB_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1",
-           "VLLM_ALLOW_LONG_MAX_MODEL_LEN": "1"}
+    env = {**os.environ, "HOTWIRE_STORE": "off", "HF_HUB_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1"}
     if not gpu:
         env.update(VLLM_CPU_KVCACHE_SPACE=env.get("VLLM_CPU_KVCACHE_SPACE", "2"), TORCHINDUCTOR_VEC_ISA_OK="1")
     log = work / "server.log"
