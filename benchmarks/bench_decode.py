@@ -7,8 +7,8 @@ configurations and of modes rotated per repetition. Slow drift of the machine (c
 tenants) then hits all configurations alike, and each repetition gives a *paired* ratio against the vanilla run
 of the same round. ``--cores-per-engine`` gives each engine its own CPU cores. ``--untimed`` compiles every engine with
 ``hotwire_core.verify.UNTIMED_INDUCTOR``: vLLM's compile otherwise picks some Inductor kernel configurations by
-timing them (session 14: Qwen3's q/k RMSNorm), so two separately compiled engines can run different kernels for
-the same op, a difference between the engines that is not hotwire's.
+timing them (Qwen3's q/k RMSNorm: benchmarks/results/2026-12-01_h200_aed871d), so two separately compiled engines
+can run different kernels for the same op, a difference between the engines that is not hotwire's.
 
 Configurations: ``vanilla`` (no plugin loaded at all: ``VLLM_PLUGINS=""``), ``op`` (hotwire, opaque Triton op),
 ``op_1set`` (the op without idle graph variants: ``HOTWIRE_IDLE_GRAPHS=0``), ``op_8layers`` (the op hooked on
@@ -355,7 +355,7 @@ def rotated(items: list, rep: int) -> list:
 def measure(engines: list[Engine], args: argparse.Namespace) -> list[dict]:
     """Every repetition runs every engine's modes, engines and each engine's modes in an order rotated per
     repetition, and each engine first runs an unrecorded short warm-up: no mode is always the first to run after
-    another engine (which may leave caches and clocks in another state; until session 9 ``plain`` always was,
+    another engine (which may leave caches and clocks in another state; before 75e724b ``plain`` always was,
     while steered modes never were, which could favour them)."""
     rows: list[dict] = []
     for batch in args.batches:

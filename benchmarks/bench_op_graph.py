@@ -156,7 +156,8 @@ class CompiledDecoder(Decoder):
             self.kernels[f"{key[0]}@{key[1]}"] = {
                 "triton_kernels": text.count("@triton.jit"),
                 "extern_mm": text.count("extern_kernels.mm"),
-                "hotwire_op_mentions": text.count("hotwire.steer_"),  # text matches: 2 per hooked layer in session 6
+                # text matches: 2 per hooked layer in benchmarks/results/2026-11-30_h200x2_9e8170e
+                "hotwire_op_mentions": text.count("hotwire.steer_"),
             }
             self.compiled[key] = fn
         return self.compiled[key](x)

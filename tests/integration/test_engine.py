@@ -137,8 +137,9 @@ def assert_cache_hit_close(hit: list, full: list) -> None:
 
 def assert_near_vanilla(ours: list, theirs: list, what: str) -> None:
     """This module's engine runs with HOTWIRE_NORM=1 (for the norm test), in which the op reads ``residual`` and
-    Inductor rounds it to bf16 (README, "Bit-identity"): plain tokens move by that rounding on a GPU (seen: 8e-5).
-    Exact identity in the default mode is test_bit_identity.py's check; float32 on the CPU has no such rounding."""
+    Inductor rounds it to bf16 (docs/architecture.md, "Bit-identity"): plain tokens move by that rounding on a GPU
+    (seen: 8e-5). Exact identity in the default mode is test_bit_identity.py's check; float32 on the CPU has no
+    such rounding."""
     assert len(ours) == len(theirs), what
     if ours != theirs:
         diff = max_diff(ours, theirs)

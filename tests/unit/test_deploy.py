@@ -599,7 +599,7 @@ def test_test_script_runs_pytest() -> None:
 FAKE_PYTHON = r"""#!/usr/bin/env bash
 # A stand-in for the venv's python: answers version look-ups, logs pip and -m calls (pip exits $FAKE_PIP_RC, other
 # modules $FAKE_RC), knows whether the project was installed (pip install ... -e . creates $FAKE_PROJECT; importing
-# hotwire_core needs it).
+# hotwire_core needs it); runs a .venv/bin/vllm script as exiting $FAKE_VLLM_RC.
 case "$1" in
     -)  cat >/dev/null
         var="FAKE_VERSION_$(printf '%s' "$2" | tr 'a-z-' 'A-Z_')"
@@ -611,6 +611,7 @@ case "$1" in
             exit 1
         fi
         exit 0 ;;
+    */bin/vllm) exit "${FAKE_VLLM_RC:-0}" ;;  # a .venv/bin/vllm script run by this python (its shebang)
     -m) printf '%s\n' "${*:2}" >> "$FAKE_LOG"
         if [[ "$2" == pip ]]; then
             [[ "${FAKE_PIP_RC:-0}" == 0 && "$3" == install && " ${*:4} " == *" -e . "* ]] && : > "$FAKE_PROJECT"
@@ -798,6 +799,38 @@ def check_setup_fails_when_a_step_fails(fake: FakeRun) -> None:
     assert fake.calls() == ["pip install torch==2.11.0"]  # stops at the first failing step
 
 
+VLLM_CPU_SCRIPT = """#!/usr/bin/env python3
+import sys
+from vllm.entrypoints.cli.main import main
+sys.exit(main())
+"""
+
+
+def check_setup_writes_the_vllm_command(fake: FakeRun) -> None:
+    """vllm-cpu's own ``vllm`` script fails (it asks for the distribution "vllm"): setup replaces it with one that
+    runs hotwire_api.vllm_cli with the venv's python, checks that it answers --version, and leaves it alone after."""
+    script = fake.repo / ".venv" / "bin" / "vllm"
+    script.write_text(VLLM_CPU_SCRIPT)
+    result = fake.run("scripts/setup-cpu.sh")
+    assert result.returncode == 0, _output(result)
+    lines = script.read_text().splitlines()
+    assert lines[0].startswith("#!/") and Path(lines[0][2:]).resolve() == fake.python.resolve(), lines[0]
+    assert "from hotwire_api.vllm_cli import main" in lines and "vllm.entrypoints" not in script.read_text()
+    assert os.access(script, os.X_OK)
+    assert "wrote .venv/bin/vllm" in result.stdout
+    assert re.search(r"^  vllm command.*\d+s$", result.stdout, re.MULTILINE)
+
+    written = script.read_text()
+    result = fake.run("scripts/setup-cpu.sh")
+    assert result.returncode == 0, _output(result)
+    assert "already runs hotwire_api.vllm_cli" in result.stdout and script.read_text() == written
+
+    script.write_text(VLLM_CPU_SCRIPT)  # a reinstall of vllm-cpu put its own back
+    result = fake.run("scripts/setup-cpu.sh", FAKE_VLLM_RC="1")
+    assert result.returncode != 0 and "--version failed" in result.stderr  # a vllm command that fails is an error
+    assert "setup-cpu.sh: FAILED" in result.stderr
+
+
 def check_test_script_runs_setup_unless_python_is_given(fake: FakeRun, tmp_path: Path) -> None:
     fake.stub("scripts/setup-cpu.sh", "FAKE_SETUP_RC")
     result = fake.run("scripts/test.sh", "-x")
@@ -881,6 +914,7 @@ SCRIPT_CHECKS: dict[str, Callable[..., None]] = {
         check_setup_reuses_a_venv_that_is_already_right,
         check_setup_replaces_wrong_versions,
         check_setup_fails_when_a_step_fails,
+        check_setup_writes_the_vllm_command,
         check_test_script_runs_setup_unless_python_is_given,
         check_test_script_sets_the_cpu_env_and_passes_args,
         check_test_script_fails_when_pytest_fails_or_finds_nothing,
@@ -947,6 +981,19 @@ SCRIPT_BREAKAGES = [
     ("setup_replaces_wrong_versions", SETUP, _replace('"$PY" -m pip uninstall -y vllm', ":")),
     ("setup_replaces_wrong_versions", SETUP, _replace("torch_now=$(installed torch)", "torch_now=2.11.0")),
     ("setup_fails_when_a_step_fails", SETUP, _replace("set -euo pipefail", "set -uo pipefail")),
+    ("setup_writes_the_vllm_command", SETUP, _replace('printf \'%s\\n\' "$vllm_wanted" > "$vllm_script"', ":")),
+    ("setup_writes_the_vllm_command", SETUP, _replace('chmod +x "$vllm_script"', ":")),
+    (
+        "setup_writes_the_vllm_command",
+        SETUP,
+        _replace("from hotwire_api.vllm_cli import main", "from vllm.entrypoints.cli.main import main"),
+    ),
+    ("setup_writes_the_vllm_command", SETUP, _replace('[[ -f "$vllm_script" && ', '[[ -e "$VENV/bin/python" || ')),
+    (
+        "setup_writes_the_vllm_command",
+        SETUP,
+        _replace('        exit 1\n    fi\n    echo "wrote', '    fi\n    echo "wrote'),
+    ),
     ("test_script_runs_setup_unless_python_is_given", "scripts/test.sh", _replace("bash scripts/setup-cpu.sh", ":")),
     (
         "test_script_runs_setup_unless_python_is_given",
