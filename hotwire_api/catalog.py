@@ -115,8 +115,22 @@ class Catalog:
         answer = await engine.catalog(self.generation)
         if not answer.get("unchanged"):
             self.rules = _rules(answer)
-            self.vectors = {v.vector_id: v for v in map(CatalogVector.from_meta, answer.get("vectors") or [])}
-            self.generation = int(answer["generation"])
+            vectors = {v.vector_id: v for v in map(CatalogVector.from_meta, answer.get("vectors") or [])}
+            # Data parallelism: a registration reaches the first engine core before the others. Pin only what
+            # every engine core has: the oldest current version (the first core retains it), no id one lacks.
+            behind = False
+            for other in await engine.other_catalogs():
+                theirs = {str(m["id"]): m for m in other.get("vectors") or []}
+                for vector_id, vector in list(vectors.items()):
+                    meta = theirs.get(vector_id)
+                    if meta is None or int(meta["version"]) != vector.version:
+                        behind = True
+                        if meta is None:
+                            del vectors[vector_id]
+                        elif int(meta["version"]) < vector.version:
+                            vectors[vector_id] = CatalogVector.from_meta(meta)
+            self.vectors = vectors
+            self.generation = -1 if behind else int(answer["generation"])  # behind: look again next time
         self.taken_at = time.monotonic()
 
     async def run(self, app: Any, interval_s: float) -> None:

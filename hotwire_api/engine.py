@@ -145,12 +145,16 @@ class HotwireEngine:
     async def check(self, spec: str) -> tuple[str, str]:
         """Decide a request's spec in the engine (for versions the API's catalog does not hold): its receipt for
         ``x-hotwire-receipt`` and the spec pinned to the versions the receipt names."""
-        result = await self._call("hotwire_check", spec)
+        result = await self._call("hotwire_check", spec, False)  # no 429: a request waits for its rows
         return str(result.get("receipt", "")), str(result.get("spec", spec))
 
     async def catalog(self, generation: int) -> dict[str, Any]:
         """The first engine core's catalog (``unchanged`` when it is still at ``generation``)."""
         return await self._call("hotwire_catalog", generation)
+
+    async def other_catalogs(self) -> list[dict[str, Any]]:
+        """The full catalogs of the engine cores after the first (none without data parallelism)."""
+        return await self._call_each("hotwire_catalog", -1, which=slice(1, None))
 
     async def refusals(self, tickets: list[str]) -> dict[str, HotwireError]:
         """The refusals the engine cores kept for these tickets (``hotwire_core.spec.TICKET_KEY``)."""

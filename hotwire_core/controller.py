@@ -86,16 +86,21 @@ def prompt_length(request: Any) -> int:
     return 0 if embeds is None else int(embeds.shape[0])
 
 
-def _same_steering(a: Any, b: Any) -> bool:
-    """Whether two specs (raw ``extra_args`` values; None: unsteered) ask for the same steering."""
-    if a == b:
+def _same_steering(chunk: Any, session: Any) -> bool:
+    """Whether a streaming-input chunk's spec asks for the steering its session has (raw ``extra_args`` values;
+    None: unsteered). The session's spec may be pinned to versions (a deferred first chunk): an entry of the
+    chunk that names no version matches any."""
+    if chunk == session:
         return True
-    if a is None or b is None:
+    if chunk is None or session is None:
         return False
     try:
-        return parse_spec(a) == parse_spec(b)
+        ours, theirs = parse_spec(chunk), parse_spec(session)
     except SpecError:
         return False
+    return len(ours) == len(theirs) and all(
+        a.steering() == b.steering() and a.version in (None, b.version) for a, b in zip(ours, theirs)
+    )
 
 
 def _ok(**kwargs: Any) -> dict:
@@ -278,16 +283,19 @@ class SteeringController:
             model=self.model.to_json(self.settings.max_stack),
         )
 
-    def check(self, spec: str) -> dict:
-        """Would a request with this spec be admitted now (``offline.check_steering``)? 429 ``slots_exhausted``:
-        it would wait for bank rows."""
+    def check(self, spec: str, slots: bool = True) -> dict:
+        """Would a request with this spec be admitted now? With ``slots`` (``offline.check_steering``), 429
+        ``slots_exhausted`` says it would wait for bank rows; without (the HTTP admission, whose requests wait)
+        only what can never be served is refused."""
+        needed = 0
         try:
             entries = self._resolve(spec)
             keys = self._row_sources(entries).keys()
-            self._check_no_preempted_waiting()
-            needed, available = self.slots.missing(keys), self.slots.available(keys)
-            if needed > available:
-                raise Refusal(429, "slots_exhausted", str(SlotsExhausted(needed, available, self.slots.capacity)))
+            if slots:
+                self._check_no_preempted_waiting()
+                needed, available = self.slots.missing(keys), self.slots.available(keys)
+                if needed > available:
+                    raise Refusal(429, "slots_exhausted", str(SlotsExhausted(needed, available, self.slots.capacity)))
         except Refusal as exc:
             return exc.to_result()
         return _ok(receipt=receipt(entries), spec=pinned_spec(entries), new_rows=needed)
@@ -375,7 +383,7 @@ class SteeringController:
             resolved = self._resolve(extra[SPEC_KEY])
             sources = self._row_sources(resolved)
             self._check_no_preempted_waiting()
-            if self.deferred and request.request_id not in self.deferred and self.slots.missing(sources.keys()):
+            if self.deferred and request.request_id not in self.deferred and self.slots.takes_available(sources.keys()):
                 # First come, first served: rows that free up go to the requests waiting for them.
                 raise Refusal(429, "slots_exhausted", "earlier requests are waiting for bank rows; this one waits behind them")
             try:

@@ -56,6 +56,10 @@ class SlotCache:
         own = sum(1 for key in keys if self._slot_of.get(key) in self._unpinned)
         return len(self._free) + len(self._unpinned) - own
 
+    def takes_available(self, keys: Collection[RowKey]) -> bool:
+        """Whether pinning ``keys`` would take rows others could have: a row not resident, or resident unpinned."""
+        return any(self._slot_of.get(key) is None or self._slot_of[key] in self._unpinned for key in keys)
+
     def acquire(self, keys: Collection[RowKey]) -> tuple[dict[RowKey, int], list[tuple[int, RowKey]]]:
         """Pin ``keys``; returns ``(slot of each key, [(slot, key) rows that must be loaded])``."""
         needed, available = self.missing(keys), self.available(keys)

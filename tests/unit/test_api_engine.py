@@ -145,3 +145,28 @@ def test_without_data_parallelism_every_call_is_one_collective_rpc() -> None:
     client = TwoEngines({"hotwire_unregister": [{"ok": True, "in_flight": 1, "version": 1}, {"ok": True, "in_flight": 5}]})
     assert asyncio.run(HotwireEngine(client).unregister("x")) == 1
     assert client.calls == [("first", "hotwire_unregister")]
+
+
+def test_the_catalog_pins_only_what_every_engine_core_has() -> None:
+    """A registration reaches the first engine core first: the catalog copy takes the oldest current version of an
+    id (the first core retains it) and leaves out an id another core lacks, and looks again on its next refresh."""
+    from hotwire_api.catalog import Catalog
+
+    model = {"steerable": True, "reason": "", "n_layers": 4, "hidden_size": 8, "dtype": "float32", "max_stack": 4,
+             "norm": False, "layers": "0-3"}
+
+    def meta(vector_id: str, version: int) -> dict:
+        return {"id": vector_id, "version": version, "sha256": f"{vector_id}{version}", "layers": None,
+                "norms": {"*": 1.0}}
+
+    def catalog(*vectors: dict) -> dict:
+        return {"ok": True, "generation": 7, "model": model, "capacity": 16, "vectors": list(vectors)}
+
+    client = TwoEngines({"hotwire_catalog": [catalog(meta("a", 2), meta("new", 1)), catalog(meta("a", 1))]})
+    copy = Catalog()
+    asyncio.run(copy.refresh(HotwireEngine(client, client.per_engine)))
+    assert copy.lookup("a").version == 1 and copy.lookup("new") is None
+    assert copy.generation == -1  # behind: the next refresh asks in full
+    client.answers["hotwire_catalog"][1] = catalog(meta("a", 2), meta("new", 1))
+    asyncio.run(copy.refresh(HotwireEngine(client, client.per_engine), not_before=float("inf")))
+    assert copy.lookup("a").version == 2 and copy.lookup("new").version == 1 and copy.generation == 7

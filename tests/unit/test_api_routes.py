@@ -150,7 +150,7 @@ class FakeEngine:
             },
         }
 
-    def hotwire_check(self, spec: str) -> dict[str, Any]:
+    def hotwire_check(self, spec: str, slots: bool = True) -> dict[str, Any]:
         if not self.steerable:  # like hotwire_core, check() refuses without counting: admission counts
             return _fail(503, "model_not_steerable", "this model's decoder layers cannot be steered")
         try:
@@ -593,7 +593,7 @@ def test_a_version_the_catalog_does_not_hold_is_decided_by_the_engine(client: Te
     pinned = json.dumps({"id": "happy", "layer": 1, "scale": 4.0, "version": 7})
     response = client.post("/v1/chat/completions", json=_chat({"hotwire": pinned}))
     assert response.headers["x-hotwire-receipt"] == "happy@v1"  # the fake engine's receipt
-    assert ("hotwire_check", (pinned,)) in engine.calls
+    assert ("hotwire_check", (pinned, False)) in engine.calls  # asked without the 429: a request waits for rows
 
 
 def test_reserved_cache_salt_is_refused_before_the_engine(client: TestClient, engine: FakeEngine) -> None:

@@ -1235,3 +1235,56 @@ def test_the_engine_hooks_salt_a_steered_prompt_before_vllm_hashes_it_once():
     assert added == [req] and hashed == ["s"] and req.block_hashes == hashes and "s" in c.bindings
     _, ref = admit(c, "ref", json.loads(spec), salt="tenant")  # salted by admission alone: the same salt
     assert ref.cache_salt == req.cache_salt
+
+
+def test_a_session_whose_first_chunk_waited_for_rows_keeps_its_steering_for_later_chunks():
+    """The first chunk waited (its spec is pinned to the versions it resolved); a later chunk with the same spec,
+    unpinned, asks for the same steering."""
+    c = ctrl(slots=1)
+    register(c, "a", vec(HIDDEN, seed=1))
+    register(c, "b", vec(HIDDEN, seed=2))
+    admit(c, "hog", {"id": "a", "layer": 0, "scale": 1})
+    spec = {"id": "b", "layer": 0, "scale": 1}
+    first = session_chunk("s", spec)
+    with pytest.raises(Refusal):
+        c.admit(first)
+    c.defer(first)
+    c.release("hog")
+    assert c.admit_deferred() == [first]
+    c.admit_update(session_chunk("s", spec), first)  # no steering_changed
+    with pytest.raises(Refusal) as info:
+        c.admit_update(session_chunk("s", {**spec, "version": 2}), first)  # another version is other steering
+    assert info.value.code == "steering_changed"
+
+
+def test_newcomers_on_resident_unpinned_rows_wait_behind_a_deferred_request():
+    """Rows that free up go to the request waiting longest: a newcomer that would pin an unpinned resident row
+    waits too, one that only shares rows already pinned does not."""
+    c = ctrl(slots=2)
+    for vid, seed in (("a", 1), ("b", 2), ("c", 3)):
+        register(c, vid, vec(N_LAYERS, HIDDEN, seed=seed))
+    admit(c, "warm", {"id": "a", "layer": 0, "scale": 1})
+    c.release("warm")  # a@L0 resident, unpinned
+    admit(c, "holder", {"id": "b", "layer": 0, "scale": 1})
+    big = request("big", {"id": "c", "layer": [0, 1], "scale": 1})
+    with pytest.raises(Refusal):
+        c.admit(big)
+    c.defer(big)
+    with pytest.raises(Refusal) as info:  # would pin a@L0, the row big needs once holder is done
+        c.admit(request("late", {"id": "a", "layer": 0, "scale": 1}))
+    assert info.value.code == "slots_exhausted"
+    admit(c, "sharer", {"id": "b", "layer": 0, "scale": 2})  # b@L0 is pinned already: takes nothing
+    c.release("holder")
+    c.release("sharer")
+    assert c.admit_deferred() == [big]
+
+
+def test_check_without_slots_never_says_wait():
+    c = ctrl(slots=1)
+    register(c, "a", vec(HIDDEN, seed=1))
+    register(c, "b", vec(HIDDEN, seed=2))
+    admit(c, "hog", {"id": "a", "layer": 0, "scale": 1})
+    spec = '{"id": "b", "layer": 0, "scale": 1, "version": 1}'
+    assert c.check(spec)["code"] == "slots_exhausted"
+    assert c.check(spec, False) == {"ok": True, "receipt": "b@1:L0x1", "new_rows": 0,
+                                    "spec": '[{"id":"b","layer":[0],"scale":1.0,"version":1}]'}
