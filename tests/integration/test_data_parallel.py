@@ -21,6 +21,7 @@ import re
 import threading
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import numpy as np
@@ -189,9 +190,11 @@ def test_two_api_servers_share_routes_and_metrics(server, tiny_model) -> None:
 _ACCESS = r"\((?:APIServer|ApiServer_\d+) pid=(\d+)\)[^\n]*\"POST {path} HTTP/1.1\" {status}"
 
 
-def _answered(server: VllmServer, path: str, status: int) -> set[str]:
-    """The API servers (pids) whose access log shows ``path`` answered with ``status``."""
-    return set(re.findall(_ACCESS.format(path=re.escape(path), status=status), server.log_path.read_text(errors="replace")))
+def _answered(server: VllmServer, path: str, status: int, since: int = 0) -> set[str]:
+    """The API servers (pids) whose access log shows ``path`` answered with ``status`` (in the log's characters
+    from ``since`` on)."""
+    log = server.log_path.read_text(errors="replace")[since:]
+    return set(re.findall(_ACCESS.format(path=re.escape(path), status=status), log))
 
 
 def _steered_body(route: str, model: str, vector_id: str, stream: bool) -> dict:
@@ -207,6 +210,18 @@ def _steered_body(route: str, model: str, vector_id: str, stream: bool) -> dict:
 ROUTES = ("/v1/completions", "/v1/chat/completions", "/v1/responses")
 
 
+def _concurrently(server: VllmServer, route: str, body: dict, n: int = 4) -> list[httpx.Response]:
+    """``n`` requests at once, each on a connection of its own. vLLM hands one listening socket to both API
+    servers and the kernel picks the acceptor: one at a time, consecutive connections can all land on the same
+    (idle) API server, while with several at once the busy one leaves some to the other."""
+    def one(_: int) -> httpx.Response:
+        with httpx.Client(base_url=server.url, timeout=120) as fresh:
+            return fresh.post(route, json=body)
+
+    with ThreadPoolExecutor(n) as pool:
+        return list(pool.map(one, range(n)))
+
+
 def test_an_engine_refusal_after_admission_reaches_the_client_as_itself(server, tiny_model) -> None:
     """Both API servers learn vec@1; a replace through one leaves the other's copy at version 1, which the
     engine cores dropped at once. On every route, streamed or not, a request either steers with version 2 or
@@ -214,10 +229,14 @@ def test_an_engine_refusal_after_admission_reaches_the_client_as_itself(server, 
     model = str(tiny_model)
     with httpx.Client(base_url=server.url, timeout=120) as client:
         register(client, "dp-stale", seed=4)
-    while len(_answered(server, "/v1/completions", 200)) < 2:  # until both API servers steered with version 1
-        with httpx.Client(base_url=server.url, timeout=120) as fresh:
-            response = fresh.post("/v1/completions", json=_steered_body("/v1/completions", model, "dp-stale", False))
+    since = len(server.log_path.read_text(errors="replace"))  # earlier tests' requests do not count
+    first = _steered_body("/v1/completions", model, "dp-stale", False)
+    for _ in range(30):  # until both API servers steered with version 1
+        if len(_answered(server, "/v1/completions", 200, since)) >= 2:
+            break
+        for response in _concurrently(server, "/v1/completions", first):
             assert response.headers["x-hotwire-receipt"].startswith("dp-stale@1:"), response.text
+    assert len(_answered(server, "/v1/completions", 200, since)) >= 2, "120 connections all reached one API server"
     with httpx.Client(base_url=server.url, timeout=120) as client:
         vector = np.random.default_rng(5).standard_normal(HIDDEN).astype(np.float32) * 4
         body = {"id": "dp-stale", "data": base64.b64encode(vector.tobytes()).decode(), "dtype": "float32", "shape": [HIDDEN]}
@@ -226,18 +245,17 @@ def test_an_engine_refusal_after_admission_reaches_the_client_as_itself(server, 
     for route in ROUTES:
         for stream in (False, True):
             outcomes: set[int] = set()
-            for attempt in range(60):
+            for _ in range(30):
                 if outcomes == {200, 410}:
                     break
-                with httpx.Client(base_url=server.url, timeout=120) as fresh:
-                    response = fresh.post(route, json=_steered_body(route, model, "dp-stale", stream))
-                outcomes.add(response.status_code)
-                if response.status_code == 200:
-                    assert response.headers["x-hotwire-receipt"].startswith("dp-stale@2:"), response.text
-                    assert ('"error"' not in response.text) and len(response.text) > 50, response.text
-                    continue
-                assert response.status_code == 410, (route, stream, response.status_code, response.text[:500])
-                error = response.json()["error"]
-                assert (error["code"], error["field"]) == ("version_gone", "vllm_xargs.hotwire[0].version"), error
-                assert "x-hotwire-receipt" not in response.headers
+                for response in _concurrently(server, route, _steered_body(route, model, "dp-stale", stream)):
+                    outcomes.add(response.status_code)
+                    if response.status_code == 200:
+                        assert response.headers["x-hotwire-receipt"].startswith("dp-stale@2:"), response.text
+                        assert ('"error"' not in response.text) and len(response.text) > 50, response.text
+                        continue
+                    assert response.status_code == 410, (route, stream, response.status_code, response.text[:500])
+                    error = response.json()["error"]
+                    assert (error["code"], error["field"]) == ("version_gone", "vllm_xargs.hotwire[0].version"), error
+                    assert "x-hotwire-receipt" not in response.headers
             assert outcomes == {200, 410}, (route, stream, outcomes)
