@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 import secrets
+import time
 from typing import Any
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -107,6 +108,7 @@ async def _decide(engine: HotwireEngine, spec: Any) -> tuple[str, str]:
             '"vllm_xargs": {"hotwire": "{\\"id\\": \\"happy\\", \\"layer\\": 10, \\"scale\\": 4.0}"}',
             _FIELD,
         )
+    arrived = time.monotonic()
     try:
         try:
             entries = parse_spec(spec)
@@ -121,7 +123,9 @@ async def _decide(engine: HotwireEngine, spec: Any) -> tuple[str, str]:
         except Refusal as exc:
             if exc.code != "unknown_vector":
                 raise
-            await CATALOG.refresh(engine)  # registered since the last refresh (through another API server)?
+            # Registered since the last refresh (through another API server)? Only an answer the engine gave
+            # after this request arrived can say no: a fetch already in flight may predate the registration.
+            await CATALOG.refresh(engine, not_before=arrived)
             resolved = resolve(spec, CATALOG.lookup, rules)
     except (Refusal, HotwireError) as exc:
         raise _in_body(exc) from None

@@ -1035,3 +1035,40 @@ def test_cli_with_auth(engine: FakeEngine, monkeypatch: pytest.MonkeyPatch, caps
     assert cli.main(["--url", "http://testserver", "list"]) == 1
     assert "HTTP 401 unauthorized" in capsys.readouterr().err
     assert cli.main(["--url", "http://testserver", "--api-key", "s3cret", "list"]) == 0
+
+
+def test_an_unknown_id_is_looked_up_in_a_catalog_answer_given_after_the_request_arrived() -> None:
+    """A catalog fetch already in flight when the request came may predate the id's registration (through another
+    API server): the unknown-id lookup waits for an answer the engine gave later, not for that one."""
+    from hotwire_api.admission import _decide
+    from hotwire_api.catalog import CATALOG
+    from hotwire_api.engine import HotwireEngine
+
+    class SlowCatalog(FakeEngine):
+        release = asyncio.Event()
+
+        async def collective_rpc(self, method: str, timeout: float | None = None, args: tuple = (),
+                                 kwargs: dict[str, Any] | None = None) -> list[Any]:  # fmt: skip
+            answer = await super().collective_rpc(method, timeout, args, kwargs)  # the engine's state now
+            if method == "hotwire_catalog":
+                await self.release.wait()
+            return answer
+
+    async def scenario() -> str:
+        fake = SlowCatalog()
+        engine = HotwireEngine(fake)
+        SlowCatalog.release.set()
+        await CATALOG.refresh(engine)  # this process holds the rules
+        SlowCatalog.release = asyncio.Event()
+        early = asyncio.ensure_future(CATALOG.refresh(engine, not_before=time.monotonic()))  # e.g. the background one
+        await asyncio.sleep(0.01)  # its answer is taken: the engine's state before the registration
+        fake.hotwire_register("late", _vector().tobytes(), "float32", [HIDDEN], None, False)
+        await asyncio.sleep(0.01)
+        decided = asyncio.ensure_future(_decide(engine, _spec("late")))
+        await asyncio.sleep(0.01)
+        SlowCatalog.release.set()
+        await early
+        receipt, _ = await decided
+        return receipt
+
+    assert asyncio.run(scenario()) == "late@1:L1x4"
