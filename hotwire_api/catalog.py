@@ -11,12 +11,10 @@ the engine retains (``HOTWIRE_RETAIN_S``) after a replace or delete, and the rec
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import math
 import os
 import time
-from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -25,12 +23,13 @@ from hotwire_api.errors import HotwireError
 from hotwire_core.admission import ModelInfo, Rules
 from hotwire_core.settings import parse_layers
 
-__all__ = ["CATALOG", "Catalog", "CatalogVector", "keeping_current"]
+__all__ = ["CATALOG", "Catalog", "CatalogVector", "refresh_interval_s"]
 
 logger = logging.getLogger(__name__)
 
 
-def _refresh_interval_s() -> float:
+def refresh_interval_s() -> float:
+    """``HOTWIRE_CATALOG_REFRESH_MS`` in seconds (the background refresh of :meth:`Catalog.run`)."""
     raw = os.environ.get("HOTWIRE_CATALOG_REFRESH_MS", "").strip()
     try:
         ms = int(raw) if raw else 200
@@ -145,15 +144,3 @@ class Catalog:
 
 
 CATALOG = Catalog()
-
-
-@contextlib.asynccontextmanager
-async def keeping_current(app: Any) -> AsyncIterator[None]:
-    """Lifespan: refresh :data:`CATALOG` in the background while ``app`` runs."""
-    task = asyncio.create_task(CATALOG.run(app, _refresh_interval_s()))
-    try:
-        yield
-    finally:
-        task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await task

@@ -17,13 +17,12 @@ data parallel), vLLM sets ``PROMETHEUS_MULTIPROC_DIR`` and ``/metrics`` merges t
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import math
 import os
 import time
 from collections import Counter
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 from prometheus_client import REGISTRY, Counter as CounterMetric, Gauge as GaugeMetric
@@ -183,18 +182,6 @@ class HotwireCollector(Collector):
 
 
 STATS = StatsCache()
-
-
-@contextlib.asynccontextmanager
-async def refreshing(app: Any) -> AsyncIterator[None]:
-    """Lifespan: keep :data:`STATS` fresh while ``app`` runs."""
-    task = asyncio.create_task(STATS.run(app))
-    try:
-        yield
-    finally:
-        task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await task
 
 
 _COLLECTOR = HotwireCollector(STATS)

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-import json
+import asyncio
 import contextlib
+import json
 import time
 from collections.abc import AsyncIterator, Callable, Coroutine
 from typing import Any
@@ -15,11 +16,11 @@ from starlette.datastructures import Headers, UploadFile
 from starlette.formparsers import MultiPartException, MultiPartParser
 
 from hotwire_api.auth import require_api_key
-from hotwire_api.catalog import CATALOG, keeping_current
+from hotwire_api.catalog import CATALOG, refresh_interval_s
 from hotwire_api.codec import VectorPayload, decode_form, decode_json, read_limited, too_large
 from hotwire_api.engine import HotwireEngine
 from hotwire_api.errors import HotwireError
-from hotwire_api.metrics import STATS, refreshing
+from hotwire_api.metrics import STATS
 from hotwire_api.models import DeleteResult, ErrorBody, RegisterVectorJSON, SlotStats, VectorList, VectorMeta
 from hotwire_api.settings import Settings
 
@@ -48,8 +49,13 @@ class _HotwireRoute(APIRoute):
 @contextlib.asynccontextmanager
 async def _background(app: Any) -> AsyncIterator[None]:
     """Lifespan: keep the slot statistics and the catalog fresh while ``app`` runs."""
-    async with refreshing(app), keeping_current(app):
+    tasks = [asyncio.create_task(STATS.run(app)), asyncio.create_task(CATALOG.run(app, refresh_interval_s()))]
+    try:
         yield
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
 
 
 def _error(description: str) -> dict[str, Any]:
