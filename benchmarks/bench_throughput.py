@@ -1,0 +1,335 @@
+"""Throughput at saturation, in one run: plugin-free vLLM, hotwire serving plain traffic, hotwire serving 75 %
+steered traffic.
+
+Two ``vllm serve`` of one model start side by side: one without hotwire (``VLLM_PLUGINS=""``: no hotwire code is
+loaded in any of its processes) and one with it. Rounds then alternate between three configurations, the order
+rotated per round, so that drift of the machine falls on all of them alike:
+
+    vanilla   the plugin-free server, plain requests
+    plain     the hotwire server, plain requests
+    steered   the hotwire server, ``--steered-share`` (75 %) of the requests steered, each by one of ``--ids``
+              registered vectors (a [hidden] vector at the middle layer, scale drawn per request)
+
+A round drives ``--clients`` streaming clients (``--workers`` processes, asyncio + httpx, one keep-alive
+connection per client) over ``/v1/completions`` and ``/v1/chat/completions`` (half each), ``max_tokens`` tokens
+with ``ignore_eos`` at temperature 0, for ``--warmup`` + ``--seconds``; a configuration's throughput is the
+number of requests that ended within the measured ``--seconds``, per second. Every request is checked: status
+200, ``[DONE]``, ``usage.completion_tokens == max_tokens``, and a receipt naming its vector exactly when steered.
+Any other outcome is a failure, and the run exits 1.
+
+Reported: per configuration the median req/s and TTFT p50 over rounds; per round the paired ratios steered /
+plain and plain / vanilla, and their medians (the figures of the targets: ≥ 0.98 and ≥ 0.99).
+
+    # on the GPU: a small model whose API server saturates first
+    python benchmarks/bench_throughput.py --clients 128 --rounds 4 --out throughput.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import base64
+import contextlib
+import json
+import multiprocessing
+import os
+import random
+import statistics
+import sys
+import tempfile
+import time
+from collections import Counter
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+import numpy as np
+
+CONFIGS = ("vanilla", "plain", "steered")
+PROMPTS = ("The quick brown fox jumps over", "Once upon a time in a land far", "The capital of France is",
+           "In the beginning the universe was", "A short history of the printing press")  # fmt: skip
+
+
+@dataclass(frozen=True)
+class Load:
+    """What each client of a round sends."""
+
+    url: str
+    model: str
+    max_tokens: int
+    steered_share: float
+    ids: tuple[str, ...]
+    layer: int
+    scale: float
+
+
+@dataclass
+class Tally:
+    """One worker's outcome of one round."""
+
+    completed: int = 0  # requests that ended, correctly, within the measured window
+    failures: Counter = field(default_factory=Counter)
+    ttft_s: list[float] = field(default_factory=list)
+    steered: int = 0
+
+    def merge(self, other: Tally) -> None:
+        self.completed += other.completed
+        self.failures.update(other.failures)
+        self.ttft_s.extend(other.ttft_s)
+        self.steered += other.steered
+
+
+def request_body(load: Load, chat: bool, vector_id: str | None, scale: float, prompt: str) -> dict[str, Any]:
+    body: dict[str, Any] = {
+        "model": load.model, "max_tokens": load.max_tokens, "ignore_eos": True, "temperature": 0, "stream": True,
+        "stream_options": {"include_usage": True},
+    }  # fmt: skip
+    if chat:
+        body["messages"] = [{"role": "user", "content": prompt}]
+    else:
+        body["prompt"] = prompt
+    if vector_id is not None:
+        body["vllm_xargs"] = {"hotwire": json.dumps({"id": vector_id, "layer": load.layer, "scale": scale})}
+    return body
+
+
+def check_stream(status: int, receipt: str | None, lines: Sequence[str], max_tokens: int, vector_id: str | None
+                 ) -> str | None:  # fmt: skip
+    """The failure kind of one streamed answer, or None when it is what was asked for."""
+    if status != 200:
+        return f"http_{status}"
+    if vector_id is None and receipt is not None:
+        return "receipt_on_plain"
+    if vector_id is not None and (receipt is None or not receipt.startswith(f"{vector_id}@")):
+        return "receipt_missing" if receipt is None else "receipt_wrong"
+    data = [line[6:] for line in lines if line.startswith("data: ")]
+    if not data or data[-1] != "[DONE]":
+        return "no_done"
+    tokens = None
+    for chunk in data[:-1]:
+        event = json.loads(chunk)
+        if "error" in event:
+            return "error_event"
+        if event.get("usage"):
+            tokens = event["usage"].get("completion_tokens")
+    if tokens != max_tokens:
+        return "short" if tokens is not None else "no_usage"
+    return None
+
+
+async def _client(load: Load, seed: int, measure_from: float, until: float, tally: Tally) -> None:
+    rng = random.Random(seed)
+    async with httpx.AsyncClient(base_url=load.url, timeout=httpx.Timeout(120.0),
+                                 limits=httpx.Limits(max_connections=1)) as http:  # fmt: skip
+        while time.monotonic() < until:
+            chat = rng.random() < 0.5
+            steered = bool(load.ids) and rng.random() < load.steered_share
+            vector_id = rng.choice(load.ids) if steered else None
+            body = request_body(load, chat, vector_id, load.scale * (1 + 0.5 * rng.random()), rng.choice(PROMPTS))
+            path = "/v1/chat/completions" if chat else "/v1/completions"
+            start, first, lines = time.monotonic(), None, []
+            try:
+                async with http.stream("POST", path, json=body) as response:
+                    async for line in response.aiter_lines():
+                        if first is None and line.startswith("data: "):
+                            first = time.monotonic()
+                        lines.append(line)
+                    status, receipt = response.status_code, response.headers.get("x-hotwire-receipt")
+            except httpx.HTTPError as exc:
+                if time.monotonic() < until:
+                    tally.failures[type(exc).__name__] += 1
+                continue
+            end = time.monotonic()
+            if end > until:
+                return  # ended after the window: neither counted nor judged
+            failure = check_stream(status, receipt, lines, load.max_tokens, vector_id)
+            if failure is not None:
+                tally.failures[failure] += 1
+            elif end >= measure_from:
+                tally.completed += 1
+                tally.steered += steered
+                if start >= measure_from and first is not None:
+                    tally.ttft_s.append(first - start)
+
+
+def _worker(load: Load, clients: int, seed: int, start_at: float, warmup: float, seconds: float) -> Tally:
+    """One process's clients for one round (``start_at`` on the shared ``time.monotonic()`` clock)."""
+    tally = Tally()
+
+    async def run() -> None:
+        await asyncio.sleep(max(0.0, start_at - time.monotonic()))
+        measure_from = start_at + warmup
+        await asyncio.gather(*(_client(load, seed * 1000 + i, measure_from, measure_from + seconds, tally)
+                               for i in range(clients)))  # fmt: skip
+
+    asyncio.run(run())
+    return tally
+
+
+def run_round(pool: Any, load: Load, clients: int, workers: int, seed: int, warmup: float, seconds: float) -> Tally:
+    start_at = time.monotonic() + 2.0  # every worker's clients start together
+    shares = [clients // workers + (i < clients % workers) for i in range(workers)]
+    results = pool.starmap(_worker, [(load, n, seed * 100 + i, start_at, warmup, seconds) for i, n in enumerate(shares)])
+    total = Tally()
+    for tally in results:
+        total.merge(tally)
+    return total
+
+
+def median(values: Sequence[float]) -> float | None:
+    return statistics.median(values) if values else None
+
+
+def summarize(rounds: list[dict[str, Any]], seconds: float) -> dict[str, Any]:
+    """Per configuration the median req/s and TTFT p50; per round and overall the paired ratios."""
+    by_config: dict[str, list[dict[str, Any]]] = {c: [r for r in rounds if r["config"] == c] for c in CONFIGS}
+    out: dict[str, Any] = {"configs": {}, "ratios": {}}
+    for config, runs in by_config.items():
+        out["configs"][config] = {
+            "req_per_s": [r["completed"] / seconds for r in runs],
+            "req_per_s_median": median([r["completed"] / seconds for r in runs]),
+            "ttft_p50_ms_median": median([r["ttft_p50_ms"] for r in runs if r["ttft_p50_ms"] is not None]),
+            "steered_share": median([r["steered"] / r["completed"] for r in runs if r["completed"]]),
+        }
+    for name, (num, den) in {"steered_vs_plain": ("steered", "plain"), "plain_vs_vanilla": ("plain", "vanilla")}.items():
+        paired = [a["completed"] / b["completed"]
+                  for a, b in zip(by_config[num], by_config[den], strict=False) if b["completed"]]  # fmt: skip
+        out["ratios"][name] = {"per_round": paired, "median": median(paired)}
+    return out
+
+
+@contextlib.contextmanager
+def servers(model: Path, extra_args: Sequence[str], workdir: Path, slots: int) -> Iterator[dict[str, str]]:
+    """The plugin-free and the hotwire ``vllm serve``, started together; their URLs by name."""
+    from hotwire_api.server_process import free_port, start_server, stop_server, vllm_serve_command, wait_until_ready
+
+    import torch
+
+    base = dict(os.environ)
+    if not torch.cuda.is_available():  # vLLM's CPU backend: the soak's environment, short engine starts
+        from soak import CPU_ENV
+
+        base = {**CPU_ENV, **base}
+        extra_args = ["--enforce-eager", *extra_args]
+    procs: dict[str, Any] = {}
+    urls: dict[str, str] = {}
+    try:
+        for name in ("vanilla", "hotwire"):
+            port = free_port()
+            env = {**base, "PYTHONUNBUFFERED": "1", "HOTWIRE_SLOTS": str(slots)}
+            if name == "vanilla":
+                env["VLLM_PLUGINS"] = ""
+            command = [*vllm_serve_command(str(model)), "--host", "127.0.0.1", "--port", str(port), "--seed", "0",
+                       *extra_args]  # fmt: skip
+            procs[name] = start_server(command, env, workdir / f"server_{name}.log")
+            urls[name] = f"http://127.0.0.1:{port}"
+            print(f"throughput: {name} server: {' '.join(command[3:])} (log {workdir / f'server_{name}.log'})", flush=True)
+        for name, proc in procs.items():
+            print(f"throughput: {name} ready after {wait_until_ready(proc, urls[name], 900.0):.0f} s", flush=True)
+        yield urls
+    finally:
+        for name, proc in procs.items():
+            print(f"throughput: {name} server {stop_server(proc)}", flush=True)
+
+
+def register_vectors(url: str, ids: Sequence[str], hidden: int, seed: int) -> None:
+    rng = np.random.default_rng(seed)
+    with httpx.Client(base_url=url, timeout=60) as http:
+        for vector_id in ids:
+            vector = rng.standard_normal(hidden).astype(np.float32)
+            vector /= np.linalg.norm(vector)
+            body = {"id": vector_id, "data": base64.b64encode(vector.tobytes()).decode(), "dtype": "float32",
+                    "shape": [hidden]}  # fmt: skip
+            response = http.post("/steer/vectors?replace=true", json=body)
+            if response.status_code not in (200, 201):
+                raise RuntimeError(f"registering {vector_id} failed: {response.status_code} {response.text}")
+
+
+def model_facts(url: str) -> tuple[str, int, int]:
+    """The served model's name, hidden size and number of layers (from ``/steer/slots``)."""
+    with httpx.Client(base_url=url, timeout=60) as http:
+        name = http.get("/v1/models").json()["data"][0]["id"]
+        model = http.get("/steer/slots").json()["model"]
+    return name, int(model["hidden_size"]), int(model["n_layers"])
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", type=Path, help="HF folder (default: build the tiny Qwen3 with random weights)")
+    parser.add_argument("--workdir", type=Path, help="for the built model and the server logs")
+    parser.add_argument("--server-arg", action="append", default=[], help="extra vllm serve argument (repeatable)")
+    parser.add_argument("--clients", type=int, default=128)
+    parser.add_argument("--workers", type=int, default=4, help="client processes")
+    parser.add_argument("--rounds", type=int, default=4, help="rounds of each configuration")
+    parser.add_argument("--warmup", type=float, default=5.0, help="seconds of traffic before each measured window")
+    parser.add_argument("--seconds", type=float, default=20.0, help="measured seconds per round")
+    parser.add_argument("--max-tokens", type=int, default=32)
+    parser.add_argument("--steered-share", type=float, default=0.75)
+    parser.add_argument("--ids", type=int, default=8, help="registered vectors the steered requests use")
+    parser.add_argument("--slots", type=int, default=16, help="HOTWIRE_SLOTS of the hotwire server")
+    parser.add_argument("--scale", type=float, default=4.0, help="scale of a steered entry (drawn in [s, 1.5 s])")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", type=Path, default=Path("throughput.json"))
+    return parser.parse_args(argv)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    workdir = args.workdir or Path(tempfile.mkdtemp(prefix="hotwire-throughput-"))
+    workdir.mkdir(parents=True, exist_ok=True)
+    extra = list(args.server_arg)
+    if args.model is None:
+        from hotwire_core.tiny_model import build_model
+
+        args.model = build_model(workdir / "tiny", "tiny", weights=True)
+        extra = ["--dtype", "float32", "--max-model-len", "4096", *extra]
+    rounds: list[dict[str, Any]] = []
+    failures: Counter = Counter()
+    with servers(args.model, extra, workdir, args.slots) as urls:
+        name, hidden, n_layers = model_facts(urls["hotwire"])
+        ids = tuple(f"tp{i}" for i in range(args.ids))
+        register_vectors(urls["hotwire"], ids, hidden, args.seed)
+        loads = {
+            "vanilla": Load(urls["vanilla"], name, args.max_tokens, 0.0, (), n_layers // 2, args.scale),
+            "plain": Load(urls["hotwire"], name, args.max_tokens, 0.0, (), n_layers // 2, args.scale),
+            "steered": Load(urls["hotwire"], name, args.max_tokens, args.steered_share, ids, n_layers // 2, args.scale),
+        }
+        with multiprocessing.get_context("spawn").Pool(args.workers) as pool:
+            for r in range(args.rounds):
+                order = CONFIGS[r % 3:] + CONFIGS[:r % 3]
+                for config in order:
+                    tally = run_round(pool, loads[config], args.clients, args.workers, args.seed + len(rounds),
+                                      args.warmup, args.seconds)  # fmt: skip
+                    failures.update({f"{config}:{k}": v for k, v in tally.failures.items()})
+                    ttft = median(tally.ttft_s)
+                    rounds.append({"round": r, "config": config, "completed": tally.completed, "steered": tally.steered,
+                                   "ttft_p50_ms": None if ttft is None else ttft * 1000,
+                                   "failures": dict(tally.failures)})  # fmt: skip
+                    print(f"throughput: round {r} {config:8s} {tally.completed / args.seconds:8.2f} req/s"
+                          f"  TTFT p50 {rounds[-1]['ttft_p50_ms'] or float('nan'):7.1f} ms"
+                          f"  failures {dict(tally.failures) or 0}", flush=True)  # fmt: skip
+    result = {"command": sys.argv, "args": {k: str(v) for k, v in vars(args).items()}, "model": name,
+              "hidden": hidden, "n_layers": n_layers, "rounds": rounds, "failures": dict(failures),
+              **summarize(rounds, args.seconds)}  # fmt: skip
+    with contextlib.suppress(Exception):
+        import torch
+
+        result["gpu"] = torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
+    with contextlib.suppress(Exception):
+        import vllm
+
+        result["vllm"] = vllm.__version__
+    args.out.write_text(json.dumps(result, indent=1))
+    for config, figures in result["configs"].items():
+        print(f"throughput: {config:8s} median {figures['req_per_s_median']:.2f} req/s, TTFT p50 "
+              f"{figures['ttft_p50_ms_median']} ms")  # fmt: skip
+    for ratio, figures in result["ratios"].items():
+        print(f"throughput: {ratio}: median {figures['median']}, per round {figures['per_round']}")
+    print(f"throughput: failures {dict(failures) or 0}; report {args.out}")
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,36 @@
+#!/bin/bash
+# On the device (after `source .gpu/env.sh`): the load targets of hotwire, one after the other on one GPU.
+#   bash benchmarks/gpu_load.sh [soak] [throughput] [prefill]     (default: all three, in that order)
+# soak: benchmarks/soak.py, SOAK_CLIENTS (256) clients for SOAK_DURATION (600) s, 16 slots, churn.
+# throughput: benchmarks/bench_throughput.py, plugin-free vLLM vs hotwire plain vs hotwire 75 % steered,
+#   THROUGHPUT_CLIENTS (128) streaming clients, THROUGHPUT_ROUNDS (3) rotated rounds of 20 s.
+# prefill: benchmarks/bench_prefill.py, Qwen3-4B shape, 8192-token prompts, PREFILL_ROUNDS (16).
+# Outputs go to $OUT (JSON and text per step); each step's exit status is printed.
+set -o pipefail
+out=${OUT:-/tmp/hotwire-gpu-load}
+mkdir -p "$out"
+steps=("$@")
+[[ ${#steps[@]} -eq 0 ]] && steps=(soak throughput prefill)
+python3 -c "import hotwire_api, vllm, torch; print('hotwire_api', hotwire_api.__file__, '| vllm', vllm.__version__, '| torch', torch.__version__)"
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
+git_tree=$(git rev-parse --short HEAD 2>/dev/null || echo unknown)
+echo "tree: $git_tree (uncommitted changes, if any, are part of the run: git status below)"
+git status --short 2>/dev/null | head -20
+for step in "${steps[@]}"; do
+  echo "=== $step: start $(date -u +%FT%TZ)"
+  case $step in
+    soak)
+      python3 benchmarks/soak.py --clients "${SOAK_CLIENTS:-256}" --duration "${SOAK_DURATION:-600}" --slots 16 \
+        --server-arg=--max-num-seqs=256 --workdir /tmp/soak-gpu --out "$out/soak_gpu.json" 2>&1 \
+        | tee "$out/soak_gpu.txt" | tail -60 ;;
+    throughput)
+      python3 benchmarks/bench_throughput.py --clients "${THROUGHPUT_CLIENTS:-128}" --rounds "${THROUGHPUT_ROUNDS:-3}" \
+        --seconds 20 --warmup 5 --server-arg=--max-num-seqs=256 --server-arg=--gpu-memory-utilization=0.4 \
+        --workdir /tmp/throughput-gpu --out "$out/throughput_gpu.json" 2>&1 | tee "$out/throughput_gpu.txt" | tail -30 ;;
+    prefill)
+      python3 benchmarks/bench_prefill.py --shape qwen3-4b --prompt-len 8192 --rounds "${PREFILL_ROUNDS:-16}" \
+        --out "$out/bench_prefill_4b_8k.json" 2>&1 | tee "$out/bench_prefill.txt" | tail -6 ;;
+    *) echo "unknown step $step (soak, throughput, prefill)"; false ;;
+  esac
+  echo "=== $step: exit ${PIPESTATUS[0]} $(date -u +%FT%TZ)"
+done

@@ -1,0 +1,50 @@
+"""The pure parts of ``benchmarks/bench_throughput.py``: how a streamed answer is judged and how rounds become the
+paired ratios of the throughput targets (no server)."""
+
+import json
+import sys
+
+from benchmark_module import BENCHMARKS
+
+sys.path.insert(0, str(BENCHMARKS))  # by name: its dataclasses need the module in sys.modules
+import bench_throughput as bt  # noqa: E402
+
+
+def stream(tokens: int | None, *, done: bool = True, error: bool = False) -> list[str]:
+    lines = ['data: {"choices": [{"text": "a"}]}', ""]
+    if error:
+        lines += ['data: {"error": {"message": "refused"}}', ""]
+    if tokens is not None:
+        lines += ["data: " + json.dumps({"choices": [], "usage": {"completion_tokens": tokens}}), ""]
+    return lines + (["data: [DONE]", ""] if done else [])
+
+
+def test_a_stream_is_judged_by_status_receipt_end_and_token_count() -> None:
+    assert bt.check_stream(200, None, stream(8), 8, None) is None
+    assert bt.check_stream(200, "v1@3:L2x4", stream(8), 8, "v1") is None
+    assert bt.check_stream(500, None, stream(8), 8, None) == "http_500"
+    assert bt.check_stream(200, "v1@3:L2x4", stream(8), 8, None) == "receipt_on_plain"
+    assert bt.check_stream(200, None, stream(8), 8, "v1") == "receipt_missing"
+    assert bt.check_stream(200, "v10@1:L2x4", stream(8), 8, "v1") == "receipt_wrong"
+    assert bt.check_stream(200, None, stream(8, done=False), 8, None) == "no_done"
+    assert bt.check_stream(200, None, stream(7), 8, None) == "short"
+    assert bt.check_stream(200, None, stream(None), 8, None) == "no_usage"
+    assert bt.check_stream(200, None, stream(8, error=True), 8, None) == "error_event"
+
+
+def test_rounds_give_medians_and_ratios_paired_by_round() -> None:
+    rounds = [
+        {"round": 0, "config": "vanilla", "completed": 100, "steered": 0, "ttft_p50_ms": 10.0},
+        {"round": 0, "config": "plain", "completed": 99, "steered": 0, "ttft_p50_ms": 11.0},
+        {"round": 0, "config": "steered", "completed": 98, "steered": 74, "ttft_p50_ms": 12.0},
+        {"round": 1, "config": "plain", "completed": 200, "steered": 0, "ttft_p50_ms": 13.0},
+        {"round": 1, "config": "steered", "completed": 190, "steered": 140, "ttft_p50_ms": 14.0},
+        {"round": 1, "config": "vanilla", "completed": 200, "steered": 0, "ttft_p50_ms": 15.0},
+    ]
+    out = bt.summarize(rounds, seconds=10.0)
+    assert out["configs"]["plain"]["req_per_s"] == [9.9, 20.0]
+    assert out["configs"]["vanilla"]["req_per_s_median"] == 15.0
+    assert out["configs"]["steered"]["ttft_p50_ms_median"] == 13.0
+    assert out["ratios"]["steered_vs_plain"]["per_round"] == [98 / 99, 190 / 200]
+    assert out["ratios"]["plain_vs_vanilla"]["per_round"] == [0.99, 1.0]
+    assert out["ratios"]["plain_vs_vanilla"]["median"] == (0.99 + 1.0) / 2
