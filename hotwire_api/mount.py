@@ -1,7 +1,7 @@
 """vLLM 0.25.1 glue: serve hotwire from a plain ``vllm serve`` (the only vLLM-version-specific module of
 hotwire_api).
 
-vLLM has no endpoint-plugin group. The ``hotwire`` general plugin (``hotwire_core.register``, run in every vLLM
+vLLM has no endpoint-plugin group. The ``hotwire_api`` general plugin (:func:`register`, run in every vLLM
 process) calls :func:`install`. In the API server that wraps ``vllm.entrypoints.serve.register_vllm_serve_api_routers``,
 which ``build_app`` imports at call time right after creating the FastAPI app and setting ``app.state.args``,
 so every app it builds gets hotwire attached. Being the first middleware ``build_app`` adds, admission is the
@@ -15,9 +15,12 @@ import asyncio
 import functools
 import importlib
 import multiprocessing
+import os
 import sys
 from collections.abc import Awaitable, Callable
 from typing import Any
+
+from hotwire_core.settings import default_store_root
 
 _API_SERVER_MODULE = "vllm.entrypoints.openai.api_server"
 _SERVE_MODULE = "vllm.entrypoints.serve"
@@ -69,6 +72,13 @@ def install() -> bool:
     setattr(register_hotwire_and_routers, _MARK, True)
     setattr(serve, _HOOK, register_hotwire_and_routers)
     return True
+
+
+def register() -> None:
+    """vLLM general-plugin entry point ``hotwire_api``: in the API server, mount the HTTP control plane and turn
+    the vector store on by default (the engine processes it spawns later inherit the setting)."""
+    if install():
+        os.environ.setdefault("HOTWIRE_STORE", default_store_root())
 
 
 PerEngineRPC = Callable[[str, tuple, slice], Awaitable[list[Any]]]

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import multiprocessing
+import os
 import sys
 import types
 
@@ -141,3 +142,17 @@ def test_per_engine_rpc_matches_vllms_utility_call() -> None:
     source = inspect.getsource(AsyncMPClient.collective_rpc_async)
     assert 'call_utility_async(\n            "collective_rpc", method, timeout, args, kwargs' in source
     assert "core_engines" in inspect.getsource(DPLBAsyncMPClient.call_utility_async)
+
+
+@pytest.mark.parametrize("name,api_server_loaded,mounted", [("MainProcess", True, True), ("EngineCore", False, False)])
+def test_register_turns_the_store_on_only_in_the_api_server(
+    fake_serve: types.ModuleType, monkeypatch: pytest.MonkeyPatch, name: str, api_server_loaded: bool, mounted: bool
+) -> None:
+    """The ``hotwire_api`` entry point: the API server mounts hotwire and gives the engine processes it spawns a
+    store by default; elsewhere (an engine process, an offline script) it changes nothing."""
+    _as_process(monkeypatch, name, api_server_loaded)
+    monkeypatch.delenv("HOTWIRE_STORE", raising=False)
+    original = fake_serve.register_vllm_serve_api_routers
+    mount.register()
+    assert (fake_serve.register_vllm_serve_api_routers is not original) is mounted
+    assert ("HOTWIRE_STORE" in os.environ) is mounted
