@@ -41,3 +41,25 @@ def test_core_never_imports_the_control_plane() -> None:
         for path in _sources("hotwire_core")
     }
     assert {m: names for m, names in offenders.items() if names} == {}
+
+
+def test_imports_form_no_cycle() -> None:
+    """Module-level and function-level imports alike. An import of a module's own package is left out: Python
+    imports every package before its modules anyway, and the package's plugin entry point imports them back."""
+    modules = {_module_name(path): path for package in PACKAGES for path in _sources(package)}
+    graph = {
+        name: {m for m in _imports(path) if m in modules and m != name and not name.startswith(m + ".")}
+        for name, path in modules.items()
+    }
+    done: set[str] = set()
+
+    def visit(name: str, trail: list[str]) -> None:
+        if name in trail:
+            raise AssertionError("import cycle: " + " -> ".join(trail[trail.index(name):] + [name]))
+        if name not in done:
+            for imported in sorted(graph[name]):
+                visit(imported, [*trail, name])
+            done.add(name)
+
+    for name in sorted(graph):
+        visit(name, [])
