@@ -11,16 +11,14 @@ still uses it. The catalog comes from the first engine core; kept refusals are a
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any, Protocol, TypeVar
+from typing import Any, Protocol, TypeVar
 
 from pydantic import BaseModel, ValidationError
 
 from hotwire_api.codec import VectorPayload
 from hotwire_api.errors import HotwireError
 from hotwire_api.models import SlotStats, VectorMeta
-
-if TYPE_CHECKING:
-    from hotwire_api.mount import PerEngineRPC
+from hotwire_api.vllm_process import PerEngineRPC, per_engine_rpc
 
 _Model = TypeVar("_Model", bound=BaseModel)
 
@@ -34,7 +32,7 @@ class RPCClient(Protocol):
 
 
 class HotwireEngine:
-    """The ``hotwire_*`` RPCs of one engine client. ``per_engine`` (see ``hotwire_api.mount.per_engine_rpc``)
+    """The ``hotwire_*`` RPCs of one engine client. ``per_engine`` (see ``hotwire_api.vllm_process.per_engine_rpc``)
     gathers every engine core's answer under data parallelism; without it there is one engine core."""
 
     def __init__(self, client: RPCClient, per_engine: PerEngineRPC | None = None):
@@ -49,8 +47,6 @@ class HotwireEngine:
     @classmethod
     def of(cls, app: Any) -> HotwireEngine:
         """The engine of a vLLM app (``app.state.engine_client``, set by ``init_app_state``)."""
-        from hotwire_api.mount import per_engine_rpc
-
         client = getattr(app.state, "engine_client", None)
         if client is None:
             raise HotwireError(503, "engine_unavailable", "the engine is not running; retry once /health is OK")

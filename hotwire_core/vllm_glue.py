@@ -2,7 +2,7 @@
 
 Patches are applied when their vLLM module is imported (or at once if it already is), so a process only pays
 for the modules it uses: the API server never imports the worker code. A new vLLM version means revisiting
-this file (and ``hotwire_api/mount.py``) only.
+this file (and ``hotwire_api/mount.py``, ``hotwire_api/vllm_process.py``) only.
 
 | vLLM symbol | why |
 |---|---|

@@ -1,4 +1,5 @@
-"""hotwire_api.mount: install() hooks vLLM's router registration only in the API server, once.
+"""hotwire_api.mount: install() hooks vLLM's router registration only in the API server, once; and
+hotwire_api.vllm_process, the vLLM facts it and the data-parallel RPCs rely on.
 
 The fast tests stand a fake ``vllm.entrypoints.serve`` in for the real one; ``test_real_build_app`` builds
 vLLM 0.25.1's actual app (no engine needed) and is marked ``integration`` because importing vLLM is slow."""
@@ -7,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import multiprocessing
+import os
 import sys
 import types
 
@@ -14,7 +16,7 @@ import pytest
 from fastapi import FastAPI
 from fastapi.testclient import TestClient
 
-from hotwire_api import mount
+from hotwire_api import mount, vllm_process
 from hotwire_api.admission import AdmissionMiddleware
 
 SERVE = "vllm.entrypoints.serve"
@@ -76,7 +78,7 @@ def test_python_m_api_server_counts_as_api_server(
     main = types.ModuleType("__main__")
     main.__spec__ = types.SimpleNamespace(name=API_SERVER)  # type: ignore[assignment]
     monkeypatch.setitem(sys.modules, "__main__", main)
-    assert mount.is_api_server_process()
+    assert vllm_process.is_api_server_process()
 
 
 @pytest.mark.integration
@@ -116,7 +118,7 @@ def test_per_engine_rpc_asks_every_data_parallel_engine_core() -> None:
         return [f"answer of {engine}"]
 
     dp_core = types.SimpleNamespace(core_engines=["e0", "e1"], _call_utility_async=call_utility)
-    rpc = mount.per_engine_rpc(types.SimpleNamespace(engine_core=dp_core))
+    rpc = vllm_process.per_engine_rpc(types.SimpleNamespace(engine_core=dp_core))
     assert rpc is not None
     assert asyncio.run(rpc("hotwire_stats", ("a",))) == [["answer of e0"], ["answer of e1"]]
     assert sent == [("collective_rpc", ("hotwire_stats", None, ("a",), None), e) for e in ("e0", "e1")]
@@ -126,8 +128,8 @@ def test_per_engine_rpc_asks_every_data_parallel_engine_core() -> None:
     assert asyncio.run(rpc("hotwire_register", ("r",), slice(1, None))) == [["answer of e1"]]
     assert [e for *_, e in sent] == ["e1"]
     one_core = types.SimpleNamespace(core_engines=["e0"], _call_utility_async=call_utility)
-    assert mount.per_engine_rpc(types.SimpleNamespace(engine_core=one_core)) is None
-    assert mount.per_engine_rpc(object()) is None
+    assert vllm_process.per_engine_rpc(types.SimpleNamespace(engine_core=one_core)) is None
+    assert vllm_process.per_engine_rpc(object()) is None
 
 
 def test_per_engine_rpc_matches_vllms_utility_call() -> None:
@@ -141,3 +143,17 @@ def test_per_engine_rpc_matches_vllms_utility_call() -> None:
     source = inspect.getsource(AsyncMPClient.collective_rpc_async)
     assert 'call_utility_async(\n            "collective_rpc", method, timeout, args, kwargs' in source
     assert "core_engines" in inspect.getsource(DPLBAsyncMPClient.call_utility_async)
+
+
+@pytest.mark.parametrize("name,api_server_loaded,mounted", [("MainProcess", True, True), ("EngineCore", False, False)])
+def test_register_turns_the_store_on_only_in_the_api_server(
+    fake_serve: types.ModuleType, monkeypatch: pytest.MonkeyPatch, name: str, api_server_loaded: bool, mounted: bool
+) -> None:
+    """The ``hotwire_api`` entry point: the API server mounts hotwire and gives the engine processes it spawns a
+    store by default; elsewhere (an engine process, an offline script) it changes nothing."""
+    _as_process(monkeypatch, name, api_server_loaded)
+    monkeypatch.delenv("HOTWIRE_STORE", raising=False)
+    original = fake_serve.register_vllm_serve_api_routers
+    mount.register()
+    assert (fake_serve.register_vllm_serve_api_routers is not original) is mounted
+    assert ("HOTWIRE_STORE" in os.environ) is mounted

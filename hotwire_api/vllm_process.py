@@ -1,0 +1,59 @@
+"""What hotwire_api knows about vLLM 0.25.1's processes: which process this is (vLLM's process names), and how
+an API server's engine client reaches each data-parallel engine core. Imports no vLLM code."""
+
+from __future__ import annotations
+
+import asyncio
+import multiprocessing
+import sys
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+__all__ = ["PerEngineRPC", "is_api_server_process", "is_first_api_server", "per_engine_rpc"]
+
+_API_SERVER_MODULE = "vllm.entrypoints.openai.api_server"
+
+
+def is_api_server_process() -> bool:
+    """True in a process that may build vLLM's FastAPI app.
+
+    vLLM names its child processes: ``ApiServer_<i>`` (``--api-server-count > 1``), ``EngineCore[_DP<i>]``,
+    ``VllmWorker-<rank>``. The main process is an API server when vLLM's API-server module is loaded there:
+    ``vllm serve`` imports it before loading plugins, ``python -m vllm.entrypoints.openai.api_server`` runs it
+    as ``__main__``. Offline ``LLM`` scripts load neither.
+    """
+    name = multiprocessing.current_process().name
+    if name.startswith("ApiServer"):
+        return True
+    if name != "MainProcess":
+        return False
+    main_spec = getattr(sys.modules.get("__main__"), "__spec__", None)
+    return _API_SERVER_MODULE in sys.modules or getattr(main_spec, "name", None) == _API_SERVER_MODULE
+
+
+def is_first_api_server() -> bool:
+    """True in the API server that speaks for all of them: ``ApiServer_0`` when vLLM runs several, else the lone
+    one (see :func:`is_api_server_process` for vLLM's process names)."""
+    name = multiprocessing.current_process().name
+    return not name.startswith("ApiServer_") or name == "ApiServer_0"
+
+
+PerEngineRPC = Callable[[str, tuple, slice], Awaitable[list[Any]]]
+
+
+def per_engine_rpc(client: Any) -> PerEngineRPC | None:
+    """With data parallelism behind one API server (internal load balancing), vLLM 0.25.1 sends a
+    ``collective_rpc`` to every engine core this server drives but returns only the first one's answer
+    (``DPLBAsyncMPClient.call_utility_async``). This returns ``rpc(method, args, which)``: the answers of the
+    engine cores ``which`` selects (a slice of them in the order vLLM keeps them), each a list over its workers.
+    None when ``client`` (an ``AsyncLLM``) drives one engine core."""
+    core = getattr(client, "engine_core", None)
+    engines = getattr(core, "core_engines", None)
+    call = getattr(core, "_call_utility_async", None)
+    if call is None or not isinstance(engines, list) or len(engines) < 2:
+        return None
+
+    async def rpc(method: str, args: tuple, which: slice = slice(None)) -> list[Any]:
+        return list(await asyncio.gather(*(call("collective_rpc", method, None, args, None, engine=e) for e in engines[which])))
+
+    return rpc
