@@ -46,7 +46,13 @@ class HotwireEngine:
 
     @classmethod
     def of(cls, app: Any) -> HotwireEngine:
-        """The engine of a vLLM app (``app.state.engine_client``, set by ``init_app_state``)."""
+        """The engine of a vLLM app (``app.state.engine_client``, set by ``init_app_state``). Raises 503
+        ``hotwire_inactive`` on a vLLM hotwire does not support (its engine side then hooks nothing)."""
+        from hotwire_core.vllm_glue import inactive_reason
+
+        reason = inactive_reason()
+        if reason is not None:
+            raise HotwireError(503, "hotwire_inactive", f"hotwire is inactive on this server: {reason}")
         client = getattr(app.state, "engine_client", None)
         if client is None:
             raise HotwireError(503, "engine_unavailable", "the engine is not running; retry once /health is OK")

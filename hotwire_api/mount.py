@@ -13,11 +13,13 @@ from __future__ import annotations
 
 import functools
 import importlib
+import logging
 import os
 from typing import Any
 
 from hotwire_api.vllm_process import is_api_server_process
 from hotwire_core.settings import default_store_root
+from hotwire_core.vllm_glue import inactive_reason
 
 __all__ = ["install", "register"]
 
@@ -25,14 +27,24 @@ _SERVE_MODULE = "vllm.entrypoints.serve"
 _HOOK = "register_vllm_serve_api_routers"
 _MARK = "__hotwire_attached__"
 
+logger = logging.getLogger(__name__)
+
 
 def install() -> bool:
     """Make vLLM's app builder attach hotwire; returns whether the hook is in place. Does nothing outside the
     API server, and nothing the second time."""
     if not is_api_server_process():
         return False
-    serve = importlib.import_module(_SERVE_MODULE)
-    original = getattr(serve, _HOOK)
+    try:
+        serve = importlib.import_module(_SERVE_MODULE)
+        original = getattr(serve, _HOOK)
+    except (ImportError, AttributeError) as exc:
+        reason = inactive_reason()
+        if reason is None:
+            raise
+        logger.warning("hotwire's HTTP control plane cannot attach to this vLLM's app (%s: %s): steered requests are "
+                       "served as plain ones, without a receipt", reason, exc)
+        return False
     if getattr(original, _MARK, False):
         return True
 

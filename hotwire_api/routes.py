@@ -23,6 +23,7 @@ from hotwire_api.errors import HotwireError
 from hotwire_api.metrics import STATS
 from hotwire_api.models import DeleteResult, ErrorBody, RegisterVectorJSON, SlotStats, VectorList, VectorMeta
 from hotwire_api.settings import Settings
+from hotwire_core.vllm_glue import inactive_reason
 
 
 class _HotwireRoute(APIRoute):
@@ -48,7 +49,11 @@ class _HotwireRoute(APIRoute):
 
 @contextlib.asynccontextmanager
 async def _background(app: Any) -> AsyncIterator[None]:
-    """Lifespan: keep the slot statistics and the catalog fresh while ``app`` runs."""
+    """Lifespan: keep the slot statistics and the catalog fresh while ``app`` runs (on a vLLM hotwire supports:
+    elsewhere every answer is the 503 of :meth:`HotwireEngine.of`)."""
+    if inactive_reason() is not None:
+        yield
+        return
     tasks = [asyncio.create_task(STATS.run(app)), asyncio.create_task(CATALOG.run(app, refresh_interval_s()))]
     try:
         yield

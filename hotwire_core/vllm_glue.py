@@ -31,6 +31,7 @@ import hashlib
 import importlib.abc
 import importlib.util
 import logging
+import multiprocessing
 import sys
 from contextlib import contextmanager
 from pathlib import Path
@@ -703,6 +704,25 @@ class _PatchOnImport(importlib.abc.MetaPathFinder):
 
 _INSTALLED = False
 
+SUPPORTED_VLLM = ("0.25.1",)  # the vLLM releases these hooks are written for and proven on
+
+
+def unsupported_version(version: str) -> str | None:
+    """Why hotwire stays out of vLLM ``version`` (None: a supported release; a local tag such as ``+cpu`` does not
+    count). Hooks written for one release can crash another, or steer it wrongly without a sign."""
+    if version.split("+", 1)[0] in SUPPORTED_VLLM:
+        return None
+    from . import __version__
+
+    return f"vLLM {version} is installed; hotwire {__version__} supports vLLM {', '.join(SUPPORTED_VLLM)} only"
+
+
+def inactive_reason() -> str | None:
+    """:func:`unsupported_version` of the installed vLLM."""
+    import vllm
+
+    return unsupported_version(str(getattr(vllm, "__version__", "unknown")))
+
 
 def _log_through_vllm() -> None:
     """Where nothing handles log records (no handler on the root logger, as in vLLM's processes), hotwire's go out
@@ -727,6 +747,13 @@ def install() -> None:
         return
     _INSTALLED = True
     _log_through_vllm()
+    reason = inactive_reason()
+    if reason is not None:  # said once per server: by its first process (the others are its children)
+        log = logger.warning if multiprocessing.parent_process() is None else logger.debug
+        log("hotwire is inactive: %s. Nothing is hooked; hotwire's HTTP routes and steered requests are answered "
+            "503 where its control plane attaches to vLLM's app. Install a supported vLLM, or uninstall hotwire-vllm.",
+            reason)
+        return
     ops.register_ops()
     for name, patch in _PATCHES.items():
         if name in sys.modules:

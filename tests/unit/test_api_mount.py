@@ -7,8 +7,10 @@ vLLM 0.25.1's actual app (no engine needed) and is marked ``integration`` becaus
 from __future__ import annotations
 
 import asyncio
+import json
 import multiprocessing
 import os
+import subprocess
 import sys
 import types
 
@@ -18,6 +20,7 @@ from fastapi.testclient import TestClient
 
 from hotwire_api import mount, vllm_process
 from hotwire_api.admission import AdmissionMiddleware
+from hotwire_core import vllm_glue
 
 SERVE = "vllm.entrypoints.serve"
 API_SERVER = "vllm.entrypoints.openai.api_server"
@@ -106,6 +109,81 @@ def test_real_build_app(monkeypatch: pytest.MonkeyPatch) -> None:
     assert response.status_code == 401 and response.headers["www-authenticate"] == "Bearer"
     response = client.get("/steer/slots", headers={"Authorization": "Bearer k"})
     assert response.status_code == 503  # authorised; no engine in this test
+
+
+def test_on_a_vllm_hotwire_does_not_support_every_answer_is_503_with_the_reason(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The control plane still attaches to vLLM's app, and answers its routes and steered requests 503
+    ``hotwire_inactive`` naming the installed vLLM; plain requests pass to vLLM untouched."""
+    import vllm
+
+    monkeypatch.delenv("HOTWIRE_API_KEY", raising=False)
+    monkeypatch.setattr(multiprocessing.current_process(), "name", "MainProcess")
+    monkeypatch.setattr(vllm, "__version__", "0.99.0")
+    api_server = pytest.importorskip(API_SERVER)
+    import vllm.entrypoints.serve as serve
+    from vllm.entrypoints.openai.cli_args import make_arg_parser
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    monkeypatch.setattr(serve, "register_vllm_serve_api_routers", serve.register_vllm_serve_api_routers)
+    assert mount.install() is True
+    app = api_server.build_app(make_arg_parser(FlexibleArgumentParser()).parse_args(["--model", "m"]), ("generate",))
+    steer = {"hotwire": json.dumps({"id": "happy", "layer": 1, "scale": 4.0})}
+    client = TestClient(app, raise_server_exceptions=False)  # no lifespan: vLLM's needs an engine
+    for response in (
+        client.get("/steer/slots"),
+        client.post("/v1/completions", json={"model": "m", "prompt": "hi", "vllm_xargs": steer}),
+    ):
+        assert response.status_code == 503, response.text
+        error = response.json()["error"]
+        assert error["code"] == "hotwire_inactive"
+        assert "vLLM 0.99.0 is installed" in error["message"] and "supports vLLM 0.25.1" in error["message"]
+    plain = client.post("/v1/completions", json={"model": "m", "prompt": "hi"})
+    assert "hotwire" not in plain.text  # vLLM's own answer (no engine in this test)
+
+
+def test_the_engine_side_hooks_nothing_on_a_vllm_it_does_not_support_and_says_so_once() -> None:
+    """In a fresh interpreter whose vLLM reports another version: the plugin patches nothing of vLLM, and warns
+    once, in the first process of the server (its children log it at debug level)."""
+    code = """
+import logging, sys
+import vllm
+vllm.__version__ = "0.99.0"
+logging.basicConfig(level=logging.DEBUG, stream=sys.stdout, format="%(levelname)s %(message)s")
+import hotwire_core
+hotwire_core.register()
+from hotwire_core import vllm_glue
+print("hooks", sum(type(f).__name__ == "_PatchOnImport" for f in sys.meta_path))
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.splitlines()
+    warnings = [line for line in lines if line.startswith("WARNING hotwire is inactive")]
+    assert len(warnings) == 1 and "vLLM 0.99.0 is installed; hotwire" in warnings[0], out.stdout
+    assert "hooks 0" in lines, out.stdout
+
+
+def test_a_vllm_without_the_app_hook_starts_and_is_told_steering_is_off(monkeypatch, caplog) -> None:
+    """An unsupported vLLM whose app builder lacks the hook: nothing attaches, and a warning says what follows."""
+    import vllm
+    import vllm.entrypoints.serve as serve
+
+    monkeypatch.setattr(multiprocessing.current_process(), "name", "MainProcess")
+    monkeypatch.setattr(vllm, "__version__", "0.99.0")
+    monkeypatch.delattr(serve, "register_vllm_serve_api_routers")
+    with caplog.at_level("WARNING", logger="hotwire_api.mount"):
+        assert mount.install() is False
+    assert "steered requests are served as plain ones, without a receipt" in caplog.text
+    monkeypatch.setattr(vllm, "__version__", "0.25.1")
+    with pytest.raises(AttributeError):  # on a supported vLLM a missing hook is hotwire's bug: it says so loudly
+        mount.install()
+
+
+def test_a_supported_release_is_told_by_its_version_alone() -> None:
+    assert vllm_glue.unsupported_version("0.25.1") is None
+    assert vllm_glue.unsupported_version("0.25.1+cpu") is None
+    reason = vllm_glue.unsupported_version("0.26.0")
+    assert reason is not None and reason.startswith("vLLM 0.26.0 is installed; hotwire ") and reason.endswith(
+        "supports vLLM 0.25.1 only")
 
 
 def test_per_engine_rpc_asks_every_data_parallel_engine_core() -> None:
