@@ -50,6 +50,7 @@ import numpy as np
 from hotwire_api.admission import RECEIPT_HEADER
 from hotwire_api.client import HotwireClient
 from hotwire_api.models import SlotStats
+from hotwire_core.cpu_env import with_cpu_env
 from hotwire_api.server_process import (
     ServerExited,
     free_port,
@@ -188,7 +189,7 @@ def serving(model: Path, shape: ModelShape, slot_counts: list[int], args: argpar
             env.update(HOTWIRE_SLOTS=str(slots), HOTWIRE_STORE="off", HF_HUB_OFFLINE="1", VLLM_NO_USAGE_STATS="1",
                        VLLM_CACHE_ROOT=str(log_dir / f"cache-slots{slots}"))
             if not gpu:
-                env.update(VLLM_CPU_KVCACHE_SPACE=env.get("VLLM_CPU_KVCACHE_SPACE", "1"), TORCHINDUCTOR_VEC_ISA_OK="1")
+                env = with_cpu_env(env)
             log = log_dir / f"server-slots{slots}.log"
             procs[slots] = (start_server(cmd, env, log), log)
             urls[slots] = f"http://127.0.0.1:{port}"

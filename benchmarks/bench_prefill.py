@@ -26,6 +26,7 @@ import httpx
 import numpy as np
 
 from hotwire_api.server_process import ServerExited, free_port, start_server, stop_server, vllm_serve_command, wait_until_ready
+from hotwire_core.cpu_env import with_cpu_env
 from hotwire_core.settings import middle_layer
 from hotwire_core.tiny_model import SHAPES, build_model
 
@@ -66,7 +67,7 @@ def main() -> None:
         cmd += ["--gpu-memory-utilization", "0.3"]
     env = {**os.environ, "HOTWIRE_STORE": "off", "HF_HUB_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1"}
     if not gpu:
-        env.update(VLLM_CPU_KVCACHE_SPACE=env.get("VLLM_CPU_KVCACHE_SPACE", "2"), TORCHINDUCTOR_VEC_ISA_OK="1")
+        env = with_cpu_env(env, kv_cache_gib=2)
     log = work / "server.log"
     proc = start_server(cmd, env, log)
     url = f"http://127.0.0.1:{port}"

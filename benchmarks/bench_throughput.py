@@ -209,9 +209,9 @@ def servers(model: Path, extra_args: Sequence[str], workdir: Path, slots: int) -
 
     base = dict(os.environ)
     if not torch.cuda.is_available():  # vLLM's CPU backend: the soak's environment, short engine starts
-        from soak import CPU_ENV
+        from hotwire_core.cpu_env import with_cpu_env
 
-        base = {**CPU_ENV, **base}
+        base = with_cpu_env(base)
         extra_args = ["--enforce-eager", *extra_args]
     procs: dict[str, Any] = {}
     urls: dict[str, str] = {}

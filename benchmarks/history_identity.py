@@ -55,6 +55,8 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+from hotwire_core.cpu_env import with_cpu_env
+
 ENGINES = ("vanilla-history", "hotwire-history", "vanilla-control", "hotwire-control")
 VECTOR_ID = "probe"
 SCALE = 40.0
@@ -70,7 +72,6 @@ PAIRS = (
     ("van hist~ctrl", "vanilla-history", "vanilla-control"),
     ("hw hist~ctrl", "hotwire-history", "hotwire-control"),
 )
-CPU_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "TORCHINDUCTOR_VEC_ISA_OK": "1"}
 
 # A run as the worker saves it: {"token_ids": [...], "top": [[[token, logprob], ...] per position],
 # "num_cached_tokens": n, "finish_reason": str}; "top" holds the top-5 and the sampled token, in rank order.
@@ -349,7 +350,7 @@ def main() -> int:
     log_dir.mkdir(parents=True, exist_ok=True)
     out_path = args.out or log_dir / "history_identity.json"
 
-    env_all = {**({} if on_gpu else CPU_ENV), **os.environ}
+    env_all = dict(os.environ) if on_gpu else with_cpu_env(os.environ)
     env_all.setdefault("VLLM_NO_USAGE_STATS", "1")
     env_all.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
     env_all["HOTWIRE_STORE"] = "off"  # the probe vector is not kept

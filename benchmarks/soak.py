@@ -87,6 +87,7 @@ import httpx
 import numpy as np
 
 from hotwire_api.server_process import ServerExited
+from hotwire_core.cpu_env import with_cpu_env
 
 RECEIPT_HEADER = "x-hotwire-receipt"
 PATHS = {"completions": "/v1/completions", "chat": "/v1/chat/completions", "responses": "/v1/responses"}
@@ -108,13 +109,7 @@ PROMPTS = (
 STRENGTH_GRID = tuple(4.0**k for k in range(-2, 10))  # candidate steering norms, up to ~2.6e5
 STRENGTH_FACTOR = 128.0  # the soak steers this much harder than the weakest grid strength that already wins
 MAX_ADDED = {"float16": 4096.0}  # hotwire's too_strong limit on the norm a request adds (1e6 otherwise)
-CPU_ENV = {
-    "VLLM_CPU_KVCACHE_SPACE": "1",
-    "TORCHINDUCTOR_VEC_ISA_OK": "1",
-    "HF_HUB_OFFLINE": "1",
-    "VLLM_NO_USAGE_STATS": "1",
-    "HOTWIRE_STORE": "off",
-}
+SERVER_ENV = {"HF_HUB_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1", "HOTWIRE_STORE": "off"}  # values set already win
 
 
 class CalibrationError(RuntimeError):
@@ -1375,7 +1370,10 @@ def own_server(model_dir: Path, slots: int, extra_args: Sequence[str], workdir: 
     from hotwire_api.server_process import free_port, start_server, stop_server, vllm_serve_command, wait_until_ready
 
     port = free_port()
-    env = {**CPU_ENV, **os.environ, "HOTWIRE_SLOTS": str(slots), "PYTHONUNBUFFERED": "1"}
+    env = {**SERVER_ENV, **os.environ}
+    if not torch.cuda.is_available():
+        env = with_cpu_env(env)
+    env.update(HOTWIRE_SLOTS=str(slots), PYTHONUNBUFFERED="1")
     defaults = ["--dtype", "float32", "--max-model-len", "4096"] if built else []
     if not torch.cuda.is_available():
         defaults.append("--enforce-eager")  # short engine starts on the CPU

@@ -38,6 +38,7 @@ from hotwire_api.client import HotwireClient
 from hotwire_api.errors import HotwireError
 from hotwire_api.healthcheck import logprobs_differ
 from hotwire_api.models import SlotStats
+from hotwire_core.cpu_env import CPU_ENV, with_cpu_env
 from hotwire_core.settings import middle_layer
 
 PROMPT = "The quick brown fox"
@@ -52,10 +53,6 @@ PROGRESS_EVERY_S = 5.0
 STOP_GRACE_S = 20.0
 # A server still starting up does not act on SIGTERM (it waits for its engine), and has nothing to finish.
 STARTING_GRACE_S = 5.0
-CPU_ENV = {
-    "VLLM_CPU_KVCACHE_SPACE": "1",
-    "TORCHINDUCTOR_VEC_ISA_OK": "1",
-}
 _ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")
 # "(Worker pid=12) INFO 11-29 18:34:17 [cpu_model_runner.py:145] Warming up..." -> "Worker: Warming up..."
 _LOG_PREFIX = re.compile(r"^(?:\((\w+) pid=\d+\) )?(?:[A-Z]+ \d\d-\d\d [\d:]+ \[[^\]]+\] )?")
@@ -134,7 +131,7 @@ def server_env(cache_dir: Path, on_gpu: bool, offline: bool) -> dict[str, str]:
     if offline:
         env["HF_HUB_OFFLINE"] = "1"
     if not on_gpu:
-        env.update(CPU_ENV)
+        env = with_cpu_env(env)
         env.setdefault("TORCHINDUCTOR_CACHE_DIR", str(cache_dir / "inductor-cache"))
     return env
 

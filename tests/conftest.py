@@ -6,10 +6,11 @@ from pathlib import Path
 
 import pytest
 
+from hotwire_core.cpu_env import CPU_ENV
+
 # vLLM on a CPU-only machine (see ../shared/docs/cpu-vllm.md); set before anything imports vLLM.
 for key, value in {
-    "VLLM_CPU_KVCACHE_SPACE": "1",
-    "TORCHINDUCTOR_VEC_ISA_OK": "1",
+    **CPU_ENV,
     "HF_HUB_OFFLINE": "1",
     "VLLM_NO_USAGE_STATS": "1",
     "VLLM_DISABLE_COMPILE_CACHE": "1",

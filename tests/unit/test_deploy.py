@@ -29,6 +29,7 @@ import pytest
 import yaml
 
 from hotwire_api import healthcheck
+from hotwire_core.cpu_env import CPU_ENV
 
 try:
     import tomllib
@@ -857,8 +858,7 @@ def check_test_script_sets_the_cpu_env_and_passes_args(fake: FakeRun) -> None:
     assert fake.module_args() == ["-q", "-k", "two words", "tests/unit"]
     env = fake.pytest_env()
     for name, value in {
-        "VLLM_CPU_KVCACHE_SPACE": "1",
-        "TORCHINDUCTOR_VEC_ISA_OK": "1",
+        **CPU_ENV,  # the shell's copy of hotwire_core.cpu_env
         "HF_HUB_OFFLINE": "1",
         "VLLM_NO_USAGE_STATS": "1",
         "VLLM_DISABLE_COMPILE_CACHE": "1",
