@@ -57,23 +57,45 @@ class HotwireEngine:
         """The first engine core's answer."""
         return (await self._call_each(method, *args, which=slice(1)))[0]
 
-    async def _call_each(self, method: str, *args: Any, which: slice = slice(None)) -> list[dict[str, Any]]:
-        """One answer per engine core ``which`` selects (all by default); any refusal is raised."""
+    async def _call_each(
+        self, method: str, *args: Any, which: slice = slice(None), answered_only: bool = False
+    ) -> list[dict[str, Any]]:
+        """One answer per engine core ``which`` selects (all by default); any refusal is raised. With
+        ``answered_only``, the answers of the engine cores that answered; a failure is raised only when every
+        engine core failed."""
         try:
             if self._per_engine is not None:  # vLLM's own call would ask every engine core but read one answer
-                answers = await self._per_engine(method, args, which)
+                answers = await self._per_engine(method, args, which, answered_only)
             elif which.start:  # the other engine cores: there are none
                 answers = []
             else:
                 answers = [await self._client.collective_rpc(method, args=args)]
-        except Exception as exc:  # the engine is dead, or it does not know the method
-            raise HotwireError(
-                503,
-                "engine_unavailable",
-                f"the engine did not answer {method} ({type(exc).__name__}: {exc}); check that the hotwire plugin "
-                "is installed where the engine runs and not excluded by VLLM_PLUGINS",
-            ) from exc
-        return [self._checked(method, answer) for answer in answers]
+        except Exception as exc:
+            raise self._unavailable(method, exc) from exc
+        results: list[dict[str, Any]] = []
+        failed: list[HotwireError] = []
+        for answer in answers:
+            try:
+                if isinstance(answer, BaseException):  # only with answered_only: see per_engine_rpc
+                    raise self._unavailable(method, answer) from answer
+                results.append(self._checked(method, answer))
+            except HotwireError as exc:
+                if not answered_only:
+                    raise
+                failed.append(exc)
+        if failed and not results:
+            raise failed[0]
+        return results
+
+    @staticmethod
+    def _unavailable(method: str, exc: BaseException) -> HotwireError:
+        """An engine (core) that did not answer: it is dead, or it does not know the method."""
+        return HotwireError(
+            503,
+            "engine_unavailable",
+            f"the engine did not answer {method} ({type(exc).__name__}: {exc}); check that the hotwire plugin "
+            "is installed where the engine runs and not excluded by VLLM_PLUGINS",
+        )
 
     @staticmethod
     def _checked(method: str, results: Any) -> dict[str, Any]:
@@ -154,9 +176,10 @@ class HotwireEngine:
         return await self._call_each(contract.CATALOG, -1, which=slice(1, None))
 
     async def refusals(self, tickets: list[str]) -> dict[str, HotwireError]:
-        """The refusals the engine cores kept for these tickets (``hotwire_core.spec.TICKET_KEY``)."""
+        """The refusals the engine cores kept for these tickets (``hotwire_core.spec.TICKET_KEY``). An engine core
+        that fails to answer is left out: it cannot hold a refusal that another one would lose by answering."""
         found: dict[str, HotwireError] = {}
-        for answer in await self._call_each(contract.REFUSALS, tickets):
+        for answer in await self._call_each(contract.REFUSALS, tickets, answered_only=True):
             for ticket, r in (answer.get("refusals") or {}).items():
                 found[ticket] = HotwireError(int(r.get("status") or 500), str(r.get("code") or "engine_error"),
                                              str(r.get("error") or "the engine refused the request"), r.get("field"))
