@@ -19,6 +19,7 @@ from hotwire_api.codec import VectorPayload
 from hotwire_api.errors import HotwireError
 from hotwire_api.models import SlotStats, VectorMeta
 from hotwire_api.vllm_process import PerEngineRPC, per_engine_rpc
+from hotwire_core import contract
 
 _Model = TypeVar("_Model", bound=BaseModel)
 
@@ -62,23 +63,45 @@ class HotwireEngine:
         """The first engine core's answer."""
         return (await self._call_each(method, *args, which=slice(1)))[0]
 
-    async def _call_each(self, method: str, *args: Any, which: slice = slice(None)) -> list[dict[str, Any]]:
-        """One answer per engine core ``which`` selects (all by default); any refusal is raised."""
+    async def _call_each(
+        self, method: str, *args: Any, which: slice = slice(None), answered_only: bool = False
+    ) -> list[dict[str, Any]]:
+        """One answer per engine core ``which`` selects (all by default); any refusal is raised. With
+        ``answered_only``, the answers of the engine cores that answered; a failure is raised only when every
+        engine core failed."""
         try:
             if self._per_engine is not None:  # vLLM's own call would ask every engine core but read one answer
-                answers = await self._per_engine(method, args, which)
+                answers = await self._per_engine(method, args, which, answered_only)
             elif which.start:  # the other engine cores: there are none
                 answers = []
             else:
                 answers = [await self._client.collective_rpc(method, args=args)]
-        except Exception as exc:  # the engine is dead, or it does not know the method
-            raise HotwireError(
-                503,
-                "engine_unavailable",
-                f"the engine did not answer {method} ({type(exc).__name__}: {exc}); check that the hotwire plugin "
-                "is installed where the engine runs and not excluded by VLLM_PLUGINS",
-            ) from exc
-        return [self._checked(method, answer) for answer in answers]
+        except Exception as exc:
+            raise self._unavailable(method, exc) from exc
+        results: list[dict[str, Any]] = []
+        failed: list[HotwireError] = []
+        for answer in answers:
+            try:
+                if isinstance(answer, BaseException):  # only with answered_only: see per_engine_rpc
+                    raise self._unavailable(method, answer) from answer
+                results.append(self._checked(method, answer))
+            except HotwireError as exc:
+                if not answered_only:
+                    raise
+                failed.append(exc)
+        if failed and not results:
+            raise failed[0]
+        return results
+
+    @staticmethod
+    def _unavailable(method: str, exc: BaseException) -> HotwireError:
+        """An engine (core) that did not answer: it is dead, or it does not know the method."""
+        return HotwireError(
+            503,
+            "engine_unavailable",
+            f"the engine did not answer {method} ({type(exc).__name__}: {exc}); check that the hotwire plugin "
+            "is installed where the engine runs and not excluded by VLLM_PLUGINS",
+        )
 
     @staticmethod
     def _checked(method: str, results: Any) -> dict[str, Any]:
@@ -113,15 +136,15 @@ class HotwireEngine:
         layers = list(payload.layers) if payload.layers is not None else None
         args = (vector_id, payload.data, payload.dtype, list(payload.shape), layers, replace)
         try:
-            first = await self._call("hotwire_register", *args)
-            meta = self._parse(VectorMeta, first.get("vector"), "hotwire_register")
-            others = await self._call_each("hotwire_register", *args, meta.version, which=slice(1, None))
+            first = await self._call(contract.REGISTER, *args)
+            meta = self._parse(VectorMeta, first.get("vector"), contract.REGISTER)
+            others = await self._call_each(contract.REGISTER, *args, meta.version, which=slice(1, None))
         except HotwireError as exc:
             # The engine names the base64 upload's fields; a file or per-layer lists carried all of them.
             if exc.field == "data" or (exc.field in ("shape", "dtype") and payload.source != "data"):
                 exc.field = payload.source
             raise
-        metas = [self._parse(VectorMeta, a.get("vector"), "hotwire_register") for a in others]
+        metas = [self._parse(VectorMeta, a.get("vector"), contract.REGISTER) for a in others]
         if any(m.sha256 != meta.sha256 for m in metas):
             raise HotwireError(
                 500,
@@ -133,35 +156,36 @@ class HotwireEngine:
 
     async def unregister(self, vector_id: str) -> int:
         """Unregister a vector; returns how many requests still use it, on every engine core."""
-        first = await self._call("hotwire_unregister", vector_id)
-        others = await self._call_each("hotwire_unregister", vector_id, int(first["version"]), which=slice(1, None))
+        first = await self._call(contract.UNREGISTER, vector_id)
+        others = await self._call_each(contract.UNREGISTER, vector_id, int(first["version"]), which=slice(1, None))
         return sum(int(a.get("in_flight") or 0) for a in (first, *others))
 
     async def vectors(self) -> list[VectorMeta]:
-        answers = await self._call_each("hotwire_list")
-        return [self._parse(VectorMeta, v, "hotwire_list") for v in merge_vector_lists(answers)]
+        answers = await self._call_each(contract.LIST)
+        return [self._parse(VectorMeta, v, contract.LIST) for v in merge_vector_lists(answers)]
 
     async def stats(self) -> SlotStats:
-        return self._parse(SlotStats, merge_stats(await self._call_each("hotwire_stats")), "hotwire_stats")
+        return self._parse(SlotStats, merge_stats(await self._call_each(contract.STATS)), contract.STATS)
 
     async def check(self, spec: str) -> tuple[str, str]:
         """Decide a request's spec in the engine (for versions the API's catalog does not hold): its receipt for
         ``x-hotwire-receipt`` and the spec pinned to the versions the receipt names."""
-        result = await self._call("hotwire_check", spec, False)  # no 429: a request waits for its rows
+        result = await self._call(contract.CHECK, spec, False)  # no 429: a request waits for its rows
         return str(result.get("receipt", "")), str(result.get("spec", spec))
 
     async def catalog(self, generation: int) -> dict[str, Any]:
         """The first engine core's catalog (``unchanged`` when it is still at ``generation``)."""
-        return await self._call("hotwire_catalog", generation)
+        return await self._call(contract.CATALOG, generation)
 
     async def other_catalogs(self) -> list[dict[str, Any]]:
         """The full catalogs of the engine cores after the first (none without data parallelism)."""
-        return await self._call_each("hotwire_catalog", -1, which=slice(1, None))
+        return await self._call_each(contract.CATALOG, -1, which=slice(1, None))
 
     async def refusals(self, tickets: list[str]) -> dict[str, HotwireError]:
-        """The refusals the engine cores kept for these tickets (``hotwire_core.spec.TICKET_KEY``)."""
+        """The refusals the engine cores kept for these tickets (``hotwire_core.spec.TICKET_KEY``). An engine core
+        that fails to answer is left out: it cannot hold a refusal that another one would lose by answering."""
         found: dict[str, HotwireError] = {}
-        for answer in await self._call_each("hotwire_refusals", tickets):
+        for answer in await self._call_each(contract.REFUSALS, tickets, answered_only=True):
             for ticket, r in (answer.get("refusals") or {}).items():
                 found[ticket] = HotwireError(int(r.get("status") or 500), str(r.get("code") or "engine_error"),
                                              str(r.get("error") or "the engine refused the request"), r.get("field"))

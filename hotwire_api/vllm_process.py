@@ -6,8 +6,8 @@ from __future__ import annotations
 import asyncio
 import multiprocessing
 import sys
-from collections.abc import Awaitable, Callable
-from typing import Any
+from collections.abc import Awaitable
+from typing import Any, Protocol
 
 __all__ = ["PerEngineRPC", "is_api_server_process", "is_first_api_server", "per_engine_rpc"]
 
@@ -38,22 +38,27 @@ def is_first_api_server() -> bool:
     return not name.startswith("ApiServer_") or name == "ApiServer_0"
 
 
-PerEngineRPC = Callable[[str, tuple, slice], Awaitable[list[Any]]]
+class PerEngineRPC(Protocol):
+    """``rpc(method, args, which, failures)``: see :func:`per_engine_rpc`."""
+
+    def __call__(self, method: str, args: tuple, which: slice = ..., failures: bool = ...) -> Awaitable[list[Any]]: ...
 
 
 def per_engine_rpc(client: Any) -> PerEngineRPC | None:
     """With data parallelism behind one API server (internal load balancing), vLLM 0.25.1 sends a
     ``collective_rpc`` to every engine core this server drives but returns only the first one's answer
-    (``DPLBAsyncMPClient.call_utility_async``). This returns ``rpc(method, args, which)``: the answers of the
-    engine cores ``which`` selects (a slice of them in the order vLLM keeps them), each a list over its workers.
-    None when ``client`` (an ``AsyncLLM``) drives one engine core."""
+    (``DPLBAsyncMPClient.call_utility_async``). This returns ``rpc(method, args, which, failures)``: the answers
+    of the engine cores ``which`` selects (a slice of them in the order vLLM keeps them), each a list over its
+    workers; with ``failures`` the exception of an engine core that failed stands in for its answer, else it is
+    raised. None when ``client`` (an ``AsyncLLM``) drives one engine core."""
     core = getattr(client, "engine_core", None)
     engines = getattr(core, "core_engines", None)
     call = getattr(core, "_call_utility_async", None)
     if call is None or not isinstance(engines, list) or len(engines) < 2:
         return None
 
-    async def rpc(method: str, args: tuple, which: slice = slice(None)) -> list[Any]:
-        return list(await asyncio.gather(*(call("collective_rpc", method, None, args, None, engine=e) for e in engines[which])))
+    async def rpc(method: str, args: tuple, which: slice = slice(None), failures: bool = False) -> list[Any]:
+        calls = (call("collective_rpc", method, None, args, None, engine=e) for e in engines[which])
+        return list(await asyncio.gather(*calls, return_exceptions=failures))
 
     return rpc

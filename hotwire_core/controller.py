@@ -15,6 +15,8 @@ from typing import Any, Callable, Collection, Sequence
 
 import torch
 
+from . import contract
+from .contract import BINDING_KEY, USER_SALT_ATTR  # re-exported: the benchmarks import them from here
 from .admission import ModelInfo, Refusal, Resolved, Rules, cache_salt, pinned_spec, receipt, resolve
 from .errors import EngineError
 from .registry import HostVector, RegistryError, VectorRegistry
@@ -23,12 +25,15 @@ from .slots import RowKey, SlotCache, SlotsExhausted
 from .spec import SALT_PREFIX, SPEC_KEY, TICKET_KEY, Phase, SpecError, parse_spec
 from .store import StoredVector, VectorStore, load_preload_dir
 
+__all__ = [
+    "BINDING_KEY", "USER_SALT_ATTR", "BankWrite", "Binding", "BoundEntry", "SteeringController", "prompt_length",
+    "steering_args",
+]
+
 logger = logging.getLogger(__name__)
 
-BINDING_KEY = "hotwire.binding"  # extra_args key the controller writes for the workers
 ENDED_SESSIONS_KEPT = 4096  # streaming-input sessions ended by a refusal, remembered until their end marker comes
 REFUSALS_KEPT = 4096  # refusals of ticketed requests, kept until the API server that sent them asks
-USER_SALT_ATTR = "hotwire_user_salt"  # on a vLLM Request built with hotwire's cache salt: the user's own salt
 
 
 @dataclass(frozen=True)
@@ -103,10 +108,6 @@ def _same_steering(chunk: Any, session: Any) -> bool:
     )
 
 
-def _ok(**kwargs: Any) -> dict:
-    return {"ok": True, **kwargs}
-
-
 class SteeringController:
     def __init__(self, model: ModelInfo, settings: Settings, model_name: str):
         self.model = model
@@ -120,7 +121,7 @@ class SteeringController:
         self.deferred: OrderedDict[str, Any] = OrderedDict()  # request id -> request waiting for slots
         self._deferred_holds: dict[str, list[HostVector]] = {}  # the versions a deferred request keeps
         self.deferrals = 0
-        self._refusals: OrderedDict[str, dict] = OrderedDict()  # ticket -> refusal (see note_refusal)
+        self._refusals: OrderedDict[str, contract.Failure] = OrderedDict()  # ticket -> refusal (see note_refusal)
         # Set by the engine glue: finishes a deferred request that can no longer be admitted with an error.
         self.on_refused: Callable[[Any, Refusal], None] = lambda request, exc: None
         self._writes: list[BankWrite] = []
@@ -186,7 +187,7 @@ class SteeringController:
             logger.error("hotwire: cannot write %s@%d to the store at %s (%s); it is served but not stored",
                          vector.vector_id, vector.version, self.store.root, exc)
 
-    def _store_failed(self, what: str, exc: OSError) -> dict:
+    def _store_failed(self, what: str, exc: OSError) -> contract.Failure:
         return EngineError(
             500, "store_failed",
             f"could not {what} the store at {self.store.root} ({type(exc).__name__}: {exc}); "
@@ -195,14 +196,11 @@ class SteeringController:
 
     # -- RPC surface (msgpack-native in and out) -------------------------------------------------------------
 
-    # reachable as hotwire_<name>
-    RPC_METHODS = frozenset({"register", "unregister", "list", "stats", "check", "catalog", "refusals"})
-
     def answer(self, method: str, args: Sequence[Any], kwargs: dict[str, Any]) -> dict:
         """The answer to RPC ``hotwire_<method>``: always a dict, never an exception (one leaving
         ``collective_rpc`` reaches the API server as an engine that does not answer). Refusals are failure dicts
         already; anything else that goes wrong becomes a 500 naming the exception, its traceback logged here."""
-        if method not in self.RPC_METHODS:
+        if contract.rpc_name(method) not in contract.ENGINE_METHODS:
             return EngineError(
                 501, "unknown_method", f"hotwire_{method} is not an engine method: are hotwire_core and its caller from different versions?"
             ).to_result()
@@ -223,7 +221,7 @@ class SteeringController:
         layers: list[int] | None = None,
         replace: bool = False,
         version: int | None = None,
-    ) -> dict:
+    ) -> contract.RegisterResult | contract.Failure:
         """Register a vector. ``version``: the number the first data-parallel engine core gave it (the others
         take it, so that every engine core agrees; a version that arrives after a newer one is only retained)."""
         old = self.registry.current(vector_id)
@@ -241,9 +239,9 @@ class SteeringController:
         if current and old is not None and old.refs == 0:
             self.slots.drop(old.vector_id, old.version)
         logger.info("hotwire: registered %s@%d (%s)", vector.vector_id, vector.version, vector.sha256[:12])
-        return _ok(created=old is None, vector=vector.meta())
+        return contract.RegisterResult(ok=True, created=old is None, vector=vector.meta())
 
-    def unregister(self, vector_id: str, version: int | None = None) -> dict:
+    def unregister(self, vector_id: str, version: int | None = None) -> contract.UnregisterResult | contract.Failure:
         """Delete a vector's current version. ``version``: the version the first data-parallel engine core
         deleted (a newer one here stays)."""
         current = self.registry.current(vector_id)
@@ -260,18 +258,20 @@ class SteeringController:
         if vector is not None and vector.refs == 0:
             self.slots.drop(vector.vector_id, vector.version)
         deleted = vector.version if vector is not None else version
-        return _ok(in_flight=self.registry.in_flight(vector_id), version=deleted)
+        return contract.UnregisterResult(ok=True, in_flight=self.registry.in_flight(vector_id), version=deleted)
 
-    def list(self) -> dict:
+    def list(self) -> contract.ListResult:
         vectors = []
         for vector in self.registry.vectors():
             meta = vector.meta()
             meta["in_flight"] = self.registry.in_flight(vector.vector_id)
             vectors.append(meta)
-        return _ok(vectors=vectors)
+        return contract.ListResult(ok=True, vectors=vectors)
 
-    def stats(self) -> dict:
-        return _ok(
+    def stats(self) -> dict[str, Any]:
+        """``SlotStats`` (docs/architecture.md)."""
+        return dict(
+            ok=True,
             **self.slots.stats(),
             refused=dict(self.refused),
             steered_requests=self.steered_requests,
@@ -283,7 +283,7 @@ class SteeringController:
             model=self.model.to_json(self.settings.max_stack),
         )
 
-    def check(self, spec: str, slots: bool = True) -> dict:
+    def check(self, spec: str, slots: bool = True) -> contract.CheckResult | contract.Failure:
         """Would a request with this spec be admitted now? With ``slots`` (``offline.check_steering``), 429
         ``slots_exhausted`` says it would wait for bank rows; without (the HTTP admission, whose requests wait)
         only what can never be served is refused."""
@@ -298,15 +298,16 @@ class SteeringController:
                     raise Refusal(429, "slots_exhausted", str(SlotsExhausted(needed, available, self.slots.capacity)))
         except Refusal as exc:
             return exc.to_result()
-        return _ok(receipt=receipt(entries), spec=pinned_spec(entries), new_rows=needed)
+        return contract.CheckResult(ok=True, receipt=receipt(entries), spec=pinned_spec(entries), new_rows=needed)
 
-    def catalog(self, generation: int = -1) -> dict:
+    def catalog(self, generation: int = -1) -> contract.CatalogResult:
         """What an API server needs to decide steered requests itself (``hotwire_core.admission``): the rules and
         every current version's metadata; just ``unchanged`` when the caller holds ``generation`` already."""
         if generation == self.registry.generation:
-            return _ok(generation=generation, unchanged=True)
+            return contract.CatalogResult(ok=True, generation=generation, unchanged=True)
         rules = self.rules
-        return _ok(
+        return contract.CatalogResult(
+            ok=True,
             generation=self.registry.generation,
             model=self.model.to_json(rules.max_stack),
             capacity=rules.capacity,
@@ -324,10 +325,10 @@ class SteeringController:
             while len(self._refusals) > REFUSALS_KEPT:  # a ticket nobody asks for (its client left)
                 self._refusals.popitem(last=False)
 
-    def refusals(self, tickets: list[str]) -> dict:
+    def refusals(self, tickets: list[str]) -> contract.RefusalsResult:
         """The refusals kept for ``tickets`` (each handed out once)."""
         found = {t: self._refusals.pop(t) for t in tickets if t in self._refusals}
-        return _ok(refusals=found)
+        return contract.RefusalsResult(ok=True, refusals=found)
 
     # -- admission -------------------------------------------------------------------------------------------
 

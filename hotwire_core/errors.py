@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from .contract import Failure
+
 
 class EngineError(ValueError):
     """Something the engine cannot honour; ``status`` is the HTTP status the control plane answers with."""
@@ -10,8 +12,8 @@ class EngineError(ValueError):
         super().__init__(message)
         self.status, self.code, self.message, self.field = status, code, message, field
 
-    def to_result(self) -> dict:
-        out = {"ok": False, "status": self.status, "code": self.code, "error": self.message}
+    def to_result(self) -> Failure:
+        out = Failure(ok=False, status=self.status, code=self.code, error=self.message)
         if self.field:
             out["field"] = self.field
         return out

@@ -17,6 +17,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from .contract import rpc_name
 from .spec import SPEC_KEY, as_index, build_spec
 from .store import tensor_to_stored
 
@@ -32,7 +33,7 @@ class HotwireError(RuntimeError):
 
 
 def _call(llm: Any, method: str, *args: Any) -> dict:
-    result = llm.collective_rpc(f"hotwire_{method}", args=args)[0]
+    result = llm.collective_rpc(rpc_name(method), args=args)[0]
     if not result.get("ok"):
         raise HotwireError(result)
     return result

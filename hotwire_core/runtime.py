@@ -19,7 +19,8 @@ import torch
 from torch import nn
 
 from . import ops
-from .controller import BINDING_KEY, prompt_length
+from .contract import BINDING_KEY, REBINDS_ATTR, WRITES_ATTR
+from .controller import prompt_length
 from .settings import Settings, format_layers
 
 logger = logging.getLogger(__name__)
@@ -300,7 +301,7 @@ class WorkerSteering:
     def on_step(self, scheduler_output: Any, removed: Iterable[str]) -> None:
         """Apply the controller's bank writes, drop removed requests, and add the new ones."""
         epoch = self._epoch
-        writes = getattr(scheduler_output, "hotwire_writes", None)
+        writes = getattr(scheduler_output, WRITES_ATTR, None)
         if writes:
             self._apply_writes(writes)
         if getattr(scheduler_output, "preempted_req_ids", None):
@@ -315,7 +316,7 @@ class WorkerSteering:
                 new.append((r.req_id, prompt_length(r), extra[BINDING_KEY]))
             elif r.req_id in self._line_of:  # an id sent again without a binding: its old rows must not linger
                 self._remove(r.req_id)
-        rebinds = getattr(scheduler_output, "hotwire_rebinds", None)
+        rebinds = getattr(scheduler_output, REBINDS_ATTR, None)
         if rebinds:  # preempted requests whose rows moved before they resumed (V1 keeps them; V2 re-adds them)
             added = {r.req_id for r in scheduler_output.scheduled_new_reqs}
             new += [(r, self.request_rows(r)[2], config) for r, config in rebinds.items()

@@ -56,6 +56,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from hotwire_core import contract
 from hotwire_core.tiny_model import ARCHS
 
 VECTOR_ID = "hotwire-verify"
@@ -416,7 +417,7 @@ def decode_cost_check(llm: Any, short: list[list[int]], steer: dict) -> Check:
             if repeat:
                 samples[name].append(per_step_ms(t_short, t_long, DECODE_TOKENS))
     timed(llm, batch, 1 + DECODE_TOKENS, None)
-    graph_sets = llm.collective_rpc("hotwire_graph_sets")
+    graph_sets = llm.collective_rpc(contract.GRAPH_SETS)
     limit = MAX_DECODE_OVERHEAD if torch.cuda.is_available() else MAX_DECODE_OVERHEAD_CPU
     return check_decode_cost(samples["idle"], samples["steered"], limit, graph_sets)
 

@@ -37,9 +37,9 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
-from . import ops
+from . import contract, ops
 from .admission import ModelInfo, Refusal
-from .controller import USER_SALT_ATTR, SteeringController, prompt_length, steering_args
+from .controller import SteeringController, prompt_length, steering_args
 from .ops import GATE
 from .settings import Settings, format_layers
 from .spec import SPEC_KEY
@@ -127,7 +127,7 @@ def _patch_engine_core(module: Any) -> None:
     def make_init_kv(original):
         def _initialize_kv_caches(self, vllm_config, *args, **kwargs):
             result = original(self, vllm_config, *args, **kwargs)
-            info = _model_info(self.model_executor.collective_rpc("hotwire_worker_info"))
+            info = _model_info(self.model_executor.collective_rpc(contract.WORKER_INFO))
             self.hotwire = SteeringController(info, settings(), vllm_config.model_config.model)
             if info.steerable:
                 logger.info("hotwire: steering ready on layers %s (%d of %d), %d bank slots",
@@ -192,15 +192,16 @@ def _patch_engine_core(module: Any) -> None:
                 return original(self, request)
             request.cache_salt = salt
             req, wave = original(self, request)
-            setattr(req, USER_SALT_ATTR, user_salt)
+            setattr(req, contract.USER_SALT_ATTR, user_salt)
             return req, wave
 
         return preprocess_add_request
 
     def make_rpc(original):
         def collective_rpc(self, method, timeout=None, args=(), kwargs=None):
-            if isinstance(method, str) and method.startswith("hotwire_") and method not in _WORKER_METHODS:
-                return [self.hotwire.answer(method.removeprefix("hotwire_"), args, kwargs or {})]
+            name = contract.engine_method(method)
+            if name is not None:
+                return [self.hotwire.answer(name, args, kwargs or {})]
             return original(self, method, timeout, args, kwargs)
 
         return collective_rpc
@@ -226,10 +227,10 @@ def _patch_scheduler(module: Any) -> None:
             if controller is not None and controller.step_payload_pending:
                 writes = controller.take_writes()
                 if writes:
-                    output.hotwire_writes = writes
+                    setattr(output, contract.WRITES_ATTR, writes)
                 rebinds = controller.take_rebinds()
                 if rebinds:
-                    output.hotwire_rebinds = rebinds
+                    setattr(output, contract.REBINDS_ATTR, rebinds)
             return output
 
         return schedule
@@ -316,7 +317,6 @@ def _patch_scheduler(module: Any) -> None:
 # -- workers ---------------------------------------------------------------------------------------------------
 
 
-_WORKER_METHODS = ("hotwire_worker_info", "hotwire_graph_sets")  # answered by the workers, not the engine core
 _V2_IDLE_GRAPHS = "_hotwire_idle_graphs"  # the V2 model manager's attribute holding its idle FULL graphs
 
 
@@ -344,8 +344,8 @@ def _patch_worker_base(module: Any) -> None:
             counts["steered_graphs"] += len(manager.graphs)
         return {"split": GATE.split, "gate_open": GATE.open, **counts}
 
-    module.WorkerBase.hotwire_worker_info = hotwire_worker_info
-    module.WorkerBase.hotwire_graph_sets = hotwire_graph_sets
+    setattr(module.WorkerBase, contract.WORKER_INFO, hotwire_worker_info)
+    setattr(module.WorkerBase, contract.GRAPH_SETS, hotwire_graph_sets)
 
 
 def _attach(worker: Any) -> None:

@@ -56,11 +56,16 @@ class TwoEngines:
         self.calls.append(("first", method))
         return [self.answers[method][0]]
 
-    async def per_engine(self, method: str, args: tuple, which: slice) -> list[list[dict]]:
+    async def per_engine(self, method: str, args: tuple, which: slice, failures: bool = False) -> list[Any]:
         names = {(None, 1): "first alone", (1, None): "the others", (None, None): "each"}
         self.calls.append((names[which.start, which.stop], method))
         self.args.append(args)
-        return [[answer] for answer in self.answers[method][which]]
+        answers: list[Any] = []
+        for answer in self.answers[method][which]:
+            if isinstance(answer, Exception) and not failures:
+                raise answer
+            answers.append(answer if isinstance(answer, Exception) else [answer])
+        return answers
 
 
 def test_engine_gathers_every_engine_core_where_it_matters() -> None:
@@ -83,6 +88,23 @@ def test_engine_gathers_every_engine_core_where_it_matters() -> None:
     # Deciding asks the first engine core alone: vLLM's own collective_rpc would wait for every one of them.
     assert client.calls == [("first alone", "hotwire_unregister"), ("the others", "hotwire_unregister"),
                             ("each", "hotwire_stats"), ("first alone", "hotwire_check"), ("each", "hotwire_refusals")]
+
+
+def test_refusals_come_from_the_engine_cores_that_answer() -> None:
+    """An engine core that fails cannot hold a refusal the others would lose: the lookup uses the others'
+    answers, and fails only when no engine core answers."""
+    kept = {"ok": True, "refusals": {"t": {"ok": False, "status": 400, "code": "too_strong", "error": "strong"}}}
+    dead = ConnectionError("engine core 0 died")
+    for answers in ([dead, kept], [kept, {"ok": False, "status": 500, "code": "internal", "error": "broke"}]):
+        client = TwoEngines({"hotwire_refusals": answers})
+        assert asyncio.run(HotwireEngine(client, client.per_engine).refusals(["t"]))["t"].code == "too_strong"
+    client = TwoEngines({"hotwire_refusals": [dead, dead]})
+    with pytest.raises(HotwireError) as info:
+        asyncio.run(HotwireEngine(client, client.per_engine).refusals(["t"]))
+    assert info.value.code == "engine_unavailable"
+    client = TwoEngines({"hotwire_stats": [stats(8, 1, [], {}, 1), dead]})
+    with pytest.raises(HotwireError):  # elsewhere every engine core's answer counts
+        asyncio.run(HotwireEngine(client, client.per_engine).stats())
 
 
 def test_registration_the_engine_cores_disagree_on_is_an_error() -> None:

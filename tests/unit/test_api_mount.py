@@ -205,6 +205,17 @@ def test_per_engine_rpc_asks_every_data_parallel_engine_core() -> None:
     sent.clear()
     assert asyncio.run(rpc("hotwire_register", ("r",), slice(1, None))) == [["answer of e1"]]
     assert [e for *_, e in sent] == ["e1"]
+    async def e1_fails(method, *args, engine):
+        if engine == "e1":
+            raise ConnectionError("e1 died")
+        return [f"answer of {engine}"]
+
+    rpc = vllm_process.per_engine_rpc(types.SimpleNamespace(engine_core=types.SimpleNamespace(
+        core_engines=["e0", "e1"], _call_utility_async=e1_fails)))
+    first, second = asyncio.run(rpc("hotwire_refusals", ((),), slice(None), True))  # failures stand in for answers
+    assert first == ["answer of e0"] and isinstance(second, ConnectionError)
+    with pytest.raises(ConnectionError):
+        asyncio.run(rpc("hotwire_refusals", ((),)))
     one_core = types.SimpleNamespace(core_engines=["e0"], _call_utility_async=call_utility)
     assert vllm_process.per_engine_rpc(types.SimpleNamespace(engine_core=one_core)) is None
     assert vllm_process.per_engine_rpc(object()) is None

@@ -17,7 +17,8 @@ from vllm.utils.hashing import sha256
 
 from hotwire_core import controller as controller_mod
 from hotwire_core.admission import DEFAULT_STRENGTH_LIMIT, STRENGTH_LIMITS, ModelInfo, Refusal
-from hotwire_core.controller import BINDING_KEY, USER_SALT_ATTR, BankWrite, SteeringController
+from hotwire_core.contract import BINDING_KEY, USER_SALT_ATTR
+from hotwire_core.controller import BankWrite, SteeringController
 from hotwire_core.spec import SALT_PREFIX
 from hotwire_core.settings import Settings
 

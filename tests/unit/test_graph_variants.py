@@ -261,7 +261,7 @@ def test_gate_follows_the_scheduled_requests():
     """The runners' wrappers close the gate for a step with no steered request and open it otherwise."""
     import torch
 
-    from hotwire_core.controller import BINDING_KEY
+    from hotwire_core.contract import BINDING_KEY
     from hotwire_core.runtime import WorkerSteering
     from hotwire_core.settings import Settings
 

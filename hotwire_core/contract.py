@@ -1,0 +1,110 @@
+"""The contract between hotwire's processes: the ``collective_rpc`` methods the API server (or an offline ``LLM``)
+calls on the engine core and its workers, the shapes of their answers, and the names hotwire adds to vLLM's own
+objects on their way from the engine core to the workers.
+
+Everything here crosses a process boundary as msgpack or pickle, so results are plain dicts: the TypedDicts name
+their keys for type checkers and readers, and build them (``RegisterResult(ok=True, ...)`` is a ``dict``).
+The table in docs/architecture.md ("RPC contract") describes each call.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal, TypedDict
+
+__all__ = [
+    "BINDING_KEY", "CATALOG", "CHECK", "ENGINE_METHODS", "GRAPH_SETS", "LIST", "PREFIX", "REBINDS_ATTR",
+    "REFUSALS", "REGISTER", "STATS", "UNREGISTER", "USER_SALT_ATTR", "WORKER_INFO", "WORKER_METHODS", "WRITES_ATTR",
+    "CatalogResult", "CheckResult", "Failure", "ListResult", "RefusalsResult", "RegisterResult", "UnregisterResult",
+    "engine_method", "rpc_name",
+]
+
+PREFIX = "hotwire_"  # every hotwire RPC's name starts with it; the engine core answers those it does not forward
+
+# Answered by the engine core's controller (``SteeringController.answer``).
+REGISTER = "hotwire_register"
+UNREGISTER = "hotwire_unregister"
+LIST = "hotwire_list"
+STATS = "hotwire_stats"
+CHECK = "hotwire_check"
+CATALOG = "hotwire_catalog"
+REFUSALS = "hotwire_refusals"
+ENGINE_METHODS = frozenset({REGISTER, UNREGISTER, LIST, STATS, CHECK, CATALOG, REFUSALS})
+
+# Answered by every worker (methods vllm_glue adds to vLLM's ``WorkerBase``).
+WORKER_INFO = "hotwire_worker_info"
+GRAPH_SETS = "hotwire_graph_sets"
+WORKER_METHODS = frozenset({WORKER_INFO, GRAPH_SETS})
+
+# Riding on vLLM's objects from the engine core to the workers.
+BINDING_KEY = "hotwire.binding"  # sampling_params.extra_args: a request's per-phase bank config
+WRITES_ATTR = "hotwire_writes"  # SchedulerOutput: bank rows to load before the step
+REBINDS_ATTR = "hotwire_rebinds"  # SchedulerOutput: new configs of resumed requests whose rows moved
+USER_SALT_ATTR = "hotwire_user_salt"  # Request built with hotwire's cache salt: the user's own salt
+
+
+def rpc_name(method: str) -> str:
+    """The RPC name of a controller method (``"register"`` -> ``"hotwire_register"``)."""
+    return PREFIX + method
+
+
+def engine_method(rpc: Any) -> str | None:
+    """The controller method an RPC name asks for (``"hotwire_stats"`` -> ``"stats"``), or None for a call that
+    is not hotwire's engine-core business (vLLM's own, or a worker method). An unknown ``hotwire_*`` name is
+    returned too: the controller answers it with 501."""
+    if isinstance(rpc, str) and rpc.startswith(PREFIX) and rpc not in WORKER_METHODS:
+        return rpc.removeprefix(PREFIX)
+    return None
+
+
+class _Failure(TypedDict):
+    ok: Literal[False]
+    status: int  # the HTTP status the control plane answers with
+    code: str  # a stable slug
+    error: str  # for people
+
+
+class Failure(_Failure, total=False):
+    """What every call answers when it refuses (``hotwire_core.errors.EngineError.to_result``)."""
+
+    field: str  # the request field at fault
+
+
+class RegisterResult(TypedDict):
+    ok: Literal[True]
+    created: bool
+    vector: dict[str, Any]  # VectorMeta (docs/architecture.md)
+
+
+class UnregisterResult(TypedDict):
+    ok: Literal[True]
+    in_flight: int  # requests still using the vector, on this engine core
+    version: int | None  # the version deleted (the other data-parallel engine cores delete up to it)
+
+
+class ListResult(TypedDict):
+    ok: Literal[True]
+    vectors: list[dict[str, Any]]  # VectorMeta, with in_flight
+
+
+class CheckResult(TypedDict):
+    ok: Literal[True]
+    receipt: str
+    spec: str  # the spec with every entry pinned to the version it resolved to
+    new_rows: int
+
+
+class CatalogResult(TypedDict, total=False):
+    """The full catalog, or only ``ok``, ``generation`` and ``unchanged`` when the caller holds it already."""
+
+    ok: Literal[True]
+    generation: int
+    unchanged: bool
+    model: dict[str, Any]
+    capacity: int
+    layers_setting: bool
+    vectors: list[dict[str, Any]]
+
+
+class RefusalsResult(TypedDict):
+    ok: Literal[True]
+    refusals: dict[str, Failure]  # ticket -> the refusal kept for it
