@@ -29,12 +29,13 @@ import subprocess
 import sys
 from pathlib import Path
 
-from hotwire_core import verify as v
+from hotwire_core.cpu_env import with_cpu_env
+from hotwire_core.verify import checks, runs
 
 KINDS = ("vanilla", "hotwire", "vanilla-history", "hotwire-history", "verify")
 
 
-def groups(results: list[list[v.Result]], request: int) -> list[list[int]]:
+def groups(results: list[list[checks.Result]], request: int) -> list[list[int]]:
     """Engines (indices) grouped by bit-identical results for ``request``, in order of first appearance."""
     found: list[list[int]] = []
     for engine, result in enumerate(results):
@@ -80,13 +81,13 @@ def main() -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     model = str(build_model(args.out / "model", ModelShape(arch="qwen3")))
     tokenizer = AutoTokenizer.from_pretrained(model)
-    short = [tokenizer.encode(p) for p in v.PROMPTS]
+    short = [tokenizer.encode(p) for p in runs.PROMPTS]
     block = 16 if on_gpu else 128  # vLLM's default block size (CUDA, CPU), which verify's engine keeps
-    x, y = (v.long_prompt(tokenizer, text, v.PREFIX_BLOCKS * block + block // 2) for text in v.LONG_TEXTS)
-    batches = v.plain_batches(short, x, y)
-    base = v.engine_kwargs(model, args.dtype, args.tensor_parallel_size, 1.0 if on_gpu else None, untimed=on_gpu)
+    x, y = (runs.long_prompt(tokenizer, text, runs.PREFIX_BLOCKS * block + block // 2) for text in runs.LONG_TEXTS)
+    batches = runs.plain_batches(short, x, y)
+    base = runs.engine_kwargs(model, args.dtype, args.tensor_parallel_size, 1.0 if on_gpu else None, untimed=on_gpu)
 
-    env_all = {**({} if on_gpu else v.CPU_ENV), **os.environ, "HF_HUB_OFFLINE": "1",
+    env_all = {**(dict(os.environ) if on_gpu else with_cpu_env(os.environ)), "HF_HUB_OFFLINE": "1",
                "VLLM_USE_V2_MODEL_RUNNER": "1" if args.runner == "v2" else "0"}
     procs, outs = [], [args.out / f"out{i}.json" for i in range(len(engines))]
     for i, name in enumerate(engines):
@@ -95,7 +96,7 @@ def main() -> int:
         job = args.out / f"job{i}.json"
         if kind != "verify":
             engine = {**base, **({"disable_custom_all_reduce": True} if variant == "nocar" else {})}
-            steps = v.plain_history(short, x, y) if kind.endswith("-history") else v.as_steps(batches)
+            steps = runs.plain_history(short, x, y) if kind.endswith("-history") else runs.as_steps(batches)
             job.write_text(json.dumps({"engine": engine, "steps": steps, "plugin_free": kind.startswith("vanilla")}))
         env = {**env_all, "VLLM_CACHE_ROOT": str(args.out / f"cache{i}")}
         if kind.startswith("vanilla"):
@@ -108,7 +109,7 @@ def main() -> int:
     codes = [p.wait() for p in procs]
     ran, results = [], []
     for i, (name, code) in enumerate(zip(engines, codes)):
-        saved = v.load_results(outs[i]) if code == 0 and outs[i].exists() else None
+        saved = runs.load_results(outs[i]) if code == 0 and outs[i].exists() else None
         same_prompts = saved is not None and saved[0] == batches
         print(f"engine {i} {name}: exit {code}" + ("" if saved else " (no results)")
               + ("" if same_prompts or not saved else " (other prompts than the rest: left out)"))
@@ -120,7 +121,7 @@ def main() -> int:
     for request in range(len(results[0]) if results else 0):
         found = groups(results, request)
         parts = " | ".join("{" + ", ".join(names[e] for e in group) + "}" for group in found)
-        spread = max(v.max_abs_diff(results[g[0]][request].logprobs, results[found[0][0]][request].logprobs)
+        spread = max(checks.max_abs_diff(results[g[0]][request].logprobs, results[found[0][0]][request].logprobs)
                      for g in found)
         print(f"request {request} ({lengths[request]}-token prompt): {len(found)} outcome(s) {parts}"
               + (f", max |dlogprob| to the first {spread:.3g}" if len(found) > 1 else ""))

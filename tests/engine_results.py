@@ -1,16 +1,17 @@
-"""Running prompts through vLLM and summarising what came back, in-process or in a clean subprocess.
+"""The tests' engine arguments, and prompts through vLLM in-process or in a clean subprocess (the runner of
+:mod:`hotwire_core.verify.plugin_free`, re-exported: ``summarize``, ``run_batches``).
 
 ``run_vanilla`` runs the same batches in a fresh interpreter with ``VLLM_PLUGINS=""`` so no hotwire code is
 loaded anywhere: the reference for "bit-identical to a server without hotwire"."""
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
+
+from hotwire_core.verify.plugin_free import run_batches, run_engine, summarize
+
+__all__ = ["engine_kwargs", "run_batches", "run_in_subprocess", "run_vanilla", "summarize"]
 
 
 def engine_kwargs() -> dict[str, Any]:
@@ -30,31 +31,6 @@ def engine_kwargs() -> dict[str, Any]:
     return {**common, "dtype": "float32"}
 
 
-def summarize(output: Any) -> dict:
-    """Token ids, the sampled tokens' logprobs, prompt logprobs and cache hits of one RequestOutput."""
-    completion = output.outputs[0]
-    prompt_lp = [None if d is None else d[t].logprob for d, t in zip(output.prompt_logprobs or [], output.prompt_token_ids)]
-    return {
-        "token_ids": list(completion.token_ids),
-        "logprobs": [d[t].logprob for d, t in zip(completion.logprobs or [], completion.token_ids)],
-        "prompt_logprobs": prompt_lp,
-        "finish_reason": completion.finish_reason,
-        "num_cached_tokens": output.num_cached_tokens,
-    }
-
-
-def run_batches(llm: Any, batches: list[list[dict]]) -> list[list[dict]]:
-    """Each batch is a list of ``{"prompt_token_ids": [...], "params": {SamplingParams kwargs}}``."""
-    from vllm import SamplingParams
-
-    results = []
-    for batch in batches:
-        prompts = [{"prompt_token_ids": r["prompt_token_ids"]} for r in batch]
-        params = [SamplingParams(**r["params"]) for r in batch]
-        results.append([summarize(o) for o in llm.generate(prompts, params, use_tqdm=False)])
-    return results
-
-
 def run_in_subprocess(
     model_dir: Path,
     batches: list[list[dict]],
@@ -64,40 +40,12 @@ def run_in_subprocess(
     vectors: dict[str, list[float]] | None = None,
     overrides: dict[str, Any] | None = None,
 ) -> list[list[dict]]:
-    """Run ``batches`` in a fresh interpreter. ``plugins=False`` sets ``VLLM_PLUGINS=""``: no hotwire code is
-    loaded anywhere (the reference for "bit-identical to vLLM without hotwire"); otherwise ``vectors`` are
-    registered first. ``overrides`` change the engine arguments (e.g. the dtype)."""
-    tag = "hotwire" if plugins else "vanilla"
-    job, out = workdir / f"{tag}-job.json", workdir / f"{tag}-out.json"
-    job.write_text(json.dumps({"model": str(model_dir), "batches": batches, "vectors": vectors or {}, "overrides": overrides or {}}))
-    env = dict(os.environ)
-    if plugins:
-        env.pop("VLLM_PLUGINS", None)
-    else:
-        env["VLLM_PLUGINS"] = ""
-    proc = subprocess.run([sys.executable, __file__, str(job), str(out)], env=env, capture_output=True, text=True, timeout=900)
-    if proc.returncode != 0:
-        raise RuntimeError(f"{tag} vLLM run failed:\n{proc.stderr[-4000:]}")
-    return json.loads(out.read_text())
+    """Run ``batches`` in a fresh interpreter with this module's engine arguments (``overrides`` over them):
+    plugin-free by default (the reference for "bit-identical to vLLM without hotwire"), or with hotwire and
+    ``vectors`` registered first. The runner is ``verify``'s (:mod:`hotwire_core.verify.plugin_free`)."""
+    engine = {"model": str(model_dir), **engine_kwargs(), **(overrides or {})}
+    return run_engine(engine, batches, workdir, plugin_free=not plugins, vectors=vectors)
 
 
 def run_vanilla(model_dir: Path, batches: list[list[dict]], workdir: Path) -> list[list[dict]]:
     return run_in_subprocess(model_dir, batches, workdir)
-
-
-def _main(job_path: str, out_path: str) -> None:
-    import torch
-    from vllm import LLM
-
-    job = json.loads(Path(job_path).read_text())
-    llm = LLM(job["model"], **{**engine_kwargs(), **job["overrides"]})
-    if job["vectors"]:
-        from hotwire_core.offline import register_vector
-
-        for name, values in job["vectors"].items():
-            register_vector(llm, name, torch.tensor(values))
-    Path(out_path).write_text(json.dumps(run_batches(llm, job["batches"])))
-
-
-if __name__ == "__main__":
-    _main(*sys.argv[1:3])

@@ -249,8 +249,10 @@ class _RecordingLLM:
             cached = 16 if steered and not sp.skip_reading_prefix_cache and (ids, 4, True, False) in self.sent else 0
             self.sent.append((ids, sp.max_tokens, steered, sp.skip_reading_prefix_cache))
             token = len(self.sent)
-            completion = SimpleNamespace(token_ids=[token], logprobs=[{token: SimpleNamespace(logprob=-token / 7)}])
-            outputs.append(SimpleNamespace(outputs=[completion], num_cached_tokens=cached))
+            completion = SimpleNamespace(token_ids=[token], logprobs=[{token: SimpleNamespace(logprob=-token / 7)}],
+                                         finish_reason="length")
+            outputs.append(SimpleNamespace(outputs=[completion], num_cached_tokens=cached, prompt_logprobs=None,
+                                           prompt_token_ids=ids))
         return outputs
 
 

@@ -1,0 +1,106 @@
+"""Requests through a vLLM engine in a fresh interpreter, plugin-free or with hotwire: the reference behind every
+"bit-identical to vLLM without hotwire" claim, one runner for ``verify`` (check e), the tests and the benchmarks.
+
+Plugin-free means ``VLLM_PLUGINS=""``: vLLM loads no plugin, so no hotwire hook runs in any of the engine's
+processes (the child checks that, and that hotwire *is* loaded when asked for). A job is JSON::
+
+    {"engine": {LLM keyword arguments}, "plugin_free": true, "vectors": {"id": [floats], ...},
+     "batches": [[{"prompt_token_ids": [...], "params": {SamplingParams keyword arguments}}, ...], ...]}
+
+(``vectors`` are registered first, with hotwire loaded). The answer holds, per batch and request,
+:func:`summarize` of its output.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+__all__ = ["Request", "run_batches", "run_engine", "run_here", "summarize"]
+
+Request = dict[str, Any]  # {"prompt_token_ids": [...], "params": {SamplingParams keyword arguments}}
+
+
+def summarize(output: Any) -> dict[str, Any]:
+    """Token ids, the sampled tokens' logprobs, prompt logprobs, finish reason and cache hits of one
+    ``RequestOutput``."""
+    completion = output.outputs[0]
+    prompt_lp = [None if d is None else d[t].logprob for d, t in zip(output.prompt_logprobs or [], output.prompt_token_ids)]
+    return {
+        "token_ids": list(completion.token_ids),
+        "logprobs": [d[t].logprob for d, t in zip(completion.logprobs or [], completion.token_ids)],
+        "prompt_logprobs": prompt_lp,
+        "finish_reason": completion.finish_reason,
+        "num_cached_tokens": output.num_cached_tokens or 0,
+    }
+
+
+def run_batches(llm: Any, batches: list[list[Request]]) -> list[list[dict[str, Any]]]:
+    """Each batch through ``llm.generate`` at once, in order; :func:`summarize` of every output."""
+    from vllm import SamplingParams
+
+    results = []
+    for batch in batches:
+        prompts = [{"prompt_token_ids": r["prompt_token_ids"]} for r in batch]
+        params = [SamplingParams(**r["params"]) for r in batch]
+        results.append([summarize(o) for o in llm.generate(prompts, params, use_tqdm=False)])
+    return results
+
+
+def run_engine(
+    engine: Mapping[str, Any],
+    batches: list[list[Request]],
+    workdir: Path,
+    *,
+    plugin_free: bool = True,
+    vectors: Mapping[str, list[float]] | None = None,
+    env: Mapping[str, str] | None = None,
+    tag: str | None = None,
+    timeout_s: float | None = 900,
+) -> list[list[dict[str, Any]]]:
+    """Run ``batches`` in a fresh interpreter (environment: this one's, with ``env`` over it) and return the
+    results. Raises :class:`RuntimeError` with the end of the child's stderr when it fails."""
+    tag = tag or ("vanilla" if plugin_free else "hotwire")
+    job, out = workdir / f"{tag}-job.json", workdir / f"{tag}-out.json"
+    job.write_text(json.dumps({"engine": dict(engine), "batches": batches, "plugin_free": plugin_free,
+                               "vectors": dict(vectors or {})}))  # fmt: skip
+    child_env = {**os.environ, **(env or {})}
+    if plugin_free:
+        child_env["VLLM_PLUGINS"] = ""
+    else:
+        child_env.pop("VLLM_PLUGINS", None)
+    command = [sys.executable, "-m", "hotwire_core.verify.plugin_free", str(job), str(out)]
+    proc = subprocess.run(command, env=child_env, capture_output=True, text=True, timeout=timeout_s)
+    if proc.returncode != 0:
+        raise RuntimeError(f"the {tag} engine failed (exit {proc.returncode}):\n{proc.stderr[-4000:]}")
+    return json.loads(out.read_text())
+
+
+def run_here(job: Mapping[str, Any]) -> list[list[dict[str, Any]]]:
+    """A job in this process (whose environment decides which plugins vLLM loads)."""
+    from vllm import LLM
+
+    llm = LLM(**job["engine"])
+    loaded = any(name.startswith("hotwire_core.vllm_glue") for name in sys.modules)
+    plugin_free = job.get("plugin_free", True)
+    if loaded == plugin_free:
+        raise SystemExit("hotwire was loaded although VLLM_PLUGINS is empty" if loaded else
+                         "hotwire was not loaded: is hotwire-vllm installed and VLLM_PLUGINS unset?")  # fmt: skip
+    if job.get("vectors"):
+        import torch
+
+        from hotwire_core.offline import register_vector
+
+        for name, values in job["vectors"].items():
+            register_vector(llm, name, torch.tensor(values))
+    return run_batches(llm, job["batches"])
+
+
+if __name__ == "__main__":
+    job_path, out_path = sys.argv[1:3]
+    Path(out_path).write_text(json.dumps(run_here(json.loads(Path(job_path).read_text()))))
