@@ -835,6 +835,7 @@ def test_concurrent_traffic_returns_slots_to_zero(server, http, model):
     assert all(v["in_flight"] == 0 for v in by_id(http).values())
 
 
+@retried_on_a_busy_cpu  # a 2-core machine running anything beside the server stalls it for 100s of ms
 def test_slots_latency(http):
     slots(http)  # warm the connection
     latencies = []
