@@ -17,7 +17,7 @@ import torch
 
 from . import contract
 from .contract import BINDING_KEY, USER_SALT_ATTR  # re-exported: the benchmarks import them from here
-from .admission import ModelInfo, Refusal, Resolved, Rules, cache_salt, pinned_spec, receipt, resolve
+from .admission import ModelInfo, Refusal, Resolved, Rules, cache_salt, pinned_spec, receipt, resolve, row_key
 from .errors import EngineError
 from .registry import HostVector, RegistryError, VectorRegistry
 from .settings import Settings
@@ -26,8 +26,8 @@ from .spec import SALT_PREFIX, SPEC_KEY, TICKET_KEY, Phase, SpecError, parse_spe
 from .store import StoredVector, VectorStore, load_preload_dir
 
 __all__ = [
-    "BINDING_KEY", "USER_SALT_ATTR", "BankWrite", "Binding", "BoundEntry", "SteeringController", "prompt_length",
-    "steering_args",
+    "BINDING_KEY", "USER_SALT_ATTR", "BankWrite", "Binding", "BoundEntry", "SteeringController", "WaitForRows",
+    "prompt_length", "steering_args",
 ]
 
 logger = logging.getLogger(__name__)
@@ -106,6 +106,15 @@ def _same_steering(chunk: Any, session: Any) -> bool:
     return len(ours) == len(theirs) and all(
         a.steering() == b.steering() and a.version in (None, b.version) for a, b in zip(ours, theirs)
     )
+
+
+class WaitForRows(Refusal):
+    """``admit``'s refusal of a request that fits once running requests release their rows: it waits (see
+    ``SteeringController.defer``). ``resolved``: what its spec resolved to, so deferring it resolves nothing again."""
+
+    def __init__(self, message: str, resolved: Resolved):
+        super().__init__(429, "slots_exhausted", message)
+        self.resolved = resolved
 
 
 class SteeringController:
@@ -342,14 +351,9 @@ class SteeringController:
             raise Refusal(429, "slots_exhausted", "a preempted steered request is waiting for bank rows; this one waits behind it")
 
     @staticmethod
-    def _row_key(vector: HostVector, layer: int) -> RowKey:
-        """The bank row ``vector`` contributes at ``layer``."""
-        return RowKey(vector.vector_id, vector.version, vector.row_key_layer(layer))
-
-    @classmethod
-    def _row_sources(cls, resolved: list[tuple[SteeringEntry, HostVector]]) -> dict[RowKey, tuple[HostVector, int]]:
+    def _row_sources(resolved: Resolved) -> dict[RowKey, tuple[HostVector, int]]:
         """The bank rows a spec reads, each with the (vector, layer) its values come from."""
-        return {cls._row_key(v, l): (v, l) for e, v in resolved for l in e.layers}
+        return {row_key(v, l): (v, l) for e, v in resolved for l in e.layers}
 
     def cache_salt_for(self, spec: Any, user_salt: str | None, prompt_len: int) -> str | None:
         """The cache salt ``admit`` would give a request with this spec and user salt as the registry stands now;
@@ -392,8 +396,9 @@ class SteeringController:
             except SlotsExhausted as exc:
                 raise Refusal(429, "slots_exhausted", str(exc)) from None
         except Refusal as exc:
-            if exc.code != "slots_exhausted":  # that one is deferred, not refused (see defer)
-                self.refused[exc.code] += 1
+            if exc.code == "slots_exhausted":  # deferred, not refused (see defer); resolve raises no such code
+                raise WaitForRows(exc.message, resolved) from None
+            self.refused[exc.code] += 1
             raise
         vectors = []
         for _, vector in resolved:
@@ -403,7 +408,7 @@ class SteeringController:
         self._load(loads, sources)
         entries = [
             BoundEntry(
-                self._row_key(v, layer), layer,
+                row_key(v, layer), layer,
                 0.0 if e.norm else e.scale, e.scale if e.norm else 0.0,
                 {Phase.ALL: "pd", Phase.PREFILL: "p", Phase.DECODE: "d"}[e.phase],
             )
@@ -412,14 +417,17 @@ class SteeringController:
         config = self._config(entries, slot_of)
         binding = Binding(vectors, receipt(resolved), entries, sources, config)
         self.bindings[request.request_id] = binding
+        try:
+            self._set_binding(request, config)  # the workers read it from the request's sampling params
+            salt = cache_salt(user_salt, resolved, prompt_length(request))
+            if request.cache_salt != salt:  # hashed without it (or the registry changed since): hash again
+                request.cache_salt = salt
+                request.block_hashes.clear()
+                request.update_block_hashes()
+        except BaseException:
+            self.release(request.request_id)  # the glue refuses the request: its pins and versions must not leak
+            raise
         self.steered_requests += 1
-
-        self._set_binding(request, config)  # the workers read it from the request's sampling params
-        salt = cache_salt(user_salt, resolved, prompt_length(request))
-        if request.cache_salt != salt:  # hashed without it (or the registry changed since): hash again
-            request.cache_salt = salt
-            request.block_hashes.clear()
-            request.update_block_hashes()
         return binding
 
     def admit_update(self, update: Any, session: Any | None) -> None:
@@ -538,11 +546,12 @@ class SteeringController:
 
     # -- requests waiting for slots ----------------------------------------------------------------------------
 
-    def defer(self, request: Any) -> None:
+    def defer(self, request: Any, resolved: Resolved | None = None) -> None:
         """Hold a request whose rows cannot be pinned now; ``admit_deferred`` adds it once they can. It keeps the
-        versions it resolved to now (its spec is pinned to them, and it holds them), whatever is registered
-        while it waits."""
-        resolved = self._resolve(steering_args(request)[SPEC_KEY])
+        versions it resolved to (``resolved``: by ``admit``, in its :class:`WaitForRows`; None: resolve now), its
+        spec pinned to them and held, whatever is registered while it waits."""
+        if resolved is None:
+            resolved = self._resolve(steering_args(request)[SPEC_KEY])
         holds = list({id(v): v for _, v in resolved}.values())
         for vector in holds:
             self.registry.acquire(vector)

@@ -18,7 +18,7 @@ from vllm.utils.hashing import sha256
 from hotwire_core import controller as controller_mod
 from hotwire_core.admission import DEFAULT_STRENGTH_LIMIT, STRENGTH_LIMITS, ModelInfo, Refusal
 from hotwire_core.contract import BINDING_KEY, USER_SALT_ATTR
-from hotwire_core.controller import BankWrite, SteeringController
+from hotwire_core.controller import BankWrite, SteeringController, WaitForRows
 from hotwire_core.spec import SALT_PREFIX
 from hotwire_core.settings import Settings
 
@@ -1289,3 +1289,33 @@ def test_check_without_slots_never_says_wait():
     assert c.check(spec)["code"] == "slots_exhausted"
     assert c.check(spec, False) == {"ok": True, "receipt": "b@1:L0x1", "new_rows": 0,
                                     "spec": '[{"id":"b","layer":[0],"scale":1.0,"version":1}]'}
+
+
+def test_a_failure_after_pinning_leaks_nothing(c, monkeypatch):
+    """Anything that raises once ``admit`` pinned rows (here vLLM hashing the blocks again) releases them and the
+    versions before the refusal leaves: the request never runs, so nothing else would."""
+    req = request("r", {"id": "a", "layer": [0, 1], "scale": 1})
+
+    def broken() -> None:
+        raise RuntimeError("hashing failed")
+
+    monkeypatch.setattr(req, "update_block_hashes", broken)
+    with pytest.raises(RuntimeError, match="hashing failed"):
+        c.admit(req)
+    assert "r" not in c.bindings and c.stats()["pinned"] == 0 and c.stats()["steered_requests"] == 0
+    assert all(v["in_flight"] == 0 for v in c.list()["vectors"])
+    admit(c, "r2", {"id": "a", "layer": [0, 1], "scale": 1})  # its rows stay loaded, unpinned: reused
+    assert c.stats()["pinned"] == 2
+
+
+def test_deferring_reuses_what_admit_resolved(monkeypatch):
+    c = ctrl(slots=2)
+    register(c, "a", vec(N_LAYERS, HIDDEN, seed=1))
+    register(c, "g", vec(HIDDEN, seed=2))
+    admit(c, "hog", {"id": "a", "layer": [0, 1], "scale": 1})
+    with pytest.raises(WaitForRows) as info:
+        c.admit(request("late", {"id": "g", "layer": 0, "scale": 1}))
+    late = request("late", {"id": "g", "layer": 0, "scale": 1})
+    monkeypatch.setattr(c, "_resolve", lambda spec: pytest.fail("resolved again"))
+    c.defer(late, info.value.resolved)
+    assert list(c.deferred) == ["late"] and '"version"' in late.sampling_params.extra_args["hotwire"]
