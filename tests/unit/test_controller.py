@@ -18,7 +18,8 @@ from vllm.utils.hashing import sha256
 from hotwire_core import controller as controller_mod
 from hotwire_core.admission import DEFAULT_STRENGTH_LIMIT, STRENGTH_LIMITS, ModelInfo, Refusal
 from hotwire_core.contract import BINDING_KEY, USER_SALT_ATTR
-from hotwire_core.controller import BankWrite, SteeringController, WaitForRows
+from hotwire_core.bindings import BankWrite
+from hotwire_core.controller import SteeringController, WaitForRows
 from hotwire_core.spec import SALT_PREFIX
 from hotwire_core.settings import Settings
 
@@ -83,7 +84,7 @@ def state(c: SteeringController):
         {vid: (v.version, v.refs) for vid, v in c.registry._current.items()},
         dict(c.registry._retired),
         dict(c.bindings),
-        list(c._writes),
+        list(c.bindings._writes),
     )
 
 
@@ -108,7 +109,7 @@ def test_unsteered_admit_is_none(c, extra):
     assert req.cache_salt is None
     assert req.block_hashes == hashes and len(hashes) == 2
     assert req.sampling_params is sp
-    assert c.take_writes() == [] and c.bindings == {}
+    assert c.take_writes() == [] and dict(c.bindings) == {}
     assert c.stats()["steered_requests"] == 0 and c.stats()["pinned"] == 0
 
 
@@ -149,7 +150,7 @@ def test_binding_config_phases_and_norm(c):
     assert req.sampling_params.extra_args["hotwire"] == json.dumps(spec)  # the spec itself stays
     assert binding.receipt == "a@1:L1+2x3;g@1:L1x0.5,norm,decode_only;part@1:L0x-1.5,prefill_only"
     assert [v.vector_id for v in binding.vectors] == ["a", "g", "part"]
-    assert c.bindings == {"r1": binding}
+    assert dict(c.bindings) == {"r1": binding}
     s = c.stats()
     assert (s["used"], s["pinned"], s["free"], s["steered_requests"]) == (4, 4, 4, 1)
     assert c.registry.current("a").refs == 1
