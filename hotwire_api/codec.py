@@ -84,7 +84,7 @@ def validate_id(value: object) -> str:
     return value
 
 
-def parse_layers(value: object, field: str = "layers") -> tuple[int, ...] | None:
+def parse_layer_list(value: object, field: str = "layers") -> tuple[int, ...] | None:
     """Layer indices from a JSON list or a form string (``10,12`` or ``[10, 12]``); None when absent."""
     if value is None or value == "":
         return None
@@ -230,7 +230,7 @@ def decode_form(fields: Mapping[str, str | bytes]) -> tuple[str, VectorPayload]:
     layers = fields.get("layers")
     if isinstance(vector_id, bytes) or isinstance(layers, bytes):
         raise _bad("id" if isinstance(vector_id, bytes) else "layers", "must be a form field, not a file", "bad_body")
-    return validate_id(vector_id), decode_safetensors(raw, parse_layers(layers))
+    return validate_id(vector_id), decode_safetensors(raw, parse_layer_list(layers))
 
 
 def _decode_layer_lists(rows: Mapping[str, object]) -> VectorPayload:
@@ -309,4 +309,4 @@ def decode_json(obj: object) -> tuple[str, VectorPayload]:
         raise _bad("data", "must be a base64 string of the raw little-endian values", "bad_data") from None
     dtype = _dtype(obj["dtype"], "dtype")
     shape = _shape(obj["shape"], "shape")
-    return vector_id, _finish(raw, dtype, shape, parse_layers(layers), "data")
+    return vector_id, _finish(raw, dtype, shape, parse_layer_list(layers), "data")

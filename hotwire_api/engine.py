@@ -114,12 +114,7 @@ class HotwireEngine:
                 f"{method} returned {type(result).__name__}; hotwire_core and hotwire_api are from different versions",
             )
         if not result.get("ok"):
-            raise HotwireError(
-                int(result.get("status") or 500),
-                str(result.get("code") or "engine_error"),
-                str(result.get("error") or f"{method} failed"),
-                result.get("field"),
-            )
+            raise HotwireError.from_result(result, f"{method} failed")
         return result
 
     @staticmethod
@@ -187,8 +182,7 @@ class HotwireEngine:
         found: dict[str, HotwireError] = {}
         for answer in await self._call_each(contract.REFUSALS, tickets, answered_only=True):
             for ticket, r in (answer.get("refusals") or {}).items():
-                found[ticket] = HotwireError(int(r.get("status") or 500), str(r.get("code") or "engine_error"),
-                                             str(r.get("error") or "the engine refused the request"), r.get("field"))
+                found[ticket] = HotwireError.from_result(r, "the engine refused the request")
         return found
 
 

@@ -1,4 +1,5 @@
-"""The one error type of the control plane, shared by the server (rendered as JSON) and the client (raised)."""
+"""The one error type of the control plane, shared by the server (rendered as JSON) and the client (raised): the
+engine's error shape (``hotwire_core.errors.EngineError``) with its HTTP rendering."""
 
 from __future__ import annotations
 
@@ -6,17 +7,17 @@ from typing import Any
 
 from starlette.responses import JSONResponse
 
+from hotwire_core.errors import EngineError
 
-class HotwireError(Exception):
+__all__ = ["HotwireError"]
+
+
+class HotwireError(EngineError):
     """An error with an HTTP status, a stable ``code`` slug, a message a person can act on and, where one
     field of the request is at fault, that field's name."""
 
-    def __init__(self, status: int, code: str, message: str, field: str | None = None):
-        super().__init__(f"{message} (HTTP {status} {code})")
-        self.status = status
-        self.code = code
-        self.message = message
-        self.field = field
+    def __str__(self) -> str:
+        return f"{self.message} (HTTP {self.status} {self.code})"
 
     def body(self) -> dict[str, Any]:
         """``{"error": {"message", "code", "field"?}}``."""

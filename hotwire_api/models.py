@@ -6,6 +6,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from hotwire_core.spec import VECTOR_ID_RE
+
 
 class ErrorDetail(BaseModel):
     message: str = Field(description="What went wrong and what to do about it.")
@@ -60,7 +62,7 @@ class RegisterVectorJSON(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    id: str = Field(pattern=r"^[A-Za-z0-9._-]{1,64}$")
+    id: str = Field(pattern=f"^{VECTOR_ID_RE.pattern}$")
     data: str | None = Field(None, description="Base64 of the raw little-endian values, row-major.")
     dtype: Literal["float32", "float16", "bfloat16"] | None = None
     shape: list[int] | None = Field(None, description="[hidden], [n_layers, hidden] or [len(layers), hidden].")

@@ -21,11 +21,12 @@ from typing import Any, Protocol
 
 from .errors import EngineError
 from .settings import format_layers
+from .slots import RowKey
 from .spec import SALT_PREFIX, SPEC_KEY, Phase, SpecError, SteeringEntry, canonical_spec, parse_spec
 
 __all__ = [
     "DEFAULT_STRENGTH_LIMIT", "STRENGTH_LIMITS", "ModelInfo", "Refusal", "Resolved", "Rules", "StrengthLimit",
-    "VectorView", "cache_salt", "pinned_spec", "receipt", "resolve",
+    "VectorView", "cache_salt", "pinned_spec", "receipt", "resolve", "row_key", "row_keys",
 ]
 
 
@@ -156,9 +157,14 @@ def resolve(spec: Any, lookup: Lookup, rules: Rules) -> Resolved:
     return resolved
 
 
-def row_keys(resolved: Resolved) -> set[tuple[str, int, int]]:
-    """The bank rows a resolved spec reads: (id, version, layer; -1 for a vector with one row for any layer)."""
-    return {(v.vector_id, v.version, -1 if v.layers is None else layer) for e, v in resolved for layer in e.layers}
+def row_key(vector: VectorView, layer: int) -> RowKey:
+    """The bank row ``vector`` contributes at ``layer`` (layer -1: a vector with one row for any layer)."""
+    return RowKey(vector.vector_id, vector.version, -1 if vector.layers is None else layer)
+
+
+def row_keys(resolved: Resolved) -> set[RowKey]:
+    """The bank rows a resolved spec reads."""
+    return {row_key(v, layer) for e, v in resolved for layer in e.layers}
 
 
 def _check_stack(resolved: Resolved, max_stack: int) -> None:

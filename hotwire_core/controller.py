@@ -1,4 +1,6 @@
-"""The steering controller of one engine: registry, slot cache, admission and the RPC surface.
+"""The steering controller of one engine: admission into the engine (deferral, streaming-input sessions, kept
+refusals) and the RPC surface, over the registry, the slot cache and the bindings (``hotwire_core.bindings``);
+the vectors at start come from ``hotwire_core.vectors``, the decision procedure from ``hotwire_core.admission``.
 
 It runs in the engine-core process, in the thread that admits requests and answers utility RPCs, so every
 decision (versions, slots, evictions) is made once, in request order, and reaches every TP/PP rank through the
@@ -7,72 +9,30 @@ same ``SchedulerOutput``. See docs/architecture.md.
 
 from __future__ import annotations
 
-import copy
 import logging
 from collections import Counter, OrderedDict
-from dataclasses import dataclass, field
-from typing import Any, Callable, Collection, Sequence
-
-import torch
+from typing import Any, Callable, Sequence
 
 from . import contract
+from .admission import ModelInfo, Refusal, Resolved, Rules, cache_salt, pinned_spec, receipt, resolve, row_key
+from .bindings import BankWrite, Binding, Bindings, Config, set_binding, set_extra
 from .contract import BINDING_KEY, USER_SALT_ATTR  # re-exported: the benchmarks import them from here
-from .admission import ModelInfo, Refusal, Resolved, Rules, cache_salt, pinned_spec, receipt, resolve
 from .errors import EngineError
 from .registry import HostVector, RegistryError, VectorRegistry
 from .settings import Settings
 from .slots import RowKey, SlotCache, SlotsExhausted
-from .spec import SALT_PREFIX, SPEC_KEY, TICKET_KEY, Phase, SpecError, parse_spec
-from .store import StoredVector, VectorStore, load_preload_dir
+from .spec import SALT_PREFIX, SPEC_KEY, TICKET_KEY, SpecError, parse_spec
+from .store import VectorStore
+from .vectors import restore, store_failed
 
 __all__ = [
-    "BINDING_KEY", "USER_SALT_ATTR", "BankWrite", "Binding", "BoundEntry", "SteeringController", "prompt_length",
-    "steering_args",
+    "BINDING_KEY", "USER_SALT_ATTR", "SteeringController", "WaitForRows", "prompt_length", "steering_args",
 ]
 
 logger = logging.getLogger(__name__)
 
 ENDED_SESSIONS_KEPT = 4096  # streaming-input sessions ended by a refusal, remembered until their end marker comes
 REFUSALS_KEPT = 4096  # refusals of ticketed requests, kept until the API server that sent them asks
-
-
-@dataclass(frozen=True)
-class BankWrite:
-    """Load ``row`` into bank slot ``slot`` before the step that carries this write."""
-
-    slot: int
-    row: torch.Tensor  # [hidden] on the host, in the registered dtype (the worker casts it to the model's)
-    inv_norm: float
-
-
-@dataclass(frozen=True)
-class BoundEntry:
-    """One (entry, layer) of an admitted request: which row it reads and how."""
-
-    key: RowKey
-    layer: int
-    scale: float  # absolute scale (0 for a norm-relative entry)
-    rel: float  # norm-relative scale (0 for an absolute entry)
-    phases: str  # "p", "d" or "pd"
-
-
-@dataclass
-class Binding:
-    """What one admitted request holds: pinned rows, referenced versions, and its per-phase config.
-
-    A preempted request is ``suspended``: its rows are unpinned (others may evict them) but its versions stay
-    referenced, so ``SteeringController.resume`` can pin them again, reloading evicted rows, before it runs."""
-
-    vectors: list[HostVector]
-    receipt: str
-    entries: list[BoundEntry]
-    sources: dict[RowKey, tuple[HostVector, int]]  # its rows, and where their values come from: (vector, layer)
-    config: dict[str, list[list[float]]] = field(default_factory=dict)
-    suspended: bool = False
-
-    @property
-    def keys(self) -> Collection[RowKey]:
-        return self.sources.keys()
 
 
 def steering_args(request: Any) -> dict | None:
@@ -108,6 +68,15 @@ def _same_steering(chunk: Any, session: Any) -> bool:
     )
 
 
+class WaitForRows(Refusal):
+    """``admit``'s refusal of a request that fits once running requests release their rows: it waits (see
+    ``SteeringController.defer``). ``resolved``: what its spec resolved to, so deferring it resolves nothing again."""
+
+    def __init__(self, message: str, resolved: Resolved):
+        super().__init__(429, "slots_exhausted", message)
+        self.resolved = resolved
+
+
 class SteeringController:
     def __init__(self, model: ModelInfo, settings: Settings, model_name: str):
         self.model = model
@@ -115,7 +84,7 @@ class SteeringController:
         self.registry = VectorRegistry(model.n_layers, model.hidden_size, model.dtype, settings.retain_s)
         self.rules = Rules(model, settings.max_stack, settings.slots, settings.layers is not None)
         self.slots = SlotCache(settings.slots)
-        self.bindings: dict[str, Binding] = {}
+        self.bindings = Bindings(self.registry, self.slots)
         self.refused: Counter[str] = Counter()
         self.steered_requests = 0
         self.deferred: OrderedDict[str, Any] = OrderedDict()  # request id -> request waiting for slots
@@ -124,75 +93,10 @@ class SteeringController:
         self._refusals: OrderedDict[str, contract.Failure] = OrderedDict()  # ticket -> refusal (see note_refusal)
         # Set by the engine glue: finishes a deferred request that can no longer be admitted with an error.
         self.on_refused: Callable[[Any, Refusal], None] = lambda request, exc: None
-        self._writes: list[BankWrite] = []
-        self._rebinds: dict[str, dict[str, list[list[float]]]] = {}  # resumed request id -> its new config
-        self._waiting_to_resume: set[str] = set()  # preempted requests whose rows could not be pinned again yet
         self._ended_sessions: OrderedDict[str, None] = OrderedDict()  # see note_ended_session
-        self.resumptions = 0
         store_dir = settings.store_dir(model_name)
         self.store = VectorStore(store_dir) if store_dir is not None else None
-        self._restore()
-
-    # -- startup ---------------------------------------------------------------------------------------------
-
-    def _restore(self) -> None:
-        stored: list[StoredVector] = self.store.load() if self.store is not None else []
-        if self.store is not None:
-            # Stores written before versions.json existed know their live versions only from the vector files.
-            self.store.note_versions({s.vector_id: s.version for s in stored if s.version is not None})
-            for vector_id, version in self.store.last_versions().items():
-                self.registry.note_version(vector_id, version)
-        for s in stored:
-            try:
-                vector = self.registry.register(
-                    s.vector_id, s.data, s.dtype, s.shape, s.layers, replace=False, version=s.version, created_at=s.created_at
-                )
-            except RegistryError as exc:
-                logger.error("hotwire: cannot restore vector %r: %s", s.vector_id, exc.message)
-                continue
-            if s.version is None:
-                self._store_at_start(vector)
-        if self.settings.preload:
-            from pathlib import Path
-
-            for s in load_preload_dir(Path(self.settings.preload)):
-                self._preload(s)
-        if self.registry.vectors():
-            logger.info("hotwire: restored %d steering vector(s)", len(self.registry.vectors()))
-
-    def _preload(self, s: StoredVector) -> None:
-        """A ``HOTWIRE_VECTORS`` file, read at every start: it becomes a new version of its id unless the store
-        holds that content already (so an edited file takes effect at the next start)."""
-        current = self.registry.current(s.vector_id)
-        try:
-            vector = self.registry.prepare(s.vector_id, s.data, s.dtype, s.shape, s.layers, replace=True)
-        except RegistryError as exc:
-            logger.error("hotwire: cannot preload vector %r: %s", s.vector_id, exc.message)
-            return
-        if current is not None and current.sha256 == vector.sha256:
-            return
-        if current is not None:
-            logger.info("hotwire: the preloaded %r differs from the stored %s@%d: registered as version %d",
-                        s.vector_id, s.vector_id, current.version, vector.version)
-        self.registry.add(vector)
-        self._store_at_start(vector)
-
-    def _store_at_start(self, vector: HostVector) -> None:
-        """Store a vector restored or preloaded at start; a store that cannot be written costs durability only."""
-        if self.store is None:
-            return
-        try:
-            self.store.save(vector)
-        except OSError as exc:
-            logger.error("hotwire: cannot write %s@%d to the store at %s (%s); it is served but not stored",
-                         vector.vector_id, vector.version, self.store.root, exc)
-
-    def _store_failed(self, what: str, exc: OSError) -> contract.Failure:
-        return EngineError(
-            500, "store_failed",
-            f"could not {what} the store at {self.store.root} ({type(exc).__name__}: {exc}); "
-            "nothing changed: make the folder writable or free space (HOTWIRE_STORE), then retry",
-        ).to_result()
+        restore(self.registry, self.store, settings.preload)
 
     # -- RPC surface (msgpack-native in and out) -------------------------------------------------------------
 
@@ -234,7 +138,7 @@ class SteeringController:
             try:
                 self.store.save(vector)
             except OSError as exc:
-                return self._store_failed(f"write {vector_id!r} to", exc)
+                return store_failed(self.store, f"write {vector_id!r} to", exc)
         self.registry.add(vector)
         if current and old is not None and old.refs == 0:
             self.slots.drop(old.vector_id, old.version)
@@ -250,7 +154,7 @@ class SteeringController:
             try:
                 self.store.delete(vector_id)
             except OSError as exc:
-                return self._store_failed(f"delete {vector_id!r} from", exc)
+                return store_failed(self.store, f"delete {vector_id!r} from", exc)
         try:
             vector = self.registry.unregister(vector_id, version)
         except RegistryError as exc:
@@ -278,7 +182,7 @@ class SteeringController:
             deferred=len(self.deferred),
             deferrals=self.deferrals,
             suspended=sum(b.suspended for b in self.bindings.values()),
-            resumptions=self.resumptions,
+            resumptions=self.bindings.resumptions,
             vectors=len(self.registry.vectors()),
             model=self.model.to_json(self.settings.max_stack),
         )
@@ -338,18 +242,13 @@ class SteeringController:
     def _check_no_preempted_waiting(self) -> None:
         """New steered requests queue behind a preempted one that waits for rows, or a stream of small requests
         could keep it from ever pinning its own again."""
-        if self._waiting_to_resume:
+        if self.bindings.waiting_to_resume:
             raise Refusal(429, "slots_exhausted", "a preempted steered request is waiting for bank rows; this one waits behind it")
 
     @staticmethod
-    def _row_key(vector: HostVector, layer: int) -> RowKey:
-        """The bank row ``vector`` contributes at ``layer``."""
-        return RowKey(vector.vector_id, vector.version, vector.row_key_layer(layer))
-
-    @classmethod
-    def _row_sources(cls, resolved: list[tuple[SteeringEntry, HostVector]]) -> dict[RowKey, tuple[HostVector, int]]:
+    def _row_sources(resolved: Resolved) -> dict[RowKey, tuple[HostVector, int]]:
         """The bank rows a spec reads, each with the (vector, layer) its values come from."""
-        return {cls._row_key(v, l): (v, l) for e, v in resolved for l in e.layers}
+        return {row_key(v, l): (v, l) for e, v in resolved for l in e.layers}
 
     def cache_salt_for(self, spec: Any, user_salt: str | None, prompt_len: int) -> str | None:
         """The cache salt ``admit`` would give a request with this spec and user salt as the registry stands now;
@@ -392,34 +291,21 @@ class SteeringController:
             except SlotsExhausted as exc:
                 raise Refusal(429, "slots_exhausted", str(exc)) from None
         except Refusal as exc:
-            if exc.code != "slots_exhausted":  # that one is deferred, not refused (see defer)
-                self.refused[exc.code] += 1
+            if exc.code == "slots_exhausted":  # deferred, not refused (see defer); resolve raises no such code
+                raise WaitForRows(exc.message, resolved) from None
+            self.refused[exc.code] += 1
             raise
-        vectors = []
-        for _, vector in resolved:
-            if vector not in vectors:
-                self.registry.acquire(vector)
-                vectors.append(vector)
-        self._load(loads, sources)
-        entries = [
-            BoundEntry(
-                self._row_key(v, layer), layer,
-                0.0 if e.norm else e.scale, e.scale if e.norm else 0.0,
-                {Phase.ALL: "pd", Phase.PREFILL: "p", Phase.DECODE: "d"}[e.phase],
-            )
-            for e, v in resolved for layer in e.layers
-        ]
-        config = self._config(entries, slot_of)
-        binding = Binding(vectors, receipt(resolved), entries, sources, config)
-        self.bindings[request.request_id] = binding
+        try:
+            binding = self.bindings.bind(request, resolved, sources, slot_of, loads)
+            salt = cache_salt(user_salt, resolved, prompt_length(request))
+            if request.cache_salt != salt:  # hashed without it (or the registry changed since): hash again
+                request.cache_salt = salt
+                request.block_hashes.clear()
+                request.update_block_hashes()
+        except BaseException:
+            self.release(request.request_id)  # the glue refuses the request: its pins and versions must not leak
+            raise
         self.steered_requests += 1
-
-        self._set_binding(request, config)  # the workers read it from the request's sampling params
-        salt = cache_salt(user_salt, resolved, prompt_length(request))
-        if request.cache_salt != salt:  # hashed without it (or the registry changed since): hash again
-            request.cache_salt = salt
-            request.block_hashes.clear()
-            request.update_block_hashes()
         return binding
 
     def admit_update(self, update: Any, session: Any | None) -> None:
@@ -460,102 +346,36 @@ class SteeringController:
         current config: rows may have moved while it was preempted)."""
         binding = self.bindings.get(session.request_id)
         if binding is not None:
-            self._set_binding(session, binding.config)
-
-    def _load(self, loads: list[tuple[int, RowKey]], sources: dict[RowKey, tuple[HostVector, int]]) -> None:
-        for slot, key in loads:
-            vector, layer = sources[key]
-            # A copy: a view would carry the whole vector's storage when the write is pickled to the workers.
-            row = vector.row(layer).clone()
-            self._writes.append(BankWrite(slot, row, 1.0 / max(vector.row_norm(layer), 1e-30)))
-
-    @staticmethod
-    def _config(entries: list[BoundEntry], slot_of: dict[RowKey, int]) -> dict[str, list[list[float]]]:
-        """The workers' per-phase ``[layer, slot, scale, rel]`` items."""
-        config: dict[str, list[list[float]]] = {"p": [], "d": []}
-        for e in entries:
-            for phase in e.phases:
-                config[phase].append([e.layer, slot_of[e.key], e.scale, e.rel])
-        return config
-
-    @classmethod
-    def _set_binding(cls, request: Any, config: dict[str, list[list[float]]]) -> None:
-        cls._set_extra(request, BINDING_KEY, config)
-
-    @staticmethod
-    def _set_extra(request: Any, key: str, value: Any) -> None:
-        # Copied params, so that a caller's object (offline, in-process engines) is never modified.
-        params = copy.copy(request.sampling_params)
-        params.extra_args = {**params.extra_args, key: value}
-        request.sampling_params = params
+            set_binding(session, binding.config)
 
     def suspend(self, request_id: str) -> None:
-        """A preempted request: unpin its rows until ``resume``; its versions stay referenced."""
-        binding = self.bindings.get(request_id)
-        if binding is not None and not binding.suspended:
-            self.slots.release(binding.keys)
-            binding.suspended = True
+        self.bindings.suspend(request_id)
 
     def resume(self, request: Any) -> bool:
-        """Pin a preempted request's rows again before the scheduler lets it run; False (and nothing changes)
-        while they cannot all be pinned. Rows evicted meanwhile are reloaded, possibly into other slots: the
-        request and, through ``take_rebinds``, the workers then get the new config."""
-        binding = self.bindings.get(request.request_id)
-        if binding is None or not binding.suspended:
-            return True
-        try:
-            slot_of, loads = self.slots.acquire(binding.keys)
-        except SlotsExhausted:
-            self._waiting_to_resume.add(request.request_id)
-            return False
-        self._waiting_to_resume.discard(request.request_id)
-        self._load(loads, binding.sources)
-        binding.suspended = False
-        self.resumptions += 1
-        config = self._config(binding.entries, slot_of)
-        if config != binding.config:
-            binding.config = config
-            self._set_binding(request, config)
-            self._rebinds[request.request_id] = config
-        return True
-
-    def take_rebinds(self) -> dict[str, dict[str, list[list[float]]]]:
-        """New configs of resumed requests since the last step (their rows moved while they were preempted)."""
-        rebinds, self._rebinds = self._rebinds, {}
-        return rebinds
+        return self.bindings.resume(request)
 
     def release(self, request_id: str) -> None:
-        binding = self.bindings.pop(request_id, None)
-        self._rebinds.pop(request_id, None)
-        self._waiting_to_resume.discard(request_id)
-        if binding is None:
-            return
-        if not binding.suspended:
-            self.slots.release(binding.keys)
-        for vector in binding.vectors:
-            if self.registry.release(vector):
-                self.slots.drop(vector.vector_id, vector.version)
+        self.bindings.release(request_id)
 
     # -- requests waiting for slots ----------------------------------------------------------------------------
 
-    def defer(self, request: Any) -> None:
+    def defer(self, request: Any, resolved: Resolved | None = None) -> None:
         """Hold a request whose rows cannot be pinned now; ``admit_deferred`` adds it once they can. It keeps the
-        versions it resolved to now (its spec is pinned to them, and it holds them), whatever is registered
-        while it waits."""
-        resolved = self._resolve(steering_args(request)[SPEC_KEY])
+        versions it resolved to (``resolved``: by ``admit``, in its :class:`WaitForRows`; None: resolve now), its
+        spec pinned to them and held, whatever is registered while it waits."""
+        if resolved is None:
+            resolved = self._resolve(steering_args(request)[SPEC_KEY])
         holds = list({id(v): v for _, v in resolved}.values())
         for vector in holds:
             self.registry.acquire(vector)
-        self._set_extra(request, SPEC_KEY, pinned_spec(resolved))
+        set_extra(request, SPEC_KEY, pinned_spec(resolved))
         self._deferred_holds[request.request_id] = holds
         self.deferred[request.request_id] = request
         self.deferrals += 1
 
     def _undefer(self, request_id: str) -> Any:
         """Take a request out of the deferred ones, letting go of the versions it kept."""
-        for vector in self._deferred_holds.pop(request_id, ()):
-            if self.registry.release(vector):
-                self.slots.drop(vector.vector_id, vector.version)
+        self.bindings.release_versions(self._deferred_holds.pop(request_id, ()))
         return self.deferred.pop(request_id, None)
 
     def admit_deferred(self) -> list[Any]:
@@ -585,10 +405,10 @@ class SteeringController:
 
     @property
     def step_payload_pending(self) -> bool:
-        """Whether the next step has bank writes or rebinds to carry (most steps have neither)."""
-        return bool(self._writes or self._rebinds)
+        return self.bindings.step_payload_pending
 
     def take_writes(self) -> list[BankWrite]:
-        """Bank writes since the last step; a slot reloaded twice in between keeps only its last row."""
-        writes, self._writes = self._writes, []
-        return list({w.slot: w for w in writes}.values())
+        return self.bindings.take_writes()
+
+    def take_rebinds(self) -> dict[str, Config]:
+        return self.bindings.take_rebinds()

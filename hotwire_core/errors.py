@@ -1,8 +1,19 @@
-"""The one error shape of the engine side: it travels back through ``collective_rpc`` as a plain dict."""
+"""hotwire's one error shape: a status, a code, a message and maybe a field. The engine side sends it back
+through ``collective_rpc`` as a plain dict (``to_result``); the callers (the control plane's
+``hotwire_api.errors.HotwireError``, the offline API's ``hotwire_core.offline.HotwireError``) raise it again
+(``from_result``)."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from typing import Any, TypeVar
+
 from .contract import Failure
+
+
+_Error = TypeVar("_Error", bound="EngineError")
+
+__all__ = ["EngineError"]
 
 
 class EngineError(ValueError):
@@ -17,3 +28,9 @@ class EngineError(ValueError):
         if self.field:
             out["field"] = self.field
         return out
+
+    @classmethod
+    def from_result(cls: type[_Error], result: Mapping[str, Any], default_message: str = "hotwire call failed") -> _Error:
+        """The error a failure dict (``contract.Failure``) describes; missing keys get defaults."""
+        return cls(int(result.get("status") or 500), str(result.get("code") or "engine_error"),
+                   str(result.get("error") or default_message), result.get("field"))

@@ -18,24 +18,19 @@ import numpy as np
 import torch
 
 from .contract import rpc_name
+from .errors import EngineError
 from .spec import SPEC_KEY, as_index, build_spec
 from .store import tensor_to_stored
 
 
-class HotwireError(RuntimeError):
+class HotwireError(EngineError, RuntimeError):
     """An engine-side refusal: ``status`` mirrors the HTTP status the control plane would return."""
-
-    def __init__(self, result: dict):
-        super().__init__(result.get("error", "hotwire call failed"))
-        self.status: int = result.get("status", 500)
-        self.code: str = result.get("code", "error")
-        self.field: str | None = result.get("field")
 
 
 def _call(llm: Any, method: str, *args: Any) -> dict:
     result = llm.collective_rpc(rpc_name(method), args=args)[0]
     if not result.get("ok"):
-        raise HotwireError(result)
+        raise HotwireError.from_result(result)
     return result
 
 

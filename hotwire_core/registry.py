@@ -72,10 +72,6 @@ class HostVector:
         i = self._index(layer)
         return 0.0 if i is None else self.row_norms[i]
 
-    def row_key_layer(self, layer: int) -> int:
-        """The layer part of the bank-row key: -1 for a layer-agnostic vector (one row serves every layer)."""
-        return -1 if self.layers is None else layer
-
     def norms(self) -> dict[str, float]:
         keys = ["*"] if self.layers is None else [str(layer) for layer in self.layers]
         return dict(zip(keys, self.row_norms))

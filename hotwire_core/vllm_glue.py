@@ -39,7 +39,7 @@ from typing import Any, Callable, Iterator
 
 from . import contract, ops
 from .admission import ModelInfo, Refusal
-from .controller import SteeringController, prompt_length, steering_args
+from .controller import SteeringController, WaitForRows, prompt_length, steering_args
 from .ops import GATE
 from .settings import Settings, format_layers
 from .spec import SPEC_KEY
@@ -157,9 +157,9 @@ def _patch_engine_core(module: Any) -> None:
                 else:
                     self.hotwire.admit(request)
             except Exception as exc:  # a bad request must never take the engine down
-                if not update and isinstance(exc, Refusal) and exc.code == "slots_exhausted":
+                if not update and isinstance(exc, WaitForRows):
                     # It fits once running requests release their rows: wait, like any queued request.
-                    self.hotwire.defer(request)
+                    self.hotwire.defer(request, exc.resolved)
                     return
                 if not isinstance(exc, Refusal):
                     logger.exception("hotwire: admission of %s failed", request.request_id)

@@ -16,7 +16,7 @@ from hotwire_api.codec import (
     decode_form,
     decode_json,
     decode_safetensors,
-    parse_layers,
+    parse_layer_list,
     read_limited,
     validate_id,
 )
@@ -108,12 +108,12 @@ def test_safetensors_bfloat16() -> None:
 
 
 @pytest.mark.parametrize("value,expected", [("1,2", (1, 2)), ("[4, 0]", (4, 0)), ([3], (3,)), ("", None), (None, None)])
-def test_parse_layers(value: object, expected: tuple[int, ...] | None) -> None:
-    assert parse_layers(value) == expected
+def test_parse_layer_list(value: object, expected: tuple[int, ...] | None) -> None:
+    assert parse_layer_list(value) == expected
 
 
-def test_parse_layers_refuses_what_json_cannot_read() -> None:
-    assert _refused(parse_layers, "[" * 100_000).code == "bad_layers"  # a RecursionError in json, not a 500
+def test_parse_layer_list_refuses_what_json_cannot_read() -> None:
+    assert _refused(parse_layer_list, "[" * 100_000).code == "bad_layers"  # a RecursionError in json, not a 500
 
 
 # ---- refusals ---------------------------------------------------------------------------------------------

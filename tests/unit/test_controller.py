@@ -18,7 +18,8 @@ from vllm.utils.hashing import sha256
 from hotwire_core import controller as controller_mod
 from hotwire_core.admission import DEFAULT_STRENGTH_LIMIT, STRENGTH_LIMITS, ModelInfo, Refusal
 from hotwire_core.contract import BINDING_KEY, USER_SALT_ATTR
-from hotwire_core.controller import BankWrite, SteeringController
+from hotwire_core.bindings import BankWrite
+from hotwire_core.controller import SteeringController, WaitForRows
 from hotwire_core.spec import SALT_PREFIX
 from hotwire_core.settings import Settings
 
@@ -83,7 +84,7 @@ def state(c: SteeringController):
         {vid: (v.version, v.refs) for vid, v in c.registry._current.items()},
         dict(c.registry._retired),
         dict(c.bindings),
-        list(c._writes),
+        list(c.bindings._writes),
     )
 
 
@@ -108,7 +109,7 @@ def test_unsteered_admit_is_none(c, extra):
     assert req.cache_salt is None
     assert req.block_hashes == hashes and len(hashes) == 2
     assert req.sampling_params is sp
-    assert c.take_writes() == [] and c.bindings == {}
+    assert c.take_writes() == [] and dict(c.bindings) == {}
     assert c.stats()["steered_requests"] == 0 and c.stats()["pinned"] == 0
 
 
@@ -149,7 +150,7 @@ def test_binding_config_phases_and_norm(c):
     assert req.sampling_params.extra_args["hotwire"] == json.dumps(spec)  # the spec itself stays
     assert binding.receipt == "a@1:L1+2x3;g@1:L1x0.5,norm,decode_only;part@1:L0x-1.5,prefill_only"
     assert [v.vector_id for v in binding.vectors] == ["a", "g", "part"]
-    assert c.bindings == {"r1": binding}
+    assert dict(c.bindings) == {"r1": binding}
     s = c.stats()
     assert (s["used"], s["pinned"], s["free"], s["steered_requests"]) == (4, 4, 4, 1)
     assert c.registry.current("a").refs == 1
@@ -1289,3 +1290,33 @@ def test_check_without_slots_never_says_wait():
     assert c.check(spec)["code"] == "slots_exhausted"
     assert c.check(spec, False) == {"ok": True, "receipt": "b@1:L0x1", "new_rows": 0,
                                     "spec": '[{"id":"b","layer":[0],"scale":1.0,"version":1}]'}
+
+
+def test_a_failure_after_pinning_leaks_nothing(c, monkeypatch):
+    """Anything that raises once ``admit`` pinned rows (here vLLM hashing the blocks again) releases them and the
+    versions before the refusal leaves: the request never runs, so nothing else would."""
+    req = request("r", {"id": "a", "layer": [0, 1], "scale": 1})
+
+    def broken() -> None:
+        raise RuntimeError("hashing failed")
+
+    monkeypatch.setattr(req, "update_block_hashes", broken)
+    with pytest.raises(RuntimeError, match="hashing failed"):
+        c.admit(req)
+    assert "r" not in c.bindings and c.stats()["pinned"] == 0 and c.stats()["steered_requests"] == 0
+    assert all(v["in_flight"] == 0 for v in c.list()["vectors"])
+    admit(c, "r2", {"id": "a", "layer": [0, 1], "scale": 1})  # its rows stay loaded, unpinned: reused
+    assert c.stats()["pinned"] == 2
+
+
+def test_deferring_reuses_what_admit_resolved(monkeypatch):
+    c = ctrl(slots=2)
+    register(c, "a", vec(N_LAYERS, HIDDEN, seed=1))
+    register(c, "g", vec(HIDDEN, seed=2))
+    admit(c, "hog", {"id": "a", "layer": [0, 1], "scale": 1})
+    with pytest.raises(WaitForRows) as info:
+        c.admit(request("late", {"id": "g", "layer": 0, "scale": 1}))
+    late = request("late", {"id": "g", "layer": 0, "scale": 1})
+    monkeypatch.setattr(c, "_resolve", lambda spec: pytest.fail("resolved again"))
+    c.defer(late, info.value.resolved)
+    assert list(c.deferred) == ["late"] and '"version"' in late.sampling_params.extra_args["hotwire"]

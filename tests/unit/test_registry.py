@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from hotwire_core.admission import row_key
 from hotwire_core.registry import DTYPES, RegistryError, VectorRegistry, content_sha256, decode_vector
 
 N_LAYERS, HIDDEN = 4, 8
@@ -44,7 +45,7 @@ def test_layer_agnostic_vector(r):
     assert v.layers is None and v.shape == (HIDDEN,) and v.rows.shape == (1, HIDDEN)
     for layer in range(N_LAYERS):
         assert torch.equal(v.row(layer), t)
-        assert v.row_key_layer(layer) == -1
+        assert row_key(v, layer).layer == -1
     assert v.row(99) is not None  # a [hidden] vector serves any layer; the controller checks the range
     assert list(v.norms()) == ["*"]
     assert v.norms()["*"] == pytest.approx(float(t.norm()))
@@ -56,7 +57,7 @@ def test_row_per_layer(r):
     assert v.layers == tuple(range(N_LAYERS)) and v.shape == (N_LAYERS, HIDDEN)
     for layer in range(N_LAYERS):
         assert torch.equal(v.row(layer), t[layer])
-        assert v.row_key_layer(layer) == layer
+        assert row_key(v, layer).layer == layer
     assert v.row(N_LAYERS) is None
     assert set(v.norms()) == {"0", "1", "2", "3"}
     assert v.norms()["2"] == pytest.approx(float(t[2].norm()))

@@ -10,7 +10,8 @@ import torch
 
 from hotwire_core.admission import ModelInfo
 from hotwire_core.contract import BINDING_KEY
-from hotwire_core.controller import BankWrite, SteeringController
+from hotwire_core.bindings import BankWrite
+from hotwire_core.controller import SteeringController
 from hotwire_core.runtime import CONFIG_ROWS_PER_BATCH_SLOT, WorkerSteering, select_layers
 from hotwire_core.settings import Settings
 
