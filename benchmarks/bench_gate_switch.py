@@ -1,7 +1,7 @@
 """Host time of moving hotwire's gate (``ops.GATE``): every CUDA graph wrapper gets the graph set the gate names.
 
 A step with no steered request replays the idle graphs (captured without hotwire's op), any other step the
-steered ones. ``vllm_glue._GraphSets`` puts the right set in place when the gate opens or closes, not on every
+steered ones. ``vllm_glue.graphs._GraphSets`` puts the right set in place when the gate opens or closes, not on every
 graph replay, so a server pays this only when its batch goes from steered to unsteered or back. This times one
 move on vLLM's own ``CUDAGraphWrapper`` class (instances made without CUDA: its constructor needs a graph pool),
 each with both sets filled as hotwire's capture fills them.
@@ -22,13 +22,13 @@ from vllm.compilation import cuda_graph
 from vllm.config import CUDAGraphMode
 from vllm.forward_context import BatchDescriptor
 
-from hotwire_core import vllm_glue
+from hotwire_core.vllm_glue import graphs
 from hotwire_core.ops import GATE
 
 
 def captured_wrappers(n_wrappers: int, n_entries: int) -> list[cuda_graph.CUDAGraphWrapper]:
     """``n_wrappers`` wrappers with ``n_entries`` batch shapes captured idle, then steered."""
-    vllm_glue._patch_cuda_graph_wrapper(cuda_graph)
+    graphs.patch_cuda_graph_wrapper(cuda_graph)
     GATE.split = True
     wrappers = []
     for _ in range(n_wrappers):
@@ -38,7 +38,7 @@ def captured_wrappers(n_wrappers: int, n_entries: int) -> list[cuda_graph.CUDAGr
         wrappers.append(w)
     descs = [BatchDescriptor(num_tokens=8 * (i + 1)) for i in range(n_entries)]
     for variant in ("idle", "steered"):
-        with vllm_glue._gate_closed() if variant == "idle" else contextlib.nullcontext():
+        with graphs.gate_closed() if variant == "idle" else contextlib.nullcontext():
             for w in wrappers:
                 for desc in descs:
                     w.concrete_cudagraph_entries[desc] = SimpleNamespace(cudagraph=variant)

@@ -74,7 +74,7 @@ class HookTimer:
 
 def hotwire_hooks() -> Iterator[tuple[type, str, Any]]:
     """``(class, attribute, class-dict entry)`` for every method hotwire replaced in an imported vLLM module."""
-    from hotwire_core.vllm_glue import _PATCHES
+    from hotwire_core.vllm_glue import PATCHES as _PATCHES
 
     for module_name in _PATCHES:
         module = sys.modules.get(module_name)

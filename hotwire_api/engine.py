@@ -18,7 +18,7 @@ from pydantic import BaseModel, ValidationError
 from hotwire_api.codec import VectorPayload
 from hotwire_api.errors import HotwireError
 from hotwire_api.models import SlotStats, VectorMeta
-from hotwire_api.vllm_process import PerEngineRPC, per_engine_rpc
+from hotwire_core.vllm_glue.api_server import PerEngineRPC, per_engine_rpc
 from hotwire_core import contract
 
 _Model = TypeVar("_Model", bound=BaseModel)
@@ -33,7 +33,7 @@ class RPCClient(Protocol):
 
 
 class HotwireEngine:
-    """The ``hotwire_*`` RPCs of one engine client. ``per_engine`` (see ``hotwire_api.vllm_process.per_engine_rpc``)
+    """The ``hotwire_*`` RPCs of one engine client. ``per_engine`` (see ``hotwire_core.vllm_glue.api_server.per_engine_rpc``)
     gathers every engine core's answer under data parallelism; without it there is one engine core."""
 
     def __init__(self, client: RPCClient, per_engine: PerEngineRPC | None = None):

@@ -32,7 +32,7 @@ from prometheus_client.registry import Collector
 from hotwire_api.engine import HotwireEngine
 from hotwire_api.errors import HotwireError
 from hotwire_api.models import SlotStats
-from hotwire_api.vllm_process import is_first_api_server
+from hotwire_core.vllm_glue.api_server import is_first_api_server
 
 REFRESH_INTERVAL_S = 2.0
 logger = logging.getLogger(__name__)

@@ -1,33 +1,25 @@
-"""vLLM 0.25.1 glue: serve hotwire from a plain ``vllm serve`` (with :mod:`hotwire_api.vllm_process`, the only
-vLLM-version-specific code of hotwire_api).
-
-vLLM has no endpoint-plugin group. The ``hotwire_api`` general plugin (:func:`register`, run in every vLLM
-process) calls :func:`install`. In the API server that wraps ``vllm.entrypoints.serve.register_vllm_serve_api_routers``,
-which ``build_app`` imports at call time right after creating the FastAPI app and setting ``app.state.args``,
-so every app it builds gets hotwire attached. Being the first middleware ``build_app`` adds, admission is the
-innermost: vLLM's HTTP metrics, CORS, ``--api-key`` auth (``/v1`` only), scaling middleware and any
-``--middleware`` all run before it.
-"""
+"""Serve hotwire from a plain ``vllm serve``: the ``hotwire_api`` general plugin (:func:`register`, run by vLLM in
+every process) attaches the HTTP control plane to every app vLLM's API server builds. Where and how is vLLM's
+business, known to :mod:`hotwire_core.vllm_glue.api_server`."""
 
 from __future__ import annotations
 
-import functools
-import importlib
 import logging
 import os
-from typing import Any
 
-from hotwire_api.vllm_process import is_api_server_process
 from hotwire_core.settings import default_store_root
 from hotwire_core.vllm_glue import inactive_reason
+from hotwire_core.vllm_glue.api_server import attach_to_app_builder, is_api_server_process
 
 __all__ = ["install", "register"]
 
-_SERVE_MODULE = "vllm.entrypoints.serve"
-_HOOK = "register_vllm_serve_api_routers"
-_MARK = "__hotwire_attached__"
-
 logger = logging.getLogger(__name__)
+
+
+def _attach(app) -> None:
+    from hotwire_api.server import attach  # not at import: every vLLM process loads this module
+
+    attach(app)
 
 
 def install() -> bool:
@@ -36,8 +28,7 @@ def install() -> bool:
     if not is_api_server_process():
         return False
     try:
-        serve = importlib.import_module(_SERVE_MODULE)
-        original = getattr(serve, _HOOK)
+        attach_to_app_builder(_attach)
     except (ImportError, AttributeError) as exc:
         reason = inactive_reason()
         if reason is None:
@@ -45,18 +36,6 @@ def install() -> bool:
         logger.warning("hotwire's HTTP control plane cannot attach to this vLLM's app (%s: %s): steered requests are "
                        "served as plain ones, without a receipt", reason, exc)
         return False
-    if getattr(original, _MARK, False):
-        return True
-
-    @functools.wraps(original)
-    def register_hotwire_and_routers(app: Any) -> None:
-        from hotwire_api.server import attach  # not at import: every vLLM process loads this module
-
-        attach(app)  # first, so that vLLM's HTTP metrics middleware also sees admission refusals
-        original(app)
-
-    setattr(register_hotwire_and_routers, _MARK, True)
-    setattr(serve, _HOOK, register_hotwire_and_routers)
     return True
 
 

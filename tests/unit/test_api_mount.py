@@ -1,5 +1,5 @@
 """hotwire_api.mount: install() hooks vLLM's router registration only in the API server, once; and
-hotwire_api.vllm_process, the vLLM facts it and the data-parallel RPCs rely on.
+hotwire_core.vllm_glue.api_server, the vLLM facts it and the data-parallel RPCs rely on.
 
 The fast tests stand a fake ``vllm.entrypoints.serve`` in for the real one; ``test_real_build_app`` builds
 vLLM 0.25.1's actual app (no engine needed) and is marked ``integration`` because importing vLLM is slow."""
@@ -18,7 +18,8 @@ import pytest
 from fastapi import FastAPI
 from fastapi.testclient import TestClient
 
-from hotwire_api import mount, vllm_process
+from hotwire_api import mount
+from hotwire_core.vllm_glue import api_server as glue_api
 from hotwire_api.admission import AdmissionMiddleware
 from hotwire_core import vllm_glue
 
@@ -81,7 +82,7 @@ def test_python_m_api_server_counts_as_api_server(
     main = types.ModuleType("__main__")
     main.__spec__ = types.SimpleNamespace(name=API_SERVER)  # type: ignore[assignment]
     monkeypatch.setitem(sys.modules, "__main__", main)
-    assert vllm_process.is_api_server_process()
+    assert glue_api.is_api_server_process()
 
 
 @pytest.mark.integration
@@ -152,7 +153,7 @@ logging.basicConfig(level=logging.DEBUG, stream=sys.stdout, format="%(levelname)
 import hotwire_core
 hotwire_core.register()
 from hotwire_core import vllm_glue
-print("hooks", sum(type(f).__name__ == "_PatchOnImport" for f in sys.meta_path))
+print("hooks", sum(type(f).__name__ == "PatchOnImport" for f in sys.meta_path))
 """
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr
@@ -196,7 +197,7 @@ def test_per_engine_rpc_asks_every_data_parallel_engine_core() -> None:
         return [f"answer of {engine}"]
 
     dp_core = types.SimpleNamespace(core_engines=["e0", "e1"], _call_utility_async=call_utility)
-    rpc = vllm_process.per_engine_rpc(types.SimpleNamespace(engine_core=dp_core))
+    rpc = glue_api.per_engine_rpc(types.SimpleNamespace(engine_core=dp_core))
     assert rpc is not None
     assert asyncio.run(rpc("hotwire_stats", ("a",))) == [["answer of e0"], ["answer of e1"]]
     assert sent == [("collective_rpc", ("hotwire_stats", None, ("a",), None), e) for e in ("e0", "e1")]
@@ -210,15 +211,15 @@ def test_per_engine_rpc_asks_every_data_parallel_engine_core() -> None:
             raise ConnectionError("e1 died")
         return [f"answer of {engine}"]
 
-    rpc = vllm_process.per_engine_rpc(types.SimpleNamespace(engine_core=types.SimpleNamespace(
+    rpc = glue_api.per_engine_rpc(types.SimpleNamespace(engine_core=types.SimpleNamespace(
         core_engines=["e0", "e1"], _call_utility_async=e1_fails)))
     first, second = asyncio.run(rpc("hotwire_refusals", ((),), slice(None), True))  # failures stand in for answers
     assert first == ["answer of e0"] and isinstance(second, ConnectionError)
     with pytest.raises(ConnectionError):
         asyncio.run(rpc("hotwire_refusals", ((),)))
     one_core = types.SimpleNamespace(core_engines=["e0"], _call_utility_async=call_utility)
-    assert vllm_process.per_engine_rpc(types.SimpleNamespace(engine_core=one_core)) is None
-    assert vllm_process.per_engine_rpc(object()) is None
+    assert glue_api.per_engine_rpc(types.SimpleNamespace(engine_core=one_core)) is None
+    assert glue_api.per_engine_rpc(object()) is None
 
 
 def test_per_engine_rpc_matches_vllms_utility_call() -> None:

@@ -1213,11 +1213,11 @@ def test_the_engine_hooks_salt_a_steered_prompt_before_vllm_hashes_it_once():
     from vllm.v1.engine import EngineCoreRequest
     from vllm.v1.engine import core as vllm_core
 
-    from hotwire_core import vllm_glue
+    from hotwire_core.vllm_glue import engine_core
 
     names = ("_initialize_kv_caches", "add_request", "preprocess_add_request", "collective_rpc")
     Core = type("Core", (), {n: vllm_core.EngineCore.__dict__[n] for n in names})
-    vllm_glue._patch_engine_core(SimpleNamespace(EngineCore=Core, RequestStatus=vllm_core.RequestStatus))
+    engine_core.patch_engine_core(SimpleNamespace(EngineCore=Core, RequestStatus=vllm_core.RequestStatus))
     hashed = []
     hasher = get_request_block_hasher(BLOCK, sha256)
     added = []

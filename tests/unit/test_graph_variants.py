@@ -19,7 +19,7 @@ from vllm.config import CUDAGraphMode, VllmConfig  # noqa: E402
 from vllm.forward_context import BatchDescriptor, set_forward_context  # noqa: E402
 from vllm.v1.worker.gpu import cudagraph_utils  # noqa: E402
 
-from hotwire_core import vllm_glue  # noqa: E402
+from hotwire_core.vllm_glue import graphs, patching, workers  # noqa: E402
 from hotwire_core.ops import GATE  # noqa: E402
 
 
@@ -42,7 +42,7 @@ class Wrapper(cuda_graph.CUDAGraphWrapper):
         cuda_graph.CUDAGraphWrapper._all_instances.add(self)
 
 
-vllm_glue._patch_cuda_graph_wrapper(SimpleNamespace(CUDAGraphWrapper=Wrapper))
+graphs.patch_cuda_graph_wrapper(SimpleNamespace(CUDAGraphWrapper=Wrapper))
 
 CONFIG = VllmConfig()
 DESC, OTHER = BatchDescriptor(num_tokens=8, num_reqs=8, uniform=True), BatchDescriptor(num_tokens=16)
@@ -55,7 +55,7 @@ def entry(name: str) -> SimpleNamespace:
 def captured(gate_open: bool) -> Wrapper:
     """A wrapper with DESC captured in both variants (idle first, as hotwire's capture hook does)."""
     w = Wrapper()
-    with vllm_glue._gate_closed():
+    with graphs.gate_closed():
         w.concrete_cudagraph_entries[DESC] = entry("idle graph")
     w.concrete_cudagraph_entries[DESC] = entry("steered graph")
     GATE.open = gate_open
@@ -99,7 +99,7 @@ def test_capturing_closed_fills_the_bare_idle_set_even_if_the_gate_was_closed_al
     w.concrete_cudagraph_entries[OTHER] = entry("steered graph only")
     GATE.open = False
     new = BatchDescriptor(num_tokens=32)
-    with vllm_glue._gate_closed():
+    with graphs.gate_closed():
         w.concrete_cudagraph_entries[new] = entry("new idle graph")
     w.concrete_cudagraph_entries[new] = entry("new steered graph")
     assert graph(w, new) == "new steered graph"
@@ -112,7 +112,7 @@ def test_gate_not_split_leaves_the_wrapper_alone():
     w = Wrapper()
     steered = w.concrete_cudagraph_entries
     steering = SimpleNamespace(steers_any=lambda scheduled: False)
-    vllm_glue._set_gate(steering, SimpleNamespace(num_scheduled_tokens={"plain": 1}))
+    graphs.set_gate(steering, SimpleNamespace(num_scheduled_tokens={"plain": 1}))
     assert w.concrete_cudagraph_entries is steered and "_hotwire_sets" not in w.__dict__
 
 
@@ -130,7 +130,7 @@ def test_clear_graphs_clears_both_sets():
     w = captured(gate_open=False)
     w.clear_graphs()
     assert w._hotwire_sets.idle == {} and w._hotwire_sets.steered == {} and w.concrete_cudagraph_entries == {}
-    with vllm_glue._gate_closed():  # captured again, with the same batch shapes
+    with graphs.gate_closed():  # captured again, with the same batch shapes
         w.concrete_cudagraph_entries[DESC] = entry("new idle graph")
     w.concrete_cudagraph_entries[DESC] = entry("new steered graph")
     GATE.open = False
@@ -139,7 +139,7 @@ def test_clear_graphs_clears_both_sets():
 
 def counts() -> dict:
     counts = dict.fromkeys(("holders", "serving_idle", "idle_graphs", "steered_graphs"), 0)
-    vllm_glue._GRAPH_SETS.count_into(counts)
+    graphs.GRAPH_SETS.count_into(counts)
     return counts
 
 
@@ -160,7 +160,7 @@ def test_graph_set_counts():
 def test_a_wrapper_made_during_a_closed_capture_keeps_its_idle_graphs_apart():
     """After elastic EP resets vLLM's compiled graphs, vLLM compiles (and makes new wrappers) inside the first,
     closed, capture pass: what such a wrapper captures there is idle and must not become its steered set."""
-    with vllm_glue._gate_closed():
+    with graphs.gate_closed():
         w = Wrapper()
         w.concrete_cudagraph_entries[DESC] = entry("idle graph")
     assert w.concrete_cudagraph_entries == {}  # the steered pass finds nothing and captures its own
@@ -217,7 +217,7 @@ class ModelManager(Manager):
         return super().capture(desc)
 
 
-vllm_glue._patch_v2_cudagraphs(SimpleNamespace(CudaGraphManager=Manager, ModelCudaGraphManager=ModelManager))
+graphs.patch_v2_cudagraphs(SimpleNamespace(CudaGraphManager=Manager, ModelCudaGraphManager=ModelManager))
 FULL = cudagraph_utils.BatchExecutionDescriptor(cg_mode=CUDAGraphMode.FULL, num_tokens=8, num_reqs=8)
 
 
@@ -249,7 +249,7 @@ def test_v2_captures_once_without_split_and_for_speculators(split):
 
 def test_v1_capture_hook_runs_idle_then_steered():
     seen = []
-    capture = vllm_glue._capture_both_variants(lambda runner, desc: seen.append((desc, GATE.open)) or "done")
+    capture = graphs.capture_both_variants(lambda runner, desc: seen.append((desc, GATE.open)) or "done")
     assert capture(None, "d") == "done" and seen == [("d", False), ("d", True)] and GATE.open
     GATE.split = False
     seen.clear()
@@ -269,14 +269,14 @@ def test_gate_follows_the_scheduled_requests():
     steered = SimpleNamespace(req_id="s", prompt_token_ids=[1, 2, 3],
                               sampling_params=SimpleNamespace(extra_args={BINDING_KEY: {"p": [], "d": [(1, 1, 1.0, 0.0)]}}))
     steering.on_step(SimpleNamespace(scheduled_new_reqs=[steered]), set())
-    vllm_glue._set_gate(steering, SimpleNamespace(num_scheduled_tokens={"plain": 1}))
+    graphs.set_gate(steering, SimpleNamespace(num_scheduled_tokens={"plain": 1}))
     assert GATE.open is False
-    vllm_glue._set_gate(steering, SimpleNamespace(num_scheduled_tokens={"plain": 1, "s": 1}))
+    graphs.set_gate(steering, SimpleNamespace(num_scheduled_tokens={"plain": 1, "s": 1}))
     assert GATE.open is True
-    vllm_glue._set_gate(steering, SimpleNamespace(num_scheduled_tokens={}))  # frees finished requests only
+    graphs.set_gate(steering, SimpleNamespace(num_scheduled_tokens={}))  # frees finished requests only
     assert GATE.open is True
     GATE.split = False  # one graph set: the gate stays open whatever runs
-    vllm_glue._set_gate(steering, SimpleNamespace(num_scheduled_tokens={"plain": 1}))
+    graphs.set_gate(steering, SimpleNamespace(num_scheduled_tokens={"plain": 1}))
     assert GATE.open is True
 
 
@@ -296,10 +296,10 @@ def test_pdl_only_on_nvidia_hopper_and_later(monkeypatch, device, hip, capabilit
 
     from hotwire_core.settings import Settings
 
-    monkeypatch.setattr(vllm_glue, "_SETTINGS", Settings(8, 4, "op", None, None, pdl=enabled))
+    monkeypatch.setattr(patching, "_SETTINGS", Settings(8, 4, "op", None, None, pdl=enabled))
     monkeypatch.setattr(torch.version, "hip", hip)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda _device=None: capability)
-    assert vllm_glue._pdl_possible(torch.device(device)) is expected
+    assert workers.pdl_possible(torch.device(device)) is expected
 
 
 def test_log_lines_go_out_as_vllms_do():

@@ -97,7 +97,7 @@ def test_rank_without_hooked_layers_is_still_steerable():
 def test_dbo_micro_batching_makes_the_model_unsteerable_with_its_reason():
     """Micro-batches run on slices of the batch, whose tokens would read token_cfg from its start: such a server
     starts, says why it cannot steer, and refuses steered requests (503) instead of steering the wrong tokens."""
-    from hotwire_core.vllm_glue import _unsupported_setup
+    from hotwire_core.vllm_glue.workers import unsupported_setup as _unsupported_setup
 
     def config(ubatching: bool) -> SimpleNamespace:
         return SimpleNamespace(parallel_config=SimpleNamespace(use_ubatching=ubatching))
@@ -564,14 +564,14 @@ def _worker_info(steerable: bool, layers: list[int], reason: str = "") -> dict:
 
 
 def test_model_info_over_ranks(monkeypatch):
-    from hotwire_core import vllm_glue
+    from hotwire_core.vllm_glue import engine_core, patching
 
     # pipeline ranks: the union of their hooked layers; a rank HOTWIRE_LAYERS left without hooks is fine
-    info = vllm_glue._model_info([_worker_info(True, [1]), _worker_info(True, [])])
+    info = engine_core.model_info([_worker_info(True, [1]), _worker_info(True, [])])
     assert info.steerable and info.layers == frozenset({1}) and not info.reason
-    info = vllm_glue._model_info([_worker_info(False, [], "no decoder layer"), _worker_info(True, [3])])
+    info = engine_core.model_info([_worker_info(False, [], "no decoder layer"), _worker_info(True, [3])])
     assert not info.steerable and info.reason == "no decoder layer"
     # every rank has layers but HOTWIRE_LAYERS names none of them: say so instead of an empty reason
-    monkeypatch.setattr(vllm_glue, "_SETTINGS", Settings(SLOTS, STACK, "op", None, None, layers=frozenset({2})))
-    info = vllm_glue._model_info([_worker_info(True, []), _worker_info(True, [])])
+    monkeypatch.setattr(patching, "_SETTINGS", Settings(SLOTS, STACK, "op", None, None, layers=frozenset({2})))
+    info = engine_core.model_info([_worker_info(True, []), _worker_info(True, [])])
     assert not info.steerable and info.reason == "HOTWIRE_LAYERS=2 selects no layer hotwire can hook"

@@ -177,16 +177,16 @@ def test_compile_cache_key_follows_hotwire_sources(monkeypatch):
     graphs compiled with the old one."""
     from types import SimpleNamespace
 
-    from hotwire_core import vllm_glue
+    from hotwire_core.vllm_glue import config as glue_config
 
     def key(source_digest: str) -> str:
-        monkeypatch.setattr(vllm_glue, "_source_digest", lambda: source_digest)
+        monkeypatch.setattr(glue_config, "source_digest", lambda: source_digest)
         config = type("VllmConfig", (), {"compute_hash": lambda self: "vllm's own key"})
-        vllm_glue._patch_config(SimpleNamespace(VllmConfig=config))
+        glue_config.patch_config(SimpleNamespace(VllmConfig=config))
         return config().compute_hash()
 
     assert key("ops-v1") == key("ops-v1") != key("ops-v2")
     assert key("ops-v1") != "vllm's own key"
     monkeypatch.undo()
-    digest = vllm_glue._source_digest()
-    assert len(digest) == 16 and digest == vllm_glue._source_digest()
+    digest = glue_config.source_digest()
+    assert len(digest) == 16 and digest == glue_config.source_digest()

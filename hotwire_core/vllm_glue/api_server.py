@@ -1,15 +1,18 @@
-"""What hotwire_api knows about vLLM 0.25.1's processes: which process this is (vLLM's process names), and how
-an API server's engine client reaches each data-parallel engine core. Imports no vLLM code."""
+"""vLLM's API server, as hotwire's control plane needs it: which process this is (vLLM's process names), the app
+builder's hook where the control plane attaches (the callback is hotwire_api's: the core never imports it), and how
+an API server's engine client reaches each data-parallel engine core. Imports no vLLM code until asked to hook."""
 
 from __future__ import annotations
 
 import asyncio
+import functools
+import importlib
 import multiprocessing
 import sys
 from collections.abc import Awaitable
-from typing import Any, Protocol
+from typing import Any, Callable, Protocol
 
-__all__ = ["PerEngineRPC", "is_api_server_process", "is_first_api_server", "per_engine_rpc"]
+__all__ = ["PerEngineRPC", "attach_to_app_builder", "is_api_server_process", "is_first_api_server", "per_engine_rpc"]
 
 _API_SERVER_MODULE = "vllm.entrypoints.openai.api_server"
 
@@ -29,6 +32,33 @@ def is_api_server_process() -> bool:
         return False
     main_spec = getattr(sys.modules.get("__main__"), "__spec__", None)
     return _API_SERVER_MODULE in sys.modules or getattr(main_spec, "name", None) == _API_SERVER_MODULE
+
+
+_SERVE_MODULE = "vllm.entrypoints.serve"
+_HOOK = "register_vllm_serve_api_routers"
+_MARK = "__hotwire_attached__"
+
+
+def attach_to_app_builder(attach: Callable[[Any], None]) -> None:
+    """Make every FastAPI app vLLM builds call ``attach(app)`` before vLLM adds its own routers and middleware.
+
+    ``build_app`` imports ``vllm.entrypoints.serve.register_vllm_serve_api_routers`` at call time, right after
+    creating the app and setting ``app.state.args``; hotwire wraps it. Being the first middleware ``build_app``
+    adds, whatever ``attach`` adds is innermost: vLLM's HTTP metrics, CORS, ``--api-key`` auth (``/v1`` only),
+    scaling middleware and any ``--middleware`` all run before it. Raises ImportError or AttributeError where
+    this vLLM has no such hook; a second call changes nothing."""
+    serve = importlib.import_module(_SERVE_MODULE)
+    original = getattr(serve, _HOOK)
+    if getattr(original, _MARK, False):
+        return
+
+    @functools.wraps(original)
+    def register_hotwire_and_routers(app: Any) -> None:
+        attach(app)  # first, so that vLLM's HTTP metrics middleware also sees admission refusals
+        original(app)
+
+    setattr(register_hotwire_and_routers, _MARK, True)
+    setattr(serve, _HOOK, register_hotwire_and_routers)
 
 
 def is_first_api_server() -> bool:

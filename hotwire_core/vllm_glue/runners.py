@@ -1,0 +1,76 @@
+"""The model runners: V1 (``vllm.v1.worker.gpu_model_runner``) and V2 (``vllm.v1.worker.gpu.model_runner``). Each
+step: the request lifecycle, the idle/steered gate, and the per-token fill before the forward."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .graphs import capture_both_variants, set_gate
+from ..ops import GATE
+from .patching import wrap
+
+__all__ = ["patch_v1_runner", "patch_v2_runner"]
+
+
+def patch_v1_runner(module: Any) -> None:
+    cls = module.GPUModelRunner
+
+    def make_execute(original):
+        def execute_model(self, scheduler_output, *args, **kwargs):
+            steering = getattr(self, "hotwire", None)
+            if steering is not None:
+                # V1 keeps preempted requests (resumed without new data): only finished ones go.
+                steering.on_step(scheduler_output, scheduler_output.finished_req_ids)
+                set_gate(steering, scheduler_output)
+            return original(self, scheduler_output, *args, **kwargs)
+
+        return execute_model
+
+    def make_forward(original):
+        def _model_forward(self, *args, **kwargs):
+            steering = getattr(self, "hotwire", None)
+            if steering is not None and not steering.clean:
+                batch = self.input_batch
+                n = batch.num_reqs
+                qsl = self.query_start_loc.np[: n + 1]
+                steering.fill(batch.req_ids[:n], qsl[1:] - qsl[:-1], batch.num_computed_tokens_cpu[:n], int(qsl[n]))
+            return original(self, *args, **kwargs)
+
+        return _model_forward
+
+    wrap(cls, "execute_model", make_execute)
+    wrap(cls, "_model_forward", make_forward)
+    wrap(cls, "_warmup_and_capture", capture_both_variants)
+
+
+def patch_v2_runner(module: Any) -> None:
+    cls = module.GPUModelRunner
+
+    def make_execute(original):
+        def execute_model(self, scheduler_output, *args, **kwargs):
+            steering = getattr(self, "hotwire", None)
+            if steering is not None and not kwargs.get("dummy_run", False):
+                # V2 drops preempted requests and re-adds them as new ones when they resume.
+                removed = scheduler_output.finished_req_ids
+                if scheduler_output.preempted_req_ids:
+                    removed = removed | set(scheduler_output.preempted_req_ids)
+                steering.on_step(scheduler_output, removed)
+                set_gate(steering, scheduler_output)
+            elif steering is not None and GATE.split:
+                GATE.open = False  # a dummy step: every token is padding
+            return original(self, scheduler_output, *args, **kwargs)
+
+        return execute_model
+
+    def make_prepare(original):
+        def prepare_inputs(self, scheduler_output, *args, **kwargs):
+            batch = original(self, scheduler_output, *args, **kwargs)
+            steering = getattr(self, "hotwire", None)
+            if steering is not None:
+                steering.fill(batch.req_ids, batch.num_scheduled_tokens, batch.num_computed_tokens_np, batch.num_tokens)
+            return batch
+
+        return prepare_inputs
+
+    wrap(cls, "execute_model", make_execute)
+    wrap(cls, "prepare_inputs", make_prepare)

@@ -1,0 +1,115 @@
+"""The workers (``vllm.v1.worker``): after ``Worker.load_model`` hotwire allocates its buffers and hooks the decoder
+layers (before compile and graph capture); ``WorkerBase`` answers the RPCs that reach every rank."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from .. import contract, ops
+from ..ops import GATE
+from . import graphs
+from .patching import settings, wrap
+
+__all__ = ["patch_worker", "patch_worker_base", "pdl_possible", "unsupported_setup"]
+
+logger = logging.getLogger(__name__)
+
+
+def patch_worker_base(module: Any) -> None:
+    def hotwire_worker_info(self) -> dict:
+        steering = getattr(self.model_runner, "hotwire", None)
+        if steering is None:
+            return {"steerable": False, "reason": "hotwire did not attach to the model", "layers": [], "n_layers": 0,
+                    "hidden_size": 0, "dtype": ""}
+        return steering.info()
+
+    def hotwire_graph_sets(self) -> dict:
+        return graphs.graph_set_counts(self.model_runner)
+
+    setattr(module.WorkerBase, contract.WORKER_INFO, hotwire_worker_info)
+    setattr(module.WorkerBase, contract.GRAPH_SETS, hotwire_graph_sets)
+
+
+def _attach(worker: Any) -> None:
+    import torch
+
+    from ..runtime import WorkerSteering, find_decoder_layers, select_layers
+
+    runner = worker.model_runner
+    model = runner.get_model()
+    found, n_layers = find_decoder_layers(model)
+    model_config = worker.vllm_config.model_config
+    unsupported = unsupported_setup(worker.vllm_config)
+    if unsupported:
+        logger.warning("hotwire: steering is off: %s", unsupported)
+        found = {}
+    elif not found:
+        logger.warning("hotwire: %s has no steerable decoder layers; steering is off", type(model).__name__)
+    if not found:
+        n_layers = model_config.get_num_layers(worker.vllm_config.parallel_config)
+    layers = select_layers(found, n_layers, settings().layers) if found else found
+    device = torch.device(worker.device) if hasattr(worker, "device") else torch.device("cpu")
+    runner.hotwire = WorkerSteering(
+        layers,
+        n_layers,
+        model_config.get_hidden_size(),
+        model_config.dtype,
+        device,
+        runner.max_num_tokens,
+        runner.max_num_reqs,
+        settings(),
+        bool(worker.vllm_config.compilation_config.pass_config.fuse_allreduce_rms),
+        steerable=bool(found),
+        reason=unsupported,
+    )
+    GATE.split = _idle_graphs_possible(worker.vllm_config) and bool(layers)
+    ops.PDL = pdl_possible(device)
+    if layers and settings().impl == "op" and device.type == "cuda":
+        logger.info("hotwire: steering kernel launched %s", "as a programmatic dependent launch" if ops.PDL else "plainly")
+
+
+def unsupported_setup(vllm_config: Any) -> str | None:
+    """Why hotwire cannot steer correctly under this configuration, or None. DBO micro-batching runs the model on
+    slices of the batch, whose tokens would read ``token_cfg`` from its start."""
+    if vllm_config.parallel_config.use_ubatching:
+        return ("micro-batching (DBO: --enable-dbo, or ubatch_size > 1) runs the model on slices of the batch, "
+                "which hotwire cannot steer")
+    return None
+
+
+def pdl_possible(device: Any) -> bool:
+    """``HOTWIRE_PDL`` on an NVIDIA GPU of compute capability 9.0+ (ROCm reports its GPUs as "cuda" devices with
+    capabilities of its own, and has no ``griddepcontrol``)."""
+    import torch
+
+    return (
+        settings().pdl
+        and device.type == "cuda"
+        and torch.version.hip is None
+        and torch.cuda.get_device_capability(device) >= (9, 0)
+    )
+
+
+def _idle_graphs_possible(vllm_config: Any) -> bool:
+    """Idle graph variants need the opaque op (traced torch ops cannot be switched off) and vLLM's own
+    ``CUDAGraphWrapper``: the breakable wrapper keeps graphs of its own (micro-batching: see unsupported_setup)."""
+    from vllm.compilation.breakable_cudagraph import is_breakable_cudagraph_enabled
+
+    return (
+        settings().idle_graphs
+        and settings().impl == "op"
+        and not is_breakable_cudagraph_enabled()
+    )
+
+
+def patch_worker(module: Any) -> None:
+    def make(original):
+        def load_model(self, *args, **kwargs):
+            result = original(self, *args, **kwargs)
+            _attach(self)
+            return result
+
+        return load_model
+
+    wrap(module.Worker, "load_model", make)
