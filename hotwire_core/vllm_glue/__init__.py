@@ -54,18 +54,17 @@ _INSTALLED = False
 
 def _log_through_vllm() -> None:
     """Where nothing handles log records (no handler on the root logger, as in vLLM's processes), hotwire's go out
-    through vLLM's handler, with its format and ``VLLM_LOGGING_LEVEL``: Python's defaults would drop the INFO
-    lines and print warnings bare. An application that configured logging keeps its own setup. vLLM's plugin
-    loader has imported ``vllm.logger`` (which sets up that handler) before it calls hotwire."""
+    through vLLM's logger, with its handler, format and ``VLLM_LOGGING_LEVEL``: Python's defaults would drop the
+    INFO lines and print warnings bare. hotwire's loggers become children of ``vllm``'s rather than copies of its
+    handlers, because vLLM 0.32+ sets its handler up when an engine or server starts, after plugins may have
+    loaded. An application that configured logging keeps its own setup."""
     if "vllm.logger" not in sys.modules or logging.getLogger().handlers:
         return
     vllm_logger = logging.getLogger("vllm")
     for name in ("hotwire_core", "hotwire_api"):
         ours = logging.getLogger(name)
-        if not ours.handlers:
-            ours.setLevel(vllm_logger.level)
-            for handler in vllm_logger.handlers:
-                ours.addHandler(handler)
+        if not ours.handlers and ours.level == logging.NOTSET:
+            ours.parent = vllm_logger
 
 
 def install() -> None:

@@ -12,18 +12,17 @@ import sys
 from collections.abc import Awaitable
 from typing import Any, Callable, Protocol
 
+from .compat import API_SERVER_MODULES
+
 __all__ = ["PerEngineRPC", "attach_to_app_builder", "is_api_server_process", "is_first_api_server", "per_engine_rpc"]
-
-_API_SERVER_MODULE = "vllm.entrypoints.openai.api_server"
-
 
 def is_api_server_process() -> bool:
     """True in a process that may build vLLM's FastAPI app.
 
     vLLM names its child processes: ``ApiServer_<i>`` (``--api-server-count > 1``), ``EngineCore[_DP<i>]``,
-    ``VllmWorker-<rank>``. The main process is an API server when vLLM's API-server module is loaded there:
-    ``vllm serve`` imports it before loading plugins, ``python -m vllm.entrypoints.openai.api_server`` runs it
-    as ``__main__``. Offline ``LLM`` scripts load neither.
+    ``VllmWorker-<rank>``. The main process is an API server when one of vLLM's API-server modules
+    (:data:`compat.API_SERVER_MODULES`) is loaded there: ``vllm serve`` imports it before loading plugins,
+    ``python -m vllm.entrypoints.openai.api_server`` runs it as ``__main__``. Offline ``LLM`` scripts load none.
     """
     name = multiprocessing.current_process().name
     if name.startswith("ApiServer"):
@@ -31,7 +30,7 @@ def is_api_server_process() -> bool:
     if name != "MainProcess":
         return False
     main_spec = getattr(sys.modules.get("__main__"), "__spec__", None)
-    return _API_SERVER_MODULE in sys.modules or getattr(main_spec, "name", None) == _API_SERVER_MODULE
+    return getattr(main_spec, "name", None) in API_SERVER_MODULES or any(m in sys.modules for m in API_SERVER_MODULES)
 
 
 _SERVE_MODULE = "vllm.entrypoints.serve"
@@ -42,8 +41,9 @@ _MARK = "__hotwire_attached__"
 def attach_to_app_builder(attach: Callable[[Any], None]) -> None:
     """Make every FastAPI app vLLM builds call ``attach(app)`` before vLLM adds its own routers and middleware.
 
-    ``build_app`` imports ``vllm.entrypoints.serve.register_vllm_serve_api_routers`` at call time, right after
-    creating the app and setting ``app.state.args``; hotwire wraps it. Being the first middleware ``build_app``
+    vLLM's app builder (``openai.api_server.build_app``, 0.29+: ``launchers.app.build_app`` through
+    ``register_api_routers``) imports ``vllm.entrypoints.serve.register_vllm_serve_api_routers`` at call time,
+    right after creating the app and setting ``app.state.args``; hotwire wraps it. Being the first middleware ``build_app``
     adds, whatever ``attach`` adds is innermost: vLLM's HTTP metrics, CORS, ``--api-key`` auth (``/v1`` only),
     scaling middleware and any ``--middleware`` all run before it. Raises ImportError or AttributeError where
     this vLLM has no such hook; a second call changes nothing."""

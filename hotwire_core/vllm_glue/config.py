@@ -13,6 +13,7 @@ __all__ = ["patch_config", "source_digest"]
 
 
 def source_digest() -> str:
+    """A digest of the sources whose code lands in compiled graphs."""
     here = Path(__file__).parent.parent
     h = hashlib.sha256()
     for name in ("ops.py", "triton_steer.py", "runtime.py"):
@@ -24,12 +25,10 @@ def patch_config(module: Any) -> None:
     fingerprint = f"{settings().compile_fingerprint()};src={source_digest()}"
 
     def make(original):
-        def compute_hash(self):
-            return hashlib.sha256(f"{original(self)}|{fingerprint}".encode()).hexdigest()[:10]
+        def compute_hash(self, *args, **kwargs):  # 0.30+: include_version
+            return hashlib.sha256(f"{original(self, *args, **kwargs)}|{fingerprint}".encode()).hexdigest()[:10]
 
         return compute_hash
 
     wrap(module.VllmConfig, "compute_hash", make)
 
-
-# -- engine core -----------------------------------------------------------------------------------------------

@@ -71,6 +71,8 @@ def patch_engine_core(module: Any) -> None:
     def make_add(original):
         def add_request(self, request, request_wave=0):
             self.scheduler.hotwire = self.hotwire  # the scheduler is built after the controller
+            if request.abort_immediately:  # added only to be aborted at once (KV-connector cleanup): never held
+                return original(self, request, request_wave)
             self.hotwire.on_refused = functools.partial(_send_refusal, self, in_caller=False)
             # A request id vLLM holds already is a streaming-input session's next chunk (or its end marker).
             session = self.scheduler.requests.get(request.request_id)

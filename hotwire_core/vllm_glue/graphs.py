@@ -178,8 +178,17 @@ def patch_v2_cudagraphs(module: Any) -> None:
 
         return run_fullgraph
 
+    def make_release(original):
+        def release_graphs(self):
+            original(self)
+            self.__dict__.pop(_V2_IDLE_GRAPHS, None)
+
+        return release_graphs
+
     wrap(module.ModelCudaGraphManager, "capture", make_capture)
     wrap(module.CudaGraphManager, "run_fullgraph", make_run)
+    if "release_graphs" in vars(module.CudaGraphManager):  # 0.32+: elastic EP drops the graphs to capture anew
+        wrap(module.CudaGraphManager, "release_graphs", make_release)
 
 
 

@@ -7,6 +7,7 @@ import functools
 from typing import Any
 
 from .. import contract
+from . import compat
 from .patching import wrap
 
 __all__ = ["patch_scheduler"]
@@ -54,13 +55,15 @@ def patch_scheduler(module: Any) -> None:
 
         return has_requests
 
+    as_requests = compat.finish_requests_returns_requests(cls)
+
     def make_finish(original):
         def finish_requests(self, request_ids, finished_status):
             controller = getattr(self, "hotwire", None)
             dropped = controller.drop_deferred(request_ids) if controller is not None else []
             finished = original(self, request_ids, finished_status)
             if request_ids is None:  # pause(abort), shutdown: vLLM sends an abort output for each one it returns
-                finished = [*finished, *((r.request_id, r.client_index) for r in dropped)]
+                finished = [*finished, *(dropped if as_requests else ((r.request_id, r.client_index) for r in dropped))]
             return finished
 
         return finish_requests
@@ -85,11 +88,14 @@ def patch_scheduler(module: Any) -> None:
 
         return _preempt_request
 
-    # A preempted request is "blocked" in the waiting queue until it can pin its rows again: the scheduler then
-    # skips it (as it skips one waiting for remote KV) and retries it every step.
+    # A preempted request waits in the queue until it can pin its rows again: the scheduler skips it (as it skips
+    # one waiting for remote KV) and asks again every step. Up to 0.30 it asks only about requests whose status
+    # counts as blocked, so PREEMPTED is made to count; from 0.31 it asks about every waiting request.
     preempted = module.RequestStatus.PREEMPTED
+    blocked_only = compat.promotes_blocked_requests_only(cls)
+    promote_name = "_try_promote_blocked_waiting_request" if blocked_only else "_handle_blocked_waiting_request"
     is_blocked = cls.__dict__["_is_blocked_waiting_status"].__func__
-    if not getattr(is_blocked, "_hotwire", False):
+    if blocked_only and not getattr(is_blocked, "_hotwire", False):
         def _is_blocked_waiting_status(status):
             return status == preempted or is_blocked(status)
 
@@ -97,18 +103,18 @@ def patch_scheduler(module: Any) -> None:
         cls._is_blocked_waiting_status = staticmethod(functools.wraps(is_blocked)(_is_blocked_waiting_status))
 
     def make_promote(original):
-        def _try_promote_blocked_waiting_request(self, request):
+        def promote(self, request):
             if request.status != preempted:
                 return original(self, request)
             controller = getattr(self, "hotwire", None)
             return controller is None or controller.resume(request)
 
-        return _try_promote_blocked_waiting_request
+        return promote
 
     wrap(cls, "schedule", make_schedule)
     wrap(cls, "_free_request", make_free)
     wrap(cls, "_preempt_request", make_preempt)
-    wrap(cls, "_try_promote_blocked_waiting_request", make_promote)
+    wrap(cls, promote_name, make_promote)
     wrap(cls, "has_requests", make_has_requests)
     wrap(cls, "finish_requests", make_finish)
     wrap(cls, "_update_request_as_session", make_update_session)

@@ -8,7 +8,7 @@ from typing import Any
 
 from .. import contract, ops
 from ..ops import GATE
-from . import graphs
+from . import compat, graphs
 from .patching import settings, wrap
 
 __all__ = ["patch_worker", "patch_worker_base", "pdl_possible", "unsupported_setup"]
@@ -70,12 +70,8 @@ def _attach(worker: Any) -> None:
 
 
 def unsupported_setup(vllm_config: Any) -> str | None:
-    """Why hotwire cannot steer correctly under this configuration, or None. DBO micro-batching runs the model on
-    slices of the batch, whose tokens would read ``token_cfg`` from its start."""
-    if vllm_config.parallel_config.use_ubatching:
-        return ("micro-batching (DBO: --enable-dbo, or ubatch_size > 1) runs the model on slices of the batch, "
-                "which hotwire cannot steer")
-    return None
+    """Why hotwire cannot steer correctly under this configuration (:func:`compat.unsound_features`), or None."""
+    return "; ".join(compat.unsound_features(vllm_config)) or None
 
 
 def pdl_possible(device: Any) -> bool:

@@ -18,6 +18,7 @@ import pytest
 from fastapi import FastAPI
 from fastapi.testclient import TestClient
 
+import vllm_app
 from hotwire_api import mount
 from hotwire_core.vllm_glue import api_server as glue_api
 from hotwire_api.admission import AdmissionMiddleware
@@ -87,21 +88,17 @@ def test_python_m_api_server_counts_as_api_server(
 
 @pytest.mark.integration
 def test_real_build_app(monkeypatch: pytest.MonkeyPatch) -> None:
-    """vLLM 0.25.1's build_app serves /steer behind --api-key, with admission inside vLLM's middleware."""
+    """vLLM's build_app serves /steer behind --api-key, with admission inside vLLM's middleware."""
     monkeypatch.delenv("HOTWIRE_API_KEY", raising=False)
     monkeypatch.setattr(multiprocessing.current_process(), "name", "MainProcess")
-    api_server = pytest.importorskip(API_SERVER)
     import vllm.entrypoints.serve as serve
-    from vllm.entrypoints.openai.cli_args import make_arg_parser
-    from vllm.entrypoints.serve.utils.server_utils import AuthenticationMiddleware
-    from vllm.utils.argparse_utils import FlexibleArgumentParser
 
     monkeypatch.setattr(serve, "register_vllm_serve_api_routers", serve.register_vllm_serve_api_routers)
+    vllm_app.app_module()
     assert mount.install() is True
-    args = make_arg_parser(FlexibleArgumentParser()).parse_args(["--model", "m", "--api-key", "k"])
-    app = api_server.build_app(args, ("generate",))
+    app = vllm_app.build_app(["--model", "m", "--api-key", "k"])
     classes = [m.cls for m in app.user_middleware]
-    assert classes.index(AuthenticationMiddleware) < classes.index(AdmissionMiddleware)  # auth runs first
+    assert classes.index(vllm_app.authentication_middleware()) < classes.index(AdmissionMiddleware)  # auth runs first
     assert classes[-1] is AdmissionMiddleware  # innermost: vLLM's HTTP metrics see admission refusals
 
     client = TestClient(app)
@@ -120,14 +117,12 @@ def test_on_a_vllm_hotwire_does_not_support_every_answer_is_503_with_the_reason(
     monkeypatch.delenv("HOTWIRE_API_KEY", raising=False)
     monkeypatch.setattr(multiprocessing.current_process(), "name", "MainProcess")
     monkeypatch.setattr(vllm, "__version__", "0.99.0")
-    api_server = pytest.importorskip(API_SERVER)
     import vllm.entrypoints.serve as serve
-    from vllm.entrypoints.openai.cli_args import make_arg_parser
-    from vllm.utils.argparse_utils import FlexibleArgumentParser
 
     monkeypatch.setattr(serve, "register_vllm_serve_api_routers", serve.register_vllm_serve_api_routers)
+    vllm_app.app_module()
     assert mount.install() is True
-    app = api_server.build_app(make_arg_parser(FlexibleArgumentParser()).parse_args(["--model", "m"]), ("generate",))
+    app = vllm_app.build_app(["--model", "m"])
     steer = {"hotwire": json.dumps({"id": "happy", "layer": 1, "scale": 4.0})}
     client = TestClient(app, raise_server_exceptions=False)  # no lifespan: vLLM's needs an engine
     for response in (
@@ -179,12 +174,17 @@ def test_a_vllm_without_the_app_hook_starts_and_is_told_steering_is_off(monkeypa
         mount.install()
 
 
-def test_a_supported_release_is_told_by_its_version_alone() -> None:
-    assert vllm_glue.unsupported_version("0.25.1") is None
-    assert vllm_glue.unsupported_version("0.25.1+cpu") is None
-    reason = vllm_glue.unsupported_version("0.26.0")
-    assert reason is not None and reason.startswith("vLLM 0.26.0 is installed; hotwire ") and reason.endswith(
-        "supports vLLM 0.25.1 only")
+@pytest.mark.parametrize("version", ["0.25.1", "0.25.1+cpu", "0.26.0", "0.28.1", "0.32.0+cpu", "0.33.0"])
+def test_every_release_from_the_reference_to_the_newest_is_supported(version: str) -> None:
+    assert vllm_glue.unsupported_version(version) is None
+
+
+@pytest.mark.parametrize("version", ["0.25.0", "0.24.2", "0.33.1", "0.34.0", "1.0.0", "0.34.0rc1", "0.33.0.dev3",
+                                     "0.26.0rc1", "unknown"])
+def test_a_release_outside_the_range_or_unreleased_is_not(version: str) -> None:
+    reason = vllm_glue.unsupported_version(version)
+    assert reason is not None and reason.startswith(f"vLLM {version} is installed; hotwire ") and reason.endswith(
+        "supports vLLM 0.25.1 to 0.33.0")
 
 
 def test_per_engine_rpc_asks_every_data_parallel_engine_core() -> None:
@@ -232,7 +232,12 @@ def test_per_engine_rpc_matches_vllms_utility_call() -> None:
     assert list(params)[:3] == ["self", "method", "args"] and params["engine"].kind is inspect.Parameter.KEYWORD_ONLY
     source = inspect.getsource(AsyncMPClient.collective_rpc_async)
     assert 'call_utility_async(\n            "collective_rpc", method, timeout, args, kwargs' in source
-    assert "core_engines" in inspect.getsource(DPLBAsyncMPClient.call_utility_async)
+    # vLLM's DP client fans a utility call out over ``core_engines`` (0.32+: through call_utility_all_async) and
+    # returns the first answer: the reason per_engine_rpc exists.
+    fan_out = inspect.getsource(DPLBAsyncMPClient.call_utility_async)
+    if "call_utility_all_async" in fan_out:
+        fan_out = inspect.getsource(DPLBAsyncMPClient.call_utility_all_async)
+    assert "core_engines" in fan_out and "[0]" in inspect.getsource(DPLBAsyncMPClient.call_utility_async)
 
 
 @pytest.mark.parametrize("name,api_server_loaded,mounted", [("MainProcess", True, True), ("EngineCore", False, False)])

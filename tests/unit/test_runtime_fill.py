@@ -110,6 +110,25 @@ def test_dbo_micro_batching_makes_the_model_unsteerable_with_its_reason():
     assert w.info()["steerable"] is False and w.info()["reason"] == reason
 
 
+@pytest.mark.parametrize(
+    "config, says",
+    [
+        ({"parallel_config": {"use_ubatching": False, "prefill_context_parallel_size": 2}}, "prefill context parallel"),
+        ({"speculative_config": {"enable_adaptive_verification": True}}, "adaptive draft verification"),
+        ({"cache_config": {"kv_sharing_fast_prefill": True}}, "KV-sharing fast prefill"),
+    ],
+)
+def test_features_steering_would_be_wrong_under_make_the_model_unsteerable(config: dict, says: str):
+    """Each is refused with its reason; a release whose config lacks the field (older vLLM) counts it as off."""
+    from hotwire_core.vllm_glue.workers import unsupported_setup
+
+    parts = {"parallel_config": {"use_ubatching": False}, "speculative_config": None, **config}
+    vllm_config = SimpleNamespace(**{k: v if v is None else SimpleNamespace(**v) for k, v in parts.items()})
+    reason = unsupported_setup(vllm_config)
+    assert reason is not None and says in reason and ";" not in reason
+    assert unsupported_setup(SimpleNamespace(parallel_config=SimpleNamespace(use_ubatching=False))) is None
+
+
 # -- bank writes ---------------------------------------------------------------------------------------------
 
 
