@@ -22,14 +22,19 @@ import httpx
 import pydantic
 
 from hotwire_api.client import DEFAULT_URL, HotwireClient
+from hotwire_api.codec import parse_layer_list
 from hotwire_api.errors import HotwireError
 
 
 def _layers(value: str) -> list[int]:
+    """``--layers``: the syntax the HTTP API's form field takes (codec.parse_layer_list)."""
     try:
-        return [int(part) for part in value.split(",")]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected layer indices like 10,12, got {value!r}") from None
+        layers = parse_layer_list(value, "--layers")
+    except HotwireError as exc:
+        raise argparse.ArgumentTypeError(exc.message) from None
+    if layers is None:
+        raise argparse.ArgumentTypeError("expected layer indices like 10,12, got nothing")
+    return list(layers)
 
 
 def _server_options(parser: argparse.ArgumentParser, defaults: bool) -> None:

@@ -14,7 +14,8 @@ from typing import Any, Literal, TypedDict
 __all__ = [
     "BINDING_KEY", "CATALOG", "CHECK", "ENGINE_METHODS", "GRAPH_SETS", "LIST", "PREFIX", "REBINDS_ATTR",
     "REFUSALS", "REGISTER", "STATS", "UNREGISTER", "USER_SALT_ATTR", "WORKER_INFO", "WORKER_METHODS", "WRITES_ATTR",
-    "CatalogResult", "CheckResult", "Failure", "ListResult", "RefusalsResult", "RegisterResult", "UnregisterResult",
+    "CatalogResult", "CheckResult", "Failure", "ListResult", "RefusalsResult", "RegisterResult", "SlotRow", "StatsResult",
+    "UnregisterResult",
     "engine_method", "rpc_name",
 ]
 
@@ -103,6 +104,38 @@ class CatalogResult(TypedDict, total=False):
     capacity: int
     layers_setting: bool
     vectors: list[dict[str, Any]]
+
+
+class SlotRow(TypedDict):
+    """One occupied bank row."""
+
+    slot: int
+    id: str
+    version: int
+    layer: int
+    refcount: int
+    last_use: int
+
+
+class StatsResult(TypedDict):
+    """``hotwire_stats``: the slot bank, refusals by reason, waiting and preempted requests, the model
+    (``SlotStats`` in docs/architecture.md; the HTTP route adds ``age_ms``, data parallelism ``engine``/``engines``)."""
+
+    ok: Literal[True]
+    capacity: int
+    used: int
+    pinned: int
+    free: int
+    evictions: int
+    rows: list[SlotRow]
+    refused: dict[str, int]
+    steered_requests: int
+    deferred: int
+    deferrals: int
+    suspended: int
+    resumptions: int
+    vectors: int
+    model: dict[str, Any]  # steerable, reason, n_layers, hidden_size, dtype, max_stack, norm, layers
 
 
 class RefusalsResult(TypedDict):

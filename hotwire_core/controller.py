@@ -172,9 +172,9 @@ class SteeringController:
             vectors.append(meta)
         return contract.ListResult(ok=True, vectors=vectors)
 
-    def stats(self) -> dict[str, Any]:
+    def stats(self) -> contract.StatsResult:
         """``SlotStats`` (docs/architecture.md)."""
-        return dict(
+        return contract.StatsResult(
             ok=True,
             **self.slots.stats(),
             refused=dict(self.refused),

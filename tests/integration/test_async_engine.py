@@ -19,6 +19,7 @@ import pytest
 import torch
 
 from engine_results import engine_kwargs
+from hotwire_core import contract
 
 pytestmark = pytest.mark.integration
 
@@ -50,7 +51,7 @@ class Engine:
         return asyncio.run_coroutine_threadsafe(coro, self.loop)
 
     def stats(self) -> dict:
-        return self.run(self.llm.collective_rpc("hotwire_stats"))[0]
+        return self.run(self.llm.collective_rpc(contract.STATS))[0]
 
     def wait_idle(self, timeout: float = 30) -> dict:
         deadline = time.monotonic() + timeout
@@ -80,7 +81,7 @@ def engine(tiny_model) -> Iterator[Engine]:
     g = torch.Generator().manual_seed(11)
     for vid in ("a", "b"):
         s = tensor_to_stored(vid, torch.randn(HIDDEN, generator=g))
-        assert eng.run(eng.llm.collective_rpc("hotwire_register", args=(vid, s.data, s.dtype, s.shape, None, False)))[0]["ok"]
+        assert eng.run(eng.llm.collective_rpc(contract.REGISTER, args=(vid, s.data, s.dtype, s.shape, None, False)))[0]["ok"]
     yield eng
     eng.close()
 

@@ -19,6 +19,7 @@ import torch
 
 import hf_reference
 from engine_results import engine_kwargs, run_batches, run_vanilla, summarize
+from hotwire_core import contract
 
 pytestmark = pytest.mark.integration
 
@@ -223,9 +224,9 @@ def test_unsteered_steps_replay_hotwire_free_graphs(llm, prompts):
     graphs by the gate in ``run_fullgraph``), a steered step the steered ones. With CUDA graphs on, every graph
     hotwire's capture made exists in both variants; the CPU has no graphs, only the gate."""
     one(llm, prompts["short"], **GREEDY)
-    idle = llm.collective_rpc("hotwire_graph_sets")[0]
+    idle = llm.collective_rpc(contract.GRAPH_SETS)[0]
     one(llm, prompts["short"], **GREEDY, extra_args=spec({"id": "a", "layer": 1, "scale": 2.0}))
-    steered = llm.collective_rpc("hotwire_graph_sets")[0]
+    steered = llm.collective_rpc(contract.GRAPH_SETS)[0]
     assert idle["split"] and (idle["gate_open"], steered["gate_open"]) == (False, True)
     if ON_GPU:
         assert idle["holders"] > 0 and idle["serving_idle"] == idle["holders"], idle
@@ -364,7 +365,7 @@ def test_slot_exhaustion_defers_then_serves_with_lru_eviction(llm, prompts, vect
     engine.step()
     held = stats(llm)
     assert held["pinned"] >= LAYERS
-    check = llm.collective_rpc("hotwire_check", args=(wide2["hotwire"],))[0]
+    check = llm.collective_rpc(contract.CHECK, args=(wide2["hotwire"],))[0]
     assert check["ok"] is False and check["status"] == 429, "the HTTP layer answers 429 at this point"
 
     # Admitted anyway (a race past the HTTP check, or offline): it waits for rows instead of failing.

@@ -14,6 +14,7 @@ import torch
 
 import hf_reference
 from engine_results import engine_kwargs, run_batches
+from hotwire_core import contract
 
 pytestmark = pytest.mark.integration
 # engine -> (architecture, HOTWIRE_LAYERS, HOTWIRE_IMPL); the tiny models have 4 layers
@@ -78,9 +79,9 @@ def test_only_hotwire_layers_are_steered(arch_engine):
     hooked = parse_layers(layers)
     assert slot_stats(llm)["model"]["layers"] == layers  # what the workers hooked
     # the traced torch ops cannot be switched off per step: an inductor engine keeps one graph set
-    assert llm.collective_rpc("hotwire_graph_sets")[0]["split"] is (ENGINES[engine][2] == "op")
+    assert llm.collective_rpc(contract.GRAPH_SETS)[0]["split"] is (ENGINES[engine][2] == "op")
     for layer in range(4):
-        result = llm.collective_rpc("hotwire_check", args=(json.dumps({"id": "v", "layer": layer, "scale": 1.0}),))[0]
+        result = llm.collective_rpc(contract.CHECK, args=(json.dumps({"id": "v", "layer": layer, "scale": 1.0}),))[0]
         if layer in hooked:
             assert result["ok"], result
         else:

@@ -10,6 +10,7 @@ import pytest
 
 from hotwire_api.engine import HotwireEngine, merge_stats, merge_vector_lists
 from hotwire_api.errors import HotwireError
+from hotwire_core import contract
 
 
 def stats(capacity: int, used: int, rows: list[dict], refused: dict[str, int], steered: int) -> dict[str, Any]:
@@ -70,10 +71,10 @@ class TwoEngines:
 
 def test_engine_gathers_every_engine_core_where_it_matters() -> None:
     client = TwoEngines({
-        "hotwire_unregister": [{"ok": True, "in_flight": 0, "version": 4}, {"ok": True, "in_flight": 2, "version": 4}],
-        "hotwire_stats": [stats(8, 1, [row(1, "x")], {}, 1), stats(8, 1, [row(3, "x")], {}, 2)],
-        "hotwire_check": [{"ok": True, "receipt": "x@1:L2x1", "spec": "pinned"}, {"ok": True, "receipt": "never asked"}],
-        "hotwire_refusals": [{"ok": True, "refusals": {}}, {"ok": True, "refusals": {"t": {
+        contract.UNREGISTER: [{"ok": True, "in_flight": 0, "version": 4}, {"ok": True, "in_flight": 2, "version": 4}],
+        contract.STATS: [stats(8, 1, [row(1, "x")], {}, 1), stats(8, 1, [row(3, "x")], {}, 2)],
+        contract.CHECK: [{"ok": True, "receipt": "x@1:L2x1", "spec": "pinned"}, {"ok": True, "receipt": "never asked"}],
+        contract.REFUSALS: [{"ok": True, "refusals": {}}, {"ok": True, "refusals": {"t": {
             "ok": False, "status": 410, "code": "version_gone", "error": "gone", "field": "hotwire[0].version"}}}],
     })
     engine = HotwireEngine(client, client.per_engine)
@@ -86,8 +87,8 @@ def test_engine_gathers_every_engine_core_where_it_matters() -> None:
     refused = asyncio.run(engine.refusals(["t"]))["t"]  # kept by whichever engine core refused the request
     assert (refused.status, refused.code, refused.field) == (410, "version_gone", "hotwire[0].version")
     # Deciding asks the first engine core alone: vLLM's own collective_rpc would wait for every one of them.
-    assert client.calls == [("first alone", "hotwire_unregister"), ("the others", "hotwire_unregister"),
-                            ("each", "hotwire_stats"), ("first alone", "hotwire_check"), ("each", "hotwire_refusals")]
+    assert client.calls == [("first alone", contract.UNREGISTER), ("the others", contract.UNREGISTER),
+                            ("each", contract.STATS), ("first alone", contract.CHECK), ("each", contract.REFUSALS)]
 
 
 def test_refusals_come_from_the_engine_cores_that_answer() -> None:
@@ -96,13 +97,13 @@ def test_refusals_come_from_the_engine_cores_that_answer() -> None:
     kept = {"ok": True, "refusals": {"t": {"ok": False, "status": 400, "code": "too_strong", "error": "strong"}}}
     dead = ConnectionError("engine core 0 died")
     for answers in ([dead, kept], [kept, {"ok": False, "status": 500, "code": "internal", "error": "broke"}]):
-        client = TwoEngines({"hotwire_refusals": answers})
+        client = TwoEngines({contract.REFUSALS: answers})
         assert asyncio.run(HotwireEngine(client, client.per_engine).refusals(["t"]))["t"].code == "too_strong"
-    client = TwoEngines({"hotwire_refusals": [dead, dead]})
+    client = TwoEngines({contract.REFUSALS: [dead, dead]})
     with pytest.raises(HotwireError) as info:
         asyncio.run(HotwireEngine(client, client.per_engine).refusals(["t"]))
     assert info.value.code == "engine_unavailable"
-    client = TwoEngines({"hotwire_stats": [stats(8, 1, [], {}, 1), dead]})
+    client = TwoEngines({contract.STATS: [stats(8, 1, [], {}, 1), dead]})
     with pytest.raises(HotwireError):  # elsewhere every engine core's answer counts
         asyncio.run(HotwireEngine(client, client.per_engine).stats())
 
@@ -116,13 +117,13 @@ def test_registration_the_engine_cores_disagree_on_is_an_error() -> None:
     from hotwire_api.codec import VectorPayload
 
     payload = VectorPayload(data=b"\0" * 32, dtype="float32", shape=(8,), layers=None)
-    agreeing = TwoEngines({"hotwire_register": [answer(3), answer(3)]})
+    agreeing = TwoEngines({contract.REGISTER: [answer(3), answer(3)]})
     created, meta = asyncio.run(HotwireEngine(agreeing, agreeing.per_engine).register("x", payload, False))
     # the first engine core numbers the version; the others are told it
     assert created and meta.version == 3
-    assert agreeing.calls == [("first alone", "hotwire_register"), ("the others", "hotwire_register")]
+    assert agreeing.calls == [("first alone", contract.REGISTER), ("the others", contract.REGISTER)]
     assert agreeing.args[1][-1] == 3 and len(agreeing.args[0]) == len(agreeing.args[1]) - 1
-    drifted = TwoEngines({"hotwire_register": [answer(3), answer(3, "cd")]})
+    drifted = TwoEngines({contract.REGISTER: [answer(3), answer(3, "cd")]})
     with pytest.raises(HotwireError) as err:
         asyncio.run(HotwireEngine(drifted, drifted.per_engine).register("x", payload, False))
     assert (err.value.status, err.value.code) == (500, "engines_disagree") and "x'@3" in err.value.message
@@ -132,7 +133,7 @@ def _registration_refused(answer: dict, source: str) -> HotwireError:
     """The error ``register`` raises when both engine cores give ``answer`` for a payload sent as ``source``."""
     from hotwire_api.codec import VectorPayload
 
-    client = TwoEngines({"hotwire_register": [answer, answer]})
+    client = TwoEngines({contract.REGISTER: [answer, answer]})
     payload = VectorPayload(data=b"\0" * 32, dtype="float32", shape=(8,), layers=None, source=source)
     with pytest.raises(HotwireError) as err:
         asyncio.run(HotwireEngine(client, client.per_engine).register("x", payload, False))
@@ -154,7 +155,7 @@ def test_a_refusal_of_the_values_names_the_field_they_were_sent_in() -> None:
 
 
 def test_a_refusal_from_any_engine_core_is_raised() -> None:
-    client = TwoEngines({"hotwire_unregister": [
+    client = TwoEngines({contract.UNREGISTER: [
         {"ok": True, "in_flight": 0, "version": 1},
         {"ok": False, "status": 404, "code": "unknown_vector", "error": "unknown steering vector 'x'", "field": "id"},
     ]})
@@ -164,9 +165,9 @@ def test_a_refusal_from_any_engine_core_is_raised() -> None:
 
 
 def test_without_data_parallelism_every_call_is_one_collective_rpc() -> None:
-    client = TwoEngines({"hotwire_unregister": [{"ok": True, "in_flight": 1, "version": 1}, {"ok": True, "in_flight": 5}]})
+    client = TwoEngines({contract.UNREGISTER: [{"ok": True, "in_flight": 1, "version": 1}, {"ok": True, "in_flight": 5}]})
     assert asyncio.run(HotwireEngine(client).unregister("x")) == 1
-    assert client.calls == [("first", "hotwire_unregister")]
+    assert client.calls == [("first", contract.UNREGISTER)]
 
 
 def test_the_catalog_pins_only_what_every_engine_core_has() -> None:
@@ -184,11 +185,11 @@ def test_the_catalog_pins_only_what_every_engine_core_has() -> None:
     def catalog(*vectors: dict) -> dict:
         return {"ok": True, "generation": 7, "model": model, "capacity": 16, "vectors": list(vectors)}
 
-    client = TwoEngines({"hotwire_catalog": [catalog(meta("a", 2), meta("new", 1)), catalog(meta("a", 1))]})
+    client = TwoEngines({contract.CATALOG: [catalog(meta("a", 2), meta("new", 1)), catalog(meta("a", 1))]})
     copy = Catalog()
     asyncio.run(copy.refresh(HotwireEngine(client, client.per_engine)))
     assert copy.lookup("a").version == 1 and copy.lookup("new") is None
     assert copy.generation == -1  # behind: the next refresh asks in full
-    client.answers["hotwire_catalog"][1] = catalog(meta("a", 2), meta("new", 1))
+    client.answers[contract.CATALOG][1] = catalog(meta("a", 2), meta("new", 1))
     asyncio.run(copy.refresh(HotwireEngine(client, client.per_engine), not_before=float("inf")))
     assert copy.lookup("a").version == 2 and copy.lookup("new").version == 1 and copy.generation == 7

@@ -22,7 +22,7 @@ import vllm_app
 from hotwire_api import mount
 from hotwire_core.vllm_glue import api_server as glue_api
 from hotwire_api.admission import AdmissionMiddleware
-from hotwire_core import vllm_glue
+from hotwire_core import contract, vllm_glue
 
 SERVE = "vllm.entrypoints.serve"
 API_SERVER = "vllm.entrypoints.openai.api_server"
@@ -199,12 +199,12 @@ def test_per_engine_rpc_asks_every_data_parallel_engine_core() -> None:
     dp_core = types.SimpleNamespace(core_engines=["e0", "e1"], _call_utility_async=call_utility)
     rpc = glue_api.per_engine_rpc(types.SimpleNamespace(engine_core=dp_core))
     assert rpc is not None
-    assert asyncio.run(rpc("hotwire_stats", ("a",))) == [["answer of e0"], ["answer of e1"]]
-    assert sent == [("collective_rpc", ("hotwire_stats", None, ("a",), None), e) for e in ("e0", "e1")]
+    assert asyncio.run(rpc(contract.STATS, ("a",))) == [["answer of e0"], ["answer of e1"]]
+    assert sent == [("collective_rpc", (contract.STATS, None, ("a",), None), e) for e in ("e0", "e1")]
     sent.clear()
-    assert asyncio.run(rpc("hotwire_check", ("s",), slice(1))) == [["answer of e0"]] and [e for *_, e in sent] == ["e0"]
+    assert asyncio.run(rpc(contract.CHECK, ("s",), slice(1))) == [["answer of e0"]] and [e for *_, e in sent] == ["e0"]
     sent.clear()
-    assert asyncio.run(rpc("hotwire_register", ("r",), slice(1, None))) == [["answer of e1"]]
+    assert asyncio.run(rpc(contract.REGISTER, ("r",), slice(1, None))) == [["answer of e1"]]
     assert [e for *_, e in sent] == ["e1"]
     async def e1_fails(method, *args, engine):
         if engine == "e1":
@@ -213,10 +213,10 @@ def test_per_engine_rpc_asks_every_data_parallel_engine_core() -> None:
 
     rpc = glue_api.per_engine_rpc(types.SimpleNamespace(engine_core=types.SimpleNamespace(
         core_engines=["e0", "e1"], _call_utility_async=e1_fails)))
-    first, second = asyncio.run(rpc("hotwire_refusals", ((),), slice(None), True))  # failures stand in for answers
+    first, second = asyncio.run(rpc(contract.REFUSALS, ((),), slice(None), True))  # failures stand in for answers
     assert first == ["answer of e0"] and isinstance(second, ConnectionError)
     with pytest.raises(ConnectionError):
-        asyncio.run(rpc("hotwire_refusals", ((),)))
+        asyncio.run(rpc(contract.REFUSALS, ((),)))
     one_core = types.SimpleNamespace(core_engines=["e0"], _call_utility_async=call_utility)
     assert glue_api.per_engine_rpc(types.SimpleNamespace(engine_core=one_core)) is None
     assert glue_api.per_engine_rpc(object()) is None

@@ -30,6 +30,7 @@ from hotwire_api.errors import HotwireError
 from hotwire_api.metrics import STATS
 from hotwire_api.server import attach
 from hotwire_api.settings import Settings
+from hotwire_core import contract
 
 HIDDEN, N_LAYERS = 8, 4
 _ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2}
@@ -275,7 +276,7 @@ def test_register_multipart_then_get_list_delete(client: TestClient, engine: Fak
     assert (meta["id"], meta["version"], meta["shape"], meta["dtype"]) == ("happy", 1, [HIDDEN], "float32")
     assert meta["sha256"] == hashlib.sha256(_vector().tobytes()).hexdigest()
     method, args = engine.calls[0]
-    assert method == "hotwire_register"
+    assert method == contract.REGISTER
     assert args == ("happy", _vector().tobytes(), "float32", [HIDDEN], None, False)
 
     assert client.get("/steer/vectors/happy").json()["version"] == 1
@@ -406,7 +407,7 @@ def test_slots_is_one_rpc(client: TestClient, engine: FakeEngine) -> None:
     _upload(client, "v", _vector())
     engine.calls.clear()
     stats = client.get("/steer/slots").json()
-    assert engine.methods() == ["hotwire_stats"]
+    assert engine.methods() == [contract.STATS]
     assert (stats["capacity"], stats["used"], stats["free"], stats["evictions"], stats["vectors"]) == (16, 1, 15, 3, 1)
     assert stats["rows"][0] == {
         "slot": 1, "id": "v", "version": 1, "layer": 0, "refcount": 0, "last_use": 1.0, "engine": 0
@@ -423,24 +424,24 @@ def test_slots_max_age_serves_the_snapshot_and_revalidates(client: TestClient, e
     STATS.taken_at -= 40
     stale = client.get("/steer/slots", params={"max_age_ms": 60_000}).json()
     assert stale["age_ms"] >= 40_000
-    assert engine.methods() == ["hotwire_stats"] and STATS.age_s() < 5
+    assert engine.methods() == [contract.STATS] and STATS.age_s() < 5
     # Older than the accepted age: waits for the engine.
     engine.calls.clear()
     STATS.taken_at -= 120
     fresh = client.get("/steer/slots", params={"max_age_ms": 60_000}).json()
-    assert engine.methods() == ["hotwire_stats"] and fresh["age_ms"] < 5_000
+    assert engine.methods() == [contract.STATS] and fresh["age_ms"] < 5_000
     # The default asks the engine every time.
     engine.calls.clear()
     client.get("/steer/slots")
     client.get("/steer/slots")
-    assert engine.methods() == ["hotwire_stats", "hotwire_stats"]
+    assert engine.methods() == [contract.STATS, contract.STATS]
     bad = client.get("/steer/slots", params={"max_age_ms": -1})
     assert bad.status_code == 400 and bad.json()["error"]["field"] == "max_age_ms"
 
 
 def test_steer_calls_refresh_the_metrics_snapshot(client: TestClient, engine: FakeEngine) -> None:
     _upload(client, "v", _vector())
-    assert engine.methods() == ["hotwire_register", "hotwire_catalog", "hotwire_stats"]
+    assert engine.methods() == [contract.REGISTER, contract.CATALOG, contract.STATS]
     assert STATS.snapshot is not None and STATS.snapshot.vectors == 1
 
 
@@ -479,9 +480,9 @@ def test_lifespan_refreshes_stats_in_the_background(app: FastAPI, engine: FakeEn
     STATS.snapshot = None
     with TestClient(app):
         deadline = time.monotonic() + 5
-        while "hotwire_stats" not in engine.methods() and time.monotonic() < deadline:
+        while contract.STATS not in engine.methods() and time.monotonic() < deadline:
             time.sleep(0.01)
-        assert "hotwire_stats" in engine.methods()
+        assert contract.STATS in engine.methods()
     assert STATS.snapshot is not None
 
 
@@ -593,7 +594,7 @@ def test_a_version_the_catalog_does_not_hold_is_decided_by_the_engine(client: Te
     pinned = json.dumps({"id": "happy", "layer": 1, "scale": 4.0, "version": 7})
     response = client.post("/v1/chat/completions", json=_chat({"hotwire": pinned}))
     assert response.headers["x-hotwire-receipt"] == "happy@v1"  # the fake engine's receipt
-    assert ("hotwire_check", (pinned, False)) in engine.calls  # asked without the 429: a request waits for rows
+    assert (contract.CHECK, (pinned, False)) in engine.calls  # asked without the 429: a request waits for rows
 
 
 def test_reserved_cache_salt_is_refused_before_the_engine(client: TestClient, engine: FakeEngine) -> None:
@@ -828,7 +829,7 @@ def test_admission_refusals(
     error = _error(response, status, code, field)
     if code == "unknown_vector":
         assert error["message"] == "unknown steering vector 'nope'; register it first"
-        assert engine.methods()[calls:] == ["hotwire_catalog"]  # one refresh: registered elsewhere meanwhile?
+        assert engine.methods()[calls:] == [contract.CATALOG]  # one refresh: registered elsewhere meanwhile?
     else:
         assert engine.methods()[calls:] == []
     assert "retry-after" not in response.headers and "x-hotwire-receipt" not in response.headers
@@ -1050,7 +1051,7 @@ def test_an_unknown_id_is_looked_up_in_a_catalog_answer_given_after_the_request_
         async def collective_rpc(self, method: str, timeout: float | None = None, args: tuple = (),
                                  kwargs: dict[str, Any] | None = None) -> list[Any]:  # fmt: skip
             answer = await super().collective_rpc(method, timeout, args, kwargs)  # the engine's state now
-            if method == "hotwire_catalog":
+            if method == contract.CATALOG:
                 await self.release.wait()
             return answer
 

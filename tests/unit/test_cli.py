@@ -56,3 +56,17 @@ def _closed_port_url() -> str:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return f"http://127.0.0.1:{s.getsockname()[1]}"
+
+
+@pytest.mark.parametrize("value, layers", [("10,12", [10, 12]), ("[3, 4]", [3, 4]), ("7", [7])])
+def test_layers_take_the_http_apis_syntax(value: str, layers: list[int]) -> None:
+    assert cli._layers(value) == layers
+
+
+@pytest.mark.parametrize("value, says", [("10,x", "layer indices like 10,12"), ("3,3", "lists a layer twice"),
+                                          ("-1", "non-negative"), ("", "got nothing")])
+def test_bad_layers_are_an_argument_error_saying_why(value: str, says: str) -> None:
+    import argparse
+
+    with pytest.raises(argparse.ArgumentTypeError, match=says):
+        cli._layers(value)
