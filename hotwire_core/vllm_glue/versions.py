@@ -4,6 +4,7 @@ hooks written for one release can crash another, or steer it wrongly without a s
 
 from __future__ import annotations
 
+import functools
 import re
 
 __all__ = ["NEWEST_VLLM", "REFERENCE_VLLM", "SUPPORTED_VLLM", "inactive_reason", "unsupported_version"]
@@ -20,6 +21,7 @@ def _release(version: str) -> tuple[int, ...] | None:
     return tuple(int(part) for part in match.group(1).split(".")) if match else None
 
 
+@functools.lru_cache(maxsize=8)  # asked per steered request (hotwire_api.engine): a pure function of the string
 def unsupported_version(version: str) -> str | None:
     """Why hotwire stays out of vLLM ``version`` (None: a release in the supported range; a local tag such as
     ``+cpu`` does not count)."""
