@@ -1,6 +1,7 @@
-"""The steering controller of one engine: admission into the engine (deferral, streaming-input sessions, kept
-refusals) and the RPC surface, over the registry, the slot cache and the bindings (``hotwire_core.bindings``);
-the vectors at start come from ``hotwire_core.vectors``, the decision procedure from ``hotwire_core.admission``.
+"""The steering controller of one engine: the RPC surface and admission into the engine, over the registry,
+the slot cache and the bindings (``hotwire_core.bindings``). The vectors at start come from
+``hotwire_core.vectors``, the decision procedure from ``hotwire_core.admission``, requests waiting for rows are
+held by ``hotwire_core.deferral``, and streaming-input sessions' rules live in ``hotwire_core.sessions``.
 
 It runs in the engine-core process, in the thread that admits requests and answers utility RPCs, so every
 decision (versions, slots, evictions) is made once, in request order, and reaches every TP/PP rank through the
@@ -11,14 +12,16 @@ from __future__ import annotations
 
 import logging
 from collections import Counter, OrderedDict
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterable, Sequence
 
 from . import contract
 from .admission import ModelInfo, Refusal, Resolved, Rules, cache_salt, pinned_spec, receipt, resolve, row_key
-from .bindings import BankWrite, Binding, Bindings, Config, set_binding, set_extra
+from .bindings import BankWrite, Binding, Bindings, Config, set_binding
 from .contract import BINDING_KEY, USER_SALT_ATTR  # re-exported: the benchmarks import them from here
+from .deferral import DeferredRequests
 from .errors import EngineError
 from .registry import HostVector, RegistryError, VectorRegistry
+from .sessions import EndedSessions, same_steering
 from .settings import Settings
 from .slots import RowKey, SlotCache, SlotsExhausted
 from .spec import SALT_PREFIX, SPEC_KEY, TICKET_KEY, SpecError, parse_spec
@@ -31,7 +34,6 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-ENDED_SESSIONS_KEPT = 4096  # streaming-input sessions ended by a refusal, remembered until their end marker comes
 REFUSALS_KEPT = 4096  # refusals of ticketed requests, kept until the API server that sent them asks
 
 
@@ -49,23 +51,6 @@ def prompt_length(request: Any) -> int:
         return len(request.prompt_token_ids)
     embeds = getattr(request, "prompt_embeds", None)
     return 0 if embeds is None else int(embeds.shape[0])
-
-
-def _same_steering(chunk: Any, session: Any) -> bool:
-    """Whether a streaming-input chunk's spec asks for the steering its session has (raw ``extra_args`` values;
-    None: unsteered). The session's spec may be pinned to versions (a deferred first chunk): an entry of the
-    chunk that names no version matches any."""
-    if chunk == session:
-        return True
-    if chunk is None or session is None:
-        return False
-    try:
-        ours, theirs = parse_spec(chunk), parse_spec(session)
-    except SpecError:
-        return False
-    return len(ours) == len(theirs) and all(
-        a.steering() == b.steering() and a.version in (None, b.version) for a, b in zip(ours, theirs)
-    )
 
 
 class WaitForRows(Refusal):
@@ -87,13 +72,11 @@ class SteeringController:
         self.bindings = Bindings(self.registry, self.slots)
         self.refused: Counter[str] = Counter()
         self.steered_requests = 0
-        self.deferred: OrderedDict[str, Any] = OrderedDict()  # request id -> request waiting for slots
-        self._deferred_holds: dict[str, list[HostVector]] = {}  # the versions a deferred request keeps
-        self.deferrals = 0
+        self.deferred = DeferredRequests(self.bindings)  # requests waiting for slots
         self._refusals: OrderedDict[str, contract.Failure] = OrderedDict()  # ticket -> refusal (see note_refusal)
         # Set by the engine glue: finishes a deferred request that can no longer be admitted with an error.
         self.on_refused: Callable[[Any, Refusal], None] = lambda request, exc: None
-        self._ended_sessions: OrderedDict[str, None] = OrderedDict()  # see note_ended_session
+        self._ended_sessions = EndedSessions()
         store_dir = settings.store_dir(model_name)
         self.store = VectorStore(store_dir) if store_dir is not None else None
         restore(self.registry, self.store, settings.preload)
@@ -180,7 +163,7 @@ class SteeringController:
             refused=dict(self.refused),
             steered_requests=self.steered_requests,
             deferred=len(self.deferred),
-            deferrals=self.deferrals,
+            deferrals=self.deferred.deferrals,
             suspended=sum(b.suspended for b in self.bindings.values()),
             resumptions=self.bindings.resumptions,
             vectors=len(self.registry.vectors()),
@@ -317,13 +300,13 @@ class SteeringController:
         and ``keep_binding`` restores the binding when vLLM applies the chunk. Raises :class:`Refusal` otherwise."""
         request_id = update.request_id
         if session is None:  # its first chunk is deferred: vLLM never saw the session
-            self._undefer(request_id)
+            self.deferred.take(request_id)
             raise Refusal(429, "slots_exhausted",
                           "this streaming-input session's first chunk was still waiting for bank rows when more input "
                           "came; start the session again once rows are free")  # fmt: skip
         if not update.resumable:
             return  # the end marker: vLLM finishes the session, which releases its binding
-        if not _same_steering((steering_args(update) or {}).get(SPEC_KEY), (steering_args(session) or {}).get(SPEC_KEY)):
+        if not same_steering((steering_args(update) or {}).get(SPEC_KEY), (steering_args(session) or {}).get(SPEC_KEY)):
             self.refused["steering_changed"] += 1
             raise Refusal(400, "steering_changed",
                           "every chunk of a streaming-input session must carry the steering its first chunk had "
@@ -331,15 +314,11 @@ class SteeringController:
 
     def note_ended_session(self, request_id: str) -> None:
         """A refusal ended this streaming-input session; vLLM's client will still send its end marker."""
-        self._ended_sessions[request_id] = None
-        while len(self._ended_sessions) > ENDED_SESSIONS_KEPT:  # markers of cancelled sessions never come
-            self._ended_sessions.popitem(last=False)
+        self._ended_sessions.note(request_id)
 
     def session_ended(self, request_id: str, final: bool) -> bool:
         """Whether ``request_id`` is a session a refusal ended; ``final`` (its end marker came): forget it."""
-        if final:
-            return self._ended_sessions.pop(request_id, 0) is None
-        return request_id in self._ended_sessions
+        return self._ended_sessions.ended(request_id, final)
 
     def keep_binding(self, session: Any) -> None:
         """vLLM gave a session its next chunk's sampling params: put the session's binding back in them (its
@@ -365,43 +344,16 @@ class SteeringController:
         spec pinned to them and held, whatever is registered while it waits."""
         if resolved is None:
             resolved = self._resolve(steering_args(request)[SPEC_KEY])
-        holds = list({id(v): v for _, v in resolved}.values())
-        for vector in holds:
-            self.registry.acquire(vector)
-        set_extra(request, SPEC_KEY, pinned_spec(resolved))
-        self._deferred_holds[request.request_id] = holds
-        self.deferred[request.request_id] = request
-        self.deferrals += 1
-
-    def _undefer(self, request_id: str) -> Any:
-        """Take a request out of the deferred ones, letting go of the versions it kept."""
-        self.bindings.release_versions(self._deferred_holds.pop(request_id, ()))
-        return self.deferred.pop(request_id, None)
+        self.deferred.hold(request, resolved)
 
     def admit_deferred(self) -> list[Any]:
         """Deferred requests that could be admitted now, in arrival order (the first that still does not fit
         stops the scan, so later small requests cannot starve an earlier large one)."""
-        admitted = []
-        while self.deferred:
-            request_id, request = next(iter(self.deferred.items()))
-            try:
-                self.admit(request)
-            except Refusal as exc:
-                if exc.code == "slots_exhausted":
-                    break
-                self._undefer(request_id)
-                self.on_refused(request, exc)
-                continue
-            self._undefer(request_id)
-            admitted.append(request)
-        return admitted
+        return self.deferred.admit_ready(self.admit, lambda request, exc: self.on_refused(request, exc))
 
-    def drop_deferred(self, request_ids: Any) -> list[Any]:
+    def drop_deferred(self, request_ids: str | Iterable[str] | None) -> list[Any]:
         """Forget deferred requests that were aborted (``None``: all); returns them."""
-        if request_ids is None:
-            request_ids = list(self.deferred)
-        ids = [request_ids] if isinstance(request_ids, str) else request_ids
-        return [r for r in (self._undefer(request_id) for request_id in ids) if r is not None]
+        return self.deferred.drop(request_ids)
 
     @property
     def step_payload_pending(self) -> bool:

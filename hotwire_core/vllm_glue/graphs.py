@@ -185,10 +185,20 @@ def patch_v2_cudagraphs(module: Any) -> None:
 
         return release_graphs
 
+    def make_extrapolate(original):
+        def _extrapolate_full_graph_memory(mem_samples, total_graphs):
+            # The profiling capture samples the largest FULL graphs of both variants (idle first), and vLLM takes
+            # the second sample as every further graph's cost: with two sets there are twice as many graphs.
+            return original(mem_samples, 2 * total_graphs if GATE.split else total_graphs)
+
+        return _extrapolate_full_graph_memory
+
     wrap(module.ModelCudaGraphManager, "capture", make_capture)
     wrap(module.CudaGraphManager, "run_fullgraph", make_run)
     if "release_graphs" in vars(module.CudaGraphManager):  # 0.32+: elastic EP drops the graphs to capture anew
         wrap(module.CudaGraphManager, "release_graphs", make_release)
+    if hasattr(module, "_extrapolate_full_graph_memory"):  # 0.29+: graph memory is profiled before the KV cache is sized
+        wrap(module, "_extrapolate_full_graph_memory", make_extrapolate)
 
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import functools
 import importlib.abc
 import sys
+from types import ModuleType
 from typing import Any, Callable
 
 from ..settings import Settings
@@ -23,8 +24,9 @@ def settings() -> Settings:
     return _SETTINGS
 
 
-def wrap(cls: type, name: str, make: Callable[[Callable], Callable]) -> None:
-    """Replace ``cls.name`` by ``make(original)``, once: a second call leaves hotwire's wrapper as it is."""
+def wrap(cls: type | ModuleType, name: str, make: Callable[[Callable], Callable]) -> None:
+    """Replace ``cls.name`` (a class's method or a module's function) by ``make(original)``, once: a second call
+    leaves hotwire's wrapper as it is."""
     original = cls.__dict__[name]
     if getattr(original, "_hotwire", False):
         return

@@ -15,7 +15,7 @@ from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
 from vllm.v1.request import Request
 from vllm.utils.hashing import sha256
 
-from hotwire_core import controller as controller_mod
+from hotwire_core import sessions as sessions_mod
 from hotwire_core.admission import DEFAULT_STRENGTH_LIMIT, STRENGTH_LIMITS, ModelInfo, Refusal
 from hotwire_core.contract import BINDING_KEY, USER_SALT_ATTR
 from hotwire_core.bindings import BankWrite
@@ -1187,7 +1187,7 @@ def test_ended_sessions_are_remembered_until_their_end_marker_and_bounded(monkey
     c.note_ended_session("s")
     assert c.session_ended("s", final=False) is True  # more input: still ended
     assert c.session_ended("s", final=True) is True and c.session_ended("s", final=True) is False
-    monkeypatch.setattr(controller_mod, "ENDED_SESSIONS_KEPT", 3)
+    monkeypatch.setattr(sessions_mod, "ENDED_SESSIONS_KEPT", 3)
     for i in range(5):
         c.note_ended_session(f"s{i}")
     assert [c.session_ended(f"s{i}", final=True) for i in range(5)] == [False, False, True, True, True]

@@ -247,6 +247,24 @@ def test_v2_captures_once_without_split_and_for_speculators(split):
     assert m.graphs[FULL].replays == 1
 
 
+@pytest.mark.skipif(not hasattr(cudagraph_utils, "_extrapolate_full_graph_memory"),
+                    reason="this vLLM's V2 runner does not profile CUDA-graph memory (0.29+ does)")
+@pytest.mark.parametrize("split", [True, False], ids=["split", "not-split"])
+def test_v2_graph_memory_profile_counts_both_graph_sets(split):
+    """vLLM 0.29+ sizes the KV cache after estimating V2's FULL-graph memory from the largest graphs' captures:
+    the first capture's cost plus the second's for every further graph. hotwire's capture samples both variants,
+    so there are twice as many graphs to count."""
+    module = SimpleNamespace(CudaGraphManager=Manager, ModelCudaGraphManager=ModelManager,
+                             _extrapolate_full_graph_memory=cudagraph_utils._extrapolate_full_graph_memory)
+    graphs.patch_v2_cudagraphs(module)
+    GATE.split = split
+    mib = 1 << 20
+    samples = [300 * mib, 2 * mib, 1 * mib, 2 * mib]  # idle set's two largest graphs, then the steered set's
+    graphs_per_set = 35
+    expected = 300 * mib + ((2 * graphs_per_set if split else graphs_per_set) - 1) * 2 * mib
+    assert module._extrapolate_full_graph_memory(samples, graphs_per_set) == expected
+
+
 def test_v1_capture_hook_runs_idle_then_steered():
     seen = []
     capture = graphs.capture_both_variants(lambda runner, desc: seen.append((desc, GATE.open)) or "done")
