@@ -51,14 +51,7 @@ from hotwire_api.admission import RECEIPT_HEADER
 from hotwire_api.client import HotwireClient
 from hotwire_api.models import SlotStats
 from hotwire_core.cpu_env import with_cpu_env
-from hotwire_api.server_process import (
-    ServerExited,
-    free_port,
-    start_server,
-    stop_server,
-    vllm_serve_command,
-    wait_until_ready,
-)
+from hotwire_api import server_process
 from hotwire_core.tiny_model import SHAPES, ModelShape, build_model
 
 from bench_decode import rotated  # beside this script: one rotation for both benchmarks
@@ -175,8 +168,8 @@ def serving(model: Path, shape: ModelShape, slot_counts: list[int], args: argpar
     procs, urls = {}, {}
     try:
         for slots in slot_counts:
-            port = free_port()
-            cmd = [*vllm_serve_command(str(model)), "--api-server-count", str(args.api_servers),
+            port = server_process.free_port()
+            cmd = [*server_process.vllm_serve_command(str(model)), "--api-server-count", str(args.api_servers),
                    "--served-model-name", MODEL, "--load-format", "dummy", "--dtype", "bfloat16" if gpu else "float32",
                    "--max-model-len", str(max_len), "--max-num-seqs", str(max(args.streams, args.batch, 8)),
                    "--seed", "0", "--host", "127.0.0.1", "--port", str(port), "--disable-uvicorn-access-log"]
@@ -191,18 +184,18 @@ def serving(model: Path, shape: ModelShape, slot_counts: list[int], args: argpar
             if not gpu:
                 env = with_cpu_env(env)
             log = log_dir / f"server-slots{slots}.log"
-            procs[slots] = (start_server(cmd, env, log), log)
+            procs[slots] = (server_process.start_server(cmd, env, log), log)
             urls[slots] = f"http://127.0.0.1:{port}"
         for slots, (proc, log) in procs.items():
             try:
-                took = wait_until_ready(proc, urls[slots], START_TIMEOUT_S)
-            except ServerExited as exc:
+                took = server_process.wait_until_ready(proc, urls[slots], START_TIMEOUT_S)
+            except server_process.ServerExited as exc:
                 raise RuntimeError(f"vllm serve (slots={slots}): {exc}; {log}:\n{log.read_text(errors='replace')[-4000:]}")
             print(f"server slots={slots} healthy after {took:.0f} s", flush=True)
         yield urls
     finally:
         for proc, _ in procs.values():
-            stop_server(proc, grace_s=30)
+            server_process.stop_server(proc, grace_s=30)
 
 
 def measure_registration(hw: HotwireClient, http: httpx.Client, shape: ModelShape, n: int, prompt_len: int,

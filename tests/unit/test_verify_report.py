@@ -6,21 +6,7 @@ import math
 import pytest
 
 from hotwire_core import verify
-from hotwire_core.verify import (
-    Check,
-    Result,
-    check_batchmates,
-    check_cache_hit,
-    check_decode_cost,
-    check_no_cross_read,
-    check_steering_fires,
-    check_vanilla,
-    compare,
-    exit_status,
-    format_report,
-    max_abs_diff,
-    per_step_ms,
-)
+from hotwire_core.verify import Check, Result, compare, exit_status, format_report, max_abs_diff, per_step_ms
 
 
 def result(logprobs, tokens=None, cached=0) -> Result:
@@ -46,9 +32,9 @@ def test_compare_bit_for_bit_or_within_a_cpu_tolerance():
 
 def test_steering_fires_needs_more_than_noise():
     plain = result([-1.0, -2.0, -3.0])
-    assert check_steering_fires(plain, result([-1.0, -2.5, -3.0])).passed
-    assert check_steering_fires(plain, result([-1.0, -2.0, -3.0], tokens=[0, 9, 2])).passed
-    noise = check_steering_fires(plain, result([-1.0, -2.0 + 1e-6, -3.0]))
+    assert verify.check_steering_fires(plain, result([-1.0, -2.5, -3.0])).passed
+    assert verify.check_steering_fires(plain, result([-1.0, -2.0, -3.0], tokens=[0, 9, 2])).passed
+    noise = verify.check_steering_fires(plain, result([-1.0, -2.0 + 1e-6, -3.0]))
     assert not noise.passed
     assert "0/3 tokens differ" in noise.detail
 
@@ -56,15 +42,15 @@ def test_steering_fires_needs_more_than_noise():
 def test_batchmates():
     all_plain = [result([-1.0, -2.0]), result([-0.5, -0.25]), result([-3.0, -1.0])]
     mixed = [result([-1.0, -2.0]), result([-0.9, -0.1]), result([-3.0, -1.0])]
-    ok = check_batchmates(all_plain, mixed, steered=[1], tolerance=0.0)
+    ok = verify.check_batchmates(all_plain, mixed, steered=[1], tolerance=0.0)
     assert ok.passed and "bit-identical" in ok.detail and "2 plain beside 1 steered in a batch of 3" in ok.detail
 
     moved = [result([-1.0, -2.0 + 1e-7]), *mixed[1:]]
-    bad = check_batchmates(all_plain, moved, steered=[1], tolerance=0.0)
+    bad = verify.check_batchmates(all_plain, moved, steered=[1], tolerance=0.0)
     assert not bad.passed and "1e-07" in bad.detail
-    assert check_batchmates(all_plain, moved, steered=[1], tolerance=1e-5).passed
+    assert verify.check_batchmates(all_plain, moved, steered=[1], tolerance=1e-5).passed
 
-    unsteered = check_batchmates(all_plain, all_plain, steered=[1], tolerance=1e-5)
+    unsteered = verify.check_batchmates(all_plain, all_plain, steered=[1], tolerance=1e-5)
     assert not unsteered.passed and "not steered" in unsteered.detail
 
 
@@ -77,15 +63,15 @@ def test_batchmates():
     ],
 )
 def test_no_cross_read(after, passed):
-    check = check_no_cross_read("c. prefix cache: steered -> plain", after, result([-1.0, -2.0]), tolerance=1e-5)
+    check = verify.check_no_cross_read("c. prefix cache: steered -> plain", after, result([-1.0, -2.0]), tolerance=1e-5)
     assert check.passed is passed
     assert f"{after.num_cached_tokens} cached tokens read" in check.detail
 
 
 def test_cache_hit_needs_a_full_block():
     first = result([-1.0])
-    assert check_cache_hit(first, result([-1.0], cached=512), block_size=128, prompt_len=576).passed
-    miss = check_cache_hit(first, result([-1.0], cached=0), block_size=128, prompt_len=576)
+    assert verify.check_cache_hit(first, result([-1.0], cached=512), block_size=128, prompt_len=576).passed
+    miss = verify.check_cache_hit(first, result([-1.0], cached=0), block_size=128, prompt_len=576)
     assert not miss.passed and "0/576 prompt tokens" in miss.detail
 
 
@@ -97,10 +83,10 @@ NO_GRAPHS = [{"split": True, "gate_open": False}]  # a CPU rank: no graph wrappe
 
 
 def test_decode_cost_uses_medians_and_the_limit():
-    ok = check_decode_cost([2.0, 9.0, 2.0], [2.2, 2.1, 2.4], 0.5, NO_GRAPHS)
+    ok = verify.check_decode_cost([2.0, 9.0, 2.0], [2.2, 2.1, 2.4], 0.5, NO_GRAPHS)
     assert ok.passed and "idle 2.000 ms/step, steered 2.200 ms/step (+10.0%" in ok.detail
     assert "one graph set" in ok.detail
-    assert not check_decode_cost([2.0, 2.0, 2.0], [3.5, 3.5, 3.5], 0.5, NO_GRAPHS).passed
+    assert not verify.check_decode_cost([2.0, 2.0, 2.0], [3.5, 3.5, 3.5], 0.5, NO_GRAPHS).passed
 
 
 def graph_rank(serving_idle: int, holders: int = 37, split: bool = True) -> dict:
@@ -109,34 +95,34 @@ def graph_rank(serving_idle: int, holders: int = 37, split: bool = True) -> dict
 
 
 def test_decode_cost_needs_every_ranks_idle_graphs_after_an_unsteered_step():
-    ok = check_decode_cost([2.0], [2.1], 0.5, [graph_rank(37), graph_rank(37)])
+    ok = verify.check_decode_cost([2.0], [2.1], 0.5, [graph_rank(37), graph_rank(37)])
     assert ok.passed and "74 of 74 graph holders had their hotwire-free set in place" in ok.detail
-    stale = check_decode_cost([2.0], [2.1], 0.5, [graph_rank(37), graph_rank(0)])
+    stale = verify.check_decode_cost([2.0], [2.1], 0.5, [graph_rank(37), graph_rank(0)])
     assert not stale.passed and "37 of 74 graph holders" in stale.detail
-    one_set = check_decode_cost([2.0], [2.1], 0.5, [graph_rank(0, split=False)])
+    one_set = verify.check_decode_cost([2.0], [2.1], 0.5, [graph_rank(0, split=False)])
     assert one_set.passed and "one graph set" in one_set.detail
 
 
 def test_vanilla_exact_on_gpu_tolerance_on_cpu():
     ours = [result([-1.0, -2.0]), result([-0.5])]
-    assert check_vanilla(ours, [[result([-1.0, -2.0]), result([-0.5])]], 0.0).detail.endswith("bit-identical")
+    assert verify.check_vanilla(ours, [[result([-1.0, -2.0]), result([-0.5])]], 0.0).detail.endswith("bit-identical")
     near = [result([-1.0, -2.0 + 5e-7]), result([-0.5])]
-    assert not check_vanilla(ours, [near], tolerance=0.0).passed
-    cpu = check_vanilla(ours, [near], tolerance=1e-5)
+    assert not verify.check_vanilla(ours, [near], tolerance=0.0).passed
+    cpu = verify.check_vanilla(ours, [near], tolerance=1e-5)
     assert cpu.passed and "max |delta| 5e-07 (CPU tolerance 1e-05)" in cpu.detail
-    assert not check_vanilla(ours, [[result([-1.0, -2.0], tokens=[0, 3]), result([-0.5])]], tolerance=1e-5).passed
-    assert not check_vanilla(ours, [ours[:1]], tolerance=1e-5).passed
-    assert not check_vanilla(ours, [ours[:1], ours[:1]], tolerance=1e-5).passed
+    assert not verify.check_vanilla(ours, [[result([-1.0, -2.0], tokens=[0, 3]), result([-0.5])]], tolerance=1e-5).passed
+    assert not verify.check_vanilla(ours, [ours[:1]], tolerance=1e-5).passed
+    assert not verify.check_vanilla(ours, [ours[:1], ours[:1]], tolerance=1e-5).passed
 
 
 def test_vanilla_failure_names_the_requests_and_tokens_that_differ():
     ours = [result([-1.0, -2.0]), result([-0.5, -0.7, -0.9]), result([-0.3])]
     theirs = [result([-1.0, -2.0]), result([-0.5, -0.7, -0.8]), result([-0.4])]
-    check = check_vanilla(ours, [theirs], tolerance=0.0)
+    check = verify.check_vanilla(ours, [theirs], tolerance=0.0)
     assert not check.passed and check.detail.endswith("(requests #1 from token 2, #2 from token 0)")
     tokens = [result([-1.0, -2.0], tokens=[0, 5]), *ours[1:]]
-    assert "(requests #0 from token 1, #1 from token 2, #2 from token 0)" in check_vanilla(tokens, [theirs], 0.0).detail
-    assert check_vanilla(ours, [ours], tolerance=0.0).detail == "3 plain requests: bit-identical"
+    assert "(requests #0 from token 1, #1 from token 2, #2 from token 0)" in verify.check_vanilla(tokens, [theirs], 0.0).detail
+    assert verify.check_vanilla(ours, [ours], tolerance=0.0).detail == "3 plain requests: bit-identical"
 
 
 def test_vanilla_passes_when_each_request_equals_one_of_two_plugin_free_engines():
@@ -146,25 +132,25 @@ def test_vanilla_passes_when_each_request_equals_one_of_two_plugin_free_engines(
     short = result([-0.5])
     first, second = [short, a, a], [short, b, a]
     ours = [short, b, a]  # request 1 equals the second engine only
-    check = check_vanilla(ours, [first, second], tolerance=0.0)
+    check = verify.check_vanilla(ours, [first, second], tolerance=0.0)
     assert check.passed
     assert check.detail == (
         "3 plain requests: each equals one of two plugin-free engines, which differ from each other "
         "(max |delta| 0.004; requests #1 from token 1): vLLM's own engine-to-engine variation"
     )
     ours = [short, b, b]  # request 2 equals neither
-    check = check_vanilla(ours, [first, second], tolerance=0.0)
+    check = verify.check_vanilla(ours, [first, second], tolerance=0.0)
     assert not check.passed
     assert check.detail.startswith("3 plain requests: #2 from token 1 match neither of two plugin-free engines")
     # The position is the earlier of the two references' and different tokens are called so.
     c = result([-1.0, -2.0, -3.0])
     late, early = result([-1.0, -2.0, -3.5]), result([-1.5, -2.0, -3.0])
-    check = check_vanilla([short, short, c], [[short, short, late], [short, result([-0.5]), early]], 0.0)
+    check = verify.check_vanilla([short, short, c], [[short, short, late], [short, result([-0.5]), early]], 0.0)
     assert check.detail.startswith("3 plain requests: #2 from token 0 match neither") and "max |delta| to the nearer 0.5" in check.detail
     swapped = result([-1.0, -2.0, -3.0], tokens=[0, 1, 9])
-    check = check_vanilla([short, short, swapped], [[short, short, c], [short, result([-0.5]), c]], 0.0)
+    check = verify.check_vanilla([short, short, swapped], [[short, short, c], [short, result([-0.5]), c]], 0.0)
     assert "#2 from token 2 match neither of two plugin-free engines (different tokens)" in check.detail
-    same_refs = check_vanilla([short, b, a], [first, first], tolerance=0.0)
+    same_refs = verify.check_vanilla([short, b, a], [first, first], tolerance=0.0)
     assert not same_refs.passed and same_refs.detail.endswith("which agree with each other")
     assert "#1 from token 1 match neither" in same_refs.detail
 
@@ -229,7 +215,7 @@ def test_saved_results_round_trip(tmp_path):
 
 def test_a_reference_that_returned_other_requests_fails_check_e_and_says_so():
     ours = [Result([1], [-0.5], 0), Result([2], [-0.25], 0)]
-    check = check_vanilla(ours, [ours, ours[:1]], 0.0)
+    check = verify.check_vanilla(ours, [ours, ours[:1]], 0.0)
     assert not check.passed and "returned [2, 1]" in check.detail
 
 
