@@ -122,7 +122,7 @@ class RedisRegistry:
                        health_check_interval=0, retry_on_timeout=False, retry=Retry(NoBackoff(), 1),
                        retry_on_error=[redis_errors.ConnectionError])
         self._redis = aioredis.from_url(config.url, **options)
-        self._reader = aioredis.from_url(config.url, **{**options, "socket_timeout": config.timeout_s + 5})
+        self._reader = aioredis.from_url(config.url, **{**options, "socket_timeout": config.timeout_s + 5, "retry": None})
         self._register = self._redis.register_script(_REGISTER)
         self._delete = self._redis.register_script(_DELETE)
 

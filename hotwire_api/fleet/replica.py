@@ -39,7 +39,7 @@ from hotwire_api.models import VectorMeta
 from hotwire_core.admission import Rules
 from hotwire_core.vllm_glue.api_server import is_first_api_server
 
-__all__ = ["FLEET", "Fleet", "Replica"]
+__all__ = ["FLEET", "Fleet", "Replica", "stop_tasks"]
 
 logger = logging.getLogger(__name__)
 
@@ -87,6 +87,9 @@ class Replica:
         self._reconnected = False
         self._epoch_checked = -1e9
         self.block_ms = 1000
+        # Set to end ``follow`` after its current read: redis-py 8.1 has been seen to swallow a cancellation that
+        # arrives during a blocking XREAD, so the follower is stopped this way, not cancelled (``stop_tasks``).
+        self.stopping = False
 
     # -- reachability ------------------------------------------------------------------------------------------
 
@@ -186,7 +189,8 @@ class Replica:
     async def follow(self) -> None:
         """Apply the registry's events to the engine until cancelled (see the module docstring)."""
         backoff = 0.05
-        while True:
+        self.stopping = False
+        while not self.stopping:
             engine = self._engine()
             if engine is None:
                 await asyncio.sleep(0.5)
@@ -347,6 +351,18 @@ class Replica:
         return {"registry": await self.status(), "vectors": vectors, "replicas": replicas}
 
 
+async def stop_tasks(replica: Replica, tasks: list[asyncio.Task[None]]) -> None:
+    """End the follower and heartbeat tasks: the follower at its next read's end (up to ``block_ms``), then
+    whatever is left is cancelled."""
+    replica.stopping = True
+    if tasks:
+        _, pending = await asyncio.wait(tasks, timeout=replica.block_ms / 1000 + replica.registry.config.timeout_s)
+        for task in pending:
+            task.cancel()
+        if pending:
+            await asyncio.wait(pending, timeout=1.0)
+
+
 def _gauge(value: int) -> None:
     from hotwire_api.metrics import STATS
 
@@ -396,9 +412,8 @@ class Fleet:
                     ", following its events" if self.replica.follower else "")
 
     async def stop(self) -> None:
-        for task in self._tasks:
-            task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+        if self.replica is not None:
+            await stop_tasks(self.replica, self._tasks)
         self._tasks = []
         if self.replica is not None:
             await self.replica.registry.close()
