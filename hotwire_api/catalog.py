@@ -23,7 +23,7 @@ from hotwire_api.errors import HotwireError
 from hotwire_core.admission import ModelInfo, Rules
 from hotwire_core.settings import parse_layers
 
-__all__ = ["CATALOG", "Catalog", "CatalogVector", "refresh_interval_s"]
+__all__ = ["CATALOG", "Catalog", "CatalogVector", "refresh_interval_s", "rules_of"]
 
 logger = logging.getLogger(__name__)
 
@@ -66,7 +66,8 @@ class CatalogVector:
         return self.norms.get(str(layer), 0.0) if layer in self.layers else 0.0
 
 
-def _rules(answer: dict[str, Any]) -> Rules:
+def rules_of(answer: dict[str, Any]) -> Rules:
+    """The server's rules in a full ``hotwire_catalog`` answer."""
     model = answer["model"]
     layers = frozenset(parse_layers(model["layers"])) if model.get("layers") else frozenset()
     info = ModelInfo(bool(model["steerable"]), str(model.get("reason") or ""), int(model["n_layers"]),
@@ -113,7 +114,7 @@ class Catalog:
     async def _fetch(self, engine: HotwireEngine) -> None:
         answer = await engine.catalog(self.generation)
         if not answer.get("unchanged"):
-            self.rules = _rules(answer)
+            self.rules = rules_of(answer)
             vectors = {v.vector_id: v for v in map(CatalogVector.from_meta, answer.get("vectors") or [])}
             # Data parallelism: a registration reaches the first engine core before the others. Pin only what
             # every engine core has: the oldest current version (the first core retains it), no id one lacks.

@@ -1,7 +1,7 @@
 """The ``hotwire`` command: manage steering vectors on a running server.
 
     hotwire register ID FILE [--replace] [--layers 10,12]
-    hotwire list | slots | delete ID
+    hotwire list | slots | fleet | delete ID
 
 Every command takes ``--url URL`` (env ``HOTWIRE_URL``, default http://localhost:8000) and ``--api-key KEY`` (env
 ``HOTWIRE_API_KEY``), before or after the command name.
@@ -63,6 +63,7 @@ def build_parser() -> argparse.ArgumentParser:
     register.add_argument("--layers", type=_layers, help="layers naming the rows of a single tensor, e.g. 10,12")
     command("list", "list registered vectors")
     command("slots", "show steering bank occupancy and counters")
+    command("fleet", "show every replica on the server's registry (HOTWIRE_REGISTRY): slots, versions held")
     delete = command("delete", "delete a vector")
     delete.add_argument("id")
     return parser
@@ -75,6 +76,8 @@ def _run(client: HotwireClient, args: argparse.Namespace) -> object:
         return [meta.model_dump() for meta in client.list()]
     if args.command == "slots":
         return client.slots().model_dump()
+    if args.command == "fleet":
+        return client.fleet().model_dump()
     return client.delete(args.id).model_dump()
 
 

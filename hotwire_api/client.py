@@ -19,7 +19,7 @@ import numpy as np
 
 from hotwire_api.codec import CONVERT_HINT
 from hotwire_api.errors import HotwireError
-from hotwire_api.models import DeleteResult, SlotStats, VectorList, VectorMeta
+from hotwire_api.models import DeleteResult, FleetView, SlotStats, VectorList, VectorMeta
 
 if TYPE_CHECKING:
     import torch
@@ -162,6 +162,10 @@ class HotwireClient:
         """The slot bank; ``max_age_ms`` > 0 accepts the server's cached numbers up to that age (cheap to poll)."""
         return SlotStats.model_validate(self._send(_slots_call(max_age_ms)).json())
 
+    def fleet(self) -> FleetView:
+        """Every replica on the server's registry (one, ``local``, without ``HOTWIRE_REGISTRY``)."""
+        return FleetView.model_validate(self._send(_Call("GET", "/steer/fleet")).json())
+
     def close(self) -> None:
         if self._owned:
             self._http.close()
@@ -212,6 +216,10 @@ class AsyncHotwireClient:
     async def slots(self, max_age_ms: int = 0) -> SlotStats:
         """The slot bank; ``max_age_ms`` > 0 accepts the server's cached numbers up to that age (cheap to poll)."""
         return SlotStats.model_validate((await self._send(_slots_call(max_age_ms))).json())
+
+    async def fleet(self) -> FleetView:
+        """Every replica on the server's registry (one, ``local``, without ``HOTWIRE_REGISTRY``)."""
+        return FleetView.model_validate((await self._send(_Call("GET", "/steer/fleet"))).json())
 
     async def aclose(self) -> None:
         if self._owned:

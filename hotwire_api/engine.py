@@ -126,14 +126,22 @@ class HotwireEngine:
                 502, "bad_engine_result", f"{method} returned a malformed {model.__name__}: {exc.errors()[0]['msg']}"
             ) from exc
 
-    async def register(self, vector_id: str, payload: VectorPayload, replace: bool) -> tuple[bool, VectorMeta]:
-        """Register (or with ``replace`` re-register) a vector; returns (created, meta)."""
+    async def register(
+        self, vector_id: str, payload: VectorPayload, replace: bool, version: int | None = None
+    ) -> tuple[bool, VectorMeta]:
+        """Register (or with ``replace`` re-register) a vector; returns (created, meta). ``version``: the number
+        a fleet's registry gave it (``hotwire_api.fleet``): every engine core takes it, and one that holds that
+        version already changes nothing."""
         layers = list(payload.layers) if payload.layers is not None else None
         args = (vector_id, payload.data, payload.dtype, list(payload.shape), layers, replace)
         try:
-            first = await self._call(contract.REGISTER, *args)
-            meta = self._parse(VectorMeta, first.get("vector"), contract.REGISTER)
-            others = await self._call_each(contract.REGISTER, *args, meta.version, which=slice(1, None))
+            if version is None:
+                first = await self._call(contract.REGISTER, *args)
+                meta = self._parse(VectorMeta, first.get("vector"), contract.REGISTER)
+                others = await self._call_each(contract.REGISTER, *args, meta.version, which=slice(1, None))
+            else:
+                first, *others = await self._call_each(contract.REGISTER, *args, version)
+                meta = self._parse(VectorMeta, first.get("vector"), contract.REGISTER)
         except HotwireError as exc:
             # The engine names the base64 upload's fields; a file or per-layer lists carried all of them.
             if exc.field == "data" or (exc.field in ("shape", "dtype") and payload.source != "data"):
@@ -149,11 +157,16 @@ class HotwireEngine:
             )
         return bool(first.get("created")), meta
 
-    async def unregister(self, vector_id: str) -> int:
-        """Unregister a vector; returns how many requests still use it, on every engine core."""
-        first = await self._call(contract.UNREGISTER, vector_id)
-        others = await self._call_each(contract.UNREGISTER, vector_id, int(first["version"]), which=slice(1, None))
-        return sum(int(a.get("in_flight") or 0) for a in (first, *others))
+    async def unregister(self, vector_id: str, version: int | None = None) -> int:
+        """Unregister a vector; returns how many requests still use it, on every engine core. ``version``: the
+        version a fleet's registry deleted (every engine core deletes up to it; a newer one stays)."""
+        if version is None:
+            first = await self._call(contract.UNREGISTER, vector_id)
+            others = await self._call_each(contract.UNREGISTER, vector_id, int(first["version"]), which=slice(1, None))
+            answers = [first, *others]
+        else:
+            answers = await self._call_each(contract.UNREGISTER, vector_id, version)
+        return sum(int(a.get("in_flight") or 0) for a in answers)
 
     async def vectors(self) -> list[VectorMeta]:
         answers = await self._call_each(contract.LIST)

@@ -50,6 +50,7 @@ _COUNTERS = {
     "steered_requests": ("hotwire_steered_requests", "Requests admitted with steering."),
 }
 _REFUSALS = ("hotwire_refusals", "Steering requests refused, by reason.")
+_REGISTRY = ("hotwire_registry_reachable", "1 while the fleet's vector registry (HOTWIRE_REGISTRY) answers, else 0.")
 
 
 class MultiprocessSeries:
@@ -65,6 +66,13 @@ class MultiprocessSeries:
             self._gauges = {k: GaugeMetric(*v, multiprocess_mode="mostrecent") for k, v in _GAUGES.items()}
             self._counters = {k: CounterMetric(*v) for k, v in _COUNTERS.items()}
         self._seen: dict[str, int] = {}  # running totals already written, by counter (refusals: "refused:<reason>")
+        self._registry: GaugeMetric | None = None
+
+    def registry(self, reachable: int) -> None:
+        """Whether the fleet's registry answers (every API server that asked it: the most recent answer wins)."""
+        if self._registry is None:
+            self._registry = GaugeMetric(*_REGISTRY, multiprocess_mode="mostrecent")
+        self._registry.set(reachable)
 
     def refusal(self, reason: str) -> None:
         self._refusals.labels(reason).inc()
@@ -96,6 +104,7 @@ class StatsCache:
         self._inflight: asyncio.Task[SlotStats] | None = None
         self._inflight_sent = -math.inf  # time.monotonic() when the fetch in flight was sent
         self.series: MultiprocessSeries | None = None  # set in vLLM's multiprocess metrics mode
+        self.registry_reachable: int | None = None  # with a fleet registry: 1 while it answers (hotwire_api.fleet)
 
     def count_refusal(self, reason: str) -> None:
         """Count a refusal issued by admission. Copy-on-write: scrapes may read from another thread."""
@@ -172,6 +181,8 @@ class HotwireCollector(Collector):
         for reason, count in sorted(refused.items()):
             refusals.add_metric([reason], count)
         yield refusals
+        if self._cache.registry_reachable is not None:
+            yield GaugeMetricFamily(*_REGISTRY, value=self._cache.registry_reachable)
 
     @staticmethod
     def _bank(stats: SlotStats) -> Iterator[Metric]:

@@ -118,3 +118,79 @@ class SlotStats(_EngineResult):
     engines: int = Field(1, description="Engine cores counted (data parallelism): each has its own bank of "
                          "HOTWIRE_SLOTS rows, and the counters are their sums.")
     age_ms: float = Field(0.0, description="How old these numbers are (see GET /steer/slots?max_age_ms).")
+    registry: RegistryStatus | None = Field(None, description="Where the vectors live (HOTWIRE_REGISTRY) and "
+                                            "whether it answers.")
+
+
+class RegistryStatus(BaseModel):
+    """The vector registry: ``local`` (each engine's own) or ``redis`` (one for the fleet: docs/fleet.md)."""
+
+    kind: Literal["local", "redis"]
+    url: str | None = Field(None, description="The registry's URL, password masked.")
+    reachable: bool | None = Field(None, description="Whether it answered the last command (redis only).")
+    error: str | None = Field(None, description="Why it did not, when it did not.")
+    replica: str | None = Field(None, description="This replica's id in the fleet (HOTWIRE_REPLICA_ID).")
+    position: str | None = Field(None, description="The last registry event this replica applied.")
+    events_applied: int = 0
+    resyncs: int = Field(0, description="Full comparisons with the registry's current versions (at start, and "
+                         "after an absence the event stream no longer covers).")
+    reset: bool = Field(False, description="The registry lost hotwire's data while this replica ran.")
+
+
+class ReplicaSlots(BaseModel):
+    capacity: int
+    used: int
+    pinned: int
+    free: int
+    evictions: int
+    steered_requests: int
+    deferred: int = 0
+    engines: int = 1
+
+
+class HeldVector(BaseModel):
+    id: str
+    version: int
+    sha256: str
+    in_flight: int = 0
+
+
+class PinnedRow(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    id: str
+    version: int
+    layer: int
+    refcount: int
+    engine: int = 0
+
+
+class ReplicaState(BaseModel):
+    """One replica's last heartbeat."""
+
+    model_config = ConfigDict(extra="allow")
+
+    replica: str
+    url: str | None = None
+    age_ms: float = Field(description="How old its last heartbeat is; one older than 3 intervals has expired.")
+    in_sync: bool = Field(description="It holds exactly the registry's current versions.")
+    slots: ReplicaSlots
+    refused: dict[str, int]
+    pinned_rows: list[PinnedRow]
+    vectors: list[HeldVector]
+
+
+class FleetVector(BaseModel):
+    id: str
+    version: int
+    sha256: str
+    held_by: list[str] = Field(description="Replicas holding this version.")
+    missing_on: list[str] = Field(description="Live replicas not holding it (yet).")
+
+
+class FleetView(BaseModel):
+    """``GET /steer/fleet``: the registry's current versions and every replica that heartbeats."""
+
+    registry: RegistryStatus
+    vectors: list[FleetVector]
+    replicas: list[ReplicaState]

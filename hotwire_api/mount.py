@@ -41,6 +41,19 @@ def install() -> bool:
 
 def register() -> None:
     """vLLM general-plugin entry point ``hotwire_api``: in the API server, mount the HTTP control plane and turn
-    the vector store on by default (the engine processes it spawns later inherit the setting)."""
-    if install():
+    the vector store on by default (the engine processes it spawns later inherit the setting). With a fleet
+    registry (``HOTWIRE_REGISTRY``) Redis is the store: the engine keeps no store of its own and preloads nothing
+    (its versions must all be the registry's)."""
+    if not install():
+        return
+    from hotwire_api.fleet.config import registry_url
+
+    if registry_url() is None:
         os.environ.setdefault("HOTWIRE_STORE", default_store_root())
+        return
+    for name in ("HOTWIRE_STORE", "HOTWIRE_VECTORS"):
+        if os.environ.get(name, "off").strip().lower() not in ("", "off"):
+            logger.warning("hotwire: %s is ignored with HOTWIRE_REGISTRY: the fleet's registry holds the vectors "
+                           "(register them over HTTP once, on any replica)", name)
+    os.environ["HOTWIRE_STORE"] = "off"
+    os.environ.pop("HOTWIRE_VECTORS", None)

@@ -20,8 +20,11 @@ from hotwire_api.catalog import CATALOG, refresh_interval_s
 from hotwire_api.codec import VectorPayload, decode_form, decode_json, read_limited, too_large
 from hotwire_api.engine import HotwireEngine
 from hotwire_api.errors import HotwireError
+from hotwire_api.fleet.replica import FLEET
 from hotwire_api.metrics import STATS
-from hotwire_api.models import DeleteResult, ErrorBody, RegisterVectorJSON, SlotStats, VectorList, VectorMeta
+from hotwire_api.models import (
+    DeleteResult, ErrorBody, FleetView, RegisterVectorJSON, RegistryStatus, ReplicaSlots, SlotStats, VectorList, VectorMeta,
+)
 from hotwire_api.settings import Settings
 from hotwire_core.vllm_glue import inactive_reason
 
@@ -55,12 +58,14 @@ async def _background(app: Any) -> AsyncIterator[None]:
         yield
         return
     tasks = [asyncio.create_task(STATS.run(app)), asyncio.create_task(CATALOG.run(app, refresh_interval_s()))]
+    await FLEET.start(app)
     try:
         yield
     finally:
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+        await FLEET.stop()
 
 
 def _error(description: str) -> dict[str, Any]:
@@ -169,6 +174,8 @@ async def _refresh_catalog(engine: HotwireEngine) -> None:
         413: _error("Larger than HOTWIRE_MAX_UPLOAD_MB."),
         415: _error("Neither multipart/form-data nor application/json."),
         500: _error("`store_failed`: the vector store could not be written; nothing was registered."),
+        503: _error("`registry_unavailable`: the fleet's registry (HOTWIRE_REGISTRY) does not answer; nothing "
+                    "was registered."),
     },
 )
 async def register_vector(
@@ -180,7 +187,10 @@ async def register_vector(
     settings: Settings = request.app.state.hotwire_settings
     vector_id, payload = await _read_upload(request, settings.max_upload_bytes)
     engine = HotwireEngine.of(request.app)
-    created, meta = await engine.register(vector_id, payload, replace)
+    if FLEET.replica is not None:
+        created, meta = await FLEET.replica.register(engine, vector_id, payload, replace)
+    else:
+        created, meta = await engine.register(vector_id, payload, replace)
     if not created:
         response.status_code = 200
     await _refresh_catalog(engine)
@@ -223,11 +233,15 @@ async def get_vector(vector_id: str, request: Request, background: BackgroundTas
         202: {"model": DeleteResult, "description": "Deleted for new requests; running ones keep it until done."},
         404: _error("No vector has this id."),
         500: _error("`store_failed`: its stored file could not be removed; it stays registered."),
+        503: _error("`registry_unavailable`: the fleet's registry does not answer; nothing was deleted."),
     },
 )
 async def delete_vector(vector_id: str, request: Request, background: BackgroundTasks) -> Response:
     engine = HotwireEngine.of(request.app)
-    in_flight = await engine.unregister(vector_id)
+    if FLEET.replica is not None:
+        in_flight = await FLEET.replica.unregister(engine, vector_id)
+    else:
+        in_flight = await engine.unregister(vector_id)
     await _refresh_catalog(engine)
     _refresh_stats_later(background, engine)
     if in_flight > 0:
@@ -247,4 +261,28 @@ async def slots(
     ),
 ) -> SlotStats:
     stats, age_s = await STATS.get(HotwireEngine.of(request.app), max_age_ms / 1000)
-    return stats.model_copy(update={"age_ms": round(age_s * 1000, 1)})
+    registry = await FLEET.replica.status() if FLEET.replica is not None else {"kind": "local"}
+    return stats.model_copy(update={"age_ms": round(age_s * 1000, 1), "registry": RegistryStatus(**registry)})
+
+
+@router.get(
+    "/fleet",
+    response_model=FleetView,
+    summary="Every replica on the fleet's registry: slots, pinned rows, refusals, vector versions held",
+    responses={503: _error("`registry_unavailable`: the fleet's registry does not answer.")},
+)
+async def fleet(request: Request) -> FleetView:
+    engine = HotwireEngine.of(request.app)
+    if FLEET.replica is not None:
+        return FleetView.model_validate(await FLEET.replica.view())
+    stats, _ = await STATS.get(engine, 0)
+    vectors = await engine.vectors()
+    held = [{"id": m.id, "version": m.version, "sha256": m.sha256, "in_flight": m.in_flight} for m in vectors]
+    me = {
+        "replica": "local", "slots": {k: getattr(stats, k) for k in ReplicaSlots.model_fields},
+        "refused": stats.refused, "vectors": held, "in_sync": True, "age_ms": 0.0,
+        "pinned_rows": [r.model_dump() for r in stats.rows if r.refcount > 0],
+    }
+    return FleetView(registry=RegistryStatus(kind="local"), replicas=[me],
+                     vectors=[{"id": m.id, "version": m.version, "sha256": m.sha256, "held_by": ["local"],
+                               "missing_on": []} for m in vectors])

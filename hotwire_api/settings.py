@@ -6,6 +6,7 @@ import math
 import os
 from dataclasses import dataclass
 
+from hotwire_api.fleet.config import registry_url
 from hotwire_core.settings import flag_env
 
 DEFAULT_MAX_UPLOAD_MB = 64.0
@@ -15,11 +16,13 @@ DEFAULT_MAX_UPLOAD_MB = 64.0
 class Settings:
     """``max_upload_bytes``: ``HOTWIRE_MAX_UPLOAD_MB`` (default 64); ``lenient``: ``HOTWIRE_LENIENT=1``
     serves bad steering requests unsteered instead of refusing them; ``api_key``: ``HOTWIRE_API_KEY``,
-    which guards ``/steer/*`` in place of vLLM's ``--api-key``."""
+    which guards ``/steer/*`` in place of vLLM's ``--api-key``; ``registry_url``: ``HOTWIRE_REGISTRY``'s Redis URL
+    (None: each engine's embedded registry; see ``hotwire_api.fleet``)."""
 
     max_upload_bytes: int = int(DEFAULT_MAX_UPLOAD_MB * 1024 * 1024)
     lenient: bool = False
     api_key: str | None = None
+    registry_url: str | None = None
 
     @classmethod
     def from_env(cls) -> Settings:
@@ -31,4 +34,4 @@ class Settings:
         if not math.isfinite(mb) or mb <= 0:
             raise ValueError(f"HOTWIRE_MAX_UPLOAD_MB must be a positive number of megabytes, got {raw_mb!r}")
         lenient = flag_env("HOTWIRE_LENIENT", False)
-        return cls(int(mb * 1024 * 1024), lenient, os.environ.get("HOTWIRE_API_KEY") or None)
+        return cls(int(mb * 1024 * 1024), lenient, os.environ.get("HOTWIRE_API_KEY") or None, registry_url())

@@ -110,8 +110,14 @@ class SteeringController:
         version: int | None = None,
     ) -> contract.RegisterResult | contract.Failure:
         """Register a vector. ``version``: the number the first data-parallel engine core gave it (the others
-        take it, so that every engine core agrees; a version that arrives after a newer one is only retained)."""
+        take it, so that every engine core agrees; a version that arrives after a newer one is only retained), or
+        a fleet's registry (``hotwire_api.fleet``). A version this engine holds already (current or retained) is
+        answered as it is: versions are immutable, and a fleet's replica may hear of one twice."""
         old = self.registry.current(vector_id)
+        if version is not None:
+            held = self.registry.lookup(vector_id, int(version))
+            if held is not None:
+                return contract.RegisterResult(ok=True, created=False, vector=held.meta())
         try:
             vector = self.registry.prepare(vector_id, bytes(data), dtype, list(shape), layers, bool(replace), version)
         except RegistryError as exc:

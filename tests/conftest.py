@@ -46,3 +46,14 @@ def tiny_model(model_root) -> Path:
     from hotwire_core.tiny_model import build_model
 
     return build_model(model_root / "qwen3-tiny", "tiny")
+
+
+@pytest.fixture
+def redis_server(tmp_path):
+    """A real redis-server with an append-only file, stopped after the test (``redis_fixture.RedisServer``)."""
+    from redis_fixture import RedisServer
+
+    server = RedisServer(tmp_path / "redis")
+    server.start()
+    yield server
+    server.stop()

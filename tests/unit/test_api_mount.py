@@ -252,3 +252,18 @@ def test_register_turns_the_store_on_only_in_the_api_server(
     mount.register()
     assert (fake_serve.register_vllm_serve_api_routers is not original) is mounted
     assert ("HOTWIRE_STORE" in os.environ) is mounted
+
+
+def test_with_a_fleet_registry_the_engine_keeps_no_store_and_preloads_nothing(
+    fake_serve: types.ModuleType, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """``HOTWIRE_REGISTRY``: Redis is the store, and every version an engine holds must be the registry's
+    (docs/fleet.md), so the engine processes are started without a store of their own or preloaded files."""
+    _as_process(monkeypatch, "MainProcess", True)
+    monkeypatch.setenv("HOTWIRE_REGISTRY", "redis://:pw@127.0.0.1:6379/0")
+    monkeypatch.setenv("HOTWIRE_STORE", "/somewhere")
+    monkeypatch.setenv("HOTWIRE_VECTORS", "/vectors")
+    with caplog.at_level("WARNING"):
+        mount.register()
+    assert os.environ["HOTWIRE_STORE"] == "off" and "HOTWIRE_VECTORS" not in os.environ
+    assert "HOTWIRE_STORE is ignored" in caplog.text and "HOTWIRE_VECTORS is ignored" in caplog.text

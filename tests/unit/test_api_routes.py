@@ -1073,3 +1073,18 @@ def test_an_unknown_id_is_looked_up_in_a_catalog_answer_given_after_the_request_
         return receipt
 
     assert asyncio.run(scenario()) == "late@1:L1x4"
+
+
+def test_fleet_view_and_registry_of_a_lone_server(
+    client: TestClient, engine: FakeEngine, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Without HOTWIRE_REGISTRY the server is a fleet of one with the embedded registry (docs/fleet.md)."""
+    assert _upload(client, "happy", _vector()).status_code == 201
+    assert client.get("/steer/slots").json()["registry"]["kind"] == "local"
+    view = client.get("/steer/fleet").json()
+    assert view["registry"]["kind"] == "local"
+    assert [r["replica"] for r in view["replicas"]] == ["local"]
+    assert [(v["id"], v["version"], v["held_by"]) for v in view["vectors"]] == [("happy", 1, ["local"])]
+    monkeypatch.setattr(cli, "HotwireClient", lambda url, key: HotwireClient(url, key, http_client=client))
+    assert cli.main(["--url", "http://testserver", "fleet"]) == 0
+    assert json.loads(capsys.readouterr().out)["replicas"][0]["vectors"][0]["id"] == "happy"

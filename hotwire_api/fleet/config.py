@@ -1,0 +1,120 @@
+"""``HOTWIRE_REGISTRY``: where a replica's vectors live. Unset or ``local``: the embedded registry of each engine
+(and its ``HOTWIRE_STORE``); ``redis://`` / ``rediss://`` (TLS) / ``unix://`` URLs: one Redis for the fleet.
+Also the names of hotwire's keys, and the URL with its password masked for messages."""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass
+from urllib.parse import urlsplit, urlunsplit
+
+__all__ = ["FleetConfig", "Keys", "redacted", "registry_url"]
+
+_SCHEMES = ("redis", "rediss", "unix")
+
+
+def registry_url(raw: str | None = None) -> str | None:
+    """The Redis URL ``HOTWIRE_REGISTRY`` names, or None for the embedded registry; ValueError for anything else."""
+    value = (os.environ.get("HOTWIRE_REGISTRY", "") if raw is None else raw).strip()
+    if value in ("", "local"):
+        return None
+    if urlsplit(value).scheme not in _SCHEMES:
+        raise ValueError(
+            f"HOTWIRE_REGISTRY must be 'local' or a redis://, rediss:// or unix:// URL, got {redacted(value)!r}"
+        )
+    return value
+
+
+def redacted(url: str) -> str:
+    """``url`` with its password (and a user name beside it) replaced by ``***``: safe for logs and answers."""
+    parts = urlsplit(url)
+    if parts.password is None and not (parts.username and "@" in parts.netloc):
+        return url
+    host = parts.hostname or ""
+    if parts.port is not None:
+        host = f"{host}:{parts.port}"
+    user = f"{parts.username}:" if parts.username and parts.password is not None else ""
+    return urlunsplit((parts.scheme, f"{user}***@{host}", parts.path, parts.query, parts.fragment))
+
+
+def _float_env(name: str, default: float, low: float, high: float) -> float:
+    raw = os.environ.get(name, "").strip()
+    try:
+        value = float(raw) if raw else default
+    except ValueError:
+        value = float("nan")
+    if not low <= value <= high:
+        raise ValueError(f"{name} must be a number from {low:g} to {high:g}, got {raw!r}")
+    return value
+
+
+@dataclass(frozen=True)
+class FleetConfig:
+    """``url``: the Redis; ``heartbeat_s``: ``HOTWIRE_FLEET_HEARTBEAT_S`` (default 1), a replica whose heartbeat is
+    3 intervals old drops out of the fleet view; ``stream_maxlen``: ``HOTWIRE_REGISTRY_STREAM_MAXLEN`` (default
+    100000), the events Redis keeps (a replica further behind resyncs from the current versions);
+    ``replica_id``: ``HOTWIRE_REPLICA_ID`` (default host name and port); ``timeout_s``: how long one Redis
+    command may take before the registry counts as unreachable."""
+
+    url: str
+    heartbeat_s: float = 1.0
+    stream_maxlen: int = 100_000
+    replica_id: str | None = None
+    timeout_s: float = 2.0
+
+    @classmethod
+    def from_env(cls, url: str) -> FleetConfig:
+        return cls(
+            url=url,
+            heartbeat_s=_float_env("HOTWIRE_FLEET_HEARTBEAT_S", 1.0, 0.05, 3600),
+            stream_maxlen=int(_float_env("HOTWIRE_REGISTRY_STREAM_MAXLEN", 100_000, 10, 1e9)),
+            replica_id=os.environ.get("HOTWIRE_REPLICA_ID") or None,
+            timeout_s=_float_env("HOTWIRE_REGISTRY_TIMEOUT_S", 2.0, 0.05, 60),
+        )
+
+
+@dataclass(frozen=True)
+class Keys:
+    """hotwire's keys for one served model, all under ``hotwire:{<model>}:`` (the braces are a Redis Cluster
+    hash tag: every key of a model lands on one node, so the Lua scripts may touch them together)."""
+
+    prefix: str
+
+    @classmethod
+    def for_model(cls, model: str) -> Keys:
+        return cls(f"hotwire:{{{re.sub(r'[{}]', '_', model)}}}:")
+
+    def blob(self, sha256: str) -> str:
+        """A vector's safetensors bytes, by content hash (``blobs``); written once, never changed."""
+        return f"{self.prefix}blob:{sha256}"
+
+    @property
+    def current(self) -> str:
+        """Hash: id -> ``<version>:<sha256>`` of every live vector."""
+        return f"{self.prefix}current"
+
+    @property
+    def last_version(self) -> str:
+        """Hash: id -> the last version the id ever had (deleted ones included): versions never repeat."""
+        return f"{self.prefix}last_version"
+
+    @property
+    def events(self) -> str:
+        """Stream of ``op`` (register | delete), ``id``, ``version``, ``sha256``, ``created`` in the order Redis
+        accepted them."""
+        return f"{self.prefix}events"
+
+    @property
+    def epoch(self) -> str:
+        """A random token set once: a Redis that lost hotwire's keys has another one (or none)."""
+        return f"{self.prefix}epoch"
+
+    def replica(self, replica_id: str) -> str:
+        """A replica's heartbeat (JSON; expires after 3 intervals)."""
+        return f"{self.prefix}replica:{replica_id}"
+
+    @property
+    def replica_pattern(self) -> str:
+        """SCAN's pattern for every replica's heartbeat (glob characters of the prefix escaped)."""
+        return re.sub(r"([*?\[\]\\])", r"\\\1", self.prefix) + "replica:*"

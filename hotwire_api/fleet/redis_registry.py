@@ -1,0 +1,237 @@
+"""Every Redis command hotwire sends (``redis.asyncio``): blobs, the atomic register and delete scripts, the
+current versions, the event stream, heartbeats. A Redis that does not answer raises :class:`Unavailable`,
+a 503 ``registry_unavailable`` naming the registry (password masked); what the caller does then is its business
+(``replica``). Key layout: ``config.Keys``."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import secrets
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from hotwire_api.errors import HotwireError
+from hotwire_api.fleet.config import FleetConfig, Keys, redacted
+
+__all__ = ["Event", "RedisRegistry", "Unavailable"]
+
+# KEYS: current, last_version, events, blob. ARGV: id, sha256, replace (0|1), maxlen, created_at, floor (the
+# newest version the caller knows of: after Redis lost its keys, versions go on from there instead of repeating).
+# Returns {status, version, previous "<version>:<sha>" or ""}: 201/200 registered, 409 taken, 424 blob missing.
+_REGISTER = """
+local previous = redis.call('HGET', KEYS[1], ARGV[1])
+if previous and ARGV[3] ~= '1' then return {409, 0, previous} end
+if redis.call('EXISTS', KEYS[4]) == 0 then return {424, 0, ''} end
+local version = math.max(tonumber(redis.call('HGET', KEYS[2], ARGV[1]) or '0'), tonumber(ARGV[6])) + 1
+redis.call('HSET', KEYS[2], ARGV[1], version)
+redis.call('HSET', KEYS[1], ARGV[1], version .. ':' .. ARGV[2])
+redis.call('XADD', KEYS[3], 'MAXLEN', '~', ARGV[4], '*', 'op', 'register', 'id', ARGV[1],
+           'version', version, 'sha256', ARGV[2], 'at', ARGV[5])
+if previous then return {200, version, previous} end
+return {201, version, ''}
+"""
+
+# KEYS: current, events. ARGV: id, maxlen, at. Returns {status, "<version>:<sha>"}: 200 deleted, 404 unknown.
+_DELETE = """
+local current = redis.call('HGET', KEYS[1], ARGV[1])
+if not current then return {404, ''} end
+redis.call('HDEL', KEYS[1], ARGV[1])
+local sep = string.find(current, ':', 1, true)
+redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[2], '*', 'op', 'delete', 'id', ARGV[1],
+           'version', string.sub(current, 1, sep - 1), 'sha256', string.sub(current, sep + 1), 'at', ARGV[3])
+return {200, current}
+"""
+
+
+class Unavailable(HotwireError):
+    """The registry did not answer: 503 ``registry_unavailable``."""
+
+    def __init__(self, url: str, exc: BaseException):
+        super().__init__(
+            503, "registry_unavailable",
+            f"the vector registry at {redacted(url)} is unreachable ({type(exc).__name__}: {_clean(str(exc), url)}); "
+            "vectors cannot be registered or deleted until it answers again; every replica keeps serving the "
+            "vectors it holds",
+        )
+
+
+def _clean(message: str, url: str) -> str:
+    """An error message of redis-py with the URL's password, should it appear, masked."""
+    from urllib.parse import urlsplit
+
+    password = urlsplit(url).password
+    return message.replace(password, "***") if password else message
+
+
+@dataclass(frozen=True)
+class Event:
+    """One entry of the stream: ``op`` is ``register`` or ``delete``."""
+
+    stream_id: str
+    op: str
+    vector_id: str
+    version: int
+    sha256: str
+
+    @classmethod
+    def parse(cls, stream_id: Any, fields: Mapping[Any, Any]) -> Event:
+        f = {_str(k): _str(v) for k, v in fields.items()}
+        return cls(_str(stream_id), f["op"], f["id"], int(f["version"]), f["sha256"])
+
+
+def _str(value: Any) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
+def _parse_current(value: Any) -> tuple[int, str]:
+    version, _, sha = _str(value).partition(":")
+    return int(version), sha
+
+
+def _id_tuple(stream_id: str) -> tuple[int, int]:
+    ms, _, seq = stream_id.partition("-")
+    return int(ms), int(seq or 0)
+
+
+class RedisRegistry:
+    """hotwire's view of one Redis for one served model. Two connections pools: one for commands, one for the
+    follower's blocking ``XREAD`` (so a read that blocks never delays a registration)."""
+
+    def __init__(self, config: FleetConfig, keys: Keys):
+        try:
+            import redis.asyncio as aioredis
+            import redis.exceptions as redis_errors
+        except ImportError as exc:
+            raise RuntimeError(
+                "HOTWIRE_REGISTRY names a Redis but the redis package is not installed: pip install 'hotwire-vllm[fleet]'"
+            ) from exc
+        self.config, self.keys = config, keys
+        self.url = config.url
+        self._response_error = redis_errors.ResponseError
+        self._errors = (redis_errors.ConnectionError, redis_errors.TimeoutError, redis_errors.AuthenticationError,
+                        redis_errors.BusyLoadingError, redis_errors.ReadOnlyError, OSError, TimeoutError)
+        from redis.asyncio.retry import Retry
+        from redis.backoff import NoBackoff
+
+        # One retry on a dropped connection (a pooled connection to a Redis that restarted fails once), none on a
+        # timeout: a script that ran but answered late must not run twice.
+        options = dict(socket_timeout=config.timeout_s, socket_connect_timeout=config.timeout_s,
+                       health_check_interval=0, retry_on_timeout=False, retry=Retry(NoBackoff(), 1),
+                       retry_on_error=[redis_errors.ConnectionError])
+        self._redis = aioredis.from_url(config.url, **options)
+        self._reader = aioredis.from_url(config.url, **{**options, "socket_timeout": config.timeout_s + 5, "retry": None})
+        self._register = self._redis.register_script(_REGISTER)
+        self._delete = self._redis.register_script(_DELETE)
+
+    @property
+    def display_url(self) -> str:
+        return redacted(self.url)
+
+    async def close(self) -> None:
+        for client in (self._redis, self._reader):
+            try:
+                await asyncio.wait_for(client.aclose(), self.config.timeout_s)
+            except Exception:  # closing a pool whose server is gone
+                pass
+
+    async def _do(self, coro: Any) -> Any:
+        try:
+            return await coro
+        except self._errors as exc:
+            raise Unavailable(self.url, exc) from exc
+
+    async def ping(self) -> None:
+        await self._do(self._redis.ping())
+
+    async def epoch(self) -> str:
+        """The registry's epoch token, set now if Redis has none (a new, or wiped, registry)."""
+        await self._do(self._redis.set(self.keys.epoch, secrets.token_hex(8), nx=True))
+        return _str(await self._do(self._redis.get(self.keys.epoch)))
+
+    # -- vectors -----------------------------------------------------------------------------------------------
+
+    async def put_blob(self, sha256: str, blob: bytes) -> None:
+        """Store a blob under its content hash (once: the same hash is the same bytes)."""
+        await self._do(self._redis.set(self.keys.blob(sha256), blob, nx=True))
+
+    async def get_blob(self, sha256: str) -> bytes | None:
+        return await self._do(self._redis.get(self.keys.blob(sha256)))
+
+    async def register(
+        self, vector_id: str, sha256: str, replace: bool, floor: int = 0
+    ) -> tuple[int, int, tuple[int, str] | None]:
+        """Make ``sha256`` (its blob stored already) the next version of ``vector_id``, atomically: returns
+        (201 created | 200 replaced | 409 taken, the new version (0 on 409), the version it replaced or holds).
+        The new version is above ``floor`` too."""
+        k = self.keys
+        status, version, previous = await self._do(self._register(
+            keys=[k.current, k.last_version, k.events, k.blob(sha256)],
+            args=[vector_id, sha256, "1" if replace else "0", self.config.stream_maxlen, f"{time.time():.6f}", floor],
+        ))
+        if int(status) == 424:
+            raise HotwireError(503, "registry_unavailable",
+                               f"the vector registry at {self.display_url} lost the vector's blob before it was "
+                               "registered (is Redis evicting keys? hotwire needs maxmemory-policy noeviction); retry")
+        return int(status), int(version), (_parse_current(previous) if previous else None)
+
+    async def delete(self, vector_id: str) -> tuple[int, str] | None:
+        """Delete the current version of ``vector_id`` atomically; returns (version, sha256), None if unknown."""
+        k = self.keys
+        status, current = await self._do(self._delete(
+            keys=[k.current, k.events], args=[vector_id, self.config.stream_maxlen, f"{time.time():.6f}"]
+        ))
+        return _parse_current(current) if int(status) == 200 else None
+
+    async def current(self) -> dict[str, tuple[int, str]]:
+        """Every live vector: id -> (version, sha256)."""
+        raw = await self._do(self._redis.hgetall(self.keys.current))
+        return {_str(k): _parse_current(v) for k, v in raw.items()}
+
+    # -- the event stream --------------------------------------------------------------------------------------
+
+    async def last_event_id(self) -> str:
+        """The id of the stream's newest entry ("0-0" when empty): reading after it misses nothing newer."""
+        entries = await self._do(self._redis.xrevrange(self.keys.events, count=1))
+        return _str(entries[0][0]) if entries else "0-0"
+
+    async def covers(self, after: str) -> bool:
+        """Whether the stream still holds every entry after ``after`` (the last entry the caller read): it does
+        while that entry is still there, since trimming removes the oldest entries first. When it is gone the
+        answer is no even if nothing after it was trimmed: the caller resyncs, which is always correct."""
+        try:
+            info = await self._do(self._redis.xinfo_stream(self.keys.events))
+        except self._response_error:  # no stream: nothing was ever registered, or Redis lost it
+            return after == "0-0"
+        seen = _id_tuple(after)
+        first = info.get("first-entry")
+        if not first:
+            return _id_tuple(_str(info.get("last-generated-id", "0-0"))) <= seen
+        return _id_tuple(_str(first[0])) <= seen
+
+    async def read_events(self, after: str, block_ms: int, count: int = 256) -> list[Event]:
+        """The entries after ``after``, waiting up to ``block_ms`` for one (an empty list when none came)."""
+        answer = await self._do(self._reader.xread({self.keys.events: after}, count=count, block=block_ms))
+        return [Event.parse(i, f) for _, entries in answer or [] for i, f in entries]
+
+    # -- heartbeats --------------------------------------------------------------------------------------------
+
+    async def heartbeat(self, replica_id: str, state: dict[str, Any], ttl_s: float) -> None:
+        await self._do(self._redis.set(self.keys.replica(replica_id), json.dumps(state), px=max(1, int(ttl_s * 1000))))
+
+    async def replicas(self) -> list[dict[str, Any]]:
+        """The heartbeats that have not expired."""
+        names = [k async for k in self._scan(self.keys.replica_pattern)]
+        if not names:
+            return []
+        values = await self._do(self._redis.mget(names))
+        return [json.loads(v) for v in values if v is not None]
+
+    async def _scan(self, pattern: str):
+        try:
+            async for key in self._redis.scan_iter(match=pattern, count=500):
+                yield key
+        except self._errors as exc:
+            raise Unavailable(self.url, exc) from exc

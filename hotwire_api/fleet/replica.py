@@ -1,0 +1,423 @@
+"""One replica of a fleet: registration and deletion through the registry, the follower that applies every
+replica's changes to this replica's engine cores, the heartbeat, and the fleet view.
+
+Registration (``POST /steer/vectors``, any API server of any replica): the upload is checked against the model
+here (``blobs.check``: the engine's own checks), its blob stored under its content hash, then one Lua script
+makes it the id's next version (or answers 409) and appends the event; only then do this replica's engine cores
+get it, with that version. So Redis never names a vector an engine would refuse, and an engine never holds a
+version Redis did not give. Should the local engine fail after Redis accepted, the answer is still the
+registration (it is durable and numbered); the follower applies it once the engine answers.
+
+The follower (the first API server of each replica: ``is_first_api_server``) tails the stream with a blocking
+``XREAD`` from the last entry it applied and hands each event to the engine cores with its version; an event
+for a version the engine holds changes nothing, and the registry orders versions (an older one arriving late
+is only retained), so applying an event twice or late is harmless. It resyncs from the current versions at
+start, after a reconnect when the stream no longer holds the entries after its position (trimmed), and when the
+registry's epoch changed (Redis lost hotwire's keys): it registers what it lacks and deletes what Redis no longer
+has (never in the epoch case: it keeps serving what it holds). A registry that does not answer is retried with
+backoff; meanwhile the engine serves every vector it holds.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import socket
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from hotwire_api.catalog import CATALOG, rules_of
+from hotwire_api.codec import VectorPayload
+from hotwire_api.engine import HotwireEngine
+from hotwire_api.errors import HotwireError
+from hotwire_api.fleet import blobs
+from hotwire_api.fleet.config import FleetConfig, Keys
+from hotwire_api.fleet.redis_registry import Event, RedisRegistry, Unavailable
+from hotwire_api.models import VectorMeta
+from hotwire_core.admission import Rules
+from hotwire_core.vllm_glue.api_server import is_first_api_server
+
+__all__ = ["FLEET", "Fleet", "Replica", "stop_tasks"]
+
+logger = logging.getLogger(__name__)
+
+EngineGetter = Callable[[], "HotwireEngine | None"]
+
+
+async def _refresh_catalog(engine: HotwireEngine) -> None:
+    """After the follower changed the engine: this API server's next request sees it."""
+    try:
+        await CATALOG.refresh(engine, not_before=time.monotonic())
+    except HotwireError:
+        pass  # the background refresh catches up
+
+
+class Replica:
+    """This replica's side of the registry. ``engine()``: the engine to apply changes to (None while it is not
+    up); ``follower``: this process runs the follower and the heartbeat (one per replica)."""
+
+    def __init__(
+        self,
+        registry: RedisRegistry,
+        engine: EngineGetter,
+        replica_id: str,
+        url: str | None = None,
+        follower: bool = True,
+        on_change: Callable[[HotwireEngine], Awaitable[None]] = _refresh_catalog,
+    ):
+        self.registry = registry
+        self._engine = engine
+        self.replica_id = replica_id
+        self.url = url
+        self.follower = follower
+        self._on_change = on_change
+        self.position: str | None = None  # the last stream entry applied (None: resync first)
+        self.epoch: str | None = None
+        self.reachable: bool | None = None  # None: not asked yet
+        self.error: str | None = None
+        self.reset_seen = False  # the registry's epoch changed under this replica
+        self.events_applied = 0
+        self.resyncs = 0
+        self.started_at = time.time()
+        self._last_contact = -1e9
+        self._known: dict[str, int] = {}  # id -> the newest version this process applied or saw deleted
+        self._rules: Rules | None = None
+        self._reconnected = False
+        self._epoch_checked = -1e9
+        self.block_ms = 1000
+        # Set to end ``follow`` after its current read: redis-py 8.1 has been seen to swallow a cancellation that
+        # arrives during a blocking XREAD, so the follower is stopped this way, not cancelled (``stop_tasks``).
+        self.stopping = False
+
+    # -- reachability ------------------------------------------------------------------------------------------
+
+    def _contact(self) -> None:
+        if self.reachable is False:
+            logger.warning("hotwire: the vector registry at %s answers again", self.registry.display_url)
+            self._reconnected = True
+        self.reachable, self.error, self._last_contact = True, None, time.monotonic()
+        _gauge(1)
+
+    def _lost(self, exc: Unavailable) -> None:
+        if self.reachable is not False:
+            logger.error("hotwire: %s", exc.message)
+        self.reachable, self.error = False, exc.message
+        _gauge(0)
+
+    async def _do(self, coro: Awaitable[Any]) -> Any:
+        try:
+            result = await coro
+        except Unavailable as exc:
+            self._lost(exc)
+            raise
+        self._contact()
+        return result
+
+    async def status(self) -> dict[str, Any]:
+        """What ``/steer/slots`` says of the registry. An API server without the follower asks Redis (a PING)
+        when it has not heard from it for a while."""
+        if time.monotonic() - self._last_contact > 2 * self.registry.config.heartbeat_s:
+            try:
+                await self._do(self.registry.ping())
+            except Unavailable:
+                pass
+        return {
+            "kind": "redis", "url": self.registry.display_url, "reachable": bool(self.reachable), "error": self.error,
+            "replica": self.replica_id, "position": self.position, "events_applied": self.events_applied,
+            "resyncs": self.resyncs, "reset": self.reset_seen,
+        }
+
+    # -- registration and deletion -----------------------------------------------------------------------------
+
+    async def _model_rules(self, engine: HotwireEngine) -> Rules:
+        if self._rules is None:
+            self._rules = rules_of(await engine.catalog(-1))
+        return self._rules
+
+    async def register(
+        self, engine: HotwireEngine, vector_id: str, payload: VectorPayload, replace: bool
+    ) -> tuple[bool, VectorMeta]:
+        """Register through the registry (see the module docstring); returns (created, meta)."""
+        rules = await self._model_rules(engine)
+        model = rules.model
+        if not model.steerable:
+            raise HotwireError(503, "model_not_steerable", f"this model cannot be steered: {model.reason}")
+        checked = blobs.check(payload, model.n_layers, model.hidden_size, model.dtype)
+        await self._do(self.registry.put_blob(checked.sha256, blobs.encode(checked.payload)))
+        status, version, previous = await self._do(
+            self.registry.register(vector_id, checked.sha256, replace, floor=self._known.get(vector_id, 0))
+        )
+        if status == 409:
+            raise HotwireError(
+                409, "exists", f"vector {vector_id!r} is already registered (version {previous[0] if previous else '?'} "
+                "in the fleet's registry); register it with replace=true (hotwire register --replace) to make a new "
+                "version", "id",
+            )
+        try:
+            _, meta = await engine.register(vector_id, checked.payload, True, version)
+            self._note(vector_id, version)
+        except HotwireError as exc:  # registered and numbered: the follower applies it once the engine answers
+            logger.error("hotwire: %s@%d is registered in the fleet but this engine did not take it yet: %s",
+                         vector_id, version, exc.message)
+            p = checked.payload
+            meta = VectorMeta(id=vector_id, version=version, sha256=checked.sha256, dtype=p.dtype, shape=list(p.shape),
+                              layers=None if p.layers is None else list(p.layers), norms=checked.norms,
+                              created_at=time.time())
+        return status == 201, meta
+
+    async def unregister(self, engine: HotwireEngine, vector_id: str) -> int:
+        """Delete through the registry; returns this replica's requests still using the vector."""
+        deleted = await self._do(self.registry.delete(vector_id))
+        if deleted is None:
+            raise HotwireError(404, "unknown_vector", f"unknown steering vector {vector_id!r}", "id")
+        version, _ = deleted
+        self._note(vector_id, version)
+        try:
+            return await engine.unregister(vector_id, version)
+        except HotwireError as exc:
+            logger.error("hotwire: %s@%d is deleted in the fleet but this engine did not drop it yet: %s",
+                         vector_id, version, exc.message)
+            return 0
+
+    def _note(self, vector_id: str, version: int) -> None:
+        self._known[vector_id] = max(version, self._known.get(vector_id, 0))
+
+    # -- the follower ------------------------------------------------------------------------------------------
+
+    async def follow(self) -> None:
+        """Apply the registry's events to the engine until cancelled (see the module docstring)."""
+        backoff = 0.05
+        self.stopping = False
+        while not self.stopping:
+            engine = self._engine()
+            if engine is None:
+                await asyncio.sleep(0.5)
+                continue
+            try:
+                await self.sync(engine)
+                events = await self._do(self.registry.read_events(self.position or "0-0", self.block_ms))
+                changed = False
+                for event in events:
+                    changed |= await self._apply(engine, event)
+                    self.position = event.stream_id
+                    self.events_applied += 1
+                if changed:
+                    await self._on_change(engine)
+                backoff = 0.05
+            except Unavailable:
+                await asyncio.sleep(backoff)
+                backoff = min(2 * backoff, 2.0)
+            except HotwireError as exc:  # the engine did not answer: the same events again later
+                logger.warning("hotwire: the fleet follower waits for the engine: %s", exc.message)
+                await asyncio.sleep(0.5)
+            except Exception:  # anything else must not end the follower: log it and go on from where it was
+                logger.exception("hotwire: the fleet follower failed; retrying in 1 s")
+                await asyncio.sleep(1.0)
+
+    async def sync(self, engine: HotwireEngine) -> None:
+        """Resync when needed: at start, after the stream was trimmed past this replica's position while it was
+        away, or when the registry's epoch changed (looked at once a second)."""
+        if self.position is not None and not self._reconnected and time.monotonic() - self._epoch_checked < 1.0:
+            return
+        epoch = await self._do(self.registry.epoch())  # once a second: a Redis that restarted empty answers at once
+        self._epoch_checked = time.monotonic()
+        if self.position is not None:
+            reconnected, self._reconnected = self._reconnected, False
+            if epoch == self.epoch and (not reconnected or await self._do(self.registry.covers(self.position))):
+                return  # caught up from the stream: no reload
+        if self.epoch is not None and epoch != self.epoch:
+            self.reset_seen = True
+            logger.error("hotwire: the vector registry at %s lost hotwire's data (its epoch changed): this replica "
+                         "keeps serving the vectors it holds and follows new registrations", self.registry.display_url)
+        self.epoch = epoch
+        await self.resync(engine, delete=not self.reset_seen)
+
+    async def resync(self, engine: HotwireEngine, delete: bool = True) -> None:
+        """Make the engine hold the registry's current versions: register what it lacks, and with ``delete``
+        delete what the registry no longer has. The engine is read first, then the stream's position, then
+        the current versions, so nothing registered meanwhile is deleted and nothing is skipped (what the
+        stream repeats changes nothing)."""
+        local = {m.id: (m.version, m.sha256) for m in await engine.vectors()}
+        position = await self._do(self.registry.last_event_id())
+        remote = await self._do(self.registry.current())
+        changed = False
+        for vector_id, (version, sha) in remote.items():
+            held = local.get(vector_id)
+            if held is not None and held[0] >= version:
+                if held[0] > version or held[1] != sha:
+                    logger.error("hotwire: this engine holds %s@%d (%s) but the registry's current version is "
+                                 "%d (%s): it keeps its own", vector_id, held[0], held[1][:12], version, sha[:12])
+                self._note(vector_id, held[0])
+                continue
+            changed |= await self._register_event(engine, vector_id, version, sha)
+        if delete:
+            for vector_id, (version, _) in local.items():
+                if vector_id not in remote:
+                    await engine.unregister(vector_id, version)
+                    self._note(vector_id, version)
+                    changed = True
+        self.position = position
+        self.resyncs += 1
+        logger.info("hotwire: synced with the vector registry at %s (%d vectors, stream at %s)",
+                    self.registry.display_url, len(remote), position)
+        if changed:
+            await self._on_change(engine)
+
+    async def _apply(self, engine: HotwireEngine, event: Event) -> bool:
+        """One event; returns whether it changed the engine."""
+        if event.version <= self._known.get(event.vector_id, 0) and event.op == "register":
+            return False  # applied already, or older than a version or deletion applied since
+        if event.op == "register":
+            return await self._register_event(engine, event.vector_id, event.version, event.sha256)
+        if event.op == "delete":
+            self._note(event.vector_id, event.version)
+            await engine.unregister(event.vector_id, event.version)
+            return True
+        logger.warning("hotwire: unknown registry event %r ignored", event.op)
+        return False
+
+    async def _register_event(self, engine: HotwireEngine, vector_id: str, version: int, sha: str) -> bool:
+        blob = await self._do(self.registry.get_blob(sha))
+        if blob is None:
+            logger.error("hotwire: the registry has no blob for %s@%d (%s): skipped", vector_id, version, sha[:12])
+            return False
+        try:
+            payload = blobs.decode(blob)
+        except ValueError as exc:
+            logger.error("hotwire: the registry's blob for %s@%d is unreadable (%s): skipped", vector_id, version, exc)
+            return False
+        try:
+            _, meta = await engine.register(vector_id, payload, True, version)
+        except HotwireError as exc:
+            if exc.code == "engine_unavailable":
+                raise
+            logger.error("hotwire: this engine refused %s@%d from the registry: %s", vector_id, version, exc.message)
+            return False
+        if meta.sha256 != sha:
+            logger.error("hotwire: %s@%d decoded to %s, not the registry's %s", vector_id, version, meta.sha256[:12], sha[:12])
+        self._note(vector_id, version)
+        return True
+
+    # -- heartbeat and the fleet view --------------------------------------------------------------------------
+
+    async def state(self, engine: HotwireEngine) -> dict[str, Any]:
+        """This replica's heartbeat: slot statistics, pinned rows and the vector versions it holds."""
+        stats = await engine.stats()
+        vectors = await engine.vectors()
+        return {
+            "replica": self.replica_id, "url": self.url, "pid": os.getpid(), "started_at": self.started_at,
+            "sent_at": time.time(), "position": self.position, "events_applied": self.events_applied,
+            "resyncs": self.resyncs,
+            "slots": {k: getattr(stats, k) for k in ("capacity", "used", "pinned", "free", "evictions",
+                                                     "steered_requests", "deferred", "engines")},
+            "refused": stats.refused,
+            "pinned_rows": [{"id": r.id, "version": r.version, "layer": r.layer, "refcount": r.refcount,
+                             "engine": r.engine} for r in stats.rows if r.refcount > 0],
+            "vectors": [{"id": m.id, "version": m.version, "sha256": m.sha256, "in_flight": m.in_flight}
+                        for m in vectors],
+        }
+
+    async def heartbeat(self) -> None:
+        """Put this replica's state in the registry every ``heartbeat_s`` until cancelled; it expires after three."""
+        interval = self.registry.config.heartbeat_s
+        while True:
+            engine = self._engine()
+            if engine is not None:
+                try:
+                    await self._do(self.registry.heartbeat(self.replica_id, await self.state(engine), 3 * interval))
+                except Unavailable:
+                    pass
+                except HotwireError as exc:
+                    logger.debug("hotwire: heartbeat skipped: %s", exc.message)
+            await asyncio.sleep(interval)
+
+    async def view(self) -> dict[str, Any]:
+        """``GET /steer/fleet``: the registry, every live replica and the versions each one holds."""
+        remote = await self._do(self.registry.current())
+        replicas = sorted(await self._do(self.registry.replicas()), key=lambda r: str(r.get("replica")))
+        now = time.time()
+        for r in replicas:
+            r["age_ms"] = round(1000 * max(0.0, now - float(r.get("sent_at") or now)), 1)
+            held = {v["id"]: v["version"] for v in r.get("vectors") or []}
+            r["in_sync"] = held == {vid: v for vid, (v, _) in remote.items()}
+        vectors = []
+        for vector_id, (version, sha) in sorted(remote.items()):
+            holders = [r["replica"] for r in replicas
+                       if any(v["id"] == vector_id and v["version"] == version for v in r.get("vectors") or [])]
+            vectors.append({"id": vector_id, "version": version, "sha256": sha, "held_by": holders,
+                            "missing_on": [r["replica"] for r in replicas if r["replica"] not in holders]})
+        return {"registry": await self.status(), "vectors": vectors, "replicas": replicas}
+
+
+async def stop_tasks(replica: Replica, tasks: list[asyncio.Task[None]]) -> None:
+    """End the follower and heartbeat tasks: the follower at its next read's end (up to ``block_ms``), then
+    whatever is left is cancelled."""
+    replica.stopping = True
+    if tasks:
+        _, pending = await asyncio.wait(tasks, timeout=replica.block_ms / 1000 + replica.registry.config.timeout_s)
+        for task in pending:
+            task.cancel()
+        if pending:
+            await asyncio.wait(pending, timeout=1.0)
+
+
+def _gauge(value: int) -> None:
+    from hotwire_api.metrics import STATS
+
+    STATS.registry_reachable = value
+    if STATS.series is not None:
+        STATS.series.registry(value)
+
+
+def default_replica_id(app: Any) -> str:
+    args = getattr(getattr(app, "state", None), "args", None)
+    port = getattr(args, "port", None)
+    return f"{socket.gethostname()}:{port}" if port else f"{socket.gethostname()}:{os.getpid()}"
+
+
+def _model_name(app: Any) -> str:
+    args = getattr(getattr(app, "state", None), "args", None)
+    return str(getattr(args, "model", None) or "default")
+
+
+class Fleet:
+    """This process's registry setting and, once the app runs, its :class:`Replica` (None: the embedded
+    registry)."""
+
+    def __init__(self) -> None:
+        self.config: FleetConfig | None = None
+        self.replica: Replica | None = None
+        self._tasks: list[asyncio.Task[None]] = []
+
+    def configure(self, url: str | None) -> None:
+        self.config = FleetConfig.from_env(url) if url else None
+
+    async def start(self, app: Any) -> None:
+        """In the app's lifespan: connect (lazily: a Redis that is down now is retried) and, in the first API
+        server, start the follower and the heartbeat."""
+        if self.config is None:
+            return
+
+        def engine() -> HotwireEngine | None:
+            return HotwireEngine.of(app) if getattr(app.state, "engine_client", None) is not None else None
+
+        registry = RedisRegistry(self.config, Keys.for_model(_model_name(app)))
+        self.replica = Replica(registry, engine, self.config.replica_id or default_replica_id(app),
+                               os.environ.get("HOTWIRE_REPLICA_URL") or None, follower=is_first_api_server())
+        if self.replica.follower:
+            self._tasks = [asyncio.create_task(self.replica.follow()), asyncio.create_task(self.replica.heartbeat())]
+        logger.info("hotwire: vector registry %s (replica %s%s)", registry.display_url, self.replica.replica_id,
+                    ", following its events" if self.replica.follower else "")
+
+    async def stop(self) -> None:
+        if self.replica is not None:
+            await stop_tasks(self.replica, self._tasks)
+        self._tasks = []
+        if self.replica is not None:
+            await self.replica.registry.close()
+            self.replica = None
+
+
+FLEET = Fleet()

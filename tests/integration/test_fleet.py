@@ -1,0 +1,232 @@
+"""Two real ``vllm serve`` replicas (vLLM's CPU backend, tiny float32 model, eager) on one real redis-server
+(``HOTWIRE_REGISTRY``): what is registered, replaced or deleted on either is served by both; one id registered
+on both at once gets one 201 and one 409; replica B starts after vectors were registered on A and serves them;
+Redis killed mid-traffic leaves both steering while registration answers 503, and both recover when it returns.
+
+The propagation latency (registration answered on A -> B serves the new version) is measured over
+``HOTWIRE_FLEET_LATENCY_N`` replaces (default 30); with ``HOTWIRE_FLEET_RESULTS=<file.json>`` the figures are
+written there (benchmarks/results/*_fleet_*: the same test with N=200).
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import math
+import os
+import platform
+import statistics
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import numpy as np
+import pytest
+
+from redis_fixture import RedisServer
+from server_fixture import VllmServer
+
+pytestmark = pytest.mark.integration
+
+HIDDEN, LAYER = 256, 2
+PROMPT = "The quick brown fox jumps over"
+
+
+class Fleet:
+    def __init__(self, redis: RedisServer, a: VllmServer, b: VllmServer):
+        self.redis, self.a, self.b = redis, a, b
+        self.http = {name: httpx.Client(base_url=srv.url, timeout=120) for name, srv in (("a", a), ("b", b))}
+
+
+def _server(tiny_model: Path, workdir: Path, redis: RedisServer, replica: str) -> VllmServer:
+    env = {"HOTWIRE_REGISTRY": redis.url, "HOTWIRE_REPLICA_ID": replica, "HOTWIRE_FLEET_HEARTBEAT_S": "0.5"}
+    return VllmServer(tiny_model, workdir, env, ["--enforce-eager"])
+
+
+def body(vector_id: str, seed: int) -> dict:
+    vector = np.random.default_rng(seed).standard_normal(HIDDEN).astype(np.float32) * 4
+    return {"id": vector_id, "data": base64.b64encode(vector.tobytes()).decode(), "dtype": "float32", "shape": [HIDDEN]}
+
+
+@pytest.fixture(scope="module")
+def fleet(tiny_model, tmp_path_factory) -> Iterator[Fleet]:
+    root = tmp_path_factory.mktemp("fleet")
+    redis = RedisServer(root / "redis")
+    redis.start()
+    a = _server(tiny_model, root / "a", redis, "a")
+    b = _server(tiny_model, root / "b", redis, "b")
+    try:
+        a.start()
+        with httpx.Client(base_url=a.url, timeout=120) as http:  # before B exists: B must catch up at start
+            assert http.post("/steer/vectors", json=body("early", 7)).status_code == 201
+        b.start()
+        f = Fleet(redis, a, b)
+        yield f
+        for client in f.http.values():
+            client.close()
+    finally:
+        b.stop()
+        a.stop()
+        redis.stop()
+
+
+def completion(http: httpx.Client, model: str, vector_id: str | None = None) -> httpx.Response:
+    req = {"model": model, "prompt": PROMPT, "max_tokens": 4, "temperature": 0, "logprobs": 1}
+    if vector_id is not None:
+        req["vllm_xargs"] = {"hotwire": json.dumps({"id": vector_id, "layer": LAYER, "scale": 8.0})}
+    return http.post("/v1/completions", json=req)
+
+
+def logprobs(response: httpx.Response) -> list[float]:
+    assert response.status_code == 200, response.text
+    values = response.json()["choices"][0]["logprobs"]["token_logprobs"]
+    assert values and all(math.isfinite(v) for v in values)
+    return values
+
+
+def max_diff(a: list[float], b: list[float]) -> float:
+    return max(abs(x - y) for x, y in zip(a, b, strict=True))
+
+
+def held(http: httpx.Client, vector_id: str) -> tuple[int, str] | None:
+    r = http.get(f"/steer/vectors/{vector_id}")
+    if r.status_code == 404:
+        return None
+    assert r.status_code == 200, r.text
+    return r.json()["version"], r.json()["sha256"]
+
+
+def wait_for(check, timeout: float = 10.0) -> float:
+    start = time.monotonic()
+    while not check():
+        if time.monotonic() - start > timeout:
+            raise AssertionError(f"not within {timeout} s")
+        time.sleep(0.005)
+    return time.monotonic() - start
+
+
+def test_a_replica_started_later_serves_what_was_registered_before(fleet: Fleet) -> None:
+    a, b = fleet.http["a"], fleet.http["b"]
+    assert held(b, "early") == held(a, "early") and held(a, "early")[0] == 1
+
+
+def test_registered_on_a_steers_on_b_and_changes_follow(fleet: Fleet, tiny_model) -> None:
+    a, b, model = fleet.http["a"], fleet.http["b"], str(tiny_model)
+    r = a.post("/steer/vectors", json=body("joy", 1))
+    assert r.status_code == 201, r.text
+    meta = r.json()
+    wait_for(lambda: held(b, "joy") == (1, meta["sha256"]), 5)
+    plain = logprobs(completion(b, model))
+    on_a, on_b = completion(a, model, "joy"), completion(b, model, "joy")
+    assert on_a.headers["x-hotwire-receipt"] == on_b.headers["x-hotwire-receipt"] == "joy@1:L2x8"
+    assert max_diff(logprobs(on_b), plain) > 1e-3, "B did not steer"
+    assert max_diff(logprobs(on_b), logprobs(on_a)) < 1e-5, "B steered differently from A"
+
+    r = b.post("/steer/vectors?replace=true", json=body("joy", 2))
+    assert r.status_code == 200 and r.json()["version"] == 2, r.text
+    wait_for(lambda: held(a, "joy") == (2, r.json()["sha256"]), 5)
+    # A's engine holds version 2 a moment before A's API server's catalog copy names it (the follower refreshes
+    # that copy after applying): until then requests are pinned to version 1, which the engine retains.
+    wait_for(lambda: completion(a, model, "joy").headers.get("x-hotwire-receipt") == "joy@2:L2x8", 5)
+    assert b.post("/steer/vectors", json=body("joy", 3)).status_code == 409
+
+    assert a.delete("/steer/vectors/joy").status_code == 204
+    wait_for(lambda: held(b, "joy") is None, 5)
+    wait_for(lambda: completion(b, model, "joy").status_code == 400, 5)  # B's catalog copy follows its engine
+    assert b.delete("/steer/vectors/joy").json()["error"]["code"] == "unknown_vector"
+
+
+def test_one_id_registered_on_both_at_once(fleet: Fleet) -> None:
+    for i in range(3):
+        vid = f"race{i}"
+        answers: dict[str, int] = {}
+
+        def post(name: str, seed: int) -> None:
+            with httpx.Client(base_url=fleet.http[name].base_url, timeout=120) as own:
+                answers[name] = own.post("/steer/vectors", json=body(vid, seed)).status_code
+
+        threads = [threading.Thread(target=post, args=(n, s)) for n, s in (("a", 10 + i), ("b", 20 + i))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert sorted(answers.values()) == [201, 409], answers
+        wait_for(lambda: held(fleet.http["a"], vid) == held(fleet.http["b"], vid) is not None, 5)
+
+
+def test_the_fleet_view_lists_both_replicas(fleet: Fleet) -> None:
+    def in_sync() -> bool:
+        view = fleet.http["b"].get("/steer/fleet").json()
+        return [r["replica"] for r in view["replicas"]] == ["a", "b"] and all(r["in_sync"] for r in view["replicas"])
+
+    wait_for(in_sync, 10)
+    view = fleet.http["a"].get("/steer/fleet").json()
+    early = next(v for v in view["vectors"] if v["id"] == "early")
+    assert early["held_by"] == ["a", "b"] and early["missing_on"] == []
+    assert view["registry"]["reachable"] is True and "slots" in view["replicas"][0]
+
+
+def test_redis_down_mid_traffic(fleet: Fleet, tiny_model) -> None:
+    a, b, model = fleet.http["a"], fleet.http["b"], str(tiny_model)
+    assert a.post("/steer/vectors", json=body("steady", 4)).status_code == 201
+    wait_for(lambda: held(b, "steady") is not None, 5)
+    before = {name: logprobs(completion(c, model, "steady")) for name, c in fleet.http.items()}
+    fleet.redis.kill()
+    try:
+        for name, client in fleet.http.items():
+            r = client.post("/steer/vectors", json=body("while-down", 5))
+            assert r.status_code == 503 and r.json()["error"]["code"] == "registry_unavailable", r.text
+            assert f"127.0.0.1:{fleet.redis.port}" in r.json()["error"]["message"]
+            assert client.delete("/steer/vectors/steady").status_code == 503
+            assert max_diff(logprobs(completion(client, model, "steady")), before[name]) < 1e-5  # still steering
+            registry = client.get("/steer/slots").json()["registry"]
+            assert registry["kind"] == "redis" and registry["reachable"] is False and registry["error"]
+            assert "hotwire_registry_reachable 0.0" in client.get("/metrics").text
+    finally:
+        fleet.redis.start()  # same port and append-only file
+    wait_for(lambda: a.post("/steer/vectors", json=body("after", 6)).status_code == 201, 15)
+    wait_for(lambda: held(b, "after") is not None, 5)
+    for client in fleet.http.values():
+        assert client.get("/steer/slots").json()["registry"]["reachable"] is True
+        assert max_diff(logprobs(completion(client, model, "steady")), before["a"]) < 1e-5
+    assert held(a, "steady") == held(b, "steady")
+
+
+def test_propagation_latency(fleet: Fleet) -> None:
+    a, b = fleet.http["a"], fleet.http["b"]
+    n = int(os.environ.get("HOTWIRE_FLEET_LATENCY_N", "30"))
+    assert a.post("/steer/vectors", json=body("lat", 0)).status_code == 201
+    from_answer, from_send, register_ms = [], [], []
+    for i in range(n):
+        sent = time.monotonic()
+        r = a.post("/steer/vectors?replace=true", json=body("lat", i + 1))
+        answered = time.monotonic()
+        assert r.status_code == 200, r.text
+        version = r.json()["version"]
+        wait_for(lambda: (held(b, "lat") or (0,))[0] >= version, 10)
+        seen = time.monotonic()
+        from_answer.append(1000 * (seen - answered))
+        from_send.append(1000 * (seen - sent))
+        register_ms.append(1000 * (answered - sent))
+
+    def summary(values: list[float]) -> dict[str, float]:
+        q = statistics.quantiles(values, n=100, method="inclusive") if len(values) > 1 else values * 99
+        return {"p50": round(statistics.median(values), 2), "p99": round(q[98], 2), "max": round(max(values), 2)}
+
+    result = {
+        "registrations": n,
+        "propagation_ms_after_answer": summary(from_answer),
+        "propagation_ms_after_send": summary(from_send),
+        "register_ms": summary(register_ms),
+        "note": "B polled with GET /steer/vectors/lat (an engine round trip, ~5 ms apart): figures include up to "
+                "one poll interval and one engine step",
+        "machine": {"cpus": os.cpu_count(), "platform": platform.platform()},
+    }
+    print(json.dumps(result, indent=2))
+    out = os.environ.get("HOTWIRE_FLEET_RESULTS")
+    if out:
+        Path(out).parent.mkdir(parents=True, exist_ok=True)
+        Path(out).write_text(json.dumps(result, indent=2) + "\n")
+    assert result["propagation_ms_after_answer"]["p99"] < 3000  # the target is 1 s; a busy CI machine gets slack

@@ -1,0 +1,81 @@
+"""A real ``redis-server`` (Debian's package; scripts/setup-cpu.sh installs it) on a free port in a folder of its
+own, for the fleet tests: start it, kill it mid-test (SIGKILL, like a crash), start it again on the same port and
+folder (with ``appendonly`` it comes back with its data), stop it at the end."""
+
+from __future__ import annotations
+
+import shutil
+import signal
+import socket
+import subprocess
+import time
+from pathlib import Path
+
+from hotwire_api.server_process import free_port
+
+
+class RedisServer:
+    def __init__(self, workdir: Path, appendonly: bool = True, password: str | None = None):
+        exe = shutil.which("redis-server")
+        if exe is None:
+            raise RuntimeError("redis-server is not installed: apt-get install -y redis-server "
+                               "(bash scripts/setup-cpu.sh does it on Debian and Ubuntu)")
+        self.exe, self.workdir, self.appendonly, self.password = exe, workdir, appendonly, password
+        self.port = free_port()
+        self.proc: subprocess.Popen | None = None
+        self.starts = 0
+
+    @property
+    def url(self) -> str:
+        auth = f":{self.password}@" if self.password else ""
+        return f"redis://{auth}127.0.0.1:{self.port}/0"
+
+    def start(self, timeout: float = 30.0) -> None:
+        assert self.proc is None, "already running"
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        self.starts += 1
+        cmd = [self.exe, "--port", str(self.port), "--bind", "127.0.0.1", "--dir", str(self.workdir),
+               "--save", "", "--appendonly", "yes" if self.appendonly else "no", "--daemonize", "no",
+               "--protected-mode", "no", "--logfile", str(self.workdir / f"redis-{self.starts}.log")]
+        if self.password:
+            cmd += ["--requirepass", self.password]
+        self.proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        deadline = time.monotonic() + timeout
+        while not self._answers():
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"redis-server exited with {self.proc.returncode}: "
+                                   f"{(self.workdir / f'redis-{self.starts}.log').read_text()[-2000:]}")
+            if time.monotonic() > deadline:
+                self.kill()
+                raise RuntimeError(f"redis-server did not answer within {timeout:.0f} s")
+            time.sleep(0.05)
+
+    def _answers(self) -> bool:
+        try:
+            with socket.create_connection(("127.0.0.1", self.port), timeout=1) as sock:
+                sock.sendall(b"PING\r\n")
+                reply = sock.recv(64)
+            return reply.startswith((b"+PONG", b"-NOAUTH"))
+        except OSError:
+            return False
+
+    def kill(self) -> None:
+        """SIGKILL, as a crash would (the AOF keeps what Redis acknowledged; without it the data is gone)."""
+        proc, self.proc = self.proc, None
+        if proc is not None and proc.poll() is None:
+            proc.send_signal(signal.SIGKILL)
+            proc.wait(10)
+
+    def restart(self) -> None:
+        self.kill()
+        self.start()
+
+    def stop(self) -> None:
+        proc, self.proc = self.proc, None
+        if proc is not None and proc.poll() is None:
+            proc.terminate()
+            try:
+                proc.wait(10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(10)

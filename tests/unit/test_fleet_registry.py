@@ -1,0 +1,390 @@
+"""hotwire_api.fleet against a real redis-server (tests/redis_fixture.py): replicas whose engines are real
+``SteeringController``s (each behind a ``HotwireEngine``, as the API server reaches its engine core), so that
+what a replica ends up holding is what an engine core would. No vLLM engine; the real servers are in
+tests/integration/test_fleet.py."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import numpy as np
+import pytest
+
+from hotwire_api.codec import VectorPayload
+from hotwire_api.engine import HotwireEngine
+from hotwire_api.errors import HotwireError
+from hotwire_api.fleet import blobs
+from hotwire_api.fleet.config import FleetConfig, Keys, redacted, registry_url
+from hotwire_api.fleet.redis_registry import RedisRegistry
+from hotwire_api.fleet.replica import Replica, stop_tasks
+from hotwire_core import contract
+from hotwire_core.admission import ModelInfo
+from hotwire_core.controller import SteeringController
+from hotwire_core.settings import Settings
+
+N_LAYERS, HIDDEN = 4, 8
+
+
+class ControllerClient:
+    """An engine client whose one engine core is a real controller (``collective_rpc`` as vLLM delivers it)."""
+
+    def __init__(self) -> None:
+        info = ModelInfo(True, "", N_LAYERS, HIDDEN, "float32", frozenset(range(N_LAYERS)))
+        self.controller = SteeringController(info, Settings(8, 2, "op", None, None), "org/model")
+        self.down = False
+
+    async def collective_rpc(self, method: str, timeout: float | None = None, args: tuple = (), kwargs=None) -> list:
+        if self.down:
+            raise RuntimeError("engine core gone")
+        return [self.controller.answer(contract.engine_method(method), args, kwargs or {})]
+
+    def held(self) -> dict[str, tuple[int, str]]:
+        return {v.vector_id: (v.version, v.sha256) for v in self.controller.registry.vectors()}
+
+
+async def _nothing(engine: HotwireEngine) -> None:
+    pass
+
+
+class Node:
+    """One replica: its engine, its registry connection, its replica object and its follower/heartbeat tasks."""
+
+    def __init__(self, url: str, name: str, **config: Any):
+        self.client = ControllerClient()
+        self.engine = HotwireEngine(self.client)
+        self.registry = RedisRegistry(FleetConfig(url, **{"timeout_s": 0.5, **config}), Keys.for_model("org/model"))
+        self.replica = Replica(self.registry, lambda: self.engine, name, on_change=_nothing)
+        self.replica.block_ms = 100
+        self.tasks: list[asyncio.Task] = []
+
+    def start(self, heartbeat: bool = False) -> None:
+        self.tasks.append(asyncio.create_task(self.replica.follow()))
+        if heartbeat:
+            self.tasks.append(asyncio.create_task(self.replica.heartbeat()))
+
+    async def stop(self) -> None:
+        await stop_tasks(self.replica, self.tasks)
+        self.tasks = []
+
+    async def close(self) -> None:
+        await self.stop()
+        await self.registry.close()
+
+
+def vector(seed: int, rows: int | None = None) -> VectorPayload:
+    shape = (HIDDEN,) if rows is None else (rows, HIDDEN)
+    data = np.random.default_rng(seed).standard_normal(shape).astype(np.float32)
+    return VectorPayload(data.tobytes(), "float32", shape, None)
+
+
+async def eventually(check: Callable[[], bool | Awaitable[bool]], timeout: float = 5.0) -> float:
+    """Seconds until ``check()`` holds; fails after ``timeout``."""
+    start = time.monotonic()
+    while True:
+        result = check()
+        if not isinstance(result, bool):
+            result = await result
+        if result:
+            return time.monotonic() - start
+        if time.monotonic() - start > timeout:
+            raise AssertionError(f"not within {timeout} s")
+        await asyncio.sleep(0.01)
+
+
+def run(test: Callable[..., Awaitable[None]], *args: Any) -> None:
+    asyncio.run(asyncio.wait_for(test(*args), 60))
+
+
+# -- pure parts ------------------------------------------------------------------------------------------------
+
+
+def test_registry_url_and_redaction() -> None:
+    assert registry_url("") is None and registry_url("local") is None
+    assert registry_url("rediss://:pw@h:6380/2") == "rediss://:pw@h:6380/2"
+    with pytest.raises(ValueError, match="redis://") as info:
+        registry_url("http://user:secret@h/")
+    assert "secret" not in str(info.value)
+    assert redacted("redis://:secret@h:6379/0") == "redis://***@h:6379/0"
+    assert redacted("rediss://me:secret@h/1") == "rediss://me:***@h/1"
+    assert redacted("redis://h:6379/0") == "redis://h:6379/0"
+    assert Keys.for_model("org/m{1}").current == "hotwire:{org/m_1_}:current"
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
+def test_blob_round_trip_keeps_the_content_hash(dtype: str) -> None:
+    values = np.random.default_rng(0).standard_normal((2, HIDDEN)).astype(np.float32)
+    raw = values.astype(np.float16).tobytes() if dtype == "float16" else values.tobytes()
+    if dtype == "bfloat16":
+        raw = (values.view(np.uint32) >> 16).astype(np.uint16).tobytes()
+    payload = VectorPayload(raw, dtype, (2, HIDDEN), (3, 1))  # rows named out of order
+    checked = blobs.check(payload, N_LAYERS, HIDDEN, "float32")
+    assert checked.payload.layers == (1, 3)
+    back = blobs.decode(blobs.encode(checked.payload))
+    assert back == checked.payload
+    again = blobs.check(back, N_LAYERS, HIDDEN, "float32")
+    assert again.sha256 == checked.sha256
+    ctrl = ControllerClient().controller
+    meta = ctrl.register("v", raw, dtype, [2, HIDDEN], [3, 1])["vector"]
+    assert meta["sha256"] == checked.sha256  # the engine's own hash: receipts and cache salts agree
+
+
+def test_a_version_the_engine_holds_is_registered_once() -> None:
+    ctrl = ControllerClient().controller
+    p = vector(1)
+    first = ctrl.register("v", p.data, p.dtype, list(p.shape), None, True, 5)
+    again = ctrl.register("v", p.data, p.dtype, list(p.shape), None, True, 5)
+    assert first["ok"] and again["ok"] and again["vector"]["version"] == 5 and again["created"] is False
+    assert ctrl.registry.generation == 1
+    q = vector(2)
+    ctrl.register("v", q.data, q.dtype, list(q.shape), None, True, 6)
+    held = ctrl.registry.lookup("v", 5)
+    ctrl.register("v", p.data, p.dtype, list(p.shape), None, True, 5)  # retained 5 heard of again
+    assert ctrl.registry.lookup("v", 5) is held and ctrl.registry.current("v").version == 6
+
+
+# -- against redis-server --------------------------------------------------------------------------------------
+
+
+def test_register_replace_delete_reach_every_replica(redis_server) -> None:
+    async def body() -> None:
+        a, b = Node(redis_server.url, "a"), Node(redis_server.url, "b")
+        a.start(), b.start()
+        try:
+            created, meta = await a.replica.register(a.engine, "joy", vector(1), False)
+            assert created and meta.version == 1
+            await eventually(lambda: b.client.held().get("joy") == (1, meta.sha256), 1.0)
+            spec = '{"id": "joy", "layer": 1, "scale": 4}'
+            salts = [n.client.controller.cache_salt_for(spec, None, 10) for n in (a, b)]
+            assert salts[0] is not None and salts[0] == salts[1]  # one receipt, one prefix-cache salt everywhere
+
+            created, meta2 = await b.replica.register(b.engine, "joy", vector(2), True)
+            assert not created and meta2.version == 2 and meta2.sha256 != meta.sha256
+            await eventually(lambda: a.client.held().get("joy") == (2, meta2.sha256), 1.0)
+            assert a.client.controller.registry.lookup("joy", 1) is not None  # retained for pinned requests
+
+            with pytest.raises(HotwireError) as taken:
+                await b.replica.register(b.engine, "joy", vector(3), False)
+            assert taken.value.status == 409 and taken.value.code == "exists"
+
+            assert await a.replica.unregister(a.engine, "joy") == 0
+            await eventually(lambda: "joy" not in b.client.held(), 1.0)
+            with pytest.raises(HotwireError) as gone:
+                await b.replica.unregister(b.engine, "joy")
+            assert gone.value.status == 404
+            created, meta3 = await b.replica.register(b.engine, "joy", vector(4), False)
+            assert created and meta3.version == 3  # versions never repeat, deletions included
+            await eventually(lambda: a.client.held().get("joy") == (3, meta3.sha256), 1.0)
+            with pytest.raises(HotwireError) as bad:
+                await a.replica.register(a.engine, "bad", VectorPayload(b"\0" * 12, "float32", (3,), None), False)
+            assert bad.value.status == 400 and not await a.registry.current() == {}  # joy only
+            assert "bad" not in await a.registry.current()
+        finally:
+            await a.close(), await b.close()
+
+    run(body)
+
+
+def test_concurrent_registrations_of_one_id(redis_server) -> None:
+    async def body() -> None:
+        a, b = Node(redis_server.url, "a"), Node(redis_server.url, "b")
+        a.start(), b.start()
+        try:
+            for round_ in range(5):
+                vid = f"race{round_}"
+                outcomes = await asyncio.gather(a.replica.register(a.engine, vid, vector(1), False),
+                                                b.replica.register(b.engine, vid, vector(2), False),
+                                                return_exceptions=True)
+                wins = [o for o in outcomes if not isinstance(o, BaseException)]
+                losses = [o for o in outcomes if isinstance(o, HotwireError)]
+                assert len(wins) == 1 and wins[0][0] is True and len(losses) == 1 and losses[0].status == 409
+                winner = wins[0][1]
+                for n in (a, b):
+                    await eventually(lambda n=n: n.client.held().get(vid) == (1, winner.sha256), 1.0)
+            # replace=true from both at once: two versions in one order, every replica ends on the later one
+            outcomes = await asyncio.gather(a.replica.register(a.engine, "race0", vector(5), True),
+                                            b.replica.register(b.engine, "race0", vector(6), True))
+            versions = sorted(meta.version for _, meta in outcomes)
+            assert versions == [2, 3]
+            last = next(meta for _, meta in outcomes if meta.version == 3)
+            for n in (a, b):
+                await eventually(lambda n=n: n.client.held().get("race0") == (3, last.sha256), 1.0)
+        finally:
+            await a.close(), await b.close()
+
+    run(body)
+
+
+def test_a_late_replica_and_a_returning_follower_catch_up(redis_server) -> None:
+    async def body() -> None:
+        a = Node(redis_server.url, "a")
+        a.start()
+        try:
+            for i in range(3):
+                await a.replica.register(a.engine, f"v{i}", vector(i), False)
+            late = Node(redis_server.url, "late")  # started after the registrations
+            late.start()
+            await eventually(lambda: len(late.client.held()) == 3, 2.0)
+            assert late.client.held() == a.client.held() and late.replica.resyncs == 1
+            await late.stop()  # away (not following) while the fleet changes
+            await a.replica.register(a.engine, "v0", vector(10), True)
+            await a.replica.unregister(a.engine, "v1")
+            await a.replica.register(a.engine, "v3", vector(11), False)
+            late.start()
+            await eventually(lambda: late.client.held() == a.client.held(), 2.0)
+            assert late.replica.resyncs == 1  # from the stream, no reload
+            await late.close()
+        finally:
+            await a.close()
+
+    run(body)
+
+
+def test_resync_when_the_stream_was_trimmed_past_a_replica(redis_server) -> None:
+    async def body() -> None:
+        a, b = Node(redis_server.url, "a"), Node(redis_server.url, "b")
+        a.start(), b.start()
+        try:
+            for vid in ("x", "y"):
+                await a.replica.register(a.engine, vid, vector(len(vid)), False)
+            await eventually(lambda: set(b.client.held()) == {"x", "y"}, 1.0)
+            await b.stop()
+            await a.replica.unregister(a.engine, "x")
+            await a.replica.register(a.engine, "z", vector(3), False)
+            await a.replica.register(a.engine, "y", vector(4), True)
+            import redis.asyncio as aioredis
+
+            raw = aioredis.from_url(redis_server.url)
+            await raw.xtrim(a.registry.keys.events, maxlen=0)  # every entry b has not read is gone
+            await raw.aclose()
+            b.replica._reconnected = True  # as after a lost connection
+            b.start()
+            await eventually(lambda: b.client.held() == a.client.held(), 2.0)
+            assert b.replica.resyncs == 2 and set(b.client.held()) == {"y", "z"}
+            assert b.client.held()["y"][0] == 2
+        finally:
+            await a.close(), await b.close()
+
+    run(body)
+
+
+def test_registry_down_keeps_serving_and_refuses_changes(tmp_path) -> None:
+    from redis_fixture import RedisServer
+
+    server = RedisServer(tmp_path / "redis", password="s3cret-pw")
+    server.start()
+
+    async def body() -> None:
+        a, b = Node(server.url, "a"), Node(server.url, "b")
+        a.start(), b.start()
+        try:
+            _, meta = await a.replica.register(a.engine, "keep", vector(1), False)
+            await eventually(lambda: "keep" in b.client.held(), 1.0)
+            server.kill()
+            for n in (a, b):
+                with pytest.raises(HotwireError) as down:
+                    await n.replica.register(n.engine, "new", vector(2), False)
+                assert down.value.status == 503 and down.value.code == "registry_unavailable"
+                assert "s3cret-pw" not in down.value.message and f"127.0.0.1:{server.port}" in down.value.message
+                with pytest.raises(HotwireError) as down:
+                    await n.replica.unregister(n.engine, "keep")
+                assert down.value.status == 503
+                status = await n.replica.status()
+                assert status["reachable"] is False and "s3cret-pw" not in str(status)
+                assert n.client.held()["keep"] == (1, meta.sha256)  # still served
+            await eventually(lambda: b.replica.reachable is False, 2.0)
+            server.start()  # same port, same append-only file
+            await eventually(lambda: b.replica.reachable is True, 5.0)
+            created, meta2 = await a.replica.register(a.engine, "new", vector(2), False)
+            assert created and meta2.version == 1
+            await eventually(lambda: b.client.held().get("new") == (1, meta2.sha256), 2.0)
+            assert b.replica.resyncs == 1  # the stream covered the gap: no reload
+            assert (await a.replica.status())["reachable"] is True
+        finally:
+            await a.close(), await b.close()
+
+    try:
+        run(body)
+    finally:
+        server.stop()
+
+
+def test_a_wiped_registry_is_noticed_and_nothing_is_dropped(tmp_path) -> None:
+    from redis_fixture import RedisServer
+
+    server = RedisServer(tmp_path / "redis", appendonly=False)
+    server.start()
+
+    async def body() -> None:
+        a, b = Node(server.url, "a"), Node(server.url, "b")
+        a.start(), b.start()
+        try:
+            await a.replica.register(a.engine, "kept", vector(1), False)
+            await a.replica.register(a.engine, "kept", vector(2), True)
+            await eventually(lambda: b.client.held().get("kept", (0,))[0] == 2, 1.0)
+            await eventually(lambda: b.replica.position is not None, 1.0)
+            server.restart()  # no persistence: hotwire's keys are gone
+            await eventually(lambda: b.replica.reset_seen, 5.0)
+            assert b.client.held()["kept"][0] == 2  # still served
+            _, meta = await a.replica.register(a.engine, "kept", vector(3), True)
+            assert meta.version == 3  # numbered past what this replica held, never a repeat
+            await eventually(lambda: b.client.held().get("kept") == (3, meta.sha256), 2.0)
+        finally:
+            await a.close(), await b.close()
+
+    try:
+        run(body)
+    finally:
+        server.stop()
+
+
+def test_heartbeats_make_the_fleet_view_and_expire(redis_server) -> None:
+    async def body() -> None:
+        a = Node(redis_server.url, "a", heartbeat_s=0.1)
+        b = Node(redis_server.url, "b", heartbeat_s=0.1)
+        a.start(heartbeat=True), b.start(heartbeat=True)
+        try:
+            _, meta = await a.replica.register(a.engine, "seen", vector(1), False)
+
+            async def both_hold() -> bool:
+                view = await a.replica.view()
+                return [r["replica"] for r in view["replicas"]] == ["a", "b"] and all(r["in_sync"] for r in view["replicas"])
+
+            await eventually(both_hold, 3.0)
+            view = await b.replica.view()
+            assert view["vectors"] == [{"id": "seen", "version": 1, "sha256": meta.sha256, "held_by": ["a", "b"],
+                                        "missing_on": []}]
+            replica = view["replicas"][0]
+            assert replica["slots"]["capacity"] == 8 and replica["vectors"][0]["id"] == "seen"
+            assert view["registry"]["reachable"] is True and view["registry"]["kind"] == "redis"
+            await b.stop()  # stops heartbeating
+
+            async def b_gone() -> bool:
+                return [r["replica"] for r in (await a.replica.view())["replicas"]] == ["a"]
+
+            assert await eventually(b_gone, 2.0) <= 1.0  # its key's TTL: 0.3 s after its last heartbeat
+        finally:
+            await a.close(), await b.close()
+
+    run(body)
+
+
+def test_an_engine_that_missed_an_event_gets_it_once_it_answers(redis_server) -> None:
+    async def body() -> None:
+        a, b = Node(redis_server.url, "a"), Node(redis_server.url, "b")
+        a.start(), b.start()
+        try:
+            await eventually(lambda: b.replica.position is not None, 2.0)
+            await b.replica._model_rules(b.engine)  # a running server has them from its first registration
+            b.client.down = True
+            created, meta = await b.replica.register(b.engine, "later", vector(1), False)
+            assert created and meta.version == 1  # registered in the fleet; b's engine was away
+            await eventually(lambda: "later" in a.client.held(), 1.0)
+            b.client.down = False
+            await eventually(lambda: b.client.held().get("later") == (1, meta.sha256), 3.0)
+        finally:
+            await a.close(), await b.close()
+
+    run(body)
