@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 import json
+import math
 import os
 import subprocess
 import sys
@@ -172,3 +173,15 @@ class VllmServer:
         proc, self.proc = self.proc, None
         if proc is not None:
             stop_server(proc)
+
+
+def completion_logprobs(response: httpx.Response) -> list[float]:
+    """The token logprobs of a 200 ``/v1/completions`` answer (each finite)."""
+    assert response.status_code == 200, response.text
+    values = response.json()["choices"][0]["logprobs"]["token_logprobs"]
+    assert values and all(math.isfinite(v) for v in values)
+    return values
+
+
+def max_diff(a: list[float], b: list[float]) -> float:
+    return max(abs(x - y) for x, y in zip(a, b, strict=True))

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import base64
 import json
-import math
 import threading
 import time
 from collections.abc import Iterator
@@ -27,7 +26,8 @@ import numpy as np
 import psutil
 import pytest
 
-from server_fixture import LONG_STREAM_TOKENS, StreamMissed, VllmServer, retried_on_a_busy_cpu
+from server_fixture import LONG_STREAM_TOKENS, StreamMissed, VllmServer, max_diff, retried_on_a_busy_cpu
+from server_fixture import completion_logprobs as logprobs
 
 pytestmark = pytest.mark.integration
 
@@ -63,17 +63,6 @@ def completion(http: httpx.Client, model: str, rank: int, vector_id: str | None 
     if vector_id is not None:
         body["vllm_xargs"] = {"hotwire": json.dumps({"id": vector_id, "layer": LAYER, "scale": 8.0})}
     return http.post("/v1/completions", json=body, headers={"X-data-parallel-rank": str(rank)})
-
-
-def logprobs(response: httpx.Response) -> list[float]:
-    assert response.status_code == 200, response.text
-    values = response.json()["choices"][0]["logprobs"]["token_logprobs"]
-    assert values and all(math.isfinite(v) for v in values)
-    return values
-
-
-def max_diff(a: list[float], b: list[float]) -> float:
-    return max(abs(x - y) for x, y in zip(a, b, strict=True))
 
 
 def test_a_vector_registered_over_http_steers_on_every_engine_core(http, tiny_model) -> None:

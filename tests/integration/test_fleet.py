@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import base64
 import json
-import math
 import os
 import platform
 import statistics
@@ -26,7 +25,8 @@ import numpy as np
 import pytest
 
 from redis_fixture import RedisServer
-from server_fixture import VllmServer
+from server_fixture import VllmServer, max_diff
+from server_fixture import completion_logprobs as logprobs
 
 pytestmark = pytest.mark.integration
 
@@ -77,17 +77,6 @@ def completion(http: httpx.Client, model: str, vector_id: str | None = None) -> 
     if vector_id is not None:
         req["vllm_xargs"] = {"hotwire": json.dumps({"id": vector_id, "layer": LAYER, "scale": 8.0})}
     return http.post("/v1/completions", json=req)
-
-
-def logprobs(response: httpx.Response) -> list[float]:
-    assert response.status_code == 200, response.text
-    values = response.json()["choices"][0]["logprobs"]["token_logprobs"]
-    assert values and all(math.isfinite(v) for v in values)
-    return values
-
-
-def max_diff(a: list[float], b: list[float]) -> float:
-    return max(abs(x - y) for x, y in zip(a, b, strict=True))
 
 
 def held(http: httpx.Client, vector_id: str) -> tuple[int, str] | None:
