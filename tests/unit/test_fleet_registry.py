@@ -6,8 +6,9 @@ tests/integration/test_fleet.py."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import numpy as np
@@ -72,6 +73,19 @@ class Node:
     async def close(self) -> None:
         await self.stop()
         await self.registry.close()
+
+
+@contextlib.asynccontextmanager
+async def started(url: str, *names: str, heartbeat: bool = False, **config: Any) -> AsyncIterator[list[Node]]:
+    """Replicas named ``names`` on one registry, following it (and heartbeating), closed on the way out."""
+    nodes = [Node(url, name, **config) for name in names]
+    for node in nodes:
+        node.start(heartbeat)
+    try:
+        yield nodes
+    finally:
+        for node in nodes:
+            await node.close()
 
 
 def vector(seed: int, rows: int | None = None) -> VectorPayload:
@@ -150,9 +164,7 @@ def test_a_version_the_engine_holds_is_registered_once() -> None:
 
 def test_register_replace_delete_reach_every_replica(redis_server) -> None:
     async def body() -> None:
-        a, b = Node(redis_server.url, "a"), Node(redis_server.url, "b")
-        a.start(), b.start()
-        try:
+        async with started(redis_server.url, "a", "b") as (a, b):
             created, meta = await a.replica.register(a.engine, "joy", vector(1), False)
             assert created and meta.version == 1
             await eventually(lambda: b.client.held().get("joy") == (1, meta.sha256), 1.0)
@@ -181,17 +193,13 @@ def test_register_replace_delete_reach_every_replica(redis_server) -> None:
                 await a.replica.register(a.engine, "bad", VectorPayload(b"\0" * 12, "float32", (3,), None), False)
             assert bad.value.status == 400 and not await a.registry.current() == {}  # joy only
             assert "bad" not in await a.registry.current()
-        finally:
-            await a.close(), await b.close()
 
     run(body)
 
 
 def test_concurrent_registrations_of_one_id(redis_server) -> None:
     async def body() -> None:
-        a, b = Node(redis_server.url, "a"), Node(redis_server.url, "b")
-        a.start(), b.start()
-        try:
+        async with started(redis_server.url, "a", "b") as (a, b):
             for round_ in range(5):
                 vid = f"race{round_}"
                 outcomes = await asyncio.gather(a.replica.register(a.engine, vid, vector(1), False),
@@ -211,17 +219,13 @@ def test_concurrent_registrations_of_one_id(redis_server) -> None:
             last = next(meta for _, meta in outcomes if meta.version == 3)
             for n in (a, b):
                 await eventually(lambda n=n: n.client.held().get("race0") == (3, last.sha256), 1.0)
-        finally:
-            await a.close(), await b.close()
 
     run(body)
 
 
 def test_a_late_replica_and_a_returning_follower_catch_up(redis_server) -> None:
     async def body() -> None:
-        a = Node(redis_server.url, "a")
-        a.start()
-        try:
+        async with started(redis_server.url, "a") as (a,):
             for i in range(3):
                 await a.replica.register(a.engine, f"v{i}", vector(i), False)
             late = Node(redis_server.url, "late")  # started after the registrations
@@ -236,17 +240,13 @@ def test_a_late_replica_and_a_returning_follower_catch_up(redis_server) -> None:
             await eventually(lambda: late.client.held() == a.client.held(), 2.0)
             assert late.replica.resyncs == 1  # from the stream, no reload
             await late.close()
-        finally:
-            await a.close()
 
     run(body)
 
 
 def test_resync_when_the_stream_was_trimmed_past_a_replica(redis_server) -> None:
     async def body() -> None:
-        a, b = Node(redis_server.url, "a"), Node(redis_server.url, "b")
-        a.start(), b.start()
-        try:
+        async with started(redis_server.url, "a", "b") as (a, b):
             for vid in ("x", "y"):
                 await a.replica.register(a.engine, vid, vector(len(vid)), False)
             await eventually(lambda: set(b.client.held()) == {"x", "y"}, 1.0)
@@ -264,8 +264,6 @@ def test_resync_when_the_stream_was_trimmed_past_a_replica(redis_server) -> None
             await eventually(lambda: b.client.held() == a.client.held(), 2.0)
             assert b.replica.resyncs == 2 and set(b.client.held()) == {"y", "z"}
             assert b.client.held()["y"][0] == 2
-        finally:
-            await a.close(), await b.close()
 
     run(body)
 
@@ -277,9 +275,7 @@ def test_registry_down_keeps_serving_and_refuses_changes(tmp_path) -> None:
     server.start()
 
     async def body() -> None:
-        a, b = Node(server.url, "a"), Node(server.url, "b")
-        a.start(), b.start()
-        try:
+        async with started(server.url, "a", "b") as (a, b):
             _, meta = await a.replica.register(a.engine, "keep", vector(1), False)
             await eventually(lambda: "keep" in b.client.held(), 1.0)
             server.kill()
@@ -302,8 +298,6 @@ def test_registry_down_keeps_serving_and_refuses_changes(tmp_path) -> None:
             await eventually(lambda: b.client.held().get("new") == (1, meta2.sha256), 2.0)
             assert b.replica.resyncs == 1  # the stream covered the gap: no reload
             assert (await a.replica.status())["reachable"] is True
-        finally:
-            await a.close(), await b.close()
 
     try:
         run(body)
@@ -318,9 +312,7 @@ def test_a_wiped_registry_is_noticed_and_nothing_is_dropped(tmp_path) -> None:
     server.start()
 
     async def body() -> None:
-        a, b = Node(server.url, "a"), Node(server.url, "b")
-        a.start(), b.start()
-        try:
+        async with started(server.url, "a", "b") as (a, b):
             await a.replica.register(a.engine, "kept", vector(1), False)
             await a.replica.register(a.engine, "kept", vector(2), True)
             await eventually(lambda: b.client.held().get("kept", (0,))[0] == 2, 1.0)
@@ -331,8 +323,6 @@ def test_a_wiped_registry_is_noticed_and_nothing_is_dropped(tmp_path) -> None:
             _, meta = await a.replica.register(a.engine, "kept", vector(3), True)
             assert meta.version == 3  # numbered past what this replica held, never a repeat
             await eventually(lambda: b.client.held().get("kept") == (3, meta.sha256), 2.0)
-        finally:
-            await a.close(), await b.close()
 
     try:
         run(body)
@@ -342,10 +332,7 @@ def test_a_wiped_registry_is_noticed_and_nothing_is_dropped(tmp_path) -> None:
 
 def test_heartbeats_make_the_fleet_view_and_expire(redis_server) -> None:
     async def body() -> None:
-        a = Node(redis_server.url, "a", heartbeat_s=0.1)
-        b = Node(redis_server.url, "b", heartbeat_s=0.1)
-        a.start(heartbeat=True), b.start(heartbeat=True)
-        try:
+        async with started(redis_server.url, "a", "b", heartbeat=True, heartbeat_s=0.1) as (a, b):
             _, meta = await a.replica.register(a.engine, "seen", vector(1), False)
 
             async def both_hold() -> bool:
@@ -365,17 +352,13 @@ def test_heartbeats_make_the_fleet_view_and_expire(redis_server) -> None:
                 return [r["replica"] for r in (await a.replica.view())["replicas"]] == ["a"]
 
             assert await eventually(b_gone, 2.0) <= 1.0  # its key's TTL: 0.3 s after its last heartbeat
-        finally:
-            await a.close(), await b.close()
 
     run(body)
 
 
 def test_an_engine_that_missed_an_event_gets_it_once_it_answers(redis_server) -> None:
     async def body() -> None:
-        a, b = Node(redis_server.url, "a"), Node(redis_server.url, "b")
-        a.start(), b.start()
-        try:
+        async with started(redis_server.url, "a", "b") as (a, b):
             await eventually(lambda: b.replica.position is not None, 2.0)
             await b.replica._model_rules(b.engine)  # a running server has them from its first registration
             b.client.down = True
@@ -384,7 +367,5 @@ def test_an_engine_that_missed_an_event_gets_it_once_it_answers(redis_server) ->
             await eventually(lambda: "later" in a.client.held(), 1.0)
             b.client.down = False
             await eventually(lambda: b.client.held().get("later") == (1, meta.sha256), 3.0)
-        finally:
-            await a.close(), await b.close()
 
     run(body)
