@@ -1,5 +1,5 @@
 #!/bin/bash
-# Correctness on the GPU, every job at once: bash benchmarks/gpu_checks.sh [PART...]   (default: all parts)
+# Correctness on the GPU, every job at once: bash benchmarks/gpu_checks.sh [PART...]   (default: all parts but fleet)
 #   engine:   tests/integration/test_engine.py in bf16 with CUDA graphs (FULL_AND_PIECEWISE: FULL for decode
 #             steps, PIECEWISE for prefill), plugin-free vLLM as reference; V2 and V1 runner
 #   identity: tests/integration/test_bit_identity.py (plain requests bit-identical to plugin-free vLLM); V2 and V1
@@ -11,6 +11,9 @@
 #   matrix:   python -m hotwire_core.verify --vanilla on tiny Llama, Qwen2, Qwen3, Mistral and Gemma models with
 #             random weights, bf16, graphs on; V2 and V1 runner. MATRIX_ARCHS picks architectures (e.g. "qwen3");
 #             MATRIX_REPEAT=N runs each N times, each with its own compile cache (jobs named ...-r1, -r2, ...)
+#   fleet:    tests/integration/test_fleet.py: two `vllm serve` replicas on one GPU and one redis-server, with
+#             graphs on; propagation and registration latency over FLEET_N replaces (default 200) written to
+#             fleet_propagation.json. Needs `bash benchmarks/gpu_redis.sh` here and `source .gpu/redis/env.sh` there
 #   tp2:      verify --vanilla with --tensor-parallel-size 2 (needs 2 GPUs); V2 and V1 runner
 # One-GPU jobs are spread round-robin over the visible GPUs (or those in CHECK_GPUS, e.g. "1"); each has its own compile cache and a fixed KV cache, so
 # several share a GPU. Logs go to $LOG_DIR (default $OUT, else /tmp/hotwire-gpu-checks), one per job, plus
@@ -64,6 +67,10 @@ for part in $parts; do
       done
       ;;
     server) launch server next v2 "${pytest_cmd[@]}" tests/integration/test_server.py ;;
+    fleet)
+      launch fleet next v2 env HOTWIRE_FLEET_LATENCY_N="${FLEET_N:-200}" \
+        HOTWIRE_FLEET_RESULTS="$log_dir/fleet_propagation.json" "${pytest_cmd[@]}" -s tests/integration/test_fleet.py
+      ;;
     matrix)
       repeat=${MATRIX_REPEAT:-1}
       for arch in ${MATRIX_ARCHS:-llama qwen2 qwen3 mistral gemma}; do

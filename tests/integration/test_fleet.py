@@ -1,4 +1,4 @@
-"""Two real ``vllm serve`` replicas (vLLM's CPU backend, tiny float32 model, eager) on one real redis-server
+"""Two real ``vllm serve`` replicas (tiny float32 model; on the CPU eager, on a GPU with CUDA graphs, both on one GPU) on one real redis-server
 (``HOTWIRE_REGISTRY``): what is registered, replaced or deleted on either is served by both; one id registered
 on both at once gets one 201 and one 409; replica B starts after vectors were registered on A and serves them;
 Redis killed mid-traffic leaves both steering while registration answers 503, and both recover when it returns.
@@ -23,6 +23,7 @@ from pathlib import Path
 import httpx
 import numpy as np
 import pytest
+import torch
 
 from redis_fixture import RedisServer
 from server_fixture import VllmServer, max_diff
@@ -42,7 +43,8 @@ class Fleet:
 
 def _server(tiny_model: Path, workdir: Path, redis: RedisServer, replica: str) -> VllmServer:
     env = {"HOTWIRE_REGISTRY": redis.url, "HOTWIRE_REPLICA_ID": replica, "HOTWIRE_FLEET_HEARTBEAT_S": "0.5"}
-    return VllmServer(tiny_model, workdir, env, ["--enforce-eager"])
+    # Eager on the CPU (start time); on a GPU the replicas capture CUDA graphs and share it (server_fixture.GPU_ARGS).
+    return VllmServer(tiny_model, workdir, env, [] if torch.cuda.is_available() else ["--enforce-eager"])
 
 
 def body(vector_id: str, seed: int) -> dict:
