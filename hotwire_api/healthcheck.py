@@ -5,8 +5,11 @@
 Against ``http://localhost:${PORT:-8000}`` (or ``--url`` / ``HOTWIRE_HEALTHCHECK_URL``):
 
 1. ``GET /steer/slots`` must answer 200 with ``model.steerable`` true (hotwire is attached and the engine can steer);
-2. a probe vector ``_healthcheck`` of random float32 values, ``model.hidden_size`` long (norm 16), is registered with
-   ``POST /steer/vectors?replace=true`` (JSON registration);
+2. a probe vector ``_healthcheck`` of float32 values, ``model.hidden_size`` long (norm 16, the same values at every
+   check), is registered with ``POST /steer/vectors?replace=true`` (JSON registration). On a replica of a fleet
+   (``HOTWIRE_REGISTRY`` set) the id is ``_healthcheck.<replica>`` (``HOTWIRE_REPLICA_ID``, else the host name), so
+   one replica's check never deletes the probe another's is steering with; fixed values make every check store
+   the same content-addressed blob in Redis, not a new one;
 3. one short greedy completion (``max_tokens`` 2, ``logprobs`` 1) is sent twice to ``/v1/completions``, plain and
    with ``vllm_xargs.hotwire`` steering the probe at the first layer the server hooks (``model.layers``, e.g.
    0, or the first of ``HOTWIRE_LAYERS``), scale 50; the logprobs must differ. A server whose bank has no row
@@ -18,7 +21,8 @@ Against ``http://localhost:${PORT:-8000}`` (or ``--url`` / ``HOTWIRE_HEALTHCHECK
 Exit 0 when all holds (one ``ok`` line on stdout), else 1 with a one-line reason on stderr, as Docker's
 ``HEALTHCHECK`` expects. Keys: ``/steer/*`` gets ``HOTWIRE_API_KEY`` (else ``VLLM_API_KEY``), the OpenAI routes get
 ``VLLM_API_KEY`` (else ``HOTWIRE_API_KEY``), each as ``Authorization: Bearer <key>`` and only when set.
-Needs only httpx, the standard library and ``hotwire_core.settings`` (itself standard library only).
+Needs only httpx, the standard library, ``hotwire_core.settings`` and ``hotwire_api.fleet.config`` (both standard
+library only).
 """
 
 from __future__ import annotations
@@ -29,13 +33,17 @@ import json
 import math
 import os
 import random
+import re
+import socket
 import struct
 import sys
 import time
+from collections.abc import Mapping
 from typing import Any
 
 import httpx
 
+from hotwire_api.fleet.config import registry_url
 from hotwire_core.settings import parse_layers
 
 PROBE_ID = "_healthcheck"
@@ -131,8 +139,21 @@ def probe_layer(model: dict[str, Any]) -> int:
     return min(parse_layers(layers)) if isinstance(layers, str) and layers else 0
 
 
-def steering_spec(layer: int) -> str:
-    return json.dumps({"id": PROBE_ID, "layer": layer, "scale": PROBE_SCALE})
+def probe_id(env: Mapping[str, str] = os.environ) -> str:
+    """:data:`PROBE_ID`, or on a fleet replica ``_healthcheck.<replica>`` (characters outside the id alphabet become
+    ``-``; at most 64 in all)."""
+    try:
+        fleet = registry_url(env.get("HOTWIRE_REGISTRY", "")) is not None
+    except ValueError:  # a server with such a setting does not start; its check must not crash on it
+        fleet = True
+    if not fleet:
+        return PROBE_ID
+    replica = env.get("HOTWIRE_REPLICA_ID") or socket.gethostname()
+    return f"{PROBE_ID}.{re.sub(r'[^A-Za-z0-9._-]', '-', replica)}"[:64]
+
+
+def steering_spec(layer: int, vector_id: str = PROBE_ID) -> str:
+    return json.dumps({"id": vector_id, "layer": layer, "scale": PROBE_SCALE})
 
 
 def _logprobs(body: Any, label: str) -> dict[str, Any]:
@@ -183,9 +204,11 @@ def check(
     if isinstance(hidden, bool) or not isinstance(hidden, int) or hidden < 1:
         raise Unhealthy(f"GET /steer/slots: model.hidden_size is {hidden!r}, not a positive integer")
 
-    data = probe_vector(hidden, rng or random.Random())
+    # Seeded by the width: the same bytes at every check (one blob in a fleet's Redis).
+    data = probe_vector(hidden, rng or random.Random(f"hotwire-healthcheck-{hidden}"))
+    vector_id = probe_id()
     registration = {
-        "id": PROBE_ID,
+        "id": vector_id,
         "data": base64.b64encode(data).decode("ascii"),
         "dtype": "float32",
         "shape": [hidden],
@@ -200,7 +223,7 @@ def check(
         request = {"model": name, "prompt": PROMPT, "max_tokens": MAX_TOKENS, "temperature": 0, "logprobs": 1}
         plain = _logprobs(_call(client, deadline, "POST", "/v1/completions", json=request, headers=openai), "plain")
         layer = probe_layer(model)
-        steered_request = {**request, "vllm_xargs": {"hotwire": steering_spec(layer)}}
+        steered_request = {**request, "vllm_xargs": {"hotwire": steering_spec(layer, vector_id)}}
         answer = _send(client, deadline, "POST", "/v1/completions", json=steered_request, headers=openai)
         if _bank_full(answer):
             return f"ok: {name!r} answers; every bank row is pinned by running requests, so steering was not probed"
@@ -210,13 +233,13 @@ def check(
             raise Unhealthy(f"the steered probe was served unsteered (lenient mode): {lenient}")
         if not logprobs_differ(plain, steered):
             raise Unhealthy(
-                f"steering had no effect: {PROBE_ID} at layer {layer}, scale {PROBE_SCALE} left the logprobs "
+                f"steering had no effect: {vector_id} at layer {layer}, scale {PROBE_SCALE} left the logprobs "
                 f"of {name!r} unchanged ({plain['token_logprobs']})"
             )
     finally:
         if not keep:
             try:  # given a few seconds even past the deadline: a probe left behind holds a vector, not a row
-                client.delete(f"/steer/vectors/{PROBE_ID}", headers=steer, timeout=3.0)
+                client.delete(f"/steer/vectors/{vector_id}", headers=steer, timeout=3.0)
             except httpx.HTTPError:
                 pass
     return (
@@ -230,7 +253,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--url", default=default_url(), help="server URL (default http://localhost:${PORT:-8000})")
     parser.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT_S, help="seconds for the whole check")
-    parser.add_argument("--keep", action="store_true", help=f"leave the probe vector {PROBE_ID!r} registered")
+    parser.add_argument("--keep", action="store_true",
+                        help=f"leave the probe vector ({PROBE_ID!r}; on a fleet replica {PROBE_ID}.<replica>) registered")
     return parser
 
 

@@ -133,6 +133,16 @@ def apt_image(tag: str, packages: Sequence[str], *, base: str = LOCAL_DEBIAN, ex
         return build("Dockerfile", tag, context=context, timeout=timeout)
 
 
+def redis_base(tag: str = "hotwire-test/redis:bookworm") -> Built:
+    """Debian's redis-server and redis-cli: what the fleet profiles use of the official redis image."""
+    return apt_image(tag, ("redis-server",))
+
+
+def nginx_base(tag: str = "hotwire-test/nginx:bookworm") -> Built:
+    """Debian's nginx without its default site (the official nginx image has none on the fleet's port either)."""
+    return apt_image(tag, ("nginx",), extra=("RUN rm -f /etc/nginx/sites-enabled/default",))
+
+
 def python_base(tag: str = "hotwire-test/python:bookworm") -> Built:
     """Debian bookworm with Python 3.11, venv and pip: what deploy/Dockerfile.cpu's default python:3.11-slim holds."""
     return apt_image(tag, PYTHON_PACKAGES)

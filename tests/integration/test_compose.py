@@ -34,6 +34,7 @@ pytestmark = pytest.mark.integration
 SERVICE = "hotwire-cpu"
 API_KEY = "compose-test-key"
 VECTOR = "compose-test"
+FLEET_REPLICAS = ("hotwire-fleet-cpu-a", "hotwire-fleet-cpu-b")
 CPU_IMAGE = "hotwire-vllm:cpu-test"
 CPU_DEPS_IMAGE = "hotwire-vllm:cpu-test-deps"
 GPU_IMAGE = "hotwire-vllm:gpu-test"
@@ -64,7 +65,7 @@ def cpu_image(python_base: str) -> str:
     return built.tag
 
 
-def _completion(url: str, model: str, steer: str | None = None) -> dict:
+def _completion_response(url: str, model: str, steer: str | None = None) -> httpx.Response:
     body = {"model": model, "prompt": "The weather today is", "max_tokens": 4, "temperature": 0, "logprobs": 1}
     if steer:
         # vLLM refuses nested objects in vllm_xargs: the spec is a JSON string.
@@ -72,7 +73,11 @@ def _completion(url: str, model: str, steer: str | None = None) -> dict:
     response = httpx.post(f"{url}/v1/completions", json=body, timeout=120)
     assert response.status_code == 200, response.text
     assert "x-hotwire-lenient" not in response.headers
-    return response.json()["choices"][0]["logprobs"]
+    return response
+
+
+def _completion(url: str, model: str, steer: str | None = None) -> dict:
+    return _completion_response(url, model, steer).json()["choices"][0]["logprobs"]
 
 
 def _differ(plain: dict, steered: dict) -> bool:
@@ -86,7 +91,7 @@ def test_cpu_profile_serves_steers_and_keeps_vectors_across_a_restart(cpu_image:
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     override = tmp_path / "docker-compose.test.yml"
-    override.write_text(f"services:\n  {SERVICE}:\n    healthcheck:\n      interval: 10s\n")
+    _healthcheck_every_10s(override, [SERVICE])
     env = {
         "HOTWIRE_CPU_IMAGE": cpu_image,
         "HOTWIRE_CPU_BASE_IMAGE": python_base,
@@ -132,6 +137,87 @@ def test_cpu_profile_serves_steers_and_keeps_vectors_across_a_restart(cpu_image:
         client.close()
     except BaseException:
         print(project.logs(SERVICE))
+        raise
+    finally:
+        project.down(volumes=True)
+    assert not project.containers() and not project.volumes()
+
+
+def _healthcheck_every_10s(path, services) -> None:
+    """A compose override: the services' healthchecks every 10 s instead of 30 s (the check itself is the shipped one)."""
+    path.write_text("services:\n" + "".join(f"  {s}:\n    healthcheck:\n      interval: 10s\n" for s in services))
+
+
+def test_fleet_cpu_profile_shares_one_registry_behind_the_load_balancer(cpu_image: str, python_base: str,
+                                                                       tmp_path) -> None:
+    """``--profile fleet-cpu``: Redis, two replicas and nginx. A vector registered through the load balancer
+    steers on both replicas alike (same receipt, same logprobs), both list the same vectors, the fleet view shows
+    both holding it, and a deletion through the balancer reaches both."""
+    redis_image, lb_image = docker_images.redis_base().tag, docker_images.nginx_base().tag
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    override = tmp_path / "docker-compose.test.yml"
+    _healthcheck_every_10s(override, FLEET_REPLICAS)
+    env = {
+        "HOTWIRE_CPU_IMAGE": cpu_image,
+        "HOTWIRE_CPU_BASE_IMAGE": python_base,
+        "HOTWIRE_REDIS_IMAGE": redis_image,
+        "HOTWIRE_LB_IMAGE": lb_image,
+        "HOTWIRE_PORT": str(port),
+        "HOTWIRE_API_KEY": API_KEY,
+        "VLLM_API_KEY": "",
+    }
+    project = ComposeProject(f"hotwire-test-fleet-{os.getpid()}", ["fleet-cpu"], env=env,
+                             files=[COMPOSE_FILE, override])
+    try:
+        project.up(build=True)
+        for service in FLEET_REPLICAS:
+            print(f"\n{service} healthy after {project.wait_healthy(service, HEALTHY_WITHIN_S):.0f} s")
+        client = HotwireClient(url, API_KEY)
+        model = httpx.get(f"{url}/v1/models", timeout=30).json()["data"][0]["id"]
+        hidden = client.slots().model.hidden_size
+        vector = np.random.default_rng(1).standard_normal(hidden).astype(np.float32)
+        meta = client.register(VECTOR, vector)  # through the balancer, to whichever replica it picks
+
+        def by_replica(send, want: int = 2, tries: int = 40) -> dict[str, httpx.Response]:
+            """Answers to ``send()`` through the balancer, one per replica that gave one (nginx alternates)."""
+            answers: dict[str, httpx.Response] = {}
+            for _ in range(tries):
+                response = send()
+                answers.setdefault(response.headers["x-hotwire-upstream"], response)
+                if len(answers) == want:
+                    break
+            assert len(answers) == want, list(answers)
+            return answers
+
+        steered = by_replica(lambda: _completion_response(url, model, VECTOR))
+        plain = _completion(url, model)
+        receipts = {r.headers["x-hotwire-receipt"] for r in steered.values()}
+        assert len(receipts) == 1 and f"{VECTOR}@{meta.version}" in receipts.pop()
+        first, second = (r.json()["choices"][0]["logprobs"] for r in steered.values())
+        assert _differ(plain, first), (plain, first)
+        assert first["tokens"] == second["tokens"]
+        assert np.allclose(first["token_logprobs"], second["token_logprobs"], atol=1e-4)
+
+        listings = by_replica(lambda: httpx.get(f"{url}/steer/vectors", headers={"Authorization": f"Bearer {API_KEY}"}, timeout=30))
+        bodies = [{v["id"]: (v["version"], v["sha256"]) for v in r.json()["vectors"] if not v["id"].startswith("_")}
+                  for r in listings.values()]
+        assert bodies[0] == bodies[1] == {VECTOR: (meta.version, meta.sha256)}  # no divergence
+
+        view = client.fleet()
+        assert sorted(r.replica for r in view.replicas) == ["fleet-cpu-a", "fleet-cpu-b"]
+        held = next(v for v in view.vectors if v.id == VECTOR)
+        assert sorted(held.held_by) == ["fleet-cpu-a", "fleet-cpu-b"] and held.missing_on == []
+
+        assert client.delete(VECTOR).in_flight == 0
+        refused = by_replica(lambda: httpx.post(f"{url}/v1/completions", timeout=60, json={
+            "model": model, "prompt": "x", "max_tokens": 1,
+            "vllm_xargs": {"hotwire": json.dumps({"id": VECTOR, "layer": 1, "scale": 8})}}))
+        assert {(r.status_code, r.json()["error"]["code"]) for r in refused.values()} == {(400, "unknown_vector")}
+        client.close()
+    except BaseException:
+        for service in (*FLEET_REPLICAS, "redis", "hotwire-lb"):
+            print(project.logs(service))
         raise
     finally:
         project.down(volumes=True)

@@ -206,12 +206,105 @@ def compose_problems(doc: Any) -> list[str]:
     return problems
 
 
+NGINX_FLEET = ROOT / "deploy" / "nginx-fleet.conf"
+# The fleet profiles' replicas: service -> (profile, replica id, network alias nginx sends to).
+FLEET_REPLICAS = {
+    "hotwire-fleet-a": ("fleet", "fleet-a", "replica-a"),
+    "hotwire-fleet-b": ("fleet", "fleet-b", "replica-b"),
+    "hotwire-fleet-cpu-a": ("fleet-cpu", "fleet-cpu-a", "replica-a"),
+    "hotwire-fleet-cpu-b": ("fleet-cpu", "fleet-cpu-b", "replica-b"),
+}
+
+
+def fleet_problems(doc: Any, nginx_conf: str) -> list[str]:
+    """Everything wrong with the fleet profiles of a parsed docker-compose.yml and deploy/nginx-fleet.conf."""
+    services = doc.get("services") or {}
+    problems = []
+    redis = services.get("redis") or {}
+    if set(redis.get("profiles") or []) != {"fleet", "fleet-cpu"}:
+        problems.append("redis: not in both fleet profiles")
+    words = _command_words(redis.get("command"))
+    for flag, value in (("--appendonly", "yes"), ("--maxmemory-policy", "noeviction")):
+        if flag not in words or words[words.index(flag) + 1 :][:1] != [value]:
+            problems.append(f"redis: no {flag} {value} (a registration must survive a restart and never be evicted)")
+    if not any(target == "/data" for _, target in _mounts(redis)):
+        problems.append("redis: its data folder is not on a volume")
+    upstreams = re.findall(r"^\s*server\s+([\w.-]+):8000\b", nginx_conf, re.MULTILINE)
+    for name, (profile, replica_id, alias) in FLEET_REPLICAS.items():
+        service = services.get(name)
+        if not isinstance(service, dict):
+            problems.append(f"{name}: missing")
+            continue
+        if service.get("profiles") != [profile]:
+            problems.append(f"{name}: not (only) in profile {profile!r}")
+        env = _env(service)
+        if env.get("HOTWIRE_REGISTRY") != "redis://redis:6379/0":
+            problems.append(f"{name}: HOTWIRE_REGISTRY is not the redis service")
+        if env.get("HOTWIRE_REPLICA_ID") != replica_id:
+            problems.append(f"{name}: HOTWIRE_REPLICA_ID is {env.get('HOTWIRE_REPLICA_ID')!r}, not {replica_id!r}")
+        if not re.fullmatch(r"\$\{HOTWIRE_API_KEY(:?-[^}]*)?\}", env.get("HOTWIRE_API_KEY", "")):
+            problems.append(f"{name}: HOTWIRE_API_KEY is not passed from the environment")
+        aliases = ((service.get("networks") or {}).get("default") or {}).get("aliases") or []
+        if alias not in aliases or alias not in upstreams:
+            problems.append(f"{name}: network alias {alias!r} missing here or in nginx-fleet.conf's upstream")
+        depends = service.get("depends_on") or {}
+        if not isinstance(depends, dict) or (depends.get("redis") or {}).get("condition") != "service_healthy":
+            problems.append(f"{name}: does not wait for a healthy redis")
+        if service.get("init") is not True or not isinstance(service.get("healthcheck"), dict):
+            problems.append(f"{name}: no init: true or no healthcheck")
+        if service.get("ports"):
+            problems.append(f"{name}: publishes a port (the load balancer is the fleet's one door)")
+    lb = services.get("hotwire-lb") or {}
+    if set(lb.get("profiles") or []) != {"fleet", "fleet-cpu"}:
+        problems.append("hotwire-lb: not in both fleet profiles")
+    if not any(source.endswith("deploy/nginx-fleet.conf") and target.startswith("/etc/nginx/conf.d/")
+               for source, target in _mounts(lb)):
+        problems.append("hotwire-lb: deploy/nginx-fleet.conf is not mounted into /etc/nginx/conf.d/")
+    if not any(re.fullmatch(r"(.*:)?8000(/tcp)?", str(port)) for port in lb.get("ports") or []):
+        problems.append("hotwire-lb: does not publish port 8000")
+    for needed in ("listen 8000", "proxy_buffering off", "client_max_body_size", "X-Hotwire-Upstream"):
+        if needed not in nginx_conf:
+            problems.append(f"nginx-fleet.conf: no {needed!r}")
+    if "hotwire-redis" not in (doc.get("volumes") or {}):
+        problems.append("the named volume hotwire-redis is not declared under volumes:")
+    return problems
+
+
 def _load_compose() -> Any:
     return yaml.safe_load(COMPOSE.read_text())
 
 
 def test_compose_defines_both_profiles_correctly() -> None:
     assert compose_problems(_load_compose()) == []
+
+
+def test_compose_fleet_profiles() -> None:
+    assert fleet_problems(_load_compose(), NGINX_FLEET.read_text()) == []
+
+
+@pytest.mark.parametrize(
+    "mutate",
+    [
+        lambda doc: doc["services"]["redis"].update(command=["redis-server"]),
+        lambda doc: doc["services"]["hotwire-fleet-cpu-b"]["environment"].update(HOTWIRE_REPLICA_ID="fleet-cpu-a"),
+        lambda doc: doc["services"]["hotwire-fleet-b"]["environment"].pop("HOTWIRE_REGISTRY"),
+        lambda doc: doc["services"]["hotwire-fleet-cpu-a"].update(networks={"default": {"aliases": ["replica-c"]}}),
+        lambda doc: doc["services"]["hotwire-fleet-cpu-a"].update(ports=["8001:8000"]),
+        lambda doc: doc["services"]["hotwire-fleet-a"].update(depends_on=["redis"]),
+        lambda doc: doc["services"]["hotwire-lb"].update(volumes=[]),
+        lambda doc: doc["services"].pop("hotwire-fleet-cpu-b"),
+    ],
+)
+def test_fleet_checker_catches_breakage(mutate: Callable[[dict[str, Any]], None]) -> None:
+    doc = copy.deepcopy(_load_compose())
+    mutate(doc)
+    assert fleet_problems(doc, NGINX_FLEET.read_text())
+
+
+def test_fleet_checker_reads_the_nginx_upstreams() -> None:
+    conf = NGINX_FLEET.read_text()
+    assert fleet_problems(_load_compose(), conf.replace("server replica-b:8000", "server other:8000"))
+    assert fleet_problems(_load_compose(), conf.replace("proxy_buffering off", "proxy_buffering on"))
 
 
 def _compose_command() -> list[str] | None:
@@ -235,12 +328,15 @@ def test_compose_file_is_valid_for_docker_compose() -> None:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("HOTWIRE_", "VLLM_API_KEY", "HF_TOKEN"))}
     env["HOTWIRE_MODEL"] = "org/some-model"
     result = subprocess.run(
-        [*command, "-f", str(COMPOSE), "--profile", "gpu", "--profile", "cpu", "config"],
+        [*command, "-f", str(COMPOSE), "--profile", "gpu", "--profile", "cpu", "--profile", "fleet", "--profile",
+         "fleet-cpu", "config"],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=60,
     )
     assert result.returncode == 0, result.stderr
     resolved = yaml.safe_load(result.stdout)
-    assert set(resolved["services"]) >= set(SERVICES)
+    assert set(resolved["services"]) >= set(SERVICES) | set(FLEET_REPLICAS) | {"redis", "hotwire-lb"}
+    assert resolved["services"]["hotwire-fleet-b"]["environment"]["HOTWIRE_REPLICA_ID"] == "fleet-b"  # merged anchors
+    assert "org/some-model" in _command_words(resolved["services"]["hotwire-fleet-b"]["command"])
     assert "org/some-model" in _command_words(resolved["services"]["hotwire-gpu"]["command"])
     assert _env(resolved["services"]["hotwire-cpu"]).get("HOTWIRE_API_KEY") == ""
     for name, (base, _) in BASE_IMAGES.items():
@@ -1427,7 +1523,7 @@ class FakeServer:
         self.slots_status = slots_status
         self.requests: list[httpx.Request] = []
         self.registered: dict[str, Any] | None = None
-        self.deleted = False
+        self.deleted: str | None = None  # the probe id deleted
 
     def __call__(self, request: httpx.Request) -> httpx.Response:
         self.requests.append(request)
@@ -1440,8 +1536,8 @@ class FakeServer:
         if path == "/steer/vectors" and request.method == "POST":
             self.registered = json.loads(request.content)
             return httpx.Response(201, json={"id": self.registered["id"], "version": 1})
-        if path == "/steer/vectors/_healthcheck" and request.method == "DELETE":
-            self.deleted = True
+        if path.startswith("/steer/vectors/_healthcheck") and request.method == "DELETE":
+            self.deleted = path.rsplit("/", 1)[1]
             return httpx.Response(204)
         if path == "/v1/models":
             return httpx.Response(200, json={"object": "list", "data": [{"id": "tiny-model"}]})
@@ -1493,7 +1589,29 @@ def test_healthcheck_passes_when_steering_changes_logprobs() -> None:
     for request in server.requests:
         expected = "steer-key" if request.url.path.startswith("/steer") else "openai-key"
         assert request.headers.get("authorization") == f"Bearer {expected}"
-    assert server.deleted
+    assert server.deleted == "_healthcheck"
+
+
+def test_healthcheck_on_a_fleet_replica_uses_its_own_probe_with_fixed_values(monkeypatch) -> None:
+    """With a shared registry each replica's check registers and deletes only its own probe, and every check
+    stores the same bytes (one content-addressed blob in Redis, not one per check)."""
+    sent = []
+    for replica in ("cpu a", "cpu a", "other"):
+        monkeypatch.setenv("HOTWIRE_REGISTRY", "redis://redis:6379/0")
+        monkeypatch.setenv("HOTWIRE_REPLICA_ID", replica)
+        server = FakeServer(hidden=16)
+        assert _check(server).startswith("ok")
+        steered = json.loads([r for r in server.requests if r.url.path == "/v1/completions"][1].content)
+        expected = "_healthcheck." + replica.replace(" ", "-")
+        assert server.registered["id"] == json.loads(steered["vllm_xargs"]["hotwire"])["id"] == expected
+        assert server.deleted == expected
+        sent.append(server.registered["data"])
+    assert sent[0] == sent[1] == sent[2]
+    monkeypatch.setenv("HOTWIRE_REGISTRY", "local")
+    assert healthcheck.probe_id() == "_healthcheck"
+    monkeypatch.setenv("HOTWIRE_REGISTRY", "redis://r/0")
+    monkeypatch.setenv("HOTWIRE_REPLICA_ID", "x" * 80)
+    assert healthcheck.probe_id() == ("_healthcheck." + "x" * 80)[:64]
 
 
 def test_healthcheck_steers_the_first_hooked_layer() -> None:
