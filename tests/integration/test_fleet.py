@@ -1,7 +1,9 @@
-"""Two real ``vllm serve`` replicas (tiny float32 model; on the CPU eager, on a GPU with CUDA graphs, both on one GPU) on one real redis-server
-(``HOTWIRE_REGISTRY``): what is registered, replaced or deleted on either is served by both; one id registered
+"""Two real ``vllm serve`` replicas (tiny float32 model; eager on the CPU, with CUDA graphs on one shared GPU) on
+one real redis-server (``HOTWIRE_REGISTRY``): what is registered, replaced or deleted on either is served by both; one id registered
 on both at once gets one 201 and one 409; replica B starts after vectors were registered on A and serves them;
-Redis killed mid-traffic leaves both steering while registration answers 503, and both recover when it returns.
+Redis killed mid-traffic leaves both steering while registration answers 503, and both recover when it returns;
+B restarted while Redis holds 500 more vectors catches up with all of them. Replica A runs two API servers
+(``--api-server-count 2``: one follows the registry, both register through it).
 
 The propagation latency (registration answered on A -> B serves the new version) is measured over
 ``HOTWIRE_FLEET_LATENCY_N`` replaces (default 30); with ``HOTWIRE_FLEET_RESULTS=<file.json>`` the figures are
@@ -41,10 +43,13 @@ class Fleet:
         self.http = {name: httpx.Client(base_url=srv.url, timeout=120) for name, srv in (("a", a), ("b", b))}
 
 
-def _server(tiny_model: Path, workdir: Path, redis: RedisServer, replica: str) -> VllmServer:
+def _server(tiny_model: Path, workdir: Path, redis: RedisServer, replica: str, api_servers: int = 1) -> VllmServer:
     env = {"HOTWIRE_REGISTRY": redis.url, "HOTWIRE_REPLICA_ID": replica, "HOTWIRE_FLEET_HEARTBEAT_S": "0.5"}
     # Eager on the CPU (start time); on a GPU the replicas capture CUDA graphs and share it (server_fixture.GPU_ARGS).
-    return VllmServer(tiny_model, workdir, env, [] if torch.cuda.is_available() else ["--enforce-eager"])
+    args = [] if torch.cuda.is_available() else ["--enforce-eager"]
+    if api_servers > 1:  # `vllm serve` itself: only it starts several API servers
+        return VllmServer(tiny_model, workdir, env, [*args, "--api-server-count", str(api_servers)], cli=True)
+    return VllmServer(tiny_model, workdir, env, args)
 
 
 def body(vector_id: str, seed: int) -> dict:
@@ -57,7 +62,7 @@ def fleet(tiny_model, tmp_path_factory) -> Iterator[Fleet]:
     root = tmp_path_factory.mktemp("fleet")
     redis = RedisServer(root / "redis")
     redis.start()
-    a = _server(tiny_model, root / "a", redis, "a")
+    a = _server(tiny_model, root / "a", redis, "a", api_servers=2)  # one follower, two API servers registering
     b = _server(tiny_model, root / "b", redis, "b")
     try:
         a.start()
@@ -221,3 +226,29 @@ def test_propagation_latency(fleet: Fleet) -> None:
         Path(out).parent.mkdir(parents=True, exist_ok=True)
         Path(out).write_text(json.dumps(result, indent=2) + "\n")
     assert result["propagation_ms_after_answer"]["p99"] < 3000  # the target is 1 s; a busy CI machine gets slack
+
+
+def listing(http: httpx.Client) -> dict[str, tuple[int, str]]:
+    r = http.get("/steer/vectors")
+    assert r.status_code == 200, r.text
+    return {v["id"]: (v["version"], v["sha256"]) for v in r.json()["vectors"]}
+
+
+def test_a_replica_restarted_while_redis_holds_500_vectors(fleet: Fleet, tiny_model) -> None:
+    """B restarts (a new process, new port) while Redis holds 500 more vectors: it catches up with every one of
+    them at start, both replicas list exactly the same ids, versions and hashes, and both steer alike."""
+    a, model = fleet.http["a"], str(tiny_model)
+    ids = [f"bulk{i:03d}" for i in range(500)]
+    for i, vector_id in enumerate(ids):
+        assert a.post("/steer/vectors", json=body(vector_id, 1000 + i)).status_code == 201
+    wait_for(lambda: listing(fleet.http["b"]) == listing(a), 30)
+    fleet.http["b"].close()
+    fleet.b.stop()
+    fleet.b.start()
+    fleet.http["b"] = b = httpx.Client(base_url=fleet.b.url, timeout=120)
+    print(f"\nB caught up {wait_for(lambda: listing(b) == listing(a), 60):.2f} s after its health check passed")
+    assert set(ids) <= set(listing(b))
+    for vector_id in (ids[0], ids[-1]):
+        on_a, on_b = completion(a, model, vector_id), completion(b, model, vector_id)
+        assert on_a.headers["x-hotwire-receipt"] == on_b.headers["x-hotwire-receipt"] == f"{vector_id}@1:L2x8"
+        assert max_diff(logprobs(on_b), logprobs(on_a)) < 1e-5
