@@ -1,6 +1,9 @@
 """A real ``redis-server`` (Debian's package; scripts/setup-cpu.sh installs it) on a free port in a folder of its
 own, for the fleet tests: start it, kill it mid-test (SIGKILL, like a crash), start it again on the same port and
-folder (with ``appendonly`` it comes back with its data), stop it at the end."""
+folder (with ``appendonly`` it comes back with its data), stop it at the end. ``transport``: how :attr:`url` reaches
+it: ``tcp`` (``redis://``), ``tls`` (``rediss://`` on a second port, with a self-signed certificate made by
+``openssl``, its CA passed in the URL) or ``unix`` (``unix://`` socket). The plain port always answers too: the
+fixture's own liveness check uses it."""
 
 from __future__ import annotations
 
@@ -15,20 +18,43 @@ from hotwire_api.server_process import free_port
 
 
 class RedisServer:
-    def __init__(self, workdir: Path, appendonly: bool = True, password: str | None = None):
+    def __init__(self, workdir: Path, appendonly: bool = True, password: str | None = None, transport: str = "tcp"):
         exe = shutil.which("redis-server")
         if exe is None:
             raise RuntimeError("redis-server is not installed: apt-get install -y redis-server "
                                "(bash scripts/setup-cpu.sh does it on Debian and Ubuntu)")
         self.exe, self.workdir, self.appendonly, self.password = exe, workdir, appendonly, password
+        assert transport in ("tcp", "tls", "unix"), transport
+        self.transport = transport
         self.port = free_port()
+        self.tls_port = free_port() if transport == "tls" else None
         self.proc: subprocess.Popen | None = None
         self.starts = 0
 
     @property
     def url(self) -> str:
         auth = f":{self.password}@" if self.password else ""
+        if self.transport == "tls":
+            return f"rediss://{auth}127.0.0.1:{self.tls_port}/0?ssl_ca_certs={self.workdir / 'tls' / 'cert.pem'}"
+        if self.transport == "unix":
+            return f"unix://{auth}{self.workdir / 'redis.sock'}?db=0"
         return f"redis://{auth}127.0.0.1:{self.port}/0"
+
+    def _transport_args(self) -> list[str]:
+        if self.transport == "unix":
+            return ["--unixsocket", str(self.workdir / "redis.sock"), "--unixsocketperm", "700"]
+        if self.transport != "tls":
+            return []
+        tls = self.workdir / "tls"
+        if not (tls / "cert.pem").exists():
+            tls.mkdir(parents=True, exist_ok=True)
+            subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1",
+                            "-subj", "/CN=127.0.0.1", "-addext", "subjectAltName=IP:127.0.0.1",
+                            "-keyout", str(tls / "key.pem"), "-out", str(tls / "cert.pem")],
+                           check=True, capture_output=True, timeout=60)
+        return ["--tls-port", str(self.tls_port), "--tls-cert-file", str(tls / "cert.pem"),
+                "--tls-key-file", str(tls / "key.pem"), "--tls-ca-cert-file", str(tls / "cert.pem"),
+                "--tls-auth-clients", "no"]
 
     def start(self, timeout: float = 30.0) -> None:
         assert self.proc is None, "already running"
@@ -39,6 +65,7 @@ class RedisServer:
                "--protected-mode", "no", "--logfile", str(self.workdir / f"redis-{self.starts}.log")]
         if self.password:
             cmd += ["--requirepass", self.password]
+        cmd += self._transport_args()
         self.proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         deadline = time.monotonic() + timeout
         while not self._answers():

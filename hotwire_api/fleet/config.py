@@ -55,13 +55,15 @@ class FleetConfig:
     3 intervals old drops out of the fleet view; ``stream_maxlen``: ``HOTWIRE_REGISTRY_STREAM_MAXLEN`` (default
     100000), the events Redis keeps (a replica further behind resyncs from the current versions);
     ``replica_id``: ``HOTWIRE_REPLICA_ID`` (default host name and port); ``timeout_s``: how long one Redis
-    command may take before the registry counts as unreachable."""
+    command may take before the registry counts as unreachable; ``blob_grace_s``: ``HOTWIRE_REGISTRY_BLOB_GRACE_S``
+    (default 3600), how long a blob no id's current version uses stays in Redis before it is collected."""
 
     url: str
     heartbeat_s: float = 1.0
     stream_maxlen: int = 100_000
     replica_id: str | None = None
     timeout_s: float = 2.0
+    blob_grace_s: float = 3600.0
 
     @classmethod
     def from_env(cls, url: str) -> FleetConfig:
@@ -71,6 +73,7 @@ class FleetConfig:
             stream_maxlen=int(_float_env("HOTWIRE_REGISTRY_STREAM_MAXLEN", 100_000, 10, 1e9)),
             replica_id=os.environ.get("HOTWIRE_REPLICA_ID") or None,
             timeout_s=_float_env("HOTWIRE_REGISTRY_TIMEOUT_S", 2.0, 0.05, 60),
+            blob_grace_s=_float_env("HOTWIRE_REGISTRY_BLOB_GRACE_S", 3600.0, 0, 30 * 86400),
         )
 
 
@@ -104,6 +107,12 @@ class Keys:
         """Stream of ``op`` (register | delete), ``id``, ``version``, ``sha256``, ``created`` in the order Redis
         accepted them."""
         return f"{self.prefix}events"
+
+    @property
+    def orphans(self) -> str:
+        """Sorted set: sha256 -> when its blob stopped being any id's current version (replaced, deleted, or a
+        registration that lost its race); the blobs the collection may delete once they are older than the grace."""
+        return f"{self.prefix}orphans"
 
     @property
     def epoch(self) -> str:

@@ -1,5 +1,5 @@
-"""Every Redis command hotwire sends (``redis.asyncio``): blobs, the atomic register and delete scripts, the
-current versions, the event stream, heartbeats. A Redis that does not answer raises :class:`Unavailable`,
+"""Every Redis command hotwire sends (``redis.asyncio``): blobs and their collection, the atomic register and
+delete scripts, the current versions, the event stream, heartbeats. A Redis that does not answer raises :class:`Unavailable`,
 a 503 ``registry_unavailable`` naming the registry (password masked); what the caller does then is its business
 (``replica``). Key layout: ``config.Keys``."""
 
@@ -18,31 +18,67 @@ from hotwire_api.fleet.config import FleetConfig, Keys, redacted
 
 __all__ = ["Event", "RedisRegistry", "Unavailable"]
 
-# KEYS: current, last_version, events, blob. ARGV: id, sha256, replace (0|1), maxlen, created_at, floor (the
+# KEYS: current, last_version, events, blob, orphans. ARGV: id, sha256, replace (0|1), maxlen, created_at, floor (the
 # newest version the caller knows of: after Redis lost its keys, versions go on from there instead of repeating).
 # Returns {status, version, previous "<version>:<sha>" or ""}: 201/200 registered, 409 taken, 424 blob missing.
+# The blob a version stops using (replaced, or the loser's of a 409) becomes an orphan; the registered one is not.
 _REGISTER = """
+local function sha_of(value) return string.sub(value, string.find(value, ':', 1, true) + 1) end
 local previous = redis.call('HGET', KEYS[1], ARGV[1])
-if previous and ARGV[3] ~= '1' then return {409, 0, previous} end
+if previous and ARGV[3] ~= '1' then
+  if sha_of(previous) ~= ARGV[2] and not redis.call('ZSCORE', KEYS[5], ARGV[2]) then
+    redis.call('ZADD', KEYS[5], ARGV[5], ARGV[2])
+  end
+  return {409, 0, previous}
+end
 if redis.call('EXISTS', KEYS[4]) == 0 then return {424, 0, ''} end
 local version = math.max(tonumber(redis.call('HGET', KEYS[2], ARGV[1]) or '0'), tonumber(ARGV[6])) + 1
 redis.call('HSET', KEYS[2], ARGV[1], version)
 redis.call('HSET', KEYS[1], ARGV[1], version .. ':' .. ARGV[2])
+redis.call('ZREM', KEYS[5], ARGV[2])
+if previous and sha_of(previous) ~= ARGV[2] then redis.call('ZADD', KEYS[5], ARGV[5], sha_of(previous)) end
 redis.call('XADD', KEYS[3], 'MAXLEN', '~', ARGV[4], '*', 'op', 'register', 'id', ARGV[1],
            'version', version, 'sha256', ARGV[2], 'at', ARGV[5])
 if previous then return {200, version, previous} end
 return {201, version, ''}
 """
 
-# KEYS: current, events. ARGV: id, maxlen, at. Returns {status, "<version>:<sha>"}: 200 deleted, 404 unknown.
+# KEYS: current, events, orphans. ARGV: id, maxlen, at. Returns {status, "<version>:<sha>"}: 200 deleted, 404 unknown.
 _DELETE = """
 local current = redis.call('HGET', KEYS[1], ARGV[1])
 if not current then return {404, ''} end
 redis.call('HDEL', KEYS[1], ARGV[1])
 local sep = string.find(current, ':', 1, true)
+redis.call('ZADD', KEYS[3], ARGV[3], string.sub(current, sep + 1))
 redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[2], '*', 'op', 'delete', 'id', ARGV[1],
            'version', string.sub(current, 1, sep - 1), 'sha256', string.sub(current, sep + 1), 'at', ARGV[3])
 return {200, current}
+"""
+
+# KEYS: blob, orphans. ARGV: bytes, sha256. Stores a blob once and takes it off the orphans (a registration is about
+# to use it), atomically, so a collection running meanwhile cannot delete it.
+_PUT_BLOB = """
+redis.call('SET', KEYS[1], ARGV[1], 'NX')
+redis.call('ZREM', KEYS[2], ARGV[2])
+"""
+
+# KEYS: current, orphans, blob of each candidate. ARGV: cutoff, then each candidate's sha256. Deletes the blobs of
+# candidates still orphaned since before the cutoff that no id's current version uses; returns how many.
+_COLLECT = """
+local used = {}
+for _, value in ipairs(redis.call('HVALS', KEYS[1])) do
+  used[string.sub(value, string.find(value, ':', 1, true) + 1)] = true
+end
+local deleted = 0
+for i = 2, #ARGV do
+  local sha = ARGV[i]
+  local since = redis.call('ZSCORE', KEYS[2], sha)
+  if since and tonumber(since) <= tonumber(ARGV[1]) then
+    redis.call('ZREM', KEYS[2], sha)
+    if not used[sha] then deleted = deleted + redis.call('DEL', KEYS[i + 1]) end
+  end
+end
+return deleted
 """
 
 
@@ -125,6 +161,8 @@ class RedisRegistry:
         self._reader = aioredis.from_url(config.url, **{**options, "socket_timeout": config.timeout_s + 5, "retry": None})
         self._register = self._redis.register_script(_REGISTER)
         self._delete = self._redis.register_script(_DELETE)
+        self._put_blob = self._redis.register_script(_PUT_BLOB)
+        self._collect = self._redis.register_script(_COLLECT)
 
     @property
     def display_url(self) -> str:
@@ -154,8 +192,8 @@ class RedisRegistry:
     # -- vectors -----------------------------------------------------------------------------------------------
 
     async def put_blob(self, sha256: str, blob: bytes) -> None:
-        """Store a blob under its content hash (once: the same hash is the same bytes)."""
-        await self._do(self._redis.set(self.keys.blob(sha256), blob, nx=True))
+        """Store a blob under its content hash (once: the same hash is the same bytes); it is no orphan now."""
+        await self._do(self._put_blob(keys=[self.keys.blob(sha256), self.keys.orphans], args=[blob, sha256]))
 
     async def get_blob(self, sha256: str) -> bytes | None:
         return await self._do(self._redis.get(self.keys.blob(sha256)))
@@ -168,7 +206,7 @@ class RedisRegistry:
         The new version is above ``floor`` too."""
         k = self.keys
         status, version, previous = await self._do(self._register(
-            keys=[k.current, k.last_version, k.events, k.blob(sha256)],
+            keys=[k.current, k.last_version, k.events, k.blob(sha256), k.orphans],
             args=[vector_id, sha256, "1" if replace else "0", self.config.stream_maxlen, f"{time.time():.6f}", floor],
         ))
         if int(status) == 424:
@@ -181,9 +219,25 @@ class RedisRegistry:
         """Delete the current version of ``vector_id`` atomically; returns (version, sha256), None if unknown."""
         k = self.keys
         status, current = await self._do(self._delete(
-            keys=[k.current, k.events], args=[vector_id, self.config.stream_maxlen, f"{time.time():.6f}"]
+            keys=[k.current, k.events, k.orphans], args=[vector_id, self.config.stream_maxlen, f"{time.time():.6f}"]
         ))
         return _parse_current(current) if int(status) == 200 else None
+
+    async def collect_blobs(self, grace_s: float, batch: int = 200) -> int:
+        """Delete the blobs that no id's current version has used for ``grace_s`` seconds (up to ``batch`` per
+        call); returns how many. Any replica may run it at any time: one script decides, atomically."""
+        cutoff = time.time() - grace_s
+        shas = [_str(s) for s in await self._do(
+            self._redis.zrangebyscore(self.keys.orphans, "-inf", cutoff, start=0, num=batch))]
+        if not shas:
+            return 0
+        keys = [self.keys.current, self.keys.orphans, *(self.keys.blob(sha) for sha in shas)]
+        return int(await self._do(self._collect(keys=keys, args=[f"{cutoff:.6f}", *shas])))
+
+    async def current_version(self, vector_id: str) -> tuple[int, str] | None:
+        """The live version of one id, or None."""
+        value = await self._do(self._redis.hget(self.keys.current, vector_id))
+        return _parse_current(value) if value is not None else None
 
     async def current(self) -> dict[str, tuple[int, str]]:
         """Every live vector: id -> (version, sha256)."""

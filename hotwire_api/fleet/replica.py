@@ -15,7 +15,9 @@ is only retained), so applying an event twice or late is harmless. It resyncs fr
 start, after a reconnect when the stream no longer holds the entries after its position (trimmed), and when the
 registry's epoch changed (Redis lost hotwire's keys): it registers what it lacks and deletes what Redis no longer
 has (never in the epoch case: it keeps serving what it holds). A registry that does not answer is retried with
-backoff; meanwhile the engine serves every vector it holds.
+backoff; meanwhile the engine serves every vector it holds. Once a minute it also deletes the blobs no current
+version has used for ``HOTWIRE_REGISTRY_BLOB_GRACE_S`` (replaced, deleted, or the loser's of a 409): an event
+older than that whose blob is gone is skipped, as a later event superseded it.
 """
 
 from __future__ import annotations
@@ -86,6 +88,9 @@ class Replica:
         self._rules: Rules | None = None
         self._reconnected = False
         self._epoch_checked = -1e9
+        self._collected = time.monotonic()  # the first collection a while after start
+        self.collect_every_s = 60.0
+        self.blobs_collected = 0
         self.block_ms = 1000
         # Set to end ``follow`` after its current read: redis-py 8.1 has been seen to swallow a cancellation that
         # arrives during a blocking XREAD, so the follower is stopped this way, not cancelled (``stop_tasks``).
@@ -205,6 +210,7 @@ class Replica:
                     self.events_applied += 1
                 if changed:
                     await self._on_change(engine)
+                await self._collect_blobs()
                 backoff = 0.05
             except Unavailable:
                 await asyncio.sleep(backoff)
@@ -215,6 +221,17 @@ class Replica:
             except Exception:  # anything else must not end the follower: log it and go on from where it was
                 logger.exception("hotwire: the fleet follower failed; retrying in 1 s")
                 await asyncio.sleep(1.0)
+
+    async def _collect_blobs(self) -> None:
+        """Every ``collect_every_s``: delete the blobs no current version has used for the grace period
+        (``HOTWIRE_REGISTRY_BLOB_GRACE_S``). Every follower does it; the registry's script makes that safe."""
+        if time.monotonic() - self._collected < self.collect_every_s:
+            return
+        self._collected = time.monotonic()
+        deleted = await self._do(self.registry.collect_blobs(self.registry.config.blob_grace_s))
+        if deleted:
+            self.blobs_collected += deleted
+            logger.info("hotwire: collected %d blob(s) no current vector version uses from the registry", deleted)
 
     async def sync(self, engine: HotwireEngine) -> None:
         """Resync when needed: at start, after the stream was trimmed past this replica's position while it was
@@ -281,7 +298,11 @@ class Replica:
     async def _register_event(self, engine: HotwireEngine, vector_id: str, version: int, sha: str) -> bool:
         blob = await self._do(self.registry.get_blob(sha))
         if blob is None:
-            logger.error("hotwire: the registry has no blob for %s@%d (%s): skipped", vector_id, version, sha[:12])
+            live = await self._do(self.registry.current_version(vector_id))
+            if live is None or live[0] > version:  # superseded long ago: its blob was collected; a later event follows
+                logger.info("hotwire: %s@%d is no longer current and its blob was collected: skipped", vector_id, version)
+            else:
+                logger.error("hotwire: the registry has no blob for %s@%d (%s): skipped", vector_id, version, sha[:12])
             return False
         try:
             payload = blobs.decode(blob)

@@ -197,6 +197,67 @@ def test_register_replace_delete_reach_every_replica(redis_server) -> None:
     run(body)
 
 
+@pytest.mark.parametrize("transport", ["tls", "unix"])
+def test_rediss_and_unix_urls(tmp_path, transport: str) -> None:
+    """``rediss://`` (TLS, the CA named in the URL) and ``unix://`` reach Redis as ``redis://`` does."""
+    from redis_fixture import RedisServer
+
+    server = RedisServer(tmp_path / "redis", password="pw", transport=transport)
+    server.start()
+
+    async def body() -> None:
+        async with started(server.url, "a", "b") as (a, b):
+            created, meta = await a.replica.register(a.engine, "joy", vector(1), False)
+            assert created and meta.version == 1
+            await eventually(lambda: b.client.held().get("joy") == (1, meta.sha256), 2.0)
+            status = await b.replica.status()
+            assert status["reachable"] is True and "pw" not in str(status)
+
+    try:
+        run(body)
+    finally:
+        server.stop()
+
+
+def test_blobs_no_current_version_uses_are_collected_after_the_grace(redis_server) -> None:
+    """Replaced, deleted and race-losing blobs are collected once the grace has passed; a blob another id still
+    uses, or one registered again, stays; a follower that was away skips the collected versions' events and ends on
+    the current ones."""
+    async def body() -> None:
+        async with started(redis_server.url, "a", "b") as (a, b):
+            reg = a.registry
+
+            async def blob_keys() -> set[str]:
+                return {k.decode() async for k in reg._redis.scan_iter(match=reg.keys.prefix + "blob:*")}
+
+            sha = {name: blobs.check(vector(seed), N_LAYERS, HIDDEN, "float32").sha256
+                   for name, seed in (("v1", 1), ("v2", 2), ("back", 5))}
+            await a.replica.register(a.engine, "joy", vector(1), False)
+            await a.replica.register(a.engine, "twin", vector(1), False)  # the same bytes as joy@1: one blob
+            await eventually(lambda: "twin" in b.client.held(), 2.0)
+            await b.stop()  # away while the fleet changes and collects
+            await a.replica.register(a.engine, "joy", vector(2), True)  # joy@1's blob: still twin's
+            await a.replica.register(a.engine, "tmp", vector(3), False)
+            await a.replica.unregister(a.engine, "tmp")
+            with pytest.raises(HotwireError):
+                await a.replica.register(a.engine, "joy", vector(4), False)  # 409: its blob is stored, unused
+            await a.replica.register(a.engine, "again", vector(5), False)
+            await a.replica.unregister(a.engine, "again")
+            await a.replica.register(a.engine, "again", vector(5), False)  # orphaned, then used again
+            assert await reg.collect_blobs(grace_s=3600) == 0  # within the grace: nothing goes
+            assert await reg.collect_blobs(grace_s=0) == 2  # tmp's and the 409 loser's
+            kept = {reg.keys.blob(sha[n]) for n in ("v1", "v2", "back")}
+            assert await blob_keys() == kept
+            await a.replica.unregister(a.engine, "twin")
+            await a.replica.register(a.engine, "joy", vector(6), True)
+            assert await reg.collect_blobs(grace_s=0) == 2  # v1 (no id uses it now) and v2
+            b.start()  # reads on from its position: joy@2's and tmp's events name collected blobs
+            await eventually(lambda: b.client.held() == a.client.held(), 3.0)
+            assert set(b.client.held()) == {"joy", "again"} and b.client.held()["joy"][0] == 3
+
+    run(body)
+
+
 def test_concurrent_registrations_of_one_id(redis_server) -> None:
     async def body() -> None:
         async with started(redis_server.url, "a", "b") as (a, b):
