@@ -135,12 +135,12 @@ def apt_image(tag: str, packages: Sequence[str], *, base: str = LOCAL_DEBIAN, ex
 
 def redis_base(tag: str = "hotwire-test/redis:bookworm") -> Built:
     """Debian's redis-server and redis-cli: what the fleet profiles use of the official redis image."""
-    return apt_image(tag, ("redis-server",))
+    return apt_image(tag, ("redis-server", "ca-certificates"))
 
 
 def nginx_base(tag: str = "hotwire-test/nginx:bookworm") -> Built:
     """Debian's nginx without its default site (the official nginx image has none on the fleet's port either)."""
-    return apt_image(tag, ("nginx",), extra=("RUN rm -f /etc/nginx/sites-enabled/default",))
+    return apt_image(tag, ("nginx", "ca-certificates"), extra=("RUN rm -f /etc/nginx/sites-enabled/default",))
 
 
 def python_base(tag: str = "hotwire-test/python:bookworm") -> Built:
