@@ -584,6 +584,15 @@ def runs_list(instructions: list[tuple[str, str]]) -> list[str]:
     return [args for ins, args in instructions if ins == "RUN"]
 
 
+@pytest.mark.parametrize("dockerfile", [DOCKERFILE_CPU, DOCKERFILE_GPU], ids=["cpu-image", "cuda-image"])
+def test_images_install_the_fleet_extra(dockerfile: Path) -> None:
+    """The fleet profiles set HOTWIRE_REGISTRY: each image holds pyproject's `fleet` extra, with its pins."""
+    fleet = tomllib.loads(PYPROJECT.read_text())["project"]["optional-dependencies"]["fleet"]
+    installs = [words for kind, args in dockerfile_instructions(dockerfile.read_text()) if kind == "RUN"
+                for words in [shlex.split(args)] if "install" in words]
+    assert any(all(req in words for req in fleet) for words in installs), (fleet, installs)
+
+
 def test_gpu_dockerfile() -> None:
     assert DOCKERFILE_GPU.is_file()
     assert gpu_dockerfile_problems(DOCKERFILE_GPU.read_text()) == []
