@@ -90,7 +90,6 @@ class Replica:
         self._epoch_checked = -1e9
         self._collected = time.monotonic()  # the first collection a while after start
         self.collect_every_s = 60.0
-        self.blobs_collected = 0
         self.block_ms = 1000
         # Set to end ``follow`` after its current read: redis-py 8.1 has been seen to swallow a cancellation that
         # arrives during a blocking XREAD, so the follower is stopped this way, not cancelled (``stop_tasks``).
@@ -230,7 +229,6 @@ class Replica:
         self._collected = time.monotonic()
         deleted = await self._do(self.registry.collect_blobs(self.registry.config.blob_grace_s))
         if deleted:
-            self.blobs_collected += deleted
             logger.info("hotwire: collected %d blob(s) no current vector version uses from the registry", deleted)
 
     async def sync(self, engine: HotwireEngine) -> None:
