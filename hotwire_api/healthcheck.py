@@ -7,7 +7,7 @@ Against ``http://localhost:${PORT:-8000}`` (or ``--url`` / ``HOTWIRE_HEALTHCHECK
 1. ``GET /steer/slots`` must answer 200 with ``model.steerable`` true (hotwire is attached and the engine can steer);
 2. a probe vector ``_healthcheck`` of float32 values, ``model.hidden_size`` long (norm 16, the same values at every
    check), is registered with ``POST /steer/vectors?replace=true`` (JSON registration). On a replica of a fleet
-   (``HOTWIRE_REGISTRY`` set) the id is ``_healthcheck.<replica>`` (``HOTWIRE_REPLICA_ID``, else the host name), so
+   (``HOTWIRE_REGISTRY`` set) the id is ``_healthcheck.<replica>`` (``HOTWIRE_REPLICA_ID``, else host name and port), so
    one replica's check never deletes the probe another's is steering with; fixed values make every check store
    the same content-addressed blob in Redis, not a new one;
 3. one short greedy completion (``max_tokens`` 2, ``logprobs`` 1) is sent twice to ``/v1/completions``, plain and
@@ -34,7 +34,6 @@ import math
 import os
 import random
 import re
-import socket
 import struct
 import sys
 import time
@@ -43,7 +42,7 @@ from typing import Any
 
 import httpx
 
-from hotwire_api.fleet.config import registry_url
+from hotwire_api.fleet.config import default_replica_name, registry_url
 from hotwire_core.settings import parse_layers
 
 PROBE_ID = "_healthcheck"
@@ -139,16 +138,17 @@ def probe_layer(model: dict[str, Any]) -> int:
     return min(parse_layers(layers)) if isinstance(layers, str) and layers else 0
 
 
-def probe_id(env: Mapping[str, str] = os.environ) -> str:
-    """:data:`PROBE_ID`, or on a fleet replica ``_healthcheck.<replica>`` (characters outside the id alphabet become
-    ``-``; at most 64 in all)."""
+def probe_id(port: int | None = None, env: Mapping[str, str] = os.environ) -> str:
+    """:data:`PROBE_ID`, or on a fleet replica ``_healthcheck.<replica>``: ``HOTWIRE_REPLICA_ID``, else the name the
+    replica on ``port`` gives itself (``<host name>:<port>``); characters outside the id alphabet become ``-``, at
+    most 64 in all."""
     try:
         fleet = registry_url(env.get("HOTWIRE_REGISTRY", "")) is not None
     except ValueError:  # a server with such a setting does not start; its check must not crash on it
         fleet = True
     if not fleet:
         return PROBE_ID
-    replica = env.get("HOTWIRE_REPLICA_ID") or socket.gethostname()
+    replica = env.get("HOTWIRE_REPLICA_ID") or default_replica_name(port)
     return f"{PROBE_ID}.{re.sub(r'[^A-Za-z0-9._-]', '-', replica)}"[:64]
 
 
@@ -206,7 +206,7 @@ def check(
 
     # Seeded by the width: the same bytes at every check (one blob in a fleet's Redis).
     data = probe_vector(hidden, rng or random.Random(f"hotwire-healthcheck-{hidden}"))
-    vector_id = probe_id()
+    vector_id = probe_id(client.base_url.port)
     registration = {
         "id": vector_id,
         "data": base64.b64encode(data).decode("ascii"),

@@ -6,10 +6,11 @@ from __future__ import annotations
 
 import os
 import re
+import socket
 from dataclasses import dataclass
 from urllib.parse import urlsplit, urlunsplit
 
-__all__ = ["FleetConfig", "Keys", "redacted", "registry_url"]
+__all__ = ["FleetConfig", "Keys", "default_replica_name", "redacted", "registry_url"]
 
 _SCHEMES = ("redis", "rediss", "unix")
 
@@ -24,6 +25,12 @@ def registry_url(raw: str | None = None) -> str | None:
             f"HOTWIRE_REGISTRY must be 'local' or a redis://, rediss:// or unix:// URL, got {redacted(value)!r}"
         )
     return value
+
+
+def default_replica_name(port: int | None) -> str:
+    """A replica's name when ``HOTWIRE_REPLICA_ID`` is unset: ``<host name>:<port>`` (the process id without a port),
+    so replicas on one host differ."""
+    return f"{socket.gethostname()}:{port or os.getpid()}"
 
 
 def redacted(url: str) -> str:

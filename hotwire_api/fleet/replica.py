@@ -25,7 +25,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-import socket
 import time
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -35,7 +34,7 @@ from hotwire_api.codec import VectorPayload
 from hotwire_api.engine import HotwireEngine
 from hotwire_api.errors import HotwireError
 from hotwire_api.fleet import blobs
-from hotwire_api.fleet.config import FleetConfig, Keys
+from hotwire_api.fleet.config import FleetConfig, Keys, default_replica_name
 from hotwire_api.fleet.redis_registry import Event, RedisRegistry, Unavailable
 from hotwire_api.models import VectorMeta
 from hotwire_core.admission import Rules
@@ -392,8 +391,7 @@ def _gauge(value: int) -> None:
 
 def default_replica_id(app: Any) -> str:
     args = getattr(getattr(app, "state", None), "args", None)
-    port = getattr(args, "port", None)
-    return f"{socket.gethostname()}:{port}" if port else f"{socket.gethostname()}:{os.getpid()}"
+    return default_replica_name(getattr(args, "port", None))
 
 
 def _model_name(app: Any) -> str:

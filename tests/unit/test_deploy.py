@@ -30,6 +30,7 @@ import pytest
 import yaml
 
 from hotwire_api import healthcheck
+from hotwire_api.fleet.config import default_replica_name
 from hotwire_core.cpu_env import CPU_ENV
 from hotwire_core.vllm_glue.versions import REFERENCE_VLLM, SUPPORTED_VLLM
 
@@ -1616,6 +1617,9 @@ def test_healthcheck_on_a_fleet_replica_uses_its_own_probe_with_fixed_values(mon
         assert server.deleted == expected
         sent.append(server.registered["data"])
     assert sent[0] == sent[1] == sent[2]
+    monkeypatch.delenv("HOTWIRE_REPLICA_ID")  # then the replica's own default name: host and port, as it heartbeats
+    assert healthcheck.probe_id(8001) != healthcheck.probe_id(8002)
+    assert healthcheck.probe_id(8001) == "_healthcheck." + default_replica_name(8001).replace(":", "-")
     monkeypatch.setenv("HOTWIRE_REGISTRY", "local")
     assert healthcheck.probe_id() == "_healthcheck"
     monkeypatch.setenv("HOTWIRE_REGISTRY", "redis://r/0")
