@@ -18,12 +18,16 @@ from hotwire_api.fleet.config import FleetConfig, Keys, redacted
 
 __all__ = ["Event", "RedisRegistry", "Unavailable"]
 
+# Lua for the scripts below: the content hash of a `current` value ("<version>:<sha256>").
+_SHA_OF = """
+local function sha_of(value) return string.sub(value, string.find(value, ':', 1, true) + 1) end
+"""
+
 # KEYS: current, last_version, events, blob, orphans. ARGV: id, sha256, replace (0|1), maxlen, created_at, floor (the
 # newest version the caller knows of: after Redis lost its keys, versions go on from there instead of repeating).
 # Returns {status, version, previous "<version>:<sha>" or ""}: 201/200 registered, 409 taken, 424 blob missing.
 # The blob a version stops using (replaced, or the loser's of a 409) becomes an orphan; the registered one is not.
-_REGISTER = """
-local function sha_of(value) return string.sub(value, string.find(value, ':', 1, true) + 1) end
+_REGISTER = _SHA_OF + """
 local previous = redis.call('HGET', KEYS[1], ARGV[1])
 if previous and ARGV[3] ~= '1' then
   if sha_of(previous) ~= ARGV[2] and not redis.call('ZSCORE', KEYS[5], ARGV[2]) then
@@ -44,14 +48,14 @@ return {201, version, ''}
 """
 
 # KEYS: current, events, orphans. ARGV: id, maxlen, at. Returns {status, "<version>:<sha>"}: 200 deleted, 404 unknown.
-_DELETE = """
+_DELETE = _SHA_OF + """
 local current = redis.call('HGET', KEYS[1], ARGV[1])
 if not current then return {404, ''} end
 redis.call('HDEL', KEYS[1], ARGV[1])
-local sep = string.find(current, ':', 1, true)
-redis.call('ZADD', KEYS[3], ARGV[3], string.sub(current, sep + 1))
+local sha = sha_of(current)
+redis.call('ZADD', KEYS[3], ARGV[3], sha)
 redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[2], '*', 'op', 'delete', 'id', ARGV[1],
-           'version', string.sub(current, 1, sep - 1), 'sha256', string.sub(current, sep + 1), 'at', ARGV[3])
+           'version', string.sub(current, 1, string.find(current, ':', 1, true) - 1), 'sha256', sha, 'at', ARGV[3])
 return {200, current}
 """
 
@@ -64,11 +68,9 @@ redis.call('ZREM', KEYS[2], ARGV[2])
 
 # KEYS: current, orphans, blob of each candidate. ARGV: cutoff, then each candidate's sha256. Deletes the blobs of
 # candidates still orphaned since before the cutoff that no id's current version uses; returns how many.
-_COLLECT = """
+_COLLECT = _SHA_OF + """
 local used = {}
-for _, value in ipairs(redis.call('HVALS', KEYS[1])) do
-  used[string.sub(value, string.find(value, ':', 1, true) + 1)] = true
-end
+for _, value in ipairs(redis.call('HVALS', KEYS[1])) do used[sha_of(value)] = true end
 local deleted = 0
 for i = 2, #ARGV do
   local sha = ARGV[i]
