@@ -7,6 +7,12 @@
 # go to a fresh folder per run (removed afterwards; KEEP_TEST_TMP=1 keeps it). Exits with pytest's status; "no
 # tests collected" (pytest's 5) is a failure too.
 #
+# Lanes: when every argument is a test path (or there is none: all of tests/), the test files run as separate
+# pytest processes, HOTWIRE_TEST_LANES at a time (default 2 on two or more cores, else 1): the unit tests together,
+# each other file alone, the longest first. Each prints one line when it ends; a failed one's whole output follows
+# at the end, and the status is the first failed one's. Any option among the arguments (-k, -x, ...), or
+# HOTWIRE_TEST_LANES=1, runs one pytest with the arguments as given.
+#
 # Docker (tests/integration/test_compose.py): scripts/setup-docker.sh installs and starts what is missing when this
 # script installs the rest too ($PYTHON unset; HOTWIRE_SETUP_DOCKER=0 skips it), or always with
 # HOTWIRE_REQUIRE_DOCKER=1 (.ci/run sets it): then a failure stops the run, and the tests fail instead of skipping
@@ -52,18 +58,103 @@ export TORCHINDUCTOR_VEC_ISA_OK=1
 export HF_HUB_OFFLINE=1
 export VLLM_NO_USAGE_STATS=1
 export VLLM_DISABLE_COMPILE_CACHE=1
+# One OpenMP thread per engine, not bound to a core: vLLM's default binding on two cores pins every engine to core 0,
+# so two lanes would share one core (one thread either way: the same numerics).
+export VLLM_CPU_OMP_THREADS_BIND="${VLLM_CPU_OMP_THREADS_BIND:-nobind}"
+export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
 export TMPDIR="$run_dir/tmp"
 export VLLM_CACHE_ROOT="$run_dir/vllm-cache"
 export TORCHINDUCTOR_CACHE_DIR="$run_dir/inductor-cache"
 # Tests must not read or write the user's vector store unless asked to.
 export HOTWIRE_STORE="${HOTWIRE_STORE:-off}"
 
-echo "scripts/test.sh: $py -m pytest -q $*"
+# The files of the suite that take longest, longest first (seconds alone on a 2-core machine, 2026-12-02: compose
+# 660, model matrix 250, server 171, fleet 165, bit identity 140, unit 130, data parallel 101, soak 92, ...).
+LONGEST_FIRST=(
+    tests/integration/test_compose.py tests/integration/test_model_matrix.py tests/integration/test_server.py
+    tests/integration/test_fleet.py tests/integration/test_bit_identity.py tests/unit
+    tests/integration/test_data_parallel.py tests/integration/test_soak.py tests/integration/test_async_engine.py
+    tests/integration/test_verify.py tests/integration/test_engine.py tests/integration/test_demo.py
+    tests/integration/test_unsteerable_model.py
+)
+
+# lanes_items PATH...: the pytest runs of a lanes run, one per line (paths separated by tabs), longest first; none
+# when an argument is not a test path.
+lanes_items() {
+    local arg file unit=() other=() item
+    for arg in "$@"; do
+        arg=${arg#./}
+        if [[ "$arg" == -* || ! -e "${arg%%::*}" ]]; then
+            return 0
+        elif [[ -d "$arg" ]]; then
+            while IFS= read -r file; do
+                if [[ "$file" == tests/unit/* ]]; then unit+=("$file"); else other+=("$file"); fi
+            done < <(find "${arg%/}" -name 'test_*.py' | sort)
+        elif [[ "$arg" == tests/unit/* ]]; then
+            unit+=("$arg")
+        else
+            other+=("$arg")
+        fi
+    done
+    local items=()
+    if (( ${#unit[@]} )); then
+        items+=("$(IFS=$'\t'; echo "${unit[*]}")")
+    fi
+    items+=("${other[@]}")
+    for item in "${LONGEST_FIRST[@]}"; do  # the longest first, the rest in the order given
+        for arg in "${!items[@]}"; do
+            if [[ "${items[$arg]}" == "$item" || ("$item" == tests/unit && "${items[$arg]}" == tests/unit/*) ]]; then
+                echo "${items[$arg]}"
+                unset 'items[$arg]'
+            fi
+        done
+    done
+    (( ${#items[@]} == 0 )) || printf '%s\n' "${items[@]}"
+}
+
+cores=$(env -u OMP_NUM_THREADS -u OMP_THREAD_LIMIT nproc)  # nproc counts OpenMP's limits otherwise
+lanes=${HOTWIRE_TEST_LANES:-$(( cores >= 2 ? 2 : 1 ))}
+items=()
+if (( lanes > 1 )); then
+    mapfile -t items < <(lanes_items "${@:-tests}")
+fi
+
 start=$SECONDS
-set +e
-"$py" -m pytest -q "$@"
-rc=$?
-set -e
+if (( ${#items[@]} < 2 )); then
+    echo "scripts/test.sh: $py -m pytest -q $*"
+    set +e
+    "$py" -m pytest -q "$@"
+    rc=$?
+    set -e
+else
+    echo "scripts/test.sh: ${#items[@]} pytest runs of $py, $lanes at a time"
+    mkdir -p "$run_dir/lanes"
+    # run_item N: pytest for items[N], its output to lanes/N.log and its status to lanes/N.rc
+    run_item() {
+        local n=$1 begin=$SECONDS item_rc=0 paths
+        IFS=$'\t' read -ra paths <<< "${items[$n]}"
+        "$py" -m pytest -q --basetemp="$run_dir/lanes/$n.tmp" "${paths[@]}" > "$run_dir/lanes/$n.log" 2>&1 || item_rc=$?
+        echo "$item_rc" > "$run_dir/lanes/$n.rc"
+        echo "scripts/test.sh: [$((n + 1))/${#items[@]}] ${paths[*]}: $(tail -n 1 "$run_dir/lanes/$n.log")" \
+            "(exit $item_rc, $((SECONDS - begin))s)"
+    }
+    for n in "${!items[@]}"; do
+        while (( $(jobs -rp | wc -l) >= lanes )); do
+            wait -n || true
+        done
+        run_item "$n" &
+    done
+    wait
+    rc=0
+    for n in "${!items[@]}"; do
+        item_rc=$(cat "$run_dir/lanes/$n.rc" 2>/dev/null || echo 1)  # no status: the run itself broke
+        if [[ "$item_rc" != 0 ]]; then
+            echo "scripts/test.sh: ---- ${items[$n]//$'\t'/ } (exit $item_rc) ----"
+            cat "$run_dir/lanes/$n.log"
+            [[ $rc != 0 ]] || rc=$item_rc
+        fi
+    done
+fi
 echo "scripts/test.sh: pytest exited $rc after $((SECONDS - start))s"
 if [[ $rc -eq 5 ]]; then
     echo "scripts/test.sh: FAILED: pytest collected no tests" >&2

@@ -912,8 +912,10 @@ def test_test_script_runs_pytest() -> None:
 
 FAKE_PYTHON = r"""#!/usr/bin/env bash
 # A stand-in for the venv's python: answers version look-ups, logs pip and -m calls (pip exits $FAKE_PIP_RC, other
-# modules $FAKE_RC), knows whether the project was installed (pip install ... -e . creates $FAKE_PROJECT; importing
-# hotwire_core needs it); runs a .venv/bin/vllm script as exiting $FAKE_VLLM_RC.
+# modules $FAKE_RC, or with $FAKE_FAILING set $FAKE_FAILING_RC where that is one of the arguments, else 0), knows
+# whether the project was installed (pip install ... -e . creates $FAKE_PROJECT; importing hotwire_core needs it);
+# runs a .venv/bin/vllm script as exiting $FAKE_VLLM_RC. With $FAKE_RUNNING (a folder) a module run lasts half a
+# second and appends to $FAKE_RUNNING.counts how many were running then.
 case "$1" in
     -)  cat >/dev/null
         var="FAKE_VERSION_$(printf '%s' "$2" | tr 'a-z-' 'A-Z_')"
@@ -933,7 +935,19 @@ case "$1" in
         fi
         printf '%s\n' "${@:3}" > "$FAKE_ARGS"
         env > "$FAKE_ENV"
-        exit "${FAKE_RC:-0}" ;;
+        if [[ -n "${FAKE_RUNNING:-}" ]]; then
+            : > "$FAKE_RUNNING/$$"
+            sleep 0.5
+            ls "$FAKE_RUNNING" | wc -l >> "$FAKE_RUNNING.counts"
+            rm "$FAKE_RUNNING/$$"
+        fi
+        rc=${FAKE_RC:-0}
+        if [[ -n "${FAKE_FAILING:-}" ]]; then
+            rc=0
+            [[ " ${*:3} " == *" $FAKE_FAILING "* ]] && rc=${FAKE_FAILING_RC:-1}
+        fi
+        echo "fake pytest: exit $rc"
+        exit "$rc" ;;
 esac
 exit 0
 """
@@ -1009,7 +1023,7 @@ class FakeRun:
 
     def run(self, script: str, *args: str, **env: str) -> subprocess.CompletedProcess[str]:
         # Nothing the scripts set or read may come from the caller (the suite itself runs with the CPU env).
-        skip = ("HOTWIRE_", "VLLM_", "FAKE_", "PYTHON", "HF_", "TORCHINDUCTOR_", "KEEP_TEST_TMP", "PIP_")
+        skip = ("HOTWIRE_", "VLLM_", "FAKE_", "PYTHON", "HF_", "TORCHINDUCTOR_", "KEEP_TEST_TMP", "PIP_", "OMP_")
         base = {k: v for k, v in os.environ.items() if not k.startswith(skip)}
         base.update(
             PATH=f"{self.bin}{os.pathsep}{os.environ.get('PATH', '')}",
@@ -1236,6 +1250,8 @@ def check_test_script_sets_the_cpu_env_and_passes_args(fake: FakeRun) -> None:
         "HF_HUB_OFFLINE": "1",
         "VLLM_NO_USAGE_STATS": "1",
         "VLLM_DISABLE_COMPILE_CACHE": "1",
+        "VLLM_CPU_OMP_THREADS_BIND": "nobind",  # two lanes on two cores, not both pinned to core 0
+        "OMP_NUM_THREADS": "1",
         "HOTWIRE_STORE": "off",
     }.items():
         assert env.get(name) == value, name
@@ -1253,6 +1269,72 @@ def check_test_script_fails_when_pytest_fails_or_finds_nothing(fake: FakeRun) ->
         assert result.returncode == rc, _output(result)
         if rc == 5:
             assert "no tests" in result.stderr
+
+
+LANE_FILES = (  # a suite in the scratch repo: two unit files, one file of LONGEST_FIRST, two others
+    "tests/unit/test_a.py", "tests/unit/test_b.py", "tests/integration/test_server.py",
+    "tests/integration/test_x.py", "tests/integration/test_y.py",
+)
+LANE_RUNS = [  # the pytest runs of that suite, longest first: the unit files in one run, every other file alone
+    "tests/integration/test_server.py",
+    "tests/unit/test_a.py tests/unit/test_b.py",
+    "tests/integration/test_x.py",
+    "tests/integration/test_y.py",
+]
+
+
+def _lane_runs(fake: FakeRun) -> list[str]:
+    """The pytest calls of a lanes run as their paths, in item order (each has its own --basetemp lanes/N.tmp)."""
+    runs: dict[int, str] = {}
+    for call in fake.calls():
+        match = re.fullmatch(r"pytest -q --basetemp=\S+/lanes/(\d+)\.tmp (.+)", call)
+        assert match, call
+        runs[int(match[1])] = match[2]
+    return [runs[n] for n in sorted(runs)]
+
+
+def check_test_script_runs_files_in_lanes(fake: FakeRun, tmp_path: Path) -> None:
+    """With test paths only, the files run as HOTWIRE_TEST_LANES pytest runs at a time (two on two cores), the
+    longest first; every run's status counts and a failed run's output is shown; an option means one pytest."""
+    for name in LANE_FILES:
+        (fake.repo / name).parent.mkdir(parents=True, exist_ok=True)
+        (fake.repo / name).write_text("")
+    python = str(fake.python)
+    running = tmp_path / "running"
+    running.mkdir()
+    result = fake.run("scripts/test.sh", PYTHON=python, HOTWIRE_TEST_LANES="2", FAKE_RUNNING=str(running))
+    assert result.returncode == 0, _output(result)
+    assert _lane_runs(fake) == LANE_RUNS
+    assert max(map(int, Path(f"{running}.counts").read_text().split())) == 2  # two at a time, never more
+    assert "4 pytest runs" in result.stdout and "fake pytest: exit 0 (exit 0," in result.stdout
+
+    fake.forget_calls()
+    result = fake.run("scripts/test.sh", "tests", PYTHON=python, HOTWIRE_TEST_LANES="3")
+    assert result.returncode == 0, _output(result)
+    assert _lane_runs(fake) == LANE_RUNS  # a folder given: its files
+
+    cores = len(os.sched_getaffinity(0))
+    fake.forget_calls()
+    result = fake.run("scripts/test.sh", PYTHON=python)  # the default: two lanes where there are two cores
+    assert result.returncode == 0, _output(result)
+    assert len(fake.calls()) == (len(LANE_RUNS) if cores >= 2 else 1), fake.calls()
+
+    for rc in (3, 5):
+        fake.forget_calls()
+        result = fake.run(
+            "scripts/test.sh", PYTHON=python, HOTWIRE_TEST_LANES="2",
+            FAKE_FAILING="tests/integration/test_x.py", FAKE_FAILING_RC=str(rc),
+        )
+        assert result.returncode == rc, _output(result)
+        assert _lane_runs(fake) == LANE_RUNS  # the other runs still ran
+        assert f"---- tests/integration/test_x.py (exit {rc}) ----\nfake pytest: exit {rc}" in result.stdout
+        assert ("no tests" in result.stderr) == (rc == 5)
+
+    for args, lanes in ((("-x", "tests/unit"), "2"), (("tests/unit",), "2"), ((), "1")):
+        fake.forget_calls()
+        result = fake.run("scripts/test.sh", *args, PYTHON=python, HOTWIRE_TEST_LANES=lanes)
+        assert result.returncode == 0, _output(result)
+        assert fake.calls() == [" ".join(("pytest -q", *args))]  # one pytest, the arguments as given
 
 
 def check_ci_run_hands_over_to_the_test_script(fake: FakeRun) -> None:
@@ -1295,6 +1377,7 @@ SCRIPT_CHECKS: dict[str, Callable[..., None]] = {
         check_test_script_sets_up_docker,
         check_test_script_sets_the_cpu_env_and_passes_args,
         check_test_script_fails_when_pytest_fails_or_finds_nothing,
+        check_test_script_runs_files_in_lanes,
         check_ci_run_hands_over_to_the_test_script,
         check_demo_sets_up_then_runs_the_demo,
     )
@@ -1395,6 +1478,20 @@ SCRIPT_BREAKAGES = [
         "scripts/test.sh",
         _replace("FAILED: pytest collected no tests", "FAILED"),
     ),
+    ("test_script_sets_the_cpu_env_and_passes_args", "scripts/test.sh", _replace(
+        'export VLLM_CPU_OMP_THREADS_BIND="${VLLM_CPU_OMP_THREADS_BIND:-nobind}"', "")),
+    ("test_script_sets_the_cpu_env_and_passes_args", "scripts/test.sh", _replace(
+        'export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"', "")),
+    ("test_script_runs_files_in_lanes", "scripts/test.sh", _replace(" || item_rc=$?", " || true")),
+    ("test_script_runs_files_in_lanes", "scripts/test.sh", _replace("[[ $rc != 0 ]] || rc=$item_rc", ":")),
+    ("test_script_runs_files_in_lanes", "scripts/test.sh", _replace(
+        'if [[ "$file" == tests/unit/* ]]; then unit+=("$file"); else other+=("$file"); fi', 'other+=("$file")')),
+    ("test_script_runs_files_in_lanes", "scripts/test.sh", _replace(' --basetemp="$run_dir/lanes/$n.tmp"', "")),
+    ("test_script_runs_files_in_lanes", "scripts/test.sh", _replace("env -u OMP_NUM_THREADS -u OMP_THREAD_LIMIT ", "")),
+    ("test_script_runs_files_in_lanes", "scripts/test.sh", _replace(">= lanes ))", ">= lanes + 1 ))")),
+    ("test_script_runs_files_in_lanes", "scripts/test.sh", _replace('cat "$run_dir/lanes/$n.log"', ":")),
+    ("test_script_runs_files_in_lanes", "scripts/test.sh", _replace(
+        'for item in "${LONGEST_FIRST[@]}"; do', 'for item in; do')),
     ("ci_run_hands_over_to_the_test_script", ".ci/run", _replace('scripts/test.sh "$@"', "scripts/test.sh")),
     (
         "ci_run_hands_over_to_the_test_script",
