@@ -204,10 +204,17 @@ def test_fleet_cpu_profile_shares_one_registry_behind_the_load_balancer(cpu_imag
                   for r in listings.values()]
         assert bodies[0] == bodies[1] == {VECTOR: (meta.version, meta.sha256)}  # no divergence
 
-        view = client.fleet()
+        # The view is built from heartbeats (one a second): a replica that just loaded the vector shows it at its
+        # next one, so wait a few intervals.
+        deadline = time.monotonic() + 10
+        while True:
+            view = client.fleet()
+            held = next(v for v in view.vectors if v.id == VECTOR)
+            if len(held.held_by) == 2 or time.monotonic() > deadline:
+                break
+            time.sleep(0.5)
         assert sorted(r.replica for r in view.replicas) == ["fleet-cpu-a", "fleet-cpu-b"]
-        held = next(v for v in view.vectors if v.id == VECTOR)
-        assert sorted(held.held_by) == ["fleet-cpu-a", "fleet-cpu-b"] and held.missing_on == []
+        assert sorted(held.held_by) == ["fleet-cpu-a", "fleet-cpu-b"] and held.missing_on == [], view
 
         assert client.delete(VECTOR).in_flight == 0
         refused = by_replica(lambda: httpx.post(f"{url}/v1/completions", timeout=60, json={
