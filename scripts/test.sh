@@ -131,11 +131,13 @@ else
     mkdir -p "$run_dir/lanes"
     # run_item N: pytest for items[N], its output to lanes/N.log and its status to lanes/N.rc
     run_item() {
-        local n=$1 begin=$SECONDS item_rc=0 paths
+        local n=$1 begin=$SECONDS item_rc=0 paths summary
         IFS=$'\t' read -ra paths <<< "${items[$n]}"
         "$py" -m pytest -q --basetemp="$run_dir/lanes/$n.tmp" "${paths[@]}" > "$run_dir/lanes/$n.log" 2>&1 || item_rc=$?
         echo "$item_rc" > "$run_dir/lanes/$n.rc"
-        echo "scripts/test.sh: [$((n + 1))/${#items[@]}] ${paths[*]}: $(tail -n 1 "$run_dir/lanes/$n.log")" \
+        # pytest's summary line (what a shutdown prints after it may follow), else the last line
+        summary=$(grep -E ' in [0-9.]+s( \([0-9:]+\))?$' "$run_dir/lanes/$n.log" | tail -n 1)
+        echo "scripts/test.sh: [$((n + 1))/${#items[@]}] ${paths[*]}: ${summary:-$(tail -n 1 "$run_dir/lanes/$n.log")}" \
             "(exit $item_rc, $((SECONDS - begin))s)"
     }
     for n in "${!items[@]}"; do

