@@ -12,9 +12,9 @@ from __future__ import annotations
 from typing import Any, Literal, TypedDict
 
 __all__ = [
-    "BINDING_KEY", "CATALOG", "CHECK", "ENGINE_METHODS", "GRAPH_SETS", "LIST", "PREFIX", "REBINDS_ATTR",
+    "BINDING_KEY", "CATALOG", "CHECK", "ENGINE_METHODS", "EXPORT", "GRAPH_SETS", "LIST", "PREFIX", "REBINDS_ATTR",
     "REFUSALS", "REGISTER", "STATS", "UNREGISTER", "USER_SALT_ATTR", "WORKER_INFO", "WORKER_METHODS", "WRITES_ATTR",
-    "CatalogResult", "CheckResult", "Failure", "ListResult", "RefusalsResult", "RegisterResult", "SlotRow", "StatsResult",
+    "CatalogResult", "CheckResult", "ExportResult", "Failure", "ListResult", "RefusalsResult", "RegisterResult", "SlotRow", "StatsResult",
     "UnregisterResult",
     "engine_method", "rpc_name",
 ]
@@ -29,7 +29,8 @@ STATS = "hotwire_stats"
 CHECK = "hotwire_check"
 CATALOG = "hotwire_catalog"
 REFUSALS = "hotwire_refusals"
-ENGINE_METHODS = frozenset({REGISTER, UNREGISTER, LIST, STATS, CHECK, CATALOG, REFUSALS})
+EXPORT = "hotwire_export"
+ENGINE_METHODS = frozenset({REGISTER, UNREGISTER, LIST, STATS, CHECK, CATALOG, REFUSALS, EXPORT})
 
 # Answered by every worker (methods vllm_glue adds to vLLM's ``WorkerBase``).
 WORKER_INFO = "hotwire_worker_info"
@@ -80,6 +81,12 @@ class UnregisterResult(TypedDict):
     ok: Literal[True]
     in_flight: int  # requests still using the vector, on this engine core
     version: int | None  # the version deleted (the other data-parallel engine cores delete up to it)
+
+
+class ExportResult(TypedDict):
+    ok: Literal[True]
+    vector: dict[str, Any]  # VectorMeta
+    data: bytes  # the rows in layer order, as ``hotwire_register`` takes them
 
 
 class ListResult(TypedDict):

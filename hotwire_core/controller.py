@@ -11,8 +11,11 @@ same ``SchedulerOutput``. See docs/architecture.md.
 from __future__ import annotations
 
 import logging
+import time
 from collections import Counter, OrderedDict
 from typing import Any, Callable, Iterable, Sequence
+
+import torch
 
 from . import contract
 from .admission import ModelInfo, Refusal, Resolved, Rules, cache_salt, pinned_spec, receipt, resolve, row_key
@@ -108,27 +111,42 @@ class SteeringController:
         layers: list[int] | None = None,
         replace: bool = False,
         version: int | None = None,
+        retired_at: float | None = None,
     ) -> contract.RegisterResult | contract.Failure:
         """Register a vector. ``version``: the number the first data-parallel engine core gave it (the others
         take it, so that every engine core agrees; a version that arrives after a newer one is only retained), or
         a fleet's registry (``hotwire_api.fleet``). A version this engine holds already (current or retained) is
-        answered as it is: versions are immutable, and a fleet's replica may hear of one twice."""
+        answered as it is: versions are immutable, and a fleet's replica may hear of one twice. ``retired_at``
+        (with ``version``; wall-clock seconds): the fleet retired that version then, so it is held as a retired
+        version for what is left of ``HOTWIRE_RETAIN_S`` (410 ``version_gone`` when nothing is left), as on the
+        replicas that held it when it was replaced or deleted."""
         old = self.registry.current(vector_id)
         if version is not None:
             held = self.registry.lookup(vector_id, int(version))
             if held is not None:
                 return contract.RegisterResult(ok=True, created=False, vector=held.meta())
+        retired_mono = None
+        if retired_at is not None:
+            if version is None:
+                return EngineError(400, "bad_request", "retired_at needs the version it retired", "version").to_result()
+            age = max(0.0, time.time() - float(retired_at))
+            if age >= self.settings.retain_s:
+                return EngineError(
+                    410, "version_gone", f"version {version} of {vector_id!r} was retired {age:.0f} s ago, past "
+                    f"its retention (HOTWIRE_RETAIN_S={self.settings.retain_s})", "version"
+                ).to_result()
+            retired_mono = time.monotonic() - age
         try:
             vector = self.registry.prepare(vector_id, bytes(data), dtype, list(shape), layers, bool(replace), version)
         except RegistryError as exc:
             return exc.to_result()
-        current = self.registry.supersedes(vector)
+        current = retired_mono is None and self.registry.supersedes(vector)
         if self.store is not None and current:
             try:
                 self.store.save(vector)
             except OSError as exc:
                 return store_failed(self.store, f"write {vector_id!r} to", exc)
-        self.registry.add(vector)
+        self.registry.add(vector, retired_mono)
         if current and old is not None and old.refs == 0:
             self.slots.drop(old.vector_id, old.version)
         logger.info("hotwire: registered %s@%d (%s)", vector.vector_id, vector.version, vector.sha256[:12])
@@ -152,6 +170,15 @@ class SteeringController:
             self.slots.drop(vector.vector_id, vector.version)
         deleted = vector.version if vector is not None else version
         return contract.UnregisterResult(ok=True, in_flight=self.registry.in_flight(vector_id), version=deleted)
+
+    def export(self, vector_id: str, version: int) -> contract.ExportResult | contract.Failure:
+        """A version this engine holds (current or retained), as the bytes ``register`` takes: what a fleet's
+        replica puts back into a registry that lost its data."""
+        vector = self.registry.lookup(vector_id, int(version))
+        if vector is None:
+            return EngineError(404, "unknown_vector", f"this engine holds no {vector_id}@{version}", "id").to_result()
+        data = vector.rows.contiguous().view(-1).view(torch.uint8).numpy().tobytes()
+        return contract.ExportResult(ok=True, vector=vector.meta(), data=data)
 
     def list(self) -> contract.ListResult:
         vectors = []

@@ -229,14 +229,16 @@ class VectorRegistry:
         newest = max(old.version if old is not None else 0, self._deleted_upto.get(vector.vector_id, 0))
         return vector.version > newest
 
-    def add(self, vector: HostVector) -> bool:
+    def add(self, vector: HostVector, retired_at: float | None = None) -> bool:
         """Make a prepared vector the current version of its id (the one it replaces is retired); a version older
-        than the current one or than the id's last deletion is retired at once. Returns whether it became current."""
+        than the current one or than the id's last deletion is retired at once. ``retired_at`` (a
+        ``time.monotonic()`` value): the version was retired elsewhere then (a fleet's other replica): it is held
+        as a retired version only, for what is left of its retention. Returns whether it became current."""
         vector_id = vector.vector_id
         old = self._current.get(vector_id)
-        if not self.supersedes(vector):
+        if retired_at is not None or not self.supersedes(vector):
             if (old is None or old.version != vector.version) and (vector_id, vector.version) not in self._retired:
-                self._retire(vector)
+                self._retire(vector, retired_at)
             self.note_version(vector_id, vector.version)
             return False
         self.note_version(vector_id, vector.version)
@@ -270,9 +272,9 @@ class VectorRegistry:
         self._prune()
         return current
 
-    def _retire(self, vector: HostVector) -> None:
+    def _retire(self, vector: HostVector, at: float | None = None) -> None:
         vector.retired = True
-        vector.retired_at = time.monotonic()
+        vector.retired_at = time.monotonic() if at is None else at
         self._retired[(vector.vector_id, vector.version)] = vector
 
     def _prune(self) -> None:

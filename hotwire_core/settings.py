@@ -75,6 +75,12 @@ def format_layers(layers: frozenset[int] | set[int]) -> str:
     return ",".join(str(lo) if lo == hi else f"{lo}-{hi}" for lo, hi in runs)
 
 
+def retain_s_from_env() -> int:
+    """HOTWIRE_RETAIN_S: seconds a replaced or deleted version stays usable by requests pinned to it (default 60);
+    a fleet's replicas read it too (``hotwire_api.fleet``)."""
+    return _int_env("HOTWIRE_RETAIN_S", 60, 0, 86_400)
+
+
 @dataclass(frozen=True)
 class Settings:
     slots: int  # HOTWIRE_SLOTS: bank rows that can hold vectors
@@ -102,7 +108,7 @@ class Settings:
             idle_graphs=flag_env("HOTWIRE_IDLE_GRAPHS", True),
             layers=parse_layers(os.environ["HOTWIRE_LAYERS"]) if os.environ.get("HOTWIRE_LAYERS") else None,
             pdl=flag_env("HOTWIRE_PDL", True),
-            retain_s=_int_env("HOTWIRE_RETAIN_S", 60, 0, 86_400),
+            retain_s=retain_s_from_env(),
             store=os.environ.get("HOTWIRE_STORE") or None,
             preload=os.environ.get("HOTWIRE_VECTORS") or None,
         )

@@ -601,6 +601,50 @@ def test_a_pinned_version_past_its_retention_is_refused_not_replaced():
     assert (gone.status, gone.code, gone.field) == (410, "version_gone", "hotwire[0].version")
 
 
+def test_a_version_the_fleet_retired_is_held_for_what_is_left_of_its_retention(monkeypatch):
+    clock = {"wall": 10_000.0, "mono": 500.0}
+    monkeypatch.setattr("hotwire_core.controller.time.time", lambda: clock["wall"])
+    monkeypatch.setattr("hotwire_core.controller.time.monotonic", lambda: clock["mono"])
+    monkeypatch.setattr("hotwire_core.registry.time.monotonic", lambda: clock["mono"])
+    c = ctrl()  # HOTWIRE_RETAIN_S 60
+    register(c, "a", vec(HIDDEN, seed=2))  # this replica heard of version 1 only after it
+    old = vec(HIDDEN, seed=1)
+    args = ("a", raw(old), "float32", [HIDDEN], None, False)
+    out = c.register(*args, 7, clock["wall"] - 45)  # retired by the fleet 45 s ago
+    assert out["ok"] and out["vector"]["version"] == 7
+    assert [v["version"] for v in c.list()["vectors"]] == [1]  # held as retired, never current
+    assert admit(c, "pinned", {"id": "a", "layer": 0, "scale": 1, "version": 7})[0].receipt == "a@7:L0x1"
+    c.release("pinned")
+    clock["mono"] += 14.9
+    assert c.registry.lookup("a", 7) is not None
+    clock["mono"] += 0.2  # 60 s after the fleet retired it, not 60 s after this replica heard of it
+    assert c.registry.lookup("a", 7) is None
+    assert refusal(c, {"id": "a", "layer": 0, "scale": 1, "version": 7}).code == "version_gone"
+    late = c.register("a", raw(vec(HIDDEN, seed=3)), "float32", [HIDDEN], None, False, 8, clock["wall"] - 61)
+    assert (late["ok"], late["status"], late["code"]) == (False, 410, "version_gone")
+    assert c.registry.lookup("a", 8) is None
+    # newer than the current version, yet retired elsewhere: still not current here
+    assert c.register("a", raw(vec(HIDDEN, seed=4)), "float32", [HIDDEN], None, False, 9, clock["wall"])["ok"]
+    assert [v["version"] for v in c.list()["vectors"]] == [1] and c.registry.lookup("a", 9) is not None
+    bad = c.register(*args, None, clock["wall"])
+    assert (bad["ok"], bad["status"], bad["field"]) == (False, 400, "version")
+
+
+def test_export_gives_back_what_register_took(c):
+    t = vec(2, HIDDEN, seed=5)
+    meta = register(c, "x", t, layers=[3, 1])["vector"]
+    out = c.export("x", 1)
+    assert out["ok"] and out["vector"]["sha256"] == meta["sha256"]
+    again = ctrl()
+    v = out["vector"]
+    back = again.register("x", out["data"], v["dtype"], v["shape"], v["layers"], False, 1)
+    assert back["ok"] and back["vector"]["sha256"] == meta["sha256"]
+    register(c, "x", vec(HIDDEN, seed=6), replace=True)
+    assert c.export("x", 1)["ok"]  # retained versions too
+    missing = c.export("x", 5)
+    assert (missing["ok"], missing["status"], missing["code"]) == (False, 404, "unknown_vector")
+
+
 def test_pinned_and_unpinned_specs_of_the_same_contents_share_a_cache_salt():
     c = ctrl()
     register(c, "a", vec(HIDDEN, seed=1))
