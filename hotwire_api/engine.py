@@ -127,11 +127,13 @@ class HotwireEngine:
             ) from exc
 
     async def register(
-        self, vector_id: str, payload: VectorPayload, replace: bool, version: int | None = None
+        self, vector_id: str, payload: VectorPayload, replace: bool, version: int | None = None,
+        retired_at: float | None = None,
     ) -> tuple[bool, VectorMeta]:
         """Register (or with ``replace`` re-register) a vector; returns (created, meta). ``version``: the number
         a fleet's registry gave it (``hotwire_api.fleet``): every engine core takes it, and one that holds that
-        version already changes nothing."""
+        version already changes nothing. ``retired_at`` (wall-clock seconds): the fleet retired that version
+        then; it is held as retired for the rest of its retention (410 ``version_gone`` when that is over)."""
         layers = list(payload.layers) if payload.layers is not None else None
         args = (vector_id, payload.data, payload.dtype, list(payload.shape), layers, replace)
         try:
@@ -140,7 +142,8 @@ class HotwireEngine:
                 meta = self._parse(VectorMeta, first.get("vector"), contract.REGISTER)
                 others = await self._call_each(contract.REGISTER, *args, meta.version, which=slice(1, None))
             else:
-                first, *others = await self._call_each(contract.REGISTER, *args, version)
+                extra = (version,) if retired_at is None else (version, retired_at)
+                first, *others = await self._call_each(contract.REGISTER, *args, *extra)
                 meta = self._parse(VectorMeta, first.get("vector"), contract.REGISTER)
         except HotwireError as exc:
             # The engine names the base64 upload's fields; a file or per-layer lists carried all of them.
@@ -167,6 +170,16 @@ class HotwireEngine:
         else:
             answers = await self._call_each(contract.UNREGISTER, vector_id, version)
         return sum(int(a.get("in_flight") or 0) for a in answers)
+
+    async def export(self, vector_id: str, version: int) -> tuple[VectorMeta, VectorPayload]:
+        """A version the first engine core holds, with its bytes (rows in layer order): 404 when it holds none."""
+        answer = await self._call(contract.EXPORT, vector_id, version)
+        meta = self._parse(VectorMeta, answer.get("vector"), contract.EXPORT)
+        data = answer.get("data")
+        if not isinstance(data, (bytes, bytearray)):
+            raise HotwireError(502, "bad_engine_result", f"{contract.EXPORT} returned no bytes")
+        return meta, VectorPayload(bytes(data), meta.dtype, tuple(meta.shape),
+                                   None if meta.layers is None else tuple(meta.layers))
 
     async def vectors(self) -> list[VectorMeta]:
         answers = await self._call_each(contract.LIST)

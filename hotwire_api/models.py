@@ -134,7 +134,9 @@ class RegistryStatus(BaseModel):
     events_applied: int = 0
     resyncs: int = Field(0, description="Full comparisons with the registry's current versions (at start, and "
                          "after an absence the event stream no longer covers).")
-    reset: bool = Field(False, description="The registry lost hotwire's data while this replica ran.")
+    reset: bool = Field(False, description="The registry lost hotwire's data while this replica ran (the "
+                        "replicas put back the vectors they held).")
+    seeded: int = Field(0, description="Vectors this replica put back into a registry that lost its data.")
 
 
 class ReplicaSlots(BaseModel):

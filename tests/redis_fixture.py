@@ -93,8 +93,14 @@ class RedisServer:
             proc.send_signal(signal.SIGKILL)
             proc.wait(10)
 
-    def restart(self) -> None:
+    def restart(self, wipe: bool = False) -> None:
+        """Kill and start again on the same port; with ``wipe`` its append-only file is deleted in between, as
+        a Redis that lost its disk (or ran without persistence) comes back: empty."""
         self.kill()
+        if wipe:
+            shutil.rmtree(self.workdir / "appendonlydir", ignore_errors=True)
+            for dump in self.workdir.glob("*.rdb"):
+                dump.unlink()
         self.start()
 
     def stop(self) -> None:

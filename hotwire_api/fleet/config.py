@@ -10,6 +10,8 @@ import socket
 from dataclasses import dataclass
 from urllib.parse import urlsplit, urlunsplit
 
+from hotwire_core.settings import retain_s_from_env
+
 __all__ = ["FleetConfig", "Keys", "default_replica_name", "redacted", "registry_url"]
 
 _SCHEMES = ("redis", "rediss", "unix")
@@ -63,7 +65,9 @@ class FleetConfig:
     100000), the events Redis keeps (a replica further behind resyncs from the current versions);
     ``replica_id``: ``HOTWIRE_REPLICA_ID`` (default host name and port); ``timeout_s``: how long one Redis
     command may take before the registry counts as unreachable; ``blob_grace_s``: ``HOTWIRE_REGISTRY_BLOB_GRACE_S``
-    (default 3600), how long a blob no id's current version uses stays in Redis before it is collected."""
+    (default 3600), how long a blob no id's current version uses stays in Redis before it is collected;
+    ``retain_s``: ``HOTWIRE_RETAIN_S`` (the engine's setting, default 60), how long the fleet keeps a replaced or
+    deleted version usable by requests pinned to it."""
 
     url: str
     heartbeat_s: float = 1.0
@@ -71,6 +75,7 @@ class FleetConfig:
     replica_id: str | None = None
     timeout_s: float = 2.0
     blob_grace_s: float = 3600.0
+    retain_s: float = 60.0
 
     @classmethod
     def from_env(cls, url: str) -> FleetConfig:
@@ -81,6 +86,7 @@ class FleetConfig:
             replica_id=os.environ.get("HOTWIRE_REPLICA_ID") or None,
             timeout_s=_float_env("HOTWIRE_REGISTRY_TIMEOUT_S", 2.0, 0.05, 60),
             blob_grace_s=_float_env("HOTWIRE_REGISTRY_BLOB_GRACE_S", 3600.0, 0, 30 * 86400),
+            retain_s=retain_s_from_env(),
         )
 
 
@@ -120,6 +126,18 @@ class Keys:
         """Sorted set: sha256 -> when its blob stopped being any id's current version (replaced, deleted, or a
         registration that lost its race); the blobs the collection may delete once they are older than the grace."""
         return f"{self.prefix}orphans"
+
+    @property
+    def retired(self) -> str:
+        """Hash: ``<id>@<version>`` -> ``<sha256>:<when>`` of each version replaced or deleted within the
+        retention (``HOTWIRE_RETAIN_S``): what a replica that never held it needs to honour a request pinned to it."""
+        return f"{self.prefix}retired"
+
+    @property
+    def retired_since(self) -> str:
+        """Sorted set: ``<id>@<version>`` -> when it was retired; the entries of ``retired`` by age, for resyncs
+        and for forgetting them once their retention is over."""
+        return f"{self.prefix}retired_since"
 
     @property
     def epoch(self) -> str:

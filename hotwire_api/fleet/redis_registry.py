@@ -18,15 +18,23 @@ from hotwire_api.fleet.config import FleetConfig, Keys, redacted
 
 __all__ = ["Event", "RedisRegistry", "Unavailable"]
 
-# Lua for the scripts below: the content hash of a `current` value ("<version>:<sha256>").
+# Lua for the scripts below: the parts of a `current` value ("<version>:<sha256>"), and the record of a version
+# that stopped being current at `at` (KEYS `retired`, `retired_since`: see config.Keys).
 _SHA_OF = """
 local function sha_of(value) return string.sub(value, string.find(value, ':', 1, true) + 1) end
+local function version_of(value) return string.sub(value, 1, string.find(value, ':', 1, true) - 1) end
+local function retire(retired, since, id, value, at)
+  local member = id .. '@' .. version_of(value)
+  redis.call('HSET', retired, member, sha_of(value) .. ':' .. at)
+  redis.call('ZADD', since, at, member)
+end
 """
 
-# KEYS: current, last_version, events, blob, orphans. ARGV: id, sha256, replace (0|1), maxlen, created_at, floor (the
-# newest version the caller knows of: after Redis lost its keys, versions go on from there instead of repeating).
-# Returns {status, version, previous "<version>:<sha>" or ""}: 201/200 registered, 409 taken, 424 blob missing.
-# The blob a version stops using (replaced, or the loser's of a 409) becomes an orphan; the registered one is not.
+# KEYS: current, last_version, events, blob, orphans, retired, retired_since. ARGV: id, sha256, replace (0|1), maxlen,
+# created_at, floor (the newest version the caller knows of: after Redis lost its keys, versions go on from there
+# instead of repeating). Returns {status, version, previous "<version>:<sha>" or ""}: 201/200 registered, 409 taken,
+# 424 blob missing. The blob a version stops using (replaced, or the loser's of a 409) becomes an orphan; the
+# registered one is not. A replaced version is recorded as retired.
 _REGISTER = _SHA_OF + """
 local previous = redis.call('HGET', KEYS[1], ARGV[1])
 if previous and ARGV[3] ~= '1' then
@@ -41,22 +49,53 @@ redis.call('HSET', KEYS[2], ARGV[1], version)
 redis.call('HSET', KEYS[1], ARGV[1], version .. ':' .. ARGV[2])
 redis.call('ZREM', KEYS[5], ARGV[2])
 if previous and sha_of(previous) ~= ARGV[2] then redis.call('ZADD', KEYS[5], ARGV[5], sha_of(previous)) end
+if previous then retire(KEYS[6], KEYS[7], ARGV[1], previous, ARGV[5]) end
 redis.call('XADD', KEYS[3], 'MAXLEN', '~', ARGV[4], '*', 'op', 'register', 'id', ARGV[1],
            'version', version, 'sha256', ARGV[2], 'at', ARGV[5])
 if previous then return {200, version, previous} end
 return {201, version, ''}
 """
 
-# KEYS: current, events, orphans. ARGV: id, maxlen, at. Returns {status, "<version>:<sha>"}: 200 deleted, 404 unknown.
+# KEYS: current, events, orphans, retired, retired_since. ARGV: id, maxlen, at. Returns {status, "<version>:<sha>"}:
+# 200 deleted (and recorded as retired), 404 unknown.
 _DELETE = _SHA_OF + """
 local current = redis.call('HGET', KEYS[1], ARGV[1])
 if not current then return {404, ''} end
 redis.call('HDEL', KEYS[1], ARGV[1])
 local sha = sha_of(current)
 redis.call('ZADD', KEYS[3], ARGV[3], sha)
+retire(KEYS[4], KEYS[5], ARGV[1], current, ARGV[3])
 redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[2], '*', 'op', 'delete', 'id', ARGV[1],
-           'version', string.sub(current, 1, string.find(current, ':', 1, true) - 1), 'sha256', sha, 'at', ARGV[3])
+           'version', version_of(current), 'sha256', sha, 'at', ARGV[3])
 return {200, current}
+"""
+
+# KEYS: current, last_version, events, blob, orphans, retired, retired_since. ARGV: id, version, sha256, maxlen, at.
+# Puts back a version a replica holds into a registry that lost its data: it becomes current unless the registry
+# knows that version of the id or a newer one (another replica put back a newer one, or the id was registered or
+# deleted since); an older one put back before is replaced. Returns 1 put back, 0 not, 424 blob missing.
+_SEED = _SHA_OF + """
+if redis.call('EXISTS', KEYS[4]) == 0 then return 424 end
+if tonumber(redis.call('HGET', KEYS[2], ARGV[1]) or '0') >= tonumber(ARGV[2]) then return 0 end
+local previous = redis.call('HGET', KEYS[1], ARGV[1])
+redis.call('HSET', KEYS[2], ARGV[1], ARGV[2])
+redis.call('HSET', KEYS[1], ARGV[1], ARGV[2] .. ':' .. ARGV[3])
+redis.call('ZREM', KEYS[5], ARGV[3])
+if previous then
+  if sha_of(previous) ~= ARGV[3] then redis.call('ZADD', KEYS[5], ARGV[5], sha_of(previous)) end
+  retire(KEYS[6], KEYS[7], ARGV[1], previous, ARGV[5])
+end
+redis.call('XADD', KEYS[3], 'MAXLEN', '~', ARGV[4], '*', 'op', 'register', 'id', ARGV[1],
+           'version', ARGV[2], 'sha256', ARGV[3], 'at', ARGV[5])
+return 1
+"""
+
+# KEYS: retired, retired_since. ARGV: cutoff. Forgets the versions retired before the cutoff; returns how many.
+_FORGET_RETIRED = """
+local old = redis.call('ZRANGEBYSCORE', KEYS[2], '-inf', ARGV[1], 'LIMIT', 0, 1000)
+for _, member in ipairs(old) do redis.call('HDEL', KEYS[1], member) end
+if #old > 0 then redis.call('ZREM', KEYS[2], unpack(old)) end
+return #old
 """
 
 # KEYS: blob, orphans. ARGV: bytes, sha256. Stores a blob once and takes it off the orphans (a registration is about
@@ -129,6 +168,11 @@ def _parse_current(value: Any) -> tuple[int, str]:
     return int(version), sha
 
 
+def _parse_retired(value: Any) -> tuple[str, float]:
+    sha, _, at = _str(value).partition(":")
+    return sha, float(at)
+
+
 def _id_tuple(stream_id: str) -> tuple[int, int]:
     ms, _, seq = stream_id.partition("-")
     return int(ms), int(seq or 0)
@@ -165,6 +209,8 @@ class RedisRegistry:
         self._delete = self._redis.register_script(_DELETE)
         self._put_blob = self._redis.register_script(_PUT_BLOB)
         self._collect = self._redis.register_script(_COLLECT)
+        self._seed = self._redis.register_script(_SEED)
+        self._forget_retired = self._redis.register_script(_FORGET_RETIRED)
 
     @property
     def display_url(self) -> str:
@@ -208,7 +254,7 @@ class RedisRegistry:
         The new version is above ``floor`` too."""
         k = self.keys
         status, version, previous = await self._do(self._register(
-            keys=[k.current, k.last_version, k.events, k.blob(sha256), k.orphans],
+            keys=[k.current, k.last_version, k.events, k.blob(sha256), k.orphans, k.retired, k.retired_since],
             args=[vector_id, sha256, "1" if replace else "0", self.config.stream_maxlen, f"{time.time():.6f}", floor],
         ))
         if int(status) == 424:
@@ -221,9 +267,46 @@ class RedisRegistry:
         """Delete the current version of ``vector_id`` atomically; returns (version, sha256), None if unknown."""
         k = self.keys
         status, current = await self._do(self._delete(
-            keys=[k.current, k.events, k.orphans], args=[vector_id, self.config.stream_maxlen, f"{time.time():.6f}"]
+            keys=[k.current, k.events, k.orphans, k.retired, k.retired_since],
+            args=[vector_id, self.config.stream_maxlen, f"{time.time():.6f}"]
         ))
         return _parse_current(current) if int(status) == 200 else None
+
+    async def seed(self, vector_id: str, version: int, sha256: str) -> bool:
+        """Put back ``vector_id@version`` (its blob stored already) into a registry that lost its data; returns
+        whether it became current (False: the registry knows that version or a newer one, or a deletion)."""
+        k = self.keys
+        answer = int(await self._do(self._seed(
+            keys=[k.current, k.last_version, k.events, k.blob(sha256), k.orphans, k.retired, k.retired_since],
+            args=[vector_id, version, sha256, self.config.stream_maxlen, f"{time.time():.6f}"],
+        )))
+        if answer == 424:
+            raise HotwireError(503, "registry_unavailable", f"the vector registry at {self.display_url} lost a blob "
+                               "as it was written (is Redis evicting keys? hotwire needs maxmemory-policy noeviction)")
+        return answer == 1
+
+    async def retired_version(self, vector_id: str, version: int) -> tuple[str, float] | None:
+        """(sha256, when) of a version the fleet replaced or deleted within the retention, or None."""
+        value = await self._do(self._redis.hget(self.keys.retired, f"{vector_id}@{version}"))
+        return _parse_retired(value) if value is not None else None
+
+    async def retired_since(self, since: float) -> dict[tuple[str, int], tuple[str, float]]:
+        """Every version retired after ``since`` (wall-clock seconds): (id, version) -> (sha256, when)."""
+        members = await self._do(self._redis.zrangebyscore(self.keys.retired_since, f"({since:.6f}", "+inf"))
+        if not members:
+            return {}
+        values = await self._do(self._redis.hmget(self.keys.retired, members))
+        out: dict[tuple[str, int], tuple[str, float]] = {}
+        for member, value in zip(members, values):
+            if value is not None:
+                vector_id, _, version = _str(member).rpartition("@")
+                out[(vector_id, int(version))] = _parse_retired(value)
+        return out
+
+    async def forget_retired(self, before: float) -> int:
+        """Forget the versions retired before ``before`` (their retention is over); returns how many."""
+        k = self.keys
+        return int(await self._do(self._forget_retired(keys=[k.retired, k.retired_since], args=[f"{before:.6f}"])))
 
     async def collect_blobs(self, grace_s: float, batch: int = 200) -> int:
         """Delete the blobs that no id's current version has used for ``grace_s`` seconds (up to ``batch`` per
@@ -276,6 +359,11 @@ class RedisRegistry:
 
     async def heartbeat(self, replica_id: str, state: dict[str, Any], ttl_s: float) -> None:
         await self._do(self._redis.set(self.keys.replica(replica_id), json.dumps(state), px=max(1, int(ttl_s * 1000))))
+
+    async def replica_state(self, replica_id: str) -> dict[str, Any] | None:
+        """One replica's last heartbeat, or None when it has expired."""
+        value = await self._do(self._redis.get(self.keys.replica(replica_id)))
+        return json.loads(value) if value is not None else None
 
     async def replicas(self) -> list[dict[str, Any]]:
         """The heartbeats that have not expired."""

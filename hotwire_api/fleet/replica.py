@@ -79,17 +79,20 @@ class Replica:
         self.reachable: bool | None = None  # None: not asked yet
         self.error: str | None = None
         self.reset_seen = False  # the registry's epoch changed under this replica
+        self.seeded = 0  # vectors this replica put back into a registry that lost its data
         self.events_applied = 0
         self.resyncs = 0
         self.started_at = time.time()
         self._last_contact = -1e9
-        self._known: dict[str, int] = {}  # id -> the newest version this process applied or saw deleted
+        # id -> (the newest version this process applied or saw deleted, whether that was a deletion)
+        self._known: dict[str, tuple[int, bool]] = {}
         self._rules: Rules | None = None
         self._reconnected = False
         self._epoch_checked = -1e9
         self._collected = time.monotonic()  # the first collection a while after start
         self.collect_every_s = 60.0
         self.block_ms = 1000
+        self.batch = 256  # events read at once
         # Set to end ``follow`` after its current read: redis-py 8.1 has been seen to swallow a cancellation that
         # arrives during a blocking XREAD, so the follower is stopped this way, not cancelled (``stop_tasks``).
         self.stopping = False
@@ -118,19 +121,28 @@ class Replica:
         self._contact()
         return result
 
+    def _progress(self) -> dict[str, Any]:
+        """The follower's progress, as ``/steer/slots`` and the heartbeat report it."""
+        return {"position": self.position, "events_applied": self.events_applied, "resyncs": self.resyncs,
+                "reset": self.reset_seen, "seeded": self.seeded}
+
     async def status(self) -> dict[str, Any]:
-        """What ``/steer/slots`` says of the registry. An API server without the follower asks Redis (a PING)
-        when it has not heard from it for a while."""
-        if time.monotonic() - self._last_contact > 2 * self.registry.config.heartbeat_s:
+        """What ``/steer/slots`` says of the registry. An API server without the follower reports the follower's
+        progress from this replica's last heartbeat (a GET, which also tells whether Redis answers)."""
+        progress = self._progress()
+        if not self.follower:
+            try:
+                beat = await self._do(self.registry.replica_state(self.replica_id))
+                progress = {k: beat.get(k, v) for k, v in progress.items()} if beat else progress
+            except Unavailable:
+                pass
+        elif time.monotonic() - self._last_contact > 2 * self.registry.config.heartbeat_s:
             try:
                 await self._do(self.registry.ping())
             except Unavailable:
                 pass
-        return {
-            "kind": "redis", "url": self.registry.display_url, "reachable": bool(self.reachable), "error": self.error,
-            "replica": self.replica_id, "position": self.position, "events_applied": self.events_applied,
-            "resyncs": self.resyncs, "reset": self.reset_seen,
-        }
+        return {"kind": "redis", "url": self.registry.display_url, "reachable": bool(self.reachable),
+                "error": self.error, "replica": self.replica_id, **progress}
 
     # -- registration and deletion -----------------------------------------------------------------------------
 
@@ -150,7 +162,7 @@ class Replica:
         checked = blobs.check(payload, model.n_layers, model.hidden_size, model.dtype)
         await self._do(self.registry.put_blob(checked.sha256, blobs.encode(checked.payload)))
         status, version, previous = await self._do(
-            self.registry.register(vector_id, checked.sha256, replace, floor=self._known.get(vector_id, 0))
+            self.registry.register(vector_id, checked.sha256, replace, floor=self._known_version(vector_id))
         )
         if status == 409:
             raise HotwireError(
@@ -176,7 +188,7 @@ class Replica:
         if deleted is None:
             raise HotwireError(404, "unknown_vector", f"unknown steering vector {vector_id!r}", "id")
         version, _ = deleted
-        self._note(vector_id, version)
+        self._note(vector_id, version, deleted=True)
         try:
             return await engine.unregister(vector_id, version)
         except HotwireError as exc:
@@ -184,8 +196,13 @@ class Replica:
                          vector_id, version, exc.message)
             return 0
 
-    def _note(self, vector_id: str, version: int) -> None:
-        self._known[vector_id] = max(version, self._known.get(vector_id, 0))
+    def _note(self, vector_id: str, version: int, deleted: bool = False) -> None:
+        known = self._known.get(vector_id, (0, False))
+        if version > known[0] or (version == known[0] and deleted):
+            self._known[vector_id] = (version, deleted)
+
+    def _known_version(self, vector_id: str) -> int:
+        return self._known.get(vector_id, (0, False))[0]
 
     # -- the follower ------------------------------------------------------------------------------------------
 
@@ -200,15 +217,10 @@ class Replica:
                 continue
             try:
                 await self.sync(engine)
-                events = await self._do(self.registry.read_events(self.position or "0-0", self.block_ms))
-                changed = False
-                for event in events:
-                    changed |= await self._apply(engine, event)
-                    self.position = event.stream_id
-                    self.events_applied += 1
-                if changed:
+                events = await self._do(self.registry.read_events(self.position or "0-0", self.block_ms, self.batch))
+                if await self._apply_all(engine, events):
                     await self._on_change(engine)
-                await self._collect_blobs()
+                await self._collect()
                 backoff = 0.05
             except Unavailable:
                 await asyncio.sleep(backoff)
@@ -220,15 +232,18 @@ class Replica:
                 logger.exception("hotwire: the fleet follower failed; retrying in 1 s")
                 await asyncio.sleep(1.0)
 
-    async def _collect_blobs(self) -> None:
+    async def _collect(self) -> None:
         """Every ``collect_every_s``: delete the blobs no current version has used for the grace period
-        (``HOTWIRE_REGISTRY_BLOB_GRACE_S``). Every follower does it; the registry's script makes that safe."""
+        (``HOTWIRE_REGISTRY_BLOB_GRACE_S``), and forget the retired versions whose retention is over. Every
+        follower does it; the registry's scripts make that safe."""
         if time.monotonic() - self._collected < self.collect_every_s:
             return
         self._collected = time.monotonic()
         deleted = await self._do(self.registry.collect_blobs(self.registry.config.blob_grace_s))
         if deleted:
             logger.info("hotwire: collected %d blob(s) no current vector version uses from the registry", deleted)
+        while await self._do(self.registry.forget_retired(time.time() - self.registry.config.retain_s)) >= 1000:
+            pass  # a backlog: the script forgets 1000 at a time
 
     async def sync(self, engine: HotwireEngine) -> None:
         """Resync when needed: at start, after the stream was trimmed past this replica's position while it was
@@ -244,18 +259,39 @@ class Replica:
         if self.epoch is not None and epoch != self.epoch:
             self.reset_seen = True
             logger.error("hotwire: the vector registry at %s lost hotwire's data (its epoch changed): this replica "
-                         "keeps serving the vectors it holds and follows new registrations", self.registry.display_url)
+                         "keeps serving the vectors it holds and puts them back", self.registry.display_url)
+            await self.seed(engine)
         self.epoch = epoch
-        await self.resync(engine, delete=not self.reset_seen)
+        await self.resync(engine)
+
+    async def seed(self, engine: HotwireEngine) -> None:
+        """Put the current versions this engine holds back into a registry that lost its data (every replica
+        does; the registry keeps the newest version of each id and anything registered or deleted since)."""
+        held = await engine.vectors()
+        seeded = 0
+        for m in held:
+            try:
+                meta, payload = await engine.export(m.id, m.version)
+            except HotwireError as exc:
+                if exc.status != 404:
+                    raise
+                continue  # deleted meanwhile
+            await self._do(self.registry.put_blob(meta.sha256, blobs.encode(payload)))
+            if await self._do(self.registry.seed(meta.id, meta.version, meta.sha256)):
+                seeded += 1
+                self.seeded += 1
+        logger.warning("hotwire: put %d of the %d vectors this replica holds back into the registry at %s (the "
+                       "others it had already from another replica)", seeded, len(held), self.registry.display_url)
 
     async def resync(self, engine: HotwireEngine, delete: bool = True) -> None:
-        """Make the engine hold the registry's current versions: register what it lacks, and with ``delete``
-        delete what the registry no longer has. The engine is read first, then the stream's position, then
-        the current versions, so nothing registered meanwhile is deleted and nothing is skipped (what the
-        stream repeats changes nothing)."""
+        """Make the engine hold the registry's current versions and the versions retired within the retention:
+        register what it lacks, and with ``delete`` delete what the registry no longer has. The engine is read
+        first, then the stream's position, then the registry, so nothing registered meanwhile is deleted and
+        nothing is skipped (what the stream repeats changes nothing)."""
         local = {m.id: (m.version, m.sha256) for m in await engine.vectors()}
         position = await self._do(self.registry.last_event_id())
         remote = await self._do(self.registry.current())
+        retired = await self._do(self.registry.retired_since(time.time() - self.registry.config.retain_s))
         changed = False
         for vector_id, (version, sha) in remote.items():
             held = local.get(vector_id)
@@ -270,8 +306,11 @@ class Replica:
             for vector_id, (version, _) in local.items():
                 if vector_id not in remote:
                     await engine.unregister(vector_id, version)
-                    self._note(vector_id, version)
+                    self._note(vector_id, version, deleted=True)
                     changed = True
+        for (vector_id, version), (sha, at) in retired.items():
+            if local.get(vector_id, (0, ""))[0] != version:
+                await self._register_event(engine, vector_id, version, sha, retired_at=at)
         self.position = position
         self.resyncs += 1
         logger.info("hotwire: synced with the vector registry at %s (%d vectors, stream at %s)",
@@ -279,20 +318,48 @@ class Replica:
         if changed:
             await self._on_change(engine)
 
+    async def _apply_all(self, engine: HotwireEngine, events: list[Event]) -> bool:
+        """Apply events in order; returns whether the engine's current versions changed. A registration that a
+        later event of the same batch supersedes is held as a retired version from the moment the fleet retired
+        it (or not at all when its retention is over): after a long gap, versions long gone are not fetched."""
+        last = {event.vector_id: i for i, event in enumerate(events)}
+        changed = False
+        for i, event in enumerate(events):
+            if event.op == "register" and last[event.vector_id] != i:
+                await self._register_retired(engine, event.vector_id, event.version)
+            else:
+                changed |= await self._apply(engine, event)
+            self.position = event.stream_id
+            self.events_applied += 1
+        return changed
+
     async def _apply(self, engine: HotwireEngine, event: Event) -> bool:
-        """One event; returns whether it changed the engine."""
-        if event.version <= self._known.get(event.vector_id, 0) and event.op == "register":
-            return False  # applied already, or older than a version or deletion applied since
+        """One event; returns whether it changed the engine's current versions."""
         if event.op == "register":
-            return await self._register_event(engine, event.vector_id, event.version, event.sha256)
+            version, deleted = self._known.get(event.vector_id, (0, False))
+            if event.version > version:
+                return await self._register_event(engine, event.vector_id, event.version, event.sha256)
+            if event.version < version or deleted:  # a newer version or its deletion came first (this replica's own)
+                await self._register_retired(engine, event.vector_id, event.version)
+            return False  # else applied already (this replica registered it)
         if event.op == "delete":
-            self._note(event.vector_id, event.version)
+            self._note(event.vector_id, event.version, deleted=True)
             await engine.unregister(event.vector_id, event.version)
             return True
         logger.warning("hotwire: unknown registry event %r ignored", event.op)
         return False
 
-    async def _register_event(self, engine: HotwireEngine, vector_id: str, version: int, sha: str) -> bool:
+    async def _register_retired(self, engine: HotwireEngine, vector_id: str, version: int) -> None:
+        """Hold a version the fleet retired (replaced or deleted) for the rest of its retention, so a request
+        pinned to it is served here as on the replicas that held it; nothing when it was never retired or its
+        retention is over."""
+        retired = await self._do(self.registry.retired_version(vector_id, version))
+        if retired is not None and time.time() - retired[1] < self.registry.config.retain_s:
+            await self._register_event(engine, vector_id, version, retired[0], retired_at=retired[1])
+
+    async def _register_event(
+        self, engine: HotwireEngine, vector_id: str, version: int, sha: str, retired_at: float | None = None
+    ) -> bool:
         blob = await self._do(self.registry.get_blob(sha))
         if blob is None:
             live = await self._do(self.registry.current_version(vector_id))
@@ -307,14 +374,17 @@ class Replica:
             logger.error("hotwire: the registry's blob for %s@%d is unreadable (%s): skipped", vector_id, version, exc)
             return False
         try:
-            _, meta = await engine.register(vector_id, payload, True, version)
+            _, meta = await engine.register(vector_id, payload, True, version, retired_at)
         except HotwireError as exc:
             if exc.code == "engine_unavailable":
                 raise
-            logger.error("hotwire: this engine refused %s@%d from the registry: %s", vector_id, version, exc.message)
+            if exc.code != "version_gone":  # a retired version whose retention ended meanwhile: nothing to hold
+                logger.error("hotwire: this engine refused %s@%d from the registry: %s", vector_id, version, exc.message)
             return False
         if meta.sha256 != sha:
             logger.error("hotwire: %s@%d decoded to %s, not the registry's %s", vector_id, version, meta.sha256[:12], sha[:12])
+        if retired_at is not None:
+            return False
         self._note(vector_id, version)
         return True
 
@@ -326,8 +396,7 @@ class Replica:
         vectors = await engine.vectors()
         return {
             "replica": self.replica_id, "url": self.url, "pid": os.getpid(), "started_at": self.started_at,
-            "sent_at": time.time(), "position": self.position, "events_applied": self.events_applied,
-            "resyncs": self.resyncs,
+            "sent_at": time.time(), **self._progress(),
             "slots": {k: getattr(stats, k) for k in ("capacity", "used", "pinned", "free", "evictions",
                                                      "steered_requests", "deferred", "engines")},
             "refused": stats.refused,

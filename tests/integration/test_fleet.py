@@ -2,8 +2,11 @@
 one real redis-server (``HOTWIRE_REGISTRY``): what is registered, replaced or deleted on either is served by both; one id registered
 on both at once gets one 201 and one 409; replica B starts after vectors were registered on A and serves them;
 Redis killed mid-traffic leaves both steering while registration answers 503, and both recover when it returns;
-B restarted while Redis holds 500 more vectors catches up with all of them. Replica A runs two API servers
-(``--api-server-count 2``: one follows the registry, both register through it).
+a Redis that comes back empty gets every vector back from the replicas; B restarted while Redis holds 500 more
+vectors catches up with all of them, and serves a request pinned to a version replaced before it started.
+Replica A runs data parallel (``--data-parallel-size 2``: two engine cores, and two API servers, one of which
+follows the registry; both register through it): requests placed on each engine core steer alike. With one GPU
+(data parallelism needs one per engine core) A runs one engine core and ``--api-server-count 2`` instead.
 
 The propagation latency (registration answered on A -> B serves the new version) is measured over
 ``HOTWIRE_FLEET_LATENCY_N`` replaces (default 30); with ``HOTWIRE_FLEET_RESULTS=<file.json>`` the figures are
@@ -43,10 +46,19 @@ class Fleet:
         self.http = {name: httpx.Client(base_url=srv.url, timeout=120) for name, srv in (("a", a), ("b", b))}
 
 
-def _server(tiny_model: Path, workdir: Path, redis: RedisServer, replica: str, api_servers: int = 1) -> VllmServer:
-    env = {"HOTWIRE_REGISTRY": redis.url, "HOTWIRE_REPLICA_ID": replica, "HOTWIRE_FLEET_HEARTBEAT_S": "0.5"}
+# Data parallelism puts each engine core on its own GPU: on a machine with one GPU, replica A has one engine core.
+A_ENGINES = 1 if torch.cuda.is_available() and torch.cuda.device_count() < 2 else 2
+
+
+def _server(tiny_model: Path, workdir: Path, redis: RedisServer, replica: str, engines: int = 1,
+            api_servers: int = 1) -> VllmServer:
+    # Replaced versions are retained for 15 min: the test that pins one runs minutes after the replace.
+    env = {"HOTWIRE_REGISTRY": redis.url, "HOTWIRE_REPLICA_ID": replica, "HOTWIRE_FLEET_HEARTBEAT_S": "0.5",
+           "HOTWIRE_RETAIN_S": "900"}
     # Eager on the CPU (start time); on a GPU the replicas capture CUDA graphs and share it (server_fixture.GPU_ARGS).
     args = [] if torch.cuda.is_available() else ["--enforce-eager"]
+    if engines > 1:  # `vllm serve` itself: it starts one API server per engine core by default
+        return VllmServer(tiny_model, workdir, env, [*args, "--data-parallel-size", str(engines)], cli=True)
     if api_servers > 1:  # `vllm serve` itself: only it starts several API servers
         return VllmServer(tiny_model, workdir, env, [*args, "--api-server-count", str(api_servers)], cli=True)
     return VllmServer(tiny_model, workdir, env, args)
@@ -62,7 +74,7 @@ def fleet(tiny_model, tmp_path_factory) -> Iterator[Fleet]:
     root = tmp_path_factory.mktemp("fleet")
     redis = RedisServer(root / "redis")
     redis.start()
-    a = _server(tiny_model, root / "a", redis, "a", api_servers=2)  # one follower, two API servers registering
+    a = _server(tiny_model, root / "a", redis, "a", engines=A_ENGINES, api_servers=2)  # two API servers either way
     b = _server(tiny_model, root / "b", redis, "b")
     try:
         a.start()
@@ -79,11 +91,16 @@ def fleet(tiny_model, tmp_path_factory) -> Iterator[Fleet]:
         redis.stop()
 
 
-def completion(http: httpx.Client, model: str, vector_id: str | None = None) -> httpx.Response:
+def completion(
+    http: httpx.Client, model: str, vector_id: str | None = None, rank: int | None = None, version: int | None = None
+) -> httpx.Response:
+    """``rank``: the engine core of a data-parallel replica to run on; ``version``: the vector version to pin."""
     req = {"model": model, "prompt": PROMPT, "max_tokens": 4, "temperature": 0, "logprobs": 1}
     if vector_id is not None:
-        req["vllm_xargs"] = {"hotwire": json.dumps({"id": vector_id, "layer": LAYER, "scale": 8.0})}
-    return http.post("/v1/completions", json=req)
+        spec = {"id": vector_id, "layer": LAYER, "scale": 8.0, **({"version": version} if version else {})}
+        req["vllm_xargs"] = {"hotwire": json.dumps(spec)}
+    headers = {"X-data-parallel-rank": str(rank)} if rank is not None else {}
+    return http.post("/v1/completions", json=req, headers=headers)
 
 
 def held(http: httpx.Client, vector_id: str) -> tuple[int, str] | None:
@@ -132,6 +149,27 @@ def test_registered_on_a_steers_on_b_and_changes_follow(fleet: Fleet, tiny_model
     wait_for(lambda: held(b, "joy") is None, 5)
     wait_for(lambda: completion(b, model, "joy").status_code == 400, 5)  # B's catalog copy follows its engine
     assert b.delete("/steer/vectors/joy").json()["error"]["code"] == "unknown_vector"
+
+
+@pytest.mark.skipif(A_ENGINES < 2, reason="data parallelism needs a GPU per engine core; this machine has one")
+def test_registered_on_b_steers_on_both_engine_cores_of_a(fleet: Fleet, tiny_model) -> None:
+    a, b, model = fleet.http["a"], fleet.http["b"], str(tiny_model)
+    assert a.get("/steer/slots").json()["engines"] == 2
+    for version, seed in ((1, 30), (2, 31)):
+        r = b.post("/steer/vectors?replace=true", json=body("dp", seed))
+        assert r.status_code in (200, 201) and r.json()["version"] == version, r.text
+        on_b = completion(b, model, "dp")
+        receipt = f"dp@{version}:L2x8"
+        assert on_b.headers["x-hotwire-receipt"] == receipt
+        wait_for(lambda: all(completion(a, model, "dp", rank).headers.get("x-hotwire-receipt") == receipt
+                             for rank in (0, 1)), 5)
+        for rank in (0, 1):
+            on_a = completion(a, model, "dp", rank)
+            assert max_diff(logprobs(on_a), logprobs(on_b)) < 1e-5, f"A's engine core {rank} steered differently"
+    rows = [row for row in a.get("/steer/slots").json()["rows"] if row["id"] == "dp"]
+    assert {row["engine"] for row in rows if row["version"] == 2} == {0, 1}  # each engine core's own bank
+    assert b.delete("/steer/vectors/dp").status_code == 204
+    wait_for(lambda: all(completion(a, model, "dp", rank).status_code == 400 for rank in (0, 1)), 5)
 
 
 def test_one_id_registered_on_both_at_once(fleet: Fleet) -> None:
@@ -190,6 +228,33 @@ def test_redis_down_mid_traffic(fleet: Fleet, tiny_model) -> None:
     assert held(a, "steady") == held(b, "steady")
 
 
+def registry_current(fleet: Fleet) -> dict[str, tuple[int, str]]:
+    import redis
+
+    from hotwire_api.fleet.config import Keys
+
+    with redis.Redis.from_url(fleet.redis.url) as client:
+        raw = client.hgetall(Keys.for_model(str(fleet.a.model)).current)
+    return {k.decode(): (int(v.split(b":")[0]), v.split(b":")[1].decode()) for k, v in raw.items()}
+
+
+def test_a_redis_that_lost_its_data_gets_it_back_from_the_replicas(fleet: Fleet, tiny_model) -> None:
+    a, b, model = fleet.http["a"], fleet.http["b"], str(tiny_model)
+    assert a.post("/steer/vectors", json=body("survivor", 40)).status_code == 201
+    wait_for(lambda: listing(b) == listing(a), 5)
+    before, steered = listing(a), logprobs(completion(b, model, "survivor"))
+    assert registry_current(fleet) == before
+    fleet.redis.restart(wipe=True)  # back empty: no append-only file
+    wait_for(lambda: registry_current(fleet) == before, 10)  # put back, same versions and hashes
+    assert listing(a) == listing(b) == before
+    assert max_diff(logprobs(completion(b, model, "survivor")), steered) < 1e-5
+    for client in (a, b):  # A's two API servers alike: the one without the follower reads its heartbeat
+        wait_for(lambda: all(client.get("/steer/slots").json()["registry"]["reset"] for _ in range(4)), 5)
+    r = b.post("/steer/vectors?replace=true", json=body("survivor", 41))
+    assert r.status_code == 200 and r.json()["version"] == 2, r.text  # numbering goes on
+    wait_for(lambda: held(a, "survivor") == (2, r.json()["sha256"]), 5)
+
+
 def test_propagation_latency(fleet: Fleet) -> None:
     a, b = fleet.http["a"], fleet.http["b"]
     n = int(os.environ.get("HOTWIRE_FLEET_LATENCY_N", "30"))
@@ -238,6 +303,10 @@ def test_a_replica_restarted_while_redis_holds_500_vectors(fleet: Fleet, tiny_mo
     """B restarts (a new process, new port) while Redis holds 500 more vectors: it catches up with every one of
     them at start, both replicas list exactly the same ids, versions and hashes, and both steer alike."""
     a, model = fleet.http["a"], str(tiny_model)
+    assert a.post("/steer/vectors", json=body("pinned", 50)).status_code == 201
+    assert a.post("/steer/vectors?replace=true", json=body("pinned", 51)).status_code == 200
+    pinned_on_a = completion(a, model, "pinned", version=1)
+    assert pinned_on_a.headers["x-hotwire-receipt"] == "pinned@1:L2x8"
     ids = [f"bulk{i:03d}" for i in range(500)]
     for i, vector_id in enumerate(ids):
         assert a.post("/steer/vectors", json=body(vector_id, 1000 + i)).status_code == 201
@@ -252,3 +321,8 @@ def test_a_replica_restarted_while_redis_holds_500_vectors(fleet: Fleet, tiny_mo
         on_a, on_b = completion(a, model, vector_id), completion(b, model, vector_id)
         assert on_a.headers["x-hotwire-receipt"] == on_b.headers["x-hotwire-receipt"] == f"{vector_id}@1:L2x8"
         assert max_diff(logprobs(on_b), logprobs(on_a)) < 1e-5
+    # B never held pinned@1 (replaced before it started): within the retention it serves a request pinned to it
+    pinned_on_b = completion(b, model, "pinned", version=1)
+    assert pinned_on_b.status_code == 200, pinned_on_b.text
+    assert pinned_on_b.headers["x-hotwire-receipt"] == "pinned@1:L2x8"
+    assert max_diff(logprobs(pinned_on_b), logprobs(pinned_on_a)) < 1e-5

@@ -366,7 +366,7 @@ def test_registry_down_keeps_serving_and_refuses_changes(tmp_path) -> None:
         server.stop()
 
 
-def test_a_wiped_registry_is_noticed_and_nothing_is_dropped(tmp_path) -> None:
+def test_a_wiped_registry_is_put_back_from_the_replicas(tmp_path) -> None:
     from redis_fixture import RedisServer
 
     server = RedisServer(tmp_path / "redis", appendonly=False)
@@ -375,20 +375,115 @@ def test_a_wiped_registry_is_noticed_and_nothing_is_dropped(tmp_path) -> None:
     async def body() -> None:
         async with started(server.url, "a", "b") as (a, b):
             await a.replica.register(a.engine, "kept", vector(1), False)
-            await a.replica.register(a.engine, "kept", vector(2), True)
-            await eventually(lambda: b.client.held().get("kept", (0,))[0] == 2, 1.0)
-            await eventually(lambda: b.replica.position is not None, 1.0)
+            _, kept = await a.replica.register(a.engine, "kept", vector(2), True)
+            rows = vector(3, rows=2)  # rows for layers 3 and 1: put back in layer order, under the same content hash
+            layered = VectorPayload(rows.data, rows.dtype, rows.shape, (3, 1))
+            _, other = await b.replica.register(b.engine, "other", layered, False)
+            await eventually(lambda: a.client.held() == b.client.held() and len(a.client.held()) == 2, 1.0)
+            await eventually(lambda: a.replica.position is not None and b.replica.position is not None, 1.0)
             server.restart()  # no persistence: hotwire's keys are gone
-            await eventually(lambda: b.replica.reset_seen, 5.0)
-            assert b.client.held()["kept"][0] == 2  # still served
-            _, meta = await a.replica.register(a.engine, "kept", vector(3), True)
-            assert meta.version == 3  # numbered past what this replica held, never a repeat
-            await eventually(lambda: b.client.held().get("kept") == (3, meta.sha256), 2.0)
+            await eventually(lambda: a.replica.reset_seen and b.replica.reset_seen, 5.0)
+            assert a.client.held()["kept"] == (2, kept.sha256)  # served all along
+            wanted = {"kept": (2, kept.sha256), "other": (1, other.sha256)}
+
+            async def put_back() -> bool:
+                return await a.registry.current() == wanted
+
+            await eventually(put_back, 3.0)  # the same versions and bytes, put back by the replicas
+            await eventually(lambda: a.replica.resyncs == b.replica.resyncs == 2, 2.0)
+            assert a.replica.seeded + b.replica.seeded == 2  # each id once, whoever came first
+            late = Node(server.url, "late")  # a replica started after the loss gets everything
+            late.start()
+            await eventually(lambda: late.client.held() == a.client.held(), 3.0)
+            await late.close()
+            _, meta = await a.replica.register(a.engine, "kept", vector(4), True)
+            assert meta.version == 3  # numbered past the versions put back, never a repeat
+            assert await b.replica.unregister(b.engine, "other") == 0  # a deletion after the loss holds
+            await eventually(lambda: b.client.held() == {"kept": (3, meta.sha256)} == a.client.held(), 2.0)
 
     try:
         run(body)
     finally:
         server.stop()
+
+
+def test_a_version_retired_before_a_replica_started_is_held_there_for_its_retention(redis_server) -> None:
+    async def body() -> None:
+        async with started(redis_server.url, "a") as (a,):
+            _, v1 = await a.replica.register(a.engine, "r", vector(1), False)
+            await a.replica.register(a.engine, "r", vector(2), True)
+            _, gone = await a.replica.register(a.engine, "d", vector(3), False)
+            await a.replica.unregister(a.engine, "d")
+            late = Node(redis_server.url, "late")  # never held r@1 or d@1
+            late.start()
+            await eventually(lambda: late.replica.resyncs == 1, 2.0)
+            held = late.client.controller.registry
+            assert held.lookup("r", 1) is not None and held.lookup("r", 1).sha256 == v1.sha256
+            assert held.lookup("d", 1) is not None and held.lookup("d", 1).sha256 == gone.sha256
+            assert late.client.held() == a.client.held() == {"r": (2, late.client.held()["r"][1])}
+            spec = '{"id": "r", "layer": 1, "scale": 2, "version": 1}'
+            assert late.client.controller.check(spec, slots=False)["receipt"] == "r@1:L1x2"
+            # retired at the fleet's time, not when this replica heard of it
+            assert abs(held.lookup("r", 1).retired_at - a.client.controller.registry.lookup("r", 1).retired_at) < 1.0
+            await late.close()
+
+    run(body)
+
+
+def test_a_version_heard_of_after_this_replicas_own_newer_one_is_retained(redis_server) -> None:
+    async def body() -> None:
+        async with started(redis_server.url, "a", "b") as (a, b):
+            await eventually(lambda: b.replica.position is not None, 2.0)
+            await b.stop()  # b's follower lags behind a's registration
+            _, v1 = await a.replica.register(a.engine, "x", vector(1), False)
+            _, v2 = await b.replica.register(b.engine, "x", vector(2), True)  # b registers version 2 itself
+            _, y1 = await a.replica.register(a.engine, "y", vector(3), False)
+            await b.replica.unregister(b.engine, "y")  # and deletes y before it heard of it
+            b.replica.batch = 1  # each event alone: no later event of the batch says x@1 was superseded
+            b.start()
+            registry = b.client.controller.registry
+            await eventually(lambda: registry.lookup("x", 1) is not None and registry.lookup("y", 1) is not None, 2.0)
+            assert registry.lookup("x", 1).sha256 == v1.sha256 and registry.current("x").version == 2
+            assert registry.lookup("y", 1).sha256 == y1.sha256 and registry.current("y") is None
+
+    run(body)
+
+
+def test_versions_past_their_retention_are_neither_fetched_nor_remembered(redis_server) -> None:
+    async def body() -> None:
+        async with started(redis_server.url, "a", "b") as (a, b):
+            await eventually(lambda: b.replica.position is not None, 2.0)
+            await b.stop()
+            for seed in (1, 2, 3):
+                await a.replica.register(a.engine, "z", vector(seed), True)
+            import redis.asyncio as aioredis
+
+            raw = aioredis.from_url(redis_server.url)
+            keys = a.registry.keys
+            old = time.time() - 61  # z@1 retired past HOTWIRE_RETAIN_S (60): nothing left of it
+            sha1 = (await a.registry.retired_version("z", 1))[0]
+            await raw.hset(keys.retired, "z@1", f"{sha1}:{old}")
+            await raw.zadd(keys.retired_since, {"z@1": old})
+            fetched: list[str] = []
+            get_blob = b.registry.get_blob
+
+            async def counted(sha: str):
+                fetched.append(sha)
+                return await get_blob(sha)
+
+            b.registry.get_blob = counted
+            b.start()  # reads z@1, z@2, z@3 in one batch: z@1 and z@2 are superseded within it
+            await eventually(lambda: b.client.held() == a.client.held(), 2.0)
+            registry = b.client.controller.registry
+            assert registry.lookup("z", 1) is None and registry.lookup("z", 2) is not None
+            assert sha1 not in fetched and len(fetched) == 2
+            assert set(await a.registry.retired_since(0)) == {("z", 1), ("z", 2)}
+            a.replica.collect_every_s = 0.0
+            await a.replica._collect()
+            assert set(await a.registry.retired_since(0)) == {("z", 2)}  # z@1's retention is over: forgotten
+            await raw.aclose()
+
+    run(body)
 
 
 def test_heartbeats_make_the_fleet_view_and_expire(redis_server) -> None:
