@@ -45,6 +45,7 @@ __all__ = ["FLEET", "Fleet", "Replica", "stop_tasks"]
 logger = logging.getLogger(__name__)
 
 EngineGetter = Callable[[], "HotwireEngine | None"]
+CATCH_UP_S = 120.0  # the longest an API server's startup waits for its replica to catch up with the registry
 
 
 async def _refresh_catalog(engine: HotwireEngine) -> None:
@@ -232,6 +233,33 @@ class Replica:
                 logger.exception("hotwire: the fleet follower failed; retrying in 1 s")
                 await asyncio.sleep(1.0)
 
+    async def catch_up(self, timeout_s: float = CATCH_UP_S) -> None:
+        """Before this API server takes requests (its app's startup; vLLM's ``/health`` answers only after it):
+        the follower's first sync, or, in another API server of the replica, a wait until the engine holds every
+        current version of the registry. So a replica that starts or restarts behind a load balancer never
+        answers "unknown steering vector" for one the fleet has. A registry that does not answer is not waited
+        for (the follower catches up once it does), nor one that takes longer than ``timeout_s``."""
+        engine = self._engine()
+        if engine is None:
+            return
+        started = time.monotonic()
+        try:
+            await asyncio.wait_for(self.sync(engine) if self.follower else self._engine_holds_registry(engine),
+                                   timeout_s)
+            logger.info("hotwire: caught up with the vector registry in %.2f s", time.monotonic() - started)
+        except (HotwireError, asyncio.TimeoutError) as exc:
+            reason = exc.message if isinstance(exc, HotwireError) else f"not within {timeout_s:.0f} s"
+            logger.warning("hotwire: taking requests before catching up with the vector registry (%s); the "
+                           "vectors it holds follow", reason)
+
+    async def _engine_holds_registry(self, engine: HotwireEngine) -> None:
+        while True:
+            remote = await self._do(self.registry.current())
+            held = {m.id: m.version for m in await engine.vectors()}
+            if all(held.get(vector_id, 0) >= version for vector_id, (version, _) in remote.items()):
+                return
+            await asyncio.sleep(0.05)
+
     async def _collect(self) -> None:
         """Every ``collect_every_s``: delete the blobs no current version has used for the grace period
         (``HOTWIRE_REGISTRY_BLOB_GRACE_S``), and forget the retired versions whose retention is over. Every
@@ -308,13 +336,15 @@ class Replica:
                     await engine.unregister(vector_id, version)
                     self._note(vector_id, version, deleted=True)
                     changed = True
+        held_retired = 0
         for (vector_id, version), (sha, at) in retired.items():
             if local.get(vector_id, (0, ""))[0] != version:
                 await self._register_event(engine, vector_id, version, sha, retired_at=at)
+                held_retired += 1
         self.position = position
         self.resyncs += 1
-        logger.info("hotwire: synced with the vector registry at %s (%d vectors, stream at %s)",
-                    self.registry.display_url, len(remote), position)
+        logger.info("hotwire: synced with the vector registry at %s (%d vectors, %d retired versions within "
+                    "their retention, stream at %s)", self.registry.display_url, len(remote), held_retired, position)
         if changed:
             await self._on_change(engine)
 
@@ -378,7 +408,9 @@ class Replica:
         except HotwireError as exc:
             if exc.code == "engine_unavailable":
                 raise
-            if exc.code != "version_gone":  # a retired version whose retention ended meanwhile: nothing to hold
+            if exc.code == "version_gone":  # a retired version whose retention ended meanwhile: nothing to hold
+                logger.info("hotwire: %s@%d not held: %s", vector_id, version, exc.message)
+            else:
                 logger.error("hotwire: this engine refused %s@%d from the registry: %s", vector_id, version, exc.message)
             return False
         if meta.sha256 != sha:
@@ -492,10 +524,11 @@ class Fleet:
         registry = RedisRegistry(self.config, Keys.for_model(_model_name(app)))
         self.replica = Replica(registry, engine, self.config.replica_id or default_replica_id(app),
                                os.environ.get("HOTWIRE_REPLICA_URL") or None, follower=is_first_api_server())
-        if self.replica.follower:
-            self._tasks = [asyncio.create_task(self.replica.follow()), asyncio.create_task(self.replica.heartbeat())]
         logger.info("hotwire: vector registry %s (replica %s%s)", registry.display_url, self.replica.replica_id,
                     ", following its events" if self.replica.follower else "")
+        await self.replica.catch_up()
+        if self.replica.follower:
+            self._tasks = [asyncio.create_task(self.replica.follow()), asyncio.create_task(self.replica.heartbeat())]
 
     async def stop(self) -> None:
         if self.replica is not None:

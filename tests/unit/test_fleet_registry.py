@@ -305,6 +305,32 @@ def test_a_late_replica_and_a_returning_follower_catch_up(redis_server) -> None:
     run(body)
 
 
+def test_an_api_server_starts_taking_requests_once_its_replica_caught_up(redis_server) -> None:
+    async def body() -> None:
+        async with started(redis_server.url, "a") as (a,):
+            for i in range(3):
+                await a.replica.register(a.engine, f"c{i}", vector(i), False)
+            late = Node(redis_server.url, "late")  # not following yet: catch_up alone must fill its engine
+            await late.replica.catch_up()
+            assert late.client.held() == a.client.held() and late.replica.resyncs == 1
+            # another API server of a replica whose engine lacks the vectors: it waits for its follower
+            other = Node(redis_server.url, "other")
+            waiter = Replica(other.registry, lambda: other.engine, "other", follower=False, on_change=_nothing)
+            start = time.monotonic()
+            await waiter.catch_up(timeout_s=0.3)  # nobody fills the engine: it gives up, it does not raise
+            assert 0.3 <= time.monotonic() - start < 1.0 and other.client.held() == {}
+            waiting = asyncio.create_task(waiter.catch_up())
+            await asyncio.sleep(0.2)
+            assert not waiting.done()
+            other.start()  # its follower syncs: the waiting API server goes on
+            await asyncio.wait_for(waiting, 3.0)
+            assert other.client.held() == a.client.held()
+            await late.close()
+            await other.close()
+
+    run(body)
+
+
 def test_resync_when_the_stream_was_trimmed_past_a_replica(redis_server) -> None:
     async def body() -> None:
         async with started(redis_server.url, "a", "b") as (a, b):
