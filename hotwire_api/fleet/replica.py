@@ -11,13 +11,16 @@ registration (it is durable and numbered); the follower applies it once the engi
 The follower (the first API server of each replica: ``is_first_api_server``) tails the stream with a blocking
 ``XREAD`` from the last entry it applied and hands each event to the engine cores with its version; an event
 for a version the engine holds changes nothing, and the registry orders versions (an older one arriving late
-is only retained), so applying an event twice or late is harmless. It resyncs from the current versions at
-start, after a reconnect when the stream no longer holds the entries after its position (trimmed), and when the
-registry's epoch changed (Redis lost hotwire's keys): it registers what it lacks and deletes what Redis no longer
-has (never in the epoch case: it keeps serving what it holds). A registry that does not answer is retried with
-backoff; meanwhile the engine serves every vector it holds. Once a minute it also deletes the blobs no current
-version has used for ``HOTWIRE_REGISTRY_BLOB_GRACE_S`` (replaced, deleted, or the loser's of a 409): an event
-older than that whose blob is gone is skipped, as a later event superseded it.
+is only retained), so applying an event twice or late is harmless. A version the fleet retired (replaced or
+deleted) that this replica never held is held as retired for the rest of its retention, so a request pinned to
+it is served on every replica alike. It resyncs from the registry at start (before the API server takes
+requests: ``catch_up``), after a reconnect when the stream no longer holds the entries after its position
+(trimmed), and when the registry's epoch changed: it registers what it lacks and deletes what Redis no longer
+has. A Redis that lost hotwire's keys (a new epoch) first gets back the vectors this replica holds (``seed``).
+A registry that does not answer is retried with backoff; meanwhile the engine serves every vector it holds.
+Once a minute it also deletes the blobs no current version has used for ``HOTWIRE_REGISTRY_BLOB_GRACE_S``
+(replaced, deleted, or the loser's of a 409; an event older than that whose blob is gone is skipped, as a later
+event superseded it) and forgets the retired versions whose retention is over.
 """
 
 from __future__ import annotations
@@ -40,7 +43,7 @@ from hotwire_api.models import VectorMeta
 from hotwire_core.admission import Rules
 from hotwire_core.vllm_glue.api_server import is_first_api_server
 
-__all__ = ["FLEET", "Fleet", "Replica", "stop_tasks"]
+__all__ = ["FLEET", "Fleet", "Replica"]
 
 logger = logging.getLogger(__name__)
 
@@ -94,9 +97,12 @@ class Replica:
         self.collect_every_s = 60.0
         self.block_ms = 1000
         self.batch = 256  # events read at once
-        # Set to end ``follow`` after its current read: redis-py 8.1 has been seen to swallow a cancellation that
-        # arrives during a blocking XREAD, so the follower is stopped this way, not cancelled (``stop_tasks``).
+        # Set to end the follower after its current read and the heartbeat after its current write: redis-py 8.1
+        # has been seen to swallow a cancellation that arrives during a command (a blocking XREAD; a SET), so the
+        # tasks are stopped this way, cancelled only when they do not end (``stop_tasks``). ``_wake`` ends their
+        # pauses at once.
         self.stopping = False
+        self._wake = asyncio.Event()
 
     # -- reachability ------------------------------------------------------------------------------------------
 
@@ -207,14 +213,46 @@ class Replica:
 
     # -- the follower ------------------------------------------------------------------------------------------
 
-    async def follow(self) -> None:
-        """Apply the registry's events to the engine until cancelled (see the module docstring)."""
-        backoff = 0.05
+    def start_tasks(self, heartbeat: bool = True) -> list[asyncio.Task[None]]:
+        """Start the follower (and the heartbeat); :meth:`stop_tasks` ends them."""
         self.stopping = False
+        self._wake = asyncio.Event()
+        tasks = [asyncio.create_task(self.follow())]
+        if heartbeat:
+            tasks.append(asyncio.create_task(self.heartbeat()))
+        return tasks
+
+    async def stop_tasks(self, tasks: list[asyncio.Task[None]]) -> None:
+        """End the tasks :meth:`start_tasks` started: each at the end of the command it is in (the follower's
+        read: up to ``block_ms``), then whatever is left is cancelled; one that outlives that too is named in a
+        warning."""
+        self.stopping = True
+        self._wake.set()
+        if not tasks:
+            return
+        _, pending = await asyncio.wait(tasks, timeout=self.block_ms / 1000 + self.registry.config.timeout_s)
+        for task in pending:
+            task.cancel()
+        if pending:
+            _, left = await asyncio.wait(pending, timeout=1.0)
+            if left:
+                logger.warning("hotwire: %d fleet task(s) of replica %s did not stop (%s)", len(left),
+                               self.replica_id, ", ".join(t.get_coro().__qualname__ for t in left))
+
+    async def _pause(self, seconds: float) -> None:
+        """Sleep, unless the tasks are being stopped."""
+        try:
+            await asyncio.wait_for(self._wake.wait(), seconds)
+        except asyncio.TimeoutError:
+            pass
+
+    async def follow(self) -> None:
+        """Apply the registry's events to the engine until stopped (see the module docstring)."""
+        backoff = 0.05
         while not self.stopping:
             engine = self._engine()
             if engine is None:
-                await asyncio.sleep(0.5)
+                await self._pause(0.5)
                 continue
             try:
                 await self.sync(engine)
@@ -224,14 +262,14 @@ class Replica:
                 await self._collect()
                 backoff = 0.05
             except Unavailable:
-                await asyncio.sleep(backoff)
+                await self._pause(backoff)
                 backoff = min(2 * backoff, 2.0)
             except HotwireError as exc:  # the engine did not answer: the same events again later
                 logger.warning("hotwire: the fleet follower waits for the engine: %s", exc.message)
-                await asyncio.sleep(0.5)
+                await self._pause(0.5)
             except Exception:  # anything else must not end the follower: log it and go on from where it was
                 logger.exception("hotwire: the fleet follower failed; retrying in 1 s")
-                await asyncio.sleep(1.0)
+                await self._pause(1.0)
 
     async def catch_up(self, timeout_s: float = CATCH_UP_S) -> None:
         """Before this API server takes requests (its app's startup; vLLM's ``/health`` answers only after it):
@@ -311,9 +349,9 @@ class Replica:
         logger.warning("hotwire: put %d of the %d vectors this replica holds back into the registry at %s (the "
                        "others it had already from another replica)", seeded, len(held), self.registry.display_url)
 
-    async def resync(self, engine: HotwireEngine, delete: bool = True) -> None:
+    async def resync(self, engine: HotwireEngine) -> None:
         """Make the engine hold the registry's current versions and the versions retired within the retention:
-        register what it lacks, and with ``delete`` delete what the registry no longer has. The engine is read
+        register what it lacks, and delete what the registry no longer has. The engine is read
         first, then the stream's position, then the registry, so nothing registered meanwhile is deleted and
         nothing is skipped (what the stream repeats changes nothing)."""
         local = {m.id: (m.version, m.sha256) for m in await engine.vectors()}
@@ -330,12 +368,11 @@ class Replica:
                 self._note(vector_id, held[0])
                 continue
             changed |= await self._register_event(engine, vector_id, version, sha)
-        if delete:
-            for vector_id, (version, _) in local.items():
-                if vector_id not in remote:
-                    await engine.unregister(vector_id, version)
-                    self._note(vector_id, version, deleted=True)
-                    changed = True
+        for vector_id, (version, _) in local.items():
+            if vector_id not in remote:
+                await engine.unregister(vector_id, version)
+                self._note(vector_id, version, deleted=True)
+                changed = True
         held_retired = 0
         for (vector_id, version), (sha, at) in retired.items():
             if local.get(vector_id, (0, ""))[0] != version:
@@ -439,9 +476,9 @@ class Replica:
         }
 
     async def heartbeat(self) -> None:
-        """Put this replica's state in the registry every ``heartbeat_s`` until cancelled; it expires after three."""
+        """Put this replica's state in the registry every ``heartbeat_s`` until stopped; it expires after three."""
         interval = self.registry.config.heartbeat_s
-        while True:
+        while not self.stopping:
             engine = self._engine()
             if engine is not None:
                 try:
@@ -450,7 +487,7 @@ class Replica:
                     pass
                 except HotwireError as exc:
                     logger.debug("hotwire: heartbeat skipped: %s", exc.message)
-            await asyncio.sleep(interval)
+            await self._pause(interval)
 
     async def view(self) -> dict[str, Any]:
         """``GET /steer/fleet``: the registry, every live replica and the versions each one holds."""
@@ -468,18 +505,6 @@ class Replica:
             vectors.append({"id": vector_id, "version": version, "sha256": sha, "held_by": holders,
                             "missing_on": [r["replica"] for r in replicas if r["replica"] not in holders]})
         return {"registry": await self.status(), "vectors": vectors, "replicas": replicas}
-
-
-async def stop_tasks(replica: Replica, tasks: list[asyncio.Task[None]]) -> None:
-    """End the follower and heartbeat tasks: the follower at its next read's end (up to ``block_ms``), then
-    whatever is left is cancelled."""
-    replica.stopping = True
-    if tasks:
-        _, pending = await asyncio.wait(tasks, timeout=replica.block_ms / 1000 + replica.registry.config.timeout_s)
-        for task in pending:
-            task.cancel()
-        if pending:
-            await asyncio.wait(pending, timeout=1.0)
 
 
 def _gauge(value: int) -> None:
@@ -528,11 +553,11 @@ class Fleet:
                     ", following its events" if self.replica.follower else "")
         await self.replica.catch_up()
         if self.replica.follower:
-            self._tasks = [asyncio.create_task(self.replica.follow()), asyncio.create_task(self.replica.heartbeat())]
+            self._tasks = self.replica.start_tasks()
 
     async def stop(self) -> None:
         if self.replica is not None:
-            await stop_tasks(self.replica, self._tasks)
+            await self.replica.stop_tasks(self._tasks)
         self._tasks = []
         if self.replica is not None:
             await self.replica.registry.close()

@@ -20,7 +20,7 @@ from hotwire_api.errors import HotwireError
 from hotwire_api.fleet import blobs
 from hotwire_api.fleet.config import FleetConfig, Keys, redacted, registry_url
 from hotwire_api.fleet.redis_registry import RedisRegistry
-from hotwire_api.fleet.replica import Replica, stop_tasks
+from hotwire_api.fleet.replica import Replica
 from hotwire_core import contract
 from hotwire_core.admission import ModelInfo
 from hotwire_core.controller import SteeringController
@@ -62,12 +62,10 @@ class Node:
         self.tasks: list[asyncio.Task] = []
 
     def start(self, heartbeat: bool = False) -> None:
-        self.tasks.append(asyncio.create_task(self.replica.follow()))
-        if heartbeat:
-            self.tasks.append(asyncio.create_task(self.replica.heartbeat()))
+        self.tasks += self.replica.start_tasks(heartbeat)
 
     async def stop(self) -> None:
-        await stop_tasks(self.replica, self.tasks)
+        await self.replica.stop_tasks(self.tasks)
         self.tasks = []
 
     async def close(self) -> None:
