@@ -1,6 +1,7 @@
 """A real ``redis-server`` (Debian's package; scripts/setup-cpu.sh installs it) on a free port in a folder of its
 own, for the fleet tests: start it, kill it mid-test (SIGKILL, like a crash), start it again on the same port and
-folder (with ``appendonly`` it comes back with its data), stop it at the end. ``transport``: how :attr:`url` reaches
+folder (with ``appendonly`` it comes back with its data: ``appendfsync always``, so a kill loses nothing it
+acknowledged, even on a busy disk), stop it at the end. ``transport``: how :attr:`url` reaches
 it: ``tcp`` (``redis://``), ``tls`` (``rediss://`` on a second port, with a self-signed certificate made by
 ``openssl``, its CA passed in the URL) or ``unix`` (``unix://`` socket). The plain port always answers too: the
 fixture's own liveness check uses it."""
@@ -61,7 +62,7 @@ class RedisServer:
         self.workdir.mkdir(parents=True, exist_ok=True)
         self.starts += 1
         cmd = [self.exe, "--port", str(self.port), "--bind", "127.0.0.1", "--dir", str(self.workdir),
-               "--save", "", "--appendonly", "yes" if self.appendonly else "no", "--daemonize", "no",
+               "--save", "", "--appendonly", "yes" if self.appendonly else "no", "--appendfsync", "always", "--daemonize", "no",
                "--protected-mode", "no", "--logfile", str(self.workdir / f"redis-{self.starts}.log")]
         if self.password:
             cmd += ["--requirepass", self.password]

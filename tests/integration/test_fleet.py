@@ -190,6 +190,35 @@ def test_one_id_registered_on_both_at_once(fleet: Fleet) -> None:
         wait_for(lambda: held(fleet.http["a"], vid) == held(fleet.http["b"], vid) is not None, 5)
 
 
+def test_both_replicas_list_the_same_after_churn_on_both(fleet: Fleet) -> None:
+    """Four clients, two per replica, register, replace and delete eight ids at random at once: every answer is
+    one a client expects, and afterwards both replicas and Redis hold exactly the same versions and hashes."""
+    ids = [f"churn{i}" for i in range(8)]
+    answers: list[tuple[str, int, str]] = []
+
+    def client(name: str, seed: int) -> None:
+        rng = np.random.default_rng(seed)
+        with httpx.Client(base_url=fleet.http[name].base_url, timeout=120) as own:
+            for _ in range(40):
+                vector_id = ids[int(rng.integers(len(ids)))]
+                if rng.random() < 0.3:
+                    r = own.delete(f"/steer/vectors/{vector_id}")
+                else:
+                    r = own.post("/steer/vectors?replace=true", json=body(vector_id, int(rng.integers(1 << 30))))
+                answers.append((name, r.status_code, r.text))
+
+    threads = [threading.Thread(target=client, args=(name, seed)) for seed, name in enumerate("aabb")]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    unexpected = [a for a in answers if a[1] not in (200, 201, 202, 204, 404)]
+    assert not unexpected and len(answers) == 160, unexpected[:3]
+    assert {status for _, status, _ in answers} >= {200, 204}
+    wait_for(lambda: listing(fleet.http["a"]) == listing(fleet.http["b"]) == registry_current(fleet), 10)
+    assert any(vector_id in listing(fleet.http["a"]) for vector_id in ids)
+
+
 def test_the_fleet_view_lists_both_replicas(fleet: Fleet) -> None:
     def in_sync() -> bool:
         view = fleet.http["b"].get("/steer/fleet").json()
