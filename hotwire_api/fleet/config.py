@@ -144,6 +144,11 @@ class Keys:
         """A random token set once: a Redis that lost hotwire's keys has another one (or none)."""
         return f"{self.prefix}epoch"
 
+    def op(self, token: str) -> str:
+        """A register's or delete's answer under its operation token, for a few minutes: the same operation sent
+        again (its first answer never came) is answered alike instead of running twice."""
+        return f"{self.prefix}op:{token}"
+
     def replica(self, replica_id: str) -> str:
         """A replica's heartbeat (JSON; expires after 3 intervals)."""
         return f"{self.prefix}replica:{replica_id}"

@@ -30,11 +30,11 @@ local function retire(retired, since, id, value, at)
 end
 """
 
-# KEYS: current, last_version, events, blob, orphans, retired, retired_since. ARGV: id, sha256, replace (0|1), maxlen,
-# created_at, floor (the newest version the caller knows of: after Redis lost its keys, versions go on from there
+# KEYS: current, last_version, events, blob, orphans, retired, retired_since, op. ARGV: id, sha256, replace (0|1),
+# maxlen, created_at, floor (the newest version the caller knows of: after Redis lost its keys, versions go on from there
 # instead of repeating). Returns {status, version, previous "<version>:<sha>" or ""}: 201/200 registered, 409 taken,
 # 424 blob missing. The blob a version stops using (replaced, or the loser's of a 409) becomes an orphan; the
-# registered one is not. A replaced version is recorded as retired.
+# registered one is not. A replaced version is recorded as retired. Runs once per operation (_once; op, op_ttl).
 _REGISTER = _SHA_OF + """
 local previous = redis.call('HGET', KEYS[1], ARGV[1])
 if previous and ARGV[3] ~= '1' then
@@ -56,8 +56,8 @@ if previous then return {200, version, previous} end
 return {201, version, ''}
 """
 
-# KEYS: current, events, orphans, retired, retired_since. ARGV: id, maxlen, at. Returns {status, "<version>:<sha>"}:
-# 200 deleted (and recorded as retired), 404 unknown.
+# KEYS: current, events, orphans, retired, retired_since, op. ARGV: id, maxlen, at, op_ttl. Returns {status,
+# "<version>:<sha>"}: 200 deleted (and recorded as retired), 404 unknown. Runs once per operation (_once).
 _DELETE = _SHA_OF + """
 local current = redis.call('HGET', KEYS[1], ARGV[1])
 if not current then return {404, ''} end
@@ -69,6 +69,29 @@ redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[2], '*', 'op', 'delete', 'id', A
            'version', version_of(current), 'sha256', sha, 'at', ARGV[3])
 return {200, current}
 """
+
+
+
+def _once(script: str, op_key: int, ttl_arg: int) -> str:
+    """``script`` run at most once per operation: its answer is kept under KEYS[op_key] (a token the caller draws
+    per operation) for ARGV[ttl_arg] seconds, and the same operation sent again gets that answer back instead of
+    running twice. A caller whose command timed out cannot know whether it ran; with this it may send it again."""
+    return f"""
+local done = redis.call('GET', KEYS[{op_key}])
+if done then return cjson.decode(done) end
+local function run()
+{script}
+end
+local answer = run()
+redis.call('SET', KEYS[{op_key}], cjson.encode(answer), 'EX', ARGV[{ttl_arg}])
+return answer
+"""
+
+
+_REGISTER_ONCE = _once(_REGISTER, 8, 7)
+_DELETE_ONCE = _once(_DELETE, 6, 4)
+OP_TTL_S = 300  # how long Redis remembers an operation's answer: far beyond a retry's last attempt
+RETRY_PAUSES_S = (0.1, 0.3)  # a register or delete that timed out (or lost its connection) is sent again after these
 
 # KEYS: current, last_version, events, blob, orphans, retired, retired_since. ARGV: id, version, sha256, maxlen, at.
 # Puts back a version a replica holds into a registry that lost its data: it becomes current unless the registry
@@ -124,14 +147,17 @@ return deleted
 
 
 class Unavailable(HotwireError):
-    """The registry did not answer: 503 ``registry_unavailable``."""
+    """The registry did not answer: 503 ``registry_unavailable``. ``unsure``: a change was sent but no answer
+    came back, so whether Redis made it is unknown."""
 
-    def __init__(self, url: str, exc: BaseException):
+    def __init__(self, url: str, exc: BaseException, unsure: bool = False):
+        what = ("this change was sent but not answered, so it may have been made: GET /steer/vectors/<id> shows "
+                "the registry's version once it answers" if unsure else
+                "vectors cannot be registered or deleted until it answers again")  # fmt: skip
         super().__init__(
             503, "registry_unavailable",
             f"the vector registry at {redacted(url)} is unreachable ({type(exc).__name__}: {_clean(str(exc), url)}); "
-            "vectors cannot be registered or deleted until it answers again; every replica keeps serving the "
-            "vectors it holds",
+            f"{what}; every replica keeps serving the vectors it holds",
         )
 
 
@@ -195,18 +221,23 @@ class RedisRegistry:
         self._response_error = redis_errors.ResponseError
         self._errors = (redis_errors.ConnectionError, redis_errors.TimeoutError, redis_errors.AuthenticationError,
                         redis_errors.BusyLoadingError, redis_errors.ReadOnlyError, OSError, TimeoutError)
+        # What may leave a command's outcome unknown (sent, no answer): worth sending a once-only script again.
+        self._no_answer = (redis_errors.TimeoutError, TimeoutError, redis_errors.ConnectionError, OSError)
+        self._no_retry = (redis_errors.AuthenticationError, redis_errors.ReadOnlyError)
         from redis.asyncio.retry import Retry
         from redis.backoff import NoBackoff
 
         # One retry on a dropped connection (a pooled connection to a Redis that restarted fails once), none on a
-        # timeout: a script that ran but answered late must not run twice.
+        # timeout (redis-py's Retry takes timeouts too unless told otherwise): a command that ran but answered late
+        # must not be sent again blindly; register and delete are, by _once_per_operation, as they run once.
         options = dict(socket_timeout=config.timeout_s, socket_connect_timeout=config.timeout_s,
-                       health_check_interval=0, retry_on_timeout=False, retry=Retry(NoBackoff(), 1),
+                       health_check_interval=0, retry_on_timeout=False,
+                       retry=Retry(NoBackoff(), 1, supported_errors=(redis_errors.ConnectionError,)),
                        retry_on_error=[redis_errors.ConnectionError])
         self._redis = aioredis.from_url(config.url, **options)
         self._reader = aioredis.from_url(config.url, **{**options, "socket_timeout": config.timeout_s + 5, "retry": None})
-        self._register = self._redis.register_script(_REGISTER)
-        self._delete = self._redis.register_script(_DELETE)
+        self._register = self._redis.register_script(_REGISTER_ONCE)
+        self._delete = self._redis.register_script(_DELETE_ONCE)
         self._put_blob = self._redis.register_script(_PUT_BLOB)
         self._collect = self._redis.register_script(_COLLECT)
         self._seed = self._redis.register_script(_SEED)
@@ -228,6 +259,24 @@ class RedisRegistry:
             return await coro
         except self._errors as exc:
             raise Unavailable(self.url, exc) from exc
+
+    async def _once_per_operation(self, script: Any, keys: list[str], args: list[Any]) -> Any:
+        """Run a change script under a fresh operation token; should no answer come back (a timeout, a dropped
+        connection: it may have run), send it again after RETRY_PAUSES_S: Redis runs it at most once and answers
+        every copy alike. Unavailable when no copy was answered (``unsure`` when one may have reached Redis)."""
+        keys = [*keys, self.keys.op(secrets.token_hex(16))]
+        args = [*args, OP_TTL_S]
+        sent = False  # a copy may have reached Redis (redis-py's connect failures say "connecting to")
+        for pause in (*RETRY_PAUSES_S, None):
+            try:
+                return await script(keys=keys, args=args)
+            except self._no_retry as exc:
+                raise Unavailable(self.url, exc) from exc
+            except self._no_answer as exc:
+                sent = sent or "connecting to" not in str(exc)
+                if pause is None:
+                    raise Unavailable(self.url, exc, unsure=sent) from exc
+            await asyncio.sleep(pause)
 
     async def ping(self) -> None:
         await self._do(self._redis.ping())
@@ -253,10 +302,11 @@ class RedisRegistry:
         (201 created | 200 replaced | 409 taken, the new version (0 on 409), the version it replaced or holds).
         The new version is above ``floor`` too."""
         k = self.keys
-        status, version, previous = await self._do(self._register(
+        status, version, previous = await self._once_per_operation(
+            self._register,
             keys=[k.current, k.last_version, k.events, k.blob(sha256), k.orphans, k.retired, k.retired_since],
             args=[vector_id, sha256, "1" if replace else "0", self.config.stream_maxlen, f"{time.time():.6f}", floor],
-        ))
+        )
         if int(status) == 424:
             raise HotwireError(503, "registry_unavailable",
                                f"the vector registry at {self.display_url} lost the vector's blob before it was "
@@ -266,10 +316,11 @@ class RedisRegistry:
     async def delete(self, vector_id: str) -> tuple[int, str] | None:
         """Delete the current version of ``vector_id`` atomically; returns (version, sha256), None if unknown."""
         k = self.keys
-        status, current = await self._do(self._delete(
+        status, current = await self._once_per_operation(
+            self._delete,
             keys=[k.current, k.events, k.orphans, k.retired, k.retired_since],
-            args=[vector_id, self.config.stream_maxlen, f"{time.time():.6f}"]
-        ))
+            args=[vector_id, self.config.stream_maxlen, f"{time.time():.6f}"],
+        )
         return _parse_current(current) if int(status) == 200 else None
 
     async def seed(self, vector_id: str, version: int, sha256: str) -> bool:

@@ -371,7 +371,7 @@ def test_registry_down_keeps_serving_and_refuses_changes(tmp_path) -> None:
                 assert "s3cret-pw" not in down.value.message and f"127.0.0.1:{server.port}" in down.value.message
                 with pytest.raises(HotwireError) as down:
                     await n.replica.unregister(n.engine, "keep")
-                assert down.value.status == 503
+                assert down.value.status == 503 and "cannot be registered or deleted" in down.value.message  # refused
                 status = await n.replica.status()
                 assert status["reachable"] is False and "s3cret-pw" not in str(status)
                 assert n.client.held()["keep"] == (1, meta.sha256)  # still served
@@ -388,6 +388,69 @@ def test_registry_down_keeps_serving_and_refuses_changes(tmp_path) -> None:
         run(body)
     finally:
         server.stop()
+
+
+# A script that keeps Redis busy for ARGV[1] microseconds: nothing else runs meanwhile, and replies wait.
+_BUSY = """
+local t = redis.call('TIME')
+local start = t[1] * 1000000 + t[2]
+while true do
+  t = redis.call('TIME')
+  if t[1] * 1000000 + t[2] - start > tonumber(ARGV[1]) then return 1 end
+end
+"""
+
+
+def test_a_change_whose_answer_came_late_is_made_once(redis_server) -> None:
+    """A register or delete that Redis ran but answered late (after the 0.5 s timeout), as a slow fsync under
+    ``appendfsync always`` makes it: the copies sent again get the first run's answer, so one version and one
+    event each. When no copy is answered in time, the 503 says the change may have been made, and it was, once."""
+    import redis.asyncio as aioredis
+
+    async def body() -> None:
+        registry = RedisRegistry(FleetConfig(redis_server.url, timeout_s=0.5), Keys.for_model("org/model"))
+        raw, raw2 = aioredis.from_url(redis_server.url), aioredis.from_url(redis_server.url)
+        try:
+            checked = blobs.check(vector(1), N_LAYERS, HIDDEN, "float32")
+            await registry.put_blob(checked.sha256, blobs.encode(checked.payload))
+            await registry.register("warm", checked.sha256, True)  # scripts loaded, connections open: nothing
+            await registry.delete("warm")                           # below waits for anything but Redis
+            await raw2.ping()
+            busy, busy2 = raw.register_script(_BUSY), raw2.register_script(_BUSY)
+
+            async def late(change: Awaitable[Any], reply_after_s: float) -> Any:
+                # Redis busy for 0.3 s; the change arrives, then a second busy script: once the first ends, Redis
+                # runs both in one round, in arrival order, and writes their replies only after the second.
+                first = asyncio.create_task(busy(args=[300_000]))
+                await asyncio.sleep(0.05)
+                sent = asyncio.ensure_future(change)
+                await asyncio.sleep(0.1)
+                second = asyncio.create_task(busy2(args=[int(reply_after_s * 1e6)]))
+                try:
+                    return await sent
+                finally:
+                    await asyncio.gather(first, second)
+
+            async def events(op: str) -> list[str]:
+                found = await raw.xrange(registry.keys.events)
+                return [f[b"version"].decode() for _, f in found if f[b"op"] == op.encode() and f[b"id"] == b"slow"]
+
+            assert await late(registry.register("slow", checked.sha256, True), 1.0) == (201, 1, None)
+            assert await events("register") == ["1"]
+            assert await late(registry.delete("slow"), 1.0) == (1, checked.sha256)
+            assert await events("delete") == ["1"]
+
+            with pytest.raises(HotwireError) as unsure:
+                await late(registry.register("slow", checked.sha256, True), 2.5)
+            assert unsure.value.status == 503 and "may have been made" in unsure.value.message
+            assert await registry.current_version("slow") == (2, checked.sha256)
+            assert await events("register") == ["1", "2"]
+        finally:
+            await registry.close()
+            await raw.aclose()
+            await raw2.aclose()
+
+    run(body)
 
 
 def test_a_wiped_registry_is_put_back_from_the_replicas(tmp_path) -> None:
