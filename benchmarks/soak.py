@@ -48,6 +48,13 @@ Traffic
     clients against ``HOTWIRE_SLOTS`` (a server of its own gets ``--slots 16``): a 429 is a failure
     (``rejected_429``).
 
+A fleet (several ``--url``: the replicas of one registry, ``HOTWIRE_REGISTRY``)
+    Client i sends to server i mod n; each churned id's changes go through the servers in turn; versions are the
+    fleet's, so one book of (id, version) -> marker judges every server's receipts. A re-registered id counts as
+    present once every server holds its version (``GET /steer/vectors/ID``; a churn error after
+    ``PROPAGATION_TIMEOUT_S``); the time that took is reported (``churn.latency_ms.propagation``). The poller and
+    the calibration use the first server; every server must drain.
+
 Run it::
 
     # starts its own server (tiny float32 model with random weights; CPU: --enforce-eager), HOTWIRE_SLOTS=16
@@ -57,6 +64,8 @@ Run it::
     python benchmarks/soak.py --slots 64 --clients 32 --mix steered --out steered.json --server-arg=--max-num-seqs=8
     # an already running server: --model names the served folder (the LM head weights give the markers)
     python benchmarks/soak.py --url http://127.0.0.1:8000 --model /models/qwen3-8b --clients 64
+    # the replicas of a fleet (one Redis registry), each addressed directly
+    python benchmarks/soak.py --url http://10.0.0.1:8000 --url http://10.0.0.2:8000 --model /models/qwen3-8b
     # a bigger model on a GPU, extra server arguments passed through
     python benchmarks/soak.py --model /models/qwen3-8b --server-arg=--max-num-seqs=128 --clients 128
 """
@@ -109,6 +118,7 @@ PROMPTS = (
 STRENGTH_GRID = tuple(4.0**k for k in range(-2, 10))  # candidate steering norms, up to ~2.6e5
 STRENGTH_FACTOR = 128.0  # the soak steers this much harder than the weakest grid strength that already wins
 MAX_ADDED = {"float16": 4096.0}  # hotwire's too_strong limit on the norm a request adds (1e6 otherwise)
+PROPAGATION_TIMEOUT_S = 5.0  # a fleet serves a change everywhere within 1 s p99: five times that is a churn error
 SERVER_ENV = {"HF_HUB_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1", "HOTWIRE_STORE": "off"}  # values set already win
 
 
@@ -920,6 +930,12 @@ class Churn:
     registered: int = 0
     latencies: dict[str, list[float]] = field(default_factory=lambda: defaultdict(list))
     errors: list[dict[str, Any]] = field(default_factory=list)
+    by_server: Counter[str] = field(default_factory=Counter)  # registrations and deletions sent to each server
+
+
+def server_of(http: httpx.AsyncClient) -> str:
+    """The URL a client sends to, as given (httpx adds a slash to a base URL)."""
+    return str(http.base_url).rstrip("/")
 
 
 def vector_body(vector_id: str, vector: np.ndarray) -> dict[str, Any]:
@@ -928,30 +944,63 @@ def vector_body(vector_id: str, vector: np.ndarray) -> dict[str, Any]:
 
 
 async def register(http: httpx.AsyncClient, book: MarkerBook, rows: np.ndarray, vector_id: str, replace: bool,
-                   churn: Churn, clock: Clock) -> bool:  # fmt: skip
-    """Register the next version of ``vector_id`` (its next marker) and note its version; False on failure."""
+                   churn: Churn, clock: Clock) -> int | None:  # fmt: skip
+    """Register the next version of ``vector_id`` (its next marker) and note it; its version, None on failure."""
     token = book.next_marker(vector_id)
     began = clock.now()
     what = "replace" if replace else "register"
+    churn.by_server[server_of(http)] += 1
     try:
         response = await http.post("/steer/vectors" + ("?replace=true" if replace else ""),
                                    json=vector_body(vector_id, unit(rows[token])))  # fmt: skip
     except httpx.HTTPError as exc:
         churn.errors.append({"what": what, "id": vector_id, "t": round(began, 3),
                              "error": f"{type(exc).__name__}: {exc}"})  # fmt: skip
-        return False
+        return None
     churn.latencies[what].append(clock.now() - began)
     if response.status_code not in (200, 201):
         churn.errors.append({"what": what, "id": vector_id, "t": round(began, 3), "status": response.status_code,
                              "error": response.text[:300]})  # fmt: skip
-        return False
-    book.record(vector_id, int(response.json()["version"]), token)
+        return None
+    version = int(response.json()["version"])
+    book.record(vector_id, version, token)
     churn.registered += 1
-    return True
+    return version
+
+
+async def everywhere(https: Sequence[httpx.AsyncClient], vector_id: str, version: int, churn: Churn, clock: Clock
+                     ) -> bool:  # fmt: skip
+    """Wait until every server (the replicas of a fleet: versions are global) holds ``vector_id`` at ``version``
+    or later, up to PROPAGATION_TIMEOUT_S (a churn error after that); notes the time it took. At once with one."""
+    if len(https) < 2:
+        return True
+    began = clock.now()
+    pending = list(https)
+    while True:
+        behind = []
+        for http in pending:
+            try:
+                response = await http.get(f"/steer/vectors/{vector_id}")
+                held = int(response.json()["version"]) if response.status_code == 200 else None
+            except (httpx.HTTPError, ValueError, KeyError, TypeError):
+                held = None
+            if held is None or held < version:
+                behind.append(http)
+        if not behind:
+            churn.latencies["propagation"].append(clock.now() - began)
+            return True
+        if clock.now() - began > PROPAGATION_TIMEOUT_S:
+            churn.errors.append({"what": "propagation", "id": vector_id, "version": version, "t": round(began, 3),
+                                 "error": f"not held by {', '.join(server_of(h) for h in behind)} after "
+                                          f"{PROPAGATION_TIMEOUT_S:g} s"})  # fmt: skip
+            return False
+        pending = behind
+        await asyncio.sleep(0.005)
 
 
 async def delete(http: httpx.AsyncClient, vector_id: str, churn: Churn, clock: Clock) -> bool:
     began = clock.now()
+    churn.by_server[server_of(http)] += 1
     try:
         response = await http.delete(f"/steer/vectors/{vector_id}")
     except httpx.HTTPError as exc:
@@ -967,39 +1016,49 @@ async def delete(http: httpx.AsyncClient, vector_id: str, churn: Churn, clock: C
     return True
 
 
-async def _each_in_turn(url: str, ids: list[str], plan: Plan, clock: Clock, until: float, every: float,
-                        act: Callable[[httpx.AsyncClient, str], Awaitable[None]]) -> None:  # fmt: skip
-    """Every ``every`` s until ``until``, ``act`` on the next id of ``ids`` (round robin), on one connection."""
-    async with _client(url, plan.config) as http:
+Act = Callable[[httpx.AsyncClient, Sequence[httpx.AsyncClient], str], Awaitable[None]]
+
+
+async def _each_in_turn(urls: Sequence[str], ids: list[str], plan: Plan, clock: Clock, until: float, every: float,
+                        act: Act) -> None:  # fmt: skip
+    """Every ``every`` s until ``until``, ``act(http, all_https, id)`` on the next id of ``ids`` (round robin),
+    through one connection to each server: an id's turns go to the servers in turn (a fleet's changes come from
+    every replica)."""
+    async with contextlib.AsyncExitStack() as stack:
+        https = [await stack.enter_async_context(_client(url, plan.config)) for url in urls]
         for i in itertools.count():
             await asyncio.sleep(every)
             if clock.now() >= until or not ids:
                 return
-            await act(http, ids[i % len(ids)])
+            turn, k = divmod(i, len(ids))
+            await act(https[(turn + k) % len(https)], https, ids[k])
 
 
-async def replace_loop(url: str, ids: list[str], book: MarkerBook, rows: np.ndarray, plan: Plan, churn: Churn,
-                       clock: Clock, until: float) -> None:  # fmt: skip
+async def replace_loop(urls: Sequence[str], ids: list[str], book: MarkerBook, rows: np.ndarray, plan: Plan,
+                       churn: Churn, clock: Clock, until: float) -> None:  # fmt: skip
     """Every ``replace_every`` s, replace the next id of ``ids`` with its next marker."""
 
-    async def replace(http: httpx.AsyncClient, vector_id: str) -> None:
-        churn.replaced += await register(http, book, rows, vector_id, True, churn, clock)
+    async def replace(http: httpx.AsyncClient, https: Sequence[httpx.AsyncClient], vector_id: str) -> None:
+        churn.replaced += await register(http, book, rows, vector_id, True, churn, clock) is not None
 
-    await _each_in_turn(url, ids, plan, clock, until, plan.config.replace_every, replace)
+    await _each_in_turn(urls, ids, plan, clock, until, plan.config.replace_every, replace)
 
 
-async def delete_loop(url: str, ids: list[str], book: MarkerBook, rows: np.ndarray, plan: Plan, churn: Churn,
-                      clock: Clock, until: float) -> None:  # fmt: skip
-    """Every ``delete_every`` s, delete the next id of ``ids``, wait ``absent_for`` s, register it again."""
+async def delete_loop(urls: Sequence[str], ids: list[str], book: MarkerBook, rows: np.ndarray, plan: Plan,
+                      churn: Churn, clock: Clock, until: float) -> None:  # fmt: skip
+    """Every ``delete_every`` s, delete the next id of ``ids``, wait ``absent_for`` s, register it again; the id
+    counts as present again once every server holds the new version (until then an ``unknown_vector`` for it is
+    expected)."""
 
-    async def delete_and_return(http: httpx.AsyncClient, vector_id: str) -> None:
+    async def delete_and_return(http: httpx.AsyncClient, https: Sequence[httpx.AsyncClient], vector_id: str) -> None:
         book.absent_from(vector_id, clock.now())
         await delete(http, vector_id, churn, clock)
         await asyncio.sleep(plan.config.absent_for)
-        if await register(http, book, rows, vector_id, False, churn, clock):
+        version = await register(http, book, rows, vector_id, False, churn, clock)
+        if version is not None and await everywhere(https, vector_id, version, churn, clock):
             book.present_again(vector_id, clock.now())
 
-    await _each_in_turn(url, ids, plan, clock, until, plan.config.delete_every, delete_and_return)
+    await _each_in_turn(urls, ids, plan, clock, until, plan.config.delete_every, delete_and_return)
 
 
 # -- polling the control plane ---------------------------------------------------------------------------------------
@@ -1179,26 +1238,41 @@ def soak_ids(config: SoakConfig) -> tuple[list[str], list[str]]:
 
 
 async def drain(url: str, config: SoakConfig) -> dict[str, Any]:
-    """Wait until ``/steer/slots`` (fresh) shows no pinned row, up to ``drain_timeout`` s."""
+    """Wait until ``/steer/slots`` (fresh) of the server at ``url`` shows no pinned row, up to ``drain_timeout`` s."""
     began = time.monotonic()
     async with _client(url, config) as http:
         while True:
             try:
                 stats = (await http.get("/steer/slots")).json()
             except (httpx.HTTPError, ValueError) as exc:
-                return {"drained": False, "pinned": None, "seconds": None, "error": f"{type(exc).__name__}: {exc}"}
+                return {"url": url, "drained": False, "pinned": None, "seconds": None,
+                        "error": f"{type(exc).__name__}: {exc}"}  # fmt: skip
             waited = time.monotonic() - began
             if stats.get("pinned") == 0 or waited > config.drain_timeout:
                 keep = ("capacity", "used", "pinned", "free", "evictions", "refused", "steered_requests", "deferrals",
                         "vectors")  # fmt: skip
-                return {"drained": stats.get("pinned") == 0, "pinned": stats.get("pinned"), "seconds": round(waited, 2),
-                        "slots": {k: stats.get(k) for k in keep}}  # fmt: skip
+                return {"url": url, "drained": stats.get("pinned") == 0, "pinned": stats.get("pinned"),
+                        "seconds": round(waited, 2), "slots": {k: stats.get(k) for k in keep}}  # fmt: skip
             await asyncio.sleep(0.1)
 
 
-async def run_soak(config: SoakConfig, url: str, model_dir: Path) -> dict[str, Any]:
+async def drain_all(urls: Sequence[str], config: SoakConfig) -> dict[str, Any]:
+    """:func:`drain` on every server at once: drained when all are; ``pinned`` summed (None when one did not
+    answer), ``seconds`` the longest, each server's own answer in ``servers``."""
+    each = await asyncio.gather(*(drain(url, config) for url in urls))
+    pinned = [d["pinned"] for d in each]
+    return {"drained": all(d["drained"] for d in each), "pinned": None if None in pinned else sum(pinned),
+            "seconds": max((d["seconds"] for d in each if d["seconds"] is not None), default=None),
+            "servers": list(each)}  # fmt: skip
+
+
+async def run_soak(config: SoakConfig, urls: Sequence[str], model_dir: Path) -> dict[str, Any]:
     """Calibrate, register the ids, run clients, churn and poller for ``duration`` s, drain, and judge every
-    response; returns the report (see :func:`report`)."""
+    response; returns the report (see :func:`report`). ``urls``: one server, or the replicas of a fleet on one
+    registry (see the module's docstring); calibration and the poller use the first."""
+    if not urls:
+        raise ValueError("run_soak needs at least one server URL")
+    url = urls[0]
     facts = read_model(model_dir)
     texts = single_token_texts(model_dir, facts.unembedding.shape[0])
     static, churned = soak_ids(config)
@@ -1213,42 +1287,46 @@ async def run_soak(config: SoakConfig, url: str, model_dir: Path) -> dict[str, A
     book, calibration = await calibrate(url, plan, facts, texts, pools)
 
     clock = Clock()  # the report's times count from here
-    await register_all(url, config, book, facts.unembedding, static + churned, clock)
+    await register_all(urls, config, book, facts.unembedding, static + churned, clock)
     churn = Churn()
     poller = Poller(url, config)
     observations: list[Observation] = []
     began = clock.now()
     poller.start()
     try:
-        await traffic(url, plan, book, facts.unembedding, churn, clock, began + config.duration, observations)
+        await traffic(urls, plan, book, facts.unembedding, churn, clock, began + config.duration, observations)
     finally:
         elapsed = clock.now() - began
         poller.halt.set()
         poller.join(timeout=35)
-    drained = await drain(url, config)
+    drained = await drain_all(urls, config)
     if not config.keep_vectors:
         await delete_all(url, config, static + churned)
-    return report(config, plan, calibration, book, observations, churn, poller, drained, elapsed)
+    return report(config, urls, plan, calibration, book, observations, churn, poller, drained, elapsed)
 
 
-async def register_all(url: str, config: SoakConfig, book: MarkerBook, rows: np.ndarray, ids: list[str], clock: Clock
-                       ) -> None:  # fmt: skip
-    """Register (or replace) every id with the first marker of its pool."""
+async def register_all(urls: Sequence[str], config: SoakConfig, book: MarkerBook, rows: np.ndarray, ids: list[str],
+                       clock: Clock) -> None:  # fmt: skip
+    """Register (or replace) every id with the first marker of its pool, on the first server, and wait until
+    every server holds it."""
     setup = Churn()
-    async with _client(url, config) as http:
+    async with contextlib.AsyncExitStack() as stack:
+        https = [await stack.enter_async_context(_client(url, config)) for url in urls]
         for vector_id in ids:
-            if not await register(http, book, rows, vector_id, True, setup, clock):
+            version = await register(https[0], book, rows, vector_id, True, setup, clock)
+            if version is None or not await everywhere(https, vector_id, version, setup, clock):
                 raise CalibrationError(f"could not register {vector_id}: {setup.errors[-1]}")
 
 
-async def traffic(url: str, plan: Plan, book: MarkerBook, rows: np.ndarray, churn: Churn, clock: Clock, until: float,
-                  out: list[Observation]) -> None:  # fmt: skip
-    """The clients, and the churn tasks on the two halves of the churned ids, until ``until``."""
+async def traffic(urls: Sequence[str], plan: Plan, book: MarkerBook, rows: np.ndarray, churn: Churn, clock: Clock,
+                  until: float, out: list[Observation]) -> None:  # fmt: skip
+    """The clients (client i on server i mod n), and the churn tasks on the two halves of the churned ids, until
+    ``until``."""
     half = len(plan.churned) // 2
     await asyncio.gather(
-        *(client_loop(i, url, plan, clock, until, out) for i in range(plan.config.clients)),
-        replace_loop(url, plan.churned[:half], book, rows, plan, churn, clock, until),
-        delete_loop(url, plan.churned[half:], book, rows, plan, churn, clock, until),
+        *(client_loop(i, urls[i % len(urls)], plan, clock, until, out) for i in range(plan.config.clients)),
+        replace_loop(urls, plan.churned[:half], book, rows, plan, churn, clock, until),
+        delete_loop(urls, plan.churned[half:], book, rows, plan, churn, clock, until),
     )
 
 
@@ -1259,8 +1337,9 @@ async def delete_all(url: str, config: SoakConfig, ids: list[str]) -> None:
                 await http.delete(f"/steer/vectors/{vector_id}")
 
 
-def report(config: SoakConfig, plan: Plan, calibration: Calibration, book: MarkerBook, observations: list[Observation],
-           churn: Churn, poller: Poller, drained: dict[str, Any], elapsed: float) -> dict[str, Any]:  # fmt: skip
+def report(config: SoakConfig, urls: Sequence[str], plan: Plan, calibration: Calibration, book: MarkerBook,
+           observations: list[Observation], churn: Churn, poller: Poller, drained: dict[str, Any], elapsed: float
+           ) -> dict[str, Any]:  # fmt: skip
     """The JSON report: counts, failures by kind / detail / route with examples, latencies, throughput, control
     plane latencies, churn and drain."""
     judged = judge_all(observations, book, config.max_tokens)
@@ -1279,6 +1358,7 @@ def report(config: SoakConfig, plan: Plan, calibration: Calibration, book: Marke
     ok = ok_by_class["plain"] + ok_by_class["steered"]
     return {
         "config": asdict(config) | {"api_key": bool(config.api_key)},
+        "servers": list(urls),
         "model": plan.model,
         "layer": plan.layer,
         "calibration": asdict(calibration),
@@ -1289,6 +1369,7 @@ def report(config: SoakConfig, plan: Plan, calibration: Calibration, book: Marke
             "refused_expected": kinds.get("refused_expected", 0),
             "by_class": dict(Counter(obs.spec.kind for obs in observations)),
             "by_route": dict(Counter(route_key(obs) for obs in observations)),
+            "by_server": dict(Counter(urls[obs.client % len(urls)] for obs in observations)),
         },
         "failures": failures,
         "failed": sum(failures.values()),
@@ -1308,7 +1389,7 @@ def report(config: SoakConfig, plan: Plan, calibration: Calibration, book: Marke
         },
         "control_plane_ms": {name: summarize_ms(values) for name, values in poller.latencies.items()},
         "churn": {"replaced": churn.replaced, "deleted": churn.deleted, "registered": churn.registered,
-                  "errors": len(churn.errors),
+                  "errors": len(churn.errors), "by_server": dict(churn.by_server),
                   "latency_ms": {k: summarize_ms(v) for k, v in churn.latencies.items()}},  # fmt: skip
         "drain": drained,
     }
@@ -1345,6 +1426,11 @@ def table(result: dict[str, Any]) -> str:
     churn, drained = result["churn"], result["drain"]
     lines.append(f"  churn: {churn['replaced']} replaced, {churn['deleted']} deleted and re-registered, "
                  f"{churn['errors']} errors")  # fmt: skip
+    spread = churn["latency_ms"].get("propagation")
+    if spread:  # several servers: a re-registration until every one held it
+        lines.append(f"  on every server after {spread['n']} re-registrations: p50 {_ms(spread['p50'])} ms, "
+                     f"p99 {_ms(spread['p99'])} ms, max {_ms(spread['max'])} ms; requests by server "
+                     f"{result['requests']['by_server']}")  # fmt: skip
     lines.append(f"  drain: {'ok' if drained.get('drained') else 'NOT DRAINED'}, {drained.get('pinned')} pinned after "
                  f"{drained.get('seconds')} s")  # fmt: skip
     return "\n".join(lines)
@@ -1418,7 +1504,9 @@ def log_tail(log: Path | None, lines: int = 40) -> str:
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     d = SoakConfig()
-    parser.add_argument("--url", help="drive this running server instead of starting one (needs --model)")
+    parser.add_argument("--url", action="append", dest="urls",
+                        help="drive this running server instead of starting one (needs --model); repeat it for "
+                             "each replica of a fleet on one registry")  # fmt: skip
     parser.add_argument("--model", type=Path, help="HF folder with safetensors weights (default: build the tiny model)")
     parser.add_argument("--workdir", type=Path, help="for the built model and the server log (default: a temp folder)")
     parser.add_argument("--slots", type=int, default=16, help="HOTWIRE_SLOTS of a server the soak starts")
@@ -1445,7 +1533,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--out", type=Path, default=Path("soak.json"))
     parser.add_argument("--no-fail-exit", action="store_true", help="exit 0 whatever the failure counts")
     args = parser.parse_args(argv)
-    if args.url and not args.model:
+    if args.urls and not args.model:
         parser.error("--url needs --model: the markers come from the served model's LM head weights")
     if args.pool < 2 and args.churned:
         parser.error("--pool must be at least 2: consecutive versions need different markers")
@@ -1470,11 +1558,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     log: Path | None = None
     try:
         with contextlib.ExitStack() as stack:
-            url = args.url
-            if url is None:
+            urls = args.urls
+            if not urls:
                 server = stack.enter_context(own_server(args.model, args.slots, args.server_arg, workdir, built))
-                url, log = server.url, server.log
-            result = asyncio.run(run_soak(config, url, args.model))
+                urls, log = [server.url], server.log
+            result = asyncio.run(run_soak(config, urls, args.model))
     except (CalibrationError, ServerExited) as exc:
         print(f"soak: {type(exc).__name__}: {exc}\n{log_tail(log or workdir / 'server.log')}", file=sys.stderr)
         return 2

@@ -2,6 +2,7 @@
 one real redis-server (``HOTWIRE_REGISTRY``): what is registered, replaced or deleted on either is served by both; one id registered
 on both at once gets one 201 and one 409; replica B starts after vectors were registered on A and serves them;
 Redis killed mid-traffic leaves both steering while registration answers 503, and both recover when it returns;
+a soak (benchmarks/soak.py) over both replicas judges every response against its receipt;
 a Redis that comes back empty gets every vector back from the replicas; B restarted while Redis holds 500 more
 vectors catches up with all of them, and serves a request pinned to a version replaced before it started.
 Replica A runs data parallel (``--data-parallel-size 2``: two engine cores, and two API servers, one of which
@@ -10,16 +11,19 @@ follows the registry; both register through it): requests placed on each engine 
 
 The propagation latency (registration answered on A -> B serves the new version) is measured over
 ``HOTWIRE_FLEET_LATENCY_N`` replaces (default 30); with ``HOTWIRE_FLEET_RESULTS=<file.json>`` the figures are
-written there (benchmarks/results/*_fleet_*: the same test with N=200).
+written there (benchmarks/results/*_fleet_*: the same test with N=200); with ``HOTWIRE_FLEET_SOAK_RESULTS=<file.json>``
+the soak's report.
 """
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import json
 import os
 import platform
 import statistics
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -30,9 +34,13 @@ import numpy as np
 import pytest
 import torch
 
+from benchmark_module import BENCHMARKS
 from redis_fixture import RedisServer
 from server_fixture import VllmServer, max_diff
 from server_fixture import completion_logprobs as logprobs
+
+sys.path.insert(0, str(BENCHMARKS))  # imported by name: its dataclasses need the module in sys.modules
+import soak  # noqa: E402
 
 pytestmark = pytest.mark.integration
 
@@ -217,6 +225,35 @@ def test_both_replicas_list_the_same_after_churn_on_both(fleet: Fleet) -> None:
     assert {status for _, status, _ in answers} >= {200, 204}
     wait_for(lambda: listing(fleet.http["a"]) == listing(fleet.http["b"]) == registry_current(fleet), 10)
     assert any(vector_id in listing(fleet.http["a"]) for vector_id in ids)
+
+
+# Six clients on each replica; half of the 12 ids churned through both replicas in turn.
+SOAK = dict(clients=12, duration=30.0, ids=12, churned=6, pool=3, max_tokens=8, id_prefix="fleet-soak")
+
+
+def test_a_soak_over_both_replicas_has_no_failures(fleet: Fleet, tiny_model) -> None:
+    """benchmarks/soak.py over both replicas at once: every OpenAI route, streamed and not, plain, single,
+    stacked and one-phase steering while ids are replaced and deleted through either replica; every response is
+    judged from its content against its receipt with one book of the fleet's versions, so a replica that served
+    another version's bytes under a receipt, or a vector it should not have, is a failure."""
+    result = asyncio.run(soak.run_soak(soak.SoakConfig(**SOAK), [fleet.a.url, fleet.b.url], tiny_model))
+    if os.environ.get("HOTWIRE_FLEET_SOAK_RESULTS"):
+        Path(os.environ["HOTWIRE_FLEET_SOAK_RESULTS"]).write_text(json.dumps(result, indent=1))
+    summary = soak.table(result)
+    print(summary)
+    failed = {kind: n for kind, n in result["failures"].items() if n}
+    assert not failed, f"{summary}\n\nexamples:\n{soak.examples_text(result, per_kind=3)}"
+    requests = result["requests"]
+    assert set(requests["by_route"]) == {f"{r}{s}" for r in soak.PATHS for s in ("", "/stream")}
+    assert set(requests["by_class"]) == set(soak.CLASS_WEIGHTS)
+    assert sorted(requests["by_server"]) == sorted([fleet.a.url, fleet.b.url])
+    churn = result["churn"]
+    assert churn["replaced"] > 0 and churn["deleted"] > 0 and sorted(churn["by_server"]) == sorted(requests["by_server"])
+    assert churn["latency_ms"]["propagation"]["n"] >= churn["deleted"]
+    assert requests["ok"] > 0.9 * requests["total"]
+    assert [d["pinned"] for d in result["drain"]["servers"]] == [0, 0]
+    wait_for(lambda: listing(fleet.http["a"]) == listing(fleet.http["b"]) == registry_current(fleet), 10)
+    assert not any(vector_id.startswith("fleet-soak") for vector_id in listing(fleet.http["a"]))
 
 
 def test_the_fleet_view_lists_both_replicas(fleet: Fleet) -> None:

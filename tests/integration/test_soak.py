@@ -41,7 +41,7 @@ def server(tiny_model, tmp_path_factory) -> Iterator[VllmServer]:
 
 
 def test_soak_has_no_failures_and_drains(server, tiny_model, tmp_path):
-    result = asyncio.run(soak.run_soak(CONFIG, server.url, tiny_model))
+    result = asyncio.run(soak.run_soak(CONFIG, [server.url], tiny_model))
     (tmp_path / "soak.json").write_text(json.dumps(result, indent=1))
     summary = soak.table(result)
     print(summary)
