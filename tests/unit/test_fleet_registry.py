@@ -415,19 +415,26 @@ def test_a_change_whose_answer_came_late_is_made_once(redis_server) -> None:
             await registry.put_blob(checked.sha256, blobs.encode(checked.payload))
             await registry.register("warm", checked.sha256, True)  # scripts loaded, connections open: nothing
             await registry.delete("warm")                           # below waits for anything but Redis
+            await raw.ping()
             await raw2.ping()
             busy, busy2 = raw.register_script(_BUSY), raw2.register_script(_BUSY)
+            await busy(args=[0])  # both connections open, the script loaded
+            await busy2(args=[0])
 
             async def late(change: Awaitable[Any], reply_after_s: float) -> Any:
-                # Redis busy for 0.3 s; the change arrives, then a second busy script: once the first ends, Redis
-                # runs both in one round, in arrival order, and writes their replies only after the second.
-                first = asyncio.create_task(busy(args=[300_000]))
-                await asyncio.sleep(0.05)
+                # Redis busy for 0.6 s; the change arrives at 0.15 s, a second busy script at 0.3 s: once the
+                # first ends, Redis runs both in one round, in arrival order, and writes their replies only after
+                # the second. The change's first copy has run, and its answer is late.
+                first = asyncio.create_task(busy(args=[600_000]))
+                await asyncio.sleep(0.15)
+                began = time.monotonic()
                 sent = asyncio.ensure_future(change)
-                await asyncio.sleep(0.1)
+                await asyncio.sleep(0.15)
                 second = asyncio.create_task(busy2(args=[int(reply_after_s * 1e6)]))
                 try:
-                    return await sent
+                    answer = await sent
+                    assert time.monotonic() - began > 0.5, "answered within the timeout: the test did not test"
+                    return answer
                 finally:
                     await asyncio.gather(first, second)
 
