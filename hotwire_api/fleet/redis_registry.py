@@ -32,9 +32,9 @@ end
 
 # KEYS: current, last_version, events, blob, orphans, retired, retired_since, op. ARGV: id, sha256, replace (0|1),
 # maxlen, created_at, floor (the newest version the caller knows of: after Redis lost its keys, versions go on from there
-# instead of repeating). Returns {status, version, previous "<version>:<sha>" or ""}: 201/200 registered, 409 taken,
+# instead of repeating), op_ttl. Returns {status, version, previous "<version>:<sha>" or ""}: 201/200 registered, 409 taken,
 # 424 blob missing. The blob a version stops using (replaced, or the loser's of a 409) becomes an orphan; the
-# registered one is not. A replaced version is recorded as retired. Runs once per operation (_once; op, op_ttl).
+# registered one is not. A replaced version is recorded as retired. Runs once per operation (_once).
 _REGISTER = _SHA_OF + """
 local previous = redis.call('HGET', KEYS[1], ARGV[1])
 if previous and ARGV[3] ~= '1' then
@@ -69,7 +69,6 @@ redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[2], '*', 'op', 'delete', 'id', A
            'version', version_of(current), 'sha256', sha, 'at', ARGV[3])
 return {200, current}
 """
-
 
 
 def _once(script: str, op_key: int, ttl_arg: int) -> str:
