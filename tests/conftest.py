@@ -1,5 +1,6 @@
 """Shared test setup: CPU-friendly vLLM environment, offline model folders, GPU skipping."""
 
+import logging
 import os
 import sys
 from pathlib import Path
@@ -18,6 +19,8 @@ for key, value in {
 }.items():
     os.environ.setdefault(key, value)
 
+_ROOT_LEVEL = logging.getLogger().level  # before any test imports vLLM
+
 # CUDA may be initialised in the test process (reference models, availability checks): engines must spawn.
 os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
 
@@ -33,6 +36,21 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture(autouse=True)
+def _hotwire_log_records_reach_caplog(caplog):
+    """Importing vLLM's SageMaker routes sets the root logger and its handlers (pytest's capture handler among them)
+    to ERROR, and a test that installs hotwire's hooks routes hotwire's loggers through vLLM's, which does not
+    propagate (``vllm_glue._log_through_vllm``): later tests' caplog would see none of hotwire's warnings. Each test
+    starts as the process did."""
+    loggers = [logging.getLogger(name) for name in ("hotwire_core", "hotwire_api")]
+    parents = [logger.parent for logger in loggers]
+    logging.root.setLevel(_ROOT_LEVEL)
+    caplog.handler.setLevel(logging.NOTSET)
+    yield
+    for logger, parent in zip(loggers, parents):
+        logger.parent = parent
 
 
 @pytest.fixture(scope="session")
