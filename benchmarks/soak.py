@@ -129,7 +129,7 @@ class CalibrationError(RuntimeError):
 # -- receipts ----------------------------------------------------------------------------------------------------
 
 _RECEIPT_ENTRY = re.compile(
-    r"(?P<id>[A-Za-z0-9._-]{1,64})@(?P<version>\d+):L(?P<layers>\d+(?:\+\d+)*)"
+    r"(?P<id>[A-Za-z0-9_][A-Za-z0-9._-]{0,63})@(?P<version>\d+):L(?P<layers>\d+(?:\+\d+)*)"
     r"x(?P<scale>[^,;]+)(?P<flags>(?:,[a-z_]+)*)"
 )
 

@@ -25,12 +25,13 @@ import numpy as np
 import safetensors
 
 from hotwire_api.errors import HotwireError
-from hotwire_core.spec import VECTOR_ID_RE
+from hotwire_core.spec import VECTOR_ID_RE, short_repr
 from hotwire_core.vector_bits import ITEMSIZE, as_bits, non_finite
 
 _SAFETENSORS_DTYPES = {"F32": "float32", "F16": "float16", "BF16": "bfloat16"}
 _LAYER_NAME_RE = re.compile(r"[0-9]{1,6}")
 _JSON_FIELDS = ("id", "data", "dtype", "shape", "layers")
+ID_RULE = "1-64 characters of A-Z a-z 0-9 . _ -, not starting with . or -"
 _FORM_FIELDS = ("id", "file", "layers")
 CONVERT_HINT = (
     "convert it first, e.g. safetensors.torch.save_file({'vector': tensor.contiguous()}, 'vector.safetensors')"
@@ -76,11 +77,11 @@ async def read_limited(chunks: AsyncIterable[bytes], limit: int) -> bytes:
 
 
 def validate_id(value: object) -> str:
-    """A vector id: 1-64 characters of ``A-Z a-z 0-9 . _ -``."""
+    """A vector id: 1-64 characters of ``A-Z a-z 0-9 . _ -``, the first no dot or dash."""
     if value is None or value == "":
-        raise _bad("id", "is required: name the vector (1-64 characters of A-Z a-z 0-9 . _ -)", "bad_id")
+        raise _bad("id", f"is required: name the vector ({ID_RULE})", "bad_id")
     if not isinstance(value, str) or not VECTOR_ID_RE.fullmatch(value):
-        raise _bad("id", f"must be 1-64 characters of A-Z a-z 0-9 . _ -, got {value!r}", "bad_id")
+        raise _bad("id", f"must be {ID_RULE}, got {short_repr(value)}", "bad_id")
     return value
 
 
@@ -94,13 +95,13 @@ def parse_layer_list(value: object, field: str = "layers") -> tuple[int, ...] | 
         try:
             parsed = json.loads(text) if text.startswith("[") else [int(part) for part in text.split(",")]
         except (ValueError, RecursionError):
-            raise _bad(field, f"must be layer indices like 10,12 or [10, 12], got {value!r}", "bad_layers") from None
+            raise _bad(field, f"must be layer indices like 10,12 or [10, 12], got {short_repr(value)}", "bad_layers") from None
     if (
         not isinstance(parsed, list)
         or not parsed
         or any(isinstance(v, bool) or not isinstance(v, int) or v < 0 for v in parsed)
     ):
-        raise _bad(field, f"must be a non-empty list of non-negative layer indices, got {value!r}", "bad_layers")
+        raise _bad(field, f"must be a non-empty list of non-negative layer indices, got {short_repr(value)}", "bad_layers")
     if len(set(parsed)) != len(parsed):
         raise _bad(field, f"lists a layer twice: {parsed}", "bad_layers")
     return tuple(parsed)
@@ -108,7 +109,7 @@ def parse_layer_list(value: object, field: str = "layers") -> tuple[int, ...] | 
 
 def _dtype(value: object, field: str) -> str:
     if not isinstance(value, str) or value not in ITEMSIZE:
-        raise _bad(field, f"unsupported dtype {value!r}; use one of {', '.join(ITEMSIZE)}", "bad_dtype")
+        raise _bad(field, f"unsupported dtype {short_repr(value)}; use one of {', '.join(ITEMSIZE)}", "bad_dtype")
     return value
 
 
@@ -120,7 +121,7 @@ def _shape(value: object, field: str) -> tuple[int, ...]:
     ):
         raise _bad(
             field,
-            f"shape must be [hidden], [n_layers, hidden] or [len(layers), hidden] with positive sizes, got {value!r}",
+            f"shape must be [hidden], [n_layers, hidden] or [len(layers), hidden] with positive sizes, got {short_repr(value)}",
             "bad_shape",
         )
     return tuple(value)
@@ -240,7 +241,7 @@ def _decode_layer_lists(rows: Mapping[str, object]) -> VectorPayload:
     for key, values in rows.items():
         field = f"layers.{key}"
         if not _LAYER_NAME_RE.fullmatch(key):
-            raise _bad("layers", f'keys must be layer indices like "10", got {key!r}', "bad_layers")
+            raise _bad("layers", f'keys must be layer indices like "10", got {short_repr(key)}', "bad_layers")
         if int(key) in arrays:
             raise _bad("layers", f"names layer {int(key)} twice", "bad_layers")
         if (

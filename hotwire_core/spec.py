@@ -32,8 +32,12 @@ import numpy as np
 SPEC_KEY = "hotwire"
 TICKET_KEY = "hotwire_ticket"  # extra_args key the HTTP admission gives a request: the engine keeps its refusal by it
 SALT_PREFIX = "hotwire:"  # steered requests' cache salts; a user cache_salt may not start with it (it could forge one)
-VECTOR_ID_RE = re.compile(r"[A-Za-z0-9._-]{1,64}")  # use with fullmatch
+# Use with fullmatch. The first character is no dot or dash: ids name store files (".", ".." and hidden files) and
+# CLI arguments.
+VECTOR_ID_RE = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._-]{0,63}")
 MAX_ENTRIES = 64
+MAX_SPEC_CHARS = 65_536  # far above 64 entries of 64-character ids; longer specs are refused before parsing
+_CACHED_SPEC_CHARS = 1024  # specs up to this length are cached: a server sees few distinct short specs
 _ENTRY_FIELDS = {"id", "layer", "scale", "decode_only", "prefill_only", "norm", "version"}
 FLOAT32_MAX = 3.4028234663852886e38
 
@@ -90,7 +94,7 @@ class SteeringEntry:
 
 def _bool(value: Any, field: str) -> bool:
     if not isinstance(value, bool):
-        raise SpecError(field, f"must be true or false, got {value!r}")
+        raise SpecError(field, f"must be true or false, got {short_repr(value)}")
     return value
 
 
@@ -99,14 +103,16 @@ def _parse_entry(raw: Any, field: str) -> SteeringEntry:
         raise SpecError(field, f"each entry must be a JSON object, got {type(raw).__name__}")
     unknown = set(raw) - _ENTRY_FIELDS
     if unknown:
-        raise SpecError(f"{field}.{sorted(unknown)[0]}", f"unknown field; allowed: {sorted(_ENTRY_FIELDS)}")
+        name = sorted(unknown)[0]
+        shown = name if len(name) <= 64 else f"{name[:64]}..."
+        raise SpecError(f"{field}.{shown}", f"unknown field; allowed: {sorted(_ENTRY_FIELDS)}")
     for required in ("id", "layer", "scale"):
         if required not in raw:
             raise SpecError(f"{field}.{required}", "is required")
 
     vector_id = raw["id"]
     if not isinstance(vector_id, str) or not VECTOR_ID_RE.fullmatch(vector_id):
-        raise SpecError(f"{field}.id", f"must match {VECTOR_ID_RE.pattern}, got {vector_id!r}")
+        raise SpecError(f"{field}.id", f"must match {VECTOR_ID_RE.pattern}, got {short_repr(vector_id)}")
 
     layer = raw["layer"]
     layers = layer if isinstance(layer, list) else [layer]
@@ -114,9 +120,9 @@ def _parse_entry(raw: Any, field: str) -> SteeringEntry:
         raise SpecError(f"{field}.layer", "must name at least one layer")
     for value in layers:
         if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-            raise SpecError(f"{field}.layer", f"must be a non-negative int or a list of them, got {layer!r}")
+            raise SpecError(f"{field}.layer", f"must be a non-negative int or a list of them, got {short_repr(layer)}")
     if len(set(layers)) != len(layers):
-        raise SpecError(f"{field}.layer", f"lists a layer twice: {layer!r}")
+        raise SpecError(f"{field}.layer", f"lists a layer twice: {short_repr(layer)}")
 
     scale = raw["scale"]
     if isinstance(scale, int) and not isinstance(scale, bool):
@@ -125,7 +131,7 @@ def _parse_entry(raw: Any, field: str) -> SteeringEntry:
         except OverflowError:
             raise SpecError(f"{field}.scale", f"is too large for a float (about 2**{scale.bit_length()})") from None
     if not isinstance(scale, float) or not math.isfinite(scale):
-        raise SpecError(f"{field}.scale", f"must be a finite number, got {scale!r}")
+        raise SpecError(f"{field}.scale", f"must be a finite number, got {short_repr(scale)}")
     with np.errstate(over="ignore"):
         scale32 = np.float32(scale)
     if not np.isfinite(scale32):  # the per-token scale table is float32: a larger scale would become inf there
@@ -142,21 +148,28 @@ def _parse_entry(raw: Any, field: str) -> SteeringEntry:
     norm = _bool(raw.get("norm", False), f"{field}.norm")
     version = raw.get("version")
     if version is not None and (isinstance(version, bool) or not isinstance(version, int) or version < 1):
-        raise SpecError(f"{field}.version", f"must be a positive int (a version of the vector), got {version!r}")
+        raise SpecError(f"{field}.version", f"must be a positive int (a version of the vector), got {short_repr(version)}")
     return SteeringEntry(vector_id, tuple(sorted(layers)), float(scale), phase, norm, version)
+
+
+def short_repr(value: Any, limit: int = 80) -> str:
+    """``repr(value)`` cut to ``limit`` characters: error messages quote what a client sent, which may be huge."""
+    text = repr(value)
+    return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} characters)"
 
 
 def parse_spec(value: Any) -> tuple[SteeringEntry, ...]:
     """Parse a spec (JSON string, dict or list of dicts) into entries; raises :class:`SpecError`."""
     if isinstance(value, str):
+        if len(value) > MAX_SPEC_CHARS:
+            raise SpecError(SPEC_KEY, f"is {len(value)} characters long; at most {MAX_SPEC_CHARS} are allowed")
+        if len(value) <= _CACHED_SPEC_CHARS:
+            return _parse_cached(value)
         return _parse_spec_string(value)
     return _parse_spec_value(value)
 
 
-@functools.lru_cache(maxsize=1024)
 def _parse_spec_string(text: str) -> tuple[SteeringEntry, ...]:
-    """Cached (the result is immutable): a server sees the same few spec strings over and over, and the engine
-    parses each request's twice (``cache_salt_for``, then admission)."""
     try:
         value = json.loads(text)
     except json.JSONDecodeError as exc:
@@ -166,6 +179,12 @@ def _parse_spec_string(text: str) -> tuple[SteeringEntry, ...]:
     except ValueError:  # Python refuses integers of over 4300 digits
         raise SpecError(SPEC_KEY, "holds a number with too many digits to be read") from None
     return _parse_spec_value(value)
+
+
+# Cached (the result is immutable): a server sees the same few spec strings over and over, and the engine parses
+# each request's twice (``cache_salt_for``, then admission). Only short strings: the cache keeps its keys, and a
+# client chooses them.
+_parse_cached = functools.lru_cache(maxsize=1024)(_parse_spec_string)
 
 
 def _parse_spec_value(value: Any) -> tuple[SteeringEntry, ...]:

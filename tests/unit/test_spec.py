@@ -239,7 +239,7 @@ def test_large_int_scale_within_float_range_is_accepted():
 @pytest.mark.parametrize(
     "text,words",
     [
-        ("[" * 100_000 + "]" * 100_000, "nests too deeply"),  # deeper than Python's stack
+        ("[" * 30_000 + "]" * 30_000, "nests too deeply"),  # deeper than Python's stack
         ('{"id": "a", "layer": 1, "scale": %s}' % ("9" * 5000), "too many digits"),  # Python's int-string limit
     ],
 )
@@ -293,3 +293,50 @@ def test_build_spec_takes_numpy_and_torch_numbers():
     ):
         with pytest.raises(SpecError):
             build_spec({"id": "a", "layer": 1, "scale": 1.0, **bad})
+
+
+def test_a_spec_longer_than_the_limit_is_refused_before_parsing():
+    from hotwire_core.spec import MAX_SPEC_CHARS
+
+    padded = json.dumps(BASE) + " " * MAX_SPEC_CHARS
+    err = spec_error(padded)
+    assert err.field == SPEC_KEY and f"at most {MAX_SPEC_CHARS}" in err.message
+    assert parse_spec(json.dumps(BASE) + " " * (MAX_SPEC_CHARS - len(json.dumps(BASE))))[0].vector_id == "happy"
+
+
+def test_only_short_specs_and_salts_are_cached():
+    """The caches keep their keys, which clients choose: a padded spec or a long cache salt is computed, not kept."""
+    from hotwire_core import admission, spec as spec_module
+
+    spec_module._parse_cached.cache_clear()
+    admission._salt.cache_clear()
+    short = json.dumps(BASE)
+    long = short + " " * 5000  # valid, but past the cached length
+    assert parse_spec(long) == parse_spec(short)
+    assert spec_module._parse_cached.cache_info().currsize == 1
+
+    class Vector:
+        sha256 = "ab" * 32
+
+    resolved = [(e, Vector()) for e in parse_spec(short)]
+    salts = {admission.cache_salt(salt, resolved, 3) for salt in (None, "u", "x" * 10_000)}
+    assert len(salts) == 3 and admission._salt.cache_info().currsize == 2
+
+
+@pytest.mark.parametrize("bad", [".", "..", "...", ".hidden", "-flag", "", "a" * 65, "a/b", "a b"])
+def test_ids_that_could_name_other_files_are_refused(bad):
+    assert spec_error(entry(id=bad)).field == "hotwire.id"
+
+
+@pytest.mark.parametrize("good", ["_healthcheck", "a..b", "v1.2-x_", "_.."])
+def test_ids_with_inner_dots_are_fine(good):
+    assert parse_spec(entry(id=good))[0].vector_id == good
+
+
+def test_errors_quote_what_a_client_sent_briefly():
+    """A refusal may be kept (the engine keeps refusals per ticket) and is sent back: it must not echo megabytes."""
+    huge = [0.5] * 100_000
+    err = spec_error(entry(layer=huge))
+    assert len(err.message) < 300 and "characters)" in err.message
+    err = spec_error({**BASE, "x" * 100_000: 1})
+    assert len(err.field) < 100
