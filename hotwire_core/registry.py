@@ -24,7 +24,7 @@ import numpy as np
 import torch
 
 from .errors import EngineError
-from .spec import VECTOR_ID_RE
+from .spec import VECTOR_ID_RE, short_repr
 from .vector_bits import ITEMSIZE, as_bits, as_float32, non_finite
 
 DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -183,6 +183,7 @@ class VectorRegistry:
         self._current: dict[str, HostVector] = {}
         self._retired: dict[tuple[str, int], HostVector] = {}
         self._last_version: dict[str, int] = {}
+        self.version_floor = 0  # every id's versions go on above it (a store that lost its history: store.py)
         self._deleted_upto: dict[str, int] = {}  # id -> the newest version a deletion removed
 
     def register(self, *args: Any, **kwargs: Any) -> HostVector:
@@ -206,7 +207,7 @@ class VectorRegistry:
         may still fail to store it. ``version`` is given when restoring, or by the engine core that numbers
         versions for all (data parallelism); ``created_at`` only when restoring."""
         if not isinstance(vector_id, str) or not VECTOR_ID_RE.fullmatch(vector_id):
-            raise RegistryError(400, "bad_id", f"id must match {VECTOR_ID_RE.pattern}, got {vector_id!r}", "id")
+            raise RegistryError(400, "bad_id", f"id must match {VECTOR_ID_RE.pattern}, got {short_repr(vector_id)}", "id")
         if vector_id in self._current and not replace and version is None:
             raise RegistryError(
                 409, "exists", f"vector {vector_id!r} is already registered; register it with replace=true "
@@ -215,7 +216,7 @@ class VectorRegistry:
         rows, layers_t, norms = decode_vector(
             data, dtype, list(shape), layers, self.n_layers, self.hidden_size, self.model_dtype
         )
-        version = version if version is not None else self._last_version.get(vector_id, 0) + 1
+        version = version if version is not None else max(self._last_version.get(vector_id, 0), self.version_floor) + 1
         sha = content_sha256(rows, dtype, layers_t)
         vector = HostVector(vector_id, version, sha, dtype, tuple(shape), layers_t, rows, norms)
         if created_at is not None:

@@ -10,6 +10,7 @@ import json
 import logging
 import os
 import tempfile
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -44,47 +45,85 @@ def tensor_to_stored(vector_id: str, tensor: torch.Tensor, layers: list[int] | N
 
 
 def _write_atomically(path: Path, write) -> None:
-    """Call ``write(tmp_path)`` on a temporary file beside ``path`` and move it into place: never a torn file."""
+    """Call ``write(tmp_path)`` on a temporary file beside ``path`` and move it into place: never a torn file,
+    and on disk once this returns (file and folder synced), so a power loss cannot leave an empty one."""
     fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".tmp")
     os.close(fd)
     try:
         write(tmp)
+        with open(tmp, "rb") as f:
+            os.fsync(f.fileno())
         os.replace(tmp, path)
+        folder = os.open(path.parent, os.O_RDONLY)
+        try:
+            os.fsync(folder)
+        finally:
+            os.close(folder)
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
 
 
+class HistoryLost(OSError):
+    """``versions.json`` is unreadable, or missing beside vector files: the store no longer knows every version
+    it gave out (a deleted id's, say)."""
+
+
 class VectorStore:
     """A directory of ``<id>.safetensors`` files holding tensor ``rows`` plus metadata, and ``versions.json``:
     the last version every id ever had, so that an id deleted and registered again after a restart does not
-    reuse a version number (receipts name versions)."""
+    reuse a version number (receipts name versions). Should that history be lost, :meth:`recover_history`
+    starts every id's versions above a floor no earlier version can have reached, kept in the file under
+    :data:`FLOOR_KEY`."""
 
     VERSIONS = "versions.json"
+    FLOOR_KEY = "*"  # not a vector id (``spec.VECTOR_ID_RE``)
 
     def __init__(self, root: Path):
         self.root = root
         root.mkdir(parents=True, exist_ok=True)
 
     def last_versions(self) -> dict[str, int]:
+        """The last version of every id (and :data:`FLOOR_KEY`); raises :class:`HistoryLost`."""
         path = self.root / self.VERSIONS
         try:
             raw = json.loads(path.read_text())
-            return {str(k): int(v) for k, v in raw.items()}
+            if not isinstance(raw, dict):
+                raise TypeError(f"a JSON {type(raw).__name__}, not an object")
+            versions = {str(k): int(v) for k, v in raw.items()}
+            if any(v < 0 for v in versions.values()):
+                raise ValueError("a negative version")
+            return versions
         except FileNotFoundError:
+            if any(self.root.glob("*.safetensors")):
+                raise HistoryLost(f"{path} is missing but the store holds vectors") from None
             return {}
-        except (ValueError, TypeError, AttributeError) as exc:
-            logger.error("hotwire: ignoring unreadable %s: %s", path, exc)
-            return {}
+        except (OSError, ValueError, TypeError, AttributeError) as exc:
+            raise HistoryLost(f"{path} is unreadable ({exc})") from None
+
+    def recover_history(self, stored: dict[str, int]) -> int:
+        """After :class:`HistoryLost`: move the damaged file aside (``versions.json.damaged-<ms>``) and start a new
+        one whose floor is the time in milliseconds (or above the newest stored version, should the clock be
+        behind). Versions only ever grow by one per registration, so no number the store gave out before can
+        reach it. Returns the floor."""
+        path = self.root / self.VERSIONS
+        now_ms = int(time.time() * 1000)
+        if path.exists():
+            os.replace(path, self.root / f"{self.VERSIONS}.damaged-{now_ms}")
+        floor = max([now_ms, *stored.values()])
+        self._write_versions({**stored, self.FLOOR_KEY: floor})
+        return floor
 
     def note_versions(self, seen: dict[str, int]) -> None:
         """Record that each id reached its version in ``seen`` (one write, only if something grows)."""
         versions = self.last_versions()
         grown = {vid: v for vid, v in seen.items() if versions.get(vid, 0) < v}
         if grown:
-            versions.update(grown)
-            text = json.dumps(versions, sort_keys=True)
-            _write_atomically(self.root / self.VERSIONS, lambda tmp: Path(tmp).write_text(text))
+            self._write_versions({**versions, **grown})
+
+    def _write_versions(self, versions: dict[str, int]) -> None:
+        text = json.dumps(versions, sort_keys=True)
+        _write_atomically(self.root / self.VERSIONS, lambda tmp: Path(tmp).write_text(text))
 
     def save(self, vector: HostVector) -> None:
         meta = {

@@ -10,7 +10,7 @@ from pathlib import Path
 from .contract import Failure
 from .errors import EngineError
 from .registry import HostVector, RegistryError, VectorRegistry
-from .store import StoredVector, VectorStore, load_preload_dir
+from .store import HistoryLost, StoredVector, VectorStore, load_preload_dir
 
 __all__ = ["restore", "store_failed"]
 
@@ -21,10 +21,7 @@ def restore(registry: VectorRegistry, store: VectorStore | None, preload: str | 
     """Register the store's vectors at their stored versions, then the ``preload`` folder's files."""
     stored: list[StoredVector] = store.load() if store is not None else []
     if store is not None:
-        # Stores written before versions.json existed know their live versions only from the vector files.
-        store.note_versions({s.vector_id: s.version for s in stored if s.version is not None})
-        for vector_id, version in store.last_versions().items():
-            registry.note_version(vector_id, version)
+        _restore_history(registry, store, stored)
     for s in stored:
         try:
             vector = registry.register(
@@ -40,6 +37,26 @@ def restore(registry: VectorRegistry, store: VectorStore | None, preload: str | 
             _preload(registry, store, s)
     if registry.vectors():
         logger.info("hotwire: restored %d steering vector(s)", len(registry.vectors()))
+
+
+def _restore_history(registry: VectorRegistry, store: VectorStore, stored: list[StoredVector]) -> None:
+    """Every version the store gave out, so none is given out again; a lost history starts versions above a floor
+    (``VectorStore.recover_history``)."""
+    in_files = {s.vector_id: s.version for s in stored if s.version is not None}
+    try:
+        versions = store.last_versions()
+        behind = sorted(i for i, v in in_files.items() if v > versions.get(i, 0))
+        if behind:  # written before each file: an older copy put back (a backup), say
+            raise HistoryLost(f"{store.root / store.VERSIONS} is behind the vector files of {behind[:5]}")
+    except HistoryLost as exc:
+        floor = store.recover_history(in_files)
+        logger.error("hotwire: %s: the versions of deleted vectors are lost, so every vector's next version is "
+                     "above %d (no earlier version number can have reached it); the damaged file was set aside",
+                     exc, floor)
+        versions = store.last_versions()
+    registry.version_floor = versions.pop(store.FLOOR_KEY, 0)
+    for vector_id, version in versions.items():
+        registry.note_version(vector_id, version)
 
 
 def _preload(registry: VectorRegistry, store: VectorStore | None, s: StoredVector) -> None:

@@ -236,4 +236,71 @@ def test_last_versions_survive_delete_and_ignore_a_corrupt_file(tmp_path, caplog
     assert store.last_versions() == {"a": 3}
     assert sorted(p.name for p in tmp_path.iterdir()) == ["versions.json"]
     (tmp_path / "versions.json").write_text("[not a map")
-    assert store.last_versions() == {} and "versions.json" in caplog.text
+    with pytest.raises(store_mod.HistoryLost, match="versions.json is unreadable"):
+        store.last_versions()
+
+
+def _engine_start(root) -> VectorRegistry:
+    """What an engine core does at start: the store restored into a new registry."""
+    from hotwire_core.vectors import restore as restore_store
+
+    registry = VectorRegistry(N_LAYERS, HIDDEN)
+    restore_store(registry, VectorStore(root), None)
+    return registry
+
+
+def _register(root, registry: VectorRegistry, vector_id: str, seed: int) -> int:
+    """A registration as the controller makes it: stored first, then current."""
+    vector = registry.prepare(vector_id, raw(vec(HIDDEN, seed=seed)), "float32", [HIDDEN], None, True)
+    VectorStore(root).save(vector)
+    registry.add(vector)
+    return vector.version
+
+
+def _damage(path) -> None:
+    path.write_text('{"a": 3, "gone')  # torn
+
+
+def _lose(path) -> None:
+    path.unlink()
+
+
+def _roll_back(path, older: str) -> None:
+    path.write_text(older)  # an older copy put back: readable, behind the files
+
+
+@pytest.mark.parametrize("loss", ["damaged", "missing", "older copy"])
+def test_a_lost_version_history_never_reuses_a_version(tmp_path, caplog, loss):
+    """Whatever happened to versions.json, no version number is given out twice: the store sets the damaged file
+    aside and every id's versions go on above a floor (the time in ms) that it keeps from then on."""
+    registry = _engine_start(tmp_path)
+    _register(tmp_path, registry, "a", 1)
+    older = (tmp_path / "versions.json").read_text()  # {"a": 1}
+    assert [_register(tmp_path, registry, "a", seed) for seed in (2, 3)] == [2, 3]
+    assert _register(tmp_path, registry, "gone", 4) == 1
+    VectorStore(tmp_path).delete("gone")  # gone@1 was handed out, and its file is no more
+    {"damaged": _damage, "missing": _lose, "older copy": lambda p: _roll_back(p, older)}[loss](tmp_path / "versions.json")
+
+    restarted = _engine_start(tmp_path)
+    assert restarted.current("a").version == 3  # the live vector is served as it was
+    assert "versions of deleted vectors are lost" in caplog.text
+    floor = VectorStore(tmp_path).last_versions()["*"]
+    assert floor > 1_700_000_000_000
+    assert _register(tmp_path, restarted, "gone", 5) == floor + 1  # not 1 again
+    assert _register(tmp_path, restarted, "a", 6) == floor + 1
+    if loss != "missing":
+        assert len(list(tmp_path.glob("versions.json.damaged-*"))) == 1
+    caplog.clear()
+    again = _engine_start(tmp_path)  # the floor is kept: nothing lost this time, nothing recovered
+    assert "lost" not in caplog.text
+    assert _register(tmp_path, again, "new", 7) == floor + 1 and _register(tmp_path, again, "a", 8) == floor + 2
+
+
+def test_store_writes_reach_the_disk_before_they_count(tmp_path, monkeypatch):
+    """The file and its folder are synced before save returns: a power loss cannot leave an empty versions.json."""
+    synced = []
+    real = store_mod.os.fsync
+    monkeypatch.setattr(store_mod.os, "fsync", lambda fd: synced.append(fd) or real(fd))
+    registry = VectorRegistry(N_LAYERS, HIDDEN)
+    VectorStore(tmp_path).save(registry.register("v", raw(vec(HIDDEN)), "float32", [HIDDEN], None, False))
+    assert len(synced) == 4  # versions.json and the vector's file, each with its folder
