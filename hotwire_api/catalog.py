@@ -72,7 +72,8 @@ def rules_of(answer: dict[str, Any]) -> Rules:
     layers = frozenset(parse_layers(model["layers"])) if model.get("layers") else frozenset()
     info = ModelInfo(bool(model["steerable"]), str(model.get("reason") or ""), int(model["n_layers"]),
                      int(model["hidden_size"]), str(model["dtype"]), layers, bool(model.get("norm", True)))
-    return Rules(info, int(model["max_stack"]), int(answer["capacity"]), bool(answer.get("layers_setting")))
+    return Rules(info, int(model["max_stack"]), int(answer["capacity"]), int(answer["max_rows"]),
+                 bool(answer.get("layers_setting")))
 
 
 class Catalog:

@@ -11,6 +11,8 @@ from hotwire_core.errors import EngineError
 
 __all__ = ["HotwireError"]
 
+_PASSING = frozenset({"slots_busy", "engine_unavailable", "registry_unavailable"})  # 503s worth retrying
+
 
 class HotwireError(EngineError):
     """An error with an HTTP status, a stable ``code`` slug, a message a person can act on and, where one
@@ -27,8 +29,9 @@ class HotwireError(EngineError):
         return {"error": error}
 
     def headers(self) -> dict[str, str]:
-        """Headers the status calls for: ``Retry-After`` on 429, ``WWW-Authenticate`` on 401."""
-        if self.status == 429:
+        """Headers the status calls for: ``Retry-After`` on 429 and on a 503 that passes (the bank busy, the engine
+        or the registry not answering), ``WWW-Authenticate`` on 401."""
+        if self.status == 429 or self.code in _PASSING:
             return {"Retry-After": "1"}
         if self.status == 401:
             return {"WWW-Authenticate": "Bearer"}

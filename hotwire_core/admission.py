@@ -98,6 +98,7 @@ class Rules:
     model: ModelInfo
     max_stack: int
     capacity: int  # bank rows (HOTWIRE_SLOTS)
+    max_rows: int  # bank rows one request may pin (HOTWIRE_MAX_ROWS, Settings.rows_per_request)
     layers_setting: bool = False  # HOTWIRE_LAYERS restricts the hooked layers
 
     def steered_layers(self) -> str:
@@ -151,9 +152,15 @@ def resolve(spec: Any, lookup: Lookup, rules: Rules) -> Resolved:
     _check_stack(resolved, rules.max_stack)
     _check_strength(resolved, model.dtype)
     rows = len(row_keys(resolved))
-    if rows > rules.capacity:
-        raise Refusal(400, "too_many_rows", f"this spec needs {rows} bank rows but HOTWIRE_SLOTS is {rules.capacity}",
-                      SPEC_KEY)
+    if rows > rules.max_rows:
+        raise Refusal(
+            400, "too_many_rows",
+            f"this spec needs {rows} bank rows (one per vector and layer; a [hidden] vector takes one for all its "
+            f"layers) but one request may pin at most {rules.max_rows} of the {rules.capacity} "
+            f"(HOTWIRE_MAX_ROWS={rules.max_rows}, HOTWIRE_SLOTS={rules.capacity}); steer fewer layers or vectors, or "
+            "ask the operator to raise HOTWIRE_MAX_ROWS",
+            SPEC_KEY,
+        )
     return resolved
 
 
@@ -238,7 +245,13 @@ def cache_salt(user_salt: str | None, resolved: Iterable[tuple[SteeringEntry, An
     prompt holds an earlier answer would read KV steered as output for tokens that are now prompt)."""
     resolved = tuple(resolved)
     phased = any(e.phase is not Phase.ALL for e, _ in resolved)
-    return _salt(user_salt, tuple((e.steering(), v.sha256) for e, v in resolved), prompt_len if phased else None)
+    entries = tuple((e.steering(), v.sha256) for e, v in resolved)
+    small = len(user_salt or "") <= _CACHED_SALT_CHARS and sum(len(e.layers) for e, _ in entries) <= _CACHED_LAYERS
+    return (_salt if small else _salt.__wrapped__)(user_salt, entries, prompt_len if phased else None)
+
+
+# The cache keeps its keys, and a client chooses the salt and the spec: only small ones are cached.
+_CACHED_SALT_CHARS, _CACHED_LAYERS = 256, 256
 
 
 @functools.lru_cache(maxsize=4096)

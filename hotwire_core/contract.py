@@ -109,6 +109,7 @@ class CatalogResult(TypedDict, total=False):
     unchanged: bool
     model: dict[str, Any]
     capacity: int
+    max_rows: int  # bank rows one request may pin (HOTWIRE_MAX_ROWS)
     layers_setting: bool
     vectors: list[dict[str, Any]]
 

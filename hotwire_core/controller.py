@@ -70,12 +70,13 @@ class SteeringController:
         self.model = model
         self.settings = settings
         self.registry = VectorRegistry(model.n_layers, model.hidden_size, model.dtype, settings.retain_s)
-        self.rules = Rules(model, settings.max_stack, settings.slots, settings.layers is not None)
+        self.rules = Rules(model, settings.max_stack, settings.slots, settings.rows_per_request(len(model.layers)),
+                           settings.layers is not None)
         self.slots = SlotCache(settings.slots)
         self.bindings = Bindings(self.registry, self.slots)
         self.refused: Counter[str] = Counter()
         self.steered_requests = 0
-        self.deferred = DeferredRequests(self.bindings)  # requests waiting for slots
+        self.deferred = DeferredRequests(self.bindings, settings.max_wait_s, self.refused)  # requests waiting for slots
         self._refusals: OrderedDict[str, contract.Failure] = OrderedDict()  # ticket -> refusal (see note_refusal)
         # Set by the engine glue: finishes a deferred request that can no longer be admitted with an error.
         self.on_refused: Callable[[Any, Refusal], None] = lambda request, exc: None
@@ -212,7 +213,7 @@ class SteeringController:
             entries = self._resolve(spec)
             keys = self._row_sources(entries).keys()
             if slots:
-                self._check_no_preempted_waiting()
+                self.deferred.wait_turn(None)
                 needed, available = self.slots.missing(keys), self.slots.available(keys)
                 if needed > available:
                     raise Refusal(429, "slots_exhausted", str(SlotsExhausted(needed, available, self.slots.capacity)))
@@ -231,6 +232,7 @@ class SteeringController:
             generation=self.registry.generation,
             model=self.model.to_json(rules.max_stack),
             capacity=rules.capacity,
+            max_rows=rules.max_rows,
             layers_setting=rules.layers_setting,
             vectors=[v.meta() for v in self.registry.vectors()],
         )
@@ -254,12 +256,6 @@ class SteeringController:
 
     def _resolve(self, spec: Any) -> Resolved:
         return resolve(spec, self.registry.lookup, self.rules)
-
-    def _check_no_preempted_waiting(self) -> None:
-        """New steered requests queue behind a preempted one that waits for rows, or a stream of small requests
-        could keep it from ever pinning its own again."""
-        if self.bindings.waiting_to_resume:
-            raise Refusal(429, "slots_exhausted", "a preempted steered request is waiting for bank rows; this one waits behind it")
 
     @staticmethod
     def _row_sources(resolved: Resolved) -> dict[RowKey, tuple[HostVector, int]]:
@@ -298,10 +294,7 @@ class SteeringController:
         try:
             resolved = self._resolve(extra[SPEC_KEY])
             sources = self._row_sources(resolved)
-            self._check_no_preempted_waiting()
-            if self.deferred and request.request_id not in self.deferred and self.slots.takes_available(sources.keys()):
-                # First come, first served: rows that free up go to the requests waiting for them.
-                raise Refusal(429, "slots_exhausted", "earlier requests are waiting for bank rows; this one waits behind them")
+            self.deferred.wait_turn(request.request_id)  # first come, first served
             try:
                 slot_of, loads = self.slots.acquire(sources.keys())
             except SlotsExhausted as exc:
@@ -381,7 +374,8 @@ class SteeringController:
 
     def admit_deferred(self) -> list[Any]:
         """Deferred requests that could be admitted now, in arrival order (the first that still does not fit
-        stops the scan, so later small requests cannot starve an earlier large one)."""
+        stops the scan, so later small requests cannot starve an earlier large one); those that waited
+        ``HOTWIRE_MAX_WAIT_S`` for rows are refused (``DeferredRequests.admit_ready``)."""
         return self.deferred.admit_ready(self.admit, lambda request, exc: self.on_refused(request, exc))
 
     def drop_deferred(self, request_ids: str | Iterable[str] | None) -> list[Any]:

@@ -94,14 +94,21 @@ class Settings:
     pdl: bool = True  # HOTWIRE_PDL: programmatic dependent launch of the op's kernel where the GPU has it (ops.PDL)
     # HOTWIRE_RETAIN_S: seconds a replaced or deleted version stays usable by requests pinned to it (registry)
     retain_s: int = 60
+    max_rows: int | None = None  # HOTWIRE_MAX_ROWS: bank rows one request may pin (None: see rows_per_request)
+    max_wait_s: int = 30  # HOTWIRE_MAX_WAIT_S: seconds a request may wait for bank rows before it is refused
 
     @classmethod
     def from_env(cls) -> "Settings":
         impl = os.environ.get("HOTWIRE_IMPL", "op")
         if impl not in ("op", "inductor"):
             raise ValueError(f"HOTWIRE_IMPL={impl!r} must be 'op' or 'inductor'")
+        slots = _int_env("HOTWIRE_SLOTS", 256, 1, 1 << 16)
+        max_rows = _int_env("HOTWIRE_MAX_ROWS", 0, 1, 1 << 16) or None  # unset: rows_per_request decides
+        if max_rows is not None and max_rows > slots:
+            raise ValueError(f"HOTWIRE_MAX_ROWS={max_rows} is more than the bank holds (HOTWIRE_SLOTS={slots}): "
+                             f"set it to at most {slots}, or raise HOTWIRE_SLOTS")
         return cls(
-            slots=_int_env("HOTWIRE_SLOTS", 256, 1, 1 << 16),
+            slots=slots,
             max_stack=_int_env("HOTWIRE_MAX_STACK", 4, 1, 16),
             impl=impl,
             norm=flag_env("HOTWIRE_NORM", False),
@@ -109,9 +116,19 @@ class Settings:
             layers=parse_layers(os.environ["HOTWIRE_LAYERS"]) if os.environ.get("HOTWIRE_LAYERS") else None,
             pdl=flag_env("HOTWIRE_PDL", True),
             retain_s=retain_s_from_env(),
+            max_rows=max_rows,
+            max_wait_s=_int_env("HOTWIRE_MAX_WAIT_S", 30, 0, 86_400),
             store=os.environ.get("HOTWIRE_STORE") or None,
             preload=os.environ.get("HOTWIRE_VECTORS") or None,
         )
+
+    def rows_per_request(self, steerable_layers: int) -> int:
+        """The bank rows one request may pin: ``HOTWIRE_MAX_ROWS``, by default a quarter of the bank (so one
+        request cannot keep the others waiting), but never fewer than one row per steerable layer (one vector at
+        every layer always fits a bank that can hold it)."""
+        if self.max_rows is not None:
+            return self.max_rows
+        return min(self.slots, max(self.slots // 4, steerable_layers, 1))
 
     def compile_fingerprint(self) -> str:
         """Everything that changes the compiled graph: mixed into vLLM's compile-cache key."""

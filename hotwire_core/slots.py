@@ -56,9 +56,10 @@ class SlotCache:
         own = sum(1 for key in keys if self._slot_of.get(key) in self._unpinned)
         return len(self._free) + len(self._unpinned) - own
 
-    def takes_available(self, keys: Collection[RowKey]) -> bool:
-        """Whether pinning ``keys`` would take rows others could have: a row not resident, or resident unpinned."""
-        return any(self._slot_of.get(key) is None or self._slot_of[key] in self._unpinned for key in keys)
+    @property
+    def pinned(self) -> int:
+        """Rows some request pins."""
+        return len(self._rows) - len(self._unpinned)
 
     def acquire(self, keys: Collection[RowKey]) -> tuple[dict[RowKey, int], list[tuple[int, RowKey]]]:
         """Pin ``keys``; returns ``(slot of each key, [(slot, key) rows that must be loaded])``."""
@@ -123,11 +124,10 @@ class SlotCache:
             }
             for slot, row in sorted(self._rows.items())
         ]
-        used = len(self._rows)
         return {
             "capacity": self.capacity,
-            "used": used,
-            "pinned": used - len(self._unpinned),
+            "used": len(self._rows),
+            "pinned": self.pinned,
             "free": len(self._free),
             "evictions": self.evictions,
             "rows": rows,

@@ -99,8 +99,9 @@ def llm(tiny_model, vectors):
     from hotwire_core.offline import register_vector
 
     # The engine process reads these at start; restore them so later modules' servers do not inherit them.
-    saved = {k: os.environ.get(k) for k in ("HOTWIRE_SLOTS", "HOTWIRE_NORM")}
-    os.environ.update(HOTWIRE_SLOTS=str(SLOTS), HOTWIRE_NORM="1")
+    saved = {k: os.environ.get(k) for k in ("HOTWIRE_SLOTS", "HOTWIRE_MAX_ROWS", "HOTWIRE_NORM")}
+    # test_preempted_* runs a request that pins the whole bank
+    os.environ.update(HOTWIRE_SLOTS=str(SLOTS), HOTWIRE_MAX_ROWS=str(SLOTS), HOTWIRE_NORM="1")
     try:
         engine = LLM(str(tiny_model), **engine_kwargs())
     finally:

@@ -1,8 +1,8 @@
 """hotwire's HTTP control plane against a real ``vllm serve`` (vLLM 0.25.1, tiny float32 model; CPU backend in CI).
 
 One server serves the whole module, started with ``HOTWIRE_API_KEY`` set, ``HOTWIRE_STORE`` in a temporary folder,
-``HOTWIRE_SLOTS=8`` and ``HOTWIRE_MAX_UPLOAD_MB=1``; the last test restarts it on the same store. On the CPU it
-runs with ``--enforce-eager`` to keep engine starts short (steering through torch.compile is covered by
+``HOTWIRE_SLOTS=8``, ``HOTWIRE_MAX_ROWS=6`` and ``HOTWIRE_MAX_UPLOAD_MB=1``; a late test restarts it on the same store.
+On the CPU it runs with ``--enforce-eager`` to keep engine starts short (steering through torch.compile is covered by
 test_engine.py); on a GPU with torch.compile and CUDA graphs, as served in production.
 
 Tests share the server, so each uses its own vector ids; ``keep`` (registered by a fixture) is the vector bad
@@ -41,6 +41,8 @@ pytestmark = pytest.mark.integration
 KEY = "hotwire-test-key"
 AUTH = {"Authorization": f"Bearer {KEY}"}
 HIDDEN, LAYERS, SLOTS = 256, 4, 8
+MAX_ROWS = 6  # the hogs below pin 5 of the 8 rows
+MAX_WAIT_S = 2  # HOTWIRE_MAX_WAIT_S from the restart on (test_restart_restores_vectors_with_their_versions)
 MAX_UPLOAD_MB = 1
 PROMPT = "The quick brown fox jumps over"
 SERVER_ARGS = [] if torch.cuda.is_available() else ["--enforce-eager"]
@@ -229,6 +231,7 @@ def server(tiny_model, store, tmp_path_factory) -> Iterator[VllmServer]:
         "HOTWIRE_API_KEY": KEY,
         "HOTWIRE_STORE": str(store),
         "HOTWIRE_SLOTS": str(SLOTS),
+        "HOTWIRE_MAX_ROWS": str(MAX_ROWS),
         "HOTWIRE_MAX_UPLOAD_MB": str(MAX_UPLOAD_MB),
     }
     srv = VllmServer(tiny_model, tmp_path_factory.mktemp("vllm-serve"), env, SERVER_ARGS)
@@ -629,6 +632,23 @@ def test_no_row_for_layer(http, model):
     assert snapshot(http) == before
     steered = http.post("/v1/completions", json=completion_body(model, spec("only-l3", 3)))
     assert steered.headers[RECEIPT] == "only-l3@1:L3x8"
+
+
+def test_a_spec_over_hotwire_max_rows_is_400_streamed_or_not(http, model):
+    for vector_id, seed in (("cap-a", 160), ("cap-b", 161)):
+        r = http.post("/steer/vectors?replace=true", json=json_body(vector_id, vec(seed, (LAYERS, HIDDEN))))
+        assert r.status_code in (200, 201), r.text
+    wide = {"id": "cap-a", "layer": [0, 1, 2, 3], "scale": 1}
+    over = json.dumps([wide, {"id": "cap-b", "layer": [0, 1, 2], "scale": 1}])  # 7 rows: they fit the bank of 8
+    before = snapshot(http)
+    for streamed in (False, True):
+        response = http.post("/v1/completions", json=completion_body(model, over, stream=streamed))
+        error = assert_error(response, 400, "too_many_rows", "vllm_xargs.hotwire")
+        assert "needs 7 bank rows" in error["message"] and f"HOTWIRE_MAX_ROWS={MAX_ROWS}" in error["message"], error
+        assert RECEIPT not in response.headers
+    assert snapshot(http) == before  # nothing pinned, loaded or counted as steered
+    fits = json.dumps([wide, {"id": "cap-b", "layer": [0, 1], "scale": 1}])
+    assert http.post("/v1/completions", json=completion_body(model, fits)).headers[RECEIPT].startswith("cap-a@")
 
 
 # -- in-flight requests: delete, slot budget, aborts -----------------------------------------------------------
@@ -1032,11 +1052,11 @@ def test_restart_restores_vectors_with_their_versions(server, model, store, keep
     assert {p.stem for p in store_file(store, "keep").parent.glob("*.safetensors")} == set(before)
 
     server.stop()
-    # restarted lenient, with a preload folder: the tests after this one use both
+    # restarted lenient, with a preload folder and a short wait for rows: the tests after this one use them
     preload = store.parent / "preload"
     preload.mkdir(exist_ok=True)
     (preload / "preloaded.safetensors").write_bytes(save_numpy({"v": vec(136)}))
-    server.extra_env.update(HOTWIRE_LENIENT="1", HOTWIRE_VECTORS=str(preload))
+    server.extra_env.update(HOTWIRE_LENIENT="1", HOTWIRE_VECTORS=str(preload), HOTWIRE_MAX_WAIT_S=str(MAX_WAIT_S))
     server.start()
 
     with httpx.Client(base_url=server.url, headers=AUTH, timeout=120) as http:
@@ -1074,3 +1094,47 @@ def test_lenient_server_serves_refused_steering_unsteered(server, model):
         steered = http.post("/v1/completions", json=completion_body(model, spec("preloaded", 1)))
         assert steered.headers[RECEIPT] == "preloaded@1:L1x8" and "x-hotwire-lenient" not in steered.headers
         assert max_diff(token_logprobs(steered), plain) > 1e-3
+
+
+@retried_on_a_busy_cpu
+def test_a_request_that_waits_past_hotwire_max_wait_s_gets_503_slots_busy(server, model):
+    """With HOTWIRE_MAX_WAIT_S=2 (set by the restart above), requests that cannot pin their rows while a hog runs
+    are answered 503 ``slots_busy`` once they have waited 2 s: as an HTTP error, streamed or not, never a bare 500
+    or an empty stream. The hog runs on; once it is gone the same request is served."""
+    assert server.extra_env.get("HOTWIRE_MAX_WAIT_S") == str(MAX_WAIT_S), "run it after the restart test"
+    with httpx.Client(base_url=server.url, headers=AUTH, timeout=120) as http:
+        for vector_id, seed, shape in (("busy-hog", 170, (LAYERS, HIDDEN)), ("busy-one", 171, (HIDDEN,)),
+                                       ("busy-two", 172, (HIDDEN,)), ("busy-wait", 173, (LAYERS, HIDDEN))):  # fmt: skip
+            r = http.post("/steer/vectors?replace=true", json=json_body(vector_id, vec(seed, shape)))
+            assert r.status_code in (200, 201), r.text
+        hog = json.dumps([{"id": "busy-hog", "layer": [0, 1, 2, 3], "scale": 1},
+                          {"id": "busy-one", "layer": 0, "scale": 1}, {"id": "busy-two", "layer": 1, "scale": 1}])
+        wait = spec("busy-wait", [0, 1, 2])  # 3 new rows; 2 can be had while the hog pins 6
+        refused = slots(http)["refused"].get("slots_busy", 0)
+        pool = concurrent.futures.ThreadPoolExecutor(2)
+        try:
+            body = completion_body(model, hog, max_tokens=LONG_STREAM_TOKENS, ignore_eos=True, logprobs=None)
+            with stream(server, body) as (response, _):
+                assert response.status_code == 200, response.text
+                assert slots(http)["pinned"] == MAX_ROWS
+                started = time.monotonic()
+                waiting = [pool.submit(httpx.post, f"{server.url}/v1/completions", headers=AUTH, timeout=120,
+                                       json=completion_body(model, wait, stream=streamed)) for streamed in (False, True)]
+                answers = [f.result(timeout=120) for f in waiting]
+                waited = time.monotonic() - started
+                if any(a.status_code != 503 for a in answers) and slots(http)["pinned"] < MAX_ROWS:
+                    raise StreamMissed("the hog ended before the waiting requests gave up: they were served after it")
+        finally:
+            pool.shutdown()
+        assert waited >= MAX_WAIT_S
+        pinned = f"{MAX_ROWS} of the {SLOTS} rows are pinned by 1 running steered request(s), the largest holding {MAX_ROWS}"
+        for answer in answers:
+            error = assert_error(answer, 503, "slots_busy")
+            assert answer.headers["content-type"].startswith("application/json") and RECEIPT not in answer.headers
+            assert answer.headers["retry-after"] == "1"
+            for text in (f"HOTWIRE_MAX_WAIT_S={MAX_WAIT_S}", "needs 3 more bank rows and only 2 can be freed", pinned):
+                assert text in error["message"], error
+        idle = wait_idle(http)
+        assert idle["refused"].get("slots_busy", 0) == refused + 2 and idle["deferred"] == 0
+        served = http.post("/v1/completions", json=completion_body(model, wait))  # the hog is gone: rows are free
+        assert served.headers[RECEIPT].startswith("busy-wait@") and token_logprobs(served)

@@ -183,7 +183,7 @@ def test_the_catalog_pins_only_what_every_engine_core_has() -> None:
                 "norms": {"*": 1.0}}
 
     def catalog(*vectors: dict) -> dict:
-        return {"ok": True, "generation": 7, "model": model, "capacity": 16, "vectors": list(vectors)}
+        return {"ok": True, "generation": 7, "model": model, "capacity": 16, "max_rows": 16, "vectors": list(vectors)}
 
     client = TwoEngines({contract.CATALOG: [catalog(meta("a", 2), meta("new", 1)), catalog(meta("a", 1))]})
     copy = Catalog()

@@ -15,8 +15,9 @@ from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
 from vllm.v1.request import Request
 from vllm.utils.hashing import sha256
 
+from hotwire_api.catalog import CatalogVector, rules_of
 from hotwire_core import sessions as sessions_mod
-from hotwire_core.admission import DEFAULT_STRENGTH_LIMIT, STRENGTH_LIMITS, ModelInfo, Refusal
+from hotwire_core.admission import DEFAULT_STRENGTH_LIMIT, STRENGTH_LIMITS, ModelInfo, Refusal, resolve
 from hotwire_core.contract import BINDING_KEY, USER_SALT_ATTR
 from hotwire_core.bindings import BankWrite
 from hotwire_core.controller import SteeringController, WaitForRows
@@ -49,6 +50,15 @@ def model(steerable=True, layers=None) -> ModelInfo:
 
 def ctrl(slots=8, max_stack=2, store=None, preload=None, steerable=True, layers=None, name="org/model") -> SteeringController:
     return SteeringController(model(steerable, layers), Settings(slots, max_stack, "op", store, preload), name)
+
+
+def ctrl_env(monkeypatch, **env: str) -> SteeringController:
+    """A controller with its settings read from ``env`` (and defaults), as the engine core reads them."""
+    for name in ("HOTWIRE_SLOTS", "HOTWIRE_MAX_ROWS", "HOTWIRE_MAX_WAIT_S", "HOTWIRE_VECTORS", "HOTWIRE_LAYERS"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in {"HOTWIRE_STORE": "off", **env}.items():
+        monkeypatch.setenv(name, value)
+    return SteeringController(model(), Settings.from_env(), "org/model")
 
 
 def register(c: SteeringController, vid: str, t: torch.Tensor, layers=None, replace=False) -> dict:
@@ -546,6 +556,139 @@ def test_more_rows_than_capacity_is_400_in_check_and_admit():
     assert c.stats()["refused"] == {"too_many_rows": 1}
 
 
+def test_a_spec_over_the_row_cap_is_400_in_check_admit_and_the_api_servers_rules(monkeypatch):
+    c = ctrl_env(monkeypatch, HOTWIRE_SLOTS="8", HOTWIRE_MAX_ROWS="3")
+    register(c, "a", vec(N_LAYERS, HIDDEN, seed=1))
+    register(c, "g", vec(HIDDEN, seed=2))  # one row for every layer it steers
+    over = [{"id": "a", "layer": [0, 1, 2], "scale": 1}, {"id": "g", "layer": [0, 3], "scale": 1}]  # 4 rows
+    before = state(c)
+    err = refusal(c, over)
+    assert (err.status, err.code, err.field) == (400, "too_many_rows", "hotwire")
+    for text in ("needs 4 bank rows", "at most 3 of the 8", "HOTWIRE_MAX_ROWS=3", "steer fewer layers or vectors"):
+        assert text in err.message
+    assert c.stats()["refused"] == {"too_many_rows": 1} and state(c)[1:] == before[1:]
+    assert c.check(json.dumps(over)) == c.check(json.dumps(over), False) == err.to_result()  # hotwire_check
+    # The API server decides from the catalog the engine hands it, alike.
+    catalog = c.catalog()
+    assert catalog["max_rows"] == 3 and rules_of(catalog) == c.rules
+    vectors = {v.vector_id: v for v in map(CatalogVector.from_meta, catalog["vectors"])}
+    with pytest.raises(Refusal) as api:
+        resolve(json.dumps(over), lambda vector_id, version: vectors.get(vector_id), rules_of(catalog))
+    assert api.value.to_result() == err.to_result()
+    assert admit(c, "fits", [{"id": "a", "layer": [0, 1], "scale": 1}, {"id": "g", "layer": [0, 1, 2, 3], "scale": 1}])[0]
+
+
+def test_by_default_one_request_may_pin_a_quarter_of_the_bank_or_a_row_per_steerable_layer(monkeypatch):
+    c = ctrl_env(monkeypatch, HOTWIRE_SLOTS="8")  # a quarter is 2 rows, the model has 4 layers
+    register(c, "a", vec(N_LAYERS, HIDDEN, seed=1))
+    register(c, "b", vec(N_LAYERS, HIDDEN, seed=2))
+    assert admit(c, "every-layer", {"id": "a", "layer": [0, 1, 2, 3], "scale": 1})[0] is not None
+    err = refusal(c, [{"id": "a", "layer": [0, 1, 2, 3], "scale": 1}, {"id": "b", "layer": 0, "scale": 1}])
+    assert err.code == "too_many_rows" and "HOTWIRE_MAX_ROWS=4" in err.message and c.rules.max_rows == 4
+
+
+class Clock:
+    """``time`` for ``hotwire_core.deferral``: its ``monotonic`` reads ``now``."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def monotonic(self) -> float:
+        return self.now
+
+
+@pytest.fixture
+def clock(monkeypatch) -> Clock:
+    clock = Clock()
+    monkeypatch.setattr("hotwire_core.deferral.time", clock, raising=False)
+    return clock
+
+
+def waiting(c: SteeringController, rid: str, spec, ticket: str | None = None) -> Request:
+    """A request the engine glue defers, as ``EngineCore.add_request`` does."""
+    req = request(rid, spec, extra={"hotwire_ticket": ticket} if ticket else None)
+    with pytest.raises(WaitForRows) as info:
+        c.admit(req)
+    c.defer(req, info.value.resolved)
+    return req
+
+
+def refusals_reported(c: SteeringController) -> list[tuple[Request, Refusal]]:
+    """What the engine glue's ``on_refused`` gets; the refusal is kept for the request's ticket, as there."""
+    reported: list[tuple[Request, Refusal]] = []
+    c.on_refused = lambda req, exc: (c.note_refusal(req, exc), reported.append((req, exc)))
+    return reported
+
+
+def test_a_request_that_waits_past_hotwire_max_wait_s_is_refused_with_503_slots_busy(monkeypatch, clock):
+    c = ctrl_env(monkeypatch, HOTWIRE_SLOTS="3", HOTWIRE_MAX_WAIT_S="5")
+    register(c, "a", vec(N_LAYERS, HIDDEN, seed=1))
+    register(c, "b", vec(N_LAYERS, HIDDEN, seed=2))
+    admit(c, "hog", {"id": "a", "layer": [0, 1, 2], "scale": 1})  # the whole bank
+    reported = refusals_reported(c)
+    first = waiting(c, "first", {"id": "b", "layer": [0, 1], "scale": 1}, ticket="T1")
+    clock.now += 2
+    second = waiting(c, "second", {"id": "b", "layer": [2], "scale": 1})
+    clock.now += 2.9
+    assert c.admit_deferred() == [] and reported == [] and list(c.deferred) == ["first", "second"]
+    clock.now += 0.1  # first has waited 5 s, second 3 s
+    assert c.admit_deferred() == [] and list(c.deferred) == ["second"]
+    ((req, exc),) = reported
+    assert req is first and (exc.status, exc.code) == (503, "slots_busy")
+    for text in ("waited 5.0 s", "HOTWIRE_MAX_WAIT_S=5", "needs 2 more bank rows and only 0 can be freed",
+                 "3 of the 3 rows are pinned by 1 running steered request(s), the largest holding 3",
+                 "Retry later", "raise HOTWIRE_SLOTS", "lower HOTWIRE_MAX_ROWS"):  # fmt: skip
+        assert text in exc.message, exc.message
+    assert c.refusals(["T1"])["refusals"]["T1"] == exc.to_result()  # what its API server answers with
+    assert c.stats()["refused"] == {"slots_busy": 1} and c.registry.current("b").refs == 1  # second's hold
+    clock.now += 2
+    assert c.admit_deferred() == [] and [r for r, _ in reported] == [first, second] and not c.deferred
+    assert c.stats()["refused"] == {"slots_busy": 2} and c.registry.current("b").refs == 0
+    assert c.stats()["pinned"] == 3 and "hog" in c.bindings  # the holder runs on
+
+
+def test_a_refused_request_lets_the_next_one_in_and_one_that_fits_is_never_refused(monkeypatch, clock):
+    c = ctrl_env(monkeypatch, HOTWIRE_SLOTS="3", HOTWIRE_MAX_WAIT_S="5")
+    register(c, "a", vec(N_LAYERS, HIDDEN, seed=1))
+    register(c, "b", vec(N_LAYERS, HIDDEN, seed=2))
+    admit(c, "hog", {"id": "a", "layer": [0, 1], "scale": 1})
+    reported = refusals_reported(c)
+    big = waiting(c, "big", {"id": "b", "layer": [0, 1, 2], "scale": 1})
+    small = waiting(c, "small", {"id": "b", "layer": 0, "scale": 1})  # fits, but comes after big
+    clock.now += 5
+    assert c.admit_deferred() == [small] and [r for r, _ in reported] == [big]
+    late = waiting(c, "late", {"id": "a", "layer": 2, "scale": 1})
+    clock.now += 60  # e.g. a paused engine, which does not step
+    c.release("hog")
+    assert c.admit_deferred() == [late] and len(reported) == 1  # its rows are free now: served, not refused
+
+
+def test_hotwire_max_wait_s_0_refuses_a_request_that_cannot_pin_its_rows_at_once(monkeypatch, clock):
+    c = ctrl_env(monkeypatch, HOTWIRE_SLOTS="1", HOTWIRE_MAX_WAIT_S="0")
+    register(c, "a", vec(HIDDEN, seed=1))
+    register(c, "b", vec(HIDDEN, seed=2))
+    admit(c, "hog", {"id": "a", "layer": 0, "scale": 1})
+    reported = refusals_reported(c)
+    waiting(c, "w", {"id": "b", "layer": 0, "scale": 1})
+    assert c.admit_deferred() == [] and not c.deferred
+    assert reported[0][1].code == "slots_busy" and "waited 0.0 s" in reported[0][1].message
+
+
+def test_a_request_waiting_behind_a_preempted_one_is_told_so_when_it_gives_up(monkeypatch, clock):
+    c = ctrl_env(monkeypatch, HOTWIRE_SLOTS="2", HOTWIRE_MAX_WAIT_S="5")
+    for vid, seed in (("a", 1), ("b", 2), ("c", 3)):
+        register(c, vid, vec(N_LAYERS, HIDDEN, seed=seed))
+    _, r1 = admit(c, "r1", {"id": "a", "layer": [0, 1], "scale": 1})
+    c.suspend("r1")
+    admit(c, "r2", {"id": "b", "layer": 0, "scale": 1})
+    assert c.resume(r1) is False
+    reported = refusals_reported(c)
+    waiting(c, "w", {"id": "c", "layer": 0, "scale": 1})  # one row would be free: it waits behind r1
+    clock.now += 5
+    assert c.admit_deferred() == []
+    assert "preempted steered requests are waiting to pin their rows again" in reported[0][1].message
+
+
 def test_deferred_requests_are_admitted_in_order_when_rows_free():
     c = ctrl(slots=2)
     register(c, "a", vec(N_LAYERS, HIDDEN))
@@ -935,15 +1078,22 @@ def test_store_restores_vectors(tmp_path):
     assert ctrl(store="off").store is None
 
 
-def test_store_written_before_versions_json_keeps_versions_after_delete(tmp_path):
+def test_a_store_whose_versions_json_is_gone_never_reuses_a_version(tmp_path):
+    """Without versions.json the store cannot know what deleted ids had (test_store.py covers each kind of loss):
+    the engine serves what the files hold and numbers on above a floor it keeps."""
     c1 = ctrl(store=str(tmp_path))
     register(c1, "a", vec(HIDDEN, seed=1))
     register(c1, "a", vec(HIDDEN, seed=2), replace=True)  # a@2
-    (c1.store.root / "versions.json").unlink()  # as an older hotwire left its store
-    c2 = ctrl(store=str(tmp_path))  # restores a@2 and records it
+    register(c1, "gone", vec(HIDDEN, seed=3))
+    c1.unregister("gone")
+    (c1.store.root / "versions.json").unlink()
+    c2 = ctrl(store=str(tmp_path))  # restores a@2 and starts versions above a floor
+    assert c2.registry.current("a").version == 2
     c2.unregister("a")
     c3 = ctrl(store=str(tmp_path))
-    assert register(c3, "a", vec(HIDDEN))["vector"]["version"] == 3
+    floor = c3.store.last_versions()["*"]
+    assert register(c3, "a", vec(HIDDEN))["vector"]["version"] == floor + 1
+    assert register(c3, "gone", vec(HIDDEN, seed=4))["vector"]["version"] == floor + 1
 
 
 def test_bank_writes_carry_a_compact_copy_of_the_row():
@@ -1303,9 +1453,9 @@ def test_a_session_whose_first_chunk_waited_for_rows_keeps_its_steering_for_late
     assert info.value.code == "steering_changed"
 
 
-def test_newcomers_on_resident_unpinned_rows_wait_behind_a_deferred_request():
-    """Rows that free up go to the request waiting longest: a newcomer that would pin an unpinned resident row
-    waits too, one that only shares rows already pinned does not."""
+def test_newcomers_wait_behind_a_deferred_request():
+    """Rows that free up go to the request waiting longest: a newcomer waits behind it, whether it would pin an
+    unpinned resident row or only share rows pinned already (test_a_stream_of_requests_sharing_pinned_rows_*)."""
     c = ctrl(slots=2)
     for vid, seed in (("a", 1), ("b", 2), ("c", 3)):
         register(c, vid, vec(N_LAYERS, HIDDEN, seed=seed))
@@ -1316,13 +1466,40 @@ def test_newcomers_on_resident_unpinned_rows_wait_behind_a_deferred_request():
     with pytest.raises(Refusal):
         c.admit(big)
     c.defer(big)
-    with pytest.raises(Refusal) as info:  # would pin a@L0, the row big needs once holder is done
-        c.admit(request("late", {"id": "a", "layer": 0, "scale": 1}))
-    assert info.value.code == "slots_exhausted"
-    admit(c, "sharer", {"id": "b", "layer": 0, "scale": 2})  # b@L0 is pinned already: takes nothing
+    for newcomer in ({"id": "a", "layer": 0, "scale": 1}, {"id": "b", "layer": 0, "scale": 2}):
+        with pytest.raises(WaitForRows) as info:  # a@L0: the row big needs once holder is done; b@L0: pinned
+            c.admit(request("late", newcomer))
+        assert "waits behind them" in info.value.message
+        assert c.check(json.dumps(newcomer))["code"] == "slots_exhausted"  # check_steering: it would wait
     c.release("holder")
-    c.release("sharer")
     assert c.admit_deferred() == [big]
+
+
+def test_a_stream_of_requests_sharing_pinned_rows_cannot_starve_an_earlier_one():
+    """Requests that only share a row pinned already take no row, but keep it pinned: admitted ahead of a waiting
+    request, each one overlapping the last would keep that row from ever freeing up for it."""
+    c = ctrl(slots=2)
+    register(c, "b", vec(HIDDEN, seed=2))
+    register(c, "c", vec(N_LAYERS, HIDDEN, seed=3))
+    admit(c, "s0", {"id": "b", "layer": 0, "scale": 1})
+    big = request("big", {"id": "c", "layer": [0, 1], "scale": 1})  # needs both rows
+    with pytest.raises(WaitForRows):
+        c.admit(big)
+    c.defer(big)
+    for i in range(1, 4):  # s{i} arrives while s{i-1} runs, then s{i-1} finishes
+        sharer = request(f"s{i}", {"id": "b", "layer": 0, "scale": 1})
+        try:
+            c.admit(sharer)
+        except WaitForRows as exc:
+            c.defer(sharer, exc.resolved)
+        c.release(f"s{i - 1}")
+        if c.admit_deferred()[:1] == [big]:
+            break
+    else:
+        pytest.fail("requests sharing a pinned row kept an earlier request waiting for ever")
+    assert i == 1 and list(c.deferred) == ["s1"]
+    c.release("big")
+    assert [r.request_id for r in c.admit_deferred()] == ["s1"]
 
 
 def test_check_without_slots_never_says_wait():

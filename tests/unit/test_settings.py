@@ -10,7 +10,7 @@ from hotwire_core import __version__
 from hotwire_core.settings import Settings, default_store_root, format_layers, middle_layer, parse_layers
 
 ENV = ("HOTWIRE_SLOTS", "HOTWIRE_MAX_STACK", "HOTWIRE_IMPL", "HOTWIRE_STORE", "HOTWIRE_VECTORS", "HOTWIRE_IDLE_GRAPHS",
-       "HOTWIRE_LAYERS", "HOTWIRE_PDL", "HOTWIRE_NORM")
+       "HOTWIRE_LAYERS", "HOTWIRE_PDL", "HOTWIRE_NORM", "HOTWIRE_MAX_ROWS", "HOTWIRE_MAX_WAIT_S")
 
 
 @pytest.fixture
@@ -71,6 +71,13 @@ def test_empty_strings_mean_unset(env):
         ("HOTWIRE_LAYERS", "9-3", "'9-3' is not a range of layers in [0, 65536)"),
         ("HOTWIRE_LAYERS", "0-2000000000", "is not a range of layers in [0, 65536)"),
         ("HOTWIRE_LAYERS", "-2", "'-2' is not a layer index"),
+        ("HOTWIRE_MAX_ROWS", "0", "must be in [1, 65536]"),
+        ("HOTWIRE_MAX_ROWS", "many", "is not an integer"),
+        ("HOTWIRE_MAX_ROWS", "257", "HOTWIRE_MAX_ROWS=257 is more than the bank holds (HOTWIRE_SLOTS=256): set it to "
+                                    "at most 256, or raise HOTWIRE_SLOTS"),
+        ("HOTWIRE_MAX_WAIT_S", "-1", "must be in [0, 86400]"),
+        ("HOTWIRE_MAX_WAIT_S", "86401", "must be in [0, 86400]"),
+        ("HOTWIRE_MAX_WAIT_S", "2.5", "is not an integer"),
     ],
 )
 def test_bad_values(env, name, value, msg):
@@ -85,6 +92,31 @@ def test_bounds_inclusive(env, name, value):
     env.setenv(name, value)
     s = Settings.from_env()
     assert getattr(s, "slots" if name == "HOTWIRE_SLOTS" else "max_stack") == int(value)
+
+
+def test_row_cap_and_wait_limit(env):
+    s = Settings.from_env()
+    assert (s.max_rows, s.max_wait_s) == (None, 30)
+    env.setenv("HOTWIRE_SLOTS", "512")
+    env.setenv("HOTWIRE_MAX_ROWS", "512")  # the whole bank is allowed
+    env.setenv("HOTWIRE_MAX_WAIT_S", "0")  # no wait at all
+    s = Settings.from_env()
+    assert (s.max_rows, s.max_wait_s, s.rows_per_request(36)) == (512, 0, 512)
+    assert s.compile_fingerprint() == Settings(512, 4, "op", None, None).compile_fingerprint()  # not in the graph
+
+
+@pytest.mark.parametrize("slots,layers,rows", [
+    (256, 36, 64),  # a quarter of the default bank: one vector at every layer of a 36-layer model fits
+    (256, 64, 64),  # and of a 64-layer one
+    (256, 80, 80),  # a deeper model: one row per layer still fits
+    (4096, 36, 1024),
+    (8, 4, 4),
+    (3, 4, 3),  # never more than the bank
+    (2, 0, 1),  # a model nothing can steer
+])  # fmt: skip
+def test_default_row_cap_is_a_quarter_of_the_bank_but_at_least_a_row_per_layer(slots, layers, rows):
+    assert Settings(slots, 4, "op", None, None).rows_per_request(layers) == rows
+    assert Settings(slots, 4, "op", None, None, max_rows=1).rows_per_request(layers) == 1
 
 
 def test_store_dir_per_model(tmp_path):
