@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import time
 from collections.abc import AsyncIterator, Callable, Coroutine
 from typing import Any
@@ -12,12 +11,10 @@ from typing import Any
 from fastapi import APIRouter, BackgroundTasks, Depends, Query, Request, Response
 from fastapi.exceptions import RequestValidationError
 from fastapi.routing import APIRoute
-from starlette.datastructures import Headers, UploadFile
-from starlette.formparsers import MultiPartException, MultiPartParser
 
 from hotwire_api.auth import require_api_key
 from hotwire_api.catalog import CATALOG, refresh_interval_s
-from hotwire_api.codec import VectorPayload, decode_form, decode_json, read_limited, too_large
+from hotwire_api.codec import VectorPayload, read_limited, too_large
 from hotwire_api.engine import HotwireEngine
 from hotwire_api.errors import HotwireError
 from hotwire_api.fleet.replica import FLEET
@@ -26,6 +23,8 @@ from hotwire_api.models import (
     DeleteResult, ErrorBody, FleetView, RegisterVectorJSON, RegistryStatus, ReplicaSlots, SlotStats, VectorList, VectorMeta,
 )
 from hotwire_api.settings import Settings
+from hotwire_api.uploads import decode_upload
+from hotwire_core.spec import VECTOR_ID_RE
 from hotwire_core.vllm_glue import inactive_reason
 
 
@@ -92,7 +91,7 @@ _REGISTER_BODY = {
                 "type": "object",
                 "required": ["id", "file"],
                 "properties": {
-                    "id": {"type": "string", "pattern": "^[A-Za-z0-9._-]{1,64}$"},
+                    "id": {"type": "string", "pattern": f"^{VECTOR_ID_RE.pattern}$"},
                     "file": {
                         "type": "string",
                         "format": "binary",
@@ -107,46 +106,19 @@ _REGISTER_BODY = {
 }
 
 
-async def _form_fields(headers: Headers, body: bytes, limit: int) -> dict[str, str | bytes]:
-    async def chunks() -> AsyncIterator[bytes]:
-        yield body
-
-    try:
-        form = await MultiPartParser(headers, chunks(), max_files=1, max_fields=8, max_part_size=limit).parse()
-    except MultiPartException as exc:
-        raise HotwireError(400, "bad_body", f"malformed multipart body: {exc.message}") from None
-    fields: dict[str, str | bytes] = {}
-    try:
-        for name, value in form.multi_items():
-            if name in fields:
-                raise HotwireError(400, "bad_body", "is given twice", name)
-            fields[name] = await value.read() if isinstance(value, UploadFile) else value
-    finally:
-        await form.close()
-    return fields
-
-
 async def _read_upload(request: Request, limit: int) -> tuple[str, VectorPayload]:
     length = request.headers.get("content-length", "")
     if length.isdigit() and int(length) > limit:
         raise too_large(limit)
-    content_type = request.headers.get("content-type", "").partition(";")[0].strip().lower()
-    if content_type not in ("multipart/form-data", "application/json"):
+    content_type = request.headers.get("content-type", "")
+    media_type = content_type.partition(";")[0].strip().lower()
+    if media_type not in ("multipart/form-data", "application/json"):
         raise HotwireError(
             415,
             "unsupported_media_type",
-            f"send multipart/form-data (id, file=<.safetensors>, layers?) or application/json, not {content_type!r}",
+            f"send multipart/form-data (id, file=<.safetensors>, layers?) or application/json, not {media_type!r}",
         )
-    body = await read_limited(request.stream(), limit)
-    if content_type == "multipart/form-data":
-        return decode_form(await _form_fields(request.headers, body, limit))
-    try:
-        obj = json.loads(body)
-    except ValueError as exc:
-        raise HotwireError(400, "bad_body", f"the body is not valid JSON ({exc})") from None
-    except RecursionError:
-        raise HotwireError(400, "bad_body", "the body nests too deeply to be read; see the registration format") from None
-    return decode_json(obj)
+    return await decode_upload(content_type, await read_limited(request.stream(), limit), limit)
 
 
 def _refresh_stats_later(background: BackgroundTasks, engine: HotwireEngine) -> None:
@@ -174,8 +146,9 @@ async def _refresh_catalog(engine: HotwireEngine) -> None:
         413: _error("Larger than HOTWIRE_MAX_UPLOAD_MB."),
         415: _error("Neither multipart/form-data nor application/json."),
         500: _error("`store_failed`: the vector store could not be written; nothing was registered."),
-        503: _error("`registry_unavailable`: the fleet's registry (HOTWIRE_REGISTRY) does not answer; nothing "
-                    "was registered."),
+        503: _error("`registry_unavailable`: the fleet's registry (HOTWIRE_REGISTRY) does not answer, or Redis "
+                    "restarted and the replicas are putting back what it may have lost (Retry-After); nothing was "
+                    "registered."),
     },
 )
 async def register_vector(
@@ -233,7 +206,8 @@ async def get_vector(vector_id: str, request: Request, background: BackgroundTas
         202: {"model": DeleteResult, "description": "Deleted for new requests; running ones keep it until done."},
         404: _error("No vector has this id."),
         500: _error("`store_failed`: its stored file could not be removed; it stays registered."),
-        503: _error("`registry_unavailable`: the fleet's registry does not answer; nothing was deleted."),
+        503: _error("`registry_unavailable`: the fleet's registry does not answer, or Redis restarted and the "
+                    "replicas are putting back what it may have lost (Retry-After); nothing was deleted."),
     },
 )
 async def delete_vector(vector_id: str, request: Request, background: BackgroundTasks) -> Response:

@@ -284,3 +284,66 @@ def test_read_limited_refuses_oversize_while_reading() -> None:
     assert (info.value.status, info.value.code) == (413, "payload_too_large")
     assert "HOTWIRE_MAX_UPLOAD_MB" in info.value.message
     assert consumed == [b"abc", b"def"]  # stopped as soon as the limit was passed
+
+
+# ---- large uploads are decoded away from the event loop ---------------------------------------------------
+
+
+def _float_lists(layers: int, hidden: int) -> bytes:
+    import json
+
+    rows = {str(i): np.random.default_rng(i).standard_normal(hidden).astype(np.float32).tolist() for i in range(layers)}
+    return json.dumps({"id": "big", "layers": rows}).encode()
+
+
+def test_a_large_upload_decodes_in_another_process_without_stalling_the_loop() -> None:
+    """A 20 MB list of floats takes the parser a quarter second or more; the loop must keep turning meanwhile."""
+    from hotwire_api import uploads
+
+    body = _float_lists(240, 4096)
+    assert len(body) > 10 * uploads.INLINE_BYTES
+
+    async def scenario() -> tuple[tuple[str, VectorPayload], float]:
+        gaps, done = [], asyncio.Event()
+
+        async def ticker() -> None:
+            last = asyncio.get_running_loop().time()
+            while not done.is_set():
+                await asyncio.sleep(0.005)
+                now = asyncio.get_running_loop().time()
+                gaps.append(now - last)
+                last = now
+
+        tick = asyncio.create_task(ticker())
+        await asyncio.sleep(0.02)
+        decoded = await uploads.decode_upload("application/json", body, 1 << 30)
+        done.set()
+        await tick
+        return decoded, max(gaps)
+
+    (vector_id, payload), worst_gap = asyncio.run(scenario())
+    inline_id, inline = asyncio.run(uploads._decode("application/json", body, 1 << 30))
+    assert (vector_id, payload) == (inline_id, inline) and payload.data == inline.data
+    assert payload.layers == tuple(range(240)) and payload.source == "layers"
+    assert worst_gap < 0.1, f"the event loop stalled {worst_gap * 1000:.0f} ms"
+
+
+def test_a_large_upload_is_refused_from_the_other_process_as_it_would_be_in_place() -> None:
+    from hotwire_api import uploads
+
+    bad = _float_lists(200, 4096).replace(b'"id": "big"', b'"id": ".."')
+    for decode in (uploads.decode_upload, uploads._decode):
+        with pytest.raises(HotwireError) as info:
+            asyncio.run(decode("application/json", bad, 1 << 30))
+        assert (info.value.status, info.value.code, info.value.field) == (400, "bad_id", "id")
+    with pytest.raises(HotwireError) as info:
+        asyncio.run(uploads.decode_upload("application/json", b"[" * (2 << 20), 1 << 30))
+    assert (info.value.status, info.value.code) == (400, "bad_body")
+    boundary = "xyz"
+    form = (f"--{boundary}\r\nContent-Disposition: form-data; name=\"id\"\r\n\r\nv\r\n--{boundary}\r\n"
+            f"Content-Disposition: form-data; name=\"file\"; filename=\"v.safetensors\"\r\n\r\n").encode()
+    array = np.arange(300_000, dtype=np.float32)
+    form += save_numpy({"x": array}) + f"\r\n--{boundary}--\r\n".encode()
+    assert len(form) > uploads.INLINE_BYTES
+    vector_id, payload = asyncio.run(uploads.decode_upload(f"multipart/form-data; boundary={boundary}", form, 1 << 30))
+    assert vector_id == "v" and payload.data == array.tobytes() and payload.source == "file"
