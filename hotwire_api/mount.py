@@ -9,7 +9,7 @@ import os
 
 from hotwire_core.settings import default_store_root
 from hotwire_core.vllm_glue import inactive_reason
-from hotwire_core.vllm_glue.api_server import attach_to_app_builder, is_api_server_process
+from hotwire_core.vllm_glue.api_server import attach_to_app_builder, guard_engine_requests, is_api_server_process
 
 __all__ = ["install", "register"]
 
@@ -18,8 +18,11 @@ logger = logging.getLogger(__name__)
 
 def _attach(app) -> None:
     from hotwire_api.server import attach  # not at import: every vLLM process loads this module
+    from hotwire_api.tickets import TICKETS
 
     attach(app)
+    if inactive_reason() is None:  # (elsewhere hotwire hooks nothing, and admission answers steering 503)
+        guard_engine_requests(TICKETS.check)  # no spec reaches the engine unless admission decided it
 
 
 def install() -> bool:

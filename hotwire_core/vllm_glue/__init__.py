@@ -13,7 +13,7 @@ version strings; the version gate (:func:`inactive_reason`) keeps hotwire out of
 | :mod:`.workers` | ``Worker.load_model``, ``WorkerBase`` | buffers and layer hooks before compile and capture; what a rank could hook |
 | :mod:`.runners` | V1 ``GPUModelRunner.execute_model`` / ``_model_forward``, V2 ``execute_model`` / ``prepare_inputs`` | request lifecycle, gate, per-token fill |
 | :mod:`.graphs` | V1 ``_warmup_and_capture``, ``CUDAGraphWrapper``, V2 ``ModelCudaGraphManager.capture`` / ``CudaGraphManager.run_fullgraph`` | idle and steered graph variants |
-| :mod:`.api_server` | the API server's process names and app builder, the data-parallel client | where hotwire's control plane attaches (the callbacks are hotwire_api's) |
+| :mod:`.api_server` | the API server's process names and app builder, ``AsyncLLM.add_request``, the data-parallel client | where hotwire's control plane attaches and guards what reaches the engine (the callbacks are hotwire_api's) |
 """
 
 from __future__ import annotations

@@ -1,6 +1,7 @@
 """vLLM's API server, as hotwire's control plane needs it: which process this is (vLLM's process names), the app
-builder's hook where the control plane attaches (the callback is hotwire_api's: the core never imports it), and how
-an API server's engine client reaches each data-parallel engine core. Imports no vLLM code until asked to hook."""
+builder's hook where the control plane attaches (the callback is hotwire_api's: the core never imports it), the
+guard on every request the API server's engine client adds, and how that client reaches each data-parallel engine
+core. Imports no vLLM code until asked to hook."""
 
 from __future__ import annotations
 
@@ -9,12 +10,16 @@ import functools
 import importlib
 import multiprocessing
 import sys
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Mapping
 from typing import Any, Callable, Protocol
 
 from .compat import API_SERVER_MODULES
+from .patching import wrap
 
-__all__ = ["PerEngineRPC", "attach_to_app_builder", "is_api_server_process", "is_first_api_server", "per_engine_rpc"]
+__all__ = [
+    "PerEngineRPC", "attach_to_app_builder", "guard_engine_requests", "is_api_server_process", "is_first_api_server",
+    "per_engine_rpc",
+]
 
 def is_api_server_process() -> bool:
     """True in a process that may build vLLM's FastAPI app.
@@ -59,6 +64,29 @@ def attach_to_app_builder(attach: Callable[[Any], None]) -> None:
 
     setattr(register_hotwire_and_routers, _MARK, True)
     setattr(serve, _HOOK, register_hotwire_and_routers)
+
+
+_ENGINE_CLIENT_MODULE = "vllm.v1.engine.async_llm"  # AsyncLLM: the engine client of every API server
+_GUARD: list[Callable[[Mapping[str, Any] | None], None]] = []
+
+
+def guard_engine_requests(check: Callable[[Mapping[str, Any] | None], None]) -> None:
+    """Run ``check(extra_args)`` on every request this process's engine client adds, before it goes to the engine:
+    whatever route built it. ``extra_args``: the request's ``SamplingParams.extra_args`` (None for pooling
+    requests and for requests without any). An exception ``check`` raises refuses the request as vLLM's own input
+    checks do (vLLM's handlers answer a ``ValueError`` with 400, or an error event in a stream). ``AsyncLLM.add_request``
+    is where ``generate``, ``encode`` and beam search's steps all pass. The last ``check`` given is the one run."""
+    _GUARD[:] = [check]
+    client = importlib.import_module(_ENGINE_CLIENT_MODULE).AsyncLLM
+
+    def make_add_request(original):
+        async def add_request(self, request_id, prompt, params, *args, **kwargs):
+            _GUARD[0](getattr(params, "extra_args", None))
+            return await original(self, request_id, prompt, params, *args, **kwargs)
+
+        return add_request
+
+    wrap(client, "add_request", make_add_request)
 
 
 def is_first_api_server() -> bool:

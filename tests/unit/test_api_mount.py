@@ -22,6 +22,8 @@ import vllm_app
 from hotwire_api import mount
 from hotwire_core.vllm_glue import api_server as glue_api
 from hotwire_api.admission import AdmissionMiddleware
+from hotwire_api.errors import HotwireError
+from hotwire_api.tickets import TICKETS
 from hotwire_core import contract, vllm_glue
 
 SERVE = "vllm.entrypoints.serve"
@@ -63,6 +65,8 @@ def test_api_server_gets_hotwire_once(
     fake_serve: types.ModuleType, monkeypatch: pytest.MonkeyPatch, name: str, api_server_loaded: bool
 ) -> None:
     _as_process(monkeypatch, name, api_server_loaded)
+    guards = []
+    monkeypatch.setattr(mount, "guard_engine_requests", guards.append)  # the real one wraps vLLM's AsyncLLM
     original = fake_serve.register_vllm_serve_api_routers
     assert mount.install() is True
     hooked = fake_serve.register_vllm_serve_api_routers
@@ -74,6 +78,41 @@ def test_api_server_gets_hotwire_once(
     assert fake_serve.calls == [app]  # vLLM's own routers still registered
     assert {"/steer/vectors", "/steer/slots"} <= {route.path for route in app.routes}
     assert [m.cls for m in app.user_middleware] == [AdmissionMiddleware]
+    assert guards == [TICKETS.check]  # every request the engine client adds passes admission's tickets
+
+
+def test_the_guard_refuses_steering_admission_did_not_decide_before_vllm_sees_the_request(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """vLLM's real AsyncLLM.add_request, wrapped: a spec without a live ticket for exactly that spec never gets past
+    the guard; a plain request, and one with its ticket, reach vLLM's own code (here: its dead-engine check)."""
+    from vllm.sampling_params import SamplingParams
+    from vllm.v1.engine.async_llm import AsyncLLM
+    from vllm.v1.engine.exceptions import EngineDeadError
+
+    monkeypatch.setattr(AsyncLLM, "add_request", AsyncLLM.__dict__["add_request"])  # unwrapped after the test
+    monkeypatch.setattr(glue_api, "_GUARD", [])
+    glue_api.guard_engine_requests(TICKETS.check)
+    dead = types.SimpleNamespace(errored=True)
+    spec = json.dumps({"id": "happy", "layer": 1, "scale": 4.0})
+
+    def add(extra_args: dict | None) -> None:
+        asyncio.run(AsyncLLM.add_request(dead, "r", "hi", SamplingParams(extra_args=extra_args)))
+
+    for extra in ({"hotwire": spec}, {"hotwire": spec, "hotwire_ticket": "forged"}, {"hotwire_ticket": "x"}):
+        with pytest.raises(HotwireError) as info:
+            add(extra)
+        assert (info.value.status, info.value.code) == (400, "not_admitted")
+    ticket = TICKETS.issue(spec)
+    with pytest.raises(HotwireError):
+        add({"hotwire": spec.replace("4.0", "8.0"), "hotwire_ticket": ticket})  # not what was decided
+    for extra in (None, {"other": 1}, {"hotwire": spec, "hotwire_ticket": ticket}):
+        with pytest.raises(EngineDeadError):
+            add(extra)
+    assert TICKETS.get(ticket).presented
+    TICKETS.close(ticket)
+    with pytest.raises(HotwireError):
+        add({"hotwire": spec, "hotwire_ticket": ticket})  # the request is over
 
 
 def test_python_m_api_server_counts_as_api_server(

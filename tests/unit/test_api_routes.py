@@ -30,6 +30,7 @@ from hotwire_api.errors import HotwireError
 from hotwire_api.metrics import STATS
 from hotwire_api.server import attach
 from hotwire_api.settings import Settings
+from hotwire_api.tickets import TICKETS
 from hotwire_core import contract
 
 HIDDEN, N_LAYERS = 8, 4
@@ -110,7 +111,7 @@ class FakeEngine:
         model = {"steerable": self.steerable, "reason": "no decoder layers" if not self.steerable else "",
                  "n_layers": N_LAYERS, "hidden_size": HIDDEN, "dtype": "float32", "max_stack": 4, "norm": False,
                  "layers": f"0-{N_LAYERS - 1}"}
-        return {"ok": True, "generation": self.generation, "model": model, "capacity": 16,
+        return {"ok": True, "generation": self.generation, "model": model, "capacity": 16, "max_rows": 16,
                 "vectors": list(self.vectors.values())}
 
     def hotwire_refusals(self, tickets: list[str]) -> dict[str, Any]:
@@ -179,10 +180,11 @@ def _openai_app(engine: FakeEngine | None, settings: Settings) -> FastAPI:
 
     async def echo(request: Request) -> JSONResponse:
         raw = await request.body()
+        _to_engine(raw)
         return JSONResponse({"raw": raw.decode(), "content_length": request.headers.get("content-length")})
 
     async def stream(request: Request) -> StreamingResponse:
-        await request.body()
+        _to_engine(await request.body())
 
         async def chunks():
             for i in range(3):
@@ -197,6 +199,15 @@ def _openai_app(engine: FakeEngine | None, settings: Settings) -> FastAPI:
     app.add_api_route("/v1/embeddings", echo, methods=["POST"])
     app.mount("/metrics", make_asgi_app())
     return app
+
+
+def _to_engine(body: bytes) -> None:
+    """What vLLM's engine client does with a request: the guard hotwire_api.mount installs sees its extra_args."""
+    try:
+        xargs = json.loads(body).get("vllm_xargs")
+    except (ValueError, AttributeError):
+        return
+    TICKETS.check(xargs if isinstance(xargs, dict) else None)
 
 
 @pytest.fixture(autouse=True)
@@ -517,9 +528,10 @@ def test_keys_are_compared_in_constant_time_against_every_key(monkeypatch: pytes
     compared = []
     real = auth.hmac.compare_digest
     monkeypatch.setattr(auth.hmac, "compare_digest", lambda a, b: compared.append(b) or real(a, b))
-    assert auth._matches("k1", ["k1", "k2", "k3"]) is True
+    assert auth.bearer_matches("Bearer k1", ["k1", "k2", "k3"]) is True
     assert compared == [b"k1", b"k2", b"k3"]
-    assert auth._matches("nope", ["k1"]) is False
+    assert auth.bearer_matches("Bearer nope", ["k1"]) is False
+    assert auth.bearer_matches("Basic k1", ["k1"]) is False
 
 
 def test_vllm_api_keys_apply_when_hotwire_has_none(engine: FakeEngine, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -546,7 +558,7 @@ def test_requests_without_hotwire_are_untouched(client: TestClient, engine: Fake
     assert "x-hotwire-receipt" not in response.headers
     mention = _chat(None, messages=[{"role": "user", "content": "what is a hotwire?"}])
     assert client.post("/v1/chat/completions", json=mention).status_code == 200
-    assert client.post("/v1/embeddings", json={"vllm_xargs": {"hotwire": "nonsense"}}).status_code == 200
+    assert client.post("/v1/embeddings", json={"vllm_xargs": {"other": "x"}}).status_code == 200
     assert engine.calls == []
 
 
@@ -627,6 +639,7 @@ _VLLM_500 = {"error": {"message": "Internal server error", "type": "InternalServ
 
 
 def _ticket(body: bytes) -> str:
+    _to_engine(body)
     return json.loads(body)["vllm_xargs"]["hotwire_ticket"]
 
 
@@ -943,8 +956,11 @@ def test_sync_client(client: TestClient, engine: FakeEngine, tmp_path: Path) -> 
     assert (info.value.status, info.value.code, info.value.field) == (404, "unknown_vector", "id")
     with pytest.raises(ValueError, match="convert"):
         hw.register("pt", tmp_path / "v.pt")
-    assert hw.register("..", _vector()).id == ".."  # a valid id that is also a URL dot-segment
-    assert hw.get("..").id == ".." and hw.delete("..").in_flight == 0
+    with pytest.raises(HotwireError) as info:
+        hw.register("..", _vector())  # would name the store file "..safetensors"
+    assert (info.value.status, info.value.code) == (400, "bad_id")
+    assert hw.register("_..", _vector()).id == "_.."
+    assert hw.get("_..").id == "_.." and hw.delete("_..").in_flight == 0
 
 
 def test_sync_client_torch_tensor(client: TestClient, engine: FakeEngine) -> None:

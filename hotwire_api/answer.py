@@ -1,0 +1,238 @@
+"""The response to an admitted steered request, on its way to the client (``hotwire_api.admission`` admits it).
+
+Two things can make vLLM's answer wrong for such a request, and this module replaces the answer then:
+
+- The engine refused the request (a pinned version past its retention, bank rows it waited for too long). vLLM
+  reports that as a failed request: a bare 500, or a stream that ends with an error event or none at all. The
+  engine keeps the refusal under the request's ticket; the client gets it as the refusal's own status and body
+  when nothing of the response has reached it yet (a stream's start is held until its first event that carries
+  output), else as an error event in the stream (OpenAI's shape: message, ``type`` = hotwire's code, ``param`` =
+  field, ``code`` = status).
+- vLLM delivered output although the request's ticket never reached the engine client (``hotwire_api.tickets``):
+  the route dropped the spec on its way (beam search builds its own sampling parameters; a pooling handler has no
+  room for one). The client gets 400 ``steering_unsupported`` instead of output that was not steered.
+
+No request that was refused, or not steered as admitted, ends as a success.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from starlette.types import Message, Receive, Scope, Send
+
+from hotwire_api.engine import HotwireEngine
+from hotwire_api.errors import HotwireError
+from hotwire_api.tickets import Ticket
+from hotwire_core.spec import SPEC_KEY
+
+__all__ = ["Answer", "in_body"]
+
+
+def in_body(exc: Any) -> HotwireError:
+    """A refusal (``Refusal`` or :class:`HotwireError`) with its field named as in the request body
+    (``vllm_xargs.hotwire[0].id``)."""
+    field = exc.field
+    if field is not None and field.startswith(SPEC_KEY):
+        field = f"vllm_xargs.{field}"
+    return HotwireError(exc.status, exc.code, exc.message, field)
+
+
+def _not_steered(path: str) -> HotwireError:
+    return HotwireError(
+        400, "steering_unsupported",
+        f"POST {path} answered this request without passing its steering to the engine (beam search, for one, "
+        "builds sampling parameters of its own), so it was not served: drop the steering, or send it a way that "
+        "generates with the request's own parameters", f"vllm_xargs.{SPEC_KEY}",
+    )
+
+
+class Answer:
+    """vLLM's answer to one admitted request, passed on or replaced (see the module docstring)."""
+
+    def __init__(self, engine: HotwireEngine, ticket_id: str, ticket: Ticket, scope: Scope, receive: Receive,
+                 send: Send, path: str):
+        self.engine, self.ticket_id, self.ticket = engine, ticket_id, ticket
+        self.scope, self.receive, self._send, self.path = scope, receive, send, path
+        self.responses_api = path == "/v1/responses"
+        self.held: list[Message] = []  # what the client has not been sent yet
+        self.streaming = False
+        self.status = 200
+        self.started = False  # whether anything went to the client
+        self.output = False  # whether the response delivered generated output
+        self.explained = False
+        self.replaced = False  # the refusal went out instead: the rest of vLLM's answer is dropped
+
+    @property
+    def failed(self) -> bool:
+        return self.status >= 500
+
+    async def send(self, message: Message) -> None:
+        if self.replaced:
+            return
+        if message["type"] == "http.response.start":
+            self.streaming = _is_event_stream(message)
+            self.status = message.get("status", 200)
+            self.held.append(message)
+            return
+        if message["type"] != "http.response.body":
+            await self._send(message)
+            return
+        if self.streaming and not self.failed:
+            await self._stream_body(message)
+            return
+        self.held.append(message)
+        if not message.get("more_body", False):
+            await self._end()
+
+    async def _stream_body(self, message: Message) -> None:
+        events = message.get("body", b"")
+        if _is_error_event(events):
+            refusal = await self._refusal()
+            if refusal is not None and not self.started:
+                await self._refuse(refusal)
+                return
+            if refusal is not None:
+                message = {**message, "body": _error_event(refusal, self.responses_api)}
+        elif not self.output and _carries_output(events):
+            self.output = True
+            if not self.ticket.presented:
+                await self._refuse_or_end(_not_steered(self.path))
+                return
+        if not self.started and not self.output and message.get("more_body", False):
+            self.held.append(message)  # the start and the events before the first output wait
+            return
+        if not self.started and not self.output:  # the stream ended without output: refused?
+            refusal = await self._refusal()
+            if refusal is not None:
+                await self._refuse(refusal)
+                return
+        await self._flush()
+        await self._send(message)
+
+    async def _end(self) -> None:
+        """A whole (non-streamed or failed) response has been produced: send it, or the refusal behind it."""
+        if self.failed:
+            refusal = await self._refusal()
+            if refusal is not None:
+                await self._refuse(refusal)
+                return
+        elif (not self.ticket.presented and self.status < 300
+              and _delivers_output(b"".join(m.get("body", b"") for m in self.held[1:]))):
+            await self._refuse(_not_steered(self.path))
+            return
+        await self._flush()
+
+    async def _flush(self) -> None:
+        held, self.held = self.held, []
+        for message in held:
+            await self._send(message)
+        self.started = True
+
+    async def _refusal(self) -> HotwireError | None:
+        if self.explained:
+            return None
+        self.explained = True
+        try:
+            found = await self.engine.refusals([self.ticket_id])
+        except HotwireError:
+            return None
+        refusal = found.get(self.ticket_id)  # counted by the engine (/steer/slots refused, /metrics)
+        return None if refusal is None else in_body(refusal)
+
+    async def _refuse(self, refusal: HotwireError) -> None:
+        self.held = []
+        self.started = self.replaced = True
+        await refusal.response()(self.scope, self.receive, self._send)
+
+    async def _refuse_or_end(self, refusal: HotwireError) -> None:
+        """The refusal as the response if nothing went out yet, else as the stream's last event."""
+        if not self.started:
+            await self._refuse(refusal)
+            return
+        self.replaced = True
+        await self._send({"type": "http.response.body", "body": _error_event(refusal, self.responses_api)})
+
+    async def explain_crash(self) -> bool:
+        """The app raised: answer with the ticket's refusal if the engine kept one (the response, or the rest of
+        the stream as an error event); False when it kept none (the crash is not about steering)."""
+        if self.replaced:
+            return True
+        refusal = await self._refusal()
+        if refusal is None:
+            return False
+        if not self.started:
+            await self._refuse(refusal)
+        else:
+            await self._send({"type": "http.response.body", "body": _error_event(refusal, self.responses_api)})
+        return True
+
+    async def finish(self) -> None:
+        """After the app returned: what is still held goes out (a stream the app left without a last body part)."""
+        if self.held:
+            await self._flush()
+
+
+def _is_event_stream(start: Message) -> bool:
+    for name, value in start.get("headers", []):
+        if name.lower() == b"content-type":
+            return value.split(b";")[0].strip().lower() == b"text/event-stream"
+    return False
+
+
+def _event_data(events: bytes) -> list[Any]:
+    """The JSON payloads of the ``data:`` lines of one or more SSE events (``[DONE]`` and junk left out)."""
+    out = []
+    for line in events.split(b"\n"):
+        if line.startswith(b"data: ") and line != b"data: [DONE]":
+            try:
+                out.append(json.loads(line[len(b"data: "):]))
+            except ValueError:
+                out.append(None)
+    return out
+
+
+def _is_error_event(events: bytes) -> bool:
+    """vLLM's error events: chat and completions ``data: {"error": {...}}``, responses ``"type": "error"``."""
+    return any(isinstance(d, dict) and ("error" in d and "choices" not in d or d.get("type") == "error")
+               for d in _event_data(events))
+
+
+def _carries_output(events: bytes) -> bool:
+    """Whether SSE events report generated tokens (their text may still be empty: a token can end inside a UTF-8
+    character): completions' choices, chat's choices after its opening role chunk, a responses ``*.delta``.
+    Responses' lifecycle events do not. An event that is not JSON counts as output."""
+    for data in _event_data(events):
+        if not isinstance(data, dict):
+            return True
+        if isinstance(data.get("type"), str):  # /v1/responses
+            if data["type"].endswith(".delta"):
+                return True
+            continue
+        choices = data.get("choices")
+        if isinstance(choices, list) and any(
+            not isinstance(c, dict) or not isinstance(c.get("delta"), dict) or "role" not in c["delta"] for c in choices
+        ):
+            return True
+    return False
+
+
+def _delivers_output(body: bytes) -> bool:
+    """Whether a whole JSON response carries results: ``choices`` (chat, completions), ``output`` (responses; a
+    queued background response has none yet) or ``data`` (pooling). A body that is not JSON counts as output."""
+    try:
+        data = json.loads(body)
+    except ValueError:
+        return bool(body)
+    return not isinstance(data, dict) or any(isinstance(data.get(k), list) and data[k] for k in ("choices", "output", "data"))
+
+
+def _error_event(refusal: HotwireError, responses_api: bool) -> bytes:
+    """An SSE error event with the refusal: OpenAI's ``error`` event on /v1/responses, else vLLM's chat and
+    completions error chunk (``type`` = hotwire's code, ``param`` = field, ``code`` = status)."""
+    if responses_api:
+        event = {"type": "error", "code": refusal.code, "message": refusal.message, "param": refusal.field}
+        return b"event: error\ndata: " + json.dumps(event).encode() + b"\n\n"
+    error = {"message": refusal.message, "type": refusal.code, "param": refusal.field, "code": refusal.status}
+    return b"data: " + json.dumps({"error": error}).encode() + b"\n\n"
