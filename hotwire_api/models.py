@@ -126,7 +126,7 @@ class RegistryStatus(BaseModel):
     """The vector registry: ``local`` (each engine's own) or ``redis`` (one for the fleet: docs/fleet.md)."""
 
     kind: Literal["local", "redis"]
-    url: str | None = Field(None, description="The registry's URL, password masked.")
+    url: str | None = Field(None, description="The registry's URL, secrets masked.")
     reachable: bool | None = Field(None, description="Whether it answered the last command (redis only).")
     error: str | None = Field(None, description="Why it did not, when it did not.")
     replica: str | None = Field(None, description="This replica's id in the fleet (HOTWIRE_REPLICA_ID).")
@@ -134,9 +134,10 @@ class RegistryStatus(BaseModel):
     events_applied: int = 0
     resyncs: int = Field(0, description="Full comparisons with the registry's current versions (at start, and "
                          "after an absence the event stream no longer covers).")
-    reset: bool = Field(False, description="The registry lost hotwire's data while this replica ran (the "
-                        "replicas put back the vectors they held).")
-    seeded: int = Field(0, description="Vectors this replica put back into a registry that lost its data.")
+    reset: bool = Field(False, description="Redis came back without something this replica had applied "
+                        "(restarted from older data, or lost hotwire's keys); the replicas put back what they had "
+                        "applied.")
+    seeded: int = Field(0, description="Versions and deletions this replica put back into a registry that lacked them.")
 
 
 class ReplicaSlots(BaseModel):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from hotwire_api.fleet.config import registry_url
 from hotwire_core.settings import flag_env
@@ -22,7 +22,7 @@ class Settings:
     max_upload_bytes: int = int(DEFAULT_MAX_UPLOAD_MB * 1024 * 1024)
     lenient: bool = False
     api_key: str | None = None
-    registry_url: str | None = None
+    registry_url: str | None = field(default=None, repr=False)  # may hold a password
 
     @classmethod
     def from_env(cls) -> Settings:

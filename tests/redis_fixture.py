@@ -1,7 +1,8 @@
 """A real ``redis-server`` (Debian's package; scripts/setup-cpu.sh installs it) on a free port in a folder of its
 own, for the fleet tests: start it, kill it mid-test (SIGKILL, like a crash), start it again on the same port and
 folder (with ``appendonly`` it comes back with its data: ``appendfsync always``, so a kill loses nothing it
-acknowledged, even on a busy disk), stop it at the end. ``transport``: how :attr:`url` reaches
+acknowledged, even on a busy disk; without it, it comes back with the last snapshot :meth:`RedisServer.save`
+wrote, or empty), stop it at the end. ``transport``: how :attr:`url` reaches
 it: ``tcp`` (``redis://``), ``tls`` (``rediss://`` on a second port, with a self-signed certificate made by
 ``openssl``, its CA passed in the URL) or ``unix`` (``unix://`` socket). The plain port always answers too: the
 fixture's own liveness check uses it."""
@@ -57,12 +58,14 @@ class RedisServer:
                 "--tls-key-file", str(tls / "key.pem"), "--tls-ca-cert-file", str(tls / "cert.pem"),
                 "--tls-auth-clients", "no"]
 
-    def start(self, timeout: float = 30.0) -> None:
+    def start(self, timeout: float = 30.0, appendonly: bool | None = None) -> None:
+        """``appendonly``: this start's setting, if not the server's."""
         assert self.proc is None, "already running"
         self.workdir.mkdir(parents=True, exist_ok=True)
         self.starts += 1
+        aof = self.appendonly if appendonly is None else appendonly
         cmd = [self.exe, "--port", str(self.port), "--bind", "127.0.0.1", "--dir", str(self.workdir),
-               "--save", "", "--appendonly", "yes" if self.appendonly else "no", "--appendfsync", "always", "--daemonize", "no",
+               "--save", "", "--appendonly", "yes" if aof else "no", "--appendfsync", "always", "--daemonize", "no",
                "--protected-mode", "no", "--logfile", str(self.workdir / f"redis-{self.starts}.log")]
         if self.password:
             cmd += ["--requirepass", self.password]
@@ -87,6 +90,14 @@ class RedisServer:
         except OSError:
             return False
 
+    def save(self) -> None:
+        """Write a snapshot (``SAVE``: ``dump.rdb`` in the folder). Without ``appendonly`` a restart loads it: the
+        data as it was now, as a Redis restored from an older snapshot or backup comes back."""
+        import redis
+
+        with redis.Redis(host="127.0.0.1", port=self.port, password=self.password, socket_timeout=30) as client:
+            client.save()
+
     def kill(self) -> None:
         """SIGKILL, as a crash would (the AOF keeps what Redis acknowledged; without it the data is gone)."""
         proc, self.proc = self.proc, None
@@ -94,15 +105,23 @@ class RedisServer:
             proc.send_signal(signal.SIGKILL)
             proc.wait(10)
 
-    def restart(self, wipe: bool = False) -> None:
-        """Kill and start again on the same port; with ``wipe`` its append-only file is deleted in between, as
-        a Redis that lost its disk (or ran without persistence) comes back: empty."""
+    def restart(self, wipe: bool = False, snapshot: bool = False) -> None:
+        """Kill and start again on the same port; with ``wipe`` its append-only file and snapshot are deleted in
+        between, as a Redis that lost its disk (or ran without persistence) comes back: empty. With ``snapshot``
+        it comes back with the last snapshot (:meth:`save`) only, as one restored from an older backup: the
+        append-only file is deleted, and turned on again once the snapshot is loaded."""
         self.kill()
-        if wipe:
+        if wipe or snapshot:
             shutil.rmtree(self.workdir / "appendonlydir", ignore_errors=True)
+        if wipe:
             for dump in self.workdir.glob("*.rdb"):
                 dump.unlink()
-        self.start()
+        self.start(appendonly=False if snapshot else None)
+        if snapshot and self.appendonly:
+            import redis
+
+            with redis.Redis(host="127.0.0.1", port=self.port, password=self.password, socket_timeout=30) as client:
+                client.config_set("appendonly", "yes")
 
     def stop(self) -> None:
         proc, self.proc = self.proc, None

@@ -4,7 +4,9 @@ event stream to apply everyone else's changes to its own engine cores. The engin
 it is told ``version=N`` exactly as data-parallel engine cores are (``hotwire_api.engine``).
 
 Modules, one job each: ``config`` (the setting, key names, a URL safe to print), ``blobs`` (a vector as
-content-addressed safetensors bytes), ``redis_registry`` (every Redis command hotwire sends, Lua scripts
-included), ``replica`` (this replica: registration and deletion through the registry, the follower that applies
-the stream, the heartbeat and the fleet view). docs/fleet.md describes the whole.
+content-addressed safetensors bytes), ``lua`` (the Lua scripts Redis runs), ``redis_registry`` (every Redis
+command hotwire sends), ``replica`` (this replica: registration and deletion through the registry, the follower
+that applies the stream, the heartbeat and the fleet view), ``repair`` (a Redis that restarted or lost data: what
+this replica puts back, and the gate that holds changes until the replicas have). docs/fleet.md describes the
+whole.
 """

@@ -1,20 +1,23 @@
 """``HOTWIRE_REGISTRY``: where a replica's vectors live. Unset or ``local``: the embedded registry of each engine
 (and its ``HOTWIRE_STORE``); ``redis://`` / ``rediss://`` (TLS) / ``unix://`` URLs: one Redis for the fleet.
-Also the names of hotwire's keys, and the URL with its password masked for messages."""
+Also the names of hotwire's keys, and the URL's secrets (:func:`url_secrets`) masked for messages and logs."""
 
 from __future__ import annotations
 
 import os
 import re
 import socket
-from dataclasses import dataclass
-from urllib.parse import urlsplit, urlunsplit
+from dataclasses import dataclass, field
+from urllib.parse import unquote, unquote_plus, urlsplit, urlunsplit
 
 from hotwire_core.settings import retain_s_from_env
 
-__all__ = ["FleetConfig", "Keys", "default_replica_name", "redacted", "registry_url"]
+__all__ = ["FleetConfig", "Keys", "default_replica_name", "redacted", "registry_url", "scrubbed", "url_secrets"]
 
 _SCHEMES = ("redis", "rediss", "unix")
+# Query parameters whose value is a secret: redis-py passes every one to the connection (``password``,
+# ``ssl_password``, ...), so any name that says so counts.
+_SECRET_PARAM = re.compile(r"pass|secret|token|credential", re.IGNORECASE)
 
 
 def registry_url(raw: str | None = None) -> str | None:
@@ -35,16 +38,48 @@ def default_replica_name(port: int | None) -> str:
     return f"{socket.gethostname()}:{port or os.getpid()}"
 
 
-def redacted(url: str) -> str:
-    """``url`` with its password (and a user name beside it) replaced by ``***``: safe for logs and answers."""
+def _masked_user(parts) -> bool:
+    """A user name without a password (``redis://secret@host``) may be the password put in the wrong place."""
+    return parts.password is None and bool(parts.username) and "@" in parts.netloc
+
+
+def _secret_param(piece: str) -> str | None:
+    """The value of one ``name=value`` of a query string when the name says it is a secret, else None."""
+    name, _, value = piece.partition("=")
+    return value if _SECRET_PARAM.search(unquote_plus(name)) else None
+
+
+def url_secrets(url: str) -> list[str]:
+    """Every secret ``url`` carries, as written and percent-decoded, longest first: the password (or a user name
+    alone), and the value of each query parameter whose name says it is one (``?password=``, ``?ssl_password=``)."""
     parts = urlsplit(url)
-    if parts.password is None and not (parts.username and "@" in parts.netloc):
-        return url
-    host = parts.hostname or ""
-    if parts.port is not None:
-        host = f"{host}:{parts.port}"
-    user = f"{parts.username}:" if parts.username and parts.password is not None else ""
-    return urlunsplit((parts.scheme, f"{user}***@{host}", parts.path, parts.query, parts.fragment))
+    found = {parts.password or "", (parts.username or "") if _masked_user(parts) else ""}
+    found |= {value for piece in parts.query.split("&") if (value := _secret_param(piece)) is not None}
+    found |= {unquote_plus(s) for s in found} | {unquote(s) for s in found}
+    return sorted((s for s in found if s and s != "***"), key=len, reverse=True)
+
+
+def redacted(url: str) -> str:
+    """``url`` with every secret (:func:`url_secrets`) replaced by ``***``: safe for logs and answers."""
+    parts = urlsplit(url)
+    netloc = parts.netloc
+    if parts.password is not None or _masked_user(parts):
+        host = parts.hostname or ""
+        if parts.port is not None:
+            host = f"{host}:{parts.port}"
+        user = f"{parts.username}:" if parts.username and parts.password is not None else ""
+        netloc = f"{user}***@{host}"
+    query = "&".join(piece if _secret_param(piece) is None else f"{piece.partition('=')[0]}=***"
+                     for piece in parts.query.split("&")) if parts.query else ""
+    return urlunsplit((parts.scheme, netloc, parts.path, query, parts.fragment))
+
+
+def scrubbed(text: str, url: str) -> str:
+    """``text`` (an error message of redis-py, a traceback) with ``url`` and every secret of it masked."""
+    text = text.replace(url, redacted(url))
+    for secret in url_secrets(url):
+        text = text.replace(secret, "***")
+    return text
 
 
 def _float_env(name: str, default: float, low: float, high: float) -> float:
@@ -67,26 +102,34 @@ class FleetConfig:
     command may take before the registry counts as unreachable; ``blob_grace_s``: ``HOTWIRE_REGISTRY_BLOB_GRACE_S``
     (default 3600), how long a blob no id's current version uses stays in Redis before it is collected;
     ``retain_s``: ``HOTWIRE_RETAIN_S`` (the engine's setting, default 60), how long the fleet keeps a replaced or
-    deleted version usable by requests pinned to it."""
+    deleted version usable by requests pinned to it. After Redis restarted (or lost hotwire's keys) changes wait
+    until every live replica has put back what it holds (``repair``): at least ``restart_settle_s`` (two heartbeat
+    intervals: every live replica has heartbeat by then), at most ``restart_limit_s`` (a replica that does not
+    report cannot hold changes back for longer)."""
 
-    url: str
+    url: str = field(repr=False)  # it may carry a password
     heartbeat_s: float = 1.0
     stream_maxlen: int = 100_000
     replica_id: str | None = None
     timeout_s: float = 2.0
     blob_grace_s: float = 3600.0
     retain_s: float = 60.0
+    restart_settle_s: float = 2.0
+    restart_limit_s: float = 30.0
 
     @classmethod
     def from_env(cls, url: str) -> FleetConfig:
+        heartbeat_s = _float_env("HOTWIRE_FLEET_HEARTBEAT_S", 1.0, 0.05, 3600)
         return cls(
             url=url,
-            heartbeat_s=_float_env("HOTWIRE_FLEET_HEARTBEAT_S", 1.0, 0.05, 3600),
+            heartbeat_s=heartbeat_s,
             stream_maxlen=int(_float_env("HOTWIRE_REGISTRY_STREAM_MAXLEN", 100_000, 10, 1e9)),
             replica_id=os.environ.get("HOTWIRE_REPLICA_ID") or None,
             timeout_s=_float_env("HOTWIRE_REGISTRY_TIMEOUT_S", 2.0, 0.05, 60),
             blob_grace_s=_float_env("HOTWIRE_REGISTRY_BLOB_GRACE_S", 3600.0, 0, 30 * 86400),
             retain_s=retain_s_from_env(),
+            restart_settle_s=2 * heartbeat_s,
+            restart_limit_s=max(30.0, 4 * heartbeat_s),
         )
 
 
@@ -140,9 +183,27 @@ class Keys:
         return f"{self.prefix}retired_since"
 
     @property
-    def epoch(self) -> str:
-        """A random token set once: a Redis that lost hotwire's keys has another one (or none)."""
-        return f"{self.prefix}epoch"
+    def boot(self) -> str:
+        """The run id of the Redis process whose data the fleet last confirmed (every live replica put back what
+        it holds): while the running process has another (it restarted) or none is set (a new or wiped Redis),
+        register and delete refuse to change anything (``repair``)."""
+        return f"{self.prefix}boot"
+
+    @property
+    def closing(self) -> str:
+        """``<run id>:<time>``: the Redis process that was first found unconfirmed, and when (Redis's clock):
+        names one restart or wipe; replicas mark themselves repaired for it."""
+        return f"{self.prefix}closing"
+
+    @property
+    def repaired(self) -> str:
+        """Hash: replica id -> the ``closing`` it has put back what it holds for."""
+        return f"{self.prefix}repaired"
+
+    @property
+    def live(self) -> str:
+        """Sorted set: replica id -> when its heartbeat expires (Redis's clock): the replicas a repair waits for."""
+        return f"{self.prefix}live"
 
     def op(self, token: str) -> str:
         """A register's or delete's answer under its operation token, for a few minutes: the same operation sent

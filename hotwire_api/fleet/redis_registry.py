@@ -1,12 +1,14 @@
 """Every Redis command hotwire sends (``redis.asyncio``): blobs and their collection, the atomic register and
-delete scripts, the current versions, the event stream, heartbeats. A Redis that does not answer raises :class:`Unavailable`,
-a 503 ``registry_unavailable`` naming the registry (password masked); what the caller does then is its business
-(``replica``). Key layout: ``config.Keys``."""
+delete scripts (``lua``), the restart gate and the repair's reconcile, the current versions, the event stream,
+heartbeats. A Redis that does not answer raises :class:`Unavailable`, a 503 ``registry_unavailable`` naming the
+registry (secrets masked); a register or delete refused while the gate is closed raises :class:`Restarting`;
+what the caller does then is its business (``replica``, ``repair``). Key layout: ``config.Keys``."""
 
 from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import secrets
 import time
 from collections.abc import Mapping
@@ -14,135 +16,17 @@ from dataclasses import dataclass
 from typing import Any
 
 from hotwire_api.errors import HotwireError
-from hotwire_api.fleet.config import FleetConfig, Keys, redacted
+from hotwire_api.fleet import lua
+from hotwire_api.fleet.config import FleetConfig, Keys, redacted, scrubbed
 
-__all__ = ["Event", "RedisRegistry", "Unavailable"]
+__all__ = ["Event", "Gate", "RedisRegistry", "Restarting", "Unavailable"]
 
-# Lua for the scripts below: the parts of a `current` value ("<version>:<sha256>"), and the record of a version
-# that stopped being current at `at` (KEYS `retired`, `retired_since`: see config.Keys).
-_SHA_OF = """
-local function sha_of(value) return string.sub(value, string.find(value, ':', 1, true) + 1) end
-local function version_of(value) return string.sub(value, 1, string.find(value, ':', 1, true) - 1) end
-local function retire(retired, since, id, value, at)
-  local member = id .. '@' .. version_of(value)
-  redis.call('HSET', retired, member, sha_of(value) .. ':' .. at)
-  redis.call('ZADD', since, at, member)
-end
-"""
+logger = logging.getLogger(__name__)
 
-# KEYS: current, last_version, events, blob, orphans, retired, retired_since, op. ARGV: id, sha256, replace (0|1),
-# maxlen, created_at, floor (the newest version the caller knows of: after Redis lost its keys, versions go on from there
-# instead of repeating), op_ttl. Returns {status, version, previous "<version>:<sha>" or ""}: 201/200 registered, 409 taken,
-# 424 blob missing. The blob a version stops using (replaced, or the loser's of a 409) becomes an orphan; the
-# registered one is not. A replaced version is recorded as retired. Runs once per operation (_once).
-_REGISTER = _SHA_OF + """
-local previous = redis.call('HGET', KEYS[1], ARGV[1])
-if previous and ARGV[3] ~= '1' then
-  if sha_of(previous) ~= ARGV[2] and not redis.call('ZSCORE', KEYS[5], ARGV[2]) then
-    redis.call('ZADD', KEYS[5], ARGV[5], ARGV[2])
-  end
-  return {409, 0, previous}
-end
-if redis.call('EXISTS', KEYS[4]) == 0 then return {424, 0, ''} end
-local version = math.max(tonumber(redis.call('HGET', KEYS[2], ARGV[1]) or '0'), tonumber(ARGV[6])) + 1
-redis.call('HSET', KEYS[2], ARGV[1], version)
-redis.call('HSET', KEYS[1], ARGV[1], version .. ':' .. ARGV[2])
-redis.call('ZREM', KEYS[5], ARGV[2])
-if previous and sha_of(previous) ~= ARGV[2] then redis.call('ZADD', KEYS[5], ARGV[5], sha_of(previous)) end
-if previous then retire(KEYS[6], KEYS[7], ARGV[1], previous, ARGV[5]) end
-redis.call('XADD', KEYS[3], 'MAXLEN', '~', ARGV[4], '*', 'op', 'register', 'id', ARGV[1],
-           'version', version, 'sha256', ARGV[2], 'at', ARGV[5])
-if previous then return {200, version, previous} end
-return {201, version, ''}
-"""
-
-# KEYS: current, events, orphans, retired, retired_since, op. ARGV: id, maxlen, at, op_ttl. Returns {status,
-# "<version>:<sha>"}: 200 deleted (and recorded as retired), 404 unknown. Runs once per operation (_once).
-_DELETE = _SHA_OF + """
-local current = redis.call('HGET', KEYS[1], ARGV[1])
-if not current then return {404, ''} end
-redis.call('HDEL', KEYS[1], ARGV[1])
-local sha = sha_of(current)
-redis.call('ZADD', KEYS[3], ARGV[3], sha)
-retire(KEYS[4], KEYS[5], ARGV[1], current, ARGV[3])
-redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[2], '*', 'op', 'delete', 'id', ARGV[1],
-           'version', version_of(current), 'sha256', sha, 'at', ARGV[3])
-return {200, current}
-"""
-
-
-def _once(script: str, op_key: int, ttl_arg: int) -> str:
-    """``script`` run at most once per operation: its answer is kept under KEYS[op_key] (a token the caller draws
-    per operation) for ARGV[ttl_arg] seconds, and the same operation sent again gets that answer back instead of
-    running twice. A caller whose command timed out cannot know whether it ran; with this it may send it again."""
-    return f"""
-local done = redis.call('GET', KEYS[{op_key}])
-if done then return cjson.decode(done) end
-local function run()
-{script}
-end
-local answer = run()
-redis.call('SET', KEYS[{op_key}], cjson.encode(answer), 'EX', ARGV[{ttl_arg}])
-return answer
-"""
-
-
-_REGISTER_ONCE = _once(_REGISTER, 8, 7)
-_DELETE_ONCE = _once(_DELETE, 6, 4)
 OP_TTL_S = 300  # how long Redis remembers an operation's answer: far beyond a retry's last attempt
 RETRY_PAUSES_S = (0.1, 0.3)  # a register or delete that timed out (or lost its connection) is sent again after these
-
-# KEYS: current, last_version, events, blob, orphans, retired, retired_since. ARGV: id, version, sha256, maxlen, at.
-# Puts back a version a replica holds into a registry that lost its data: it becomes current unless the registry
-# knows that version of the id or a newer one (another replica put back a newer one, or the id was registered or
-# deleted since); an older one put back before is replaced. Returns 1 put back, 0 not, 424 blob missing.
-_SEED = _SHA_OF + """
-if redis.call('EXISTS', KEYS[4]) == 0 then return 424 end
-if tonumber(redis.call('HGET', KEYS[2], ARGV[1]) or '0') >= tonumber(ARGV[2]) then return 0 end
-local previous = redis.call('HGET', KEYS[1], ARGV[1])
-redis.call('HSET', KEYS[2], ARGV[1], ARGV[2])
-redis.call('HSET', KEYS[1], ARGV[1], ARGV[2] .. ':' .. ARGV[3])
-redis.call('ZREM', KEYS[5], ARGV[3])
-if previous then
-  if sha_of(previous) ~= ARGV[3] then redis.call('ZADD', KEYS[5], ARGV[5], sha_of(previous)) end
-  retire(KEYS[6], KEYS[7], ARGV[1], previous, ARGV[5])
-end
-redis.call('XADD', KEYS[3], 'MAXLEN', '~', ARGV[4], '*', 'op', 'register', 'id', ARGV[1],
-           'version', ARGV[2], 'sha256', ARGV[3], 'at', ARGV[5])
-return 1
-"""
-
-# KEYS: retired, retired_since. ARGV: cutoff. Forgets the versions retired before the cutoff; returns how many.
-_FORGET_RETIRED = """
-local old = redis.call('ZRANGEBYSCORE', KEYS[2], '-inf', ARGV[1], 'LIMIT', 0, 1000)
-for _, member in ipairs(old) do redis.call('HDEL', KEYS[1], member) end
-if #old > 0 then redis.call('ZREM', KEYS[2], unpack(old)) end
-return #old
-"""
-
-# KEYS: blob, orphans. ARGV: bytes, sha256. Stores a blob once and takes it off the orphans (a registration is about
-# to use it), atomically, so a collection running meanwhile cannot delete it.
-_PUT_BLOB = """
-redis.call('SET', KEYS[1], ARGV[1], 'NX')
-redis.call('ZREM', KEYS[2], ARGV[2])
-"""
-
-# KEYS: current, orphans, blob of each candidate. ARGV: cutoff, then each candidate's sha256. Deletes the blobs of
-# candidates still orphaned since before the cutoff that no id's current version uses; returns how many.
-_COLLECT = _SHA_OF + """
-local used = {}
-for _, value in ipairs(redis.call('HVALS', KEYS[1])) do used[sha_of(value)] = true end
-local deleted = 0
-for i = 2, #ARGV do
-  local sha = ARGV[i]
-  local since = redis.call('ZSCORE', KEYS[2], sha)
-  if since and tonumber(since) <= tonumber(ARGV[1]) then
-    redis.call('ZREM', KEYS[2], sha)
-    if not used[sha] then deleted = deleted + redis.call('DEL', KEYS[i + 1]) end
-  end
-end
-return deleted
-"""
+GATE_WAIT_S = 5.0  # how long a register or delete refused by the closed restart gate waits for it before a 503
+GATE_POLL_S = 0.1
 
 
 class Unavailable(HotwireError):
@@ -155,17 +39,40 @@ class Unavailable(HotwireError):
                 "vectors cannot be registered or deleted until it answers again")  # fmt: skip
         super().__init__(
             503, "registry_unavailable",
-            f"the vector registry at {redacted(url)} is unreachable ({type(exc).__name__}: {_clean(str(exc), url)}); "
+            f"the vector registry at {redacted(url)} is unreachable ({type(exc).__name__}: {scrubbed(str(exc), url)}); "
             f"{what}; every replica keeps serving the vectors it holds",
         )
 
 
-def _clean(message: str, url: str) -> str:
-    """An error message of redis-py with the URL's password, should it appear, masked."""
-    from urllib.parse import urlsplit
+class Restarting(HotwireError):
+    """A register or delete refused because Redis restarted (or lost hotwire's keys) and the replicas have not
+    yet put back what it may have lost (``repair``): 503 ``registry_unavailable`` with ``Retry-After``."""
 
-    password = urlsplit(url).password
-    return message.replace(password, "***") if password else message
+    RETRY_AFTER_S = 2
+
+    def __init__(self, url: str):
+        super().__init__(
+            503, "registry_unavailable",
+            f"the vector registry at {redacted(url)} restarted (or lost hotwire's keys) and the replicas are putting "
+            "back what it may have lost; nothing was changed: retry in a few seconds",
+        )
+
+    def headers(self) -> dict[str, str]:
+        return {**super().headers(), "Retry-After": str(self.RETRY_AFTER_S)}
+
+
+@dataclass(frozen=True)
+class Gate:
+    """The restart gate (``lua.GATE``): ``open``; ``opened`` now by this look (``missing``: the live replicas it
+    opened without, at the limit); ``run_id`` of the running Redis; ``closing``, the restart or wipe in progress
+    ("" while open); ``mark``, the closing the asking replica last repaired for."""
+
+    open: bool
+    opened: bool
+    run_id: str
+    closing: str
+    mark: str
+    missing: tuple[str, ...]
 
 
 @dataclass(frozen=True)
@@ -198,11 +105,6 @@ def _parse_retired(value: Any) -> tuple[str, float]:
     return sha, float(at)
 
 
-def _id_tuple(stream_id: str) -> tuple[int, int]:
-    ms, _, seq = stream_id.partition("-")
-    return int(ms), int(seq or 0)
-
-
 class RedisRegistry:
     """hotwire's view of one Redis for one served model. Two connections pools: one for commands, one for the
     follower's blocking ``XREAD`` (so a read that blocks never delays a registration)."""
@@ -217,7 +119,7 @@ class RedisRegistry:
             ) from exc
         self.config, self.keys = config, keys
         self.url = config.url
-        self._response_error = redis_errors.ResponseError
+        self.gate_wait_s = GATE_WAIT_S
         self._errors = (redis_errors.ConnectionError, redis_errors.TimeoutError, redis_errors.AuthenticationError,
                         redis_errors.BusyLoadingError, redis_errors.ReadOnlyError, OSError, TimeoutError)
         # What may leave a command's outcome unknown (sent, no answer): worth sending a once-only script again.
@@ -235,12 +137,11 @@ class RedisRegistry:
                        retry_on_error=[redis_errors.ConnectionError])
         self._redis = aioredis.from_url(config.url, **options)
         self._reader = aioredis.from_url(config.url, **{**options, "socket_timeout": config.timeout_s + 5, "retry": None})
-        self._register = self._redis.register_script(_REGISTER_ONCE)
-        self._delete = self._redis.register_script(_DELETE_ONCE)
-        self._put_blob = self._redis.register_script(_PUT_BLOB)
-        self._collect = self._redis.register_script(_COLLECT)
-        self._seed = self._redis.register_script(_SEED)
-        self._forget_retired = self._redis.register_script(_FORGET_RETIRED)
+        script = self._redis.register_script
+        self._register, self._delete = script(lua.REGISTER_ONCE), script(lua.DELETE_ONCE)
+        self._put_blob, self._collect, self._forget_retired = script(lua.PUT_BLOB), script(lua.COLLECT), script(lua.FORGET_RETIRED)
+        self._reconcile, self._gate, self._mark = script(lua.RECONCILE), script(lua.GATE), script(lua.MARK_REPAIRED)
+        self._heartbeat = script(lua.HEARTBEAT)
 
     @property
     def display_url(self) -> str:
@@ -262,34 +163,91 @@ class RedisRegistry:
     async def _once_per_operation(self, script: Any, keys: list[str], args: list[Any]) -> Any:
         """Run a change script under a fresh operation token; should no answer come back (a timeout, a dropped
         connection: it may have run), send it again after RETRY_PAUSES_S: Redis runs it at most once and answers
-        every copy alike. Unavailable when no copy was answered (``unsure`` when one may have reached Redis)."""
-        keys = [*keys, self.keys.op(secrets.token_hex(16))]
+        every copy alike. Unavailable when no copy was answered (``unsure`` when one may have reached Redis).
+        Refused while the restart gate is closed: wait up to ``gate_wait_s`` for it to open and send it once more
+        (the same token: a copy that ran before a restart Redis came back from intact is not run twice), else
+        Restarting."""
+        keys = [*keys, self.keys.op(secrets.token_hex(16)), self.keys.boot]
         args = [*args, OP_TTL_S]
         sent = False  # a copy may have reached Redis (redis-py's connect failures say "connecting to")
-        for pause in (*RETRY_PAUSES_S, None):
+        pauses, waited = list(RETRY_PAUSES_S), False
+        while True:
             try:
-                return await script(keys=keys, args=args)
+                answer = await script(keys=keys, args=args)
             except self._no_retry as exc:
                 raise Unavailable(self.url, exc) from exc
             except self._no_answer as exc:
                 sent = sent or "connecting to" not in str(exc)
-                if pause is None:
+                if not pauses:
                     raise Unavailable(self.url, exc, unsure=sent) from exc
-            await asyncio.sleep(pause)
+                await asyncio.sleep(pauses.pop(0))
+                continue
+            if int(answer[0]) != lua.REFUSED:
+                return answer
+            if waited or not await self._gate_opens():
+                raise Restarting(self.url)
+            waited = True
+
+    async def _gate_opens(self) -> bool:
+        """Look at the restart gate (which opens it when it may) every GATE_POLL_S for up to ``gate_wait_s``."""
+        deadline = time.monotonic() + self.gate_wait_s
+        while time.monotonic() < deadline:
+            await asyncio.sleep(GATE_POLL_S)
+            if (await self.gate()).open:
+                return True
+        return False
 
     async def ping(self) -> None:
         await self._do(self._redis.ping())
 
-    async def epoch(self) -> str:
-        """The registry's epoch token, set now if Redis has none (a new, or wiped, registry)."""
-        await self._do(self._redis.set(self.keys.epoch, secrets.token_hex(8), nx=True))
-        return _str(await self._do(self._redis.get(self.keys.epoch)))
+    # -- the restart gate (lua.GATE; repair) -----------------------------------------------------------------
+
+    async def gate(self, replica_id: str = "") -> Gate:
+        """Look at the gate, opening it when it may (whoever looks: a warning names the replicas it did not wait
+        for); ``replica_id``: whose repair mark to return."""
+        k, c = self.keys, self.config
+        answer = [_str(a) for a in await self._do(self._gate(
+            keys=[k.boot, k.closing, k.repaired, k.live], args=[c.restart_settle_s, c.restart_limit_s, replica_id]))]
+        state = int(answer[0])
+        gate = Gate(state != 0, state >= 2, answer[1], answer[2], answer[3], tuple(answer[4:]))
+        if gate.opened and gate.missing:
+            logger.warning("hotwire: registrations and deletions at the vector registry at %s resume after %.0f s "
+                           "without the repair of replica(s) %s: what only they knew may be lost",
+                           self.display_url, c.restart_limit_s, ", ".join(gate.missing))
+        elif gate.opened:
+            logger.info("hotwire: every live replica confirmed the vector registry at %s; registrations and "
+                        "deletions resume", self.display_url)
+        return gate
+
+    async def mark_repaired(self, replica_id: str, closing: str) -> bool:
+        """Mark ``replica_id`` repaired for ``closing``; False when another restart or wipe began meanwhile."""
+        k = self.keys
+        return bool(await self._do(self._mark(keys=[k.closing, k.repaired], args=[replica_id, closing])))
+
+    async def reconcile(self, vector_id: str, op: str, version: int, sha256: str = "") -> bool:
+        """Put back what a replica knows of one id (``lua.RECONCILE``; ``op``: register | delete | floor, the
+        blob of a register stored already); returns whether the current versions changed."""
+        k = self.keys
+        answer = int(await self._do(self._reconcile(
+            keys=[k.current, k.last_version, k.events, k.blob(sha256), k.orphans, k.retired, k.retired_since],
+            args=[vector_id, op, version, sha256, self.config.stream_maxlen, f"{time.time():.6f}"],
+        )))
+        if answer == 424:
+            raise HotwireError(503, "registry_unavailable", f"the vector registry at {self.display_url} lost a blob "
+                               "as it was written (is Redis evicting keys? hotwire needs maxmemory-policy noeviction)")
+        return answer == 1
+
+    async def last_versions(self) -> dict[str, int]:
+        """id -> the last version the registry gave it (deleted ones included)."""
+        return {_str(k): int(v) for k, v in (await self._do(self._redis.hgetall(self.keys.last_version))).items()}
 
     # -- vectors -----------------------------------------------------------------------------------------------
 
     async def put_blob(self, sha256: str, blob: bytes) -> None:
-        """Store a blob under its content hash (once: the same hash is the same bytes); it is no orphan now."""
-        await self._do(self._put_blob(keys=[self.keys.blob(sha256), self.keys.orphans], args=[blob, sha256]))
+        """Store a blob under its content hash (once: the same hash is the same bytes); it is an orphan, as of
+        now, until a version uses it."""
+        await self._do(self._put_blob(keys=[self.keys.blob(sha256), self.keys.orphans],
+                                      args=[blob, sha256, f"{time.time():.6f}"]))
 
     async def get_blob(self, sha256: str) -> bytes | None:
         return await self._do(self._redis.get(self.keys.blob(sha256)))
@@ -321,19 +279,6 @@ class RedisRegistry:
             args=[vector_id, self.config.stream_maxlen, f"{time.time():.6f}"],
         )
         return _parse_current(current) if int(status) == 200 else None
-
-    async def seed(self, vector_id: str, version: int, sha256: str) -> bool:
-        """Put back ``vector_id@version`` (its blob stored already) into a registry that lost its data; returns
-        whether it became current (False: the registry knows that version or a newer one, or a deletion)."""
-        k = self.keys
-        answer = int(await self._do(self._seed(
-            keys=[k.current, k.last_version, k.events, k.blob(sha256), k.orphans, k.retired, k.retired_since],
-            args=[vector_id, version, sha256, self.config.stream_maxlen, f"{time.time():.6f}"],
-        )))
-        if answer == 424:
-            raise HotwireError(503, "registry_unavailable", f"the vector registry at {self.display_url} lost a blob "
-                               "as it was written (is Redis evicting keys? hotwire needs maxmemory-policy noeviction)")
-        return answer == 1
 
     async def retired_version(self, vector_id: str, version: int) -> tuple[str, float] | None:
         """(sha256, when) of a version the fleet replaced or deleted within the retention, or None."""
@@ -388,17 +333,12 @@ class RedisRegistry:
 
     async def covers(self, after: str) -> bool:
         """Whether the stream still holds every entry after ``after`` (the last entry the caller read): it does
-        while that entry is still there, since trimming removes the oldest entries first. When it is gone the
-        answer is no even if nothing after it was trimmed: the caller resyncs, which is always correct."""
-        try:
-            info = await self._do(self._redis.xinfo_stream(self.keys.events))
-        except self._response_error:  # no stream: nothing was ever registered, or Redis lost it
-            return after == "0-0"
-        seen = _id_tuple(after)
-        first = info.get("first-entry")
-        if not first:
-            return _id_tuple(_str(info.get("last-generated-id", "0-0"))) <= seen
-        return _id_tuple(_str(first[0])) <= seen
+        while that entry is still there, since trimming removes the oldest entries first and a Redis that came
+        back with older data lacks it. When it is gone the answer is no even if nothing after it was lost: the
+        caller resyncs, which is always correct."""
+        if after == "0-0":  # nothing read: covered while there is nothing to read
+            return not await self._do(self._redis.xlen(self.keys.events))
+        return bool(await self._do(self._redis.xrange(self.keys.events, after, after, count=1)))
 
     async def read_events(self, after: str, block_ms: int, count: int = 256) -> list[Event]:
         """The entries after ``after``, waiting up to ``block_ms`` for one (an empty list when none came)."""
@@ -408,7 +348,10 @@ class RedisRegistry:
     # -- heartbeats --------------------------------------------------------------------------------------------
 
     async def heartbeat(self, replica_id: str, state: dict[str, Any], ttl_s: float) -> None:
-        await self._do(self._redis.set(self.keys.replica(replica_id), json.dumps(state), px=max(1, int(ttl_s * 1000))))
+        """This replica's state, and its place among the live replicas (``Keys.live``), for ``ttl_s``."""
+        k = self.keys
+        await self._do(self._heartbeat(keys=[k.replica(replica_id), k.live],
+                                       args=[json.dumps(state), max(1, int(ttl_s * 1000)), replica_id]))
 
     async def replica_state(self, replica_id: str) -> dict[str, Any] | None:
         """One replica's last heartbeat, or None when it has expired."""

@@ -14,10 +14,11 @@ for a version the engine holds changes nothing, and the registry orders versions
 is only retained), so applying an event twice or late is harmless. A version the fleet retired (replaced or
 deleted) that this replica never held is held as retired for the rest of its retention, so a request pinned to
 it is served on every replica alike. It resyncs from the registry at start (before the API server takes
-requests: ``catch_up``), after a reconnect when the stream no longer holds the entries after its position
-(trimmed), and when the registry's epoch changed: it registers what it lacks and deletes what Redis no longer
-has. A Redis that lost hotwire's keys (a new epoch) first gets back the vectors this replica holds (``seed``).
-A registry that does not answer is retried with backoff; meanwhile the engine serves every vector it holds.
+requests: ``catch_up``), and after a reconnect or a Redis restart when the stream no longer holds the entry at
+its position (trimmed, or Redis came back with older data): it registers what it lacks and deletes what Redis
+no longer has. A Redis that restarted or lost hotwire's keys first gets back what this replica knows
+(``repair``). A registry that does not answer is retried with backoff; meanwhile the engine serves every vector
+it holds.
 Once a minute it also deletes the blobs no current version has used for ``HOTWIRE_REGISTRY_BLOB_GRACE_S``
 (replaced, deleted, or the loser's of a 409; an event older than that whose blob is gone is skipped, as a later
 event superseded it) and forgets the retired versions whose retention is over.
@@ -29,6 +30,7 @@ import asyncio
 import logging
 import os
 import time
+import traceback
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -37,8 +39,9 @@ from hotwire_api.codec import VectorPayload
 from hotwire_api.engine import HotwireEngine
 from hotwire_api.errors import HotwireError
 from hotwire_api.fleet import blobs
-from hotwire_api.fleet.config import FleetConfig, Keys, default_replica_name
+from hotwire_api.fleet.config import FleetConfig, Keys, default_replica_name, scrubbed
 from hotwire_api.fleet.redis_registry import Event, RedisRegistry, Unavailable
+from hotwire_api.fleet.repair import Repair
 from hotwire_api.models import VectorMeta
 from hotwire_core.admission import Rules
 from hotwire_core.vllm_glue.api_server import is_first_api_server
@@ -79,20 +82,20 @@ class Replica:
         self.follower = follower
         self._on_change = on_change
         self.position: str | None = None  # the last stream entry applied (None: resync first)
-        self.epoch: str | None = None
         self.reachable: bool | None = None  # None: not asked yet
         self.error: str | None = None
-        self.reset_seen = False  # the registry's epoch changed under this replica
-        self.seeded = 0  # vectors this replica put back into a registry that lost its data
+        self.reset_seen = False  # the registry came back without something this replica had applied
+        self.seeded = 0  # versions and deletions this replica put back into a registry that lost them
         self.events_applied = 0
         self.resyncs = 0
         self.started_at = time.time()
         self._last_contact = -1e9
         # id -> (the newest version this process applied or saw deleted, whether that was a deletion)
-        self._known: dict[str, tuple[int, bool]] = {}
+        self.known: dict[str, tuple[int, bool]] = {}
+        self.repair = Repair(self)
         self._rules: Rules | None = None
         self._reconnected = False
-        self._epoch_checked = -1e9
+        self._gate_checked = -1e9
         self._collected = time.monotonic()  # the first collection a while after start
         self.collect_every_s = 60.0
         self.block_ms = 1000
@@ -119,7 +122,7 @@ class Replica:
         self.reachable, self.error = False, exc.message
         _gauge(0)
 
-    async def _do(self, coro: Awaitable[Any]) -> Any:
+    async def do(self, coro: Awaitable[Any]) -> Any:
         try:
             result = await coro
         except Unavailable as exc:
@@ -139,13 +142,13 @@ class Replica:
         progress = self._progress()
         if not self.follower:
             try:
-                beat = await self._do(self.registry.replica_state(self.replica_id))
+                beat = await self.do(self.registry.replica_state(self.replica_id))
                 progress = {k: beat.get(k, v) for k, v in progress.items()} if beat else progress
             except Unavailable:
                 pass
         elif time.monotonic() - self._last_contact > 2 * self.registry.config.heartbeat_s:
             try:
-                await self._do(self.registry.ping())
+                await self.do(self.registry.ping())
             except Unavailable:
                 pass
         return {"kind": "redis", "url": self.registry.display_url, "reachable": bool(self.reachable),
@@ -167,8 +170,8 @@ class Replica:
         if not model.steerable:
             raise HotwireError(503, "model_not_steerable", f"this model cannot be steered: {model.reason}")
         checked = blobs.check(payload, model.n_layers, model.hidden_size, model.dtype)
-        await self._do(self.registry.put_blob(checked.sha256, blobs.encode(checked.payload)))
-        status, version, previous = await self._do(
+        await self.do(self.registry.put_blob(checked.sha256, blobs.encode(checked.payload)))
+        status, version, previous = await self.do(
             self.registry.register(vector_id, checked.sha256, replace, floor=self._known_version(vector_id))
         )
         if status == 409:
@@ -191,7 +194,7 @@ class Replica:
 
     async def unregister(self, engine: HotwireEngine, vector_id: str) -> int:
         """Delete through the registry; returns this replica's requests still using the vector."""
-        deleted = await self._do(self.registry.delete(vector_id))
+        deleted = await self.do(self.registry.delete(vector_id))
         if deleted is None:
             raise HotwireError(404, "unknown_vector", f"unknown steering vector {vector_id!r}", "id")
         version, _ = deleted
@@ -204,12 +207,12 @@ class Replica:
             return 0
 
     def _note(self, vector_id: str, version: int, deleted: bool = False) -> None:
-        known = self._known.get(vector_id, (0, False))
+        known = self.known.get(vector_id, (0, False))
         if version > known[0] or (version == known[0] and deleted):
-            self._known[vector_id] = (version, deleted)
+            self.known[vector_id] = (version, deleted)
 
     def _known_version(self, vector_id: str) -> int:
-        return self._known.get(vector_id, (0, False))[0]
+        return self.known.get(vector_id, (0, False))[0]
 
     # -- the follower ------------------------------------------------------------------------------------------
 
@@ -256,7 +259,7 @@ class Replica:
                 continue
             try:
                 await self.sync(engine)
-                events = await self._do(self.registry.read_events(self.position or "0-0", self.block_ms, self.batch))
+                events = await self.do(self.registry.read_events(self.position or "0-0", self.block_ms, self.batch))
                 if await self._apply_all(engine, events):
                     await self._on_change(engine)
                 await self._collect()
@@ -268,7 +271,8 @@ class Replica:
                 logger.warning("hotwire: the fleet follower waits for the engine: %s", exc.message)
                 await self._pause(0.5)
             except Exception:  # anything else must not end the follower: log it and go on from where it was
-                logger.exception("hotwire: the fleet follower failed; retrying in 1 s")
+                logger.error("hotwire: the fleet follower failed; retrying in 1 s\n%s",
+                             scrubbed(traceback.format_exc(), self.registry.url))
                 await self._pause(1.0)
 
     async def catch_up(self, timeout_s: float = CATCH_UP_S) -> None:
@@ -292,7 +296,7 @@ class Replica:
 
     async def _engine_holds_registry(self, engine: HotwireEngine) -> None:
         while True:
-            remote = await self._do(self.registry.current())
+            remote = await self.do(self.registry.current())
             held = {m.id: m.version for m in await engine.vectors()}
             if all(held.get(vector_id, 0) >= version for vector_id, (version, _) in remote.items()):
                 return
@@ -305,49 +309,30 @@ class Replica:
         if time.monotonic() - self._collected < self.collect_every_s:
             return
         self._collected = time.monotonic()
-        deleted = await self._do(self.registry.collect_blobs(self.registry.config.blob_grace_s))
+        deleted = await self.do(self.registry.collect_blobs(self.registry.config.blob_grace_s))
         if deleted:
             logger.info("hotwire: collected %d blob(s) no current vector version uses from the registry", deleted)
-        while await self._do(self.registry.forget_retired(time.time() - self.registry.config.retain_s)) >= 1000:
+        while await self.do(self.registry.forget_retired(time.time() - self.registry.config.retain_s)) >= 1000:
             pass  # a backlog: the script forgets 1000 at a time
 
     async def sync(self, engine: HotwireEngine) -> None:
-        """Resync when needed: at start, after the stream was trimmed past this replica's position while it was
-        away, or when the registry's epoch changed (looked at once a second)."""
-        if self.position is not None and not self._reconnected and time.monotonic() - self._epoch_checked < 1.0:
+        """Once a second, the restart gate (``repair``: a Redis that restarted or lost hotwire's keys gets back
+        what this replica knows); then a resync when needed: at start, and after a reconnect or a repair when the
+        stream no longer holds this replica's position (trimmed while it was away, or Redis came back with older
+        data)."""
+        if self.position is not None and not self._reconnected and time.monotonic() - self._gate_checked < 1.0:
             return
-        epoch = await self._do(self.registry.epoch())  # once a second: a Redis that restarted empty answers at once
-        self._epoch_checked = time.monotonic()
+        repaired = await self.repair.check(engine)
+        self._gate_checked = time.monotonic()
         if self.position is not None:
             reconnected, self._reconnected = self._reconnected, False
-            if epoch == self.epoch and (not reconnected or await self._do(self.registry.covers(self.position))):
+            if not (reconnected or repaired) or await self.do(self.registry.covers(self.position)):
                 return  # caught up from the stream: no reload
-        if self.epoch is not None and epoch != self.epoch:
-            self.reset_seen = True
-            logger.error("hotwire: the vector registry at %s lost hotwire's data (its epoch changed): this replica "
-                         "keeps serving the vectors it holds and puts them back", self.registry.display_url)
-            await self.seed(engine)
-        self.epoch = epoch
+            if repaired:
+                self.reset_seen = True
+                logger.error("hotwire: the vector registry at %s came back without events this replica had "
+                             "applied (older data, or none): it resyncs", self.registry.display_url)
         await self.resync(engine)
-
-    async def seed(self, engine: HotwireEngine) -> None:
-        """Put the current versions this engine holds back into a registry that lost its data (every replica
-        does; the registry keeps the newest version of each id and anything registered or deleted since)."""
-        held = await engine.vectors()
-        seeded = 0
-        for m in held:
-            try:
-                meta, payload = await engine.export(m.id, m.version)
-            except HotwireError as exc:
-                if exc.status != 404:
-                    raise
-                continue  # deleted meanwhile
-            await self._do(self.registry.put_blob(meta.sha256, blobs.encode(payload)))
-            if await self._do(self.registry.seed(meta.id, meta.version, meta.sha256)):
-                seeded += 1
-                self.seeded += 1
-        logger.warning("hotwire: put %d of the %d vectors this replica holds back into the registry at %s (the "
-                       "others it had already from another replica)", seeded, len(held), self.registry.display_url)
 
     async def resync(self, engine: HotwireEngine) -> None:
         """Make the engine hold the registry's current versions and the versions retired within the retention:
@@ -355,9 +340,9 @@ class Replica:
         first, then the stream's position, then the registry, so nothing registered meanwhile is deleted and
         nothing is skipped (what the stream repeats changes nothing)."""
         local = {m.id: (m.version, m.sha256) for m in await engine.vectors()}
-        position = await self._do(self.registry.last_event_id())
-        remote = await self._do(self.registry.current())
-        retired = await self._do(self.registry.retired_since(time.time() - self.registry.config.retain_s))
+        position = await self.do(self.registry.last_event_id())
+        remote = await self.do(self.registry.current())
+        retired = await self.do(self.registry.retired_since(time.time() - self.registry.config.retain_s))
         changed = False
         for vector_id, (version, sha) in remote.items():
             held = local.get(vector_id)
@@ -403,7 +388,7 @@ class Replica:
     async def _apply(self, engine: HotwireEngine, event: Event) -> bool:
         """One event; returns whether it changed the engine's current versions."""
         if event.op == "register":
-            version, deleted = self._known.get(event.vector_id, (0, False))
+            version, deleted = self.known.get(event.vector_id, (0, False))
             if event.version > version:
                 return await self._register_event(engine, event.vector_id, event.version, event.sha256)
             if event.version < version or deleted:  # a newer version or its deletion came first (this replica's own)
@@ -420,16 +405,16 @@ class Replica:
         """Hold a version the fleet retired (replaced or deleted) for the rest of its retention, so a request
         pinned to it is served here as on the replicas that held it; nothing when it was never retired or its
         retention is over."""
-        retired = await self._do(self.registry.retired_version(vector_id, version))
+        retired = await self.do(self.registry.retired_version(vector_id, version))
         if retired is not None and time.time() - retired[1] < self.registry.config.retain_s:
             await self._register_event(engine, vector_id, version, retired[0], retired_at=retired[1])
 
     async def _register_event(
         self, engine: HotwireEngine, vector_id: str, version: int, sha: str, retired_at: float | None = None
     ) -> bool:
-        blob = await self._do(self.registry.get_blob(sha))
+        blob = await self.do(self.registry.get_blob(sha))
         if blob is None:
-            live = await self._do(self.registry.current_version(vector_id))
+            live = await self.do(self.registry.current_version(vector_id))
             if live is None or live[0] > version:  # superseded long ago: its blob was collected; a later event follows
                 logger.info("hotwire: %s@%d is no longer current and its blob was collected: skipped", vector_id, version)
             else:
@@ -482,7 +467,7 @@ class Replica:
             engine = self._engine()
             if engine is not None:
                 try:
-                    await self._do(self.registry.heartbeat(self.replica_id, await self.state(engine), 3 * interval))
+                    await self.do(self.registry.heartbeat(self.replica_id, await self.state(engine), 3 * interval))
                 except Unavailable:
                     pass
                 except HotwireError as exc:
@@ -491,8 +476,8 @@ class Replica:
 
     async def view(self) -> dict[str, Any]:
         """``GET /steer/fleet``: the registry, every live replica and the versions each one holds."""
-        remote = await self._do(self.registry.current())
-        replicas = sorted(await self._do(self.registry.replicas()), key=lambda r: str(r.get("replica")))
+        remote = await self.do(self.registry.current())
+        replicas = sorted(await self.do(self.registry.replicas()), key=lambda r: str(r.get("replica")))
         now = time.time()
         for r in replicas:
             r["age_ms"] = round(1000 * max(0.0, now - float(r.get("sent_at") or now)), 1)

@@ -56,7 +56,9 @@ class Node:
     def __init__(self, url: str, name: str, **config: Any):
         self.client = ControllerClient()
         self.engine = HotwireEngine(self.client)
-        self.registry = RedisRegistry(FleetConfig(url, **{"timeout_s": 0.5, **config}), Keys.for_model("org/model"))
+        # restart_settle_s: how long a new or restarted Redis waits for replicas to heartbeat, shortened
+        self.registry = RedisRegistry(FleetConfig(url, **{"timeout_s": 0.5, "restart_settle_s": 0.2, **config}),
+                                      Keys.for_model("org/model"))
         self.replica = Replica(self.registry, lambda: self.engine, name, on_change=_nothing)
         self.replica.block_ms = 100
         self.tasks: list[asyncio.Task] = []
@@ -408,9 +410,11 @@ def test_a_change_whose_answer_came_late_is_made_once(redis_server) -> None:
     import redis.asyncio as aioredis
 
     async def body() -> None:
-        registry = RedisRegistry(FleetConfig(redis_server.url, timeout_s=0.5), Keys.for_model("org/model"))
+        config = FleetConfig(redis_server.url, timeout_s=0.5, restart_settle_s=0)
+        registry = RedisRegistry(config, Keys.for_model("org/model"))
         raw, raw2 = aioredis.from_url(redis_server.url), aioredis.from_url(redis_server.url)
         try:
+            assert (await registry.gate()).open  # a new Redis, no replicas to wait for
             checked = blobs.check(vector(1), N_LAYERS, HIDDEN, "float32")
             await registry.put_blob(checked.sha256, blobs.encode(checked.payload))
             await registry.register("warm", checked.sha256, True)  # scripts loaded, connections open: nothing
@@ -617,5 +621,161 @@ def test_an_engine_that_missed_an_event_gets_it_once_it_answers(redis_server) ->
             await eventually(lambda: "later" in a.client.held(), 1.0)
             b.client.down = False
             await eventually(lambda: b.client.held().get("later") == (1, meta.sha256), 3.0)
+
+    run(body)
+
+
+def test_a_registry_restored_from_an_older_snapshot_gets_back_what_the_replicas_acknowledged(tmp_path) -> None:
+    """Redis comes back from a snapshot older than some acknowledged changes (RDB only, a restored backup): the
+    replicas put back every version and deletion they applied since, numbering goes on above what they knew, and
+    a change that arrives meanwhile waits for that instead of acting on the old data."""
+    import redis.asyncio as aioredis
+    from redis_fixture import RedisServer
+
+    server = RedisServer(tmp_path / "redis", appendonly=False)
+    server.start()
+
+    async def body() -> None:
+        # settle: 5 heartbeats, so each replica has heartbeat after the restart on a busy machine too
+        async with started(server.url, "a", "b", heartbeat=True, heartbeat_s=0.1, restart_settle_s=0.5) as (a, b):
+            await a.replica.register(a.engine, "joy", vector(1), False)
+            await a.replica.register(a.engine, "gone", vector(2), False)
+            await eventually(lambda: b.client.held() == a.client.held() and len(a.client.held()) == 2, 2.0)
+            server.save()  # the snapshot: joy@1, gone@1
+            _, joy2 = await b.replica.register(b.engine, "joy", vector(3), True)
+            assert await b.replica.unregister(b.engine, "gone") == 0
+            _, late = await a.replica.register(a.engine, "late", vector(4), False)
+            await a.replica.register(a.engine, "tmp", vector(5), False)
+            await a.replica.unregister(a.engine, "tmp")
+            acknowledged = {"joy": (2, joy2.sha256), "late": (1, late.sha256)}
+            await eventually(lambda: a.client.held() == b.client.held() == acknowledged, 2.0)
+            server.restart()  # SIGKILL; it loads the snapshot: joy@1 and gone@1, nothing of late or tmp
+            # At once, another API server of replica a (no follower, so it knows nothing) replaces joy and deletes
+            # late: both must act on what was acknowledged, not on the snapshot.
+            other = Replica(a.registry, lambda: a.engine, "a", follower=False, on_change=_nothing)
+            (_, joy3), in_flight = await asyncio.gather(other.register(a.engine, "joy", vector(6), True),
+                                                         other.unregister(a.engine, "late"))
+            assert joy3.version == 3 and in_flight == 0  # never a second joy@2; late is known (200, not 404)
+            wanted = {"joy": (3, joy3.sha256)}
+
+            async def registry_holds() -> bool:
+                return await a.registry.current() == wanted
+
+            await eventually(registry_holds, 3.0)  # gone's deletion put back too
+            await eventually(lambda: a.client.held() == b.client.held() == wanted, 3.0)
+            raw = aioredis.from_url(server.url)
+            joy_versions = {(int(f[b"version"]), f[b"sha256"].decode())
+                            for _, f in await raw.xrange(a.registry.keys.events)
+                            if f[b"id"] == b"joy" and f[b"op"] == b"register"}
+            await raw.aclose()
+            assert (2, joy2.sha256) in joy_versions and (3, joy3.sha256) in joy_versions
+            assert len({v for v, _ in joy_versions}) == len(joy_versions)  # one content per version: joy@2 is joy2
+            _, tmp2 = await b.replica.register(b.engine, "tmp", vector(7), False)
+            assert tmp2.version == 2  # tmp@1 (deleted after the snapshot) is not numbered again
+            wanted["tmp"] = (2, tmp2.sha256)
+            await b.close()  # b restarts: a new process, an empty engine
+            again = Node(server.url, "b", heartbeat_s=0.1, restart_settle_s=0.5)
+            again.start(heartbeat=True)
+            await eventually(lambda: again.client.held() == a.client.held() == wanted, 3.0)
+            await again.close()
+
+    try:
+        run(body)
+    finally:
+        server.stop()
+
+
+def test_a_replica_that_does_not_repair_holds_changes_back_only_up_to_the_limit(redis_server, caplog) -> None:
+    """After a restart a live replica whose follower never puts back what it holds keeps the gate closed: a change
+    that waits longer than ``gate_wait_s`` answers 503 with Retry-After (nothing changed); once the gate has been
+    closed ``restart_limit_s`` it opens anyway, and a warning names that replica."""
+    async def body() -> None:
+        async with started(redis_server.url, "a", heartbeat=True, heartbeat_s=0.1, restart_settle_s=0.5,
+                           restart_limit_s=2.0) as (a,):
+            await a.replica.register(a.engine, "joy", vector(1), False)
+            stuck = Node(redis_server.url, "stuck", heartbeat_s=1.0)  # live for 3 s after each beat, on a busy CPU too
+            beat = [asyncio.create_task(stuck.replica.heartbeat())]  # live, but no follower: it never repairs
+
+            async def both_live() -> bool:
+                return {r["replica"] for r in await a.registry.replicas()} == {"a", "stuck"}
+
+            await eventually(both_live, 5.0)
+            redis_server.restart()  # with all its data: still, nothing changes until the replicas confirmed it
+            a.registry.gate_wait_s = 0.3
+            with pytest.raises(HotwireError) as waiting:
+                await a.replica.register(a.engine, "joy", vector(2), True)
+            assert waiting.value.status == 503 and waiting.value.code == "registry_unavailable"
+            assert "restarted" in waiting.value.message and waiting.value.headers()["Retry-After"]
+            assert await a.registry.current_version("joy") == (1, a.client.held()["joy"][1])
+            a.registry.gate_wait_s = 5.0
+            _, meta = await a.replica.register(a.engine, "joy", vector(2), True)
+            assert meta.version == 2
+            assert [r for r in caplog.records if "without the repair of replica(s) stuck" in r.getMessage()]
+            await stuck.replica.stop_tasks(beat)
+            await stuck.close()
+
+    run(body)
+
+
+def test_a_password_in_the_urls_query_is_never_shown(tmp_path, caplog) -> None:
+    """redis-py takes the password (and e.g. ``ssl_password``) from the URL's query string too: no status, view,
+    error message or log record shows it."""
+    from redis_fixture import RedisServer
+
+    secret = "q-s3cret-pw"
+    assert secret not in redacted(f"rediss://h:6380/0?ssl_password={secret}&db=1")
+    assert redacted(f"redis://h/0?password={secret}&db=1") == "redis://h/0?password=***&db=1"
+    with pytest.raises(ValueError) as info:
+        registry_url(f"http://h/?password={secret}")
+    assert secret not in str(info.value)
+    server = RedisServer(tmp_path / "redis", password=secret)
+    server.start()
+    url = f"redis://127.0.0.1:{server.port}/0?password={secret}"
+    caplog.set_level("DEBUG", logger="hotwire_api")
+    shown: list[str] = []
+
+    async def body() -> None:
+        async with started(url, "a", heartbeat=True, heartbeat_s=0.1) as (a,):
+            created, _ = await a.replica.register(a.engine, "joy", vector(1), False)
+            assert created  # the password in the query string reached Redis
+            shown.extend([str(await a.replica.status()), str(await a.replica.view())])
+            server.kill()
+            for change in (a.replica.register(a.engine, "new", vector(2), False), a.replica.unregister(a.engine, "joy")):
+                with pytest.raises(HotwireError) as down:
+                    await change
+                assert down.value.status == 503 and f"127.0.0.1:{server.port}" in down.value.message
+                shown.append(str(down.value.body()))
+            await eventually(lambda: a.replica.reachable is False, 2.0)
+            shown.append(str(await a.replica.status()))
+        wrong = Node(f"redis://127.0.0.1:{server.port}/0?password=not-{secret}", "wrong")
+        server.start()
+        with pytest.raises(HotwireError) as refused:  # Redis refuses the password: its error names no secret
+            await wrong.replica.register(wrong.engine, "x", vector(3), False)
+        shown.append(str(refused.value.body()))
+        await wrong.close()
+
+    try:
+        run(body)
+    finally:
+        server.stop()
+    shown += [r.getMessage() + (r.exc_text or "") for r in caplog.records]
+    assert not [text for text in shown if secret in text]
+    assert any("password=***" in text for text in shown)  # the URL was shown, masked
+
+
+def test_a_blob_whose_registration_never_ran_is_collected_after_the_grace(redis_server) -> None:
+    """A blob is an orphan from its upload until a version uses it: one stored before a register that timed out
+    or was refused is collected like any other, the grace counted from its last upload."""
+    async def body() -> None:
+        registry = RedisRegistry(FleetConfig(redis_server.url, timeout_s=0.5), Keys.for_model("org/model"))
+        try:
+            checked = blobs.check(vector(1), N_LAYERS, HIDDEN, "float32")
+            await registry.put_blob(checked.sha256, blobs.encode(checked.payload))  # its register never ran
+            assert await registry.collect_blobs(grace_s=3600) == 0  # within the grace
+            await asyncio.sleep(0.05)
+            assert await registry.collect_blobs(grace_s=0) == 1
+            assert await registry.get_blob(checked.sha256) is None
+        finally:
+            await registry.close()
 
     run(body)

@@ -1,0 +1,207 @@
+"""The Lua scripts hotwire runs in Redis (``redis_registry`` sends them): each one atomic, so replicas never see
+half a change. Key names: ``config.Keys``; each script's comment lists its KEYS and ARGV in order.
+
+The restart gate: ``boot`` holds the run id of the Redis process whose data every live replica has confirmed.
+A Redis that restarted (from an older snapshot, a restored backup, an append-only file that missed its last
+second) has another run id, and a wiped one has no ``boot``: register and delete then refuse to change anything
+(answer 503) until the replicas have put back what they hold and :data:`GATE` sets ``boot`` again. The scripts
+read the run id themselves: a client's word cannot be trusted, as an old snapshot holds an old ``boot``."""
+
+from __future__ import annotations
+
+__all__ = ["COLLECT", "DELETE_ONCE", "FORGET_RETIRED", "GATE", "HEARTBEAT", "MARK_REPAIRED", "PUT_BLOB",
+           "RECONCILE", "REFUSED", "REGISTER_ONCE"]
+
+REFUSED = 503  # a register's or delete's answer while the gate is closed: nothing was changed
+
+# The parts of a `current` value ("<version>:<sha256>"); the record of a version that stopped being current at
+# `at` (KEYS `retired`, `retired_since`); the running Redis process's run id; Redis's clock in seconds.
+_HELPERS = """
+local function sha_of(value) return string.sub(value, string.find(value, ':', 1, true) + 1) end
+local function version_of(value) return string.sub(value, 1, string.find(value, ':', 1, true) - 1) end
+local function retire(retired, since, id, value, at)
+  local member = id .. '@' .. version_of(value)
+  redis.call('HSET', retired, member, sha_of(value) .. ':' .. at)
+  redis.call('ZADD', since, at, member)
+end
+local function run_id() return string.match(redis.call('INFO', 'server'), 'run_id:(%x+)') end
+local function now()
+  local t = redis.call('TIME')
+  return tonumber(t[1]) + tonumber(t[2]) / 1000000
+end
+"""
+
+# KEYS: current, last_version, events, blob, orphans, retired, retired_since. ARGV: id, sha256, replace (0|1),
+# maxlen, at, floor (the newest version the caller knows of: numbering goes on above it). Returns {status,
+# version, previous "<version>:<sha>" or ""}: 201/200 registered, 409 taken, 424 blob missing. The blob the id
+# stops using becomes an orphan, the registered one is not; a replaced version is recorded as retired.
+_REGISTER = """
+local previous = redis.call('HGET', KEYS[1], ARGV[1])
+if previous and ARGV[3] ~= '1' then return {409, 0, previous} end
+if redis.call('EXISTS', KEYS[4]) == 0 then return {424, 0, ''} end
+local version = math.max(tonumber(redis.call('HGET', KEYS[2], ARGV[1]) or '0'), tonumber(ARGV[6])) + 1
+redis.call('HSET', KEYS[2], ARGV[1], version)
+redis.call('HSET', KEYS[1], ARGV[1], version .. ':' .. ARGV[2])
+redis.call('ZREM', KEYS[5], ARGV[2])
+if previous and sha_of(previous) ~= ARGV[2] then redis.call('ZADD', KEYS[5], ARGV[5], sha_of(previous)) end
+if previous then retire(KEYS[6], KEYS[7], ARGV[1], previous, ARGV[5]) end
+redis.call('XADD', KEYS[3], 'MAXLEN', '~', ARGV[4], '*', 'op', 'register', 'id', ARGV[1],
+           'version', version, 'sha256', ARGV[2], 'at', ARGV[5])
+if previous then return {200, version, previous} end
+return {201, version, ''}
+"""
+
+# KEYS: current, events, orphans, retired, retired_since. ARGV: id, maxlen, at. Returns {status,
+# "<version>:<sha>"}: 200 deleted (and recorded as retired), 404 unknown.
+_DELETE = """
+local current = redis.call('HGET', KEYS[1], ARGV[1])
+if not current then return {404, ''} end
+redis.call('HDEL', KEYS[1], ARGV[1])
+local sha = sha_of(current)
+redis.call('ZADD', KEYS[3], ARGV[3], sha)
+retire(KEYS[4], KEYS[5], ARGV[1], current, ARGV[3])
+redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[2], '*', 'op', 'delete', 'id', ARGV[1],
+           'version', version_of(current), 'sha256', sha, 'at', ARGV[3])
+return {200, current}
+"""
+
+
+def _once(script: str, n_keys: int, n_args: int) -> str:
+    """``script`` (``n_keys`` KEYS, ``n_args`` ARGV) gated and run at most once per operation: two more KEYS,
+    ``op:<token>`` (a token the caller draws per operation) and ``boot``, and one more ARGV, the seconds the answer
+    is kept. While the gate is closed the answer is {REFUSED} and nothing changes (not kept: the same operation
+    may run once the gate opens). Otherwise the first answer is kept under the token, and the same operation
+    sent again gets it back instead of running twice: a caller whose command timed out cannot know whether it
+    ran, and with this it may send it again."""
+    op, boot, ttl = n_keys + 1, n_keys + 2, n_args + 1
+    return f"""{_HELPERS}
+local done = redis.call('GET', KEYS[{op}])
+if done then return cjson.decode(done) end
+if redis.call('GET', KEYS[{boot}]) ~= run_id() then return {{{REFUSED}}} end
+local function run()
+{script}
+end
+local answer = run()
+redis.call('SET', KEYS[{op}], cjson.encode(answer), 'EX', ARGV[{ttl}])
+return answer
+"""
+
+
+REGISTER_ONCE = _once(_REGISTER, 7, 6)
+DELETE_ONCE = _once(_DELETE, 5, 3)
+
+# KEYS: current, last_version, events, blob, orphans, retired, retired_since. ARGV: id, op, version, sha256,
+# maxlen, at. Puts back into a Redis that came back with older data (or none) what one replica knows of one id,
+# unless Redis knows as much: op `register` (the replica holds version@sha256 as current) makes it current when
+# Redis never numbered that version (its last_version is lower), retiring the older one; op `delete` (the
+# replica applied the deletion of that version) deletes the id's current version when it is that one or older;
+# op `floor` changes nothing but the numbering. Every op raises last_version to the version, so numbers go on
+# above every version a replica knew. Returns 1 when it changed the current versions, 0 when not, 424 when the
+# blob is missing. Not gated: it is the repair the gate waits for.
+RECONCILE = _HELPERS + """
+local last = tonumber(redis.call('HGET', KEYS[2], ARGV[1]) or '0')
+local version = tonumber(ARGV[3])
+local previous = redis.call('HGET', KEYS[1], ARGV[1])
+local changed = 0
+if ARGV[2] == 'register' and last < version then
+  if redis.call('EXISTS', KEYS[4]) == 0 then return 424 end
+  redis.call('HSET', KEYS[1], ARGV[1], ARGV[3] .. ':' .. ARGV[4])
+  redis.call('ZREM', KEYS[5], ARGV[4])
+  if previous then
+    if sha_of(previous) ~= ARGV[4] then redis.call('ZADD', KEYS[5], ARGV[6], sha_of(previous)) end
+    retire(KEYS[6], KEYS[7], ARGV[1], previous, ARGV[6])
+  end
+  redis.call('XADD', KEYS[3], 'MAXLEN', '~', ARGV[5], '*', 'op', 'register', 'id', ARGV[1],
+             'version', ARGV[3], 'sha256', ARGV[4], 'at', ARGV[6])
+  changed = 1
+elseif ARGV[2] == 'delete' and previous and tonumber(version_of(previous)) <= version then
+  redis.call('HDEL', KEYS[1], ARGV[1])
+  redis.call('ZADD', KEYS[5], ARGV[6], sha_of(previous))
+  retire(KEYS[6], KEYS[7], ARGV[1], previous, ARGV[6])
+  redis.call('XADD', KEYS[3], 'MAXLEN', '~', ARGV[5], '*', 'op', 'delete', 'id', ARGV[1],
+             'version', version_of(previous), 'sha256', sha_of(previous), 'at', ARGV[6])
+  changed = 1
+end
+if last < version then redis.call('HSET', KEYS[2], ARGV[1], ARGV[3]) end
+return changed
+"""
+
+# KEYS: boot, closing, repaired, live. ARGV: settle_s, limit_s, replica id ("" for none). Opens the gate when it
+# may: once `closing` (set now if it names no closing of this process) is settle_s old and every live replica has
+# marked itself repaired for it, or once it is limit_s old whatever is missing. Returns {state, run id, closing,
+# this replica's mark, the live replicas not repaired...}: state 1 open, 0 closed, 2 opened now, 3 opened now at
+# the limit (the missing replicas follow).
+GATE = _HELPERS + """
+local id = run_id()
+if redis.call('GET', KEYS[1]) == id then return {1, id, '', ''} end
+local t = now()
+local closing = redis.call('GET', KEYS[2])
+if not closing or string.sub(closing, 1, #id + 1) ~= id .. ':' then
+  closing = id .. ':' .. string.format('%.6f', t)
+  redis.call('SET', KEYS[2], closing)
+end
+local mark = redis.call('HGET', KEYS[3], ARGV[3]) or ''
+local missing = {}
+for _, replica in ipairs(redis.call('ZRANGEBYSCORE', KEYS[4], t, '+inf')) do
+  if redis.call('HGET', KEYS[3], replica) ~= closing then table.insert(missing, replica) end
+end
+local waited = t - tonumber(string.sub(closing, #id + 2))
+if waited < tonumber(ARGV[1]) or (#missing > 0 and waited < tonumber(ARGV[2])) then
+  return {0, id, closing, mark, unpack(missing)}
+end
+redis.call('SET', KEYS[1], id)
+redis.call('DEL', KEYS[2], KEYS[3])
+redis.call('ZREMRANGEBYSCORE', KEYS[4], '-inf', t)
+if #missing > 0 then return {3, id, closing, mark, unpack(missing)} end
+return {2, id, closing, mark}
+"""
+
+# KEYS: closing, repaired. ARGV: replica id, closing. Marks the replica repaired for that closing, if it is still
+# the one in progress (not when Redis restarted or was wiped again meanwhile); returns 1 marked, 0 not.
+MARK_REPAIRED = """
+if redis.call('GET', KEYS[1]) ~= ARGV[2] then return 0 end
+redis.call('HSET', KEYS[2], ARGV[1], ARGV[2])
+return 1
+"""
+
+# KEYS: replica, live. ARGV: state (JSON), ttl_ms, replica id. A replica's heartbeat, and its place among the live
+# replicas until it expires (Redis's clock, as GATE reads it).
+HEARTBEAT = _HELPERS + """
+redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
+local t = now()
+redis.call('ZADD', KEYS[2], t + tonumber(ARGV[2]) / 1000, ARGV[3])
+redis.call('ZREMRANGEBYSCORE', KEYS[2], '-inf', t)
+"""
+
+# KEYS: retired, retired_since. ARGV: cutoff. Forgets the versions retired before the cutoff; returns how many.
+FORGET_RETIRED = """
+local old = redis.call('ZRANGEBYSCORE', KEYS[2], '-inf', ARGV[1], 'LIMIT', 0, 1000)
+for _, member in ipairs(old) do redis.call('HDEL', KEYS[1], member) end
+if #old > 0 then redis.call('ZREM', KEYS[2], unpack(old)) end
+return #old
+"""
+
+# KEYS: blob, orphans. ARGV: bytes, sha256, at. Stores a blob once and makes it an orphan as of now, atomically: it
+# stays one until a version uses it (register and reconcile take it off), so a blob whose registration never
+# ran (a timeout, a refusal) is collected like any other, the grace counted from its last upload.
+PUT_BLOB = """
+redis.call('SET', KEYS[1], ARGV[1], 'NX')
+redis.call('ZADD', KEYS[2], ARGV[3], ARGV[2])
+"""
+
+# KEYS: current, orphans, blob of each candidate. ARGV: cutoff, then each candidate's sha256. Deletes the blobs of
+# candidates still orphaned since before the cutoff that no id's current version uses; returns how many.
+COLLECT = _HELPERS + """
+local used = {}
+for _, value in ipairs(redis.call('HVALS', KEYS[1])) do used[sha_of(value)] = true end
+local deleted = 0
+for i = 2, #ARGV do
+  local sha = ARGV[i]
+  local since = redis.call('ZSCORE', KEYS[2], sha)
+  if since and tonumber(since) <= tonumber(ARGV[1]) then
+    redis.call('ZREM', KEYS[2], sha)
+    if not used[sha] then deleted = deleted + redis.call('DEL', KEYS[i + 1]) end
+  end
+end
+return deleted
+"""
