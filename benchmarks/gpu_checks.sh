@@ -8,6 +8,8 @@
 #             request waiting for a bank row) and test_unsteerable_model.py (GPT-2: starts, refuses steering); V2, V1
 #   server:   tests/integration/test_server.py: real `vllm serve` with graphs on (float32 tiny model, fixed 1 GiB KV
 #             cache); V2 runner
+#   hardening: tests/integration/test_hardening.py: every route and encoding admitted alike, bounded memory, large
+#             uploads off the event loop, the fuzz suite; real `vllm serve` with graphs on; V2 runner
 #   matrix:   python -m hotwire_core.verify --vanilla on tiny Llama, Qwen2, Qwen3, Mistral and Gemma models with
 #             random weights, bf16, graphs on; V2 and V1 runner. MATRIX_ARCHS picks architectures (e.g. "qwen3");
 #             MATRIX_REPEAT=N runs each N times, each with its own compile cache (jobs named ...-r1, -r2, ...)
@@ -67,6 +69,7 @@ for part in $parts; do
       done
       ;;
     server) launch server next v2 "${pytest_cmd[@]}" tests/integration/test_server.py ;;
+    hardening) launch hardening next v2 "${pytest_cmd[@]}" -s tests/integration/test_hardening.py ;;
     fleet)
       launch fleet next v2 env HOTWIRE_FLEET_LATENCY_N="${FLEET_N:-200}" \
         HOTWIRE_FLEET_RESULTS="$log_dir/fleet_propagation.json" "${pytest_cmd[@]}" -s tests/integration/test_fleet.py
