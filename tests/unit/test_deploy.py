@@ -1292,13 +1292,14 @@ def check_test_script_fails_when_pytest_fails_or_finds_nothing(fake: FakeRun) ->
             assert "no tests" in result.stderr
 
 
-LANE_FILES = (  # a suite in the scratch repo: two unit files, one file of LONGEST_FIRST, two others
+LANE_FILES = (  # a suite in the scratch repo: two unit files, two files of LONGEST_FIRST, two others
     "tests/unit/test_a.py", "tests/unit/test_b.py", "tests/integration/test_server.py",
-    "tests/integration/test_x.py", "tests/integration/test_y.py",
+    "tests/integration/test_model_matrix.py", "tests/integration/test_x.py", "tests/integration/test_y.py",
 )
-LANE_RUNS = [  # the pytest runs of that suite, longest first: the unit files in one run, every other file alone
-    "tests/integration/test_server.py",
+LANE_RUNS = [  # the pytest runs of that suite in LONGEST_FIRST's order: the unit files in one run, every other alone
+    "tests/integration/test_model_matrix.py",
     "tests/unit/test_a.py tests/unit/test_b.py",
+    "tests/integration/test_server.py",
     "tests/integration/test_x.py",
     "tests/integration/test_y.py",
 ]
@@ -1327,7 +1328,7 @@ def check_test_script_runs_files_in_lanes(fake: FakeRun, tmp_path: Path) -> None
     assert result.returncode == 0, _output(result)
     assert _lane_runs(fake) == LANE_RUNS
     assert max(map(int, Path(f"{running}.counts").read_text().split())) == 2  # two at a time, never more
-    assert "4 pytest runs" in result.stdout and "fake pytest: exit 0 in 0.01s (exit 0," in result.stdout
+    assert "5 pytest runs" in result.stdout and "fake pytest: exit 0 in 0.01s (exit 0," in result.stdout
 
     fake.forget_calls()
     result = fake.run("scripts/test.sh", "tests", PYTHON=python, HOTWIRE_TEST_LANES="3")
