@@ -70,16 +70,15 @@ export HOTWIRE_STORE="${HOTWIRE_STORE:-off}"
 
 # The files of the suite in the order they start: the longest first (seconds alone on a 2-core machine: compose
 # 500-660, model matrix 150-250, server 110-170, fleet 160, unit 150, bit identity 90-140, soak 70, data parallel
-# 35-100, ...), except that server and fleet, whose tests act on streams while they run, come after the files that
-# fill the other lane while compose builds its images and runs its containers: beside those, vLLM on two cores has
-# held a stream's headers until the stream ended.
+# 35-100, ...), except that server and fleet, whose tests act on requests while they run, come after the files that
+# fill the other lane while compose builds its images and runs its containers, and fleet last: beside compose, or
+# beside each other, vLLM on two cores has held a stream's headers until the stream ended.
 LONGEST_FIRST=(
     tests/integration/test_compose.py tests/integration/test_model_matrix.py tests/unit
     tests/integration/test_bit_identity.py tests/integration/test_soak.py tests/integration/test_data_parallel.py
-    tests/integration/test_server.py tests/integration/test_fleet.py tests/integration/test_hardening.py
-    tests/integration/test_async_engine.py
+    tests/integration/test_server.py tests/integration/test_hardening.py tests/integration/test_async_engine.py
     tests/integration/test_verify.py tests/integration/test_engine.py tests/integration/test_demo.py
-    tests/integration/test_unsteerable_model.py
+    tests/integration/test_unsteerable_model.py tests/integration/test_fleet.py
 )
 
 # lanes_items PATH...: the pytest runs of a lanes run, one per line (paths separated by tabs), longest first; none

@@ -86,6 +86,7 @@ def test_a_vector_registered_over_http_steers_on_every_engine_core(http, tiny_mo
 def test_delete_waits_for_a_user_on_the_second_engine_core(http, tiny_model) -> None:
     """The vector's only in-flight user runs on engine core 1: DELETE is a 202, not a 204, and the rows go once
     that request ends (here: its client disconnects, which aborts it)."""
+    http.delete("/steer/vectors/dp-del")  # left by an earlier attempt (retried_on_a_busy_cpu): start from none
     register(http, "dp-del", seed=2)
     started, hang_up = threading.Event(), threading.Event()
     outcome: dict = {}

@@ -83,8 +83,9 @@ def body(vector_id: str, seed: int) -> dict:
 
 
 @pytest.fixture(scope="module")
-def fleet(tiny_model, tmp_path_factory) -> Iterator[Fleet]:
+def fleet(tiny_model, tmp_path_factory, request) -> Iterator[Fleet]:
     root = tmp_path_factory.mktemp("fleet")
+    failed_before = request.session.testsfailed
     redis = RedisServer(root / "redis")
     redis.start()
     a = _server(tiny_model, root / "a", redis, "a", engines=A_ENGINES, api_servers=2)  # two API servers either way
@@ -99,6 +100,9 @@ def fleet(tiny_model, tmp_path_factory) -> Iterator[Fleet]:
         for client in f.http.values():
             client.close()
     finally:
+        if request.session.testsfailed > failed_before:  # what the replicas said: the test run's folder is removed
+            for name, srv in (("a", a), ("b", b)):
+                print(f"---- replica {name}: the end of {srv.log_path.name} ----\n{srv.log_tail(20_000)}")
         b.stop()
         a.stop()
         redis.stop()
