@@ -9,9 +9,9 @@
 #
 # Lanes: when every argument is a test path (or there is none: all of tests/), the test files run as separate
 # pytest processes, HOTWIRE_TEST_LANES at a time (default 2 on two or more cores, else 1): the unit tests together,
-# each other file alone, the longest first. Each prints one line when it ends; a failed one's whole output follows
-# at the end, and the status is the first failed one's. Any option among the arguments (-k, -x, ...), or
-# HOTWIRE_TEST_LANES=1, runs one pytest with the arguments as given.
+# each other file alone, the longest first, never two files of APART at once. Each prints one line when it ends;
+# a failed one's whole output follows at the end, and the status is the first failed one's. Any option among the
+# arguments (-k, -x, ...), or HOTWIRE_TEST_LANES=1, runs one pytest with the arguments as given.
 #
 # Docker (tests/integration/test_compose.py): scripts/setup-docker.sh installs and starts what is missing when this
 # script installs the rest too ($PYTHON unset; HOTWIRE_SETUP_DOCKER=0 skips it), or always with
@@ -70,16 +70,29 @@ export HOTWIRE_STORE="${HOTWIRE_STORE:-off}"
 
 # The files of the suite in the order they start: the longest first (seconds alone on a 2-core machine: compose
 # 500-660, model matrix 150-250, server 110-170, fleet 160, unit 150, bit identity 90-140, soak 70, data parallel
-# 35-100, ...), except that server and fleet, whose tests act on requests while they run, come after the files that
-# fill the other lane while compose builds its images and runs its containers, and fleet last: beside compose, or
-# beside each other, vLLM on two cores has held a stream's headers until the stream ended.
+# 35-100, ...); a file of APART waits while another of APART runs.
 LONGEST_FIRST=(
-    tests/integration/test_compose.py tests/integration/test_model_matrix.py tests/unit
-    tests/integration/test_bit_identity.py tests/integration/test_soak.py tests/integration/test_data_parallel.py
-    tests/integration/test_server.py tests/integration/test_hardening.py tests/integration/test_async_engine.py
-    tests/integration/test_verify.py tests/integration/test_engine.py tests/integration/test_demo.py
-    tests/integration/test_unsteerable_model.py tests/integration/test_fleet.py
+    tests/integration/test_compose.py tests/integration/test_model_matrix.py tests/integration/test_server.py
+    tests/integration/test_fleet.py tests/unit tests/integration/test_bit_identity.py
+    tests/integration/test_data_parallel.py tests/integration/test_soak.py tests/integration/test_hardening.py
+    tests/integration/test_async_engine.py tests/integration/test_verify.py tests/integration/test_engine.py
+    tests/integration/test_demo.py tests/integration/test_unsteerable_model.py
 )
+# One at a time: the files whose tests act on requests while they run (a stream must still be running when the
+# test acts), and compose, which builds images. Beside each other, vLLM on two cores held a stream's headers until
+# the stream ended, and every attempt of such a test failed (a CI run at 11e252d: data parallel beside server).
+APART=(
+    tests/integration/test_compose.py tests/integration/test_server.py tests/integration/test_data_parallel.py
+    tests/integration/test_fleet.py
+)
+
+is_apart() {
+    local file
+    for file in "${APART[@]}"; do
+        [[ "$1" != "$file" ]] || return 0
+    done
+    return 1
+}
 
 # lanes_items PATH...: the pytest runs of a lanes run, one per line (paths separated by tabs), longest first; none
 # when an argument is not a test path.
@@ -143,11 +156,33 @@ else
         echo "scripts/test.sh: [$((n + 1))/${#items[@]}] ${paths[*]}: ${summary:-$(tail -n 1 "$run_dir/lanes/$n.log")}" \
             "(exit $item_rc, $((SECONDS - begin))s)"
     }
-    for n in "${!items[@]}"; do
+    pending=("${!items[@]}")
+    apart_pid=""  # the running run of APART, if any
+    while (( ${#pending[@]} )); do
         while (( $(jobs -rp | wc -l) >= lanes )); do
             wait -n || true
         done
+        if [[ -n "$apart_pid" ]] && ! kill -0 "$apart_pid" 2>/dev/null; then
+            apart_pid=""
+        fi
+        next=""  # the first pending run that may start now
+        for i in "${!pending[@]}"; do
+            if [[ -z "$apart_pid" ]] || ! is_apart "${items[${pending[$i]}]}"; then
+                next=$i
+                break
+            fi
+        done
+        if [[ -z "$next" ]]; then  # only runs of APART are left, and one is running
+            wait -n || true
+            continue
+        fi
+        n=${pending[$next]}
+        unset 'pending[$next]'
+        pending=("${pending[@]}")
         run_item "$n" &
+        if is_apart "${items[$n]}"; then
+            apart_pid=$!
+        fi
     done
     wait
     rc=0

@@ -928,8 +928,8 @@ FAKE_PYTHON = r"""#!/usr/bin/env bash
 # modules $FAKE_RC, or with $FAKE_FAILING set $FAKE_FAILING_RC where that is one of the arguments, else 0), knows
 # whether the project was installed (pip install ... -e . creates $FAKE_PROJECT; importing hotwire_core needs it);
 # runs a .venv/bin/vllm script as exiting $FAKE_VLLM_RC. With $FAKE_RUNNING (a folder) a module run lasts half a
-# second and appends to $FAKE_RUNNING.counts how many were running then. Its output ends with a line after the
-# summary, as vLLM's shutdown can print.
+# second and appends to $FAKE_RUNNING.counts how many were running then, to $FAKE_RUNNING.together the arguments of
+# those runs (one line). Its output ends with a line after the summary, as vLLM's shutdown can print.
 case "$1" in
     -)  cat >/dev/null
         var="FAKE_VERSION_$(printf '%s' "$2" | tr 'a-z-' 'A-Z_')"
@@ -950,9 +950,10 @@ case "$1" in
         printf '%s\n' "${@:3}" > "$FAKE_ARGS"
         env > "$FAKE_ENV"
         if [[ -n "${FAKE_RUNNING:-}" ]]; then
-            : > "$FAKE_RUNNING/$$"
+            printf '%s ' "${@:3}" > "$FAKE_RUNNING/$$"
             sleep 0.5
             ls "$FAKE_RUNNING" | wc -l >> "$FAKE_RUNNING.counts"
+            { cat "$FAKE_RUNNING"/*; echo; } >> "$FAKE_RUNNING.together"
             rm "$FAKE_RUNNING/$$"
         fi
         rc=${FAKE_RC:-0}
@@ -1292,14 +1293,16 @@ def check_test_script_fails_when_pytest_fails_or_finds_nothing(fake: FakeRun) ->
             assert "no tests" in result.stderr
 
 
-LANE_FILES = (  # a suite in the scratch repo: two unit files, two files of LONGEST_FIRST, two others
+LANE_FILES = (  # a suite in the scratch repo: two unit files, three files of LONGEST_FIRST (two of APART), two others
     "tests/unit/test_a.py", "tests/unit/test_b.py", "tests/integration/test_server.py",
-    "tests/integration/test_model_matrix.py", "tests/integration/test_x.py", "tests/integration/test_y.py",
+    "tests/integration/test_fleet.py", "tests/integration/test_model_matrix.py", "tests/integration/test_x.py",
+    "tests/integration/test_y.py",
 )
 LANE_RUNS = [  # the pytest runs of that suite in LONGEST_FIRST's order: the unit files in one run, every other alone
     "tests/integration/test_model_matrix.py",
-    "tests/unit/test_a.py tests/unit/test_b.py",
     "tests/integration/test_server.py",
+    "tests/integration/test_fleet.py",
+    "tests/unit/test_a.py tests/unit/test_b.py",
     "tests/integration/test_x.py",
     "tests/integration/test_y.py",
 ]
@@ -1328,12 +1331,17 @@ def check_test_script_runs_files_in_lanes(fake: FakeRun, tmp_path: Path) -> None
     assert result.returncode == 0, _output(result)
     assert _lane_runs(fake) == LANE_RUNS
     assert max(map(int, Path(f"{running}.counts").read_text().split())) == 2  # two at a time, never more
-    assert "5 pytest runs" in result.stdout and "fake pytest: exit 0 in 0.01s (exit 0," in result.stdout
+    assert "6 pytest runs" in result.stdout and "fake pytest: exit 0 in 0.01s (exit 0," in result.stdout
 
     fake.forget_calls()
-    result = fake.run("scripts/test.sh", "tests", PYTHON=python, HOTWIRE_TEST_LANES="3")
+    for log in (f"{running}.counts", f"{running}.together"):
+        Path(log).unlink()
+    result = fake.run("scripts/test.sh", "tests", PYTHON=python, HOTWIRE_TEST_LANES="3", FAKE_RUNNING=str(running))
     assert result.returncode == 0, _output(result)
     assert _lane_runs(fake) == LANE_RUNS  # a folder given: its files
+    assert max(map(int, Path(f"{running}.counts").read_text().split())) == 3  # three lanes were used ...
+    together = Path(f"{running}.together").read_text().splitlines()
+    assert not any("test_server.py" in line and "test_fleet.py" in line for line in together), together  # ... apart
 
     cores = len(os.sched_getaffinity(0))
     fake.forget_calls()
@@ -1542,6 +1550,7 @@ SCRIPT_BREAKAGES = [
     ("test_script_runs_files_in_lanes", "scripts/test.sh", _replace('cat "$run_dir/lanes/$n.log"', ":")),
     ("test_script_runs_files_in_lanes", "scripts/test.sh", _replace(
         'for item in "${LONGEST_FIRST[@]}"; do', 'for item in; do')),
+    ("test_script_runs_files_in_lanes", "scripts/test.sh", _replace("apart_pid=$!", "apart_pid=")),
     ("ci_run_hands_over_to_the_test_script", ".ci/run", _replace('scripts/test.sh "$@"', "scripts/test.sh")),
     (
         "ci_run_hands_over_to_the_test_script",
