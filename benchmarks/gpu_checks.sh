@@ -17,6 +17,10 @@
 #             graphs on; propagation and registration latency over FLEET_N replaces (default 200) written to
 #             fleet_propagation.json. Needs `bash benchmarks/gpu_redis.sh` here and `source .gpu/redis/env.sh` there
 #   tp2:      verify --vanilla with --tensor-parallel-size 2 (needs 2 GPUs); V2 and V1 runner
+#   configs:  serving configurations: tests/integration/test_quantized.py (GPTQ 4-bit, FP8 weights, FP8 KV cache:
+#             steering exact within the format's rounding, plain bit-identical) and verify --vanilla with
+#             --quantization fp8, --kv-cache-dtype fp8, ngram speculation and a 64-token step budget (prompts in
+#             chunks); V2 runner
 # One-GPU jobs are spread round-robin over the visible GPUs (or those in CHECK_GPUS, e.g. "1"); each has its own compile cache and a fixed KV cache, so
 # several share a GPU. Logs go to $LOG_DIR (default $OUT, else /tmp/hotwire-gpu-checks), one per job, plus
 # summary.txt; JOB_TIMEOUT (default 540 s) bounds each job. Run on the device after `source .gpu/env.sh`.
@@ -84,6 +88,14 @@ for part in $parts; do
           done
         done
       done
+      ;;
+    configs)
+      launch quantized next v2 "${pytest_cmd[@]}" -s tests/integration/test_quantized.py
+      launch verify-fp8 next v2 "${verify_cmd[@]}" --quantization fp8
+      launch verify-kv-fp8 next v2 "${verify_cmd[@]}" --kv-cache-dtype fp8
+      launch verify-ngram next v2 "${verify_cmd[@]}" \
+        --speculative-config '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3}'
+      launch verify-chunked next v2 "${verify_cmd[@]}" --max-num-batched-tokens 64
       ;;
     tp2)
       if [ "$n_gpus" -lt 2 ]; then echo "tp2: needs 2 GPUs, $n_gpus visible" > "$log_dir/tp2.status"; continue; fi

@@ -2,9 +2,13 @@
 
     python -m hotwire_core.verify [--model PATH_OR_ID | --arch ARCH] [--dtype DTYPE] [--runner v1|v2] [--vanilla]
                                   [--tensor-parallel-size N] [--kv-cache-gib G] [--save-plain FILE]
+                                  [--quantization Q] [--kv-cache-dtype D] [--speculative-config JSON]
+                                  [--pipeline-parallel-size N] [--max-num-batched-tokens N] [--lora PATH]
 
 Without ``--model`` it builds the built-in tiny model (random weights, architecture ``--arch``, default qwen3) in
-a temporary folder; that also runs on a CPU, slowly. A random vector sized to the model is registered and these are checked:
+a temporary folder; that also runs on a CPU, slowly. The serving-configuration flags (:mod:`.setup`) are vLLM's
+engine arguments of the same names, given to every engine the checks start; ``--lora`` runs every request with
+that adapter. A random vector sized to the model is registered and these are checked:
 
 a. steering fires: steered logprobs differ from plain ones;
 b. batchmates: plain requests batched with steered ones are bit-identical to the same plain requests in an
@@ -67,7 +71,8 @@ from hotwire_core.verify.runs import (
     untimed_compilation_config,
 )
 
-# The package: checks (judging, pure), report (header, lines, verdict), runs (the engines), __main__ (the CLI).
+# The package: checks (judging, pure), report (header, lines, verdict), runs (the engines), setup (the serving
+# configuration's flags), __main__ (the CLI).
 __all__ = [
     "CPU_TOLERANCE", "UNTIMED_INDUCTOR", "Check", "Result", "check_batchmates", "check_cache_hit",
     "check_decode_cost", "check_no_cross_read", "check_steering_fires", "check_vanilla", "checks_a_to_c", "compare",

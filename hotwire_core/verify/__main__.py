@@ -12,6 +12,7 @@ from pathlib import Path
 from hotwire_core.cpu_env import CPU_ENV
 from hotwire_core.tiny_model import ARCHS
 from hotwire_core.verify.report import exit_status, format_report
+from hotwire_core.verify import setup
 from hotwire_core.verify.runs import _vanilla_child, run
 
 def build_parser() -> argparse.ArgumentParser:
@@ -30,6 +31,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--save-plain", type=Path, metavar="FILE",
                         help="write the plain requests' results (those --vanilla compares) to FILE as JSON")
     parser.add_argument("--vanilla-job", nargs=2, metavar=("JOB", "OUT"), help=argparse.SUPPRESS)
+    setup.add_arguments(parser)
     return parser
 
 

@@ -5,7 +5,8 @@ Plugin-free means ``VLLM_PLUGINS=""``: vLLM loads no plugin, so no hotwire hook 
 processes (the child checks that, and that hotwire *is* loaded when asked for). A job is JSON::
 
     {"engine": {LLM keyword arguments}, "plugin_free": true, "vectors": {"id": [floats], ...},
-     "batches": [[{"prompt_token_ids": [...], "params": {SamplingParams keyword arguments}}, ...], ...]}
+     "batches": [[{"prompt_token_ids": [...], "params": {SamplingParams keyword arguments},
+                  "lora": [name, id, path] (optional: a LoRA adapter)}, ...], ...]}
 
 (``vectors`` are registered first, with hotwire loaded). The answer holds, per batch and request,
 :func:`summarize` of its output.
@@ -23,7 +24,7 @@ from typing import Any
 
 __all__ = ["Request", "run_batches", "run_engine", "run_here", "summarize"]
 
-Request = dict[str, Any]  # {"prompt_token_ids": [...], "params": {SamplingParams keyword arguments}}
+Request = dict[str, Any]  # {"prompt_token_ids": [...], "params": {SamplingParams keyword arguments}, "lora"?: [...]}
 
 
 def summarize(output: Any) -> dict[str, Any]:
@@ -41,14 +42,20 @@ def summarize(output: Any) -> dict[str, Any]:
 
 
 def run_batches(llm: Any, batches: list[list[Request]]) -> list[list[dict[str, Any]]]:
-    """Each batch through ``llm.generate`` at once, in order; :func:`summarize` of every output."""
+    """Each batch through ``llm.generate`` at once, in order; :func:`summarize` of every output. A request's
+    ``lora`` (``[name, id, path]``) runs it with that adapter."""
     from vllm import SamplingParams
 
     results = []
     for batch in batches:
         prompts = [{"prompt_token_ids": r["prompt_token_ids"]} for r in batch]
         params = [SamplingParams(**r["params"]) for r in batch]
-        results.append([summarize(o) for o in llm.generate(prompts, params, use_tqdm=False)])
+        adapters = {}
+        if any(r.get("lora") for r in batch):
+            from vllm.lora.request import LoRARequest
+
+            adapters["lora_request"] = [LoRARequest(*r["lora"]) if r.get("lora") else None for r in batch]
+        results.append([summarize(o) for o in llm.generate(prompts, params, use_tqdm=False, **adapters)])
     return results
 
 

@@ -57,7 +57,7 @@ def runner_name(llm: Any, forced: str | None) -> str:
     return f"{used} ({'--runner ' + forced if forced else 'vLLM default'})"
 
 
-def report_header(llm: Any, model: str, runner: str | None, entry: dict, vector_norm: float) -> Header:
+def report_header(llm: Any, model: str, runner: str | None, entry: dict, vector_norm: float, setup: str) -> Header:
     import vllm
 
     import hotwire_core
@@ -71,5 +71,6 @@ def report_header(llm: Any, model: str, runner: str | None, entry: dict, vector_
         ("dtype", str(config.dtype).removeprefix("torch.")),
         ("device", device_name()),
         ("vLLM", f"{vllm.__version__}, hotwire {hotwire_core.__version__}, runner {runner_name(llm, runner)}"),
+        ("setup", setup),
         ("steering", f"{json.dumps(entry)}, random normal vector (norm {vector_norm:.1f})"),
     ]

@@ -18,6 +18,7 @@ from hotwire_core.verify import checks as judge
 from hotwire_core.verify.checks import CPU_TOLERANCE, DECODE_BATCH, MAX_DECODE_OVERHEAD, MAX_DECODE_OVERHEAD_CPU, Check, Result
 from hotwire_core.verify.plugin_free import Request
 from hotwire_core.verify.report import Header, Timings, report_header
+from hotwire_core.verify.setup import Setup, WithAdapter, from_args
 
 VECTOR_ID = "hotwire-verify"
 SCALE = 4.0
@@ -59,10 +60,12 @@ def untimed_compilation_config() -> dict[str, Any]:
 
 
 def engine_kwargs(
-    model: str, dtype: str, tensor_parallel: int = 1, kv_cache_gib: float | None = None, untimed: bool = False
+    model: str, dtype: str, tensor_parallel: int = 1, kv_cache_gib: float | None = None, untimed: bool = False,
+    setup: Setup | None = None,
 ) -> dict[str, Any]:
     """The same arguments for the engine under test and the vanilla reference; ``untimed``: compile with
-    :data:`UNTIMED_INDUCTOR` (GPU only: vLLM has no combo kernels on the CPU)."""
+    :data:`UNTIMED_INDUCTOR` (GPU only: vLLM has no combo kernels on the CPU); ``setup``: the serving
+    configuration's arguments over them."""
     kwargs: dict[str, Any] = dict(
         model=model,
         dtype=dtype,
@@ -78,6 +81,8 @@ def engine_kwargs(
         # A fixed KV cache skips vLLM's memory profiling, which miscounts when other engines share the GPU; the
         # utilisation then only gates the start-up check that this much memory is free.
         kwargs.update(kv_cache_memory_bytes=int(kv_cache_gib * (1 << 30)), gpu_memory_utilization=0.05)
+    if setup is not None:
+        kwargs.update(setup.engine_kwargs())
     return kwargs
 
 
@@ -215,12 +220,13 @@ def load_results(path: Path) -> tuple[Batches, list[Result]]:
     return [(prompts, n) for prompts, n in saved["batches"]], [Result(**r) for r in saved["results"]]
 
 
-def _step_batches(steps: list[Step]) -> list[list[Request]]:
-    """Plain ``steps`` as :mod:`plugin_free` batches."""
+def _step_batches(steps: list[Step], lora: list | None = None) -> list[list[Request]]:
+    """Plain ``steps`` as :mod:`plugin_free` batches, each request with the adapter ``lora`` (or none)."""
     for step in steps:
         if len(step) != 4:
             raise ValueError(f"a job step is [prompts, max_tokens, kept, read_cache], not {json.dumps(step)[:200]}")
-    return [[{"prompt_token_ids": ids, "params": params_kwargs(n, skip_cache=not read)} for ids in prompts]
+    adapter = {} if lora is None else {"lora": lora}
+    return [[{"prompt_token_ids": ids, "params": params_kwargs(n, skip_cache=not read), **adapter} for ids in prompts]
             for prompts, n, _, read in steps]  # fmt: skip
 
 
@@ -230,12 +236,15 @@ def _kept(steps: list[Step], answers: list[list[dict[str, Any]]]) -> tuple[Batch
     return [(prompts, n) for prompts, n, _ in kept], [as_result(r) for *_, answer in kept for r in answer]
 
 
-def run_vanilla(kwargs: dict[str, Any], steps: list[Step], workdir: Path, run: int = 0) -> list[Result]:
-    """Run plain ``steps`` plugin-free in a fresh interpreter (:func:`plugin_free.run_engine`); the kept steps'
-    results in order, flattened. Each ``run`` > 0 compiles into its own cache, so it is a second, independent
-    engine."""
+def run_vanilla(
+    kwargs: dict[str, Any], steps: list[Step], workdir: Path, run: int = 0, lora: list | None = None
+) -> list[Result]:
+    """Run plain ``steps`` plugin-free in a fresh interpreter (:func:`plugin_free.run_engine`), with the adapter
+    ``lora`` on every request if given; the kept steps' results in order, flattened. Each ``run`` > 0 compiles
+    into its own cache, so it is a second, independent engine."""
     env = {"VLLM_CACHE_ROOT": str(workdir / f"vanilla-cache-{run}")} if run else {}
-    answers = plugin_free.run_engine(kwargs, _step_batches(steps), workdir, env=env, tag=f"vanilla-{run}", timeout_s=None)
+    batches = _step_batches(steps, lora)
+    answers = plugin_free.run_engine(kwargs, batches, workdir, env=env, tag=f"vanilla-{run}", timeout_s=None)
     return _kept(steps, answers)[1]
 
 
@@ -253,19 +262,21 @@ def _vanilla_child(job_path: str, out_path: str) -> None:
 
 
 def vanilla_check(
-    kwargs: dict[str, Any], batches: Batches, history: list[Step], ours: list[Result], tolerance: float, workdir: Path
+    kwargs: dict[str, Any], batches: Batches, history: list[Step], ours: list[Result], tolerance: float, workdir: Path,
+    lora: list | None = None,
 ) -> Check:
-    """Check (e): ``ours`` are the plain results of ``batches`` in the engine under test. A second plugin-free
-    engine runs only when the first one's results differ from ours; it runs ``history`` (:func:`plain_history`)."""
+    """Check (e): ``ours`` are the plain results of ``batches`` in the engine under test (with the adapter
+    ``lora`` on every request, if given). A second plugin-free engine runs only when the first one's results differ
+    from ours; it runs ``history`` (:func:`plain_history`)."""
     try:
-        references = [run_vanilla(kwargs, as_steps(batches), workdir)]
+        references = [run_vanilla(kwargs, as_steps(batches), workdir, lora=lora)]
     except RuntimeError as exc:
         print(exc, file=sys.stderr)
         return Check("e. vanilla vLLM", False, str(exc).splitlines()[0])
     if judge.compare(ours, references[0], tolerance)[0]:
         return judge.check_vanilla(ours, references, tolerance)
     try:
-        references.append(run_vanilla(kwargs, history, workdir, run=1))
+        references.append(run_vanilla(kwargs, history, workdir, run=1, lora=lora))
     except RuntimeError as exc:  # judged on the first reference alone, and the report says why
         print(exc, file=sys.stderr)
         check = judge.check_vanilla(ours, references, tolerance)
@@ -284,9 +295,13 @@ def run(args: argparse.Namespace, model: str, workdir: Path) -> tuple[Header, li
     timings: Timings = []
     started = time.monotonic()
     untimed = (args.vanilla or args.save_plain is not None) and torch.cuda.is_available()
-    kwargs = engine_kwargs(model, args.dtype, args.tensor_parallel_size, args.kv_cache_gib, untimed=untimed)
+    setup = from_args(args)
+    kwargs = engine_kwargs(model, args.dtype, args.tensor_parallel_size, args.kv_cache_gib, untimed, setup)
     llm = LLM(**kwargs)
     timings.append(("engine start", time.monotonic() - started))
+    lora = setup.request_lora()
+    if lora is not None:
+        llm = WithAdapter(llm, lora)
 
     engine = llm.llm_engine
     tolerance = 0.0 if torch.cuda.is_available() else CPU_TOLERANCE
@@ -296,7 +311,7 @@ def run(args: argparse.Namespace, model: str, workdir: Path) -> tuple[Header, li
     hooked = slot_stats(llm)["model"]["layers"]  # all of them unless HOTWIRE_LAYERS says otherwise
     entry = {"id": VECTOR_ID, "layer": middle_layer(hooked, n_layers), "scale": SCALE}
     spec = steer(entry)
-    header = report_header(llm, model, args.runner, entry, vector.norm().item())
+    header = report_header(llm, model, args.runner, entry, vector.norm().item(), setup.describe())
 
     tokenizer = llm.get_tokenizer()
     short = [tokenizer.encode(p) for p in PROMPTS]
@@ -317,6 +332,6 @@ def run(args: argparse.Namespace, model: str, workdir: Path) -> tuple[Header, li
         save_results(args.save_plain, batches, ours)
     if args.vanilla:
         started = time.monotonic()
-        checks.append(vanilla_check(kwargs, batches, plain_history(short, x, y), ours, tolerance, workdir))
+        checks.append(vanilla_check(kwargs, batches, plain_history(short, x, y), ours, tolerance, workdir, lora))
         timings.append(("plugin-free engines", time.monotonic() - started))
     return header, checks, timings

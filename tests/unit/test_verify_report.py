@@ -258,3 +258,42 @@ def test_the_second_reference_repeats_verifys_requests_in_verifys_order():
     assert [(prompts, n) for prompts, n, kept, _ in verify.plain_history(short, x, y) if kept] == \
         verify.plain_batches(short, x, y)
     assert [r.token_ids[0] - 1 for r in ours] == sorted(returned)  # (e)'s order is the order they ran in
+
+
+def test_serving_configuration_flags_reach_every_engine(tmp_path):
+    from hotwire_core.verify.__main__ import build_parser
+    from hotwire_core.verify.setup import from_args
+
+    args = build_parser().parse_args([])
+    assert from_args(args).engine_kwargs() == {} and from_args(args).describe() == "vLLM's defaults"
+    adapter = tmp_path / "adapter"
+    adapter.mkdir()
+    (adapter / "adapter_config.json").write_text(json.dumps({"r": 16, "peft_type": "LORA"}))
+    args = build_parser().parse_args([
+        "--quantization", "fp8", "--kv-cache-dtype", "fp8", "--pipeline-parallel-size", "2",
+        "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 3}', "--max-num-batched-tokens", "256",
+        "--lora", str(adapter),
+    ])
+    setup = from_args(args)
+    expected = {"quantization": "fp8", "kv_cache_dtype": "fp8", "pipeline_parallel_size": 2,
+                "speculative_config": {"method": "ngram", "num_speculative_tokens": 3}, "max_num_batched_tokens": 256,
+                "enable_lora": True, "max_loras": 1, "max_lora_rank": 16}
+    assert setup.engine_kwargs() == expected
+    kwargs = verify.engine_kwargs("m", "bfloat16", setup=setup)
+    assert {k: kwargs[k] for k in expected} == expected and kwargs["model"] == "m"
+    json.dumps(kwargs)  # travels to the vanilla child as JSON
+    assert setup.request_lora() == ["hotwire-verify-lora", 1, str(adapter)]
+    assert "quantization=fp8" in setup.describe() and f"LoRA adapter {adapter} on every request" in setup.describe()
+    assert '"method": "ngram"' in setup.describe()
+
+
+def test_serving_configuration_flags_refuse_bad_values(tmp_path, capsys):
+    from hotwire_core.verify.__main__ import build_parser
+    from hotwire_core.verify.setup import from_args
+
+    for bad in ("not json", "[1, 2]"):
+        with pytest.raises(SystemExit):
+            build_parser().parse_args(["--speculative-config", bad])
+        assert "--speculative-config" in capsys.readouterr().err
+    with pytest.raises(SystemExit, match=r"--lora .*no readable adapter_config.json"):
+        from_args(build_parser().parse_args(["--lora", str(tmp_path / "missing")]))
