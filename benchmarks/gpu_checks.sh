@@ -34,7 +34,7 @@ read -r -a gpus_list <<< "${CHECK_GPUS:-$(seq -s ' ' 0 $((n_gpus - 1)))}"  # GPU
 {
   date -u +"date: %Y-%m-%d %H:%M UTC"
   nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
-  python3 -c "import vllm, torch; print('vllm', vllm.__version__, 'torch', torch.__version__)"
+  python3 -c "import torch; from vllm.version import __version__ as v; print('vllm', v, 'torch', torch.__version__)"
   echo "command: bash benchmarks/gpu_checks.sh $parts"
 } > "$log_dir/gpu-env.txt"
 cat "$log_dir/gpu-env.txt"

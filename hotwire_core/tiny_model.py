@@ -105,7 +105,7 @@ def build_model(
         num_key_value_heads=shape.num_kv_heads,
         head_dim=shape.head_dim,
         vocab_size=shape.vocab_size,
-        max_position_embeddings=4096,
+        max_position_embeddings=32768,  # room for the tests' long streams (tests/server_fixture.py)
         tie_word_embeddings=shape.arch == "gemma",  # vLLM's Gemma requires tied embeddings
         initializer_range=0.02,
         bos_token_id=0,

@@ -34,7 +34,14 @@ from safetensors.numpy import save as save_numpy
 
 from hotwire_api import cli, healthcheck
 from hotwire_api.client import AsyncHotwireClient, HotwireClient, HotwireError
-from server_fixture import LONG_STREAM_TOKENS, StreamMissed, VllmServer, retried_on_a_busy_cpu
+from server_fixture import (
+    DRAINED_STREAM_TOKENS,
+    LONG_STREAM_TOKENS,
+    MAX_MODEL_LEN,
+    StreamMissed,
+    VllmServer,
+    retried_on_a_busy_cpu,
+)
 
 pytestmark = pytest.mark.integration
 
@@ -658,7 +665,7 @@ def test_a_spec_over_hotwire_max_rows_is_400_streamed_or_not(http, model):
 def test_delete_while_streaming_is_202_and_frees_on_completion(server, http, model, store):
     registered = http.post("/steer/vectors?replace=true", json=json_body("doomed", vec(80, (LAYERS, HIDDEN))))
     assert registered.status_code in (200, 201)  # 200: left by an earlier attempt (see retried_on_a_busy_cpu)
-    body = completion_body(model, spec("doomed", [0, 1]), max_tokens=LONG_STREAM_TOKENS, ignore_eos=True, logprobs=None,
+    body = completion_body(model, spec("doomed", [0, 1]), max_tokens=DRAINED_STREAM_TOKENS, ignore_eos=True, logprobs=None,
                            stream_options={"include_usage": True})  # fmt: skip
     with stream(server, body) as (response, lines):
         assert response.status_code == 200 and response.headers[RECEIPT] == f"doomed@{registered.json()['version']}:L0+1x8"
@@ -683,7 +690,7 @@ def test_delete_while_streaming_is_202_and_frees_on_completion(server, http, mod
         assert still["pinned"] == 2 and sum(row["id"] == "doomed" for row in still["rows"]) == 2
 
         chunks, finish, usage = drain(lines)
-    assert finish == "length" and usage["completion_tokens"] == LONG_STREAM_TOKENS, (chunks, finish, usage)
+    assert finish == "length" and usage["completion_tokens"] == DRAINED_STREAM_TOKENS, (chunks, finish, usage)
     after = wait_idle(http)
     assert after["pinned"] == 0
     assert not any(row["id"] == "doomed" for row in after["rows"]), after["rows"]
@@ -750,7 +757,7 @@ def test_requests_whose_rows_are_taken_wait_for_them_in_order(server, http, mode
 def test_replace_while_streaming_keeps_the_running_version(server, http, model):
     assert http.post("/steer/vectors?replace=true", json=json_body("live", vec(95))).status_code in (200, 201)
     version = http.get("/steer/vectors/live").json()["version"]
-    body = completion_body(model, spec("live", 1), max_tokens=LONG_STREAM_TOKENS, ignore_eos=True, logprobs=None)
+    body = completion_body(model, spec("live", 1), max_tokens=DRAINED_STREAM_TOKENS, ignore_eos=True, logprobs=None)
     with stream(server, body) as (response, lines):
         assert response.headers[RECEIPT] == f"live@{version}:L1x8"
         replaced = http.post("/steer/vectors?replace=true", json=json_body("live", vec(96)))
@@ -836,7 +843,7 @@ def test_reserved_cache_salt_is_400(http, model):
 
 def test_no_receipt_when_vllm_rejects_the_request(http, model):
     before = snapshot(http)
-    response = http.post("/v1/completions", json=completion_body(model, spec("keep", 0), max_tokens=5000))
+    response = http.post("/v1/completions", json=completion_body(model, spec("keep", 0), max_tokens=MAX_MODEL_LEN + 1))
     assert response.status_code == 400 and "max_tokens" in response.text
     assert snapshot(http) == before  # not admitted: nothing pinned, nothing counted
     assert RECEIPT not in response.headers, response.headers[RECEIPT]
