@@ -229,13 +229,17 @@ SCHEMA = {"type": "object", "properties": {"animal": {"enum": ["fox", "dog", "ca
 def grammar_reference(hf, tokenizer, ids: list[int], kind: str, grammar: Any, steer: list, max_tokens: int
                       ) -> tuple[list[int], list[float]]:
     """Greedy decoding under the grammar as vLLM's xgrammar backend masks it (structured_output/backend_xgrammar.py:
-    the tokenizer's xgrammar info over the model's vocabulary; JSON without free whitespace, as the server is set), with the steered
-    transformers forward: the tokens and their logprobs, which vLLM takes after the mask (renormalised)."""
+    the tokenizer's xgrammar info over the model's vocabulary; JSON without free whitespace, as the server is set),
+    with the steered transformers forward: the tokens and their logprobs, which vLLM takes after the mask
+    (renormalised over the allowed tokens)."""
     import xgrammar as xgr
 
     vocab = hf.config.vocab_size
     compiler = xgr.GrammarCompiler(xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab))
-    compiled = compiler.compile_regex(grammar) if kind == "regex" else compiler.compile_json_schema(json.dumps(grammar), any_whitespace=False)
+    if kind == "regex":
+        compiled = compiler.compile_regex(grammar)
+    else:
+        compiled = compiler.compile_json_schema(json.dumps(grammar), any_whitespace=False)
     matcher = xgr.GrammarMatcher(compiled)
     bitmask = xgr.allocate_token_bitmask(1, vocab)
     out: list[int] = []
