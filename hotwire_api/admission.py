@@ -111,7 +111,7 @@ class AdmissionMiddleware:
                 f"POST {path} cannot steer: only vllm_xargs.{SPEC_KEY} of POST {', '.join(sorted(STEERABLE_ROUTES))} "
                 "is applied; send the request without it, or to one of those routes", f"{steering.where}.{SPEC_KEY}",
             )
-        if steering.request.get("use_beam_search") is True:
+        if _as_pydantic_bool(steering.request.get("use_beam_search")):
             raise HotwireError(400, "steering_unsupported", "beam search cannot be steered: vLLM runs it with "
                                "sampling parameters of its own; drop use_beam_search or the steering", "use_beam_search")
         keys = vllm_keys(scope["app"])
@@ -141,6 +141,20 @@ class AdmissionMiddleware:
             # /v1/responses job): its ticket stays valid for that job's request.
             TICKETS.close(ticket_id, keep=not ticket.presented and not answer.output and 200 <= answer.status < 300)
         await answer.finish()
+
+
+_TRUE_STRINGS = frozenset({"1", "on", "t", "true", "y", "yes"})
+
+
+def _as_pydantic_bool(value: Any) -> bool:
+    """Whether vLLM's request model (pydantic, lax mode) reads ``value`` as ``True``: JSON ``true``, ``1``, ``1.0``
+    and the strings ``"true"``, ``"yes"``, ``"on"``, ... in any case (``"use_beam_search": "true"`` runs beam
+    search)."""
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, (int, float)):
+        return value == 1
+    return isinstance(value, str) and value.lower() in _TRUE_STRINGS
 
 
 _NEVER_LENIENT = frozenset({"reserved_salt", "reserved_field"})  # forged cache keys and tickets: never served

@@ -16,9 +16,9 @@ def load(model_dir: Path, dtype: torch.dtype = torch.float32):
     return model.eval()
 
 
-def prompt_logprobs(model, token_ids: list[int], steering: list[tuple[int, torch.Tensor, float, bool]] = ()) -> torch.Tensor:
-    """Log-probability of each prompt token given its prefix (positions 1..n-1), with ``steering`` entries
-    ``(layer, vector, scale, norm)`` added to the named layers' outputs at every position."""
+def logprobs(model, token_ids: list[int], steering: list[tuple[int, torch.Tensor, float, bool]] = ()) -> torch.Tensor:
+    """Log-probabilities of the next token after each position, ``[len(token_ids), vocab]``, with ``steering``
+    entries ``(layer, vector, scale, norm)`` added to the named layers' outputs at every position."""
     layers = model.model.layers
     handles = []
     by_layer: dict[int, list] = {}
@@ -49,6 +49,10 @@ def prompt_logprobs(model, token_ids: list[int], steering: list[tuple[int, torch
     finally:
         for h in handles:
             h.remove()
-    logprobs = torch.log_softmax(logits, dim=-1)
+    return torch.log_softmax(logits, dim=-1)
+
+
+def prompt_logprobs(model, token_ids: list[int], steering: list[tuple[int, torch.Tensor, float, bool]] = ()) -> torch.Tensor:
+    """Log-probability of each prompt token given its prefix (positions 1..n-1), steered as in :func:`logprobs`."""
     ids = torch.tensor(token_ids[1:])
-    return logprobs[:-1].gather(1, ids[:, None])[:, 0]
+    return logprobs(model, token_ids, steering)[:-1].gather(1, ids[:, None])[:, 0]

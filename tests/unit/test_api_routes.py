@@ -848,6 +848,29 @@ def test_admission_refusals(
     assert "retry-after" not in response.headers and "x-hotwire-receipt" not in response.headers
 
 
+@pytest.mark.parametrize("value", [True, 1, 1.0, "true", "True", "YES", "on", "t", "1", False, 0, "false", "no", "off",
+                                   2, "2", " true", None, [True]])  # fmt: skip
+def test_beam_search_is_refused_in_every_spelling_vllm_reads_as_true(client: TestClient, value: Any) -> None:
+    """vLLM's request model reads ``use_beam_search`` with pydantic's lax bool: whatever it takes for true runs beam
+    search, whose sampling parameters drop the steering, so admission refuses it by name."""
+    from pydantic import BaseModel, ValidationError
+
+    class Flag(BaseModel):
+        use_beam_search: bool = False
+
+    try:
+        beam = Flag(use_beam_search=value).use_beam_search
+    except ValidationError:
+        beam = False  # vLLM answers such a body with its own 400
+    _upload(client, "happy", _vector())
+    response = client.post("/v1/completions", json={"model": "m", "prompt": "hi", "use_beam_search": value,
+                                                    "vllm_xargs": {"hotwire": _spec()}})
+    if beam:
+        assert "beam search" in _error(response, 400, "steering_unsupported", "use_beam_search")["message"]
+    else:
+        assert response.status_code == 200 and response.headers["x-hotwire-receipt"] == "happy@1:L1x4"
+
+
 def test_unsteerable_model_is_503(client: TestClient, engine: FakeEngine) -> None:
     engine.steerable = False
     _error(
