@@ -5,9 +5,10 @@ Plugin-free means ``VLLM_PLUGINS=""``: vLLM loads no plugin, so no hotwire hook 
 processes (the child checks that, and that hotwire *is* loaded when asked for). A job is JSON::
 
     {"engine": {LLM keyword arguments}, "plugin_free": true, "vectors": {"id": [floats], ...},
-     "batches": [[{"prompt_token_ids": [...], "params": {SamplingParams keyword arguments}}, ...], ...]}
+     "batches": [[{"prompt_token_ids": [...], "params": {SamplingParams keyword arguments},
+                   "lora": [name, int id, adapter path] (optional: the request runs with that LoRA adapter)}, ...], ...]}
 
-(``vectors`` are registered first, with hotwire loaded). The answer holds, per batch and request,
+(``vectors`` are registered first, with hotwire loaded; ``lora`` needs ``"enable_lora": true`` in ``engine``). The answer holds, per batch and request,
 :func:`summarize` of its output.
 """
 
@@ -23,7 +24,7 @@ from typing import Any
 
 __all__ = ["Request", "run_batches", "run_engine", "run_here", "summarize"]
 
-Request = dict[str, Any]  # {"prompt_token_ids": [...], "params": {SamplingParams keyword arguments}}
+Request = dict[str, Any]  # {"prompt_token_ids": [...], "params": {SamplingParams keyword arguments}, "lora"?: [...]}
 
 
 def summarize(output: Any) -> dict[str, Any]:
@@ -41,14 +42,18 @@ def summarize(output: Any) -> dict[str, Any]:
 
 
 def run_batches(llm: Any, batches: list[list[Request]]) -> list[list[dict[str, Any]]]:
-    """Each batch through ``llm.generate`` at once, in order; :func:`summarize` of every output."""
+    """Each batch through ``llm.generate`` at once, in order, each request with its LoRA adapter if it names one;
+    :func:`summarize` of every output."""
     from vllm import SamplingParams
+    from vllm.lora.request import LoRARequest
 
     results = []
     for batch in batches:
         prompts = [{"prompt_token_ids": r["prompt_token_ids"]} for r in batch]
         params = [SamplingParams(**r["params"]) for r in batch]
-        results.append([summarize(o) for o in llm.generate(prompts, params, use_tqdm=False)])
+        loras = [LoRARequest(*r["lora"]) if r.get("lora") else None for r in batch]
+        outputs = llm.generate(prompts, params, use_tqdm=False, lora_request=loras if any(loras) else None)
+        results.append([summarize(o) for o in outputs])
     return results
 
 
