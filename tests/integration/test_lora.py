@@ -29,8 +29,8 @@ LORA_ENGINE = dict(enable_lora=True, max_lora_rank=RANK, max_loras=2)
 GREEDY = dict(max_tokens=6, temperature=0.0, logprobs=0, ignore_eos=True)
 # Prompt logprobs only for a request alone in its batch: vLLM 0.25.1 computes them with the batch's per-request
 # LoRA mapping (``GPUModelRunner._get_prompt_logprobs_dict``: one logits row per prompt token, one mapping entry
-# per request), which on the CPU fails for two or more requests with LoRA on, plugin-free too (``einsum(): subscript
-# b has size 2 ... size 3`` in ``bgmv_shrink``; vllm-project/vllm#29955).
+# per request): a batch of two requests that both ask for them killed the engine on the CPU, plugin-free too
+# (``einsum(): subscript b has size 2 ... size 3`` in ``bgmv_shrink``; vllm-project/vllm#29955).
 ALONE = dict(GREEDY, prompt_logprobs=0)
 # Without prompt logprobs: vLLM reads the prefix cache only for requests that do not ask for them.
 CACHED = dict(max_tokens=3, temperature=0.0, logprobs=0, ignore_eos=True)
