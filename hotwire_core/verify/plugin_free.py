@@ -6,10 +6,11 @@ processes (the child checks that, and that hotwire *is* loaded when asked for). 
 
     {"engine": {LLM keyword arguments}, "plugin_free": true, "vectors": {"id": [floats], ...},
      "batches": [[{"prompt_token_ids": [...], "params": {SamplingParams keyword arguments},
-                  "lora": [name, id, path] (optional: a LoRA adapter)}, ...], ...]}
+                  "lora": [name, int id, adapter path] (optional: the request runs with that LoRA adapter)},
+                 ...], ...]}
 
-(``vectors`` are registered first, with hotwire loaded). The answer holds, per batch and request,
-:func:`summarize` of its output.
+(``vectors`` are registered first, with hotwire loaded; ``lora`` needs ``"enable_lora": true`` in ``engine``). The
+answer holds, per batch and request, :func:`summarize` of its output.
 """
 
 from __future__ import annotations
@@ -42,20 +43,18 @@ def summarize(output: Any) -> dict[str, Any]:
 
 
 def run_batches(llm: Any, batches: list[list[Request]]) -> list[list[dict[str, Any]]]:
-    """Each batch through ``llm.generate`` at once, in order; :func:`summarize` of every output. A request's
-    ``lora`` (``[name, id, path]``) runs it with that adapter."""
+    """Each batch through ``llm.generate`` at once, in order, each request with its LoRA adapter if it names one;
+    :func:`summarize` of every output."""
     from vllm import SamplingParams
+    from vllm.lora.request import LoRARequest
 
     results = []
     for batch in batches:
         prompts = [{"prompt_token_ids": r["prompt_token_ids"]} for r in batch]
         params = [SamplingParams(**r["params"]) for r in batch]
-        adapters = {}
-        if any(r.get("lora") for r in batch):
-            from vllm.lora.request import LoRARequest
-
-            adapters["lora_request"] = [LoRARequest(*r["lora"]) if r.get("lora") else None for r in batch]
-        results.append([summarize(o) for o in llm.generate(prompts, params, use_tqdm=False, **adapters)])
+        loras = [LoRARequest(*r["lora"]) if r.get("lora") else None for r in batch]
+        outputs = llm.generate(prompts, params, use_tqdm=False, lora_request=loras if any(loras) else None)
+        results.append([summarize(o) for o in outputs])
     return results
 
 
