@@ -75,6 +75,7 @@ LONGEST_FIRST=(
     tests/integration/test_compose.py tests/integration/test_model_matrix.py tests/integration/test_server.py
     tests/integration/test_fleet.py tests/unit tests/integration/test_bit_identity.py
     tests/integration/test_data_parallel.py tests/integration/test_soak.py tests/integration/test_hardening.py
+    tests/integration/test_vector_formats.py
     tests/integration/test_async_engine.py tests/integration/test_verify.py tests/integration/test_engine.py
     tests/integration/test_demo.py tests/integration/test_unsteerable_model.py
 )
