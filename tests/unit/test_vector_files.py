@@ -257,3 +257,24 @@ def test_sae_refusals(tmp_path: Path) -> None:
     assert "beyond the file's end" in _refused(decode_form, {**form, "file": weights[:w_dec_end - 1]}).message
     assert _refused(decode_form, {**form, "file": b"\x00" * 4}).field == "file"
     assert _refused(decode_sae, cfg, bytes_reader(b"\xff" * 16), 16, 0).field == "file"
+
+
+def test_a_large_sae_upload_decodes_in_another_process_as_in_place(tmp_path: Path) -> None:
+    """An SAE's weights file over uploads.INLINE_BYTES goes to the decoding process; the payload, its layer and
+    its kind (which the route checks against the model) come back as the in-place decode gives them."""
+    import asyncio
+
+    import httpx
+
+    from hotwire_api import uploads
+
+    folder = _sae_folder(tmp_path, "blocks.2.hook_resid_post", d_sae=40_000)
+    request = httpx.Request("POST", "http://x/steer/vectors", data={"id": "big", "feature": "39999"}, files={
+        "file": ("w", (folder / "sae_weights.safetensors").read_bytes()), "sae_cfg": ("c", (folder / "cfg.json").read_bytes())})
+    body = request.read()
+    assert len(body) > uploads.INLINE_BYTES
+    content_type = request.headers["content-type"]
+    far = asyncio.run(uploads.decode_upload(content_type, body, 1 << 30))
+    near = asyncio.run(uploads._decode(content_type, body, 1 << 30))
+    assert far == near == ("big", read_sae_folder(folder, 39999))
+    assert (far[1].kind, far[1].layers, far[1].source) == ("sae", (2,), "file")
