@@ -70,7 +70,7 @@ export HOTWIRE_STORE="${HOTWIRE_STORE:-off}"
 
 # The files of the suite in the order they start: the longest first (seconds alone on a 2-core machine: compose
 # 500-660, model matrix 150-250, server 110-170, fleet 160, unit 150, bit identity 90-140, soak 70, data parallel
-# 35-100, ...); a file of APART waits while another of APART runs.
+# 35-100, vector formats 65-105, ...); a file of APART waits while another of APART runs.
 LONGEST_FIRST=(
     tests/integration/test_compose.py tests/integration/test_model_matrix.py tests/integration/test_server.py
     tests/integration/test_fleet.py tests/unit tests/integration/test_bit_identity.py
