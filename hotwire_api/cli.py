@@ -1,13 +1,17 @@
 """The ``hotwire`` command: manage steering vectors on a running server.
 
     hotwire register ID FILE [--replace] [--layers 10,12]
+    hotwire register ID SAE_FOLDER --feature N [--replace]
+    hotwire export ID OUT [--format safetensors|gguf] [--version N]
     hotwire list | slots | fleet | delete ID
 
 Every command takes ``--url URL`` (env ``HOTWIRE_URL``, default http://localhost:8000) and ``--api-key KEY`` (env
 ``HOTWIRE_API_KEY``), before or after the command name.
 
-FILE is ``.safetensors`` (one tensor, or 1-D tensors named by layer index) or ``.json`` in the registration
-format. Results print as JSON; errors print to stderr (exit 1 for a refusal, an unreachable
+FILE is ``.safetensors`` (one tensor, or 1-D tensors named by layer index), a control-vector ``.gguf``
+(llama.cpp, repeng) or ``.json`` in the registration format; SAE_FOLDER is an SAE saved by SAELens (cfg.json,
+sae_weights.safetensors), of which feature N is registered. ``export`` writes the vector to OUT (format: from OUT's
+suffix unless given). Results print as JSON; errors print to stderr (exit 1 for a refusal, an unreachable
 server or an answer this client cannot read; 2 for local errors such as a bad file).
 """
 
@@ -56,11 +60,17 @@ def build_parser() -> argparse.ArgumentParser:
     def command(name: str, help: str) -> argparse.ArgumentParser:
         return commands.add_parser(name, help=help, parents=[server])
 
-    register = command("register", "register a vector from a .safetensors or .json file")
+    register = command("register", "register a vector from a .safetensors, .gguf or .json file, or an SAE folder")
     register.add_argument("id")
     register.add_argument("file")
     register.add_argument("--replace", action="store_true", help="replace a vector with the same id")
     register.add_argument("--layers", type=_layers, help="layers naming the rows of a single tensor, e.g. 10,12")
+    register.add_argument("--feature", type=int, help="FILE is an SAE folder (SAELens): register this feature")
+    export = command("export", "write a vector to a file (safetensors, or GGUF for llama.cpp / repeng)")
+    export.add_argument("id")
+    export.add_argument("out")
+    export.add_argument("--format", choices=("safetensors", "gguf"), help="default: from OUT's suffix")
+    export.add_argument("--version", type=int, help="a retained version (default: the current one)")
     command("list", "list registered vectors")
     command("slots", "show steering bank occupancy and counters")
     command("fleet", "show every replica on the server's registry (HOTWIRE_REGISTRY): slots, versions held")
@@ -71,7 +81,17 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _run(client: HotwireClient, args: argparse.Namespace) -> object:
     if args.command == "register":
+        if args.feature is not None:
+            if args.layers is not None:
+                raise ValueError("--layers does not go with --feature: the SAE's hook point names the layer")
+            return client.register_sae(args.id, args.file, args.feature, replace=args.replace).model_dump()
         return client.register(args.id, args.file, layers=args.layers, replace=args.replace).model_dump()
+    if args.command == "export":
+        file_format = args.format or ("gguf" if args.out.lower().endswith(".gguf") else "safetensors")
+        raw = client.export(args.id, file_format, args.version)
+        with open(args.out, "wb") as f:
+            f.write(raw)
+        return {"id": args.id, "format": file_format, "path": args.out, "bytes": len(raw)}
     if args.command == "list":
         return [meta.model_dump() for meta in client.list()]
     if args.command == "slots":

@@ -1,7 +1,8 @@
 """Python clients for the ``/steer`` API: :class:`HotwireClient` (sync) and :class:`AsyncHotwireClient`, over httpx.
 
 Errors raise :class:`~hotwire_api.errors.HotwireError` with the server's status, code and message. Vectors go up
-as safetensors or JSON only; pickled tensors (``.pt``) are refused before anything is sent.
+as safetensors, control-vector GGUF or JSON only; pickled tensors (``.pt``) are refused before anything is sent.
+An SAE feature is read here from the SAE's folder (only its decoder row) and goes up as safetensors.
 """
 
 from __future__ import annotations
@@ -19,6 +20,8 @@ import numpy as np
 
 from hotwire_api.codec import CONVERT_HINT
 from hotwire_api.errors import HotwireError
+from hotwire_api.gguf_codec import encode_safetensors
+from hotwire_api.sae_codec import read_sae_folder
 from hotwire_api.models import DeleteResult, FleetView, SlotStats, VectorList, VectorMeta
 
 if TYPE_CHECKING:
@@ -83,8 +86,12 @@ def _register_call(vector_id: str, source: VectorSource, layers: Sequence[int] |
                 raise ValueError(f"{path} already names its layers; do not pass layers as well")
             payload = {**payload, "id": vector_id, **({"layers": list(layers)} if layers is not None else {})}
             return _Call("POST", "/steer/vectors", params, json_body=payload)
-        if suffix != ".safetensors":
-            raise ValueError(f"{path}: expected a .safetensors or .json file")
+        if path.is_dir():
+            raise ValueError(f"{path} is a folder; an SAE folder registers one feature: register_sae (CLI: --feature)")
+        if suffix not in (".safetensors", ".gguf"):
+            raise ValueError(f"{path}: expected a .safetensors, .gguf or .json file")
+        if suffix == ".gguf" and layers is not None:
+            raise ValueError(f"{path}: a GGUF control vector names its layers (direction.N); do not pass layers")
         raw, filename = path.read_bytes(), path.name
     else:
         raw, filename = _to_safetensors(source), f"{vector_id}.safetensors"
@@ -93,6 +100,20 @@ def _register_call(vector_id: str, source: VectorSource, layers: Sequence[int] |
         data["layers"] = ",".join(str(layer) for layer in layers)
     files = {"file": (filename, raw, "application/octet-stream")}
     return _Call("POST", "/steer/vectors", params, data=data, files=files)
+
+
+def _sae_call(vector_id: str, folder: str | os.PathLike, feature: int, replace: bool) -> _Call:
+    try:
+        raw = encode_safetensors(read_sae_folder(folder, feature))  # the row, named by its layer
+    except HotwireError as err:  # found here, before anything is sent: a local error, as a bad file is
+        raise ValueError(f"{folder}: {err.field}: {err.message}") from None
+    files = {"file": (f"{vector_id}.safetensors", raw, "application/octet-stream")}
+    return _Call("POST", "/steer/vectors", {"replace": "true"} if replace else None, data={"id": vector_id}, files=files)
+
+
+def _file_call(vector_id: str, file_format: str, version: int | None) -> _Call:
+    params = {"format": file_format, **({"version": str(version)} if version is not None else {})}
+    return _Call("GET", _vector_path(vector_id) + "/file", params=params)
 
 
 def _vector_path(vector_id: str) -> str:
@@ -145,8 +166,19 @@ class HotwireClient:
     def register(
         self, vector_id: str, source: VectorSource, layers: Sequence[int] | None = None, replace: bool = False
     ) -> VectorMeta:
-        """Register ``source`` (a .safetensors/.json path, numpy array or torch tensor) as ``vector_id``."""
+        """Register ``source`` (a .safetensors/.gguf/.json path, numpy array or torch tensor) as ``vector_id``."""
         return VectorMeta.model_validate(self._send(_register_call(vector_id, source, layers, replace)).json())
+
+    def register_sae(
+        self, vector_id: str, folder: str | os.PathLike, feature: int, replace: bool = False
+    ) -> VectorMeta:
+        """Register feature ``feature`` of the SAE in ``folder`` (SAELens: cfg.json, sae_weights.safetensors):
+        its decoder row, at the layer its hook point follows."""
+        return VectorMeta.model_validate(self._send(_sae_call(vector_id, folder, feature, replace)).json())
+
+    def export(self, vector_id: str, file_format: str = "safetensors", version: int | None = None) -> bytes:
+        """The vector as a file: ``safetensors`` (registers again unchanged) or ``gguf`` (llama.cpp, repeng)."""
+        return self._send(_file_call(vector_id, file_format, version)).content
 
     def list(self) -> list[VectorMeta]:
         return VectorList.model_validate(self._send(_Call("GET", "/steer/vectors")).json()).vectors
@@ -199,9 +231,19 @@ class AsyncHotwireClient:
     async def register(
         self, vector_id: str, source: VectorSource, layers: Sequence[int] | None = None, replace: bool = False
     ) -> VectorMeta:
-        """Register ``source`` (a .safetensors/.json path, numpy array or torch tensor) as ``vector_id``."""
+        """Register ``source`` (a .safetensors/.gguf/.json path, numpy array or torch tensor) as ``vector_id``."""
         response = await self._send(_register_call(vector_id, source, layers, replace))
         return VectorMeta.model_validate(response.json())
+
+    async def register_sae(
+        self, vector_id: str, folder: str | os.PathLike, feature: int, replace: bool = False
+    ) -> VectorMeta:
+        """Register feature ``feature`` of the SAE in ``folder`` (SAELens: cfg.json, sae_weights.safetensors)."""
+        return VectorMeta.model_validate((await self._send(_sae_call(vector_id, folder, feature, replace))).json())
+
+    async def export(self, vector_id: str, file_format: str = "safetensors", version: int | None = None) -> bytes:
+        """The vector as a file: ``safetensors`` (registers again unchanged) or ``gguf`` (llama.cpp, repeng)."""
+        return (await self._send(_file_call(vector_id, file_format, version))).content
 
     async def list(self) -> list[VectorMeta]:
         return VectorList.model_validate((await self._send(_Call("GET", "/steer/vectors"))).json()).vectors

@@ -3,12 +3,14 @@ takes, checking everything that can be checked without the model.
 
 Accepted formats (shapes ``[hidden]``, ``[n_layers, hidden]`` or ``[len(layers), hidden]``):
 
-* multipart form: ``id``, ``file`` (safetensors with one tensor, or 1-D tensors named by layer index
-  ``"10"``, ``"12"``...), optional ``layers`` (``10,12`` or ``[10, 12]``) naming the rows of a single tensor;
+* multipart form (``hotwire_api.forms``): ``id``, ``file`` (safetensors with one tensor, or 1-D tensors named by
+  layer index ``"10"``, ``"12"``...), optional ``layers`` (``10,12`` or ``[10, 12]``) naming the rows of a single
+  tensor; or ``file`` a control-vector GGUF (``hotwire_api.gguf_codec``), or an SAE feature
+  (``hotwire_api.sae_codec``);
 * JSON ``{"id", "data": <base64 little-endian>, "dtype", "shape", "layers"?}``;
 * JSON ``{"id", "layers": {"<layer>": [floats...]}}`` (stored as float32).
 
-Only safetensors and JSON are parsed: bytes from the network never reach pickle or ``torch.load``.
+Only safetensors, GGUF and JSON are parsed: bytes from the network never reach pickle or ``torch.load``.
 """
 
 from __future__ import annotations
@@ -32,7 +34,6 @@ _SAFETENSORS_DTYPES = {"F32": "float32", "F16": "float16", "BF16": "bfloat16"}
 _LAYER_NAME_RE = re.compile(r"[0-9]{1,6}")
 _JSON_FIELDS = ("id", "data", "dtype", "shape", "layers")
 ID_RULE = "1-64 characters of A-Z a-z 0-9 . _ -, not starting with . or -"
-_FORM_FIELDS = ("id", "file", "layers")
 CONVERT_HINT = (
     "convert it first, e.g. safetensors.torch.save_file({'vector': tensor.contiguous()}, 'vector.safetensors')"
 )
@@ -50,6 +51,9 @@ class VectorPayload:
     # The request field the values came from ("data", "file" or "layers"): the engine's checks name the base64
     # upload's fields (data, shape, dtype), and the answer should name what the client sent.
     source: str = dataclasses.field(default="data", compare=False)
+    # The file format the values came in ("gguf", "sae"; "" for the others): registration checks those against
+    # the served model before the engine does, to name the tensors the file holds (hotwire_api.forms).
+    kind: str = dataclasses.field(default="", compare=False)
 
 
 def _bad(field: str | None, message: str, code: str) -> HotwireError:
@@ -138,9 +142,10 @@ def _check_finite(data: bytes, dtype: str, width: int, field: str) -> None:
         )
 
 
-def _finish(
-    data: bytes, dtype: str, shape: tuple[int, ...], layers: tuple[int, ...] | None, field: str
+def finish_payload(
+    data: bytes, dtype: str, shape: tuple[int, ...], layers: tuple[int, ...] | None, field: str, kind: str = ""
 ) -> VectorPayload:
+    """The payload of decoded values, after the checks every format shares (size, layers against rows, finite)."""
     expected = math.prod(shape) * ITEMSIZE[dtype]
     if len(data) != expected:
         raise _bad(field, f"has {len(data)} bytes but shape {list(shape)} of {dtype} needs {expected}", "bad_data")
@@ -157,7 +162,7 @@ def _finish(
         elif shape[0] != len(layers):
             raise _bad("layers", f"names {len(layers)} layers but the tensor has {shape[0]} rows", "bad_layers")
     _check_finite(data, dtype, shape[-1], field)
-    return VectorPayload(data, dtype, shape, layers, field)
+    return VectorPayload(data, dtype, shape, layers, field, kind)
 
 
 def decode_safetensors(raw: bytes, layers: tuple[int, ...] | None = None, field: str = "file") -> VectorPayload:
@@ -168,7 +173,7 @@ def decode_safetensors(raw: bytes, layers: tuple[int, ...] | None = None, field:
     except Exception as exc:  # safetensors raises its own SafetensorError and, for some inputs, others
         raise _bad(
             field,
-            f"is not a safetensors file ({exc}); the API reads safetensors or JSON only, never pickles: {CONVERT_HINT}",
+            f"is not a safetensors file ({exc}); the API reads safetensors, GGUF control vectors or JSON only, never pickles: {CONVERT_HINT}",
             "bad_file",
         ) from None
     if not tensors:
@@ -204,7 +209,7 @@ def decode_safetensors(raw: bytes, layers: tuple[int, ...] | None = None, field:
                 )
         data = b"".join(bytes(info["data"]) for _, _, info in rows)
         shape = _shape([len(rows), *hidden_shape], field)
-        return _finish(data, dtype, shape, tuple(layer for layer, _, _ in rows), field)
+        return finish_payload(data, dtype, shape, tuple(layer for layer, _, _ in rows), field)
 
     if len(tensors) != 1:
         names = sorted(name for name, _ in tensors)
@@ -216,22 +221,7 @@ def decode_safetensors(raw: bytes, layers: tuple[int, ...] | None = None, field:
         )
     name, info = tensors[0]
     dtype = dtype_of(name, info)
-    return _finish(bytes(info["data"]), dtype, _shape(list(info["shape"]), field), layers, field)
-
-
-def decode_form(fields: Mapping[str, str | bytes]) -> tuple[str, VectorPayload]:
-    """A multipart upload: ``id``, ``file`` (the safetensors bytes) and optional ``layers``."""
-    for name in fields:
-        if name not in _FORM_FIELDS:
-            raise _bad(name, f"unknown form field; send {', '.join(_FORM_FIELDS)}", "bad_body")
-    raw = fields.get("file")
-    if not isinstance(raw, bytes):
-        raise _bad("file", "is required: attach the .safetensors file as a file part named 'file'", "bad_file")
-    vector_id = fields.get("id")
-    layers = fields.get("layers")
-    if isinstance(vector_id, bytes) or isinstance(layers, bytes):
-        raise _bad("id" if isinstance(vector_id, bytes) else "layers", "must be a form field, not a file", "bad_body")
-    return validate_id(vector_id), decode_safetensors(raw, parse_layer_list(layers))
+    return finish_payload(bytes(info["data"]), dtype, _shape(list(info["shape"]), field), layers, field)
 
 
 def _decode_layer_lists(rows: Mapping[str, object]) -> VectorPayload:
@@ -269,7 +259,7 @@ def _decode_layer_lists(rows: Mapping[str, object]) -> VectorPayload:
         arrays[int(key)] = row
     layers = tuple(sorted(arrays))
     data = np.stack([arrays[layer] for layer in layers]).tobytes()
-    return _finish(data, "float32", (len(layers), arrays[layers[0]].size), layers, "layers")
+    return finish_payload(data, "float32", (len(layers), arrays[layers[0]].size), layers, "layers")
 
 
 def decode_json(obj: object) -> tuple[str, VectorPayload]:
@@ -310,4 +300,4 @@ def decode_json(obj: object) -> tuple[str, VectorPayload]:
         raise _bad("data", "must be a base64 string of the raw little-endian values", "bad_data") from None
     dtype = _dtype(obj["dtype"], "dtype")
     shape = _shape(obj["shape"], "shape")
-    return vector_id, _finish(raw, dtype, shape, parse_layer_list(layers), "data")
+    return vector_id, finish_payload(raw, dtype, shape, parse_layer_list(layers), "data")

@@ -6,7 +6,7 @@ import asyncio
 import contextlib
 import time
 from collections.abc import AsyncIterator, Callable, Coroutine
-from typing import Any
+from typing import Any, Literal
 
 from fastapi import APIRouter, BackgroundTasks, Depends, Query, Request, Response
 from fastapi.exceptions import RequestValidationError
@@ -18,6 +18,8 @@ from hotwire_api.codec import VectorPayload, read_limited, too_large
 from hotwire_api.engine import HotwireEngine
 from hotwire_api.errors import HotwireError
 from hotwire_api.fleet.replica import FLEET
+from hotwire_api.forms import check_fits
+from hotwire_api.gguf_codec import encode_gguf, encode_safetensors
 from hotwire_api.metrics import STATS
 from hotwire_api.models import (
     DeleteResult, ErrorBody, FleetView, RegisterVectorJSON, RegistryStatus, ReplicaSlots, SlotStats, VectorList, VectorMeta,
@@ -26,6 +28,7 @@ from hotwire_api.settings import Settings
 from hotwire_api.uploads import decode_upload
 from hotwire_core.spec import VECTOR_ID_RE
 from hotwire_core.vllm_glue import inactive_reason
+from hotwire_core.vllm_glue.api_server import served_model_type
 
 
 class _HotwireRoute(APIRoute):
@@ -95,9 +98,13 @@ _REGISTER_BODY = {
                     "file": {
                         "type": "string",
                         "format": "binary",
-                        "description": "safetensors: one tensor, or 1-D tensors named by layer index.",
+                        "description": "safetensors (one tensor, or 1-D tensors named by layer index), a control-vector "
+                        "GGUF (direction.N tensors, as llama.cpp and repeng write), or with sae_cfg and feature "
+                        "an SAE's sae_weights.safetensors (SAELens).",
                     },
-                    "layers": {"type": "string", "description": "Layers naming the tensor's rows: 10,12 or [10,12]."},
+                    "layers": {"type": "string", "description": "Layers naming a safetensors tensor's rows: 10,12 or [10,12]."},
+                    "sae_cfg": {"type": "string", "format": "binary", "description": "The SAE's cfg.json (SAELens)."},
+                    "feature": {"type": "integer", "description": "The SAE feature whose decoder row is the vector."},
                 },
             }
         },
@@ -116,7 +123,7 @@ async def _read_upload(request: Request, limit: int) -> tuple[str, VectorPayload
         raise HotwireError(
             415,
             "unsupported_media_type",
-            f"send multipart/form-data (id, file=<.safetensors>, layers?) or application/json, not {media_type!r}",
+            f"send multipart/form-data (id, file=<.safetensors or .gguf>, layers?) or application/json, not {media_type!r}",
         )
     return await decode_upload(content_type, await read_limited(request.stream(), limit), limit)
 
@@ -160,6 +167,9 @@ async def register_vector(
     settings: Settings = request.app.state.hotwire_settings
     vector_id, payload = await _read_upload(request, settings.max_upload_bytes)
     engine = HotwireEngine.of(request.app)
+    if payload.kind:  # a GGUF or SAE file: its misfit is named in that format's terms
+        model = (await CATALOG.ready(engine)).model
+        check_fits(payload, model.n_layers, model.hidden_size)
     if FLEET.replica is not None:
         created, meta = await FLEET.replica.register(engine, vector_id, payload, replace)
     else:
@@ -195,6 +205,46 @@ async def get_vector(vector_id: str, request: Request, background: BackgroundTas
     raise HotwireError(
         404, "unknown_vector", f"unknown steering vector {vector_id!r}; GET /steer/vectors lists them", "id"
     )
+
+
+@router.get(
+    "/vectors/{vector_id}/file",
+    response_class=Response,
+    summary="Download a steering vector as a file",
+    responses={
+        200: {"content": {"application/octet-stream": {}},
+              "description": "safetensors (registers again unchanged) or a control-vector GGUF (llama.cpp, repeng)."},
+        400: _error("`not_exportable`: GGUF cannot carry this vector (a [hidden] vector, or a row for layer 0)."),
+        404: _error("No vector has this id (or this engine holds no such version)."),
+    },
+)
+async def vector_file(
+    vector_id: str,
+    request: Request,
+    file_format: Literal["safetensors", "gguf"] = Query(
+        "safetensors", alias="format",
+        description="safetensors: the registered dtype, shape and layers; gguf: float32 direction.N tensors.",
+    ),
+    version: int | None = Query(None, ge=1, description="A retained version; absent: the current one."),
+) -> Response:
+    engine = HotwireEngine.of(request.app)
+    if version is None:
+        current = [meta for meta in await engine.vectors() if meta.id == vector_id]
+        if not current:
+            raise HotwireError(
+                404, "unknown_vector", f"unknown steering vector {vector_id!r}; GET /steer/vectors lists them", "id"
+            )
+        version = current[0].version
+    meta, payload = await engine.export(vector_id, version)
+    if file_format == "gguf":
+        model = (await CATALOG.ready(engine)).model
+        raw = encode_gguf(payload, vector_id, served_model_type(engine.client), model.n_layers)
+    else:
+        raw = encode_safetensors(payload)
+    return Response(raw, media_type="application/octet-stream", headers={
+        "Content-Disposition": f'attachment; filename="{vector_id}.{file_format}"',
+        "x-hotwire-version": str(meta.version),
+    })
 
 
 @router.delete(

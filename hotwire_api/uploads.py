@@ -21,8 +21,9 @@ from typing import Any
 from starlette.datastructures import Headers, UploadFile
 from starlette.formparsers import MultiPartException, MultiPartParser
 
-from hotwire_api.codec import VectorPayload, decode_form, decode_json
+from hotwire_api.codec import VectorPayload, decode_json
 from hotwire_api.errors import HotwireError
+from hotwire_api.forms import decode_form
 
 __all__ = ["DECODERS", "INLINE_BYTES", "decode_upload"]
 
@@ -61,7 +62,7 @@ async def _form_fields(headers: Headers, body: bytes, limit: int) -> dict[str, s
         yield body
 
     try:
-        form = await MultiPartParser(headers, chunks(), max_files=1, max_fields=8, max_part_size=limit).parse()
+        form = await MultiPartParser(headers, chunks(), max_files=2, max_fields=8, max_part_size=limit).parse()
     except MultiPartException as exc:
         raise HotwireError(400, "bad_body", f"malformed multipart body: {exc.message}") from None
     fields: dict[str, str | bytes] = {}
@@ -106,7 +107,7 @@ async def _decode_in_a_process(content_type: str, body: bytes, limit: int) -> tu
         raise HotwireError(header["status"], header["code"], header["message"], header.get("field"))
     layers = header["layers"]
     return header["id"], VectorPayload(data, header["dtype"], tuple(header["shape"]),
-                                       None if layers is None else tuple(layers), header["source"])
+                                       None if layers is None else tuple(layers), header["source"], header["kind"])
 
 
 def _main() -> None:
@@ -120,7 +121,7 @@ def _main() -> None:
     else:
         answer = _frame({"ok": True, "id": vector_id, "dtype": payload.dtype, "shape": list(payload.shape),
                          "layers": None if payload.layers is None else list(payload.layers),
-                         "source": payload.source}, payload.data)
+                         "source": payload.source, "kind": payload.kind}, payload.data)
     sys.stdout.buffer.write(answer)
 
 

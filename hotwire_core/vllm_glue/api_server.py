@@ -120,3 +120,9 @@ def per_engine_rpc(client: Any) -> PerEngineRPC | None:
         return list(await asyncio.gather(*calls, return_exceptions=failures))
 
     return rpc
+
+
+def served_model_type(client: Any) -> str:
+    """The served model's transformers ``model_type`` (``AsyncLLM.model_config.hf_config``), "" when unknown."""
+    hf_config = getattr(getattr(client, "model_config", None), "hf_config", None)
+    return str(getattr(hf_config, "model_type", "") or "")

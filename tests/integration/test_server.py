@@ -292,6 +292,7 @@ def test_routes_in_openapi(server):
 ROUTES = [
     ("GET", "/steer/vectors", {}),
     ("GET", "/steer/vectors/keep", {}),
+    ("GET", "/steer/vectors/keep/file", {}),
     ("DELETE", "/steer/vectors/keep", {}),
     ("GET", "/steer/slots", {}),
     ("POST", "/steer/vectors", {"json": json_body("auth-probe", vec(2))}),

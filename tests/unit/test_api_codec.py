@@ -13,7 +13,6 @@ from safetensors.numpy import save as save_numpy
 
 from hotwire_api.codec import (
     VectorPayload,
-    decode_form,
     decode_json,
     decode_safetensors,
     parse_layer_list,
@@ -21,6 +20,7 @@ from hotwire_api.codec import (
     validate_id,
 )
 from hotwire_api.errors import HotwireError
+from hotwire_api.forms import decode_form
 
 HIDDEN = 8
 

@@ -51,6 +51,24 @@ def test_a_bad_local_file_exits_2(tmp_path, capsys):
     assert "nope.safetensors" in capsys.readouterr().err
 
 
+def test_sae_folders_and_gguf_files_are_checked_before_anything_is_sent(tmp_path, capsys):
+    url = "http://127.0.0.1:9"  # nothing is sent: each refusal is local (exit 2)
+    folder = tmp_path / "sae"
+    folder.mkdir()
+    assert cli.main(["--url", url, "register", "v", str(folder)]) == 2
+    assert "--feature" in capsys.readouterr().err
+    (folder / "cfg.json").write_text(json.dumps({"d_in": 4, "d_sae": 2, "metadata": {"hook_name": "blocks.1.hook_resid_mid"}}))
+    (folder / "sae_weights.safetensors").write_bytes(b"")
+    assert cli.main(["--url", url, "register", "v", str(folder), "--feature", "0"]) == 2
+    assert "hook_resid_mid" in capsys.readouterr().err
+    assert cli.main(["--url", url, "register", "v", str(folder), "--feature", "0", "--layers", "1"]) == 2
+    assert "--layers does not go with --feature" in capsys.readouterr().err
+    gguf_file = tmp_path / "v.gguf"
+    gguf_file.write_bytes(b"GGUF")
+    assert cli.main(["--url", url, "register", "v", str(gguf_file), "--layers", "1"]) == 2
+    assert "names its layers" in capsys.readouterr().err
+
+
 def _closed_port_url() -> str:
     """A URL on a local port nothing listens on."""
     with socket.socket() as s:
