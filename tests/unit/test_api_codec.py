@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import math
+import time
 
 import numpy as np
 import pytest
@@ -322,10 +323,14 @@ def test_a_large_upload_decodes_in_another_process_without_stalling_the_loop() -
         return decoded, max(gaps)
 
     (vector_id, payload), worst_gap = asyncio.run(scenario())
+    began = time.monotonic()
     inline_id, inline = asyncio.run(uploads._decode("application/json", body, 1 << 30))
+    inline_s = time.monotonic() - began  # what the loop would stall decoding it itself
     assert (vector_id, payload) == (inline_id, inline) and payload.data == inline.data
     assert payload.layers == tuple(range(240)) and payload.source == "layers"
-    assert worst_gap < 0.1, f"the event loop stalled {worst_gap * 1000:.0f} ms"
+    # 0.1 s, or half the inline decode on a machine so busy that the ticker itself waits that long for a core
+    limit = max(0.1, inline_s / 2)
+    assert worst_gap < limit, f"the event loop stalled {worst_gap * 1000:.0f} ms (inline decode {inline_s * 1000:.0f} ms)"
 
 
 def test_a_large_upload_is_refused_from_the_other_process_as_it_would_be_in_place() -> None:
