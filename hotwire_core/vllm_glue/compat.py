@@ -17,6 +17,7 @@ __all__ = [
     "finish_requests_returns_requests",
     "promotes_blocked_requests_only",
     "unsound_features",
+    "uses_v2_model_runner",
 ]
 
 # The modules whose presence in the main process marks vLLM's API server: ``vllm serve`` imports the first
@@ -84,6 +85,12 @@ def drop_frontend_block_hashes(request: Any) -> None:
     of hashing. hotwire salts a steered request in the engine, so its blocks must be hashed there."""
     if getattr(request, "block_hashes", None) is not None:
         request.block_hashes = None
+
+
+def uses_v2_model_runner(vllm_config: Any) -> bool:
+    """Whether this engine runs vLLM's V2 model runner: its config says (0.25.1-0.33); 0.34 has no other (V1 and
+    the ``use_v2_model_runner`` property are gone)."""
+    return getattr(vllm_config, "use_v2_model_runner", True)
 
 
 def unsound_features(vllm_config: Any) -> list[str]:

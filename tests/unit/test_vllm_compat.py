@@ -187,3 +187,13 @@ def test_a_model_runner_whose_steps_hotwire_does_not_hook_is_named() -> None:
     except ImportError:  # before 0.34
         return
     assert "StandaloneCPUModelRunner" in runners.unhooked_runner(object.__new__(StandaloneCPUModelRunner))
+
+
+def test_the_model_runner_is_v2_where_vllm_has_no_other() -> None:
+    from types import SimpleNamespace
+
+    assert compat.uses_v2_model_runner(SimpleNamespace(use_v2_model_runner=False)) is False  # 0.25.1-0.33
+    assert compat.uses_v2_model_runner(SimpleNamespace()) is True  # 0.34: V1 is gone
+    from vllm.config import VllmConfig
+
+    assert hasattr(VllmConfig, "use_v2_model_runner") is (_installed_release() < (0, 34))
