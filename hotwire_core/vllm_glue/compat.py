@@ -1,4 +1,4 @@
-"""Where the supported vLLM releases (0.25.1 to 0.33.0) differ under hotwire's hooks: each difference named once,
+"""Where the supported vLLM releases (0.25.1 to 0.34.0) differ under hotwire's hooks: each difference named once,
 and told from what the installed vLLM has (its classes' methods and signatures, its config's fields), never from
 its version string. Differences the hooks absorb without a branch (new keyword arguments, new return types passed
 through) are not listed here; ``docs/vllm-versions.md`` has the full table."""
