@@ -53,7 +53,9 @@ def device_name() -> str:
 
 
 def runner_name(llm: Any, forced: str | None) -> str:
-    used = "v2" if llm.llm_engine.vllm_config.use_v2_model_runner else "v1"
+    from hotwire_core.vllm_glue.compat import uses_v2_model_runner
+
+    used = "v2" if uses_v2_model_runner(llm.llm_engine.vllm_config) else "v1"
     return f"{used} ({'--runner ' + forced if forced else 'vLLM default'})"
 
 

@@ -13,6 +13,7 @@ from ..admission import ModelInfo, Refusal
 from ..controller import SteeringController, WaitForRows, prompt_length, steering_args
 from ..settings import format_layers
 from ..spec import SPEC_KEY
+from . import compat
 from .patching import settings, wrap
 
 __all__ = ["model_info", "patch_engine_core"]
@@ -123,6 +124,7 @@ def patch_engine_core(module: Any) -> None:
             if salt is None:
                 return original(self, request)
             request.cache_salt = salt
+            compat.drop_frontend_block_hashes(request)  # hashed with the user's salt
             req, wave = original(self, request)
             setattr(req, contract.USER_SALT_ATTR, user_salt)
             return req, wave

@@ -1,5 +1,6 @@
-"""The model runners: V1 (``vllm.v1.worker.gpu_model_runner``) and V2 (``vllm.v1.worker.gpu.model_runner``). Each
-step: the request lifecycle, the idle/steered gate, and the per-token fill before the forward."""
+"""The model runners: V1 (``vllm.v1.worker.gpu_model_runner``, up to 0.33) and V2 (``vllm.v1.worker.gpu.model_runner``,
+the only one from 0.34). Each step: the request lifecycle, the idle/steered gate, and the per-token fill before the
+forward."""
 
 from __future__ import annotations
 
@@ -9,7 +10,20 @@ from .graphs import capture_both_variants, set_gate
 from ..ops import GATE
 from .patching import wrap
 
-__all__ = ["patch_v1_runner", "patch_v2_runner"]
+__all__ = ["patch_v1_runner", "patch_v2_runner", "unhooked_runner"]
+
+_STEP_HOOKS = "_hotwire_step_hooks"  # on a patched runner class: the methods every step must pass through
+
+
+def unhooked_runner(runner: Any) -> str | None:
+    """Why hotwire cannot place steering in ``runner``'s steps, or None when they pass through its hooks: the
+    runner's class is (or derives from, keeping the hooked methods) one hotwire patched. Another runner (0.34's
+    ``StandaloneCPUModelRunner``, for CPUs without Triton) would run steered requests unsteered."""
+    cls = type(runner)
+    names = getattr(cls, _STEP_HOOKS, ())
+    if names and all(getattr(getattr(cls, name, None), "_hotwire", False) for name in names):
+        return None
+    return f"vLLM's {cls.__name__} runs the model in steps hotwire does not hook"
 
 
 def patch_v1_runner(module: Any) -> None:
@@ -41,6 +55,7 @@ def patch_v1_runner(module: Any) -> None:
     wrap(cls, "execute_model", make_execute)
     wrap(cls, "_model_forward", make_forward)
     wrap(cls, "_warmup_and_capture", capture_both_variants)
+    setattr(cls, _STEP_HOOKS, ("execute_model", "_model_forward"))
 
 
 def patch_v2_runner(module: Any) -> None:
@@ -74,3 +89,4 @@ def patch_v2_runner(module: Any) -> None:
 
     wrap(cls, "execute_model", make_execute)
     wrap(cls, "prepare_inputs", make_prepare)
+    setattr(cls, _STEP_HOOKS, ("execute_model", "prepare_inputs"))

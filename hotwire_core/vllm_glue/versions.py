@@ -1,5 +1,5 @@
 """The vLLM releases hotwire runs on: every release from 0.25.1 (the reference, where the GPU figures were measured)
-through 0.33.0, the newest whose source the hooks were checked against. Outside that range hotwire hooks nothing:
+through 0.34.0, the newest whose source the hooks were checked against. Outside that range hotwire hooks nothing:
 hooks written for one release can crash another, or steer it wrongly without a sign."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import re
 __all__ = ["NEWEST_VLLM", "REFERENCE_VLLM", "SUPPORTED_VLLM", "inactive_reason", "unsupported_version"]
 
 REFERENCE_VLLM = "0.25.1"
-NEWEST_VLLM = "0.33.0"
+NEWEST_VLLM = "0.34.0"
 SUPPORTED_VLLM = f">={REFERENCE_VLLM},<={NEWEST_VLLM}"  # as pip writes it (pyproject's `gpu` extra says the same)
 
 

@@ -8,7 +8,7 @@ from typing import Any
 
 from .. import contract, ops
 from ..ops import GATE
-from . import compat, graphs
+from . import compat, graphs, runners
 from .patching import settings, wrap
 
 __all__ = ["patch_worker", "patch_worker_base", "pdl_possible", "unsupported_setup"]
@@ -40,7 +40,7 @@ def _attach(worker: Any) -> None:
     model = runner.get_model()
     found, n_layers = find_decoder_layers(model)
     model_config = worker.vllm_config.model_config
-    unsupported = unsupported_setup(worker.vllm_config)
+    unsupported = unsupported_setup(worker.vllm_config) or runners.unhooked_runner(runner)
     if unsupported:
         logger.warning("hotwire: steering is off: %s", unsupported)
         found = {}
@@ -89,13 +89,12 @@ def pdl_possible(device: Any) -> bool:
 
 def _idle_graphs_possible(vllm_config: Any) -> bool:
     """Idle graph variants need the opaque op (traced torch ops cannot be switched off) and vLLM's own
-    ``CUDAGraphWrapper``: the breakable wrapper keeps graphs of its own (micro-batching: see unsupported_setup)."""
-    from vllm.compilation.breakable_cudagraph import is_breakable_cudagraph_enabled
-
+    ``CUDAGraphWrapper``: the breakable wrapper keeps graphs of its own, and would replay an idle capture for a
+    steered step (micro-batching: see unsupported_setup)."""
     return (
         settings().idle_graphs
         and settings().impl == "op"
-        and not is_breakable_cudagraph_enabled()
+        and not compat.breakable_cudagraphs_enabled(vllm_config)
     )
 
 

@@ -1,5 +1,6 @@
-"""vLLM's compile-cache key (``VllmConfig.compute_hash``, used by the Inductor and AOT caches) must differ with
-and without hotwire, and with different hotwire settings, so a cached graph is never reused across them."""
+"""vLLM's compile-cache key (the factors ``VllmConfig.compile_factors`` gives, 0.34+, or ``VllmConfig.compute_hash``,
+used by the Inductor and AOT caches) must differ with and without hotwire, and with different hotwire settings, so a
+cached graph is never reused across them."""
 
 from __future__ import annotations
 
@@ -17,7 +18,11 @@ from vllm.engine.arg_utils import EngineArgs
 from vllm.plugins import load_general_plugins
 load_general_plugins()
 config = EngineArgs(model=sys.argv[1], dtype="float32", max_model_len=256).create_engine_config()
-print("HASH", config.compute_hash())
+if hasattr(config, "compile_factors"):  # 0.34+: the caches hash these factors
+    from vllm.config.utils import hash_factors
+    print("HASH", hash_factors(config.compile_factors()))
+else:
+    print("HASH", config.compute_hash())
 """
 
 

@@ -213,17 +213,18 @@ def test_a_vllm_without_the_app_hook_starts_and_is_told_steering_is_off(monkeypa
         mount.install()
 
 
-@pytest.mark.parametrize("version", ["0.25.1", "0.25.1+cpu", "0.26.0", "0.28.1", "0.32.0+cpu", "0.33.0"])
+@pytest.mark.parametrize("version", ["0.25.1", "0.25.1+cpu", "0.26.0", "0.28.1", "0.32.0+cpu", "0.33.0", "0.33.1",
+                                     "0.34.0"])
 def test_every_release_from_the_reference_to_the_newest_is_supported(version: str) -> None:
     assert vllm_glue.unsupported_version(version) is None
 
 
-@pytest.mark.parametrize("version", ["0.25.0", "0.24.2", "0.33.1", "0.34.0", "1.0.0", "0.34.0rc1", "0.33.0.dev3",
+@pytest.mark.parametrize("version", ["0.25.0", "0.24.2", "0.34.1", "0.35.0", "1.0.0", "0.35.0rc1", "0.34.0.dev3",
                                      "0.26.0rc1", "unknown"])
 def test_a_release_outside_the_range_or_unreleased_is_not(version: str) -> None:
     reason = vllm_glue.unsupported_version(version)
     assert reason is not None and reason.startswith(f"vLLM {version} is installed; hotwire ") and reason.endswith(
-        "supports vLLM 0.25.1 to 0.33.0")
+        "supports vLLM 0.25.1 to 0.34.0")
 
 
 def test_per_engine_rpc_asks_every_data_parallel_engine_core() -> None:

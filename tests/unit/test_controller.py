@@ -1399,12 +1399,11 @@ def test_drop_deferred_returns_what_it_dropped():
     assert c.drop_deferred(None) == [waiting[0], waiting[2]] and not c.deferred
 
 
-def test_the_engine_hooks_salt_a_steered_prompt_before_vllm_hashes_it_once():
-    """vLLM's own ``EngineCore.preprocess_add_request`` (input thread) and ``add_request``, with hotwire's hooks:
-    the steered prompt's blocks are hashed once, with the steered salt, and admission keeps those hashes."""
+def _engine_with_hotwires_hooks():
+    """vLLM's own ``EngineCore`` request methods, with hotwire's hooks, on an engine with only what they read; the
+    request ids its block hasher hashed, and the requests it passed to the scheduler."""
     from types import SimpleNamespace
 
-    from vllm.v1.engine import EngineCoreRequest
     from vllm.v1.engine import core as vllm_core
 
     from hotwire_core.vllm_glue import engine_core
@@ -1412,15 +1411,26 @@ def test_the_engine_hooks_salt_a_steered_prompt_before_vllm_hashes_it_once():
     names = ("_initialize_kv_caches", "add_request", "preprocess_add_request", "collective_rpc")
     Core = type("Core", (), {n: vllm_core.EngineCore.__dict__[n] for n in names})
     engine_core.patch_engine_core(SimpleNamespace(EngineCore=Core, RequestStatus=vllm_core.RequestStatus))
-    hashed = []
+    hashed, added = [], []
     hasher = get_request_block_hasher(BLOCK, sha256)
-    added = []
     engine = Core.__new__(Core)
     engine.mm_receiver_cache = None
+    engine.vllm_config = SimpleNamespace(watermark_config=None)  # 0.34+ reads these two
+    engine.prefix_hash_config = None
     engine.request_block_hasher = lambda r: hashed.append(r.request_id) or hasher(r)
-    engine.hotwire = c = ctrl()
+    engine.hotwire = ctrl()
     engine.scheduler = SimpleNamespace(requests={}, add_request=added.append)
-    register(c, "a", vec(N_LAYERS, HIDDEN, seed=1))
+    register(engine.hotwire, "a", vec(N_LAYERS, HIDDEN, seed=1))
+    return engine, hashed, added
+
+
+def test_the_engine_hooks_salt_a_steered_prompt_before_vllm_hashes_it_once():
+    """vLLM's own ``EngineCore.preprocess_add_request`` (input thread) and ``add_request``, with hotwire's hooks:
+    the steered prompt's blocks are hashed once, with the steered salt, and admission keeps those hashes."""
+    from vllm.v1.engine import EngineCoreRequest
+
+    engine, hashed, added = _engine_with_hotwires_hooks()
+    c = engine.hotwire
     spec = json.dumps({"id": "a", "layer": 1, "scale": 2})
     core_request = EngineCoreRequest("s", list(PROMPT), None, SamplingParams(max_tokens=8, extra_args={"hotwire": spec}),
                                      None, 0.0, None, "tenant", None)  # fmt: skip
@@ -1431,6 +1441,39 @@ def test_the_engine_hooks_salt_a_steered_prompt_before_vllm_hashes_it_once():
     assert added == [req] and hashed == ["s"] and req.block_hashes == hashes and "s" in c.bindings
     _, ref = admit(c, "ref", json.loads(spec), salt="tenant")  # salted by admission alone: the same salt
     assert ref.cache_salt == req.cache_salt
+
+
+def test_block_hashes_a_frontend_computed_are_not_kept_for_a_steered_prompt():
+    """vLLM 0.34+ keeps the prompt block hashes a frontend sends (``EngineCoreRequest.block_hashes``, from vLLM's Rust
+    frontend) instead of hashing: they carry the user's salt, not the steered one. A steered prompt is hashed in
+    the engine all the same; a plain prompt keeps the frontend's hashes, as without hotwire."""
+    from vllm.v1.engine import EngineCoreRequest
+
+    if "block_hashes" not in EngineCoreRequest.__struct_fields__:
+        pytest.skip("this vLLM takes no block hashes from a frontend (0.34+ does)")
+    from vllm.v1.core import kv_cache_utils
+    from vllm.v1.engine import PrefixHashConfig
+
+    engine, _, added = _engine_with_hotwires_hooks()
+    engine.prefix_hash_config = PrefixHashConfig("sha256", BLOCK, kv_cache_utils.NONE_HASH)
+    plain = SamplingParams(max_tokens=8)
+    frontend = list(Request("f", list(PROMPT), plain, None, cache_salt="tenant",
+                            block_hasher=get_request_block_hasher(BLOCK, sha256)).block_hashes)
+    assert len(frontend) == 2
+
+    def core_request(rid: str, params: SamplingParams) -> EngineCoreRequest:
+        return EngineCoreRequest(rid, list(PROMPT), None, params, None, 0.0, None, "tenant", None,
+                                 block_hashes=list(frontend))  # fmt: skip
+
+    spec = json.dumps({"id": "a", "layer": 1, "scale": 2})
+    steered, _ = engine.preprocess_add_request(core_request("s", SamplingParams(max_tokens=8, extra_args={"hotwire": spec})))
+    assert len(steered.block_hashes) == 2 and not set(steered.block_hashes) & set(frontend)
+    _, ref = admit(engine.hotwire, "ref", json.loads(spec), salt="tenant")  # hashed with the steered salt
+    assert steered.block_hashes == ref.block_hashes
+    engine.add_request(steered)
+    assert added == [steered] and steered.block_hashes == ref.block_hashes  # admission found them right
+    same, _ = engine.preprocess_add_request(core_request("p", plain))
+    assert same.block_hashes == frontend
 
 
 def test_a_session_whose_first_chunk_waited_for_rows_keeps_its_steering_for_later_chunks():

@@ -204,21 +204,26 @@ def test_pdl_switch(env):
     assert not Settings.from_env().pdl
 
 
-def test_compile_cache_key_follows_hotwire_sources(monkeypatch):
-    """vLLM's compile-cache key (VllmConfig.compute_hash) mixes in the op sources, so a changed op never reuses
-    graphs compiled with the old one."""
+@pytest.mark.parametrize("method", ["compile_factors", "compute_hash"])
+def test_compile_cache_key_follows_hotwire_sources(monkeypatch, method):
+    """vLLM's compile-cache key (``VllmConfig.compile_factors``, a dict vLLM hashes, from 0.34; ``compute_hash``, a
+    string, before) mixes in the op sources, so a changed op never reuses graphs compiled with the old one."""
     from types import SimpleNamespace
 
     from hotwire_core.vllm_glue import config as glue_config
 
-    def key(source_digest: str) -> str:
+    own = {"compile_factors": {"model": "vllm's own factors"}, "compute_hash": "vllm's own key"}[method]
+
+    def key(source_digest: str):
         monkeypatch.setattr(glue_config, "source_digest", lambda: source_digest)
-        config = type("VllmConfig", (), {"compute_hash": lambda self: "vllm's own key"})
+        config = type("VllmConfig", (), {method: lambda self, include_version=True: own})
         glue_config.patch_config(SimpleNamespace(VllmConfig=config))
-        return config().compute_hash()
+        return getattr(config(), method)()
 
     assert key("ops-v1") == key("ops-v1") != key("ops-v2")
-    assert key("ops-v1") != "vllm's own key"
+    assert key("ops-v1") != own
+    if method == "compile_factors":  # vLLM's own factors are all kept
+        assert key("ops-v1").items() >= own.items()
     monkeypatch.undo()
     digest = glue_config.source_digest()
     assert len(digest) == 16 and digest == glue_config.source_digest()
