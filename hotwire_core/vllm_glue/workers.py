@@ -34,7 +34,8 @@ def patch_worker_base(module: Any) -> None:
 def _attach(worker: Any) -> None:
     import torch
 
-    from ..runtime import WorkerSteering, find_decoder_layers, select_layers
+    from ..runtime import WorkerSteering, select_layers
+    from .layers import find_decoder_layers, stream_in_hidden
 
     runner = worker.model_runner
     model = runner.get_model()
@@ -62,6 +63,7 @@ def _attach(worker: Any) -> None:
         bool(worker.vllm_config.compilation_config.pass_config.fuse_allreduce_rms),
         steerable=bool(found),
         reason=unsupported,
+        whole_stream={index for index, layer in layers.items() if stream_in_hidden(type(layer))},
     )
     GATE.split = _idle_graphs_possible(worker.vllm_config) and bool(layers)
     ops.PDL = pdl_possible(device)
