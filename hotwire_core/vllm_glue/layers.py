@@ -12,7 +12,7 @@ import inspect
 
 from torch import nn
 
-__all__ = ["find_decoder_layers", "is_steerable_layer", "stream_in_hidden"]
+__all__ = ["find_decoder_layers", "is_steerable_layer", "stream_in_hidden", "why_not_steerable"]
 
 _LAYER_ARGS = ["positions", "hidden_states", "residual"]
 # The signature, but a return value that is not (hidden_states, residual | None): HunYuan adds its KV states.
@@ -56,3 +56,14 @@ def find_decoder_layers(model: nn.Module) -> tuple[dict[int, nn.Module], int]:
             if len(layers) > len(best[0]):
                 best = (layers, len(module))
     return best
+
+
+def why_not_steerable(model: nn.Module) -> str:
+    """Why ``model`` has no layer to hook: its decoder layer classes and the arguments their ``forward`` takes."""
+    reason = "no decoder layer with the (positions, hidden_states, residual) contract"
+    seen = sorted({type(m) for m in model.modules() if type(m).__name__.endswith("DecoderLayer")}, key=str)
+    if not seen:
+        return reason
+    forwards = [f"{cls.__name__}.forward({', '.join(list(inspect.signature(cls.forward).parameters)[1:])})"
+                for cls in seen]
+    return f"{reason}: {'; '.join(forwards)}"

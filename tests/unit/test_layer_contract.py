@@ -103,3 +103,14 @@ def test_a_whole_stream_layer_is_steered_in_hidden_by_its_norm(fusion):
     out_hidden, out_residual = plain(None, hidden.clone(), stale.clone())
     steered = out_residual if fusion else out_hidden
     assert steered[0, 0] - (stale if fusion else hidden)[0, 0] == pytest.approx(0.5 * (hidden + stale).norm().item())
+
+
+def test_a_model_without_the_contract_says_which_layers_it_has():
+    from hotwire_core.vllm_glue.layers import why_not_steerable
+
+    model = torch.nn.Module()
+    model.layers = torch.nn.ModuleList([MambaDecoderLayer(), MambaDecoderLayer()])
+    assert find_decoder_layers(model) == ({}, 0)
+    assert why_not_steerable(model) == ("no decoder layer with the (positions, hidden_states, residual) contract: "
+                                        "MambaDecoderLayer.forward(hidden_states, residual)")
+    assert why_not_steerable(torch.nn.Linear(2, 2)).endswith("contract")
