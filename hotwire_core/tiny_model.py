@@ -53,6 +53,7 @@ _CONFIG_CLASSES = {
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),
     "mistral": ("MistralConfig", "MistralForCausalLM"),
     "gemma": ("GemmaConfig", "GemmaForCausalLM"),
+    "cohere": ("CohereConfig", "CohereForCausalLM"),  # its layers return the whole stream in hidden_states
     "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM"),
     "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM"),
     "qwen3_next": ("Qwen3NextConfig", "Qwen3NextForCausalLM"),  # gated delta net (linear attention) + attention
@@ -84,6 +85,8 @@ def _arch_kwargs(shape: ModelShape) -> dict:
         return {"num_local_experts": shape.num_experts, "num_experts_per_tok": 2, "layer_types": kinds,
                 "shared_intermediate_size": shape.intermediate_size // 4, "mamba_n_heads": 8, "mamba_d_head": 64,
                 "mamba_d_state": 16, "mamba_chunk_size": 64}
+    if shape.arch == "cohere":
+        return {"logit_scale": 1.0}  # Command R's 0.0625 would leave random weights' logits nearly flat
     if shape.arch == "mistral":  # None as Mistral 7B v0.2+: on the CPU, vLLM 0.25.1's attention fails with a window
         return {"sliding_window": shape.sliding_window}
     return {}
@@ -140,7 +143,7 @@ def build_model(
         head_dim=shape.head_dim,
         vocab_size=shape.vocab_size,
         max_position_embeddings=4096,
-        tie_word_embeddings=shape.arch.startswith("gemma"),  # vLLM's Gemma requires tied embeddings
+        tie_word_embeddings=shape.arch.startswith(("gemma", "cohere")),  # vLLM requires tied embeddings for these
         initializer_range=0.02,
         bos_token_id=0,
         eos_token_id=0,

@@ -5,6 +5,8 @@ model whose layers lack the contract, hotwire says why and refuses steering.
 * ``qwen3_moe``: mixture of experts (4 experts, 2 per token; vLLM's fused MoE for the CPU);
 * ``gemma3``: interleaved attention, layers 0 and 2 with a 16-token sliding window, 1 and 3 global; the prompt is
   longer than the window (the test shows the window changes its logprobs), and one steered layer is of each kind;
+* ``cohere`` (Command R): its layers return the whole stream in ``hidden_states`` and a stale ``residual``;
+  norm-relative steering (``HOTWIRE_NORM=1``) scales by the stream's norm, as transformers' hook does;
 * Mistral with a 16-token window on every layer (vLLM 0.25.1's CPU attention fails on it, with or without hotwire:
   skipped on that message only);
 * ``granitemoehybrid`` (Granite 4: Mamba2 layers 0 and 2, attention 1 and 3): hotwire hooks the attention layers
@@ -16,6 +18,7 @@ model whose layers lack the contract, hotwire says why and refuses steering.
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 import torch
@@ -25,11 +28,12 @@ from engine_results import engine_kwargs, run_batches
 
 pytestmark = pytest.mark.integration
 
-# engine -> (tiny model shape overrides, the layers hotwire hooks, the layers the check steers)
+# engine -> (tiny model shape overrides, the layers hotwire hooks, the layers the check steers, norm-relative)
 FAMILIES = {
-    "qwen3_moe": ({"arch": "qwen3_moe"}, "0-3", [1, 2]),
-    "gemma3": ({"arch": "gemma3"}, "0-3", [1, 2]),
-    "granitemoehybrid": ({"arch": "granitemoehybrid"}, "1,3", [1, 3]),
+    "qwen3_moe": ({"arch": "qwen3_moe"}, "0-3", [1, 2], False),
+    "gemma3": ({"arch": "gemma3"}, "0-3", [1, 2], False),
+    "cohere": ({"arch": "cohere"}, "0-3", [1, 2], True),
+    "granitemoehybrid": ({"arch": "granitemoehybrid"}, "1,3", [1, 3], False),
 }
 PROMPT = " ".join(["steering vectors nudge the residual stream"] * 4)  # 36 tokens: past the 16-token windows
 
@@ -59,7 +63,13 @@ def family_engine(request, model_root):
     model_dir = build_model(model_root / f"{request.param}-tiny", shape)
     if request.param == "granitemoehybrid" and (why := _why_granite_cannot_load(model_dir)):
         pytest.skip(why)
-    llm = LLM(str(model_dir), **engine_kwargs(), **({} if torch.cuda.is_available() else {"enforce_eager": True}))
+    norm = FAMILIES[request.param][3]
+    saved = os.environ.get("HOTWIRE_NORM")  # read by the engine process at start; later engines must not inherit it
+    os.environ["HOTWIRE_NORM"] = "1" if norm else "0"
+    try:
+        llm = LLM(str(model_dir), **engine_kwargs(), **({} if torch.cuda.is_available() else {"enforce_eager": True}))
+    finally:
+        os.environ.pop("HOTWIRE_NORM") if saved is None else os.environ.update(HOTWIRE_NORM=saved)
     vector = torch.randn(256, generator=torch.Generator().manual_seed(11))
     register_vector(llm, "v", vector)
     yield model_dir, llm, vector, request.param
@@ -76,7 +86,7 @@ def test_the_decoder_layers_are_hooked(family_engine):
 
 def test_steering_equals_transformers_hook(family_engine):
     model_dir, llm, vector, family = family_engine
-    _check_steering(model_dir, llm, vector, FAMILIES[family][2])
+    _check_steering(model_dir, llm, vector, FAMILIES[family][2], norm=FAMILIES[family][3])
 
 
 def test_mistral_with_a_sliding_window(model_root, capfd):
@@ -103,23 +113,24 @@ def test_mistral_with_a_sliding_window(model_root, capfd):
         llm.llm_engine.engine_core.shutdown()
 
 
-def _check_steering(model_dir, llm, vector: torch.Tensor, layers: list[int]) -> None:
-    """Plain and steered prompt logprobs equal transformers' without and with the hook; where the model has a
-    sliding window, the prompt reaches past it."""
+def _check_steering(model_dir, llm, vector: torch.Tensor, layers: list[int], norm: bool = False) -> None:
+    """Plain and steered prompt logprobs equal transformers' without and with the hook (``norm``: a norm-relative
+    scale of 2, else an absolute one of 3); where the model has a sliding window, the prompt reaches past it."""
     from transformers import AutoTokenizer
 
     ids = AutoTokenizer.from_pretrained(str(model_dir))(PROMPT).input_ids
     params = dict(max_tokens=1, temperature=0.0, prompt_logprobs=0)
-    steer = {"hotwire": json.dumps({"id": "v", "layer": layers, "scale": 3.0})}
+    scale = 2.0 if norm else 3.0
+    steer = {"hotwire": json.dumps({"id": "v", "layer": layers, "scale": scale, "norm": norm})}
     plain, steered = run_batches(llm, [[{"prompt_token_ids": ids, "params": params}],
                                        [{"prompt_token_ids": ids, "params": {**params, "extra_args": steer}}]])
     hf = hf_reference.load(model_dir)
     expected_plain = hf_reference.prompt_logprobs(hf, ids)
-    expected = hf_reference.prompt_logprobs(hf, ids, [(layer, vector, 3.0, False) for layer in layers])
+    expected = hf_reference.prompt_logprobs(hf, ids, [(layer, vector, scale, norm) for layer in layers])
     assert (torch.tensor(plain[0]["prompt_logprobs"][1:]) - expected_plain).abs().max() < 2e-3
     assert (torch.tensor(steered[0]["prompt_logprobs"][1:]) - expected).abs().max() < 2e-3
     assert (expected - expected_plain).abs().max() > 0.02, "the steering in this check is too weak to be seen"
-    if hf.config.sliding_window:
+    if getattr(hf.config, "sliding_window", None):
         hf.config.sliding_window = len(ids)  # every layer sees the whole prompt: the logprobs must move
         for layer in hf.model.layers:
             if getattr(layer.self_attn, "sliding_window", None):
