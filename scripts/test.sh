@@ -69,7 +69,7 @@ export TORCHINDUCTOR_CACHE_DIR="$run_dir/inductor-cache"
 export HOTWIRE_STORE="${HOTWIRE_STORE:-off}"
 
 # The files of the suite in the order they start: the longest first (seconds alone on a 2-core machine: compose
-# 500-660, model matrix 150-250, server 110-170, fleet 160, unit 150, MoE bit identity 145, model families 125-135,
+# 500-660, model matrix 150-250, server 110-170, fleet 160, unit 150, MoE bit identity 145, model families 115-135,
 # bit identity 90-140, soak 70, data parallel 35-100, ...); a file of APART waits while another of APART runs.
 LONGEST_FIRST=(
     tests/integration/test_compose.py tests/integration/test_model_matrix.py tests/integration/test_server.py
