@@ -10,8 +10,8 @@
 #             cache); V2 runner
 #   hardening: tests/integration/test_hardening.py: every route and encoding admitted alike, bounded memory, large
 #             uploads off the event loop, the fuzz suite; real `vllm serve` with graphs on; V2 runner
-#   matrix:   python -m hotwire_core.verify --vanilla on tiny Llama, Qwen2, Qwen3, Mistral and Gemma models with
-#             random weights, bf16, graphs on; V2 and V1 runner. MATRIX_ARCHS picks architectures (e.g. "qwen3");
+#   matrix:   python -m hotwire_core.verify --vanilla on tiny Llama, Qwen2, Qwen3, Mistral, Gemma, Qwen3-MoE and
+#             Gemma 3 (sliding window) models with random weights, bf16, graphs on; V2 and V1 runner. MATRIX_ARCHS picks architectures (e.g. "qwen3");
 #             MATRIX_REPEAT=N runs each N times, each with its own compile cache (jobs named ...-r1, -r2, ...)
 #   fleet:    tests/integration/test_fleet.py: two `vllm serve` replicas on one GPU and one redis-server, with
 #             graphs on; propagation and registration latency over FLEET_N replaces (default 200) written to
@@ -80,7 +80,7 @@ for part in $parts; do
       ;;
     matrix)
       repeat=${MATRIX_REPEAT:-1}
-      for arch in ${MATRIX_ARCHS:-llama qwen2 qwen3 mistral gemma}; do
+      for arch in ${MATRIX_ARCHS:-llama qwen2 qwen3 mistral gemma qwen3_moe gemma3}; do
         for runner in v2 v1; do
           for rep in $(seq 1 "$repeat"); do
             launch "matrix-$arch-$runner$([ "$repeat" -gt 1 ] && echo "-r$rep")" next $runner \

@@ -8,7 +8,6 @@ only when a request is added or removed.
 
 from __future__ import annotations
 
-import inspect
 import logging
 from collections import deque
 from itertools import repeat
@@ -25,30 +24,7 @@ from .settings import Settings, format_layers
 
 logger = logging.getLogger(__name__)
 
-_LAYER_ARGS = ["positions", "hidden_states", "residual"]
 CONFIG_ROWS_PER_BATCH_SLOT = 2  # requests with config rows per --max-num-seqs slot (see WorkerSteering)
-# Decoder layers with the right arguments whose return value is not (hidden_states, residual | None).
-_UNSUPPORTED_LAYERS = {"HunYuanDecoderLayer"}
-
-
-def is_steerable_layer(cls: type) -> bool:
-    """Layers with the ``(positions, hidden_states, residual) -> (hidden_states, residual)`` contract."""
-    if not cls.__name__.endswith("DecoderLayer") or cls.__name__ in _UNSUPPORTED_LAYERS:
-        return False
-    forward = getattr(cls, "_hotwire_wrapped", cls.forward)
-    params = list(inspect.signature(forward).parameters)[1:4]
-    return params == _LAYER_ARGS
-
-
-def find_decoder_layers(model: nn.Module) -> tuple[dict[int, nn.Module], int]:
-    """The main decoder stack: ``({global layer index: module on this rank}, total layers)``."""
-    best: tuple[dict[int, nn.Module], int] = ({}, 0)
-    for module in model.modules():
-        if isinstance(module, nn.ModuleList):
-            layers = {i: m for i, m in enumerate(module) if is_steerable_layer(type(m))}
-            if len(layers) > len(best[0]):
-                best = (layers, len(module))
-    return best
 
 
 def select_layers(found: dict[int, nn.Module], n_layers: int, allowed: frozenset[int] | None) -> dict[int, nn.Module]:
@@ -81,16 +57,21 @@ class SteerHook(nn.Module):
       Blackwell with FlashInfer): keeps that fusion, whose pattern ``all_reduce(hidden) ->
       fused_add_rms_norm(hidden, residual)`` an op on ``hidden`` would break. Reading ``residual`` costs
       bit-identity (above), which that fusion gives up anyway.
+
+    A layer that returns the whole stream in ``hidden`` (``whole_stream``; its ``residual`` is a stale value the
+    model drops) is steered like one that returns ``(hidden, None)``.
     """
 
-    def __init__(self, buffers: dict[str, torch.Tensor], layer: int, impl: str, target: str, norm: bool):
+    def __init__(self, buffers: dict[str, torch.Tensor], layer: int, impl: str, target: str, norm: bool,
+                 whole_stream: bool = False):
         super().__init__()
         for name, tensor in buffers.items():
             self.register_buffer(name, tensor, persistent=False)
         self.layer, self.impl, self.target, self.norm = layer, impl, target, norm
+        self.whole_stream = whole_stream
 
     def forward(self, hidden: torch.Tensor, residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
-        if residual is None:  # layers that return (hidden, None) carry the whole stream in hidden
+        if residual is None or self.whole_stream:  # the whole stream is in hidden
             target, other = hidden, None
         elif self.target == "hidden":
             target, other = hidden, (residual if self.norm else None)
@@ -101,8 +82,8 @@ class SteerHook(nn.Module):
             target = ops.steer_torch(target, other, *args, use_norm=self.norm)
         else:
             torch.ops.hotwire.steer_(target, other, *args)
-        if residual is None:
-            return target, None
+        if residual is None or self.whole_stream:
+            return target, residual
         return (target, residual) if self.target == "hidden" else (hidden, target)
 
 
@@ -241,8 +222,10 @@ class WorkerSteering:
         allreduce_rms_fusion: bool = False,
         steerable: bool | None = None,
         reason: str | None = None,
+        whole_stream: Collection[int] = (),
     ):
-        """``layers``: the modules to hook on this rank, by global index. ``steerable``: whether the model has
+        """``layers``: the modules to hook on this rank, by global index; ``whole_stream``: those of them that return
+        the whole residual stream in ``hidden_states`` (see :class:`SteerHook`). ``steerable``: whether the model has
         layers hotwire can hook (default: whether ``layers`` is non-empty; a pipeline rank that ``HOTWIRE_LAYERS``
         leaves without a hooked layer is still steerable). ``reason``: why it is not steerable, where not for want
         of layers."""
@@ -268,7 +251,8 @@ class WorkerSteering:
             }
         for index, module in layers.items():
             wrap_layer_class(type(module))
-            module.add_module("hotwire_steer", SteerHook(self.buffers, index, settings.impl, self.target, self.norm))
+            hook = SteerHook(self.buffers, index, settings.impl, self.target, self.norm, index in whole_stream)
+            module.add_module("hotwire_steer", hook)
         self._uploader = _Uploader(device)
         self.config_rows = ConfigRows(n_cfg, n_layers)
         self._line_of: dict[str, int] = {}  # steered req_id -> its line in _lines

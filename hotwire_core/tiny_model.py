@@ -29,7 +29,7 @@ _CORPUS = [
 class ModelShape:
     """The architecture knobs that matter for steering and timing."""
 
-    arch: str = "qwen3"  # llama | qwen2 | qwen3 | mistral | gemma
+    arch: str = "qwen3"  # one of ARCHS
     hidden_size: int = 256
     num_layers: int = 4
     num_heads: int = 4
@@ -37,6 +37,8 @@ class ModelShape:
     head_dim: int = 64
     intermediate_size: int = 512
     vocab_size: int = 512
+    num_experts: int = 4  # mixture-of-experts archs (qwen3_moe, qwen3_next, granitemoehybrid): 2 routed per token
+    sliding_window: int | None = None  # tokens a local layer attends to: gemma3's even layers (16 if None), mistral's all
 
 
 SHAPES: dict[str, ModelShape] = {
@@ -51,8 +53,43 @@ _CONFIG_CLASSES = {
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),
     "mistral": ("MistralConfig", "MistralForCausalLM"),
     "gemma": ("GemmaConfig", "GemmaForCausalLM"),
+    "cohere": ("CohereConfig", "CohereForCausalLM"),  # its layers return the whole stream in hidden_states
+    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM"),
+    "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM"),
+    "qwen3_next": ("Qwen3NextConfig", "Qwen3NextForCausalLM"),  # gated delta net (linear attention) + attention
+    "granitemoehybrid": ("GraniteMoeHybridConfig", "GraniteMoeHybridForCausalLM"),  # Mamba2 + attention (Granite 4)
 }
 ARCHS = tuple(_CONFIG_CLASSES)
+# Hybrids hotwire does not steer under vLLM 0.25.1: Qwen3-Next's layers lack the contract (refused), Granite 4
+# does not load with transformers 5 (tests/integration/test_model_families.py).
+UNSTEERED_ARCHS = ("qwen3_next", "granitemoehybrid")
+
+
+def _arch_kwargs(shape: ModelShape) -> dict:
+    """Config fields beyond the dense decoder's: experts, layer kinds, windows (the odd layers global, or
+    attention, in the interleaved archs)."""
+    moe = dict(num_experts=shape.num_experts, num_experts_per_tok=2)
+    alternating = [i % 2 == 1 for i in range(shape.num_layers)]
+    if shape.arch == "qwen3_moe":
+        return {**moe, "moe_intermediate_size": shape.intermediate_size // 4, "norm_topk_prob": True}
+    if shape.arch == "gemma3":
+        kinds = ["full_attention" if odd else "sliding_attention" for odd in alternating]
+        return {"sliding_window": shape.sliding_window or 16, "layer_types": kinds, "query_pre_attn_scalar": shape.head_dim}
+    if shape.arch == "qwen3_next":
+        kinds = ["full_attention" if odd else "linear_attention" for odd in alternating]
+        return {**moe, "layer_types": kinds, "moe_intermediate_size": shape.intermediate_size // 4,
+                "shared_expert_intermediate_size": shape.intermediate_size // 4, "linear_num_key_heads": 2,
+                "linear_num_value_heads": 4, "linear_key_head_dim": 32, "linear_value_head_dim": 32}
+    if shape.arch == "granitemoehybrid":
+        kinds = ["attention" if odd else "mamba" for odd in alternating]
+        return {"num_local_experts": shape.num_experts, "num_experts_per_tok": 2, "layer_types": kinds,
+                "shared_intermediate_size": shape.intermediate_size // 4, "mamba_n_heads": 8, "mamba_d_head": 64,
+                "mamba_d_state": 16, "mamba_chunk_size": 64}
+    if shape.arch == "cohere":
+        return {"logit_scale": 1.0}  # Command R's 0.0625 would leave random weights' logits nearly flat
+    if shape.arch == "mistral":  # None as Mistral 7B v0.2+: on the CPU, vLLM 0.25.1's attention fails with a window
+        return {"sliding_window": shape.sliding_window}
+    return {}
 
 
 def _write_tokenizer(path: Path, vocab_size: int) -> None:
@@ -106,14 +143,13 @@ def build_model(
         head_dim=shape.head_dim,
         vocab_size=shape.vocab_size,
         max_position_embeddings=32768,  # room for the tests' long streams (tests/server_fixture.py)
-        tie_word_embeddings=shape.arch == "gemma",  # vLLM's Gemma requires tied embeddings
+        tie_word_embeddings=shape.arch.startswith(("gemma", "cohere")),  # vLLM requires tied embeddings for these
         initializer_range=0.02,
         bos_token_id=0,
         eos_token_id=0,
         pad_token_id=0,
     )
-    if shape.arch == "mistral":
-        kwargs["sliding_window"] = None  # as Mistral 7B v0.2+; a window makes vLLM's CPU attention refuse the model
+    kwargs.update(_arch_kwargs(shape))
     config = getattr(transformers, config_cls)(**kwargs)
     config.architectures = [model_cls]
     config.torch_dtype = dtype

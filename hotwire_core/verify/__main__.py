@@ -10,7 +10,7 @@ import time
 from pathlib import Path
 
 from hotwire_core.cpu_env import CPU_ENV
-from hotwire_core.tiny_model import ARCHS
+from hotwire_core.tiny_model import ARCHS, UNSTEERED_ARCHS
 from hotwire_core.verify.report import exit_status, format_report
 from hotwire_core.verify import setup
 from hotwire_core.verify.runs import _vanilla_child, run
@@ -20,7 +20,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="python -m hotwire_core.verify", description="Self-test hotwire in one vLLM engine."
     )
     parser.add_argument("--model", help="model to test (path or hub id); default: the built-in tiny model")
-    parser.add_argument("--arch", default="qwen3", choices=ARCHS,
+    parser.add_argument("--arch", default="qwen3", choices=[a for a in ARCHS if a not in UNSTEERED_ARCHS],
                         help="architecture of the built-in tiny model (ignored with --model)")
     parser.add_argument("--dtype", help="engine dtype (default: auto on a GPU, float32 on the CPU)")
     parser.add_argument("--tensor-parallel-size", type=int, default=1, help="tensor parallel ranks (GPUs)")

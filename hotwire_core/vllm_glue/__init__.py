@@ -11,6 +11,7 @@ version strings; the version gate (:func:`inactive_reason`) keeps hotwire out of
 | :mod:`.engine_core` | ``EngineCore._initialize_kv_caches`` / ``add_request`` / ``preprocess_add_request`` / ``collective_rpc`` | the controller; admission; the cache salt before vLLM hashes blocks; ``hotwire_*`` RPCs |
 | :mod:`.scheduler` | ``Scheduler.schedule`` / ``_free_request`` / ``_preempt_request`` / blocked-waiting promotion / ``has_requests`` / ``finish_requests`` / ``_update_request_as_session`` | deferred requests, bank writes on the ``SchedulerOutput``, pins, preemption, sessions |
 | :mod:`.workers` | ``Worker.load_model``, ``WorkerBase`` | buffers and layer hooks before compile and capture; what a rank could hook |
+| :mod:`.layers` | the models' ``*DecoderLayer`` classes | which layers have the steering contract, and where their output holds the residual stream |
 | :mod:`.runners` | V1 ``GPUModelRunner.execute_model`` / ``_model_forward`` (0.25.1-0.33), V2 ``execute_model`` / ``prepare_inputs`` | request lifecycle, gate, per-token fill; a runner without them is unsteerable |
 | :mod:`.graphs` | V1 ``_warmup_and_capture``, ``CUDAGraphWrapper``, V2 ``ModelCudaGraphManager.capture`` / ``CudaGraphManager.run_fullgraph`` | idle and steered graph variants |
 | :mod:`.api_server` | the API server's process names and app builder, ``AsyncLLM.add_request``, the data-parallel client | where hotwire's control plane attaches and guards what reaches the engine (the callbacks are hotwire_api's) |

@@ -34,18 +34,20 @@ def patch_worker_base(module: Any) -> None:
 def _attach(worker: Any) -> None:
     import torch
 
-    from ..runtime import WorkerSteering, find_decoder_layers, select_layers
+    from ..runtime import WorkerSteering, select_layers
+    from .layers import find_decoder_layers, stream_in_hidden, why_not_steerable
 
     runner = worker.model_runner
     model = runner.get_model()
     found, n_layers = find_decoder_layers(model)
     model_config = worker.vllm_config.model_config
-    unsupported = unsupported_setup(worker.vllm_config) or runners.unhooked_runner(runner)
-    if unsupported:
-        logger.warning("hotwire: steering is off: %s", unsupported)
+    reason = unsupported_setup(worker.vllm_config) or runners.unhooked_runner(runner)
+    if reason:
+        logger.warning("hotwire: steering is off: %s", reason)
         found = {}
     elif not found:
-        logger.warning("hotwire: %s has no steerable decoder layers; steering is off", type(model).__name__)
+        reason = why_not_steerable(model)
+        logger.warning("hotwire: %s cannot be steered: %s; steering is off", type(model).__name__, reason)
     if not found:
         n_layers = model_config.get_num_layers(worker.vllm_config.parallel_config)
     layers = select_layers(found, n_layers, settings().layers) if found else found
@@ -61,7 +63,8 @@ def _attach(worker: Any) -> None:
         settings(),
         bool(worker.vllm_config.compilation_config.pass_config.fuse_allreduce_rms),
         steerable=bool(found),
-        reason=unsupported,
+        reason=reason,
+        whole_stream={index for index, layer in layers.items() if stream_in_hidden(type(layer))},
     )
     GATE.split = _idle_graphs_possible(worker.vllm_config) and bool(layers)
     ops.PDL = pdl_possible(device)

@@ -1,0 +1,69 @@
+"""Which of vLLM's decoder layers hotwire hooks, and where their output holds the residual stream.
+
+The contract: ``forward(positions, hidden_states, residual) -> (hidden_states, residual)`` where the stream after
+the layer is ``hidden_states + residual`` (Llama-style layers leave the add to the next layer's fused add-RMSNorm;
+``residual`` None: ``hidden_states`` alone). Two kinds of layers have the signature but not that meaning; both were
+read from vLLM 0.25.1's model sources, and ``tests/unit/test_layer_contract.py`` reads the installed vLLM's again.
+"""
+
+from __future__ import annotations
+
+import inspect
+
+from torch import nn
+
+__all__ = ["find_decoder_layers", "is_steerable_layer", "stream_in_hidden", "why_not_steerable"]
+
+_LAYER_ARGS = ["positions", "hidden_states", "residual"]
+# The signature, but a return value that is not (hidden_states, residual | None): HunYuan adds its KV states.
+UNSUPPORTED_LAYERS = frozenset({"HunYuanDecoderLayer"})
+# The signature, but the whole stream in ``hidden_states``: these begin with ``residual = hidden_states`` and end
+# with ``hidden_states = residual + ...``; the ``residual`` they return is the stream before their last block, which
+# the next layer and the final norm ignore. Steering goes into ``hidden_states`` and a norm-relative scale is taken
+# of it alone (``hidden + residual`` would count the stream twice, and steering ``residual`` would be dropped).
+STREAM_IN_HIDDEN = frozenset({
+    "ChameleonSwinDecoderLayer",
+    "Cohere2MoeDecoderLayer",
+    "CohereDecoderLayer",  # Command R and Cohere2 (its norm passes residual through untouched)
+    "Exaone4DecoderLayer",
+    "GraniteMoeHybridAttentionDecoderLayer",
+    "HyperCLOVAXDecoderLayer",
+    "PhiMoEDecoderLayer",
+})
+
+
+def is_steerable_layer(cls: type) -> bool:
+    """Layers with the ``(positions, hidden_states, residual) -> (hidden_states, residual)`` contract."""
+    if not cls.__name__.endswith("DecoderLayer") or cls.__name__ in UNSUPPORTED_LAYERS:
+        return False
+    forward = getattr(cls, "_hotwire_wrapped", cls.forward)
+    params = list(inspect.signature(forward).parameters)[1:4]
+    return params == _LAYER_ARGS
+
+
+def stream_in_hidden(cls: type) -> bool:
+    """Whether a steerable layer returns the whole residual stream in ``hidden_states`` (see STREAM_IN_HIDDEN)."""
+    return cls.__name__ in STREAM_IN_HIDDEN
+
+
+def find_decoder_layers(model: nn.Module) -> tuple[dict[int, nn.Module], int]:
+    """The main decoder stack: ``({global layer index: module on this rank}, total layers)``. In a hybrid stack
+    only the layers with the contract are listed (Granite 4's attention layers, not its Mamba ones)."""
+    best: tuple[dict[int, nn.Module], int] = ({}, 0)
+    for module in model.modules():
+        if isinstance(module, nn.ModuleList):
+            layers = {i: m for i, m in enumerate(module) if is_steerable_layer(type(m))}
+            if len(layers) > len(best[0]):
+                best = (layers, len(module))
+    return best
+
+
+def why_not_steerable(model: nn.Module) -> str:
+    """Why ``model`` has no layer to hook: its decoder layer classes and the arguments their ``forward`` takes."""
+    reason = "no decoder layer with the (positions, hidden_states, residual) contract"
+    seen = sorted({type(m) for m in model.modules() if type(m).__name__.endswith("DecoderLayer")}, key=str)
+    if not seen:
+        return reason
+    forwards = [f"{cls.__name__}.forward({', '.join(list(inspect.signature(cls.forward).parameters)[1:])})"
+                for cls in seen]
+    return f"{reason}: {'; '.join(forwards)}"

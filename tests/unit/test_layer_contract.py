@@ -1,0 +1,116 @@
+"""Which decoder layers hotwire hooks and where it steers them (``vllm_glue.layers``): the lists of exceptions to the
+``(hidden_states, residual)`` contract are read again from the installed vLLM's model sources, and a layer that
+returns the whole stream in ``hidden_states`` is steered there, norm-relative entries by that stream's norm."""
+
+from __future__ import annotations
+
+import ast
+import importlib.util
+from pathlib import Path
+
+import pytest
+import torch
+
+from hotwire_core.runtime import WorkerSteering
+from hotwire_core.settings import Settings
+from hotwire_core.vllm_glue.layers import (
+    STREAM_IN_HIDDEN,
+    UNSUPPORTED_LAYERS,
+    find_decoder_layers,
+    is_steerable_layer,
+    stream_in_hidden,
+)
+
+HIDDEN = 8
+
+
+def _contract_layers() -> dict[str, ast.FunctionDef]:
+    """Every ``*DecoderLayer`` class of vLLM's models whose ``forward`` has the contract's arguments, by name."""
+    models = Path(importlib.util.find_spec("vllm").submodule_search_locations[0]) / "model_executor" / "models"
+    found = {}
+    for path in sorted(models.glob("*.py")):
+        for node in ast.parse(path.read_text()).body:
+            if isinstance(node, ast.ClassDef) and node.name.endswith("DecoderLayer"):
+                forward = next((n for n in node.body if isinstance(n, ast.FunctionDef) and n.name == "forward"), None)
+                if forward and [a.arg for a in forward.args.args][1:4] == ["positions", "hidden_states", "residual"]:
+                    found[node.name] = forward
+    return found
+
+
+def test_the_exception_lists_match_the_installed_vllm():
+    layers = _contract_layers()
+    assert len(layers) > 50 and "LlamaDecoderLayer" in layers  # the scan reads the models at all
+    whole_stream, other_returns = set(), set()
+    for name, forward in layers.items():
+        body = [s for s in forward.body if not (isinstance(s, ast.Expr) and isinstance(s.value, ast.Constant))]
+        returns = {ast.unparse(n.value) for n in ast.walk(forward) if isinstance(n, ast.Return) and n.value is not None}
+        if any(r.count(",") != 1 for r in returns):
+            other_returns.add(name)
+        # The stream kept in hidden_states: the argument residual is overwritten before anything reads it, and the
+        # returned residual is not None (layers returning (hidden, None) are steered whole anyway).
+        if ast.unparse(body[0]) == "residual = hidden_states" and returns != {"(hidden_states, None)"}:
+            whole_stream.add(name)
+    assert other_returns == set(UNSUPPORTED_LAYERS)
+    assert whole_stream == set(STREAM_IN_HIDDEN)
+
+
+class LlamaDecoderLayer(torch.nn.Module):
+    def forward(self, positions, hidden_states, residual):
+        return hidden_states, residual
+
+
+class PhiMoEDecoderLayer(torch.nn.Module):
+    """Named as vLLM's PhiMoE layer, which returns the whole stream in hidden_states and a stale residual."""
+
+    def forward(self, positions, hidden_states, residual):
+        return hidden_states, residual
+
+
+class MambaDecoderLayer(torch.nn.Module):
+    def forward(self, hidden_states, residual):
+        return hidden_states, residual
+
+
+def test_a_hybrid_stack_lists_only_the_layers_with_the_contract():
+    model = torch.nn.Module()
+    model.layers = torch.nn.ModuleList([MambaDecoderLayer(), LlamaDecoderLayer(), MambaDecoderLayer(), PhiMoEDecoderLayer()])
+    found, n_layers = find_decoder_layers(model)
+    assert (sorted(found), n_layers) == ([1, 3], 4)
+    assert not is_steerable_layer(MambaDecoderLayer)
+    assert [stream_in_hidden(type(m)) for m in found.values()] == [False, True]
+
+
+@pytest.mark.parametrize("fusion", [False, True])
+def test_a_whole_stream_layer_is_steered_in_hidden_by_its_norm(fusion):
+    """Norm-relative steering after a PhiMoE-style layer scales by ``|hidden|`` (not ``|hidden + residual|``), and
+    goes into ``hidden`` even where others steer ``residual`` (the all-reduce + RMSNorm fusion)."""
+    plain, whole = LlamaDecoderLayer(), PhiMoEDecoderLayer()
+    w = WorkerSteering({0: plain, 1: whole}, 2, HIDDEN, torch.float32, torch.device("cpu"), 4, 2,
+                       Settings(16, 2, "op", None, None, norm=True), allreduce_rms_fusion=fusion, whole_stream={1})
+    w.buffers["bank"][1] = torch.eye(HIDDEN)[0]
+    w.buffers["inv_norm"][1] = 1.0
+    w.buffers["cfg_slot"][1, :, 0] = 1
+    w.buffers["cfg_rel"][1, :, 0] = 0.5  # 0.5 * |stream| * v/|v|
+    w.buffers["token_cfg"][0] = 1
+    w.buffers["layer_on"][:] = 1
+    hidden, stale = torch.full((1, HIDDEN), 2.0), torch.full((1, HIDDEN), 7.0)
+    out_hidden, out_residual = whole(None, hidden.clone(), stale.clone())
+    expected = hidden.clone()
+    expected[0, 0] += 0.5 * hidden.norm()
+    assert torch.equal(out_residual, stale)
+    torch.testing.assert_close(out_hidden, expected)
+    # The same tensors through a Llama-style layer: the stream is hidden + residual, and its norm is that sum's.
+    out_hidden, out_residual = plain(None, hidden.clone(), stale.clone())
+    steered = out_residual if fusion else out_hidden
+    assert steered[0, 0] - (stale if fusion else hidden)[0, 0] == pytest.approx(0.5 * (hidden + stale).norm().item())
+
+
+def test_a_model_without_the_contract_says_which_layers_it_has():
+    from hotwire_core.vllm_glue.layers import why_not_steerable
+
+    model = torch.nn.Module()
+    model.layers = torch.nn.ModuleList([MambaDecoderLayer(), MambaDecoderLayer()])
+    assert find_decoder_layers(model) == ({}, 0)
+    assert why_not_steerable(model) == ("no decoder layer with the (positions, hidden_states, residual) contract: "
+                                        "MambaDecoderLayer.forward(hidden_states, residual)")
+    assert why_not_steerable(torch.nn.Linear(2, 2)).endswith("contract")
