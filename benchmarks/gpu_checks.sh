@@ -17,10 +17,14 @@
 #             graphs on; propagation and registration latency over FLEET_N replaces (default 200) written to
 #             fleet_propagation.json. Needs `bash benchmarks/gpu_redis.sh` here and `source .gpu/redis/env.sh` there
 #   tp2:      verify --vanilla with --tensor-parallel-size 2 (needs 2 GPUs); V2 and V1 runner
-#   configs:  serving configurations: tests/integration/test_quantized.py (GPTQ 4-bit, FP8 weights, FP8 KV cache:
-#             steering exact within the format's rounding, plain bit-identical) and verify --vanilla with
-#             --quantization fp8, --kv-cache-dtype fp8, ngram speculation and a 64-token step budget (prompts in
-#             chunks); V2 runner
+#   quantized: tests/integration/test_quantized.py, one job per format (GPTQ 4-bit, FP8 weights, FP8 KV cache):
+#             steering exact within the format's rounding, plain requests bit-identical; V2 runner
+#   configs:  verify --vanilla under serving configurations: --quantization fp8, --kv-cache-dtype fp8, a 64-token
+#             step budget (prompts in chunks), Qwen3-MoE and Gemma 3 (V2 runner); ngram speculation (V1 runner: vLLM
+#             0.25.1's V2 runner refuses it); with LORA_ADAPTER=PATH (a peft folder for the tiny Qwen3, e.g. from
+#             tests/lora_adapter.py) every request with that adapter, V2 runner
+#   features: tests/integration/test_request_features.py and test_vector_formats.py against `vllm serve` with
+#             graphs on; V2 runner
 # One-GPU jobs are spread round-robin over the visible GPUs (or those in CHECK_GPUS, e.g. "1"); each has its own compile cache and a fixed KV cache, so
 # several share a GPU. Logs go to $LOG_DIR (default $OUT, else /tmp/hotwire-gpu-checks), one per job, plus
 # summary.txt; JOB_TIMEOUT (default 540 s) bounds each job. Run on the device after `source .gpu/env.sh`.
@@ -89,13 +93,26 @@ for part in $parts; do
         done
       done
       ;;
+    quantized)
+      for format in gptq-4bit fp8-weights fp8-kv-cache; do
+        launch "quantized-$format" next v2 "${pytest_cmd[@]}" -s -k "$format" tests/integration/test_quantized.py
+      done
+      ;;
     configs)
-      launch quantized next v2 "${pytest_cmd[@]}" -s tests/integration/test_quantized.py
       launch verify-fp8 next v2 "${verify_cmd[@]}" --quantization fp8
       launch verify-kv-fp8 next v2 "${verify_cmd[@]}" --kv-cache-dtype fp8
-      launch verify-ngram next v2 "${verify_cmd[@]}" \
-        --speculative-config '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3}'
       launch verify-chunked next v2 "${verify_cmd[@]}" --max-num-batched-tokens 64
+      launch verify-qwen3-moe next v2 "${verify_cmd[@]}" --arch qwen3_moe
+      launch verify-gemma3 next v2 "${verify_cmd[@]}" --arch gemma3
+      launch verify-ngram next v1 "${verify_cmd[@]}" --runner v1 \
+        --speculative-config '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3}'
+      if [ -n "${LORA_ADAPTER:-}" ]; then
+        launch verify-lora next v2 "${verify_cmd[@]}" --lora "$LORA_ADAPTER"
+      fi
+      ;;
+    features)
+      launch features next v2 "${pytest_cmd[@]}" tests/integration/test_request_features.py
+      launch vector-formats next v2 "${pytest_cmd[@]}" tests/integration/test_vector_formats.py
       ;;
     tp2)
       if [ "$n_gpus" -lt 2 ]; then echo "tp2: needs 2 GPUs, $n_gpus visible" > "$log_dir/tp2.status"; continue; fi

@@ -52,7 +52,7 @@ def served(request, checkpoints, tmp_path_factory):
 
     overrides, kind, gpu_only = CONFIGS[request.param]
     if gpu_only and not ON_GPU:
-        pytest.skip(f"{request.param} runs on the GPU (benchmarks/gpu_checks.sh configs)")
+        pytest.skip(f"{request.param} runs on the GPU (benchmarks/gpu_checks.sh quantized)")
     served_dir, reference_dir = checkpoints[kind]
     kwargs = {**engine_kwargs(), **overrides}
     llm = LLM(str(served_dir), **kwargs)
