@@ -16,9 +16,12 @@ def load(model_dir: Path, dtype: torch.dtype = torch.float32):
     return model.eval()
 
 
-def prompt_logprobs(model, token_ids: list[int], steering: list[tuple[int, torch.Tensor, float, bool]] = ()) -> torch.Tensor:
+def prompt_logprobs(
+    model, token_ids: list[int], steering: list[tuple[int, torch.Tensor, float, bool]] = (), positions: slice = slice(None)
+) -> torch.Tensor:
     """Log-probability of each prompt token given its prefix (positions 1..n-1), with ``steering`` entries
-    ``(layer, vector, scale, norm)`` added to the named layers' outputs at every position."""
+    ``(layer, vector, scale, norm)`` added to the named layers' outputs at ``positions`` (every one by default;
+    ``slice(None, P)`` is ``prefill_only`` for a prompt of ``P`` tokens, ``slice(P, None)`` ``decode_only``)."""
     layers = model.model.layers
     handles = []
     by_layer: dict[int, list] = {}
@@ -36,7 +39,9 @@ def prompt_logprobs(model, token_ids: list[int], steering: list[tuple[int, torch
                     delta += scale * base.norm(dim=-1, keepdim=True) * v / v.norm()
                 else:
                     delta += scale * v
-            steered = (base + delta).to(hidden.dtype)
+            steered = base.clone()
+            steered[:, positions] += delta[:, positions]
+            steered = steered.to(hidden.dtype)
             return (steered, *output[1:]) if isinstance(output, tuple) else steered
 
         return hook
