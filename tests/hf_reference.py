@@ -17,7 +17,10 @@ def load(model_dir: Path, dtype: torch.dtype = torch.float32):
 
 
 def prompt_logprobs(
-    model, token_ids: list[int], steering: list[tuple[int, torch.Tensor, float, bool]] = (), positions: slice = slice(None)
+    model,
+    token_ids: list[int],
+    steering: list[tuple[int, torch.Tensor, float, bool]] = (),
+    positions: slice = slice(None),
 ) -> torch.Tensor:
     """Log-probability of each prompt token given its prefix (positions 1..n-1), with ``steering`` entries
     ``(layer, vector, scale, norm)`` added to the named layers' outputs at ``positions`` (every one by default;

@@ -1,12 +1,13 @@
 """The cases every form of speculative decoding must pass under hotwire, on vLLM 0.25.1's CPU build (V1 runner).
-A test file imports them all and defines the module fixture ``method`` (``"ngram"`` or ``"draft_model"``): one
-file per method keeps each file's three engine starts within the suite's budget per file.
+A test file imports them all and defines the module fixture ``speculative_config`` (vLLM's, with ``K`` drafts per
+step): one file per method keeps each file's three engine starts within the suite's budget per file.
 
 With speculation a decoding request runs 1 + k tokens per step (its last sampled token and k drafts), all at
 positions past its prompt: hotwire steers them with the request's decode config, so a steered greedy request
 gives the tokens it gives without speculation, ``decode_only`` / ``prefill_only`` included. The draft side is
-left plain: n-gram drafting runs no model, and a draft model's layers are not hooked (hotwire hooks the target's
-decoder layers only), which costs acceptance, never correctness: every token is the target's, verified steered.
+left plain: n-gram drafting runs no model, and a draft model's or an EAGLE head's layers are not hooked (hotwire
+hooks the target's decoder layers only), which costs acceptance, never correctness: every token is the target's,
+verified steered.
 
 Per method one engine with hotwire (the test process), one plugin-free engine with the same speculation, and one
 engine with hotwire and no speculation (the reference for steered requests), each a fresh interpreter.
@@ -33,14 +34,6 @@ HIDDEN = 256
 GREEDY = dict(max_tokens=24, temperature=0.0, logprobs=0, prompt_logprobs=0, ignore_eos=True)
 ENTRY = {"id": "v", "layer": [1, 2], "scale": 2.0}
 K = 3
-
-
-def speculation(method: str, model_dir) -> dict:
-    if method == "ngram":
-        return {"method": "ngram", "num_speculative_tokens": K, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
-    # The target's own weights as the draft model: unsteered requests accept every draft, so a steered request
-    # that accepts fewer shows the drafter was not steered.
-    return {"method": "draft_model", "model": str(model_dir), "num_speculative_tokens": K}
 
 
 def spec(**extra) -> dict:
@@ -95,14 +88,14 @@ def unspeculated(tiny_model, batches, vector, tmp_path_factory) -> list[list[dic
 
 
 @pytest.fixture(scope="module")
-def engine(method, tiny_model, vector, batches):
+def engine(speculative_config, tiny_model, vector, batches):
     """The engine with hotwire and speculation, and per batch its results and (drafted, accepted) tokens."""
     from vllm import LLM
 
     from hotwire_core.offline import register_vector
 
-    llm = LLM(str(tiny_model), **engine_kwargs(), speculative_config=speculation(method, tiny_model),
-              disable_log_stats=False)  # fmt: skip
+    # a copy: vLLM adds its config objects to the dict it is given
+    llm = LLM(str(tiny_model), **engine_kwargs(), speculative_config=dict(speculative_config), disable_log_stats=False)
     try:
         register_vector(llm, "v", torch.tensor(vector))
         results, drafts = [], []
@@ -119,7 +112,7 @@ def engine(method, tiny_model, vector, batches):
 def draft_counts(llm) -> tuple[int, int]:
     """vLLM's counters of draft tokens proposed and accepted so far."""
     values = {m.name: getattr(m, "value", None) for m in llm.get_metrics()}
-    return int(values.get("vllm:spec_decode_num_draft_tokens") or 0), int(values.get("vllm:spec_decode_num_accepted_tokens") or 0)
+    return tuple(int(values.get(f"vllm:spec_decode_num_{name}_tokens") or 0) for name in ("draft", "accepted"))
 
 
 def max_diff(a: list, b: list) -> float:
@@ -141,7 +134,7 @@ def test_the_target_is_steerable_and_only_its_layers_are_hooked(engine):
     assert info["layers"] == [0, 1, 2, 3] and info["n_layers"] == 4, info  # the target's; the drafter's are not hooked
 
 
-def test_steered_requests_equal_the_same_requests_without_speculation(engine, unspeculated, method):
+def test_steered_requests_equal_the_same_requests_without_speculation(engine, unspeculated, speculative_config):
     """Token ids equal; logprobs judged against the floor: how far speculation alone moves the plain requests'
     (other batch shapes round differently on the CPU)."""
     ours, theirs = engine["results"], unspeculated
@@ -156,8 +149,8 @@ def test_steered_requests_equal_the_same_requests_without_speculation(engine, un
             diff = lp_diff(got, want)
             assert diff <= tolerance, f"batch {i} request {n}: logprobs differ by {diff} (floor {floor})"
             worst = max(worst, diff)
-    print(f"{method}: speculation moves plain logprobs by {floor:.2e}, steered ones by {worst:.2e} (drafted, "
-          f"accepted per batch: {engine['drafts']})")
+    print(f"{speculative_config['method']}: speculation moves plain logprobs by {floor:.2e}, steered ones by "
+          f"{worst:.2e} (drafted, accepted per batch: {engine['drafts']})")
     # The steering is far above that tolerance, and speculation ran on the steered requests: drafts were
     # verified, some accepted (verification tokens past the first one were steered and kept), some rejected.
     for i in (STEERED, WEAK):
@@ -174,17 +167,18 @@ def test_decode_only_and_prefill_only_split_at_the_prompt(engine):
     # The prompt and the first sampled token (from the prompt's last position) as in the other phase's request, to
     # the CPU's run-to-run rounding (the first token's logprob was seen to move by 5e-7 between runs).
     for got, want in ((decode, plain), (prefill, whole)):
-        assert max_diff(got["prompt_logprobs"] + got["logprobs"][:1], want["prompt_logprobs"] + want["logprobs"][:1]) < 1e-5
+        first = max_diff(got["prompt_logprobs"] + got["logprobs"][:1], want["prompt_logprobs"] + want["logprobs"][:1])
+        assert first < 1e-5
     assert max_diff(decode["logprobs"][1:], plain["logprobs"][1:]) > 1e-3, "decode_only left verification tokens plain"
     assert max_diff(prefill["logprobs"][1:], whole["logprobs"][1:]) > 1e-3, "prefill_only steered verification tokens"
 
 
 def test_plain_requests_are_bit_identical_to_a_plugin_free_engine_with_the_same_speculation(
-    engine, method, tiny_model, prompts, tmp_path
+    engine, speculative_config, tiny_model, prompts, tmp_path
 ):
     a, b = prompts["a"], prompts["b"]
     vanilla = run_in_subprocess(tiny_model, [[req(a)], [req(b)], [req(b), req(a), req(b), req(a)]], tmp_path,
-                                overrides={"speculative_config": speculation(method, tiny_model)})  # fmt: skip
+                                overrides={"speculative_config": speculative_config})
     ours = engine["results"]
     pairs = [(ours[PLAIN][0], vanilla[0][0]), (ours[PLAIN_B][0], vanilla[1][0])]
     for got, want in pairs:

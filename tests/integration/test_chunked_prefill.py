@@ -88,12 +88,15 @@ def test_chunked_prompts_beside_decoding_requests_equal_transformers(llm, hf_mod
     KV computed under its own."""
     long, short, fox = prompts["long"], prompts["short"], prompts["fox"]
     P = len(long)
+    def chunked(**extra) -> dict:
+        return {"prompt_token_ids": long, "params": {**LONG_TOKENS, "prompt_logprobs": 0, "extra_args": spec(**extra)}}
+
     batch = [
         {"prompt_token_ids": short, "params": DECODING},
         {"prompt_token_ids": fox, "params": {**DECODING, "extra_args": spec(decode_only=True)}},
-        {"prompt_token_ids": long, "params": {**LONG_TOKENS, "prompt_logprobs": 0, "extra_args": spec()}},
-        {"prompt_token_ids": long, "params": {**LONG_TOKENS, "prompt_logprobs": 0, "extra_args": spec(prefill_only=True)}},
-        {"prompt_token_ids": long, "params": {**LONG_TOKENS, "prompt_logprobs": 0, "extra_args": spec(decode_only=True)}},
+        chunked(),
+        chunked(prefill_only=True),
+        chunked(decode_only=True),
     ]
     plain_short, steered_fox, whole, prefill, decode = run_batches(llm, [batch])[0]
     assert_equals_transformers(hf_model, vector, short, plain_short, None, "the plain decoding batchmate")

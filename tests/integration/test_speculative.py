@@ -7,10 +7,11 @@ from __future__ import annotations
 import pytest
 
 from speculation_cases import *  # noqa: F403 (the fixtures and tests every form of speculation must pass)
+from speculation_cases import K
 
 pytestmark = pytest.mark.integration
 
 
 @pytest.fixture(scope="module")
-def method() -> str:
-    return "ngram"
+def speculative_config() -> dict:
+    return {"method": "ngram", "num_speculative_tokens": K, "prompt_lookup_max": 3, "prompt_lookup_min": 1}

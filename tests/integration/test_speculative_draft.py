@@ -6,14 +6,16 @@ from __future__ import annotations
 import pytest
 
 from speculation_cases import *  # noqa: F403 (the fixtures and tests every form of speculation must pass)
-from speculation_cases import PLAIN, STEERED
+from speculation_cases import PLAIN, STEERED, K
 
 pytestmark = pytest.mark.integration
 
 
 @pytest.fixture(scope="module")
-def method() -> str:
-    return "draft_model"
+def speculative_config(tiny_model) -> dict:
+    # The target's own weights as the draft model: unsteered requests accept every draft, so a steered request
+    # that accepts fewer shows the drafter was not steered.
+    return {"method": "draft_model", "model": str(tiny_model), "num_speculative_tokens": K}
 
 
 def test_a_draft_model_is_left_plain(engine):
