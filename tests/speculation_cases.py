@@ -23,7 +23,7 @@ import torch
 from engine_results import engine_kwargs, run_batches, run_in_subprocess
 
 __all__ = [
-    "batches", "draft_counts", "engine", "prompts", "unspeculated", "vector",
+    "batches", "engine", "prompts", "unspeculated", "vector",
     "test_decode_only_and_prefill_only_split_at_the_prompt",
     "test_plain_requests_are_bit_identical_to_a_plugin_free_engine_with_the_same_speculation",
     "test_steered_requests_equal_the_same_requests_without_speculation",
@@ -60,7 +60,7 @@ def req(ids: list[int], **extra) -> dict:
 
 @pytest.fixture(scope="module")
 def batches(prompts) -> list[list[dict]]:
-    """What every engine runs: plain, steered (whole, decode_only, prefill_only), and a mixed batch."""
+    """What every engine runs: plain, steered (whole, decode_only, prefill_only, weakly), and a mixed batch."""
     a, b = prompts["a"], prompts["b"]
     return [
         [req(a)],
