@@ -16,9 +16,16 @@ def load(model_dir: Path, dtype: torch.dtype = torch.float32):
     return model.eval()
 
 
-def logprobs(model, token_ids: list[int], steering: list[tuple[int, torch.Tensor, float, bool]] = ()) -> torch.Tensor:
+def logprobs(
+    model,
+    token_ids: list[int],
+    steering: list[tuple[int, torch.Tensor, float, bool]] = (),
+    positions: slice = slice(None),
+) -> torch.Tensor:
     """Log-probabilities of the next token after each position, ``[len(token_ids), vocab]``, with ``steering``
-    entries ``(layer, vector, scale, norm)`` added to the named layers' outputs at every position."""
+    entries ``(layer, vector, scale, norm)`` added to the named layers' outputs at ``positions`` (every one by
+    default; ``slice(None, P)`` is ``prefill_only`` for a prompt of ``P`` tokens, ``slice(P, None)``
+    ``decode_only``)."""
     layers = model.model.layers
     handles = []
     by_layer: dict[int, list] = {}
@@ -36,7 +43,9 @@ def logprobs(model, token_ids: list[int], steering: list[tuple[int, torch.Tensor
                     delta += scale * base.norm(dim=-1, keepdim=True) * v / v.norm()
                 else:
                     delta += scale * v
-            steered = (base + delta).to(hidden.dtype)
+            steered = base.clone()
+            steered[:, positions] += delta[:, positions]
+            steered = steered.to(hidden.dtype)
             return (steered, *output[1:]) if isinstance(output, tuple) else steered
 
         return hook
@@ -52,7 +61,12 @@ def logprobs(model, token_ids: list[int], steering: list[tuple[int, torch.Tensor
     return torch.log_softmax(logits, dim=-1)
 
 
-def prompt_logprobs(model, token_ids: list[int], steering: list[tuple[int, torch.Tensor, float, bool]] = ()) -> torch.Tensor:
+def prompt_logprobs(
+    model,
+    token_ids: list[int],
+    steering: list[tuple[int, torch.Tensor, float, bool]] = (),
+    positions: slice = slice(None),
+) -> torch.Tensor:
     """Log-probability of each prompt token given its prefix (positions 1..n-1), steered as in :func:`logprobs`."""
     ids = torch.tensor(token_ids[1:])
-    return logprobs(model, token_ids, steering)[:-1].gather(1, ids[:, None])[:, 0]
+    return logprobs(model, token_ids, steering, positions)[:-1].gather(1, ids[:, None])[:, 0]

@@ -302,6 +302,21 @@ def test_fill_phases_straddle_unsteered_and_padding():
     assert cfg[:5] == [pa] * 5 and cfg[5:] == [0] * (MAX_TOKENS - 5)
 
 
+def test_fill_steers_verification_tokens_as_decode_tokens():
+    """Speculative decoding schedules a decoding request 1 + k tokens (its last sampled token and k drafts), all
+    past its prompt: each gets the decode row (decode_only steers them all, prefill_only none), also when a step
+    of one token per request (no drafts proposed) came between."""
+    w = ws()
+    step(w, new=[new_req("D", 4, {"p": [], "d": [[2, 1, 1.0, 0.0]]}), new_req("P", 4, {"p": [[2, 2, 1.0, 0.0]]}),
+                 new_req("W", 6, CFG)])  # fmt: skip
+    d, (pw, dw, _) = w.request_rows("D")[1], w.request_rows("W")
+    # D and P verify 3 drafts each, W runs its prompt's last chunk
+    assert fill(w, ["D", "P", "W"], [4, 4, 3], [4, 9, 3])[:11] == [d] * 4 + [0] * 4 + [pw] * 3
+    assert fill(w, ["D", "P", "W"], [1, 1, 1], [8, 13, 6])[:3] == [d, 0, dw]  # no drafts this step
+    assert fill(w, ["D", "P", "W"], [1, 1, 1], [9, 14, 7])[:3] == [d, 0, dw]  # the steady path
+    assert fill(w, ["D", "P", "W"], [2, 4, 4], [10, 15, 8])[:10] == [d] * 2 + [0] * 4 + [dw] * 4
+
+
 def test_fill_matches_a_per_token_reference_on_random_batches():
     """Token by token: position < prompt length -> prefill row, else decode row; unsteered and padding 0.
     Random batches mix decode tokens, prefill chunks and chunks that run past the prompt."""
