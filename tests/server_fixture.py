@@ -35,11 +35,11 @@ from hotwire_core.verify import untimed_compilation_config
 START_TIMEOUT_S = 240.0
 # The tiny models' max_position_embeddings: room for streams long enough to stay in flight while a test acts on
 # them. A test leaves such a stream early (which aborts it), so its length costs nothing; on a loaded two-core CI
-# machine streams of 3,996 tokens (about 10 s) ended before the tests had acted (their headers came late, the test
-# process stalled). A stream a test reads to its end is shorter.
+# machine streams of 4,000 tokens (about 10 s) ended before the tests had acted (their headers came late, the test
+# process stalled). A stream a test reads to its end is shorter, but three times that.
 MAX_MODEL_LEN = 32768
 LONG_STREAM_TOKENS = MAX_MODEL_LEN - 100  # max_tokens of a stream a test acts on and then leaves
-DRAINED_STREAM_TOKENS = 4000  # max_tokens of a stream a test acts on and then reads to its end (~10 s on a CPU)
+DRAINED_STREAM_TOKENS = 12000  # max_tokens of a stream a test acts on and then reads to its end (~40 s on a CPU)
 # A fixed KV cache skips vLLM's memory profiling, which miscounts when other engines share the GPU; the untimed
 # compile leaves no kernel choice to timing (hotwire_core.verify.UNTIMED_INDUCTOR).
 GPU_ARGS = ["--kv-cache-memory-bytes", str(1 << 30), "--gpu-memory-utilization", "0.05",
