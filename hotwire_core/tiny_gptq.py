@@ -73,7 +73,8 @@ def build_gptq_model(base: Path, out: Path, seed: int = 0) -> tuple[Path, Path]:
         shutil.copytree(base, folder, ignore=shutil.ignore_patterns("model.safetensors", ".hotwire-model.json"))
         save_file(weights, str(folder / "model.safetensors"), metadata={"format": "pt"})
     config = json.loads((quantized / "config.json").read_text())
-    config["torch_dtype"] = "float16"
+    config.pop("torch_dtype", None)
+    config["dtype"] = "float16"
     config["quantization_config"] = {
         "quant_method": "gptq", "bits": BITS, "group_size": GROUP_SIZE, "desc_act": False, "sym": True,
         "checkpoint_format": "gptq", "damp_percent": 0.01, "true_sequential": True, "static_groups": False,

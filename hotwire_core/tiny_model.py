@@ -152,7 +152,7 @@ def build_model(
     kwargs.update(_arch_kwargs(shape))
     config = getattr(transformers, config_cls)(**kwargs)
     config.architectures = [model_cls]
-    config.torch_dtype = dtype
+    config.dtype = dtype  # what vLLM reads (transformers deprecates the torch_dtype spelling)
     if weights:
         import torch
 
