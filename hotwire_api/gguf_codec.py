@@ -50,8 +50,15 @@ def is_gguf(raw: bytes) -> bool:
     return raw[:4] == b"GGUF"
 
 
+# A control vector holds a few metadata keys and one tensor per layer. gguf's reader builds several numpy views per
+# key, tensor and array entry, so counts beyond these bounds (which no control vector needs) are refused before it
+# runs: a 64 MB file of tiny array entries would otherwise cost it gigabytes and minutes.
+MAX_KEYS, MAX_ARRAY_ENTRIES, MAX_TENSORS = 64, 1024, 1024
+
+
 def _walk_header(raw: bytes) -> None:
-    """Check that every count and length of the GGUF header fits in ``raw``; raises 400 ``bad_file``."""
+    """Check that every count and length of the GGUF header fits in ``raw``, and the counts in the bounds above;
+    raises 400 ``bad_file``."""
     pos = 0
 
     def take(n: int) -> bytes:
@@ -71,9 +78,14 @@ def _walk_header(raw: bytes) -> None:
             string()
         elif vtype == gguf.GGUFValueType.ARRAY and depth < 2:
             itype, count = struct.unpack("<IQ", take(12))
+            if count * _SCALAR_SIZES.get(itype, 8) > len(raw) - pos:  # every entry takes at least 8 bytes
+                raise _bad("is cut short: its GGUF header claims more bytes than the file has")
+            if count > MAX_ARRAY_ENTRIES:
+                raise _bad(f"holds a GGUF metadata array of {count} entries; a control vector needs none over "
+                           f"{MAX_ARRAY_ENTRIES}")
             if itype in _SCALAR_SIZES:
                 take(_SCALAR_SIZES[itype] * count)
-            else:  # each entry takes at least 8 bytes, so a false count runs out of file quickly
+            else:
                 for _ in range(count):
                     value(itype, depth + 1)
         else:
@@ -85,6 +97,9 @@ def _walk_header(raw: bytes) -> None:
     if version not in (2, 3):
         raise _bad(f"is GGUF version {version}; hotwire reads versions 2 and 3")
     n_tensors, n_kv = struct.unpack("<QQ", take(16))
+    if n_kv > MAX_KEYS or n_tensors > MAX_TENSORS:
+        raise _bad(f"holds {n_kv} metadata keys and {n_tensors} tensors; a control vector has at most {MAX_KEYS} "
+                   f"keys and one tensor per layer (at most {MAX_TENSORS})")
     for _ in range(n_kv):
         string()
         value(struct.unpack("<I", take(4))[0], 0)

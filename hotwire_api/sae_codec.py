@@ -103,9 +103,12 @@ def _decoder_row(read: Read, size: int, d_in: int, d_sae: int, feature: int) -> 
         header = json.loads(read(8, length))
     except (ValueError, RecursionError):
         raise _bad("file", not_safetensors) from None
-    entry = header.get("W_dec") if isinstance(header, dict) else None
+    if not isinstance(header, dict):
+        raise _bad("file", not_safetensors)
+    entry = header.get("W_dec")
     if not isinstance(entry, dict):
-        raise _bad("file", f"holds no W_dec tensor (the SAE decoder, [d_sae, d_in]); tensors: {sorted(header)[:8]}")
+        names = [short_repr(name) for name in sorted(header)[:8]]
+        raise _bad("file", f"holds no W_dec tensor (the SAE decoder, [d_sae, d_in]); tensors: {names}")
     dtype = _DTYPES.get(str(entry.get("dtype")))
     if dtype is None:
         raise _bad("file", f"W_dec is {entry.get('dtype')}; hotwire takes F32, F16 or BF16", "bad_dtype")

@@ -57,6 +57,9 @@ def build_gptq_model(base: Path, out: Path, seed: int = 0) -> tuple[Path, Path]:
             dequantized[name] = weight.to(torch.float32)
             continue
         out_features, in_features = weight.shape
+        if in_features % GROUP_SIZE or out_features % _PER_WORD:
+            raise ValueError(f"{name} is {out_features} x {in_features}: GPTQ packing here needs inputs in groups of "
+                             f"{GROUP_SIZE} and outputs in words of {_PER_WORD}; choose a model shape that has them")
         groups = in_features // GROUP_SIZE
         q = torch.randint(0, 2**BITS, (in_features, out_features), generator=generator)
         # q - 8 has a standard deviation of about 4.6: scales near 0.02 / 4.6 keep the 0.02 init of the float model

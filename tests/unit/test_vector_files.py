@@ -113,6 +113,15 @@ def test_a_header_claiming_more_than_the_file_holds_is_refused_at_once() -> None
         assert "cut short" in _refused(decode_gguf, raw).message
         assert time.monotonic() - started < 1.0
 
+    # Counts that fit in the body but that no control vector needs: gguf's reader would build numpy views for each
+    # of the million entries (a 1 MB body is decoded inline, on the event loop), or for each of 100,000 keys.
+    million = b"GGUF" + struct.pack("<IQQ", 3, 0, 1) + kv(9, struct.pack("<IQ", 0, 1_000_000) + bytes(1_000_000))
+    started = time.monotonic()
+    assert "array of 1000000 entries" in _refused(decode_gguf, million).message
+    keys = b"GGUF" + struct.pack("<IQQ", 3, 0, 100_000) + kv(0, b"\x00") * 100_000
+    assert "100000 metadata keys" in _refused(decode_gguf, keys).message
+    assert time.monotonic() - started < 1.0
+
 
 def test_form_tells_gguf_from_safetensors(tmp_path: Path) -> None:
     rows = _rows(7, 2)
@@ -257,6 +266,10 @@ def test_sae_refusals(tmp_path: Path) -> None:
     assert "beyond the file's end" in _refused(decode_form, {**form, "file": weights[:w_dec_end - 1]}).message
     assert _refused(decode_form, {**form, "file": b"\x00" * 4}).field == "file"
     assert _refused(decode_sae, cfg, bytes_reader(b"\xff" * 16), 16, 0).field == "file"
+    for header in (b"5", b'[1, "a"]'):  # JSON, but not a safetensors header: a 400, not a TypeError
+        not_a_header = struct.pack("<Q", len(header)) + header
+        assert _refused(decode_form, {**form, "file": not_a_header}).message.endswith(
+            "is not a safetensors file; send the SAE's sae_weights.safetensors")
 
 
 def test_a_large_sae_upload_decodes_in_another_process_as_in_place(tmp_path: Path) -> None:
