@@ -20,9 +20,9 @@
 #   quantized: tests/integration/test_quantized.py, one job per format (GPTQ 4-bit, FP8 weights, FP8 KV cache):
 #             steering exact within the format's rounding, plain requests bit-identical; V2 runner
 #   configs:  verify --vanilla under serving configurations: --quantization fp8, --kv-cache-dtype fp8, a 64-token
-#             step budget (prompts in chunks), Qwen3-MoE and Gemma 3 (V2 runner); ngram speculation (V1 runner: vLLM
-#             0.25.1's V2 runner refuses it); with LORA_ADAPTER=PATH (a peft folder for the tiny Qwen3, e.g. from
-#             tests/lora_adapter.py) every request with that adapter, V2 runner
+#             step budget (prompts in chunks), Qwen3-MoE and Gemma 3 (V2 runner); ngram speculation (V1 runner: on
+#             V2 vLLM 0.25.1 stopped at its configuration); with LORA_ADAPTER=PATH (a peft folder for the tiny
+#             Qwen3, e.g. from tests/lora_adapter.py) every request with that adapter, V2 runner
 #   features: tests/integration/test_request_features.py and test_vector_formats.py against `vllm serve` with
 #             graphs on; V2 runner
 # One-GPU jobs are spread round-robin over the visible GPUs (or those in CHECK_GPUS, e.g. "1"); each has its own compile cache and a fixed KV cache, so
