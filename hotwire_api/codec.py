@@ -30,7 +30,7 @@ from hotwire_api.errors import HotwireError
 from hotwire_core.spec import VECTOR_ID_RE, short_repr
 from hotwire_core.vector_bits import ITEMSIZE, as_bits, non_finite
 
-_SAFETENSORS_DTYPES = {"F32": "float32", "F16": "float16", "BF16": "bfloat16"}
+SAFETENSORS_DTYPES = {"F32": "float32", "F16": "float16", "BF16": "bfloat16"}  # safetensors' names -> ours
 _LAYER_NAME_RE = re.compile(r"[0-9]{1,6}")
 _JSON_FIELDS = ("id", "data", "dtype", "shape", "layers")
 ID_RULE = "1-64 characters of A-Z a-z 0-9 . _ -, not starting with . or -"
@@ -180,7 +180,7 @@ def decode_safetensors(raw: bytes, layers: tuple[int, ...] | None = None, field:
         raise _bad(field, "holds no tensors", "bad_file")
 
     def dtype_of(name: str, info: Mapping[str, object]) -> str:
-        dtype = _SAFETENSORS_DTYPES.get(str(info["dtype"]))
+        dtype = SAFETENSORS_DTYPES.get(str(info["dtype"]))
         if dtype is None:
             raise _bad(
                 field,

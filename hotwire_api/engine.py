@@ -171,8 +171,9 @@ class HotwireEngine:
             answers = await self._call_each(contract.UNREGISTER, vector_id, version)
         return sum(int(a.get("in_flight") or 0) for a in answers)
 
-    async def export(self, vector_id: str, version: int) -> tuple[VectorMeta, VectorPayload]:
-        """A version the first engine core holds, with its bytes (rows in layer order): 404 when it holds none."""
+    async def export(self, vector_id: str, version: int | None) -> tuple[VectorMeta, VectorPayload]:
+        """A version the first engine core holds (None: its current one), with its bytes (rows in layer order): 404
+        when it holds none."""
         answer = await self._call(contract.EXPORT, vector_id, version)
         meta = self._parse(VectorMeta, answer.get("vector"), contract.EXPORT)
         data = answer.get("data")

@@ -24,7 +24,7 @@ from pathlib import Path
 import gguf
 import numpy as np
 
-from hotwire_api.codec import VectorPayload, finish_payload
+from hotwire_api.codec import SAFETENSORS_DTYPES, VectorPayload, finish_payload
 from hotwire_api.errors import HotwireError
 from hotwire_core.vector_bits import ITEMSIZE, as_bits, as_float32
 
@@ -38,7 +38,8 @@ _SCALAR_SIZES = {
     gguf.GGUFValueType.FLOAT32: 4, gguf.GGUFValueType.BOOL: 1, gguf.GGUFValueType.UINT64: 8,
     gguf.GGUFValueType.INT64: 8, gguf.GGUFValueType.FLOAT64: 8,
 }
-_SAFETENSORS_DTYPES = {"float32": "F32", "float16": "F16", "bfloat16": "BF16"}
+
+_SAFETENSORS_NAMES = {ours: theirs for theirs, ours in SAFETENSORS_DTYPES.items()}
 
 
 def _bad(message: str, code: str = "bad_file", field: str = "file") -> HotwireError:
@@ -214,7 +215,7 @@ def encode_safetensors(payload: VectorPayload) -> bytes:
     header: dict[str, object] = {}
     offset = 0
     for name, shape, data in tensors:
-        header[name] = {"dtype": _SAFETENSORS_DTYPES[payload.dtype], "shape": shape, "data_offsets": [offset, offset + len(data)]}
+        header[name] = {"dtype": _SAFETENSORS_NAMES[payload.dtype], "shape": shape, "data_offsets": [offset, offset + len(data)]}
         offset += len(data)
     encoded = json.dumps(header, separators=(",", ":")).encode()
     encoded += b" " * (-len(encoded) % 8)  # the data starts 8-byte aligned

@@ -228,13 +228,6 @@ async def vector_file(
     version: int | None = Query(None, ge=1, description="A retained version; absent: the current one."),
 ) -> Response:
     engine = HotwireEngine.of(request.app)
-    if version is None:
-        current = [meta for meta in await engine.vectors() if meta.id == vector_id]
-        if not current:
-            raise HotwireError(
-                404, "unknown_vector", f"unknown steering vector {vector_id!r}; GET /steer/vectors lists them", "id"
-            )
-        version = current[0].version
     meta, payload = await engine.export(vector_id, version)
     if file_format == "gguf":
         model = (await CATALOG.ready(engine)).model

@@ -20,7 +20,7 @@ import struct
 from collections.abc import Callable
 from pathlib import Path
 
-from hotwire_api.codec import VectorPayload, finish_payload
+from hotwire_api.codec import SAFETENSORS_DTYPES, VectorPayload, finish_payload
 from hotwire_api.errors import HotwireError
 from hotwire_core.spec import short_repr
 from hotwire_core.vector_bits import ITEMSIZE
@@ -29,7 +29,6 @@ __all__ = ["CFG_FILE", "WEIGHTS_FILE", "bytes_reader", "decode_sae", "hook_layer
 
 CFG_FILE, WEIGHTS_FILE = "cfg.json", "sae_weights.safetensors"  # sae_lens.constants
 _HOOK_RE = re.compile(r"blocks\.([0-9]{1,6})\.hook_resid_(pre|post)")
-_DTYPES = {"F32": "float32", "F16": "float16", "BF16": "bfloat16"}
 _MAX_HEADER = 100 << 20  # safetensors' own limit on the JSON header
 
 Read = Callable[[int, int], bytes]  # (offset, length) -> the file's bytes there (fewer at its end)
@@ -109,7 +108,7 @@ def _decoder_row(read: Read, size: int, d_in: int, d_sae: int, feature: int) -> 
     if not isinstance(entry, dict):
         names = [short_repr(name) for name in sorted(header)[:8]]
         raise _bad("file", f"holds no W_dec tensor (the SAE decoder, [d_sae, d_in]); tensors: {names}")
-    dtype = _DTYPES.get(str(entry.get("dtype")))
+    dtype = SAFETENSORS_DTYPES.get(str(entry.get("dtype")))
     if dtype is None:
         raise _bad("file", f"W_dec is {entry.get('dtype')}; hotwire takes F32, F16 or BF16", "bad_dtype")
     if entry.get("shape") != [d_sae, d_in]:

@@ -172,12 +172,15 @@ class SteeringController:
         deleted = vector.version if vector is not None else version
         return contract.UnregisterResult(ok=True, in_flight=self.registry.in_flight(vector_id), version=deleted)
 
-    def export(self, vector_id: str, version: int) -> contract.ExportResult | contract.Failure:
-        """A version this engine holds (current or retained), as the bytes ``register`` takes: what a fleet's
-        replica puts back into a registry that lost its data."""
-        vector = self.registry.lookup(vector_id, int(version))
+    def export(self, vector_id: str, version: int | None) -> contract.ExportResult | contract.Failure:
+        """A version this engine holds (current or retained; None: the current one, read in the same call so a
+        replace cannot retire it in between), as the bytes ``register`` takes: what a fleet's replica puts back
+        into a registry that lost its data, and what ``GET /steer/vectors/{id}/file`` serves."""
+        vector = self.registry.lookup(vector_id, None if version is None else int(version))
         if vector is None:
-            return EngineError(404, "unknown_vector", f"this engine holds no {vector_id}@{version}", "id").to_result()
+            held = vector_id if version is None else f"{vector_id}@{version}"
+            return EngineError(404, "unknown_vector", f"this engine holds no {held}; GET /steer/vectors lists the "
+                               "vectors", "id").to_result()
         data = vector.rows.contiguous().view(-1).view(torch.uint8).numpy().tobytes()
         return contract.ExportResult(ok=True, vector=vector.meta(), data=data)
 

@@ -784,8 +784,9 @@ def test_export_gives_back_what_register_took(c):
     assert back["ok"] and back["vector"]["sha256"] == meta["sha256"]
     register(c, "x", vec(HIDDEN, seed=6), replace=True)
     assert c.export("x", 1)["ok"]  # retained versions too
-    missing = c.export("x", 5)
-    assert (missing["ok"], missing["status"], missing["code"]) == (False, 404, "unknown_vector")
+    assert c.export("x", None)["vector"]["version"] == 2  # None: the current one, looked up in the same call
+    for missing in (c.export("x", 5), c.export("nope", None)):
+        assert (missing["ok"], missing["status"], missing["code"]) == (False, 404, "unknown_vector")
 
 
 def test_pinned_and_unpinned_specs_of_the_same_contents_share_a_cache_salt():
