@@ -103,8 +103,9 @@ class VllmServer:
         except OSError:
             return "<no log>"
 
-    def start(self, timeout: float = START_TIMEOUT_S) -> float:
-        """Start the server and wait until it is healthy; returns the seconds it took."""
+    def start(self, timeout: float = START_TIMEOUT_S, retried: bool = False) -> float:
+        """Start the server and wait until it is healthy; returns the seconds it took. A start that failed on a
+        port another process took first is made once more."""
         assert self.proc is None, "already running"
         self.starts += 1
         self.port = free_port()
@@ -144,6 +145,10 @@ class VllmServer:
             seconds = wait_until_ready(self.proc, self.url, timeout)
         except ServerExited as exc:
             self.stop()
+            if "EADDRINUSE" in self.log_tail(1 << 20) and not retried:
+                # vLLM picks its workers' torch.distributed port free, then binds it later: another lane's engine
+                # took it in between once (a CI run at 0650623); a new start picks another
+                return self.start(timeout, retried=True)
             raise RuntimeError(f"vllm serve: {exc}:\n{self.log_tail()}") from None
         if not torch.cuda.is_available():
             self._renice_engine_busy_loops()

@@ -17,7 +17,7 @@ c. prefix cache, both directions, on prompts of at least 4 KV blocks: a plain re
    steered one after a plain one) reads no cached tokens and equals the same request with
    ``skip_reading_prefix_cache``; an identical steered request does hit the cache;
 d. decode cost: time per decode step of a batch of 8, idle (hotwire loaded, nothing steered) vs all steered (steered
-   may cost at most +50% on a GPU, +100% on the CPU: a guard against gross regressions, not the speed target); with
+   may cost at most +50% on a GPU, +200% on the CPU: a guard against gross regressions, not the speed target); with
    CUDA graphs on, every rank must have its hotwire-free graphs (the idle variants) in place after an unsteered step;
 e. with ``--vanilla``: the plain requests again, in a subprocess with no plugin at all (``VLLM_PLUGINS=""``),
    compared bit for bit. On a GPU both engines then compile with :data:`UNTIMED_INDUCTOR`: Inductor's

@@ -11,8 +11,9 @@ DECODE_BATCH = 8
 MIN_LOGPROB_DELTA = 1e-4  # below this a logprob change is numerical noise, not steering
 MAX_DECODE_OVERHEAD = 0.5  # steered decode may cost at most this much more than idle decode (on a GPU)
 # On the CPU the op runs as plain torch ops beside a tiny model's few-ms step: steered came out +22% to +55% on a
-# 2-core machine (the top while the test suite's other engines ran), so only a gross regression should fail there.
-MAX_DECODE_OVERHEAD_CPU = 1.0
+# 2-core machine, and +124% once while the test suite's other engines ran, so only a gross regression (an eager
+# fallback costs several times the step) should fail there.
+MAX_DECODE_OVERHEAD_CPU = 2.0
 # vLLM's CPU backend is not bit-reproducible, not even between identical batches in one engine (its logprobs jitter
 # by an ulp, 5e-7), so on the CPU "identical" means within this; on a GPU it means bit for bit.
 CPU_TOLERANCE = 1e-5
