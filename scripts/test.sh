@@ -87,7 +87,7 @@ LONGEST_FIRST=(
 )
 # One at a time: the files whose tests act on requests while they run (a stream must still be running when the
 # test acts), and compose, which builds images. Beside each other, vLLM on two cores held a stream's headers until
-# the stream ended, and every attempt of such a test failed (a CI run at 11e252d: data parallel beside server).
+# the stream ended, and every attempt of such a test failed.
 APART=(
     tests/integration/test_compose.py tests/integration/test_server.py tests/integration/test_data_parallel.py
     tests/integration/test_fleet.py

@@ -147,7 +147,7 @@ class VllmServer:
             self.stop()
             if "EADDRINUSE" in self.log_tail(1 << 20) and not retried:
                 # vLLM picks its workers' torch.distributed port free, then binds it later: another lane's engine
-                # took it in between once (a CI run at 0650623); a new start picks another
+                # can take it in between; a new start picks another
                 return self.start(timeout, retried=True)
             raise RuntimeError(f"vllm serve: {exc}:\n{self.log_tail()}") from None
         if not torch.cuda.is_available():
