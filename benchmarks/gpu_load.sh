@@ -1,7 +1,7 @@
 #!/bin/bash
 # On the device (after `source .gpu/env.sh`): the load targets of hotwire, one after the other on one GPU.
 #   bash benchmarks/gpu_load.sh [soak] [throughput] [prefill]     (default: all three, in that order)
-# soak: benchmarks/soak.py, SOAK_CLIENTS (256) clients for SOAK_DURATION (600) s, 16 slots, churn.
+# soak: python3 -m benchmarks.soak, SOAK_CLIENTS (256) clients for SOAK_DURATION (600) s, 16 slots, churn.
 # throughput: benchmarks/bench_throughput.py, plugin-free vLLM vs hotwire plain vs hotwire 75 % steered,
 #   THROUGHPUT_CLIENTS (128) streaming clients, THROUGHPUT_ROUNDS (3) rotated rounds of 20 s.
 # prefill: benchmarks/bench_prefill.py, Qwen3-4B shape, 8192-token prompts, PREFILL_ROUNDS (16).
@@ -20,7 +20,7 @@ for step in "${steps[@]}"; do
   echo "=== $step: start $(date -u +%FT%TZ)"
   case $step in
     soak)
-      python3 benchmarks/soak.py --clients "${SOAK_CLIENTS:-256}" --duration "${SOAK_DURATION:-600}" --slots 16 \
+      python3 -m benchmarks.soak --clients "${SOAK_CLIENTS:-256}" --duration "${SOAK_DURATION:-600}" --slots 16 \
         --server-arg=--max-num-seqs=256 --workdir /tmp/soak-gpu --out "$out/soak_gpu.json" 2>&1 \
         | tee "$out/soak_gpu.txt" | tail -60 ;;
     throughput)

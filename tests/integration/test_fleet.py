@@ -2,7 +2,7 @@
 one real redis-server (``HOTWIRE_REGISTRY``): what is registered, replaced or deleted on either is served by both; one id registered
 on both at once gets one 201 and one 409; replica B starts after vectors were registered on A and serves them;
 Redis killed mid-traffic leaves both steering while registration answers 503, and both recover when it returns;
-a soak (benchmarks/soak.py) over both replicas judges every response against its receipt;
+a soak (benchmarks/soak) over both replicas judges every response against its receipt;
 a Redis that comes back empty gets every vector back from the replicas, and one that comes back from an older
 snapshot every change acknowledged after it (a change sent meanwhile waits for that); B restarted while Redis holds 500 more
 vectors catches up with all of them, and serves a request pinned to a version replaced before it started.
@@ -41,7 +41,11 @@ from server_fixture import VllmServer, max_diff
 from server_fixture import completion_logprobs as logprobs
 
 sys.path.insert(0, str(BENCHMARKS))  # imported by name: its dataclasses need the module in sys.modules
-import soak  # noqa: E402
+from soak.plan import SoakConfig  # noqa: E402
+from soak.report import examples_text, table  # noqa: E402
+from soak.responses import PATHS  # noqa: E402
+from soak.run import run_soak  # noqa: E402
+from soak.steering import CLASS_WEIGHTS  # noqa: E402
 
 pytestmark = pytest.mark.integration
 
@@ -241,20 +245,20 @@ SOAK = dict(clients=12, duration=30.0, ids=12, churned=6, pool=3, max_tokens=8, 
 
 
 def test_a_soak_over_both_replicas_has_no_failures(fleet: Fleet, tiny_model) -> None:
-    """benchmarks/soak.py over both replicas at once: every OpenAI route, streamed and not, plain, single,
+    """benchmarks/soak over both replicas at once: every OpenAI route, streamed and not, plain, single,
     stacked and one-phase steering while ids are replaced and deleted through either replica; every response is
     judged from its content against its receipt with one book of the fleet's versions, so a replica that served
     another version's bytes under a receipt, or a vector it should not have, is a failure."""
-    result = asyncio.run(soak.run_soak(soak.SoakConfig(**SOAK), [fleet.a.url, fleet.b.url], tiny_model))
+    result = asyncio.run(run_soak(SoakConfig(**SOAK), [fleet.a.url, fleet.b.url], tiny_model))
     if os.environ.get("HOTWIRE_FLEET_SOAK_RESULTS"):
         Path(os.environ["HOTWIRE_FLEET_SOAK_RESULTS"]).write_text(json.dumps(result, indent=1))
-    summary = soak.table(result)
+    summary = table(result)
     print(summary)
     failed = {kind: n for kind, n in result["failures"].items() if n}
-    assert not failed, f"{summary}\n\nexamples:\n{soak.examples_text(result, per_kind=3)}"
+    assert not failed, f"{summary}\n\nexamples:\n{examples_text(result, per_kind=3)}"
     requests = result["requests"]
-    assert set(requests["by_route"]) == {f"{r}{s}" for r in soak.PATHS for s in ("", "/stream")}
-    assert set(requests["by_class"]) == set(soak.CLASS_WEIGHTS)
+    assert set(requests["by_route"]) == {f"{r}{s}" for r in PATHS for s in ("", "/stream")}
+    assert set(requests["by_class"]) == set(CLASS_WEIGHTS)
     assert sorted(requests["by_server"]) == sorted([fleet.a.url, fleet.b.url])
     churn = result["churn"]
     assert churn["replaced"] > 0 and churn["deleted"] > 0 and sorted(churn["by_server"]) == sorted(requests["by_server"])

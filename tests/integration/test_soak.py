@@ -1,4 +1,4 @@
-"""A short soak (``benchmarks/soak.py``) against a real ``vllm serve`` with hotwire: concurrent clients on every
+"""A short soak (``benchmarks/soak``) against a real ``vllm serve`` with hotwire: concurrent clients on every
 OpenAI route, streamed and not, plain and steered (single, stacked, decode_only, prefill_only), while vectors are
 replaced and deleted; every response is judged from its content (marker vectors at the last layer) against its
 receipt. No failure of any kind may occur, and the slot bank must drain to 0 pinned.
@@ -23,11 +23,15 @@ from benchmark_module import BENCHMARKS
 from server_fixture import VllmServer
 
 sys.path.insert(0, str(BENCHMARKS))  # imported by name: its dataclasses need the module in sys.modules
-import soak  # noqa: E402
+from soak.plan import SoakConfig  # noqa: E402
+from soak.report import examples_text, table  # noqa: E402
+from soak.responses import PATHS  # noqa: E402
+from soak.run import run_soak  # noqa: E402
+from soak.steering import CLASS_WEIGHTS  # noqa: E402
 
 pytestmark = pytest.mark.integration
 
-CONFIG = soak.SoakConfig(clients=12, duration=45.0, ids=40, churned=8, pool=3, max_tokens=8)
+CONFIG = SoakConfig(clients=12, duration=45.0, ids=40, churned=8, pool=3, max_tokens=8)
 SLOTS = 16
 
 
@@ -41,19 +45,19 @@ def server(tiny_model, tmp_path_factory) -> Iterator[VllmServer]:
 
 
 def test_soak_has_no_failures_and_drains(server, tiny_model, tmp_path):
-    result = asyncio.run(soak.run_soak(CONFIG, [server.url], tiny_model))
+    result = asyncio.run(run_soak(CONFIG, [server.url], tiny_model))
     (tmp_path / "soak.json").write_text(json.dumps(result, indent=1))
-    summary = soak.table(result)
+    summary = table(result)
     print(summary)
     failed = {kind: n for kind, n in result["failures"].items() if n}
     assert not failed, (
-        f"{summary}\n\nexamples:\n{soak.examples_text(result, per_kind=3)}\n\nserver log ({server.log_path}):\n"
+        f"{summary}\n\nexamples:\n{examples_text(result, per_kind=3)}\n\nserver log ({server.log_path}):\n"
         f"{server.log_tail(3000)}"
     )
     assert result["drain"]["pinned"] == 0
     requests = result["requests"]
     # the soak did what it claims: every route and class ran, vectors churned
-    assert set(requests["by_route"]) == {f"{r}{s}" for r in soak.PATHS for s in ("", "/stream")}
-    assert set(requests["by_class"]) == set(soak.CLASS_WEIGHTS)
+    assert set(requests["by_route"]) == {f"{r}{s}" for r in PATHS for s in ("", "/stream")}
+    assert set(requests["by_class"]) == set(CLASS_WEIGHTS)
     assert result["churn"]["replaced"] > 0 and result["churn"]["deleted"] > 0
     assert requests["ok"] > 0.9 * requests["total"]
