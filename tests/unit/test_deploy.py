@@ -1959,3 +1959,13 @@ def test_demo_steers_the_hooked_layer_nearest_the_middle(layers: str | None, exp
     stats = SlotStats.model_validate({"capacity": 8, "used": 0, "pinned": 0, "free": 8, "evictions": 0, "refused": {},
                                       "steered_requests": 0, "vectors": 0, "rows": [], "model": model})
     assert _steerable_layer_and_hidden(stats) == (expected, 16)
+
+
+def test_demo_labels_the_tokens_it_generates_as_generated_not_as_the_prompts() -> None:
+    from hotwire_api import demo
+
+    prompt, generate, steer = demo.request_lines('{"id": "demo"}')
+    assert prompt == f"prompt:    {demo.PROMPT!r}"  # the prompt line carries no token count
+    assert generate.startswith(f"generate:  {demo.MAX_TOKENS} tokens after the prompt")
+    assert steer.endswith('vllm_xargs.hotwire = {"id": "demo"}')
+
