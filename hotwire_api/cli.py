@@ -46,12 +46,18 @@ def _server_options(parser: argparse.ArgumentParser, defaults: bool) -> None:
     default there would overwrite what was given before the command name)."""
     url = os.environ.get("HOTWIRE_URL", DEFAULT_URL) if defaults else argparse.SUPPRESS
     key = os.environ.get("HOTWIRE_API_KEY") if defaults else argparse.SUPPRESS
-    parser.add_argument("--url", default=url, help="server URL (env HOTWIRE_URL)")
-    parser.add_argument("--api-key", default=key, help="API key (env HOTWIRE_API_KEY)")
+    parser.add_argument("--url", default=url, help=f"the server (env HOTWIRE_URL; default {DEFAULT_URL})")
+    parser.add_argument("--api-key", default=key, help="the key the server's /steer routes want (env HOTWIRE_API_KEY)")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="hotwire", description="Manage hotwire steering vectors on a vLLM server.")
+    parser = argparse.ArgumentParser(
+        prog="hotwire",
+        description="Manage hotwire steering vectors on a vLLM server.",
+        epilog=f"The server is {DEFAULT_URL} unless --url or HOTWIRE_URL names another (e.g. "
+        "HOTWIRE_URL=http://gpu-box:9000); one that guards /steer/* wants its key in --api-key or HOTWIRE_API_KEY. "
+        "Both go before or after the command.",
+    )
     _server_options(parser, defaults=True)
     server = argparse.ArgumentParser(add_help=False)
     _server_options(server, defaults=False)

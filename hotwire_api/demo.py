@@ -3,11 +3,11 @@
     python -m hotwire_api.demo [--model PATH_OR_ID] [--port N] [--keep-running] [--cache-dir DIR]
 
 Without ``--model`` it builds the built-in tiny model offline (once, into the cache folder) and serves it; with no
-GPU it uses vLLM's CPU backend in float32 (the engine needs 40-80 s to start there). It prints the ``vllm serve``
-command it runs, with the environment that command needs, so it can be run by hand. It then registers a random
-vector over HTTP, sends one prompt plain and steered (greedy, with logprobs), prints both texts, the per-token
-logprob difference, the ``x-hotwire-receipt`` header and the slot table, and stops the server (its whole process
-group, also on Ctrl-C or an error). ``--keep-running`` leaves the server up until Ctrl-C.
+GPU it uses vLLM's CPU backend in float32. It prints the ``vllm serve`` command it runs, with the environment that
+command needs, so it can be run by hand. It then registers a random vector over HTTP, sends one prompt plain and
+steered (greedy, with logprobs), prints both generated texts, the logprob difference per generated token, the
+``x-hotwire-receipt`` header and the slot table, and stops the server (its whole process group, also on Ctrl-C or
+an error). ``--keep-running`` leaves the server up until Ctrl-C.
 
 Exit status: 0 when steering changed the output, 1 when it did not, 2 when the demo could not run, 130 on Ctrl-C.
 """
@@ -179,6 +179,15 @@ def steering_spec(layer: int) -> str:
     return json.dumps({"id": VECTOR_ID, "layer": layer, "scale": SCALE})
 
 
+def request_lines(spec: str) -> list[str]:
+    """What both completions ask for: the prompt, how many tokens are generated after it, and the steering."""
+    return [
+        f"prompt:    {PROMPT!r}",
+        f"generate:  {MAX_TOKENS} tokens after the prompt, greedy (temperature 0)",
+        f"steer:     vllm_xargs.hotwire = {spec}",
+    ]
+
+
 def complete(http: httpx.Client, url: str, model: str, spec: str | None = None) -> Completion:
     """One greedy completion of :data:`PROMPT`, steered by ``spec`` when given."""
     body: dict[str, Any] = {
@@ -264,8 +273,8 @@ def run_demo(url: str) -> Outcome:
         again = complete(http, url, model)
         stats = client.slots()
 
-    print(f"\nprompt:  {PROMPT!r}  ({MAX_TOKENS} tokens, temperature 0)")
-    print(f"steer:   vllm_xargs.hotwire = {spec}")
+    print()
+    print("\n".join(request_lines(spec)))
     print(f"\nplain text:    {plain.text!r}")
     print(f"steered text:  {steered.text!r}")
     print("\nper-token logprob difference (steered - plain; * = a different token was chosen):")

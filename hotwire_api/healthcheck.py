@@ -94,6 +94,11 @@ def _send(client: httpx.Client, deadline: Deadline, method: str, path: str, **kw
         return client.request(method, path, timeout=deadline.left(what), **kwargs)
     except httpx.TimeoutException:
         raise Unhealthy(f"{what}: no answer within the check's {deadline.seconds:g} s (--timeout)") from None
+    except httpx.ConnectError as exc:
+        # vLLM binds its port at once but listens only once its engine is up: until then a connection fails
+        # (refused, or in some containers [Errno 99]), which says "starting", not "broken".
+        raise Unhealthy(f"{what}: nothing listens at {client.base_url} yet: the server is still starting (or not "
+                        f"running) ({type(exc).__name__}: {exc})") from None
     except httpx.HTTPError as exc:
         raise Unhealthy(f"{what}: cannot reach {client.base_url}: {type(exc).__name__}: {exc}") from None
 

@@ -80,9 +80,12 @@ router = APIRouter(
     route_class=_HotwireRoute,
     dependencies=[Depends(require_api_key)],
     lifespan=_background,
+    # "default" also keeps FastAPI from declaring a 422: _HotwireRoute answers a malformed parameter with 400.
     responses={
         401: _error("Missing or wrong API key."),
         503: _error("The engine is not running, or cannot be steered."),
+        "default": _error("Any other error, in the same body: 500 `internal` or `engines_disagree`, 502 "
+                          "`bad_engine_result` (hotwire_core and hotwire_api of different versions)."),
     },
 )
 
@@ -148,7 +151,8 @@ async def _refresh_catalog(engine: HotwireEngine) -> None:
     openapi_extra={"requestBody": _REGISTER_BODY},
     responses={
         200: {"model": VectorMeta, "description": "Replaced an existing vector (`?replace=true`)."},
-        400: _error("Bad id, dtype, shape, layers or values, or a hidden size / layer the model does not have."),
+        400: _error("Bad id, dtype, shape, layers or values, or a hidden size / layer the model does not have; "
+                    "`bad_request` for a `replace` that is not a boolean."),
         409: _error("The id is taken; pass `?replace=true` to replace it."),
         413: _error("Larger than HOTWIRE_MAX_UPLOAD_MB."),
         415: _error("Neither multipart/form-data nor application/json."),
@@ -214,7 +218,8 @@ async def get_vector(vector_id: str, request: Request, background: BackgroundTas
     responses={
         200: {"content": {"application/octet-stream": {}},
               "description": "safetensors (registers again unchanged) or a control-vector GGUF (llama.cpp, repeng)."},
-        400: _error("`not_exportable`: GGUF cannot carry this vector (a [hidden] vector, or a row for layer 0)."),
+        400: _error("`not_exportable`: GGUF cannot carry this vector (a [hidden] vector, or a row for layer 0); "
+                    "`bad_request` for another `format` or a `version` below 1."),
         404: _error("No vector has this id (or this engine holds no such version)."),
     },
 )
@@ -267,7 +272,12 @@ async def delete_vector(vector_id: str, request: Request, background: Background
     return Response(status_code=204)
 
 
-@router.get("/slots", response_model=SlotStats, summary="Steering bank occupancy and counters")
+@router.get(
+    "/slots",
+    response_model=SlotStats,
+    summary="Steering bank occupancy and counters",
+    responses={400: _error("`bad_request`: `max_age_ms` is not an integer in 0-60000.")},
+)
 async def slots(
     request: Request,
     max_age_ms: int = Query(

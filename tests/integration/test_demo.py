@@ -26,6 +26,8 @@ def test_demo_steers_and_leaves_nothing_running(tmp_path):
     assert proc.returncode == 0, f"demo exited {proc.returncode}\n{out[-3000:]}\n{proc.stderr[-3000:]}"
 
     assert re.search(r"\[\s*\d+ s\] starting\.\.\.", out), "no startup progress was shown"
+    assert re.search(r"^prompt: +'The quick brown fox'$", out, re.M)
+    assert re.search(r"^generate: +16 tokens after the prompt", out, re.M)
     assert re.search(r"^plain text: +'.+'$", out, re.M)
     assert re.search(r"^steered text: +'.+'$", out, re.M)
     assert "per-token logprob difference" in out

@@ -187,7 +187,7 @@ def test_a_spec_that_is_not_a_json_string_is_hotwires_400(http, model, value):
     ("/v1/messages", {"messages": [{"role": "user", "content": PROMPT}], "max_tokens": 3}),
 ])  # fmt: skip
 def test_a_route_that_cannot_steer_says_so(http, model, path, body):
-    """Such routes used to ignore vllm_xargs: a steered request was served plain with a 200."""
+    """vLLM ignores vllm_xargs on these routes: unless admission refuses the spec, it is served plain with a 200."""
     error = error_of(http.post(path, json={"model": model, **body, "vllm_xargs": {"hotwire": spec("fz", 1, 1.0)}}),
                      400, "steering_unsupported")
     assert path in error["message"]

@@ -958,6 +958,23 @@ def test_openapi_schema_lists_routes_and_models(client: TestClient) -> None:
     )
 
 
+
+def test_openapi_declares_the_400_the_routes_send_for_bad_parameters_not_fastapis_422(
+    app: FastAPI, client: TestClient, engine: FakeEngine
+) -> None:
+    steer = {p: ops for p, ops in app.openapi()["paths"].items() if p.startswith("/steer/")}
+    assert steer and "HTTPValidationError" not in json.dumps(steer)
+    for path, ops in steer.items():
+        for method, op in ops.items():
+            assert "422" not in op["responses"], (method, path)
+            if any(param["in"] == "query" for param in op.get("parameters", [])):
+                assert "400" in op["responses"], (method, path)  # a query parameter that does not parse
+    engine.vectors["v"] = {}  # any id: the parameters are refused before the engine is asked
+    _error(client.get("/steer/slots?max_age_ms=-1"), 400, "bad_request", "max_age_ms")
+    _error(client.get("/steer/vectors/v/file?version=0"), 400, "bad_request", "version")
+    _error(client.get("/steer/vectors/v/file?format=pt"), 400, "bad_request", "format")
+    _error(client.post("/steer/vectors?replace=maybe", json={}), 400, "bad_request", "replace")
+
 # ---- client and CLI ---------------------------------------------------------------------------------------
 
 

@@ -88,3 +88,21 @@ def test_bad_layers_are_an_argument_error_saying_why(value: str, says: str) -> N
 
     with pytest.raises(argparse.ArgumentTypeError, match=says):
         cli._layers(value)
+
+
+def test_help_says_how_to_reach_another_server_and_pass_its_key(capsys) -> None:
+    with pytest.raises(SystemExit) as info:
+        cli.main(["--help"])
+    assert info.value.code == 0
+    text = " ".join(capsys.readouterr().out.split())  # argparse wraps at the terminal's width
+    for words in ("--url", "HOTWIRE_URL", "http://localhost:8000", "--api-key", "HOTWIRE_API_KEY"):
+        assert words in text, words
+
+
+def test_the_url_and_key_come_from_the_environment_and_the_options_win(monkeypatch) -> None:
+    monkeypatch.setenv("HOTWIRE_URL", "http://elsewhere:9000")
+    monkeypatch.setenv("HOTWIRE_API_KEY", "from-env")
+    args = cli.build_parser().parse_args(["slots"])
+    assert (args.url, args.api_key) == ("http://elsewhere:9000", "from-env")
+    args = cli.build_parser().parse_args(["slots", "--url", "http://given:1", "--api-key", "given"])
+    assert (args.url, args.api_key) == ("http://given:1", "given")

@@ -1931,7 +1931,7 @@ def test_healthcheck_main_reports_an_unreachable_server(capsys: pytest.CaptureFi
         port = sock.getsockname()[1]
     assert healthcheck.main(["--url", f"http://127.0.0.1:{port}", "--timeout", "5"]) == 1
     err = capsys.readouterr().err
-    assert err.startswith("unhealthy: GET /steer/slots: cannot reach") and err.count("\n") == 1
+    assert err.startswith(f"unhealthy: GET /steer/slots: nothing listens at http://127.0.0.1:{port} yet") and err.count("\n") == 1
 
 
 def test_healthcheck_runs_as_a_module() -> None:
@@ -1959,3 +1959,32 @@ def test_demo_steers_the_hooked_layer_nearest_the_middle(layers: str | None, exp
     stats = SlotStats.model_validate({"capacity": 8, "used": 0, "pinned": 0, "free": 8, "evictions": 0, "refused": {},
                                       "steered_requests": 0, "vectors": 0, "rows": [], "model": model})
     assert _steerable_layer_and_hidden(stats) == (expected, 16)
+
+
+def test_demo_labels_the_tokens_it_generates_as_generated_not_as_the_prompts() -> None:
+    from hotwire_api import demo
+
+    prompt, generate, steer = demo.request_lines('{"id": "demo"}')
+    assert prompt == f"prompt:    {demo.PROMPT!r}"  # the prompt line carries no token count
+    assert generate.startswith(f"generate:  {demo.MAX_TOKENS} tokens after the prompt")
+    assert steer.endswith('vllm_xargs.hotwire = {"id": "demo"}')
+
+
+def test_healthcheck_says_a_server_that_does_not_listen_yet_is_still_starting() -> None:
+    """vLLM binds its port early and listens once the engine is up: a refused connection (or the [Errno 99] some
+    containers give for localhost) during the start is named as such, not as a bare socket error."""
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))  # bound, not listening: what vLLM's API server holds while its engine starts
+        url = f"http://127.0.0.1:{sock.getsockname()[1]}"
+        with httpx.Client(base_url=url) as client, pytest.raises(healthcheck.Unhealthy) as refused:
+            healthcheck.check(client, timeout=5)
+    assert str(refused.value).startswith(f"GET /steer/slots: nothing listens at {url} yet: the server is still starting")
+
+    def errno_99(request: httpx.Request) -> httpx.Response:
+        raise httpx.ConnectError("[Errno 99] Cannot assign requested address", request=request)
+
+    with httpx.Client(base_url="http://localhost:8000", transport=httpx.MockTransport(errno_99)) as client:
+        with pytest.raises(healthcheck.Unhealthy, match=r"still starting .*\[Errno 99\]"):
+            healthcheck.check(client)
