@@ -70,13 +70,13 @@ export HOTWIRE_STORE="${HOTWIRE_STORE:-off}"
 
 # The files of the suite in the order they start: the longest first (seconds alone on a 2-core machine: compose
 # 500-660, model matrix 150-250, server 110-170, fleet 160, unit 150, lora 120-175 (beside other work), speculative
-# 90-185, speculative draft 95-150, speculative eagle 90-120, MoE bit identity 145, model families 115-135, bit
+# 90-185, speculative draft 95-150, speculative eagle 90-120, family bit identity 280, model families 115-135, bit
 # identity 90-140, request features 75-125, quantized 80-160, chunked prefill 40-80, soak 70, data parallel 35-100,
 # vector formats 65-105, ...); a file of APART waits while another of APART runs.
 LONGEST_FIRST=(
     tests/integration/test_compose.py tests/integration/test_model_matrix.py tests/integration/test_server.py
     tests/integration/test_fleet.py tests/unit tests/integration/test_lora.py tests/integration/test_speculative.py
-    tests/integration/test_speculative_draft.py tests/integration/test_moe_bit_identity.py
+    tests/integration/test_speculative_draft.py tests/integration/test_family_bit_identity.py
     tests/integration/test_model_families.py tests/integration/test_speculative_eagle.py
     tests/integration/test_bit_identity.py tests/integration/test_request_features.py
     tests/integration/test_quantized.py tests/integration/test_chunked_prefill.py
