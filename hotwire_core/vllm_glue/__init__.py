@@ -34,7 +34,7 @@ from .scheduler import patch_scheduler
 from .versions import SUPPORTED_VLLM, inactive_reason, unsupported_version
 from .workers import patch_worker, patch_worker_base
 
-__all__ = ["PATCHES", "SUPPORTED_VLLM", "inactive_reason", "install", "unsupported_version"]
+__all__ = ["PATCHES", "SUPPORTED_VLLM", "inactive_reason", "install", "installed", "unsupported_version"]
 
 logger = logging.getLogger(__name__)
 
@@ -66,6 +66,12 @@ def _log_through_vllm() -> None:
         ours = logging.getLogger(name)
         if not ours.handlers and ours.level == logging.NOTSET:
             ours.parent = vllm_logger
+
+
+def installed() -> bool:
+    """Whether :func:`install` ran in this process (vLLM loaded the ``hotwire`` plugin here): importing this
+    package hooks nothing."""
+    return _INSTALLED
 
 
 def install() -> None:
