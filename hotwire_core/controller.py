@@ -318,7 +318,7 @@ class SteeringController:
             raise Refusal(429, "slots_exhausted",
                           "this streaming-input session's first chunk was still waiting for bank rows when more input "
                           "came; start the session again once rows are free")  # fmt: skip
-        if not self.requests.resumable(update):
+        if not self.requests.expects_more_input(update):
             return  # the end marker: vLLM finishes the session, which releases its binding
         if not same_steering(self._spec_of(update), self._spec_of(session)):
             self.refused["steering_changed"] += 1

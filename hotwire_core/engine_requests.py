@@ -30,5 +30,5 @@ class EngineRequests(Protocol):
     def set_cache_salt(self, request: Any, salt: str) -> None:
         """Give the request cache salt ``salt``; its prompt's block hashes are computed again if it had another."""
 
-    def resumable(self, request: Any) -> bool:
+    def expects_more_input(self, request: Any) -> bool:
         """Whether more input of this streaming-input session may come (False: a plain request, or the end marker)."""

@@ -63,7 +63,7 @@ class VllmRequests:
             request.update_block_hashes()
 
     @staticmethod
-    def resumable(request: Any) -> bool:
+    def expects_more_input(request: Any) -> bool:
         return bool(request.resumable)
 
 
