@@ -1,8 +1,9 @@
 """Host time hotwire's worker adds to one decode step (no GPU needed; the per-step work is NumPy on the host).
 
 Per step, a worker runs ``WorkerSteering.on_step`` (new and finished requests, read from the scheduler output by
-``vllm_glue.runners.step_of``), ``steers_any`` (the step's graph variant) and ``fill`` (``token_cfg``). This times the three on a decode batch of B requests, on a CPU device (the
-device copies then are host copies too), in four modes:
+``vllm_glue.runners.step_of``), ``steers_any`` (the step's graph variant) and ``fill`` (``token_cfg``). This times
+the three on a decode batch of B requests, on a CPU device (the device copies then are host copies too), in four
+modes:
 
 - ``idle``: nothing steered, the batch unchanged from step to step;
 - ``steered``: every request steered by one vector at one layer, the batch unchanged (a steady decode step);

@@ -124,7 +124,8 @@ PARTS = {"WorkerSteering": ("on_step", "steers_any", "fill", "_batch_rows"),
 
 
 def time_parts(*classes: type) -> list[HookTimer]:
-    """Time the methods ``PARTS`` names for each of ``classes`` (``hotwire_core.runtime``'s and ``hotwire_core.uploader``'s, by class name)."""
+    """Time the methods ``PARTS`` names for each of ``classes`` (``hotwire_core.runtime``'s and
+    ``hotwire_core.uploader``'s, by class name)."""
     timers = []
     for cls in classes:
         for name in PARTS[cls.__name__]:

@@ -62,7 +62,8 @@ class SteeringController:
         self.bindings = Bindings(self.registry, self.slots, requests)
         self.refused: Counter[str] = Counter()
         self.steered_requests = 0
-        self.deferred = DeferredRequests(self.bindings, requests, settings.max_wait_s, self.refused)  # requests waiting for slots
+        # requests waiting for slots
+        self.deferred = DeferredRequests(self.bindings, requests, settings.max_wait_s, self.refused)
         self._refusals: OrderedDict[str, contract.Failure] = OrderedDict()  # ticket -> refusal (see note_refusal)
         # Set by the engine glue: finishes a deferred request that can no longer be admitted with an error.
         self.on_refused: Callable[[Any, Refusal], None] = lambda request, exc: None
