@@ -28,6 +28,7 @@ from hotwire_core.controller import USER_SALT_ATTR, SteeringController
 from hotwire_core.offline import steer
 from hotwire_core.settings import Settings
 from hotwire_core.tiny_model import SHAPES
+from hotwire_core.vllm_glue.requests import VLLM_REQUESTS
 
 BLOCK = 16  # vLLM's default block size
 
@@ -35,7 +36,7 @@ BLOCK = 16  # vLLM's default block size
 def controller(shape: str) -> SteeringController:
     s = SHAPES[shape]
     c = SteeringController(ModelInfo(True, "", s.num_layers, s.hidden_size, "bfloat16", frozenset(range(s.num_layers))),
-                           Settings(256, 4, "op", None, None), "bench")
+                           Settings(256, 4, "op", None, None), "bench", VLLM_REQUESTS)
     vector = torch.randn(s.hidden_size).to(torch.bfloat16)
     assert c.register("v", vector.view(torch.int16).numpy().tobytes(), "bfloat16", [s.hidden_size])["ok"]
     return c

@@ -1,8 +1,9 @@
 """Host time hotwire's worker adds to one decode step (no GPU needed; the per-step work is NumPy on the host).
 
-Per step, a worker runs ``WorkerSteering.on_step`` (new and finished requests), ``steers_any`` (the step's graph
-variant) and ``fill`` (``token_cfg``). This times the three on a decode batch of B requests, on a CPU device (the
-device copies then are host copies too), in four modes:
+Per step, a worker runs ``WorkerSteering.on_step`` (new and finished requests, read from the scheduler output by
+``vllm_glue.runners.step_of``), ``steers_any`` (the step's graph variant) and ``fill`` (``token_cfg``). This times
+the three on a decode batch of B requests, on a CPU device (the device copies then are host copies too), in four
+modes:
 
 - ``idle``: nothing steered, the batch unchanged from step to step;
 - ``steered``: every request steered by one vector at one layer, the batch unchanged (a steady decode step);
@@ -28,6 +29,7 @@ from hotwire_core.controller import BINDING_KEY
 from hotwire_core.runtime import WorkerSteering
 from hotwire_core.settings import Settings
 from hotwire_core.tiny_model import SHAPES
+from hotwire_core.vllm_glue.runners import step_of
 
 MODES = ("idle", "steered", "churn", "churn-distinct")
 PROMPT = 32  # prompt tokens of every request
@@ -48,7 +50,7 @@ def decode_step(batch: int, mode: str, shape: str) -> Callable[[], None]:
 
     ids = [f"cmpl-{n:032x}-0" for n in range(batch)]
     if mode != "idle":
-        w.on_step(SimpleNamespace(scheduled_new_reqs=[request(n) for n in range(batch)]), set())
+        w.on_step(step_of(SimpleNamespace(scheduled_new_reqs=[request(n) for n in range(batch)]), set()))
     scheduled, computed = np.ones(batch, np.int32), np.full(batch, PROMPT, np.int32)
     no_news = SimpleNamespace(scheduled_new_reqs=[])
     arrivals = iter(range(batch, 1 << 62))
@@ -61,9 +63,9 @@ def decode_step(batch: int, mode: str, shape: str) -> Callable[[], None]:
             n = next(arrivals)
             finished, ids[n % batch] = ids[n % batch], f"cmpl-{n:032x}-0"
             scheduled[n % batch], computed[n % batch] = PROMPT, 0  # the new request's prompt, in this step
-            w.on_step(SimpleNamespace(scheduled_new_reqs=[request(n)]), (finished,))
+            w.on_step(step_of(SimpleNamespace(scheduled_new_reqs=[request(n)]), (finished,)))
         else:
-            w.on_step(no_news, ())
+            w.on_step(step_of(no_news, ()))
         w.steers_any(ids)
         w.fill(ids, scheduled, computed, tokens)
 

@@ -120,11 +120,12 @@ def instrument() -> tuple[list[HookTimer], list[str]]:
 # ``to_device`` (pinned host copy, host-to-device copy, event) runs once per table written: its calls per step count
 # the uploads.
 PARTS = {"WorkerSteering": ("on_step", "steers_any", "fill", "_batch_rows"),
-         "_Uploader": ("to_device", "copy_", "_stage", "_record")}
+         "Uploader": ("to_device", "copy_", "_stage", "_record")}
 
 
 def time_parts(*classes: type) -> list[HookTimer]:
-    """Time the methods ``PARTS`` names for each of ``classes`` (``hotwire_core.runtime``'s, by class name)."""
+    """Time the methods ``PARTS`` names for each of ``classes`` (``hotwire_core.runtime``'s and
+    ``hotwire_core.uploader``'s, by class name)."""
     timers = []
     for cls in classes:
         for name in PARTS[cls.__name__]:
@@ -201,8 +202,9 @@ def main() -> None:
     from vllm import LLM, SamplingParams
 
     from hotwire_core.offline import register_vector, steer
-    from hotwire_core.runtime import WorkerSteering, _Uploader
+    from hotwire_core.runtime import WorkerSteering
     from hotwire_core.tiny_model import build_model
+    from hotwire_core.uploader import Uploader
     from hotwire_core.verify import untimed_compilation_config
 
     model = build_model(Path(tempfile.gettempdir()) / f"hotwire-profile-{args.shape}", args.shape, weights=False)
@@ -216,7 +218,7 @@ def main() -> None:
     vocab = min(hf.vocab_size, 30000)
     timers, untimed = instrument()
     nulls = install_null_hooks()
-    parts = time_parts(WorkerSteering, _Uploader)
+    parts = time_parts(WorkerSteering, Uploader)
     count_steps(timers + nulls + parts)
     rows = []
     for mode in args.modes.split(","):

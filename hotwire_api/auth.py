@@ -16,15 +16,12 @@ from fastapi import Request
 
 from hotwire_api.errors import HotwireError
 from hotwire_api.settings import Settings
+from hotwire_core.vllm_glue.api_server import cli_api_keys
 
 
 def vllm_keys(app: Any) -> list[str]:
     """vLLM's own keys, which guard its OpenAI routes: ``--api-key`` and else ``VLLM_API_KEY``; empty when unset."""
-    args = getattr(app.state, "args", None)
-    cli_keys = getattr(args, "api_key", None)
-    if isinstance(cli_keys, str):
-        cli_keys = [cli_keys]
-    return [key for key in (cli_keys or [os.environ.get("VLLM_API_KEY")]) if key]
+    return [key for key in (cli_api_keys(app) or [os.environ.get("VLLM_API_KEY")]) if key]
 
 
 def api_keys(app: Any) -> list[str]:

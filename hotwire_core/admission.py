@@ -76,7 +76,7 @@ class ModelInfo:
     hidden_size: int
     dtype: str
     layers: frozenset[int]  # layers with a hook, over all PP ranks
-    norm: bool = True  # norm-relative entries supported (see runtime.SteerHook)
+    norm: bool = True  # norm-relative entries supported (see steer_hook.SteerHook)
 
     def to_json(self, max_stack: int) -> dict:
         return {

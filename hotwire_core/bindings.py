@@ -4,7 +4,6 @@ carries to the workers (bank writes, new configs of resumed requests). See docs/
 
 from __future__ import annotations
 
-import copy
 from collections.abc import Collection, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -13,11 +12,12 @@ import torch
 
 from .admission import Resolved, receipt, row_key
 from .contract import BINDING_KEY
+from .engine_requests import EngineRequests
 from .registry import HostVector, VectorRegistry
 from .slots import RowKey, SlotCache, SlotsExhausted
 from .spec import Phase
 
-__all__ = ["BankWrite", "Binding", "Bindings", "BoundEntry", "Config", "set_binding", "set_extra"]
+__all__ = ["BankWrite", "Binding", "Bindings", "BoundEntry", "Config"]
 
 Config = dict[str, list[list[float]]]  # phase ("p", "d") -> the workers' [layer, slot, scale, rel] items
 
@@ -61,28 +61,16 @@ class Binding:
         return self.sources.keys()
 
 
-def set_extra(request: Any, key: str, value: Any) -> None:
-    """Set one of a vLLM request's ``extra_args``. Copied params, so that a caller's object (offline, in-process
-    engines) is never modified."""
-    params = copy.copy(request.sampling_params)
-    params.extra_args = {**params.extra_args, key: value}
-    request.sampling_params = params
-
-
-def set_binding(request: Any, config: Config) -> None:
-    """Give a request its config: the workers read it from the request's sampling params."""
-    set_extra(request, BINDING_KEY, config)
-
-
 _PHASES = {Phase.ALL: "pd", Phase.PREFILL: "p", Phase.DECODE: "d"}
 
 
 class Bindings(Mapping[str, Binding]):
     """The bindings of the admitted requests, by request id, over one registry and slot cache."""
 
-    def __init__(self, registry: VectorRegistry, slots: SlotCache):
+    def __init__(self, registry: VectorRegistry, slots: SlotCache, requests: EngineRequests):
         self.registry = registry
         self.slots = slots
+        self.requests = requests
         self._by_id: dict[str, Binding] = {}
         self._writes: list[BankWrite] = []
         self._rebinds: dict[str, Config] = {}  # resumed request id -> its new config
@@ -120,9 +108,13 @@ class Bindings(Mapping[str, Binding]):
         ]
         config = self._config(entries, slot_of)
         binding = Binding(vectors, receipt(resolved), entries, sources, config)
-        self._by_id[request.request_id] = binding
-        set_binding(request, config)
+        self._by_id[self.requests.request_id(request)] = binding
+        self.give_config(request, config)
         return binding
+
+    def give_config(self, request: Any, config: Config) -> None:
+        """Give a request its config: the workers read it from the request's ``extra_args``."""
+        self.requests.set_extra(request, BINDING_KEY, config)
 
     def _load(self, loads: list[tuple[int, RowKey]], sources: dict[RowKey, tuple[HostVector, int]]) -> None:
         for slot, key in loads:
@@ -151,23 +143,24 @@ class Bindings(Mapping[str, Binding]):
         """Pin a preempted request's rows again before the scheduler lets it run; False (and nothing changes)
         while they cannot all be pinned. Rows evicted meanwhile are reloaded, possibly into other slots: the
         request and, through ``take_rebinds``, the workers then get the new config."""
-        binding = self._by_id.get(request.request_id)
+        request_id = self.requests.request_id(request)
+        binding = self._by_id.get(request_id)
         if binding is None or not binding.suspended:
             return True
         try:
             slot_of, loads = self.slots.acquire(binding.keys)
         except SlotsExhausted:
-            self.waiting_to_resume.add(request.request_id)
+            self.waiting_to_resume.add(request_id)
             return False
-        self.waiting_to_resume.discard(request.request_id)
+        self.waiting_to_resume.discard(request_id)
         self._load(loads, binding.sources)
         binding.suspended = False
         self.resumptions += 1
         config = self._config(binding.entries, slot_of)
         if config != binding.config:
             binding.config = config
-            set_binding(request, config)
-            self._rebinds[request.request_id] = config
+            self.give_config(request, config)
+            self._rebinds[request_id] = config
         return True
 
     def release(self, request_id: str) -> None:

@@ -19,9 +19,10 @@ import torch
 
 from . import contract
 from .admission import ModelInfo, Refusal, Resolved, Rules, cache_salt, pinned_spec, receipt, resolve, row_key
-from .bindings import BankWrite, Binding, Bindings, Config, set_binding
+from .bindings import BankWrite, Binding, Bindings, Config
 from .contract import BINDING_KEY, USER_SALT_ATTR  # re-exported: the benchmarks import them from here
 from .deferral import DeferredRequests
+from .engine_requests import EngineRequests
 from .errors import EngineError
 from .registry import HostVector, RegistryError, VectorRegistry
 from .sessions import EndedSessions, same_steering
@@ -31,29 +32,11 @@ from .spec import SALT_PREFIX, SPEC_KEY, TICKET_KEY, SpecError, parse_spec
 from .store import VectorStore
 from .vectors import restore, store_failed
 
-__all__ = [
-    "BINDING_KEY", "USER_SALT_ATTR", "SteeringController", "WaitForRows", "prompt_length", "steering_args",
-]
+__all__ = ["BINDING_KEY", "USER_SALT_ATTR", "SteeringController", "WaitForRows"]
 
 logger = logging.getLogger(__name__)
 
 REFUSALS_KEPT = 4096  # refusals of ticketed requests, kept until the API server that sent them asks
-
-
-def steering_args(request: Any) -> dict | None:
-    """A vLLM request's (``Request`` or ``EngineCoreRequest``) ``extra_args`` if they hold a steering spec
-    (``SPEC_KEY``), else None."""
-    extra = request.sampling_params.extra_args if request.sampling_params is not None else None
-    return extra if extra and SPEC_KEY in extra else None
-
-
-def prompt_length(request: Any) -> int:
-    """Prompt tokens of a vLLM ``Request``, ``EngineCoreRequest`` or ``NewRequestData`` (token ids, or the rows
-    of ``prompt_embeds`` when there are none)."""
-    if request.prompt_token_ids is not None:
-        return len(request.prompt_token_ids)
-    embeds = getattr(request, "prompt_embeds", None)
-    return 0 if embeds is None else int(embeds.shape[0])
 
 
 class WaitForRows(Refusal):
@@ -66,17 +49,21 @@ class WaitForRows(Refusal):
 
 
 class SteeringController:
-    def __init__(self, model: ModelInfo, settings: Settings, model_name: str):
+    """``requests``: how to read and change the engine's requests (``vllm_glue.requests.VLLM_REQUESTS``)."""
+
+    def __init__(self, model: ModelInfo, settings: Settings, model_name: str, requests: EngineRequests):
         self.model = model
         self.settings = settings
+        self.requests = requests
         self.registry = VectorRegistry(model.n_layers, model.hidden_size, model.dtype, settings.retain_s)
         self.rules = Rules(model, settings.max_stack, settings.slots, settings.rows_per_request(len(model.layers)),
                            settings.layers is not None)
         self.slots = SlotCache(settings.slots)
-        self.bindings = Bindings(self.registry, self.slots)
+        self.bindings = Bindings(self.registry, self.slots, requests)
         self.refused: Counter[str] = Counter()
         self.steered_requests = 0
-        self.deferred = DeferredRequests(self.bindings, settings.max_wait_s, self.refused)  # requests waiting for slots
+        # requests waiting for slots
+        self.deferred = DeferredRequests(self.bindings, requests, settings.max_wait_s, self.refused)
         self._refusals: OrderedDict[str, contract.Failure] = OrderedDict()  # ticket -> refusal (see note_refusal)
         # Set by the engine glue: finishes a deferred request that can no longer be admitted with an error.
         self.on_refused: Callable[[Any, Refusal], None] = lambda request, exc: None
@@ -243,7 +230,7 @@ class SteeringController:
     def note_refusal(self, request: Any, exc: Refusal) -> None:
         """Keep the refusal of a request the HTTP admission ticketed, for ``refusals``: vLLM reports a refused
         request to its client only as a failed one."""
-        extra = request.sampling_params.extra_args if request.sampling_params is not None else None
+        extra = self.requests.extra_args(request)
         ticket = extra.get(TICKET_KEY) if extra else None
         if isinstance(ticket, str):
             self._refusals[ticket] = exc.to_result()
@@ -281,23 +268,25 @@ class SteeringController:
         return cache_salt(user_salt, zip(entries, vectors), prompt_len)
 
     def admit(self, request: Any) -> Binding | None:
-        """Bind a new engine request (a ``vllm.v1.request.Request``) to its steering, or raise :class:`Refusal`
-        (code ``slots_exhausted`` when it would fit once running requests release their rows: see ``defer``).
+        """Bind a new engine request to its steering, or raise :class:`Refusal` (code ``slots_exhausted`` when it
+        would fit once running requests release their rows: see ``defer``).
 
         On success the request carries the binding for the workers and a cache salt that separates its KV
         from every other steering config (none included). A request built with that salt already (see
-        ``cache_salt_for``; ``USER_SALT_ATTR`` then holds the user's own) keeps its block hashes."""
-        user_salt = getattr(request, USER_SALT_ATTR, request.cache_salt)
+        ``cache_salt_for``) keeps its block hashes."""
+        requests = self.requests
+        user_salt = requests.user_salt(request)
         if user_salt and user_salt.startswith(SALT_PREFIX):
             self.refused["reserved_salt"] += 1
             raise Refusal(400, "reserved_salt", f"cache_salt may not start with {SALT_PREFIX!r}", "cache_salt")
-        extra = steering_args(request)
+        extra = requests.steering_args(request)
         if extra is None:
             return None
+        request_id = requests.request_id(request)
         try:
             resolved = self._resolve(extra[SPEC_KEY])
             sources = self._row_sources(resolved)
-            self.deferred.wait_turn(request.request_id)  # first come, first served
+            self.deferred.wait_turn(request_id)  # first come, first served
             try:
                 slot_of, loads = self.slots.acquire(sources.keys())
             except SlotsExhausted as exc:
@@ -309,13 +298,10 @@ class SteeringController:
             raise
         try:
             binding = self.bindings.bind(request, resolved, sources, slot_of, loads)
-            salt = cache_salt(user_salt, resolved, prompt_length(request))
-            if request.cache_salt != salt:  # hashed without it (or the registry changed since): hash again
-                request.cache_salt = salt
-                request.block_hashes.clear()
-                request.update_block_hashes()
+            # Hashed again only if it was hashed without this salt (or the registry changed since).
+            requests.set_cache_salt(request, cache_salt(user_salt, resolved, requests.prompt_length(request)))
         except BaseException:
-            self.release(request.request_id)  # the glue refuses the request: its pins and versions must not leak
+            self.release(request_id)  # the glue refuses the request: its pins and versions must not leak
             raise
         self.steered_requests += 1
         return binding
@@ -327,19 +313,23 @@ class SteeringController:
         The session keeps the binding of its first chunk (versions, rows and cache salt), so every chunk must ask
         for the same steering; nothing is pinned or released in between (the chunk before may still be running),
         and ``keep_binding`` restores the binding when vLLM applies the chunk. Raises :class:`Refusal` otherwise."""
-        request_id = update.request_id
+        request_id = self.requests.request_id(update)
         if session is None:  # its first chunk is deferred: vLLM never saw the session
             self.deferred.take(request_id)
             raise Refusal(429, "slots_exhausted",
                           "this streaming-input session's first chunk was still waiting for bank rows when more input "
                           "came; start the session again once rows are free")  # fmt: skip
-        if not update.resumable:
+        if not self.requests.expects_more_input(update):
             return  # the end marker: vLLM finishes the session, which releases its binding
-        if not same_steering((steering_args(update) or {}).get(SPEC_KEY), (steering_args(session) or {}).get(SPEC_KEY)):
+        if not same_steering(self._spec_of(update), self._spec_of(session)):
             self.refused["steering_changed"] += 1
             raise Refusal(400, "steering_changed",
                           "every chunk of a streaming-input session must carry the steering its first chunk had "
                           "(or none, if it had none); start a new request to steer differently", SPEC_KEY)  # fmt: skip
+
+    def _spec_of(self, request: Any) -> Any:
+        """The request's raw spec (None: unsteered)."""
+        return (self.requests.steering_args(request) or {}).get(SPEC_KEY)
 
     def note_ended_session(self, request_id: str) -> None:
         """A refusal ended this streaming-input session; vLLM's client will still send its end marker."""
@@ -352,9 +342,9 @@ class SteeringController:
     def keep_binding(self, session: Any) -> None:
         """vLLM gave a session its next chunk's sampling params: put the session's binding back in them (its
         current config: rows may have moved while it was preempted)."""
-        binding = self.bindings.get(session.request_id)
+        binding = self.bindings.get(self.requests.request_id(session))
         if binding is not None:
-            set_binding(session, binding.config)
+            self.bindings.give_config(session, binding.config)
 
     def suspend(self, request_id: str) -> None:
         self.bindings.suspend(request_id)
@@ -372,7 +362,7 @@ class SteeringController:
         versions it resolved to (``resolved``: by ``admit``, in its :class:`WaitForRows`; None: resolve now), its
         spec pinned to them and held, whatever is registered while it waits."""
         if resolved is None:
-            resolved = self._resolve(steering_args(request)[SPEC_KEY])
+            resolved = self._resolve(self.requests.steering_args(request)[SPEC_KEY])
         self.deferred.hold(request, resolved)
 
     def admit_deferred(self) -> list[Any]:

@@ -9,7 +9,8 @@ from collections import Counter, OrderedDict
 from typing import Any, Callable, Iterable, Iterator, NamedTuple
 
 from .admission import Refusal, Resolved, pinned_spec, row_keys
-from .bindings import Bindings, set_extra
+from .bindings import Bindings
+from .engine_requests import EngineRequests
 from .registry import HostVector
 from .slots import RowKey
 from .spec import SPEC_KEY
@@ -18,7 +19,7 @@ __all__ = ["DeferredRequests"]
 
 
 class _Held(NamedTuple):
-    request: Any  # vLLM Request
+    request: Any  # the engine's request (opaque: see EngineRequests)
     vectors: list[HostVector]  # the versions it resolved, referenced while it waits
     rows: set[RowKey]
     since: float  # time.monotonic() when it began to wait
@@ -27,8 +28,9 @@ class _Held(NamedTuple):
 class DeferredRequests:
     """The held requests, in arrival order."""
 
-    def __init__(self, bindings: Bindings, max_wait_s: float, refused: Counter[str]):
+    def __init__(self, bindings: Bindings, requests: EngineRequests, max_wait_s: float, refused: Counter[str]):
         self._bindings = bindings
+        self._requests = requests
         self.max_wait_s = max_wait_s
         self._refused = refused  # the controller's refusals by reason, where requests that waited too long count
         self._held: OrderedDict[str, _Held] = OrderedDict()  # request id -> what it holds
@@ -60,8 +62,8 @@ class DeferredRequests:
         vectors = list({id(v): v for _, v in resolved}.values())
         for vector in vectors:
             self._bindings.registry.acquire(vector)
-        set_extra(request, SPEC_KEY, pinned_spec(resolved))
-        self._held[request.request_id] = _Held(request, vectors, row_keys(resolved), time.monotonic())
+        self._requests.set_extra(request, SPEC_KEY, pinned_spec(resolved))
+        self._held[self._requests.request_id(request)] = _Held(request, vectors, row_keys(resolved), time.monotonic())
         self.deferrals += 1
 
     def take(self, request_id: str) -> Any:

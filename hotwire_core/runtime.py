@@ -1,209 +1,43 @@
-"""Worker side: persistent steering buffers, the per-layer hook, and the per-step fill.
+"""Worker side: persistent steering buffers, the requests' config rows, and the per-step fill.
 
 Buffers are allocated once at model load, before torch.compile and CUDA-graph capture, and never reallocated:
 graphs read them by address. Per step the only host work is writing one config index per token
 (``token_cfg``); the per-request config table, and ``layer_on`` (which layers any live config steers), change
-only when a request is added or removed.
+only when a request is added or removed. What a step changes arrives as a :class:`Step`, which the glue makes from
+vLLM's scheduler output (``vllm_glue.runners.step_of``). The hook on each layer is :mod:`.steer_hook`'s, the
+host-to-device copies :mod:`.uploader`'s, the table's rows :mod:`.config_rows`'.
 """
 
 from __future__ import annotations
 
-import logging
-from collections import deque
+from collections.abc import Collection, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
 from itertools import repeat
-from typing import Any, Collection, Iterable, Sequence
 
 import numpy as np
 import torch
 from torch import nn
 
-from . import ops
-from .contract import BINDING_KEY, REBINDS_ATTR, WRITES_ATTR
-from .controller import prompt_length
-from .settings import Settings, format_layers
+from .bindings import BankWrite, Config
+from .config_rows import ConfigRows
+from .settings import Settings
+from .steer_hook import HOOK_NAME, SteerHook
+from .uploader import Uploader
 
-logger = logging.getLogger(__name__)
+__all__ = ["CONFIG_ROWS_PER_BATCH_SLOT", "Step", "WorkerSteering"]
 
 CONFIG_ROWS_PER_BATCH_SLOT = 2  # requests with config rows per --max-num-seqs slot (see WorkerSteering)
 
 
-def select_layers(found: dict[int, nn.Module], n_layers: int, allowed: frozenset[int] | None) -> dict[int, nn.Module]:
-    """The layers of ``found`` to hook: those in ``allowed`` (``HOTWIRE_LAYERS``; None: all). A layer the model
-    does not have is a configuration error, raised at start rather than refused on every request."""
-    if allowed is None:
-        return found
-    missing = sorted(layer for layer in allowed if layer >= n_layers)
-    if missing:
-        raise ValueError(
-            f"HOTWIRE_LAYERS={format_layers(allowed)} names layer {missing[0]}, but the model has {n_layers} decoder "
-            f"layers (0-{n_layers - 1}); fix HOTWIRE_LAYERS or unset it to steer every layer"
-        )
-    return {index: module for index, module in found.items() if index in allowed}
+@dataclass(frozen=True)
+class Step:
+    """What one scheduler step changes for a worker's steering."""
 
-
-class SteerHook(nn.Module):
-    """Applies steering to one layer's output. Holds the shared buffers as (non-persistent) module buffers so
-    torch.compile lifts them as fixed-address graph inputs.
-
-    The residual stream after a layer that returns ``(hidden, residual)`` is ``hidden + residual``, so the
-    steering may go into either. Where it goes decides what the compiled graph looks like around it:
-
-    * ``"hidden"`` (the default): the op touches only ``hidden``, a matmul output that is in
-      memory anyway. ``residual`` stays a value Inductor may keep in registers, exactly as without hotwire, so
-      unsteered tokens come out bit-identical to vLLM without the plugin. Norm-relative entries need ``residual``
-      too; with ``HOTWIRE_NORM=1`` the op reads it, and Inductor then writes it out in the model dtype, which
-      moves plain tokens by rounding. So norm mode is opt-in.
-    * ``"residual"`` (only when vLLM's all-reduce + RMSNorm fusion pass is on: tensor parallel > 1 on Hopper or
-      Blackwell with FlashInfer): keeps that fusion, whose pattern ``all_reduce(hidden) ->
-      fused_add_rms_norm(hidden, residual)`` an op on ``hidden`` would break. Reading ``residual`` costs
-      bit-identity (above), which that fusion gives up anyway.
-
-    A layer that returns the whole stream in ``hidden`` (``whole_stream``; its ``residual`` is a stale value the
-    model drops) is steered like one that returns ``(hidden, None)``.
-    """
-
-    def __init__(self, buffers: dict[str, torch.Tensor], layer: int, impl: str, target: str, norm: bool,
-                 whole_stream: bool = False):
-        super().__init__()
-        for name, tensor in buffers.items():
-            self.register_buffer(name, tensor, persistent=False)
-        self.layer, self.impl, self.target, self.norm = layer, impl, target, norm
-        self.whole_stream = whole_stream
-
-    def forward(self, hidden: torch.Tensor, residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
-        if residual is None or self.whole_stream:  # the whole stream is in hidden
-            target, other = hidden, None
-        elif self.target == "hidden":
-            target, other = hidden, (residual if self.norm else None)
-        else:
-            target, other = residual, hidden
-        args = (self.token_cfg, self.layer_on, self.cfg_slot, self.cfg_scale, self.cfg_rel, self.bank, self.inv_norm, self.layer)
-        if self.impl == "inductor":
-            target = ops.steer_torch(target, other, *args, use_norm=self.norm)
-        else:
-            torch.ops.hotwire.steer_(target, other, *args)
-        if residual is None or self.whole_stream:
-            return target, residual
-        return (target, residual) if self.target == "hidden" else (hidden, target)
-
-
-def wrap_layer_class(cls: type) -> None:
-    """Patch ``cls.forward`` once so instances that carry a ``hotwire_steer`` hook apply it to their output."""
-    if "_hotwire_wrapped" in cls.__dict__:
-        return
-    original = cls.forward
-
-    def forward(self, positions, hidden_states, residual, *args, **kwargs):
-        out = original(self, positions, hidden_states, residual, *args, **kwargs)
-        hook = self._modules.get("hotwire_steer")
-        return out if hook is None else hook(*out)
-
-    forward.__doc__ = original.__doc__
-    cls._hotwire_wrapped = original
-    cls.forward = forward
-
-
-class _Uploader:
-    """Host-to-device copies that neither stall the CPU on the GPU nor pin memory per copy: values are staged in
-    a pinned ring, and a region of it is written again only once the copy that read it has run (an event per
-    copy; the CPU waits only if the ring comes round before the GPU got there). On a CPU device: plain copies."""
-
-    ALIGN = 64
-
-    def __init__(self, device: torch.device, ring_bytes: int = 1 << 22):
-        self.device = device
-        self.cuda = device.type == "cuda"
-        self._ring = torch.empty(ring_bytes if self.cuda else 0, dtype=torch.uint8, pin_memory=self.cuda)
-        self._head = 0
-        # Per copy the GPU may not have run yet: (event, start, end) of its ring region, or (event, 0, 0) and the
-        # pinned copy of its own to keep alive.
-        self._inflight: deque[tuple[Any, int, int, torch.Tensor | None]] = deque()
-
-    def to_device(self, host: torch.Tensor) -> torch.Tensor:
-        """A new device tensor holding ``host``'s values (for ``index_copy_`` sources)."""
-        if not self.cuda:
-            return host
-        staged, region = self._stage(host)
-        out = staged.to(self.device, non_blocking=True)
-        self._record(region)
-        return out
-
-    def copy_(self, dst: torch.Tensor, host: torch.Tensor) -> None:
-        """``dst.copy_(host)``, one host-to-device copy straight into ``dst``."""
-        if not self.cuda:
-            dst.copy_(host)
-            return
-        staged, region = self._stage(host)
-        dst.copy_(staged, non_blocking=True)
-        self._record(region)
-
-    def _stage(self, host: torch.Tensor) -> tuple[torch.Tensor, tuple[int, int, torch.Tensor | None]]:
-        """A pinned copy of ``host`` and what keeps it valid until the GPU read it: ``(start, end, None)`` in the
-        ring, or ``(0, 0, copy)`` for a copy of its own."""
-        while self._inflight and self._inflight[0][0].query():
-            self._inflight.popleft()
-        size = -(-host.numel() * host.element_size() // self.ALIGN) * self.ALIGN
-        if size > len(self._ring):  # larger than the ring (a big batch of bank writes): a pinned copy of its own
-            pinned = host.pin_memory()
-            return pinned, (0, 0, pinned)
-        start = self._head if self._head + size <= len(self._ring) else 0
-        end = self._head = start + size
-        for event, a, b, _ in self._inflight:
-            if a < end and start < b:  # the ring came round to a copy the GPU has not run yet
-                event.synchronize()
-        staged = self._ring[start : start + host.numel() * host.element_size()].view(host.dtype).view(host.shape)
-        return staged.copy_(host), (start, end, None)
-
-    def _record(self, region: tuple[int, int, torch.Tensor | None]) -> None:
-        event = torch.cuda.Event()
-        event.record()
-        self._inflight.append((event, *region))
-
-
-class ConfigRows:
-    """Which rows of the device's config table (``cfg_slot`` / ``cfg_scale`` / ``cfg_rel``) hold which per-phase
-    config. Requests with the same config share its row (refcounted), so admitting one whose config is live
-    already writes nothing to the device. Row 0 is "no steer" and never handed out."""
-
-    def __init__(self, n_rows: int, n_layers: int):
-        self.n_rows = n_rows
-        self._free = list(range(n_rows - 1, 0, -1))
-        self._row_of: dict[tuple, int] = {}  # config items -> its row
-        self._key_of: dict[int, tuple] = {}
-        self._users: dict[int, int] = {}  # row -> requests (phases) using it
-        self._layers: dict[int, np.ndarray] = {}  # row -> the layers it steers (bool [n_layers])
-        self.layer_users = np.zeros(n_layers, np.int64)  # live rows steering each layer
-
-    def __len__(self) -> int:
-        """Rows in use."""
-        return len(self._users)
-
-    def acquire(self, items: Sequence[Sequence[float]]) -> tuple[int, bool]:
-        """The row holding config ``items`` (``[layer, slot, scale, rel]`` each), and whether it is new (then the
-        caller writes it to the device)."""
-        key = tuple(map(tuple, items))
-        row = self._row_of.get(key)
-        if row is not None:
-            self._users[row] += 1
-            return row, False
-        if not self._free:
-            raise RuntimeError(
-                f"hotwire: all {self.n_rows - 1} steering config rows hold configs of running or preempted steered "
-                "requests; this should not happen (please report it), and a larger --max-num-seqs makes room"
-            )
-        row = self._free.pop()
-        layers = np.zeros(len(self.layer_users), bool)
-        layers[[int(item[0]) for item in items]] = True
-        self._row_of[key], self._key_of[row], self._users[row], self._layers[row] = row, key, 1, layers
-        self.layer_users += layers
-        return row, True
-
-    def release(self, row: int) -> None:
-        self._users[row] -= 1
-        if not self._users[row]:
-            del self._users[row], self._row_of[self._key_of.pop(row)]
-            self.layer_users -= self._layers.pop(row)
-            self._free.append(row)
+    removed: Iterable[str]  # requests the runner dropped: finished (and, in V2, preempted)
+    new: Sequence[tuple[str, int, Config | None]] = ()  # new requests: (id, prompt length, its binding or None)
+    writes: Sequence[BankWrite] = ()  # bank rows to load before this step
+    rebinds: Mapping[str, Config] = field(default_factory=dict)  # preempted requests whose rows moved
+    preempted: bool = False  # the step preempted requests
 
 
 class WorkerSteering:
@@ -250,10 +84,9 @@ class WorkerSteering:
                 "cfg_rel": torch.zeros(n_cfg, n_layers, k, dtype=torch.float32),
             }
         for index, module in layers.items():
-            wrap_layer_class(type(module))
             hook = SteerHook(self.buffers, index, settings.impl, self.target, self.norm, index in whole_stream)
-            module.add_module("hotwire_steer", hook)
-        self._uploader = _Uploader(device)
+            module.add_module(HOOK_NAME, hook)
+        self._uploader = Uploader(device)
         self.config_rows = ConfigRows(n_cfg, n_layers)
         self._line_of: dict[str, int] = {}  # steered req_id -> its line in _lines
         self._lines = np.zeros((8, 3), np.int64)  # per steered request: (prefill row, decode row, prompt len); line 0: none
@@ -282,28 +115,25 @@ class WorkerSteering:
 
     # -- request lifecycle -----------------------------------------------------------------------------------
 
-    def on_step(self, scheduler_output: Any, removed: Iterable[str]) -> None:
+    def on_step(self, step: Step) -> None:
         """Apply the controller's bank writes, drop removed requests, and add the new ones."""
         epoch = self._epoch
-        writes = getattr(scheduler_output, WRITES_ATTR, None)
-        if writes:
-            self._apply_writes(writes)
-        if getattr(scheduler_output, "preempted_req_ids", None):
+        if step.writes:
+            self._apply_writes(step.writes)
+        if step.preempted:
             # V1 keeps a preempted request's rows; resumed, it recomputes its prompt in the same batch slot.
             self._steady_rows = None
-        for req_id in removed:
+        for req_id in step.removed:
             self._remove(req_id)
         new = []
-        for r in scheduler_output.scheduled_new_reqs:
-            extra = r.sampling_params.extra_args if r.sampling_params is not None else None
-            if extra and BINDING_KEY in extra:
-                new.append((r.req_id, prompt_length(r), extra[BINDING_KEY]))
-            elif r.req_id in self._line_of:  # an id sent again without a binding: its old rows must not linger
-                self._remove(r.req_id)
-        rebinds = getattr(scheduler_output, REBINDS_ATTR, None)
-        if rebinds:  # preempted requests whose rows moved before they resumed (V1 keeps them; V2 re-adds them)
-            added = {r.req_id for r in scheduler_output.scheduled_new_reqs}
-            new += [(r, self.request_rows(r)[2], config) for r, config in rebinds.items()
+        for req_id, prompt_len, config in step.new:
+            if config is not None:
+                new.append((req_id, prompt_len, config))
+            elif req_id in self._line_of:  # an id sent again without a binding: its old rows must not linger
+                self._remove(req_id)
+        if step.rebinds:  # preempted requests whose rows moved before they resumed (V1 keeps them; V2 re-adds them)
+            added = {req_id for req_id, _, _ in step.new}
+            new += [(r, self.request_rows(r)[2], config) for r, config in step.rebinds.items()
                     if r in self._line_of and r not in added]
         if new:
             self._add(new)
@@ -315,7 +145,7 @@ class WorkerSteering:
         line = self._line_of.get(req_id)
         return None if line is None else tuple(int(x) for x in self._lines[line])
 
-    def _apply_writes(self, writes: Sequence[Any]) -> None:
+    def _apply_writes(self, writes: Sequence[BankWrite]) -> None:
         slots = torch.tensor([w.slot for w in writes], dtype=torch.long)
         rows = torch.stack([w.row.to(self.dtype) for w in writes])  # vectors may be registered in other dtypes
         inv = torch.tensor([w.inv_norm for w in writes], dtype=torch.float32)

@@ -88,7 +88,7 @@ class Settings:
     impl: str  # HOTWIRE_IMPL: "op" (opaque custom op) or "inductor" (torch ops fused by Inductor)
     store: str | None  # HOTWIRE_STORE: store root, "off", or None (unset)
     preload: str | None  # HOTWIRE_VECTORS: directory of vectors loaded at start
-    norm: bool = False  # HOTWIRE_NORM: allow norm-relative entries at tensor parallel 1 (see runtime.SteerHook)
+    norm: bool = False  # HOTWIRE_NORM: allow norm-relative entries at tensor parallel 1 (see steer_hook.SteerHook)
     idle_graphs: bool = True  # HOTWIRE_IDLE_GRAPHS: capture hotwire-free CUDA graphs for unsteered steps (ops.Gate)
     layers: frozenset[int] | None = None  # HOTWIRE_LAYERS: the only layers hooked (None: all); fewer, cheaper steps
     pdl: bool = True  # HOTWIRE_PDL: programmatic dependent launch of the op's kernel where the GPU has it (ops.PDL)

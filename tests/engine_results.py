@@ -1,15 +1,16 @@
 """The tests' engine arguments, and prompts through vLLM in-process or in a clean subprocess (the runner of
-:mod:`hotwire_core.verify.plugin_free`, re-exported: ``summarize``, ``run_batches``).
+:mod:`hotwire_core.verify.plugin_free`, re-exported: ``run_batches``; ``summarize`` from its glue).
 
-``run_vanilla`` runs the same batches in a fresh interpreter with ``VLLM_PLUGINS=""`` so no hotwire code is
-loaded anywhere: the reference for "bit-identical to a server without hotwire"."""
+``run_vanilla`` runs the same batches in a fresh interpreter with ``VLLM_PLUGINS=""`` so no hotwire hook is
+installed anywhere: the reference for "bit-identical to a server without hotwire"."""
 
 from __future__ import annotations
 
 from pathlib import Path
 from typing import Any
 
-from hotwire_core.verify.plugin_free import run_batches, run_engine, summarize
+from hotwire_core.verify.plugin_free import run_batches, run_engine
+from hotwire_core.vllm_glue.offline import summarize
 
 __all__ = ["engine_kwargs", "run_batches", "run_in_subprocess", "run_vanilla", "summarize"]
 

@@ -10,7 +10,7 @@ processes (the child checks that, and that hotwire *is* loaded when asked for). 
                  ...], ...]}
 
 (``vectors`` are registered first, with hotwire loaded; ``lora`` needs ``"enable_lora": true`` in ``engine``). The
-answer holds, per batch and request, :func:`summarize` of its output.
+answer holds, per batch and request, ``hotwire_core.vllm_glue.offline.summarize`` of its output.
 """
 
 from __future__ import annotations
@@ -23,36 +23,21 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-__all__ = ["Request", "run_batches", "run_engine", "run_here", "summarize"]
+__all__ = ["Request", "run_batches", "run_engine", "run_here"]
 
 Request = dict[str, Any]  # {"prompt_token_ids": [...], "params": {SamplingParams keyword arguments}, "lora"?: [...]}
 
 
-def summarize(output: Any) -> dict[str, Any]:
-    """Token ids, the sampled tokens' logprobs, prompt logprobs, finish reason and cache hits of one
-    ``RequestOutput``."""
-    completion = output.outputs[0]
-    prompt_lp = [None if d is None else d[t].logprob for d, t in zip(output.prompt_logprobs or [], output.prompt_token_ids)]
-    return {
-        "token_ids": list(completion.token_ids),
-        "logprobs": [d[t].logprob for d, t in zip(completion.logprobs or [], completion.token_ids)],
-        "prompt_logprobs": prompt_lp,
-        "finish_reason": completion.finish_reason,
-        "num_cached_tokens": output.num_cached_tokens or 0,
-    }
-
-
 def run_batches(llm: Any, batches: list[list[Request]]) -> list[list[dict[str, Any]]]:
     """Each batch through ``llm.generate`` at once, in order, each request with its LoRA adapter if it names one;
-    :func:`summarize` of every output."""
-    from vllm import SamplingParams
-    from vllm.lora.request import LoRARequest
+    ``summarize`` of every output."""
+    from hotwire_core.vllm_glue.offline import lora_request, sampling_params, summarize
 
     results = []
     for batch in batches:
         prompts = [{"prompt_token_ids": r["prompt_token_ids"]} for r in batch]
-        params = [SamplingParams(**r["params"]) for r in batch]
-        loras = [LoRARequest(*r["lora"]) if r.get("lora") else None for r in batch]
+        params = [sampling_params(**r["params"]) for r in batch]
+        loras = [lora_request(*r["lora"]) if r.get("lora") else None for r in batch]
         outputs = llm.generate(prompts, params, use_tqdm=False, lora_request=loras if any(loras) else None)
         results.append([summarize(o) for o in outputs])
     return results
@@ -89,10 +74,11 @@ def run_engine(
 
 def run_here(job: Mapping[str, Any]) -> list[list[dict[str, Any]]]:
     """A job in this process (whose environment decides which plugins vLLM loads)."""
-    from vllm import LLM
+    from hotwire_core.vllm_glue import installed
+    from hotwire_core.vllm_glue.offline import start_llm
 
-    llm = LLM(**job["engine"])
-    loaded = any(name.startswith("hotwire_core.vllm_glue") for name in sys.modules)
+    llm = start_llm(**job["engine"])
+    loaded = installed()  # the glue is imported here either way; vLLM's plugin loader installs its hooks
     plugin_free = job.get("plugin_free", True)
     if loaded == plugin_free:
         raise SystemExit("hotwire was loaded although VLLM_PLUGINS is empty" if loaded else

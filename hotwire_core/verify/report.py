@@ -8,9 +8,12 @@ import os
 import platform
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 from hotwire_core.verify.checks import Check
+
+if TYPE_CHECKING:
+    from hotwire_core.vllm_glue.offline import EngineFacts
 
 Header = list[tuple[str, str]]  # report fields: (name, value)
 Timings = list[tuple[str, float]]  # (what, seconds)
@@ -52,27 +55,19 @@ def device_name() -> str:
     return f"CPU: {name} ({os.cpu_count()} cores)"
 
 
-def runner_name(llm: Any, forced: str | None) -> str:
-    from hotwire_core.vllm_glue.compat import uses_v2_model_runner
-
-    used = "v2" if uses_v2_model_runner(llm.llm_engine.vllm_config) else "v1"
-    return f"{used} ({'--runner ' + forced if forced else 'vLLM default'})"
-
-
-def report_header(llm: Any, model: str, runner: str | None, entry: dict, vector_norm: float, setup: str) -> Header:
-    import vllm
-
+def report_header(facts: EngineFacts, model: str, runner: str | None, entry: dict, vector_norm: float,
+                  setup: str) -> Header:
+    """``runner``: the runner ``--runner`` forced (None: vLLM's choice)."""
     import hotwire_core
+    from hotwire_core.vllm_glue.versions import installed_version
 
-    config = llm.llm_engine.model_config
-    n_layers = config.get_num_layers(llm.llm_engine.vllm_config.parallel_config)
-    arch = ",".join(config.architectures or ())
-    tp = llm.llm_engine.vllm_config.parallel_config.tensor_parallel_size
+    arch, tp = ",".join(facts.architectures), facts.tensor_parallel_size
+    runner_name = f"{facts.runner} ({'--runner ' + runner if runner else 'vLLM default'})"
     return [
-        ("model", f"{model} ({arch}, hidden {config.get_hidden_size()}, {n_layers} layers, tensor parallel {tp})"),
-        ("dtype", str(config.dtype).removeprefix("torch.")),
+        ("model", f"{model} ({arch}, hidden {facts.hidden_size}, {facts.n_layers} layers, tensor parallel {tp})"),
+        ("dtype", facts.dtype),
         ("device", device_name()),
-        ("vLLM", f"{vllm.__version__}, hotwire {hotwire_core.__version__}, runner {runner_name(llm, runner)}"),
+        ("vLLM", f"{installed_version()}, hotwire {hotwire_core.__version__}, runner {runner_name}"),
         ("setup", setup),
         ("steering", f"{json.dumps(entry)}, random normal vector (norm {vector_norm:.1f})"),
     ]

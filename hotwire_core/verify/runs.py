@@ -87,7 +87,7 @@ def engine_kwargs(
 
 
 def as_result(answer: dict[str, Any]) -> Result:
-    """A :func:`plugin_free.summarize` answer as a :class:`Result`."""
+    """A ``vllm_glue.offline.summarize`` answer as a :class:`Result`."""
     return Result(answer["token_ids"], answer["logprobs"], answer["num_cached_tokens"])
 
 
@@ -100,14 +100,16 @@ def params_kwargs(max_tokens: int, steer: dict | None = None, skip_cache: bool =
 
 def params(max_tokens: int, steer: dict | None = None, skip_cache: bool = False) -> Any:
     """:func:`params_kwargs` as ``SamplingParams``."""
-    from vllm import SamplingParams
+    from hotwire_core.vllm_glue.offline import sampling_params
 
-    return SamplingParams(**params_kwargs(max_tokens, steer, skip_cache))
+    return sampling_params(**params_kwargs(max_tokens, steer, skip_cache))
 
 
 def generate(llm: Any, prompts: Sequence[list[int]], sampling: Sequence[Any]) -> list[Result]:
     outputs = llm.generate([{"prompt_token_ids": ids} for ids in prompts], list(sampling), use_tqdm=False)
-    return [as_result(plugin_free.summarize(o)) for o in outputs]
+    from hotwire_core.vllm_glue.offline import summarize
+
+    return [as_result(summarize(o)) for o in outputs]
 
 
 def one(llm: Any, ids: list[int], sampling: Any) -> Result:
@@ -287,35 +289,34 @@ def vanilla_check(
 def run(args: argparse.Namespace, model: str, workdir: Path) -> tuple[Header, list[Check], Timings]:
     """Start the engine, run the checks; returns the report's header, checks and timings."""
     import torch
-    from vllm import LLM
 
     from hotwire_core.offline import register_vector, slot_stats, steer
     from hotwire_core.settings import middle_layer
+    from hotwire_core.vllm_glue.offline import engine_facts, shutdown, start_llm
 
     timings: Timings = []
     started = time.monotonic()
     untimed = (args.vanilla or args.save_plain is not None) and torch.cuda.is_available()
     setup = from_args(args)
     kwargs = engine_kwargs(model, args.dtype, args.tensor_parallel_size, args.kv_cache_gib, untimed, setup)
-    llm = LLM(**kwargs)
+    llm = start_llm(**kwargs)
     timings.append(("engine start", time.monotonic() - started))
     lora = setup.request_lora()
     if lora is not None:
         llm = WithAdapter(llm, lora)
 
-    engine = llm.llm_engine
+    facts = engine_facts(llm)
     tolerance = 0.0 if torch.cuda.is_available() else CPU_TOLERANCE
-    vector = torch.randn(engine.model_config.get_hidden_size(), generator=torch.Generator().manual_seed(0))
+    vector = torch.randn(facts.hidden_size, generator=torch.Generator().manual_seed(0))
     register_vector(llm, VECTOR_ID, vector)
-    n_layers = engine.model_config.get_num_layers(engine.vllm_config.parallel_config)
     hooked = slot_stats(llm)["model"]["layers"]  # all of them unless HOTWIRE_LAYERS says otherwise
-    entry = {"id": VECTOR_ID, "layer": middle_layer(hooked, n_layers), "scale": SCALE}
+    entry = {"id": VECTOR_ID, "layer": middle_layer(hooked, facts.n_layers), "scale": SCALE}
     spec = steer(entry)
-    header = report_header(llm, model, args.runner, entry, vector.norm().item(), setup.describe())
+    header = report_header(facts, model, args.runner, entry, vector.norm().item(), setup.describe())
 
     tokenizer = llm.get_tokenizer()
     short = [tokenizer.encode(p) for p in PROMPTS]
-    block_size = engine.vllm_config.cache_config.block_size
+    block_size = facts.block_size
     x, y = (long_prompt(tokenizer, text, PREFIX_BLOCKS * block_size + block_size // 2) for text in LONG_TEXTS)
 
     started = time.monotonic()
@@ -325,7 +326,7 @@ def run(args: argparse.Namespace, model: str, workdir: Path) -> tuple[Header, li
     started = time.monotonic()
     checks.append(decode_cost_check(llm, short, spec))
     timings.append(("decode timing", time.monotonic() - started))
-    engine.engine_core.shutdown()
+    shutdown(llm)
 
     batches = plain_batches(short, x, y)
     if args.save_plain is not None:

@@ -68,9 +68,9 @@ class WithAdapter:
     """An ``LLM`` whose every ``generate`` runs with one LoRA adapter; everything else is the engine's."""
 
     def __init__(self, llm: Any, lora: list):
-        from vllm.lora.request import LoRARequest
+        from hotwire_core.vllm_glue.offline import lora_request
 
-        self.llm, self.adapter = llm, LoRARequest(*lora)
+        self.llm, self.adapter = llm, lora_request(*lora)
 
     def generate(self, prompts: Any, sampling: Any, **kwargs: Any) -> Any:
         return self.llm.generate(prompts, sampling, lora_request=self.adapter, **kwargs)

@@ -1,4 +1,6 @@
-"""Every piece of hotwire's knowledge of vLLM, in one package: the hooks into the engine, and the version gate.
+"""Every piece of hotwire's knowledge of vLLM, in one package: the hooks into the engine, the views the rest of
+hotwire reads vLLM's objects through, and the version gate. Nothing outside it imports vLLM (pyproject.toml's
+import-linter contracts).
 
 Patches are applied when their vLLM module is imported (or at once if it already is), so a process only pays for
 the modules it uses: the API server never imports the worker code. Where vLLM releases differ, :mod:`.compat`
@@ -11,10 +13,13 @@ version strings; the version gate (:func:`inactive_reason`) keeps hotwire out of
 | :mod:`.engine_core` | ``EngineCore._initialize_kv_caches`` / ``add_request`` / ``preprocess_add_request`` / ``collective_rpc`` | the controller; admission; the cache salt before vLLM hashes blocks; ``hotwire_*`` RPCs |
 | :mod:`.scheduler` | ``Scheduler.schedule`` / ``_free_request`` / ``_preempt_request`` / blocked-waiting promotion / ``has_requests`` / ``finish_requests`` / ``_update_request_as_session`` | deferred requests, bank writes on the ``SchedulerOutput``, pins, preemption, sessions |
 | :mod:`.workers` | ``Worker.load_model``, ``WorkerBase`` | buffers and layer hooks before compile and capture; what a rank could hook |
-| :mod:`.layers` | the models' ``*DecoderLayer`` classes | which layers have the steering contract, and where their output holds the residual stream |
-| :mod:`.runners` | V1 ``GPUModelRunner.execute_model`` / ``_model_forward`` (0.25.1-0.33), V2 ``execute_model`` / ``prepare_inputs`` | request lifecycle, gate, per-token fill; a runner without them is unsteerable |
+| :mod:`.layers` | the models' ``*DecoderLayer`` classes | which layers have the steering contract, where their output holds the residual stream; their ``forward`` calls the hook |
+| :mod:`.requests` | ``Request``, ``EngineCoreRequest``, ``NewRequestData`` | the controller reads and changes requests through it (``EngineRequests``) |
+| :mod:`.runners` | V1 ``GPUModelRunner.execute_model`` / ``_model_forward`` (0.25.1-0.33), V2 ``execute_model`` / ``prepare_inputs``, ``SchedulerOutput`` | request lifecycle (a step's changes as the worker's ``Step``), gate, per-token fill; a runner without them is unsteerable |
 | :mod:`.graphs` | V1 ``_warmup_and_capture``, ``CUDAGraphWrapper``, V2 ``ModelCudaGraphManager.capture`` / ``CudaGraphManager.run_fullgraph`` | idle and steered graph variants |
-| :mod:`.api_server` | the API server's process names and app builder, ``AsyncLLM.add_request``, the data-parallel client | where hotwire's control plane attaches and guards what reaches the engine (the callbacks are hotwire_api's) |
+| :mod:`.api_server` | the API server's process names and app builder, ``AsyncLLM.add_request``, the data-parallel client, ``app.state`` | where hotwire's control plane attaches and guards what reaches the engine (the callbacks are hotwire_api's) |
+| :mod:`.offline` | ``LLM``, ``SamplingParams``, ``LoRARequest``, ``RequestOutput``, ``LLMEngine``'s configs | the self-test (``hotwire_core.verify``) and the plugin-free runner |
+| :mod:`.cli` | ``vllm.entrypoints.cli.main`` | the ``vllm`` command of ``hotwire_api.vllm_cli`` |
 """
 
 from __future__ import annotations
@@ -34,7 +39,7 @@ from .scheduler import patch_scheduler
 from .versions import SUPPORTED_VLLM, inactive_reason, unsupported_version
 from .workers import patch_worker, patch_worker_base
 
-__all__ = ["PATCHES", "SUPPORTED_VLLM", "inactive_reason", "install", "unsupported_version"]
+__all__ = ["PATCHES", "SUPPORTED_VLLM", "inactive_reason", "install", "installed", "unsupported_version"]
 
 logger = logging.getLogger(__name__)
 
@@ -66,6 +71,12 @@ def _log_through_vllm() -> None:
         ours = logging.getLogger(name)
         if not ours.handlers and ours.level == logging.NOTSET:
             ours.parent = vllm_logger
+
+
+def installed() -> bool:
+    """Whether :func:`install` ran in this process (vLLM loaded the ``hotwire`` plugin here): importing this
+    package hooks nothing."""
+    return _INSTALLED
 
 
 def install() -> None:

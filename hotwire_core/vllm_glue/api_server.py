@@ -17,8 +17,8 @@ from .compat import API_SERVER_MODULES
 from .patching import wrap
 
 __all__ = [
-    "PerEngineRPC", "attach_to_app_builder", "guard_engine_requests", "is_api_server_process", "is_first_api_server",
-    "per_engine_rpc",
+    "PerEngineRPC", "attach_to_app_builder", "cli_api_keys", "engine_client", "guard_engine_requests",
+    "is_api_server_process", "is_first_api_server", "per_engine_rpc", "served_model_type",
 ]
 
 def is_api_server_process() -> bool:
@@ -126,3 +126,18 @@ def served_model_type(client: Any) -> str:
     """The served model's transformers ``model_type`` (``AsyncLLM.model_config.hf_config``), "" when unknown."""
     hf_config = getattr(getattr(client, "model_config", None), "hf_config", None)
     return str(getattr(hf_config, "model_type", "") or "")
+
+
+def engine_client(app: Any) -> Any | None:
+    """The engine client (``AsyncLLM``) of a vLLM app: ``app.state.engine_client``, which ``init_app_state`` sets
+    once the engine runs; None before."""
+    return getattr(app.state, "engine_client", None)
+
+
+def cli_api_keys(app: Any) -> list[str]:
+    """The keys of vLLM's ``--api-key`` (``app.state.args.api_key``: a list in 0.25.1, a string in older
+    releases); empty when not given."""
+    keys = getattr(getattr(app.state, "args", None), "api_key", None)
+    if isinstance(keys, str):
+        keys = [keys]
+    return list(keys or ())

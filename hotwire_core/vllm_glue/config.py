@@ -15,10 +15,10 @@ __all__ = ["patch_config", "source_digest"]
 
 
 def source_digest() -> str:
-    """A digest of the sources whose code lands in compiled graphs."""
+    """A digest of the sources whose code lands in compiled graphs: the op, the hook, the layers' patched forward."""
     here = Path(__file__).parent.parent
     h = hashlib.sha256()
-    for name in ("ops.py", "triton_steer.py", "runtime.py"):
+    for name in ("ops.py", "triton_steer.py", "steer_hook.py", "vllm_glue/layers.py"):
         h.update((here / name).read_bytes())
     return h.hexdigest()[:16]
 

@@ -10,11 +10,12 @@ from typing import Any
 
 from .. import contract
 from ..admission import ModelInfo, Refusal
-from ..controller import SteeringController, WaitForRows, prompt_length, steering_args
+from ..controller import SteeringController, WaitForRows
 from ..settings import format_layers
 from ..spec import SPEC_KEY
 from . import compat
 from .patching import settings, wrap
+from .requests import VLLM_REQUESTS, prompt_length, steering_args
 
 __all__ = ["model_info", "patch_engine_core"]
 
@@ -59,7 +60,7 @@ def patch_engine_core(module: Any) -> None:
         def _initialize_kv_caches(self, vllm_config, *args, **kwargs):
             result = original(self, vllm_config, *args, **kwargs)
             info = model_info(self.model_executor.collective_rpc(contract.WORKER_INFO))
-            self.hotwire = SteeringController(info, settings(), vllm_config.model_config.model)
+            self.hotwire = SteeringController(info, settings(), vllm_config.model_config.model, VLLM_REQUESTS)
             if info.steerable:
                 logger.info("hotwire: steering ready on layers %s (%d of %d), %d bank slots",
                             format_layers(info.layers), len(info.layers), info.n_layers, settings().slots)

@@ -12,7 +12,9 @@ import inspect
 
 from torch import nn
 
-__all__ = ["find_decoder_layers", "is_steerable_layer", "stream_in_hidden", "why_not_steerable"]
+from ..steer_hook import HOOK_NAME
+
+__all__ = ["find_decoder_layers", "is_steerable_layer", "stream_in_hidden", "why_not_steerable", "wrap_layer_class"]
 
 _LAYER_ARGS = ["positions", "hidden_states", "residual"]
 # The signature, but a return value that is not (hidden_states, residual | None): HunYuan adds its KV states.
@@ -67,3 +69,20 @@ def why_not_steerable(model: nn.Module) -> str:
     forwards = [f"{cls.__name__}.forward({', '.join(list(inspect.signature(cls.forward).parameters)[1:])})"
                 for cls in seen]
     return f"{reason}: {'; '.join(forwards)}"
+
+
+def wrap_layer_class(cls: type) -> None:
+    """Patch a steerable layer class's ``forward`` once so that instances carrying a hook (a submodule named
+    ``HOOK_NAME``, a ``SteerHook``) apply it to their output ``(hidden_states, residual)``."""
+    if "_hotwire_wrapped" in cls.__dict__:
+        return
+    original = cls.forward
+
+    def forward(self, positions, hidden_states, residual, *args, **kwargs):
+        out = original(self, positions, hidden_states, residual, *args, **kwargs)
+        hook = self._modules.get(HOOK_NAME)
+        return out if hook is None else hook(*out)
+
+    forward.__doc__ = original.__doc__
+    cls._hotwire_wrapped = original
+    cls.forward = forward

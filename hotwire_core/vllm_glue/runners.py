@@ -4,13 +4,17 @@ forward."""
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Any
 
-from .graphs import capture_both_variants, set_gate
+from .. import contract
 from ..ops import GATE
+from ..runtime import Step
+from .graphs import capture_both_variants, set_gate
 from .patching import wrap
+from .requests import extra_args, prompt_length
 
-__all__ = ["patch_v1_runner", "patch_v2_runner", "unhooked_runner"]
+__all__ = ["patch_v1_runner", "patch_v2_runner", "step_of", "unhooked_runner"]
 
 _STEP_HOOKS = "_hotwire_step_hooks"  # on a patched runner class: the methods every step must pass through
 
@@ -26,6 +30,26 @@ def unhooked_runner(runner: Any) -> str | None:
     return f"vLLM's {cls.__name__} runs the model in steps hotwire does not hook"
 
 
+def step_of(scheduler_output: Any, removed: Iterable[str]) -> Step:
+    """What a ``SchedulerOutput`` changes for the worker's steering: its new requests (``NewRequestData``) with
+    their bindings, the bank writes and rebinds the controller put on it, whether it preempted requests; ``removed``:
+    the requests the runner drops."""
+    new = []
+    for r in scheduler_output.scheduled_new_reqs:
+        extra = extra_args(r)
+        if extra and contract.BINDING_KEY in extra:
+            new.append((r.req_id, prompt_length(r), extra[contract.BINDING_KEY]))
+        else:
+            new.append((r.req_id, 0, None))
+    return Step(
+        removed=removed,
+        new=new,
+        writes=getattr(scheduler_output, contract.WRITES_ATTR, None) or (),
+        rebinds=getattr(scheduler_output, contract.REBINDS_ATTR, None) or {},
+        preempted=bool(getattr(scheduler_output, "preempted_req_ids", None)),
+    )
+
+
 def patch_v1_runner(module: Any) -> None:
     cls = module.GPUModelRunner
 
@@ -34,7 +58,7 @@ def patch_v1_runner(module: Any) -> None:
             steering = getattr(self, "hotwire", None)
             if steering is not None:
                 # V1 keeps preempted requests (resumed without new data): only finished ones go.
-                steering.on_step(scheduler_output, scheduler_output.finished_req_ids)
+                steering.on_step(step_of(scheduler_output, scheduler_output.finished_req_ids))
                 set_gate(steering, scheduler_output)
             return original(self, scheduler_output, *args, **kwargs)
 
@@ -69,7 +93,7 @@ def patch_v2_runner(module: Any) -> None:
                 removed = scheduler_output.finished_req_ids
                 if scheduler_output.preempted_req_ids:
                     removed = removed | set(scheduler_output.preempted_req_ids)
-                steering.on_step(scheduler_output, removed)
+                steering.on_step(step_of(scheduler_output, removed))
                 set_gate(steering, scheduler_output)
             elif steering is not None and GATE.split:
                 GATE.open = False  # a dummy step: every token is padding

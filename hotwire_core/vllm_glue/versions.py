@@ -7,7 +7,7 @@ from __future__ import annotations
 import functools
 import re
 
-__all__ = ["NEWEST_VLLM", "REFERENCE_VLLM", "SUPPORTED_VLLM", "inactive_reason", "unsupported_version"]
+__all__ = ["NEWEST_VLLM", "REFERENCE_VLLM", "SUPPORTED_VLLM", "inactive_reason", "installed_version", "unsupported_version"]
 
 REFERENCE_VLLM = "0.25.1"
 NEWEST_VLLM = "0.34.0"
@@ -33,8 +33,13 @@ def unsupported_version(version: str) -> str | None:
     return f"vLLM {version} is installed; hotwire {__version__} supports vLLM {REFERENCE_VLLM} to {NEWEST_VLLM}"
 
 
-def inactive_reason() -> str | None:
-    """:func:`unsupported_version` of the installed vLLM."""
+def installed_version() -> str:
+    """The installed vLLM's ``__version__`` ("unknown" where it has none)."""
     import vllm
 
-    return unsupported_version(str(getattr(vllm, "__version__", "unknown")))
+    return str(getattr(vllm, "__version__", "unknown"))
+
+
+def inactive_reason() -> str | None:
+    """:func:`unsupported_version` of the installed vLLM."""
+    return unsupported_version(installed_version())

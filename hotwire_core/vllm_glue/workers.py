@@ -34,8 +34,9 @@ def patch_worker_base(module: Any) -> None:
 def _attach(worker: Any) -> None:
     import torch
 
-    from ..runtime import WorkerSteering, select_layers
-    from .layers import find_decoder_layers, stream_in_hidden, why_not_steerable
+    from ..runtime import WorkerSteering
+    from ..steer_hook import select_layers
+    from .layers import find_decoder_layers, stream_in_hidden, why_not_steerable, wrap_layer_class
 
     runner = worker.model_runner
     model = runner.get_model()
@@ -52,6 +53,8 @@ def _attach(worker: Any) -> None:
         n_layers = model_config.get_num_layers(worker.vllm_config.parallel_config)
     layers = select_layers(found, n_layers, settings().layers) if found else found
     device = torch.device(worker.device) if hasattr(worker, "device") else torch.device("cpu")
+    for layer in layers.values():
+        wrap_layer_class(type(layer))  # its forward calls the hook WorkerSteering adds
     runner.hotwire = WorkerSteering(
         layers,
         n_layers,

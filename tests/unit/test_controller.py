@@ -23,6 +23,7 @@ from hotwire_core.bindings import BankWrite
 from hotwire_core.controller import SteeringController, WaitForRows
 from hotwire_core.spec import SALT_PREFIX
 from hotwire_core.settings import Settings
+from hotwire_core.vllm_glue.requests import VLLM_REQUESTS
 
 N_LAYERS, HIDDEN, BLOCK = 4, 8, 16
 PROMPT = list(range(100, 140))  # 40 tokens: two full blocks
@@ -49,7 +50,7 @@ def model(steerable=True, layers=None) -> ModelInfo:
 
 
 def ctrl(slots=8, max_stack=2, store=None, preload=None, steerable=True, layers=None, name="org/model") -> SteeringController:
-    return SteeringController(model(steerable, layers), Settings(slots, max_stack, "op", store, preload), name)
+    return SteeringController(model(steerable, layers), Settings(slots, max_stack, "op", store, preload), name, VLLM_REQUESTS)
 
 
 def ctrl_env(monkeypatch, **env: str) -> SteeringController:
@@ -58,7 +59,7 @@ def ctrl_env(monkeypatch, **env: str) -> SteeringController:
         monkeypatch.delenv(name, raising=False)
     for name, value in {"HOTWIRE_STORE": "off", **env}.items():
         monkeypatch.setenv(name, value)
-    return SteeringController(model(), Settings.from_env(), "org/model")
+    return SteeringController(model(), Settings.from_env(), "org/model", VLLM_REQUESTS)
 
 
 def register(c: SteeringController, vid: str, t: torch.Tensor, layers=None, replace=False) -> dict:
@@ -424,7 +425,7 @@ def test_steering_strong_enough_to_overflow_the_model_is_refused(c):
 
 def test_strength_growth_beyond_a_float_is_reported_as_a_power_of_e():
     deep = ModelInfo(True, "", 16, HIDDEN, "float32", frozenset(range(16)))
-    c = SteeringController(deep, Settings(8, 2, "op", None, None), "org/model")
+    c = SteeringController(deep, Settings(8, 2, "op", None, None), "org/model", VLLM_REQUESTS)
     register(c, "g", vec(HIDDEN))
     err = refusal(c, {"id": "g", "layer": list(range(16)), "scale": 3e38, "norm": True})
     assert err.code == "too_strong" and "e^1418-fold" in err.message  # 16 * ln(1 + 3e38): exp() would overflow
@@ -432,7 +433,7 @@ def test_strength_growth_beyond_a_float_is_reported_as_a_power_of_e():
 
 def fp16_controller() -> SteeringController:
     fp16 = ModelInfo(True, "", N_LAYERS, HIDDEN, "float16", frozenset(range(N_LAYERS)))
-    c = SteeringController(fp16, Settings(8, 2, "op", None, None), "org/model")
+    c = SteeringController(fp16, Settings(8, 2, "op", None, None), "org/model", VLLM_REQUESTS)
     register(c, "g", vec(HIDDEN))
     return c
 
@@ -482,7 +483,7 @@ def test_layer_without_hook_refused():
 
 def test_layer_outside_hotwire_layers_names_the_setting():
     settings = Settings(8, 2, "op", None, None, layers=frozenset({1, 2}))
-    c = SteeringController(model(layers={1, 2}), settings, "org/model")
+    c = SteeringController(model(layers={1, 2}), settings, "org/model", VLLM_REQUESTS)
     register(c, "g", vec(HIDDEN))
     err = refusal(c, {"id": "g", "layer": [1, 3], "scale": 1})
     assert (err.code, err.field) == ("layer_out_of_range", "hotwire[0].layer")
@@ -737,7 +738,7 @@ def test_a_pinned_version_is_applied_while_retained():
 
 
 def test_a_pinned_version_past_its_retention_is_refused_not_replaced():
-    c = SteeringController(model(True, None), Settings(8, 2, "op", None, None, retain_s=0), "org/model")
+    c = SteeringController(model(True, None), Settings(8, 2, "op", None, None, retain_s=0), "org/model", VLLM_REQUESTS)
     register(c, "a", vec(HIDDEN, seed=1))
     register(c, "a", vec(HIDDEN, seed=2), replace=True)
     gone = refusal(c, {"id": "a", "layer": 0, "scale": 1, "version": 1})

@@ -25,6 +25,7 @@ from hotwire_core import contract
 from hotwire_core.admission import ModelInfo
 from hotwire_core.controller import SteeringController
 from hotwire_core.settings import Settings
+from hotwire_core.vllm_glue.requests import VLLM_REQUESTS
 
 N_LAYERS, HIDDEN = 4, 8
 
@@ -34,7 +35,7 @@ class ControllerClient:
 
     def __init__(self) -> None:
         info = ModelInfo(True, "", N_LAYERS, HIDDEN, "float32", frozenset(range(N_LAYERS)))
-        self.controller = SteeringController(info, Settings(8, 2, "op", None, None), "org/model")
+        self.controller = SteeringController(info, Settings(8, 2, "op", None, None), "org/model", VLLM_REQUESTS)
         self.down = False
 
     async def collective_rpc(self, method: str, timeout: float | None = None, args: tuple = (), kwargs=None) -> list:

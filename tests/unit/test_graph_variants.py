@@ -19,7 +19,7 @@ from vllm.config import CUDAGraphMode, VllmConfig  # noqa: E402
 from vllm.forward_context import BatchDescriptor, set_forward_context  # noqa: E402
 from vllm.v1.worker.gpu import cudagraph_utils  # noqa: E402
 
-from hotwire_core.vllm_glue import graphs, patching, workers  # noqa: E402
+from hotwire_core.vllm_glue import graphs, patching, runners, workers  # noqa: E402
 from hotwire_core.ops import GATE  # noqa: E402
 
 
@@ -286,7 +286,7 @@ def test_gate_follows_the_scheduled_requests():
     steering = WorkerSteering({}, 4, 8, torch.float32, torch.device("cpu"), 32, 3, Settings(6, 2, "op", None, None))
     steered = SimpleNamespace(req_id="s", prompt_token_ids=[1, 2, 3],
                               sampling_params=SimpleNamespace(extra_args={BINDING_KEY: {"p": [], "d": [(1, 1, 1.0, 0.0)]}}))
-    steering.on_step(SimpleNamespace(scheduled_new_reqs=[steered]), set())
+    steering.on_step(runners.step_of(SimpleNamespace(scheduled_new_reqs=[steered]), set()))
     graphs.set_gate(steering, SimpleNamespace(num_scheduled_tokens={"plain": 1}))
     assert GATE.open is False
     graphs.set_gate(steering, SimpleNamespace(num_scheduled_tokens={"plain": 1, "s": 1}))

@@ -1,5 +1,6 @@
-"""The packages' import structure, read from their sources: the engine plugin (hotwire_core) never imports the
-control plane (hotwire_api), which registers itself through its own entry point."""
+"""The packages' import structure, read from their sources: no import cycle. (The layering rules, e.g. that
+hotwire_core never imports hotwire_api, are import-linter contracts: test_import_contracts.py. import-linter 2.1 has
+no contract against cycles, hence this check.)"""
 
 from __future__ import annotations
 
@@ -33,14 +34,6 @@ def _imports(path: Path) -> set[str]:
 
 def _sources(package: str) -> list[Path]:
     return sorted((ROOT / package).rglob("*.py"))
-
-
-def test_core_never_imports_the_control_plane() -> None:
-    offenders = {
-        _module_name(path): sorted(m for m in _imports(path) if m.split(".")[0] == "hotwire_api")
-        for path in _sources("hotwire_core")
-    }
-    assert {m: names for m, names in offenders.items() if names} == {}
 
 
 def test_imports_form_no_cycle() -> None:

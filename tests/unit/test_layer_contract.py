@@ -19,6 +19,7 @@ from hotwire_core.vllm_glue.layers import (
     find_decoder_layers,
     is_steerable_layer,
     stream_in_hidden,
+    wrap_layer_class,
 )
 
 HIDDEN = 8
@@ -85,6 +86,8 @@ def test_a_whole_stream_layer_is_steered_in_hidden_by_its_norm(fusion):
     """Norm-relative steering after a PhiMoE-style layer scales by ``|hidden|`` (not ``|hidden + residual|``), and
     goes into ``hidden`` even where others steer ``residual`` (the all-reduce + RMSNorm fusion)."""
     plain, whole = LlamaDecoderLayer(), PhiMoEDecoderLayer()
+    for layer in (plain, whole):
+        wrap_layer_class(type(layer))
     w = WorkerSteering({0: plain, 1: whole}, 2, HIDDEN, torch.float32, torch.device("cpu"), 4, 2,
                        Settings(16, 2, "op", None, None, norm=True), allreduce_rms_fusion=fusion, whole_stream={1})
     w.buffers["bank"][1] = torch.eye(HIDDEN)[0]

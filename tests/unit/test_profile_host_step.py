@@ -148,9 +148,9 @@ def test_parts_are_timed_whole(clock):
             return cost
         return run
 
-    names = php.PARTS["WorkerSteering"] + php.PARTS["_Uploader"]
+    names = php.PARTS["WorkerSteering"] + php.PARTS["Uploader"]
     costs = iter(float(i + 1) for i in range(len(names)))
-    classes = [type(c, (), {name: method(next(costs)) for name in php.PARTS[c]}) for c in ("WorkerSteering", "_Uploader")]
+    classes = [type(c, (), {name: method(next(costs)) for name in php.PARTS[c]}) for c in ("WorkerSteering", "Uploader")]
     timers = php.time_parts(*classes)
     results = [getattr(cls(), name)() for cls in classes for name in php.PARTS[cls.__name__]]
     expected = [float(i + 1) for i in range(len(names))]

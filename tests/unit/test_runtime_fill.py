@@ -12,8 +12,12 @@ from hotwire_core.admission import ModelInfo
 from hotwire_core.contract import BINDING_KEY
 from hotwire_core.bindings import BankWrite
 from hotwire_core.controller import SteeringController
-from hotwire_core.runtime import CONFIG_ROWS_PER_BATCH_SLOT, WorkerSteering, select_layers
+from hotwire_core.runtime import CONFIG_ROWS_PER_BATCH_SLOT, WorkerSteering
 from hotwire_core.settings import Settings
+from hotwire_core.steer_hook import select_layers
+from hotwire_core.vllm_glue.layers import wrap_layer_class
+from hotwire_core.vllm_glue.requests import VLLM_REQUESTS
+from hotwire_core.vllm_glue.runners import step_of
 
 N_LAYERS, HIDDEN, MAX_TOKENS, MAX_REQS, SLOTS, STACK = 4, 8, 32, 3, 6, 2
 ROWS = 2 * CONFIG_ROWS_PER_BATCH_SLOT * MAX_REQS  # config rows a worker can hand out (row 0 aside)
@@ -39,7 +43,7 @@ def step(w, new=(), removed=(), writes=None, rebinds=None):
         out.hotwire_writes = writes
     if rebinds is not None:
         out.hotwire_rebinds = rebinds
-    w.on_step(out, set(removed))
+    w.on_step(step_of(out, set(removed)))
 
 
 def steered(w) -> set[str]:
@@ -256,7 +260,7 @@ def test_controller_to_worker():
 
     c = SteeringController(
         ModelInfo(True, "", N_LAYERS, HIDDEN, "float32", frozenset(range(N_LAYERS))),
-        Settings(SLOTS, STACK, "op", None, None), "m",
+        Settings(SLOTS, STACK, "op", None, None), "m", VLLM_REQUESTS,
     )
     t = torch.randn(N_LAYERS, HIDDEN)
     g = torch.randn(HIDDEN)
@@ -492,6 +496,7 @@ class LlamaDecoderLayer(torch.nn.Module):
 ])
 def test_steering_target_follows_allreduce_rms_fusion(fusion, norm_setting, target, norm):
     layer = LlamaDecoderLayer()
+    wrap_layer_class(LlamaDecoderLayer)
     w = WorkerSteering({0: layer}, 1, HIDDEN, torch.float32, torch.device("cpu"), MAX_TOKENS, MAX_REQS,
                        Settings(SLOTS, STACK, "op", None, None, norm=norm_setting), allreduce_rms_fusion=fusion)
     assert (w.target, w.norm) == (target, norm)
@@ -548,7 +553,7 @@ def test_preemption_disarms_the_steady_decode_shortcut():
     pa, da = w.request_rows("A")[:2]
     assert fill(w, ["A"], [1], [5])[0] == da and w._steady_rows is not None
     out = SimpleNamespace(scheduled_new_reqs=[], preempted_req_ids={"A"})
-    w.on_step(out, set())
+    w.on_step(step_of(out, set()))
     assert fill(w, ["A"], [1], [0])[0] == pa
 
 

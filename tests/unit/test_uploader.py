@@ -1,15 +1,15 @@
-"""hotwire_core.runtime._Uploader: host-to-device copies staged in a pinned ring."""
+"""hotwire_core.uploader.Uploader: host-to-device copies staged in a pinned ring."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from hotwire_core.runtime import _Uploader
+from hotwire_core.uploader import Uploader
 
 
 def test_cpu_device_copies_plainly():
-    up = _Uploader(torch.device("cpu"))
+    up = Uploader(torch.device("cpu"))
     dst = torch.zeros(4, dtype=torch.int32)
     up.copy_(dst, torch.arange(4, dtype=torch.int32))
     assert dst.tolist() == [0, 1, 2, 3]
@@ -20,7 +20,7 @@ def test_cpu_device_copies_plainly():
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_ring_never_overwrites_a_copy_the_gpu_has_not_run():
-    up = _Uploader(torch.device("cuda"), ring_bytes=1024)  # 400-byte values take 448: the ring comes round every 2
+    up = Uploader(torch.device("cuda"), ring_bytes=1024)  # 400-byte values take 448: the ring comes round every 2
     dsts = [torch.zeros(100, dtype=torch.int32, device="cuda") for _ in range(9)]
     torch.cuda._sleep(200_000_000)  # keeps the stream busy: every copy below is still pending when the next is staged
     for i, dst in enumerate(dsts):
