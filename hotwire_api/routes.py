@@ -17,15 +17,13 @@ from hotwire_api.catalog import CATALOG, refresh_interval_s
 from hotwire_api.codec import VectorPayload, read_limited, too_large
 from hotwire_api.engine import HotwireEngine
 from hotwire_api.errors import HotwireError
-from hotwire_api.fleet.replica import FLEET
 from hotwire_api.forms import check_fits
 from hotwire_api.gguf_codec import encode_gguf, encode_safetensors
 from hotwire_api.metrics import STATS
-from hotwire_api.models import (
-    DeleteResult, ErrorBody, FleetView, RegisterVectorJSON, RegistryStatus, ReplicaSlots, SlotStats, VectorList, VectorMeta,
-)
+from hotwire_api.models import DeleteResult, ErrorBody, FleetView, RegisterVectorJSON, SlotStats, VectorList, VectorMeta
 from hotwire_api.settings import Settings
 from hotwire_api.uploads import decode_upload
+from hotwire_api.vector_registry import VectorRegistry
 from hotwire_core.spec import VECTOR_ID_RE
 from hotwire_core.vllm_glue import inactive_reason
 from hotwire_core.vllm_glue.api_server import served_model_type
@@ -54,20 +52,21 @@ class _HotwireRoute(APIRoute):
 
 @contextlib.asynccontextmanager
 async def _background(app: Any) -> AsyncIterator[None]:
-    """Lifespan: keep the slot statistics and the catalog fresh while ``app`` runs (on a vLLM hotwire supports:
-    elsewhere every answer is the 503 of :meth:`HotwireEngine.of`)."""
+    """Lifespan: keep the slot statistics and the catalog fresh and the vector registry started while ``app`` runs
+    (on a vLLM hotwire supports: elsewhere every answer is the 503 of :meth:`HotwireEngine.of`)."""
     if inactive_reason() is not None:
         yield
         return
     tasks = [asyncio.create_task(STATS.run(app)), asyncio.create_task(CATALOG.run(app, refresh_interval_s()))]
-    await FLEET.start(app)
+    registry: VectorRegistry = app.state.hotwire_registry
+    await registry.start(app)
     try:
         yield
     finally:
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
-        await FLEET.stop()
+        await registry.stop()
 
 
 def _error(description: str) -> dict[str, Any]:
@@ -131,6 +130,11 @@ async def _read_upload(request: Request, limit: int) -> tuple[str, VectorPayload
     return await decode_upload(content_type, await read_limited(request.stream(), limit), limit)
 
 
+def _registry(request: Request) -> VectorRegistry:
+    """The registry :func:`hotwire_api.server.attach` chose for this app."""
+    return request.app.state.hotwire_registry
+
+
 def _refresh_stats_later(background: BackgroundTasks, engine: HotwireEngine) -> None:
     background.add_task(STATS.refresh, engine)
 
@@ -174,10 +178,7 @@ async def register_vector(
     if payload.kind:  # a GGUF or SAE file: its misfit is named in that format's terms
         model = (await CATALOG.ready(engine)).model
         check_fits(payload, model.n_layers, model.hidden_size)
-    if FLEET.replica is not None:
-        created, meta = await FLEET.replica.register(engine, vector_id, payload, replace)
-    else:
-        created, meta = await engine.register(vector_id, payload, replace)
+    created, meta = await _registry(request).register(engine, vector_id, payload, replace)
     if not created:
         response.status_code = 200
     await _refresh_catalog(engine)
@@ -260,10 +261,7 @@ async def vector_file(
 )
 async def delete_vector(vector_id: str, request: Request, background: BackgroundTasks) -> Response:
     engine = HotwireEngine.of(request.app)
-    if FLEET.replica is not None:
-        in_flight = await FLEET.replica.unregister(engine, vector_id)
-    else:
-        in_flight = await engine.unregister(vector_id)
+    in_flight = await _registry(request).unregister(engine, vector_id)
     await _refresh_catalog(engine)
     _refresh_stats_later(background, engine)
     if in_flight > 0:
@@ -288,8 +286,8 @@ async def slots(
     ),
 ) -> SlotStats:
     stats, age_s = await STATS.get(HotwireEngine.of(request.app), max_age_ms / 1000)
-    registry = await FLEET.replica.status() if FLEET.replica is not None else {"kind": "local"}
-    return stats.model_copy(update={"age_ms": round(age_s * 1000, 1), "registry": RegistryStatus(**registry)})
+    registry = await _registry(request).status()
+    return stats.model_copy(update={"age_ms": round(age_s * 1000, 1), "registry": registry})
 
 
 @router.get(
@@ -299,17 +297,4 @@ async def slots(
     responses={503: _error("`registry_unavailable`: the fleet's registry does not answer.")},
 )
 async def fleet(request: Request) -> FleetView:
-    engine = HotwireEngine.of(request.app)
-    if FLEET.replica is not None:
-        return FleetView.model_validate(await FLEET.replica.view())
-    stats, _ = await STATS.get(engine, 0)
-    vectors = await engine.vectors()
-    held = [{"id": m.id, "version": m.version, "sha256": m.sha256, "in_flight": m.in_flight} for m in vectors]
-    me = {
-        "replica": "local", "slots": {k: getattr(stats, k) for k in ReplicaSlots.model_fields},
-        "refused": stats.refused, "vectors": held, "in_sync": True, "age_ms": 0.0,
-        "pinned_rows": [r.model_dump() for r in stats.rows if r.refcount > 0],
-    }
-    return FleetView(registry=RegistryStatus(kind="local"), replicas=[me],
-                     vectors=[{"id": m.id, "version": m.version, "sha256": m.sha256, "held_by": ["local"],
-                               "missing_on": []} for m in vectors])
+    return await _registry(request).view(HotwireEngine.of(request.app))

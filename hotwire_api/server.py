@@ -7,10 +7,10 @@ from __future__ import annotations
 from fastapi import FastAPI
 
 from hotwire_api.admission import AdmissionMiddleware
-from hotwire_api.fleet.replica import FLEET
 from hotwire_api.metrics import register_collector
 from hotwire_api.routes import router
 from hotwire_api.settings import Settings
+from hotwire_api.vector_registry import registry_for
 
 
 def attach(app: FastAPI, settings: Settings | None = None) -> None:
@@ -18,7 +18,7 @@ def attach(app: FastAPI, settings: Settings | None = None) -> None:
     any added later, so the host's auth, CORS and error middleware run before admission."""
     settings = settings or Settings.from_env()
     app.state.hotwire_settings = settings
-    FLEET.configure(settings.registry_url)
+    app.state.hotwire_registry = registry_for(settings)
     app.include_router(router)
     app.add_middleware(AdmissionMiddleware, lenient=settings.lenient)
     register_collector()

@@ -23,27 +23,13 @@ is lost, as are versions retired after the data Redis came back with (they stay 
 from __future__ import annotations
 
 import logging
-from collections.abc import Awaitable
-from typing import Any, Protocol
 
 from hotwire_api.engine import HotwireEngine
 from hotwire_api.errors import HotwireError
 from hotwire_api.fleet import blobs
-from hotwire_api.fleet.redis_registry import RedisRegistry
+from hotwire_api.fleet.standing import Standing
 
-__all__ = ["Repair", "Repairing"]
-
-
-class Repairing(Protocol):
-    """What a repair needs of its replica (``replica.Replica``)."""
-
-    registry: RedisRegistry
-    replica_id: str
-    known: dict[str, tuple[int, bool]]  # id -> (the newest version applied or deleted, whether deleted)
-    seeded: int
-    reset_seen: bool
-
-    def do(self, coro: Awaitable[Any]) -> Awaitable[Any]: ...
+__all__ = ["Repair"]
 
 logger = logging.getLogger(__name__)
 
@@ -51,7 +37,7 @@ logger = logging.getLogger(__name__)
 class Repair:
     """The follower's side of a restart: ``run_id``, the Redis process it last looked at."""
 
-    def __init__(self, replica: Repairing):
+    def __init__(self, replica: Standing):
         self.replica = replica
         self.run_id: str | None = None
 

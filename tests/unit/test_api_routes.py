@@ -1144,3 +1144,12 @@ def test_fleet_view_and_registry_of_a_lone_server(
     monkeypatch.setattr(cli, "HotwireClient", lambda url, key: HotwireClient(url, key, http_client=client))
     assert cli.main(["--url", "http://testserver", "fleet"]) == 0
     assert json.loads(capsys.readouterr().out)["replicas"][0]["vectors"][0]["id"] == "happy"
+
+
+def test_with_a_fleet_registry_the_routes_never_fall_back_to_the_local_one(engine: FakeEngine) -> None:
+    """HOTWIRE_REGISTRY picks the fleet's registry once, at attach; before the app's lifespan connected it, a change
+    is refused (503), not made in this server's engine alone, outside the fleet's numbering."""
+    client = TestClient(_openai_app(engine, Settings(registry_url="redis://127.0.0.1:1/0")))
+    _error(_upload(client, "happy", _vector()), 503, "registry_unavailable")
+    _error(client.delete("/steer/vectors/happy"), 503, "registry_unavailable")
+    assert "hotwire_register" not in engine.methods() and "hotwire_unregister" not in engine.methods()

@@ -62,7 +62,7 @@ class Node:
         self.registry = RedisRegistry(FleetConfig(url, **{"timeout_s": 3.0, "restart_settle_s": 0.2, **config}),
                                       Keys.for_model("org/model"))
         self.replica = Replica(self.registry, lambda: self.engine, name, on_change=_nothing)
-        self.replica.block_ms = 100
+        self.replica.follower.block_ms = 100
         self.tasks: list[asyncio.Task] = []
 
     def start(self, heartbeat: bool = False) -> None:
@@ -174,32 +174,33 @@ def test_a_version_the_engine_holds_is_registered_once() -> None:
 def test_register_replace_delete_reach_every_replica(redis_server) -> None:
     async def body() -> None:
         async with started(redis_server.url, "a", "b") as (a, b):
-            created, meta = await a.replica.register(a.engine, "joy", vector(1), False)
+            created, meta = await a.replica.changes.register(a.engine, "joy", vector(1), False)
             assert created and meta.version == 1
             await eventually(lambda: b.client.held().get("joy") == (1, meta.sha256), 1.0)
             spec = '{"id": "joy", "layer": 1, "scale": 4}'
             salts = [n.client.controller.cache_salt_for(spec, None, 10) for n in (a, b)]
             assert salts[0] is not None and salts[0] == salts[1]  # one receipt, one prefix-cache salt everywhere
 
-            created, meta2 = await b.replica.register(b.engine, "joy", vector(2), True)
+            created, meta2 = await b.replica.changes.register(b.engine, "joy", vector(2), True)
             assert not created and meta2.version == 2 and meta2.sha256 != meta.sha256
             await eventually(lambda: a.client.held().get("joy") == (2, meta2.sha256), 1.0)
             assert a.client.controller.registry.lookup("joy", 1) is not None  # retained for pinned requests
 
             with pytest.raises(HotwireError) as taken:
-                await b.replica.register(b.engine, "joy", vector(3), False)
+                await b.replica.changes.register(b.engine, "joy", vector(3), False)
             assert taken.value.status == 409 and taken.value.code == "exists"
 
-            assert await a.replica.unregister(a.engine, "joy") == 0
+            assert await a.replica.changes.unregister(a.engine, "joy") == 0
             await eventually(lambda: "joy" not in b.client.held(), 1.0)
             with pytest.raises(HotwireError) as gone:
-                await b.replica.unregister(b.engine, "joy")
+                await b.replica.changes.unregister(b.engine, "joy")
             assert gone.value.status == 404
-            created, meta3 = await b.replica.register(b.engine, "joy", vector(4), False)
+            created, meta3 = await b.replica.changes.register(b.engine, "joy", vector(4), False)
             assert created and meta3.version == 3  # versions never repeat, deletions included
             await eventually(lambda: a.client.held().get("joy") == (3, meta3.sha256), 1.0)
             with pytest.raises(HotwireError) as bad:
-                await a.replica.register(a.engine, "bad", VectorPayload(b"\0" * 12, "float32", (3,), None), False)
+                bad_shape = VectorPayload(b"\0" * 12, "float32", (3,), None)
+                await a.replica.changes.register(a.engine, "bad", bad_shape, False)
             assert bad.value.status == 400 and not await a.registry.current() == {}  # joy only
             assert "bad" not in await a.registry.current()
 
@@ -216,10 +217,10 @@ def test_rediss_and_unix_urls(tmp_path, transport: str) -> None:
 
     async def body() -> None:
         async with started(server.url, "a", "b") as (a, b):
-            created, meta = await a.replica.register(a.engine, "joy", vector(1), False)
+            created, meta = await a.replica.changes.register(a.engine, "joy", vector(1), False)
             assert created and meta.version == 1
             await eventually(lambda: b.client.held().get("joy") == (1, meta.sha256), 2.0)
-            status = await b.replica.status()
+            status = await b.replica.heartbeat.status()
             assert status["reachable"] is True and "pw" not in str(status)
 
     try:
@@ -241,24 +242,24 @@ def test_blobs_no_current_version_uses_are_collected_after_the_grace(redis_serve
 
             sha = {name: blobs.check(vector(seed), N_LAYERS, HIDDEN, "float32").sha256
                    for name, seed in (("v1", 1), ("v2", 2), ("back", 5))}
-            await a.replica.register(a.engine, "joy", vector(1), False)
-            await a.replica.register(a.engine, "twin", vector(1), False)  # the same bytes as joy@1: one blob
+            await a.replica.changes.register(a.engine, "joy", vector(1), False)
+            await a.replica.changes.register(a.engine, "twin", vector(1), False)  # the same bytes as joy@1: one blob
             await eventually(lambda: "twin" in b.client.held(), 2.0)
             await b.stop()  # away while the fleet changes and collects
-            await a.replica.register(a.engine, "joy", vector(2), True)  # joy@1's blob: still twin's
-            await a.replica.register(a.engine, "tmp", vector(3), False)
-            await a.replica.unregister(a.engine, "tmp")
+            await a.replica.changes.register(a.engine, "joy", vector(2), True)  # joy@1's blob: still twin's
+            await a.replica.changes.register(a.engine, "tmp", vector(3), False)
+            await a.replica.changes.unregister(a.engine, "tmp")
             with pytest.raises(HotwireError):
-                await a.replica.register(a.engine, "joy", vector(4), False)  # 409: its blob is stored, unused
-            await a.replica.register(a.engine, "again", vector(5), False)
-            await a.replica.unregister(a.engine, "again")
-            await a.replica.register(a.engine, "again", vector(5), False)  # orphaned, then used again
+                await a.replica.changes.register(a.engine, "joy", vector(4), False)  # 409: its blob is stored, unused
+            await a.replica.changes.register(a.engine, "again", vector(5), False)
+            await a.replica.changes.unregister(a.engine, "again")
+            await a.replica.changes.register(a.engine, "again", vector(5), False)  # orphaned, then used again
             assert await reg.collect_blobs(grace_s=3600) == 0  # within the grace: nothing goes
             assert await reg.collect_blobs(grace_s=0) == 2  # tmp's and the 409 loser's
             kept = {reg.keys.blob(sha[n]) for n in ("v1", "v2", "back")}
             assert await blob_keys() == kept
-            await a.replica.unregister(a.engine, "twin")
-            await a.replica.register(a.engine, "joy", vector(6), True)
+            await a.replica.changes.unregister(a.engine, "twin")
+            await a.replica.changes.register(a.engine, "joy", vector(6), True)
             assert await reg.collect_blobs(grace_s=0) == 2  # v1 (no id uses it now) and v2
             b.start()  # reads on from its position: joy@2's and tmp's events name collected blobs
             await eventually(lambda: b.client.held() == a.client.held(), 3.0)
@@ -272,8 +273,8 @@ def test_concurrent_registrations_of_one_id(redis_server) -> None:
         async with started(redis_server.url, "a", "b") as (a, b):
             for round_ in range(5):
                 vid = f"race{round_}"
-                outcomes = await asyncio.gather(a.replica.register(a.engine, vid, vector(1), False),
-                                                b.replica.register(b.engine, vid, vector(2), False),
+                outcomes = await asyncio.gather(a.replica.changes.register(a.engine, vid, vector(1), False),
+                                                b.replica.changes.register(b.engine, vid, vector(2), False),
                                                 return_exceptions=True)
                 wins = [o for o in outcomes if not isinstance(o, BaseException)]
                 losses = [o for o in outcomes if isinstance(o, HotwireError)]
@@ -282,8 +283,8 @@ def test_concurrent_registrations_of_one_id(redis_server) -> None:
                 for n in (a, b):
                     await eventually(lambda n=n: n.client.held().get(vid) == (1, winner.sha256), 1.0)
             # replace=true from both at once: two versions in one order, every replica ends on the later one
-            outcomes = await asyncio.gather(a.replica.register(a.engine, "race0", vector(5), True),
-                                            b.replica.register(b.engine, "race0", vector(6), True))
+            outcomes = await asyncio.gather(a.replica.changes.register(a.engine, "race0", vector(5), True),
+                                            b.replica.changes.register(b.engine, "race0", vector(6), True))
             versions = sorted(meta.version for _, meta in outcomes)
             assert versions == [2, 3]
             last = next(meta for _, meta in outcomes if meta.version == 3)
@@ -297,15 +298,15 @@ def test_a_late_replica_and_a_returning_follower_catch_up(redis_server) -> None:
     async def body() -> None:
         async with started(redis_server.url, "a") as (a,):
             for i in range(3):
-                await a.replica.register(a.engine, f"v{i}", vector(i), False)
+                await a.replica.changes.register(a.engine, f"v{i}", vector(i), False)
             late = Node(redis_server.url, "late")  # started after the registrations
             late.start()
             await eventually(lambda: len(late.client.held()) == 3, 2.0)
             assert late.client.held() == a.client.held() and late.replica.resyncs == 1
             await late.stop()  # away (not following) while the fleet changes
-            await a.replica.register(a.engine, "v0", vector(10), True)
-            await a.replica.unregister(a.engine, "v1")
-            await a.replica.register(a.engine, "v3", vector(11), False)
+            await a.replica.changes.register(a.engine, "v0", vector(10), True)
+            await a.replica.changes.unregister(a.engine, "v1")
+            await a.replica.changes.register(a.engine, "v3", vector(11), False)
             late.start()
             await eventually(lambda: late.client.held() == a.client.held(), 2.0)
             assert late.replica.resyncs == 1  # from the stream, no reload
@@ -318,13 +319,13 @@ def test_an_api_server_starts_taking_requests_once_its_replica_caught_up(redis_s
     async def body() -> None:
         async with started(redis_server.url, "a") as (a,):
             for i in range(3):
-                await a.replica.register(a.engine, f"c{i}", vector(i), False)
+                await a.replica.changes.register(a.engine, f"c{i}", vector(i), False)
             late = Node(redis_server.url, "late")  # not following yet: catch_up alone must fill its engine
             await late.replica.catch_up()
             assert late.client.held() == a.client.held() and late.replica.resyncs == 1
             # another API server of a replica whose engine lacks the vectors: it waits for its follower
             other = Node(redis_server.url, "other")
-            waiter = Replica(other.registry, lambda: other.engine, "other", follower=False, on_change=_nothing)
+            waiter = Replica(other.registry, lambda: other.engine, "other", follows=False, on_change=_nothing)
             start = time.monotonic()
             await waiter.catch_up(timeout_s=0.3)  # nobody fills the engine: it gives up, it does not raise
             assert 0.3 <= time.monotonic() - start < 3.0 and other.client.held() == {}
@@ -344,18 +345,18 @@ def test_resync_when_the_stream_was_trimmed_past_a_replica(redis_server) -> None
     async def body() -> None:
         async with started(redis_server.url, "a", "b") as (a, b):
             for vid in ("x", "y"):
-                await a.replica.register(a.engine, vid, vector(len(vid)), False)
+                await a.replica.changes.register(a.engine, vid, vector(len(vid)), False)
             await eventually(lambda: set(b.client.held()) == {"x", "y"}, 1.0)
             await b.stop()
-            await a.replica.unregister(a.engine, "x")
-            await a.replica.register(a.engine, "z", vector(3), False)
-            await a.replica.register(a.engine, "y", vector(4), True)
+            await a.replica.changes.unregister(a.engine, "x")
+            await a.replica.changes.register(a.engine, "z", vector(3), False)
+            await a.replica.changes.register(a.engine, "y", vector(4), True)
             import redis.asyncio as aioredis
 
             raw = aioredis.from_url(redis_server.url)
             await raw.xtrim(a.registry.keys.events, maxlen=0)  # every entry b has not read is gone
             await raw.aclose()
-            b.replica._reconnected = True  # as after a lost connection
+            b.replica.reconnected = True  # as after a lost connection
             b.start()
             await eventually(lambda: b.client.held() == a.client.held(), 2.0)
             assert b.replica.resyncs == 2 and set(b.client.held()) == {"y", "z"}
@@ -372,28 +373,28 @@ def test_registry_down_keeps_serving_and_refuses_changes(tmp_path) -> None:
 
     async def body() -> None:
         async with started(server.url, "a", "b") as (a, b):
-            _, meta = await a.replica.register(a.engine, "keep", vector(1), False)
+            _, meta = await a.replica.changes.register(a.engine, "keep", vector(1), False)
             await eventually(lambda: "keep" in b.client.held(), 1.0)
             server.kill()
             for n in (a, b):
                 with pytest.raises(HotwireError) as down:
-                    await n.replica.register(n.engine, "new", vector(2), False)
+                    await n.replica.changes.register(n.engine, "new", vector(2), False)
                 assert down.value.status == 503 and down.value.code == "registry_unavailable"
                 assert "s3cret-pw" not in down.value.message and f"127.0.0.1:{server.port}" in down.value.message
                 with pytest.raises(HotwireError) as down:
-                    await n.replica.unregister(n.engine, "keep")
+                    await n.replica.changes.unregister(n.engine, "keep")
                 assert down.value.status == 503 and "cannot be registered or deleted" in down.value.message  # refused
-                status = await n.replica.status()
+                status = await n.replica.heartbeat.status()
                 assert status["reachable"] is False and "s3cret-pw" not in str(status)
                 assert n.client.held()["keep"] == (1, meta.sha256)  # still served
             await eventually(lambda: b.replica.reachable is False, 2.0)
             server.start()  # same port, same append-only file
             await eventually(lambda: b.replica.reachable is True, 5.0)
-            created, meta2 = await a.replica.register(a.engine, "new", vector(2), False)
+            created, meta2 = await a.replica.changes.register(a.engine, "new", vector(2), False)
             assert created and meta2.version == 1
             await eventually(lambda: b.client.held().get("new") == (1, meta2.sha256), 2.0)
             assert b.replica.resyncs == 1  # the stream covered the gap: no reload
-            assert (await a.replica.status())["reachable"] is True
+            assert (await a.replica.heartbeat.status())["reachable"] is True
 
     try:
         run(body)
@@ -499,11 +500,11 @@ def test_a_wiped_registry_is_put_back_from_the_replicas(tmp_path) -> None:
 
     async def body() -> None:
         async with started(server.url, "a", "b") as (a, b):
-            await a.replica.register(a.engine, "kept", vector(1), False)
-            _, kept = await a.replica.register(a.engine, "kept", vector(2), True)
+            await a.replica.changes.register(a.engine, "kept", vector(1), False)
+            _, kept = await a.replica.changes.register(a.engine, "kept", vector(2), True)
             rows = vector(3, rows=2)  # rows for layers 3 and 1: put back in layer order, under the same content hash
             layered = VectorPayload(rows.data, rows.dtype, rows.shape, (3, 1))
-            _, other = await b.replica.register(b.engine, "other", layered, False)
+            _, other = await b.replica.changes.register(b.engine, "other", layered, False)
             await eventually(lambda: a.client.held() == b.client.held() and len(a.client.held()) == 2, 1.0)
             await eventually(lambda: a.replica.position is not None and b.replica.position is not None, 1.0)
             server.restart()  # no persistence: hotwire's keys are gone
@@ -521,9 +522,9 @@ def test_a_wiped_registry_is_put_back_from_the_replicas(tmp_path) -> None:
             late.start()
             await eventually(lambda: late.client.held() == a.client.held(), 3.0)
             await late.close()
-            _, meta = await a.replica.register(a.engine, "kept", vector(4), True)
+            _, meta = await a.replica.changes.register(a.engine, "kept", vector(4), True)
             assert meta.version == 3  # numbered past the versions put back, never a repeat
-            assert await b.replica.unregister(b.engine, "other") == 0  # a deletion after the loss holds
+            assert await b.replica.changes.unregister(b.engine, "other") == 0  # a deletion after the loss holds
             await eventually(lambda: b.client.held() == {"kept": (3, meta.sha256)} == a.client.held(), 2.0)
 
     try:
@@ -535,10 +536,10 @@ def test_a_wiped_registry_is_put_back_from_the_replicas(tmp_path) -> None:
 def test_a_version_retired_before_a_replica_started_is_held_there_for_its_retention(redis_server) -> None:
     async def body() -> None:
         async with started(redis_server.url, "a") as (a,):
-            _, v1 = await a.replica.register(a.engine, "r", vector(1), False)
-            await a.replica.register(a.engine, "r", vector(2), True)
-            _, gone = await a.replica.register(a.engine, "d", vector(3), False)
-            await a.replica.unregister(a.engine, "d")
+            _, v1 = await a.replica.changes.register(a.engine, "r", vector(1), False)
+            await a.replica.changes.register(a.engine, "r", vector(2), True)
+            _, gone = await a.replica.changes.register(a.engine, "d", vector(3), False)
+            await a.replica.changes.unregister(a.engine, "d")
             late = Node(redis_server.url, "late")  # never held r@1 or d@1
             late.start()
             await eventually(lambda: late.replica.resyncs == 1, 2.0)
@@ -560,11 +561,11 @@ def test_a_version_heard_of_after_this_replicas_own_newer_one_is_retained(redis_
         async with started(redis_server.url, "a", "b") as (a, b):
             await eventually(lambda: b.replica.position is not None, 2.0)
             await b.stop()  # b's follower lags behind a's registration
-            _, v1 = await a.replica.register(a.engine, "x", vector(1), False)
-            _, v2 = await b.replica.register(b.engine, "x", vector(2), True)  # b registers version 2 itself
-            _, y1 = await a.replica.register(a.engine, "y", vector(3), False)
-            await b.replica.unregister(b.engine, "y")  # and deletes y before it heard of it
-            b.replica.batch = 1  # each event alone: no later event of the batch says x@1 was superseded
+            _, v1 = await a.replica.changes.register(a.engine, "x", vector(1), False)
+            _, v2 = await b.replica.changes.register(b.engine, "x", vector(2), True)  # b registers version 2 itself
+            _, y1 = await a.replica.changes.register(a.engine, "y", vector(3), False)
+            await b.replica.changes.unregister(b.engine, "y")  # and deletes y before it heard of it
+            b.replica.follower.batch = 1  # each event alone: no later event of the batch says x@1 was superseded
             b.start()
             registry = b.client.controller.registry
             await eventually(lambda: registry.lookup("x", 1) is not None and registry.lookup("y", 1) is not None, 2.0)
@@ -580,7 +581,7 @@ def test_versions_past_their_retention_are_neither_fetched_nor_remembered(redis_
             await eventually(lambda: b.replica.position is not None, 2.0)
             await b.stop()
             for seed in (1, 2, 3):
-                await a.replica.register(a.engine, "z", vector(seed), True)
+                await a.replica.changes.register(a.engine, "z", vector(seed), True)
             import redis.asyncio as aioredis
 
             raw = aioredis.from_url(redis_server.url)
@@ -603,8 +604,8 @@ def test_versions_past_their_retention_are_neither_fetched_nor_remembered(redis_
             assert registry.lookup("z", 1) is None and registry.lookup("z", 2) is not None
             assert sha1 not in fetched and len(fetched) == 2
             assert set(await a.registry.retired_since(0)) == {("z", 1), ("z", 2)}
-            a.replica.collect_every_s = 0.0
-            await a.replica._collect()
+            a.replica.follower.collect_every_s = 0.0
+            await a.replica.follower.collect()
             assert set(await a.registry.retired_since(0)) == {("z", 2)}  # z@1's retention is over: forgotten
             await raw.aclose()
 
@@ -614,14 +615,15 @@ def test_versions_past_their_retention_are_neither_fetched_nor_remembered(redis_
 def test_heartbeats_make_the_fleet_view_and_expire(redis_server) -> None:
     async def body() -> None:
         async with started(redis_server.url, "a", "b", heartbeat=True, heartbeat_s=0.1) as (a, b):
-            _, meta = await a.replica.register(a.engine, "seen", vector(1), False)
+            _, meta = await a.replica.changes.register(a.engine, "seen", vector(1), False)
 
             async def both_hold() -> bool:
-                view = await a.replica.view()
-                return [r["replica"] for r in view["replicas"]] == ["a", "b"] and all(r["in_sync"] for r in view["replicas"])
+                view = await a.replica.heartbeat.view()
+                replicas = view["replicas"]
+                return [r["replica"] for r in replicas] == ["a", "b"] and all(r["in_sync"] for r in replicas)
 
             await eventually(both_hold, 3.0)
-            view = await b.replica.view()
+            view = await b.replica.heartbeat.view()
             assert view["vectors"] == [{"id": "seen", "version": 1, "sha256": meta.sha256, "held_by": ["a", "b"],
                                         "missing_on": []}]
             replica = view["replicas"][0]
@@ -630,7 +632,7 @@ def test_heartbeats_make_the_fleet_view_and_expire(redis_server) -> None:
             await b.stop()  # stops heartbeating
 
             async def b_gone() -> bool:
-                return [r["replica"] for r in (await a.replica.view())["replicas"]] == ["a"]
+                return [r["replica"] for r in (await a.replica.heartbeat.view())["replicas"]] == ["a"]
 
             assert await eventually(b_gone, 2.0) <= 1.0  # its key's TTL: 0.3 s after its last heartbeat
 
@@ -641,9 +643,9 @@ def test_an_engine_that_missed_an_event_gets_it_once_it_answers(redis_server) ->
     async def body() -> None:
         async with started(redis_server.url, "a", "b") as (a, b):
             await eventually(lambda: b.replica.position is not None, 2.0)
-            await b.replica._model_rules(b.engine)  # a running server has them from its first registration
+            await b.replica.changes.model_rules(b.engine)  # a running server has them from its first registration
             b.client.down = True
-            created, meta = await b.replica.register(b.engine, "later", vector(1), False)
+            created, meta = await b.replica.changes.register(b.engine, "later", vector(1), False)
             assert created and meta.version == 1  # registered in the fleet; b's engine was away
             await eventually(lambda: "later" in a.client.held(), 1.0)
             b.client.down = False
@@ -665,23 +667,23 @@ def test_a_registry_restored_from_an_older_snapshot_gets_back_what_the_replicas_
     async def body() -> None:
         # settle: 5 heartbeats, so each replica has heartbeat after the restart on a busy machine too
         async with started(server.url, "a", "b", heartbeat=True, heartbeat_s=0.1, restart_settle_s=0.5) as (a, b):
-            await a.replica.register(a.engine, "joy", vector(1), False)
-            await a.replica.register(a.engine, "gone", vector(2), False)
+            await a.replica.changes.register(a.engine, "joy", vector(1), False)
+            await a.replica.changes.register(a.engine, "gone", vector(2), False)
             await eventually(lambda: b.client.held() == a.client.held() and len(a.client.held()) == 2, 2.0)
             server.save()  # the snapshot: joy@1, gone@1
-            _, joy2 = await b.replica.register(b.engine, "joy", vector(3), True)
-            assert await b.replica.unregister(b.engine, "gone") == 0
-            _, late = await a.replica.register(a.engine, "late", vector(4), False)
-            await a.replica.register(a.engine, "tmp", vector(5), False)
-            await a.replica.unregister(a.engine, "tmp")
+            _, joy2 = await b.replica.changes.register(b.engine, "joy", vector(3), True)
+            assert await b.replica.changes.unregister(b.engine, "gone") == 0
+            _, late = await a.replica.changes.register(a.engine, "late", vector(4), False)
+            await a.replica.changes.register(a.engine, "tmp", vector(5), False)
+            await a.replica.changes.unregister(a.engine, "tmp")
             acknowledged = {"joy": (2, joy2.sha256), "late": (1, late.sha256)}
             await eventually(lambda: a.client.held() == b.client.held() == acknowledged, 2.0)
             server.restart()  # SIGKILL; it loads the snapshot: joy@1 and gone@1, nothing of late or tmp
             # At once, another API server of replica a (no follower, so it knows nothing) replaces joy and deletes
             # late: both must act on what was acknowledged, not on the snapshot.
-            other = Replica(a.registry, lambda: a.engine, "a", follower=False, on_change=_nothing)
-            (_, joy3), in_flight = await asyncio.gather(other.register(a.engine, "joy", vector(6), True),
-                                                         other.unregister(a.engine, "late"))
+            other = Replica(a.registry, lambda: a.engine, "a", follows=False, on_change=_nothing)
+            (_, joy3), in_flight = await asyncio.gather(other.changes.register(a.engine, "joy", vector(6), True),
+                                                         other.changes.unregister(a.engine, "late"))
             assert joy3.version == 3 and in_flight == 0  # never a second joy@2; late is known (200, not 404)
             wanted = {"joy": (3, joy3.sha256)}
 
@@ -697,7 +699,7 @@ def test_a_registry_restored_from_an_older_snapshot_gets_back_what_the_replicas_
             await raw.aclose()
             assert (2, joy2.sha256) in joy_versions and (3, joy3.sha256) in joy_versions
             assert len({v for v, _ in joy_versions}) == len(joy_versions)  # one content per version: joy@2 is joy2
-            _, tmp2 = await b.replica.register(b.engine, "tmp", vector(7), False)
+            _, tmp2 = await b.replica.changes.register(b.engine, "tmp", vector(7), False)
             assert tmp2.version == 2  # tmp@1 (deleted after the snapshot) is not numbered again
             wanted["tmp"] = (2, tmp2.sha256)
             await b.close()  # b restarts: a new process, an empty engine
@@ -719,9 +721,9 @@ def test_a_replica_that_does_not_repair_holds_changes_back_only_up_to_the_limit(
     async def body() -> None:
         async with started(redis_server.url, "a", heartbeat=True, heartbeat_s=0.1, restart_settle_s=0.5,
                            restart_limit_s=2.0) as (a,):
-            await a.replica.register(a.engine, "joy", vector(1), False)
+            await a.replica.changes.register(a.engine, "joy", vector(1), False)
             stuck = Node(redis_server.url, "stuck", heartbeat_s=1.0)  # live for 3 s after each beat, on a busy CPU too
-            beat = [asyncio.create_task(stuck.replica.heartbeat())]  # live, but no follower: it never repairs
+            beat = [asyncio.create_task(stuck.replica.heartbeat.run())]  # live, but no follower: it never repairs
 
             async def both_live() -> bool:
                 return {r["replica"] for r in await a.registry.replicas()} == {"a", "stuck"}
@@ -730,12 +732,12 @@ def test_a_replica_that_does_not_repair_holds_changes_back_only_up_to_the_limit(
             redis_server.restart()  # with all its data: still, nothing changes until the replicas confirmed it
             a.registry.gate_wait_s = 0.3
             with pytest.raises(HotwireError) as waiting:
-                await a.replica.register(a.engine, "joy", vector(2), True)
+                await a.replica.changes.register(a.engine, "joy", vector(2), True)
             assert waiting.value.status == 503 and waiting.value.code == "registry_unavailable"
             assert "restarted" in waiting.value.message and waiting.value.headers()["Retry-After"]
             assert await a.registry.current_version("joy") == (1, a.client.held()["joy"][1])
             a.registry.gate_wait_s = 5.0
-            _, meta = await a.replica.register(a.engine, "joy", vector(2), True)
+            _, meta = await a.replica.changes.register(a.engine, "joy", vector(2), True)
             assert meta.version == 2
             assert [r for r in caplog.records if "without the repair of replica(s) stuck" in r.getMessage()]
             await stuck.replica.stop_tasks(beat)
@@ -763,21 +765,22 @@ def test_a_password_in_the_urls_query_is_never_shown(tmp_path, caplog) -> None:
 
     async def body() -> None:
         async with started(url, "a", heartbeat=True, heartbeat_s=0.1) as (a,):
-            created, _ = await a.replica.register(a.engine, "joy", vector(1), False)
+            created, _ = await a.replica.changes.register(a.engine, "joy", vector(1), False)
             assert created  # the password in the query string reached Redis
-            shown.extend([str(await a.replica.status()), str(await a.replica.view())])
+            shown.extend([str(await a.replica.heartbeat.status()), str(await a.replica.heartbeat.view())])
             server.kill()
-            for change in (a.replica.register(a.engine, "new", vector(2), False), a.replica.unregister(a.engine, "joy")):
+            changes = a.replica.changes
+            for change in (changes.register(a.engine, "new", vector(2), False), changes.unregister(a.engine, "joy")):
                 with pytest.raises(HotwireError) as down:
                     await change
                 assert down.value.status == 503 and f"127.0.0.1:{server.port}" in down.value.message
                 shown.append(str(down.value.body()))
             await eventually(lambda: a.replica.reachable is False, 2.0)
-            shown.append(str(await a.replica.status()))
+            shown.append(str(await a.replica.heartbeat.status()))
         wrong = Node(f"redis://127.0.0.1:{server.port}/0?password=not-{secret}", "wrong")
         server.start()
         with pytest.raises(HotwireError) as refused:  # Redis refuses the password: its error names no secret
-            await wrong.replica.register(wrong.engine, "x", vector(3), False)
+            await wrong.replica.changes.register(wrong.engine, "x", vector(3), False)
         shown.append(str(refused.value.body()))
         await wrong.close()
 

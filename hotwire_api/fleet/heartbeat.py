@@ -1,0 +1,95 @@
+"""What the fleet sees of itself: each replica's heartbeat in the registry (its slots, pinned rows, refusals and the
+vector versions it holds), the registry section of ``/steer/slots`` and the ``/steer/fleet`` view built from
+every live replica's heartbeat."""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from typing import Any
+
+from hotwire_api.engine import HotwireEngine
+from hotwire_api.errors import HotwireError
+from hotwire_api.fleet.redis_registry import Unavailable
+from hotwire_api.fleet.standing import Standing
+
+__all__ = ["Heartbeat"]
+
+logger = logging.getLogger(__name__)
+
+
+class Heartbeat:
+    """This replica's heartbeat and the fleet view."""
+
+    def __init__(self, replica: Standing):
+        self.replica = replica
+
+    async def state(self, engine: HotwireEngine) -> dict[str, Any]:
+        """This replica's heartbeat: slot statistics, pinned rows and the vector versions it holds."""
+        r = self.replica
+        stats = await engine.stats()
+        vectors = await engine.vectors()
+        return {
+            "replica": r.replica_id, "url": r.url, "pid": os.getpid(), "started_at": r.started_at,
+            "sent_at": time.time(), **r.progress(),
+            "slots": {k: getattr(stats, k) for k in ("capacity", "used", "pinned", "free", "evictions",
+                                                     "steered_requests", "deferred", "engines")},
+            "refused": stats.refused,
+            "pinned_rows": [{"id": row.id, "version": row.version, "layer": row.layer, "refcount": row.refcount,
+                             "engine": row.engine} for row in stats.rows if row.refcount > 0],
+            "vectors": [{"id": m.id, "version": m.version, "sha256": m.sha256, "in_flight": m.in_flight}
+                        for m in vectors],
+        }
+
+    async def run(self) -> None:
+        """Put this replica's state in the registry every ``heartbeat_s`` until stopped; it expires after three."""
+        r = self.replica
+        interval = r.registry.config.heartbeat_s
+        while not r.stopping:
+            engine = r.engine()
+            if engine is not None:
+                try:
+                    await r.do(r.registry.heartbeat(r.replica_id, await self.state(engine), 3 * interval))
+                except Unavailable:
+                    pass
+                except HotwireError as exc:
+                    logger.debug("hotwire: heartbeat skipped: %s", exc.message)
+            await r.pause(interval)
+
+    async def status(self) -> dict[str, Any]:
+        """What ``/steer/slots`` says of the registry. An API server without the follower reports the follower's
+        progress from this replica's last heartbeat (a GET, which also tells whether Redis answers)."""
+        r = self.replica
+        progress = r.progress()
+        if not r.follows:
+            try:
+                beat = await r.do(r.registry.replica_state(r.replica_id))
+                progress = {k: beat.get(k, v) for k, v in progress.items()} if beat else progress
+            except Unavailable:
+                pass
+        elif time.monotonic() - r.last_contact > 2 * r.registry.config.heartbeat_s:
+            try:
+                await r.do(r.registry.ping())
+            except Unavailable:
+                pass
+        return {"kind": "redis", "url": r.registry.display_url, "reachable": bool(r.reachable),
+                "error": r.error, "replica": r.replica_id, **progress}
+
+    async def view(self) -> dict[str, Any]:
+        """``GET /steer/fleet``: the registry, every live replica and the versions each one holds."""
+        r = self.replica
+        remote = await r.do(r.registry.current())
+        replicas = sorted(await r.do(r.registry.replicas()), key=lambda beat: str(beat.get("replica")))
+        now = time.time()
+        for beat in replicas:
+            beat["age_ms"] = round(1000 * max(0.0, now - float(beat.get("sent_at") or now)), 1)
+            held = {v["id"]: v["version"] for v in beat.get("vectors") or []}
+            beat["in_sync"] = held == {vid: v for vid, (v, _) in remote.items()}
+        vectors = []
+        for vector_id, (version, sha) in sorted(remote.items()):
+            holders = [beat["replica"] for beat in replicas
+                       if any(v["id"] == vector_id and v["version"] == version for v in beat.get("vectors") or [])]
+            vectors.append({"id": vector_id, "version": version, "sha256": sha, "held_by": holders,
+                            "missing_on": [beat["replica"] for beat in replicas if beat["replica"] not in holders]})
+        return {"registry": await self.status(), "vectors": vectors, "replicas": replicas}
