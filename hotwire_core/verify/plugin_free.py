@@ -9,7 +9,9 @@ processes (the child checks that, and that hotwire *is* loaded when asked for). 
                   "lora": [name, int id, adapter path] (optional: the request runs with that LoRA adapter)},
                  ...], ...]}
 
-(``vectors`` are registered first, with hotwire loaded; ``lora`` needs ``"enable_lora": true`` in ``engine``). The
+(``vectors`` are registered first, with hotwire loaded; ``lora`` needs ``"enable_lora": true`` in ``engine``). A
+request with an image gives ``"prompt"`` (text, where the model's processor finds the image's placeholder) instead of
+``prompt_token_ids``, and ``"image"``: its pixels, height x width x RGB values 0-255 as nested lists. The
 answer holds, per batch and request, :func:`summarize` of its output.
 """
 
@@ -25,15 +27,16 @@ from typing import Any
 
 __all__ = ["Request", "run_batches", "run_engine", "run_here", "summarize"]
 
-Request = dict[str, Any]  # {"prompt_token_ids": [...], "params": {SamplingParams keyword arguments}, "lora"?: [...]}
+Request = dict[str, Any]  # {"prompt_token_ids": [...] | "prompt": str, "params": {...}, "lora"?: [...], "image"?: [...]}
 
 
 def summarize(output: Any) -> dict[str, Any]:
     """Token ids, the sampled tokens' logprobs, prompt logprobs, finish reason and cache hits of one
-    ``RequestOutput``."""
+    ``RequestOutput``, and the prompt's token ids (a multimodal processor's expansion of an image included)."""
     completion = output.outputs[0]
     prompt_lp = [None if d is None else d[t].logprob for d, t in zip(output.prompt_logprobs or [], output.prompt_token_ids)]
     return {
+        "prompt_token_ids": list(output.prompt_token_ids),
         "token_ids": list(completion.token_ids),
         "logprobs": [d[t].logprob for d, t in zip(completion.logprobs or [], completion.token_ids)],
         "prompt_logprobs": prompt_lp,
@@ -50,12 +53,22 @@ def run_batches(llm: Any, batches: list[list[Request]]) -> list[list[dict[str, A
 
     results = []
     for batch in batches:
-        prompts = [{"prompt_token_ids": r["prompt_token_ids"]} for r in batch]
+        prompts = [_prompt(r) for r in batch]
         params = [SamplingParams(**r["params"]) for r in batch]
         loras = [LoRARequest(*r["lora"]) if r.get("lora") else None for r in batch]
         outputs = llm.generate(prompts, params, use_tqdm=False, lora_request=loras if any(loras) else None)
         results.append([summarize(o) for o in outputs])
     return results
+
+
+def _prompt(request: Request) -> dict[str, Any]:
+    if "image" not in request:
+        return {"prompt_token_ids": request["prompt_token_ids"]}
+    import numpy as np
+    from PIL import Image
+
+    image = Image.fromarray(np.array(request["image"], dtype=np.uint8))
+    return {"prompt": request["prompt"], "multi_modal_data": {"image": image}}
 
 
 def run_engine(
