@@ -92,14 +92,15 @@ def _arch_kwargs(shape: ModelShape) -> dict:
     return {}
 
 
-def _write_tokenizer(path: Path, vocab_size: int) -> None:
+def _write_tokenizer(path: Path, vocab_size: int, extra_specials: tuple[str, ...] = ()) -> None:
+    """A byte-level BPE trained on a small corpus, the chat markers and ``extra_specials`` its first ids."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    specials = ["<|endoftext|>", "<|user|>", "<|assistant|>", "<|system|>"]
+    specials = ["<|endoftext|>", "<|user|>", "<|assistant|>", "<|system|>", *extra_specials]
     trainer = trainers.BpeTrainer(
         vocab_size=min(vocab_size, 512),
         special_tokens=specials,

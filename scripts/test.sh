@@ -72,7 +72,7 @@ export HOTWIRE_STORE="${HOTWIRE_STORE:-off}"
 # 500-660, model matrix 150-250, server 110-170, fleet 160, unit 150, lora 120-175 (beside other work), speculative
 # 90-185, speculative draft 95-150, speculative eagle 90-120, family bit identity 280, model families 115-135, bit
 # identity 90-140, request features 75-125, quantized 80-160, chunked prefill 40-80, soak 70, data parallel 35-100,
-# vector formats 65-105, ...); a file of APART waits while another of APART runs.
+# vector formats 65-105, vision language 65-190, ...); a file of APART waits while another of APART runs.
 LONGEST_FIRST=(
     tests/integration/test_compose.py tests/integration/test_model_matrix.py tests/integration/test_server.py
     tests/integration/test_fleet.py tests/unit tests/integration/test_lora.py tests/integration/test_speculative.py
@@ -81,7 +81,7 @@ LONGEST_FIRST=(
     tests/integration/test_bit_identity.py tests/integration/test_request_features.py
     tests/integration/test_quantized.py tests/integration/test_chunked_prefill.py
     tests/integration/test_data_parallel.py tests/integration/test_soak.py tests/integration/test_hardening.py
-    tests/integration/test_vector_formats.py
+    tests/integration/test_vector_formats.py tests/integration/test_vision_language.py
     tests/integration/test_async_engine.py tests/integration/test_verify.py tests/integration/test_engine.py
     tests/integration/test_demo.py tests/integration/test_unsteerable_model.py
 )

@@ -9,11 +9,18 @@ from pathlib import Path
 import torch
 
 
-def load(model_dir: Path, dtype: torch.dtype = torch.float32):
-    from transformers import AutoModelForCausalLM
+def load(model_dir: Path, dtype: torch.dtype = torch.float32, *, images: bool = False):
+    """The model, as a causal LM, or with ``images`` as an image-text-to-text model (its vision tower too)."""
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
-    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=dtype)
-    return model.eval()
+    auto = AutoModelForImageTextToText if images else AutoModelForCausalLM
+    return auto.from_pretrained(str(model_dir), dtype=dtype).eval()
+
+
+def decoder_layers(model) -> torch.nn.ModuleList:
+    """The text decoder's layers: ``model.model.layers``, or a vision-language model's ``text_model`` ones."""
+    inner = model.model
+    return inner.layers if hasattr(inner, "layers") else inner.text_model.layers
 
 
 def logprobs(
@@ -21,12 +28,13 @@ def logprobs(
     token_ids: list[int],
     steering: list[tuple[int, torch.Tensor, float, bool]] = (),
     positions: slice = slice(None),
+    **inputs: torch.Tensor,
 ) -> torch.Tensor:
     """Log-probabilities of the next token after each position, ``[len(token_ids), vocab]``, with ``steering``
     entries ``(layer, vector, scale, norm)`` added to the named layers' outputs at ``positions`` (every one by
     default; ``slice(None, P)`` is ``prefill_only`` for a prompt of ``P`` tokens, ``slice(P, None)``
-    ``decode_only``)."""
-    layers = model.model.layers
+    ``decode_only``). ``inputs``: further model inputs, such as a processor's ``pixel_values``."""
+    layers = decoder_layers(model)
     handles = []
     by_layer: dict[int, list] = {}
     for layer, vector, scale, norm in steering:
@@ -54,7 +62,7 @@ def logprobs(
         handles.append(layers[layer].register_forward_hook(make_hook(entries)))
     try:
         with torch.no_grad():
-            logits = model(torch.tensor([token_ids])).logits[0].float()
+            logits = model(torch.tensor([token_ids]), **inputs).logits[0].float()
     finally:
         for h in handles:
             h.remove()
@@ -66,7 +74,8 @@ def prompt_logprobs(
     token_ids: list[int],
     steering: list[tuple[int, torch.Tensor, float, bool]] = (),
     positions: slice = slice(None),
+    **inputs: torch.Tensor,
 ) -> torch.Tensor:
     """Log-probability of each prompt token given its prefix (positions 1..n-1), steered as in :func:`logprobs`."""
     ids = torch.tensor(token_ids[1:])
-    return logprobs(model, token_ids, steering, positions)[:-1].gather(1, ids[:, None])[:, 0]
+    return logprobs(model, token_ids, steering, positions, **inputs)[:-1].gather(1, ids[:, None])[:, 0]

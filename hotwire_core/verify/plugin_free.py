@@ -9,7 +9,9 @@ processes (the child checks that, and that hotwire *is* loaded when asked for). 
                   "lora": [name, int id, adapter path] (optional: the request runs with that LoRA adapter)},
                  ...], ...]}
 
-(``vectors`` are registered first, with hotwire loaded; ``lora`` needs ``"enable_lora": true`` in ``engine``). The
+(``vectors`` are registered first, with hotwire loaded; ``lora`` needs ``"enable_lora": true`` in ``engine``). A
+request with an image gives ``"prompt"`` (text, where the model's processor finds the image's placeholder) instead of
+``prompt_token_ids``, and ``"image"``: its pixels, height x width x RGB values 0-255 as nested lists. The
 answer holds, per batch and request, ``hotwire_core.vllm_glue.offline.summarize`` of its output.
 """
 
@@ -25,7 +27,7 @@ from typing import Any
 
 __all__ = ["Request", "run_batches", "run_engine", "run_here"]
 
-Request = dict[str, Any]  # {"prompt_token_ids": [...], "params": {SamplingParams keyword arguments}, "lora"?: [...]}
+Request = dict[str, Any]  # {"prompt_token_ids": [...] | "prompt": str, "params": {...}, "lora"?: [...], "image"?: [...]}
 
 
 def run_batches(llm: Any, batches: list[list[Request]]) -> list[list[dict[str, Any]]]:
@@ -35,12 +37,22 @@ def run_batches(llm: Any, batches: list[list[Request]]) -> list[list[dict[str, A
 
     results = []
     for batch in batches:
-        prompts = [{"prompt_token_ids": r["prompt_token_ids"]} for r in batch]
+        prompts = [_prompt(r) for r in batch]
         params = [sampling_params(**r["params"]) for r in batch]
         loras = [lora_request(*r["lora"]) if r.get("lora") else None for r in batch]
         outputs = llm.generate(prompts, params, use_tqdm=False, lora_request=loras if any(loras) else None)
         results.append([summarize(o) for o in outputs])
     return results
+
+
+def _prompt(request: Request) -> dict[str, Any]:
+    if "image" not in request:
+        return {"prompt_token_ids": request["prompt_token_ids"]}
+    import numpy as np
+    from PIL import Image
+
+    image = Image.fromarray(np.array(request["image"], dtype=np.uint8))
+    return {"prompt": request["prompt"], "multi_modal_data": {"image": image}}
 
 
 def run_engine(

@@ -36,10 +36,12 @@ def lora_request(*args: Any) -> Any:
 
 def summarize(output: Any) -> dict[str, Any]:
     """Token ids, the sampled tokens' logprobs, prompt logprobs, finish reason and cache hits of one
-    ``RequestOutput`` (its first completion)."""
+    ``RequestOutput`` (its first completion), and the prompt's token ids (a multimodal processor's expansion of an
+    image included)."""
     completion = output.outputs[0]
     prompt_lp = [None if d is None else d[t].logprob for d, t in zip(output.prompt_logprobs or [], output.prompt_token_ids)]
     return {
+        "prompt_token_ids": list(output.prompt_token_ids),
         "token_ids": list(completion.token_ids),
         "logprobs": [d[t].logprob for d, t in zip(completion.logprobs or [], completion.token_ids)],
         "prompt_logprobs": prompt_lp,
