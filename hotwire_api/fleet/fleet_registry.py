@@ -15,7 +15,7 @@ from hotwire_api.fleet.config import FleetConfig, Keys, default_replica_name
 from hotwire_api.fleet.redis_registry import RedisRegistry
 from hotwire_api.fleet.replica import Replica
 from hotwire_api.models import FleetView, RegistryStatus, VectorMeta
-from hotwire_core.vllm_glue.api_server import is_first_api_server
+from hotwire_core.vllm_glue.api_server import engine_client, is_first_api_server, served_port_and_model
 
 __all__ = ["FleetRegistry"]
 
@@ -23,13 +23,11 @@ logger = logging.getLogger(__name__)
 
 
 def default_replica_id(app: Any) -> str:
-    args = getattr(getattr(app, "state", None), "args", None)
-    return default_replica_name(getattr(args, "port", None))
+    return default_replica_name(served_port_and_model(app)[0])
 
 
 def _model_name(app: Any) -> str:
-    args = getattr(getattr(app, "state", None), "args", None)
-    return str(getattr(args, "model", None) or "default")
+    return str(served_port_and_model(app)[1] or "default")
 
 
 class FleetRegistry:
@@ -45,7 +43,7 @@ class FleetRegistry:
         API server, start the follower and the heartbeat."""
 
         def engine() -> HotwireEngine | None:
-            return HotwireEngine.of(app) if getattr(app.state, "engine_client", None) is not None else None
+            return HotwireEngine.of(app) if engine_client(app) is not None else None
 
         registry = RedisRegistry(self.config, Keys.for_model(_model_name(app)))
         self.replica = Replica(registry, engine, self.config.replica_id or default_replica_id(app),

@@ -18,7 +18,7 @@ from .patching import wrap
 
 __all__ = [
     "PerEngineRPC", "attach_to_app_builder", "cli_api_keys", "engine_client", "guard_engine_requests",
-    "is_api_server_process", "is_first_api_server", "per_engine_rpc", "served_model_type",
+    "is_api_server_process", "is_first_api_server", "per_engine_rpc", "served_model_type", "served_port_and_model",
 ]
 
 def is_api_server_process() -> bool:
@@ -132,6 +132,12 @@ def engine_client(app: Any) -> Any | None:
     """The engine client (``AsyncLLM``) of a vLLM app: ``app.state.engine_client``, which ``init_app_state`` sets
     once the engine runs; None before."""
     return getattr(app.state, "engine_client", None)
+
+
+def served_port_and_model(app: Any) -> tuple[int | None, str | None]:
+    """The ``--port`` and the model (``app.state.args``) a vLLM app serves; None where not set."""
+    args = getattr(getattr(app, "state", None), "args", None)
+    return getattr(args, "port", None), getattr(args, "model", None)
 
 
 def cli_api_keys(app: Any) -> list[str]:

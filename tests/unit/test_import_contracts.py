@@ -93,11 +93,6 @@ VLLM_ATTRIBUTES = {
     "prompt_logprobs": "RequestOutput",
 }
 
-# Reads outside the glue that wait for code another change owns; each must still be there (a fixed one is removed).
-KNOWN_READS = {
-    ("hotwire_api/fleet/replica.py", "engine_client"),  # to become vllm_glue.api_server.engine_client(app)
-}
-
 
 def vllm_reads(source: str) -> list[tuple[int, str]]:
     """``(line, attribute)`` of every read of a :data:`VLLM_ATTRIBUTES` name in ``source``: ``x.name``, and
@@ -133,6 +128,5 @@ def test_no_vllm_object_is_read_outside_the_glue() -> None:
             for line, attribute in vllm_reads(path.read_text()):
                 found.setdefault((name, attribute), []).append(line)
     unexpected = {f"{name}:{lines} .{attribute} ({VLLM_ATTRIBUTES[attribute]})": None
-                  for (name, attribute), lines in found.items() if (name, attribute) not in KNOWN_READS}
+                  for (name, attribute), lines in found.items()}
     assert list(unexpected) == [], "read these through hotwire_core.vllm_glue"
-    assert KNOWN_READS <= found.keys(), f"fixed, remove from KNOWN_READS: {sorted(KNOWN_READS - found.keys())}"
