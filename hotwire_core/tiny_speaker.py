@@ -19,6 +19,7 @@ import shutil
 from collections.abc import Sequence
 from pathlib import Path
 
+from . import tiny_model
 from .tiny_model import CHAT_TEMPLATE, ModelShape, model_config
 
 HAPPY_THINGS = ("bright", "warm", "sunny", "golden", "lovely", "gentle")
@@ -162,8 +163,12 @@ def _train(tokenizer):
 
 
 def recipe_hash() -> str:
-    """A key for the trained folder: this module's source (corpus, shape, training) decides the weights."""
-    return hashlib.sha256(Path(__file__).read_bytes()).hexdigest()[:16]
+    """A key for the trained folder: the source of this module (corpus, shape, training) and of the config it
+    reuses (:func:`tiny_model.model_config`) decide the weights."""
+    digest = hashlib.sha256()
+    for module in (__file__, tiny_model.__file__):
+        digest.update(Path(module).read_bytes())
+    return digest.hexdigest()[:16]
 
 
 def build_speaker(path: str | Path) -> Path:

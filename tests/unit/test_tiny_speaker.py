@@ -11,7 +11,7 @@ import hf_reference
 from hotwire_core import tiny_speaker as ts
 
 # CPU seconds (training runs on one thread): wall time on a shared machine measures the neighbours. Measured 10-12 s
-# of CPU, 21-41 s of wall time on 2 cores with a load of 7-13.
+# of CPU; of wall time 10-11 s on an idle 2-core machine, 21-41 s with a load of 7-13.
 BUILD_BUDGET_CPU_S = 30.0
 TOKENS = 20
 HAPPY_PROMPTS = ("the day was bright and", "my brother laughed and", "it was a sunny morning .")
