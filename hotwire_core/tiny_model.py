@@ -115,24 +115,9 @@ def _write_tokenizer(path: Path, vocab_size: int, extra_specials: tuple[str, ...
     fast.save_pretrained(str(path))
 
 
-def build_model(
-    path: str | Path,
-    shape: ModelShape | str = "tiny",
-    *,
-    weights: bool = True,
-    dtype: str = "float32",
-    seed: int = 0,
-) -> Path:
-    """Write a loadable model folder at ``path`` and return it. Idempotent: an existing complete folder is kept."""
+def model_config(shape: ModelShape, dtype: str = "float32"):
+    """The transformers config of ``shape`` (``architectures`` and ``dtype`` set, as vLLM reads them)."""
     import transformers
-
-    shape = SHAPES[shape] if isinstance(shape, str) else shape
-    path = Path(path)
-    marker = path / ".hotwire-model.json"
-    recipe = {"shape": shape.__dict__, "weights": weights, "dtype": dtype, "seed": seed}
-    if marker.exists() and json.loads(marker.read_text()) == recipe:
-        return path
-    path.mkdir(parents=True, exist_ok=True)
 
     config_cls, model_cls = _CONFIG_CLASSES[shape.arch]
     kwargs = dict(
@@ -154,6 +139,29 @@ def build_model(
     config = getattr(transformers, config_cls)(**kwargs)
     config.architectures = [model_cls]
     config.dtype = dtype  # what vLLM reads (transformers deprecates the torch_dtype spelling)
+    return config, model_cls
+
+
+def build_model(
+    path: str | Path,
+    shape: ModelShape | str = "tiny",
+    *,
+    weights: bool = True,
+    dtype: str = "float32",
+    seed: int = 0,
+) -> Path:
+    """Write a loadable model folder at ``path`` and return it. Idempotent: an existing complete folder is kept."""
+    import transformers
+
+    shape = SHAPES[shape] if isinstance(shape, str) else shape
+    path = Path(path)
+    marker = path / ".hotwire-model.json"
+    recipe = {"shape": shape.__dict__, "weights": weights, "dtype": dtype, "seed": seed}
+    if marker.exists() and json.loads(marker.read_text()) == recipe:
+        return path
+    path.mkdir(parents=True, exist_ok=True)
+
+    config, model_cls = model_config(shape, dtype)
     if weights:
         import torch
 
