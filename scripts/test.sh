@@ -68,6 +68,10 @@ export TORCHINDUCTOR_CACHE_DIR="$run_dir/inductor-cache"
 # Tests must not read or write the user's vector store unless asked to.
 export HOTWIRE_STORE="${HOTWIRE_STORE:-off}"
 
+# Why lanes and not pytest-xdist: an integration file is a fresh pytest process (vLLM's engines leave process-wide
+# state behind: torch.distributed, compile caches, its environment), the files start longest first from measured
+# times (xdist orders by collection), and the files of APART never overlap while the rest fill the other lane
+# (xdist's loadgroup would pin APART to one worker and still interleave it with what else that worker holds).
 # The files of the suite in the order they start: the longest first (seconds alone on a 2-core machine: compose
 # 500-660, model matrix 150-250, server 110-170, fleet 160, unit 150, lora 120-175 (beside other work), speculative
 # 90-185, speculative draft 95-150, speculative eagle 90-120, family bit identity 280, model families 115-135, bit

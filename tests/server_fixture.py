@@ -9,17 +9,16 @@ workers go together). On a GPU host the same float32 model is served with CUDA g
 
 from __future__ import annotations
 
-import functools
 import json
 import math
 import os
 import subprocess
 import sys
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import httpx
+import pytest
 import torch
 
 from hotwire_api.server_process import (
@@ -50,26 +49,14 @@ class StreamMissed(Exception):
     """A stream a test needed in flight had ended before the test could act on it."""
 
 
-def retried_on_a_busy_cpu(test: Callable) -> Callable:
-    """For tests that act on a request while it runs: on the CPU, run the test again (three attempts in all)
-    when it fails. vLLM's CPU engine core spins on a whole core while it waits for its worker; on a two-core
-    machine the API server and the test process then stalled for seconds at a time, and a several-second
-    request could end before the test acted on it (plugin-free vLLM's streams too got their headers only when
-    they ended). A real defect fails every attempt; on a GPU there is one attempt."""
-
-    @functools.wraps(test)
-    def run(*args: Any, **kwargs: Any) -> Any:
-        attempts = 1 if torch.cuda.is_available() else 3
-        for attempt in range(attempts):
-            try:
-                return test(*args, **kwargs)
-            except (AssertionError, StreamMissed, httpx.HTTPError) as failure:
-                if attempt == attempts - 1:
-                    raise
-                # shown with the test's output if the last attempt fails too: what each earlier attempt hit
-                print(f"attempt {attempt + 1} of {attempts} failed: {type(failure).__name__}: {failure}", file=sys.stderr)
-
-    return run
+# For tests that act on a request while it runs: on the CPU, the test runs again (three attempts in all) when it
+# fails. vLLM's CPU engine core spins on a whole core while it waits for its worker; on a two-core machine the API
+# server and the test process then stalled for seconds at a time, and a several-second request could end before the
+# test acted on it (plugin-free vLLM's streams too got their headers only when they ended). A real defect fails every
+# attempt; on a GPU there is one attempt. pytest-rerunfailures reports each earlier attempt's failure.
+retried_on_a_busy_cpu = pytest.mark.flaky(
+    reruns=0 if torch.cuda.is_available() else 2, only_rerun=[AssertionError, StreamMissed, httpx.HTTPError]
+)
 
 
 class VllmServer:
