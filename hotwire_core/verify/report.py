@@ -65,7 +65,7 @@ def report_header(llm: Any, model: str, runner: str | None, entry: dict, vector_
     import hotwire_core
 
     config = llm.llm_engine.model_config
-    n_layers = config.get_num_layers(llm.llm_engine.vllm_config.parallel_config)
+    n_layers = config.get_total_num_hidden_layers()  # get_num_layers counts one pipeline stage's
     arch = ",".join(config.architectures or ())
     tp = llm.llm_engine.vllm_config.parallel_config.tensor_parallel_size
     return [

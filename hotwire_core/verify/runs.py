@@ -307,7 +307,7 @@ def run(args: argparse.Namespace, model: str, workdir: Path) -> tuple[Header, li
     tolerance = 0.0 if torch.cuda.is_available() else CPU_TOLERANCE
     vector = torch.randn(engine.model_config.get_hidden_size(), generator=torch.Generator().manual_seed(0))
     register_vector(llm, VECTOR_ID, vector)
-    n_layers = engine.model_config.get_num_layers(engine.vllm_config.parallel_config)
+    n_layers = engine.model_config.get_total_num_hidden_layers()  # not one pipeline stage's count
     hooked = slot_stats(llm)["model"]["layers"]  # all of them unless HOTWIRE_LAYERS says otherwise
     entry = {"id": VECTOR_ID, "layer": middle_layer(hooked, n_layers), "scale": SCALE}
     spec = steer(entry)
