@@ -72,7 +72,7 @@ export HOTWIRE_STORE="${HOTWIRE_STORE:-off}"
 # 500-660, model matrix 150-250, server 110-170, fleet 160, unit 150, lora 120-175 (beside other work), speculative
 # 90-185, speculative draft 95-150, speculative eagle 90-120, MoE bit identity 145, model families 115-135, bit
 # identity 90-140, request features 75-125, quantized 80-160, chunked prefill 40-80, soak 70, data parallel 35-100,
-# vector formats 65-105, parallel 505 once beside five other engines, ...); a file of APART waits while another
+# vector formats 65-105, parallel 160-505 (505 beside five other engines), ...); a file of APART waits while another
 # of APART runs.
 LONGEST_FIRST=(
     tests/integration/test_compose.py tests/integration/test_model_matrix.py tests/integration/test_server.py

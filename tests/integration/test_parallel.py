@@ -157,6 +157,7 @@ def test_steering_equals_transformers_hook(llm, hf_model, prompts, vectors, entr
     steered_err = (torch.tensor(got["prompt_logprobs"][1:]) - expected).abs().max().item()
     plain_err = (torch.tensor(plain["prompt_logprobs"][1:]) - plain_expected).abs().max().item()
     effect = (expected - plain_expected).abs().max().item()
+    print(f"\nsteered error {steered_err:.2e}, plain {plain_err:.2e}, steering effect {effect:.3f}")
     assert plain_err < TOLERANCE, f"plain vLLM differs from transformers by {plain_err}"
     assert steered_err < TOLERANCE, f"steered vLLM differs from transformers + hook: {steered_err} (effect {effect})"
     assert effect > 10 * TOLERANCE, f"the steering in this check is too weak to be seen: {effect}"
