@@ -19,7 +19,6 @@ refuses to start two ranks on a machine with one (``vllm/utils/ompmultiprocessin
 from __future__ import annotations
 
 import json
-import os
 import signal
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -166,7 +165,7 @@ def test_steering_equals_transformers_hook(llm, hf_model, prompts, vectors, entr
 @pytest.fixture(scope="module")
 def served(llm, prompts):
     """``plain_batches`` with the pair's second request steered over both stages."""
-    alone, (hello, fox) = plain_batches(prompts)
+    alone, (hello, _) = plain_batches(prompts)
     with deadline():
         return run_batches(llm, [alone, [hello, req(prompts["fox"], SPANNING)]])
 
