@@ -261,7 +261,7 @@ def worker(job_path: str, out_path: str) -> None:
         vector = torch.randn(hidden, generator=torch.Generator().manual_seed(0))
         vector = vector / vector.norm()
         register_vector(llm, VECTOR_ID, vector)
-        n_layers = engine.model_config.get_num_layers(engine.vllm_config.parallel_config)
+        n_layers = engine.model_config.get_total_num_hidden_layers()  # not one pipeline stage's count
         entry = {"id": VECTOR_ID, "layer": middle_layer(slot_stats(llm)["model"]["layers"], n_layers), "scale": SCALE}
         steer_args = steer(entry)
         info.update(hotwire=hotwire_core.__version__, steering=entry, vector_norm=vector.norm().item())

@@ -69,7 +69,7 @@ def engine_facts(llm: Any) -> EngineFacts:
     return EngineFacts(
         architectures=tuple(config.architectures or ()),
         hidden_size=config.get_hidden_size(),
-        n_layers=config.get_num_layers(vllm_config.parallel_config),
+        n_layers=config.get_total_num_hidden_layers(),  # get_num_layers counts one pipeline stage's
         dtype=str(config.dtype).removeprefix("torch."),
         tensor_parallel_size=vllm_config.parallel_config.tensor_parallel_size,
         block_size=vllm_config.cache_config.block_size,

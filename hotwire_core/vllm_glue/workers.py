@@ -49,8 +49,8 @@ def _attach(worker: Any) -> None:
     elif not found:
         reason = why_not_steerable(model)
         logger.warning("hotwire: %s cannot be steered: %s; steering is off", type(model).__name__, reason)
-    if not found:
-        n_layers = model_config.get_num_layers(worker.vllm_config.parallel_config)
+    if not found:  # the whole model's count: get_num_layers would give this pipeline stage's
+        n_layers = model_config.get_total_num_hidden_layers()
     layers = select_layers(found, n_layers, settings().layers) if found else found
     device = torch.device(worker.device) if hasattr(worker, "device") else torch.device("cpu")
     for layer in layers.values():
