@@ -36,7 +36,7 @@ from hotwire_api.auth import bearer_matches, vllm_keys
 from hotwire_api.catalog import CATALOG
 from hotwire_api.engine import HotwireEngine
 from hotwire_api.errors import HotwireError
-from hotwire_api.metrics import STATS
+from hotwire_api.stats_cache import STATS
 from hotwire_api.tickets import TICKETS
 from hotwire_core.admission import Refusal, pinned_spec, receipt, resolve
 from hotwire_core.spec import SALT_PREFIX, SPEC_KEY, TICKET_KEY, SpecError, parse_spec

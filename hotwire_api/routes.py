@@ -19,7 +19,7 @@ from hotwire_api.engine import HotwireEngine
 from hotwire_api.errors import HotwireError
 from hotwire_api.forms import check_fits
 from hotwire_api.gguf_codec import encode_gguf, encode_safetensors
-from hotwire_api.metrics import STATS
+from hotwire_api.stats_cache import STATS
 from hotwire_api.models import DeleteResult, ErrorBody, FleetView, RegisterVectorJSON, SlotStats, VectorList, VectorMeta
 from hotwire_api.settings import Settings
 from hotwire_api.uploads import decode_upload

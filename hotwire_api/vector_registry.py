@@ -11,7 +11,7 @@ from hotwire_api.codec import VectorPayload
 from hotwire_api.engine import HotwireEngine
 from hotwire_api.fleet.config import FleetConfig
 from hotwire_api.fleet.fleet_registry import FleetRegistry
-from hotwire_api.metrics import STATS
+from hotwire_api.stats_cache import STATS
 from hotwire_api.models import FleetView, RegistryStatus, ReplicaSlots, VectorMeta
 from hotwire_api.settings import Settings
 

@@ -102,7 +102,7 @@ class Standing:
 
 
 def _gauge(value: int) -> None:
-    from hotwire_api.metrics import STATS
+    from hotwire_api.stats_cache import STATS
 
     STATS.registry_reachable = value
     if STATS.series is not None:

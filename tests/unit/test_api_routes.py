@@ -27,7 +27,7 @@ from safetensors.numpy import save as save_numpy
 from hotwire_api import cli
 from hotwire_api.client import AsyncHotwireClient, HotwireClient
 from hotwire_api.errors import HotwireError
-from hotwire_api.metrics import STATS
+from hotwire_api.stats_cache import STATS
 from hotwire_api.server import attach
 from hotwire_api.settings import Settings
 from hotwire_api.tickets import TICKETS

@@ -18,7 +18,8 @@ _API_SERVER = textwrap.dedent("""
     import asyncio, json, multiprocessing, sys
 
     multiprocessing.current_process().name = sys.argv[1]
-    from hotwire_api.metrics import STATS, register_collector
+    from hotwire_api.metrics import register_collector
+    from hotwire_api.stats_cache import STATS
     from hotwire_api.models import SlotStats
 
     class Engine:

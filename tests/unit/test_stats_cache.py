@@ -1,4 +1,4 @@
-"""hotwire_api.metrics.StatsCache: shared fetches, freshness after one's own writes, cancellation."""
+"""hotwire_api.stats_cache.StatsCache: shared fetches, freshness after one's own writes, cancellation."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import asyncio
 
 import pytest
 
-from hotwire_api.metrics import StatsCache
+from hotwire_api.stats_cache import StatsCache
 from hotwire_api.models import SlotStats
 
 
