@@ -20,6 +20,7 @@ import torch
 from . import contract
 from .admission import ModelInfo, Refusal, Resolved, Rules, cache_salt, pinned_spec, receipt, resolve, row_key
 from .bindings import BankWrite, Binding, Bindings, Config, set_binding
+from .capture_admission import CaptureRequests, capture_requested
 from .contract import BINDING_KEY, USER_SALT_ATTR  # re-exported: the benchmarks import them from here
 from .deferral import DeferredRequests
 from .errors import EngineError
@@ -74,6 +75,7 @@ class SteeringController:
                            settings.layers is not None)
         self.slots = SlotCache(settings.slots)
         self.bindings = Bindings(self.registry, self.slots)
+        self.captures = CaptureRequests(model.capture_rows)
         self.refused: Counter[str] = Counter()
         self.steered_requests = 0
         self.deferred = DeferredRequests(self.bindings, settings.max_wait_s, self.refused)  # requests waiting for slots
@@ -291,6 +293,13 @@ class SteeringController:
         if user_salt and user_salt.startswith(SALT_PREFIX):
             self.refused["reserved_salt"] += 1
             raise Refusal(400, "reserved_salt", f"cache_salt may not start with {SALT_PREFIX!r}", "cache_salt")
+        if capture_requested(request):
+            try:
+                self.captures.admit(request, self.rules)
+            except Refusal as exc:
+                self.refused[exc.code] += 1
+                raise
+            return None
         extra = steering_args(request)
         if extra is None:
             return None
@@ -364,6 +373,7 @@ class SteeringController:
 
     def release(self, request_id: str) -> None:
         self.bindings.release(request_id)
+        self.captures.release(request_id)
 
     # -- requests waiting for slots ----------------------------------------------------------------------------
 

@@ -11,14 +11,18 @@
 
 from __future__ import annotations
 
+import uuid
 from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 import torch
 
-from .contract import rpc_name
+from .capture_admission import POSITIONS, capture_args
+from .contract import TAKE_CAPTURES, rpc_name
 from .errors import EngineError
+from .extraction import ExtractionError, check_sets, example_token_ids, extract, layer_list, means_from_captures
+from .settings import parse_layers
 from .spec import SPEC_KEY, as_index, build_spec
 from .store import tensor_to_stored
 
@@ -108,3 +112,72 @@ def check_steering(llm: Any, extra_args: dict[str, Any] | str) -> dict:
 def steer(*entries: dict[str, Any]) -> dict[str, str]:
     """``extra_args`` for ``SamplingParams``: ``SamplingParams(extra_args=steer({"id": ..., "layer": ..., "scale": ...}))``."""
     return {SPEC_KEY: build_spec(*entries)}
+
+
+def capture_tags(n: int) -> list[str]:
+    """Fresh tags for ``n`` capture requests (``capture_admission.capture_args``)."""
+    return [uuid.uuid4().hex for _ in range(n)]
+
+
+def take_activations(llm: Any, tags: Sequence[str], layers: Sequence[int]) -> np.ndarray:
+    """``[len(tags), len(layers), hidden]`` float64 activations of finished capture requests, taken from the
+    workers (each capture is handed out once)."""
+    answers = llm.collective_rpc(TAKE_CAPTURES, args=(list(tags),))
+    hidden = _call(llm, "catalog")["model"]["hidden_size"]
+    return means_from_captures(answers, tags, layers, hidden)
+
+
+def capture_activations(llm: Any, examples: Sequence[Any], layers: Sequence[int], position: str = "last") -> np.ndarray:
+    """The residual stream after each of ``layers`` for each example (a prompt string or chat messages), at its
+    last prompt token or averaged over its prompt: ``[len(examples), len(layers), hidden]`` float64. Runs the
+    examples as one-token requests, at most ``HOTWIRE_CAPTURE_ROWS`` at a time."""
+    from vllm import SamplingParams
+
+    rows = _call(llm, "catalog")["model"].get("capture_rows", 0)
+    if not rows:
+        raise HotwireError(503, "capture_off", "activation capture is off on this engine; start it with "
+                           "HOTWIRE_CAPTURE=1 to extract vectors")
+    tokenizer = llm.get_tokenizer()
+    prompts = [{"prompt_token_ids": example_token_ids(tokenizer, e)} for e in examples]
+    out = []
+    for start in range(0, len(prompts), rows):
+        chunk = prompts[start : start + rows]
+        tags = capture_tags(len(chunk))
+        params = [SamplingParams(max_tokens=1, extra_args=capture_args(tag, layers, position)) for tag in tags]
+        llm.generate(chunk, params, use_tqdm=False)
+        out.append(take_activations(llm, tags, layers))
+    return np.concatenate(out) if out else np.zeros((0, len(layers), 0))
+
+
+def extract_vector(
+    llm: Any,
+    vector_id: str,
+    positive: Sequence[Any],
+    negative: Sequence[Any],
+    layers: Any = None,
+    method: str = "mean_diff",
+    position: str = "last",
+    normalize: bool = False,
+    replace: bool = False,
+) -> dict:
+    """Compute a steering vector from contrastive examples on this engine and register it as ``vector_id``.
+
+    ``positive`` / ``negative``: prompt strings or chat message lists (paired by index for ``pca``); ``layers``:
+    ``None`` / ``"all"`` (every hooked layer), ``"8-20"``, a range or a list; ``method``: ``mean_diff`` or ``pca``
+    (:mod:`hotwire_core.extraction`); ``position``: ``last`` or ``mean``; ``normalize``: unit length per layer.
+    Returns ``{"vector": <metadata>, "layers": [{"layer", "separation", "gap", "accuracy", "norm"}, ...]}``."""
+    model = _call(llm, "catalog")["model"]
+    if not model["steerable"]:
+        raise HotwireError(503, "model_not_steerable", f"this model cannot be steered or captured: {model['reason']}")
+    if position not in POSITIONS:
+        raise HotwireError(400, "bad_position", f"position must be one of {', '.join(POSITIONS)}, got {position!r}",
+                           "position")
+    try:
+        chosen = layer_list(layers, parse_layers(model["layers"]))
+        check_sets(len(positive), len(negative), method)
+        acts = capture_activations(llm, [*positive, *negative], chosen, position)
+        vectors, report = extract(acts[: len(positive)], acts[len(positive) :], chosen, method, normalize)
+    except ExtractionError as exc:
+        raise HotwireError(exc.status, exc.code, exc.message, exc.field) from None
+    meta = register_vector(llm, vector_id, vectors.astype(np.float32), chosen, replace)
+    return {"vector": meta, "layers": report}

@@ -17,7 +17,8 @@ import numpy as np
 import torch
 from torch import nn
 
-from . import ops
+from . import capture_op, ops  # noqa: F401  (capture_op registers torch.ops.hotwire.capture_)
+from .capture import WorkerCapture
 from .contract import BINDING_KEY, REBINDS_ATTR, WRITES_ATTR
 from .controller import prompt_length
 from .settings import Settings, format_layers
@@ -69,6 +70,9 @@ class SteerHook(nn.Module):
             self.register_buffer(name, tensor, persistent=False)
         self.layer, self.impl, self.target, self.norm = layer, impl, target, norm
         self.whole_stream = whole_stream
+        # HOTWIRE_CAPTURE: the capture op after the steering (hotwire_core.capture). It reads the whole stream,
+        # residual included, which costs plain tokens bit-identity in bf16 graphs as norm mode does.
+        self.capture = "token_cap" in buffers
 
     def forward(self, hidden: torch.Tensor, residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
         if residual is None or self.whole_stream:  # the whole stream is in hidden
@@ -82,6 +86,9 @@ class SteerHook(nn.Module):
             target = ops.steer_torch(target, other, *args, use_norm=self.norm)
         else:
             torch.ops.hotwire.steer_(target, other, *args)
+        if self.capture:  # the stream is target + the other of (hidden, residual), if the layer returns both
+            partner = None if residual is None or self.whole_stream else (residual if self.target == "hidden" else hidden)
+            torch.ops.hotwire.capture_(target, partner, self.token_cap, self.layer)
         if residual is None or self.whole_stream:
             return target, residual
         return (target, residual) if self.target == "hidden" else (hidden, target)
@@ -239,6 +246,9 @@ class WorkerSteering:
         # Row 0 means "no steer"; a steered request holds up to two rows (prefill, decode). Room for twice the
         # requests a batch holds: V1 keeps the rows of preempted requests while others run in their place.
         k, n_cfg = settings.max_stack, 2 * CONFIG_ROWS_PER_BATCH_SLOT * max_reqs + 1
+        self._uploader = _Uploader(device)
+        self.capture = (WorkerCapture(layers, n_layers, hidden_size, device, max_tokens, settings.capture_rows,
+                                      self._uploader) if settings.capture and layers else None)
         with torch.device(device):
             self.buffers = {
                 "bank": torch.zeros(settings.slots + 1, hidden_size, dtype=dtype),
@@ -249,11 +259,12 @@ class WorkerSteering:
                 "cfg_scale": torch.zeros(n_cfg, n_layers, k, dtype=torch.float32),
                 "cfg_rel": torch.zeros(n_cfg, n_layers, k, dtype=torch.float32),
             }
+        if self.capture is not None:
+            self.buffers["token_cap"] = self.capture.token_cap
         for index, module in layers.items():
             wrap_layer_class(type(module))
             hook = SteerHook(self.buffers, index, settings.impl, self.target, self.norm, index in whole_stream)
             module.add_module("hotwire_steer", hook)
-        self._uploader = _Uploader(device)
         self.config_rows = ConfigRows(n_cfg, n_layers)
         self._line_of: dict[str, int] = {}  # steered req_id -> its line in _lines
         self._lines = np.zeros((8, 3), np.int64)  # per steered request: (prefill row, decode row, prompt len); line 0: none
@@ -278,6 +289,7 @@ class WorkerSteering:
             "hidden_size": self.hidden_size,
             "dtype": str(self.dtype).removeprefix("torch."),
             "norm": self.norm,
+            "capture_rows": self.capture.rows if self.capture is not None else 0,
         }
 
     # -- request lifecycle -----------------------------------------------------------------------------------
@@ -285,6 +297,8 @@ class WorkerSteering:
     def on_step(self, scheduler_output: Any, removed: Iterable[str]) -> None:
         """Apply the controller's bank writes, drop removed requests, and add the new ones."""
         epoch = self._epoch
+        if self.capture is not None:
+            self.capture.on_step(scheduler_output)
         writes = getattr(scheduler_output, WRITES_ATTR, None)
         if writes:
             self._apply_writes(writes)
@@ -393,7 +407,10 @@ class WorkerSteering:
         self.buffers["cfg_rel"].index_copy_(0, idx, tables[:, 2].view(torch.float32))
 
     def steers_any(self, scheduled: Collection[str]) -> bool:
-        """Whether any scheduled request has a steering config (for prefill or decode): the step's ``ops.GATE``."""
+        """Whether any scheduled request has a steering config (for prefill or decode) or captures: the step's
+        ``ops.GATE``."""
+        if self.capture is not None and self.capture.scheduled(scheduled):
+            return True
         steered = self._line_of
         if not steered:
             return False
@@ -416,8 +433,8 @@ class WorkerSteering:
 
     @property
     def clean(self) -> bool:
-        """No request is steered and ``token_cfg`` holds no config: ``fill`` has nothing to do."""
-        return not self._line_of and not self._dirty
+        """No request is steered or captures, and ``token_cfg`` / ``token_cap`` hold zeros: ``fill`` has nothing to do."""
+        return not self._line_of and not self._dirty and (self.capture is None or self.capture.clean)
 
     def fill(self, req_ids: Sequence[str], num_scheduled: np.ndarray, num_computed: np.ndarray, num_tokens: int) -> None:
         """Write ``token_cfg`` for a batch laid out request by request in ``req_ids`` order; ``num_tokens`` is the
@@ -425,7 +442,9 @@ class WorkerSteering:
 
         A token at position ``p`` of a request with prompt length ``P`` uses the prefill config when ``p < P``
         and the decode config otherwise. Steps with no steered request leave a clean buffer untouched."""
-        if self.clean:
+        if self.capture is not None and not self.capture.clean:
+            self.capture.fill(req_ids, num_scheduled, num_computed, num_tokens)
+        if not self._line_of and not self._dirty:
             return
         rows = self._batch_rows(req_ids)
         if not self._batch_steered and not self._dirty:
