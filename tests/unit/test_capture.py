@@ -3,6 +3,9 @@ adds to which row, chunked prompts, restarts, incomplete captures, rows handed b
 
 from __future__ import annotations
 
+import subprocess
+import sys
+from pathlib import Path
 from types import SimpleNamespace
 
 import numpy as np
@@ -138,3 +141,50 @@ def test_capture_op_adds_only_rows_with_a_capture(n):
     cap = torch.tensor([2] + [0] * (MAX_TOKENS - 1), dtype=torch.int32)
     capture_torch(x, None, cap, acc, 2)
     assert torch.equal(acc[2, 2], x[0]) and not acc[2, 1].any() and not acc[[0, 1, 3]].any()
+
+
+# -- the CUDA kernel, in Triton's interpreter on the CPU ------------------------------------------------------
+
+
+def check_triton_against_torch() -> None:
+    """``capture_triton_`` adds what ``capture_torch`` adds: with and without a partner, bf16 and float32 streams,
+    several tokens into one row (a ``mean`` capture), and a hidden size spanning several blocks."""
+    from hotwire_core import triton_capture
+
+    g = torch.Generator().manual_seed(0)
+    for dtype, hidden, with_other, block in ((torch.float32, H, True, None), (torch.bfloat16, 40, False, 16),
+                                             (torch.bfloat16, 40, True, 16)):
+        saved = triton_capture.MAX_BLOCK_H
+        if block is not None:
+            triton_capture.MAX_BLOCK_H = block
+        try:
+            n = 6
+            target = torch.randn(n, hidden, generator=g).to(dtype)
+            other = torch.randn(n, hidden, generator=g).to(dtype) if with_other else None
+            cap = torch.zeros(MAX_TOKENS, dtype=torch.int32)
+            cap[:n] = torch.tensor([0, 2, 2, 1, 0, 2], dtype=torch.int32)
+            want, got = torch.zeros(N_LAYERS, 3, hidden), torch.zeros(N_LAYERS, 3, hidden)
+            capture_torch(target, other, cap, want, 1)
+            want[:, 0] = 0  # row 0 is never read: the kernel skips its tokens
+            triton_capture.capture_triton_(target, other, cap, got, 1)
+            torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+            assert got[1, 2].abs().sum() > 0
+        finally:
+            triton_capture.MAX_BLOCK_H = saved
+
+
+_INTERPRETER_SCRIPT = f"""
+import os, sys
+os.environ["TRITON_INTERPRET"] = "1"
+sys.path.insert(0, {str(Path(__file__).parent)!r})
+import test_capture
+test_capture.check_triton_against_torch()
+"""
+
+
+def test_triton_kernel_in_interpreter() -> None:
+    import triton  # noqa: F401  (test_ops' interpreter test says whether this Triton interprets at all)
+
+    proc = subprocess.run([sys.executable, "-c", _INTERPRETER_SCRIPT], cwd=Path(__file__).parents[2],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
