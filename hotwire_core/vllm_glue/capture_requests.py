@@ -1,0 +1,34 @@
+"""Capture requests from an API server (``hotwire_api.extraction``): one-token requests through vLLM's engine client
+(``AsyncLLM.generate``), scheduled like any other prefill, and the served model's tokenizer."""
+
+from __future__ import annotations
+
+from typing import Any
+
+__all__ = ["max_model_len", "run_capture_request", "tokenizer_of"]
+
+
+def tokenizer_of(client: Any) -> Any:
+    """The served model's tokenizer (``AsyncLLM.get_tokenizer``)."""
+    return client.get_tokenizer()
+
+
+def max_model_len(client: Any) -> int:
+    """The longest sequence the engine serves (``AsyncLLM.model_config.max_model_len``)."""
+    return int(client.model_config.max_model_len)
+
+
+async def run_capture_request(client: Any, token_ids: list[int], extra_args: dict[str, Any], request_id: str) -> bool:
+    """Run one capture request to its end; False when the engine finished it with an error (a refusal)."""
+    from vllm import SamplingParams
+
+    params = SamplingParams(max_tokens=1, extra_args=extra_args)
+    last = None
+    try:
+        async for output in client.generate({"prompt_token_ids": token_ids}, params, request_id):
+            last = output
+    except ValueError:  # vLLM's own input checks, and hotwire's guard on the engine client
+        raise
+    except Exception:  # EngineGenerateError: the engine failed the request
+        return False
+    return last is not None and last.outputs[0].finish_reason != "error"
