@@ -46,49 +46,49 @@ class WorkerCapture:
         set_accumulator(self.acc)
         self._uploader = uploader
         self._free = list(range(rows, 0, -1))
-        self._live: dict[str, _Live] = {}  # req_id -> its capture
+        self.live: dict[str, _Live] = {}  # req_id -> its capture (read by WorkerSteering's per-step checks)
         self._done: OrderedDict[str, tuple[float, dict]] = OrderedDict()  # tag -> (finished at, result)
         self._staging = np.zeros(max_tokens, np.int32)
-        self._dirty = 0  # token_cap[:_dirty] may be non-zero on the device
+        self.dirty = 0  # token_cap[:dirty] may be non-zero on the device
 
     @property
     def clean(self) -> bool:
         """Nothing is captured and ``token_cap`` holds zeros: ``fill`` has nothing to do."""
-        return not self._live and not self._dirty
+        return not self.live and not self.dirty
 
     def scheduled(self, scheduled: Collection[str]) -> bool:
         """Whether a capturing request is in the step (the gate must then be open)."""
-        return any(req_id in scheduled for req_id in self._live)
+        return any(req_id in scheduled for req_id in self.live)
 
     def on_step(self, scheduler_output: Any) -> None:
         """Finish the captures of finished requests, then give new capture requests their rows. A request seen
         again (V2 re-adds a preempted one) keeps its row; its prompt restarts, and so does its sum (``fill``)."""
         for req_id in scheduler_output.finished_req_ids:
-            if req_id in self._live:
+            if req_id in self.live:
                 self._finish(req_id)
         for r in scheduler_output.scheduled_new_reqs:
             extra = r.sampling_params.extra_args if r.sampling_params is not None else None
             args = extra.get(CAPTURE_KEY) if extra else None
-            if args is None or r.req_id in self._live:
+            if args is None or r.req_id in self.live:
                 continue
             if not self._free:  # the controller admits at most `rows` captures: this should not happen
                 self._store(args["tag"], {"error": f"all {self.rows} capture rows of this worker are in use"})
                 continue
             layers = sorted(self.layers.intersection(args["layers"]))
-            self._live[r.req_id] = _Live(args["tag"], self._free.pop(), layers, args["position"] == "mean",
+            self.live[r.req_id] = _Live(args["tag"], self._free.pop(), layers, args["position"] == "mean",
                                          prompt_length(r))
 
     def fill(self, req_ids: Sequence[str], num_scheduled: np.ndarray, num_computed: np.ndarray, num_tokens: int) -> None:
         """Write ``token_cap`` for the batch (laid out request by request in ``req_ids`` order)."""
-        length = max(num_tokens, self._dirty)
+        length = max(num_tokens, self.dirty)
         host = self._staging[:length]
         host[:] = 0
-        if self._live:
-            index = {req_id: i for i, req_id in enumerate(req_ids) if req_id in self._live}
+        if self.live:
+            index = {req_id: i for i, req_id in enumerate(req_ids) if req_id in self.live}
             starts = np.cumsum(num_scheduled) - num_scheduled
             restart = []
             for req_id, i in index.items():
-                live = self._live[req_id]
+                live = self.live[req_id]
                 first, count, start = int(num_computed[i]), int(num_scheduled[i]), int(starts[i])
                 if first == 0:  # the prompt (re)starts: a preempted request recomputes it
                     live.tokens = 0
@@ -105,10 +105,10 @@ class WorkerCapture:
             if restart:
                 self.acc.index_fill_(1, self._uploader.to_device(torch.tensor(restart, dtype=torch.long)), 0.0)
         self._uploader.copy_(self.token_cap[:length], torch.from_numpy(host.copy()))
-        self._dirty = num_tokens if host[:num_tokens].any() else 0
+        self.dirty = num_tokens if host[:num_tokens].any() else 0
 
     def _finish(self, req_id: str) -> None:
-        live = self._live.pop(req_id)
+        live = self.live.pop(req_id)
         wanted = live.prompt_len if live.mean else 1
         if live.tokens != wanted:
             result = {"error": f"the capture saw {live.tokens} of the {wanted} prompt tokens it needs (the request "

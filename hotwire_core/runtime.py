@@ -297,8 +297,9 @@ class WorkerSteering:
     def on_step(self, scheduler_output: Any, removed: Iterable[str]) -> None:
         """Apply the controller's bank writes, drop removed requests, and add the new ones."""
         epoch = self._epoch
-        if self.capture is not None:
-            self.capture.on_step(scheduler_output)
+        capture = self.capture
+        if capture is not None and (capture.live or scheduler_output.scheduled_new_reqs):
+            capture.on_step(scheduler_output)
         writes = getattr(scheduler_output, WRITES_ATTR, None)
         if writes:
             self._apply_writes(writes)
@@ -409,7 +410,8 @@ class WorkerSteering:
     def steers_any(self, scheduled: Collection[str]) -> bool:
         """Whether any scheduled request has a steering config (for prefill or decode) or captures: the step's
         ``ops.GATE``."""
-        if self.capture is not None and self.capture.scheduled(scheduled):
+        capture = self.capture  # attribute checks first: this runs every step, and nobody captures in most
+        if capture is not None and capture.live and capture.scheduled(scheduled):
             return True
         steered = self._line_of
         if not steered:
@@ -442,8 +444,9 @@ class WorkerSteering:
 
         A token at position ``p`` of a request with prompt length ``P`` uses the prefill config when ``p < P``
         and the decode config otherwise. Steps with no steered request leave a clean buffer untouched."""
-        if self.capture is not None and not self.capture.clean:
-            self.capture.fill(req_ids, num_scheduled, num_computed, num_tokens)
+        capture = self.capture
+        if capture is not None and (capture.live or capture.dirty):
+            capture.fill(req_ids, num_scheduled, num_computed, num_tokens)
         if not self._line_of and not self._dirty:
             return
         rows = self._batch_rows(req_ids)
