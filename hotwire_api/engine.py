@@ -232,7 +232,7 @@ class HotwireEngine:
 # Counters of a hotwire_stats answer that add up across engine cores (each has its own bank).
 _SUMMED_STATS = (
     "capacity", "used", "pinned", "free", "evictions", "steered_requests", "deferred", "deferrals", "suspended",
-    "resumptions",
+    "resumptions", "capturing",
 )
 
 

@@ -10,18 +10,17 @@ from __future__ import annotations
 
 import asyncio
 import uuid
-from typing import Any, Literal
+from typing import Any
 
 import numpy as np
 from hotwire_api.codec import VectorPayload
 from hotwire_api.engine import HotwireEngine
 from hotwire_api.errors import HotwireError
-from hotwire_api.models import Example, ExtractRequest, ExtractResult, LayerSeparation, VectorMeta
+from hotwire_api.models import Example, ExtractRequest, ExtractResult, LayerSeparation
 from hotwire_api.settings import Settings
 from hotwire_api.tickets import TICKETS
 from hotwire_core.capture_admission import capture_args
 from hotwire_core.extraction import ExtractionError, check_sets, example_token_ids, extract, layer_list, means_from_captures
-from hotwire_core.settings import parse_layers
 from hotwire_core.spec import TICKET_KEY
 from hotwire_core.vllm_glue.capture_requests import max_model_len, run_capture_request, tokenizer_of
 

@@ -114,6 +114,8 @@ class SlotStats(_EngineResult):
     deferrals: int = Field(0, description="Requests that have had to wait for bank rows, since start.")
     suspended: int = Field(0, description="Preempted requests whose rows are unpinned until they resume.")
     resumptions: int = Field(0, description="Preempted requests that pinned their rows again, since start.")
+    capturing: int = Field(0, description="Capture requests of vector extractions now running (at most "
+                           "HOTWIRE_CAPTURE_ROWS per engine core).")
     vectors: int = Field(description="Registered vectors.")
     rows: list[SlotRow]
     model: ModelSteering

@@ -144,6 +144,7 @@ class StatsResult(TypedDict):
     deferrals: int
     suspended: int
     resumptions: int
+    capturing: int  # capture requests admitted and not finished (at most HOTWIRE_CAPTURE_ROWS)
     vectors: int
     model: dict[str, Any]  # steerable, reason, n_layers, hidden_size, dtype, max_stack, norm, layers
 

@@ -205,6 +205,7 @@ class SteeringController:
             deferrals=self.deferred.deferrals,
             suspended=sum(b.suspended for b in self.bindings.values()),
             resumptions=self.bindings.resumptions,
+            capturing=len(self.captures.live),
             vectors=len(self.registry.vectors()),
             model=self.model.to_json(self.settings.max_stack),
         )

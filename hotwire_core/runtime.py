@@ -17,8 +17,8 @@ import numpy as np
 import torch
 from torch import nn
 
-from . import capture_op, ops  # noqa: F401  (capture_op registers torch.ops.hotwire.capture_)
-from .capture import WorkerCapture
+from . import ops
+from .capture import WorkerCapture  # its capture_op registers torch.ops.hotwire.capture_
 from .contract import BINDING_KEY, REBINDS_ATTR, WRITES_ATTR
 from .controller import prompt_length
 from .settings import Settings, format_layers

@@ -145,3 +145,28 @@ def test_steering_with_capture_compiled_in_equals_transformers_hook(llm, hf_mode
     plain = hf_reference.prompt_logprobs(hf_model, ids)
     assert (torch.tensor(got) - expected).abs().max().item() < 2e-3
     assert (expected - plain).abs().max().item() > 2e-2
+
+
+def test_captures_beyond_the_rows_are_refused_and_rows_come_back(llm, token_ids):
+    """HOTWIRE_CAPTURE_ROWS bounds the captures running at once: one more in the same batch is refused (429
+    capture_busy, counted), never served without its capture; finished or refused, none keeps a row."""
+    from vllm import SamplingParams
+
+    from hotwire_core.capture_admission import capture_args
+    from hotwire_core.extraction import ExtractionError
+    from hotwire_core.offline import capture_tags, slot_stats, take_activations
+
+    before = slot_stats(llm)["refused"].get("capture_busy", 0)
+    tags = capture_tags(ROWS + 1)
+    prompts = [{"prompt_token_ids": token_ids[t]} for t in (POSITIVE + NEGATIVE)[: ROWS + 1]]
+    # Long enough that the first ones still run when the last arrives (the engine may step between arrivals).
+    long = dict(max_tokens=64, ignore_eos=True)
+    params = [SamplingParams(**long, extra_args=capture_args(tag, LAYERS, "last")) for tag in tags]
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    assert [o.outputs[0].finish_reason for o in outputs].count("error") == 1
+    refused = next(tag for tag, o in zip(tags, outputs) if o.outputs[0].finish_reason == "error")
+    stats = slot_stats(llm)
+    assert stats["refused"]["capture_busy"] == before + 1 and stats["capturing"] == 0
+    assert take_activations(llm, [t for t in tags if t != refused], LAYERS).shape == (ROWS, len(LAYERS), 256)
+    with pytest.raises(ExtractionError, match="no worker holds the capture"):
+        take_activations(llm, [refused], LAYERS)

@@ -134,8 +134,6 @@ def test_only_this_ranks_layers_are_kept_and_old_captures_expire():
 
 @pytest.mark.parametrize("n", [1, 5])
 def test_capture_op_adds_only_rows_with_a_capture(n):
-    from hotwire_core.capture_op import set_accumulator  # noqa: F401  (the op itself is exercised by the engine)
-
     acc = torch.zeros(N_LAYERS, 3, H)
     x = torch.randn(n, H)
     cap = torch.tensor([2] + [0] * (MAX_TOKENS - 1), dtype=torch.int32)
@@ -183,7 +181,7 @@ test_capture.check_triton_against_torch()
 
 
 def test_triton_kernel_in_interpreter() -> None:
-    import triton  # noqa: F401  (test_ops' interpreter test says whether this Triton interprets at all)
+    pytest.importorskip("triton")
 
     proc = subprocess.run([sys.executable, "-c", _INTERPRETER_SCRIPT], cwd=Path(__file__).parents[2],
                           capture_output=True, text=True, timeout=300)

@@ -180,3 +180,20 @@ def test_capture_off_or_unsteerable_model_is_503():
     req = request("r", capture_args("t", [1], "last"))
     assert refusal(CaptureRequests(0), req) == (503, "capture_off")
     assert refusal(CaptureRequests(2), req, rules(steerable=False)) == (503, "model_not_steerable")
+
+
+def test_the_controller_admits_captures_counts_them_and_frees_them_with_the_request():
+    from hotwire_core.controller import SteeringController
+    from hotwire_core.settings import Settings
+
+    model = ModelInfo(True, "", 4, H, "float32", frozenset({0, 1, 2}), capture_rows=1)
+    c = SteeringController(model, Settings(8, 2, "op", "off", None), "org/model")
+    first = request("a", capture_args("ta", [1], "mean"))
+    assert c.admit(first) is None  # no steering binding
+    assert c.stats()["capturing"] == 1 and first.cache_salt.startswith(SALT_PREFIX)
+    with pytest.raises(Refusal) as info:
+        c.admit(request("b", capture_args("tb", [1], "mean")))
+    assert info.value.code == "capture_busy" and c.stats()["refused"] == {"capture_busy": 1}
+    c.release("a")  # vLLM freed it: finished or aborted
+    assert c.stats()["capturing"] == 0
+    c.admit(request("b", capture_args("tb", [1], "mean")))
