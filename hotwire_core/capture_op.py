@@ -39,8 +39,12 @@ def capture_torch(target: torch.Tensor, other: torch.Tensor | None, token_cap: t
 
 
 def _capture_cpu(target: torch.Tensor, other: torch.Tensor | None, token_cap: torch.Tensor, layer: int) -> None:
+    """On the CPU the op runs as Python every step (no graphs): only the captured tokens cost anything."""
     if GATE.open and _ACC is not None:
-        capture_torch(target, other, token_cap, _ACC, layer)
+        rows = token_cap[: target.shape[0]]
+        picked = rows.nonzero().squeeze(1)
+        if picked.numel():
+            capture_torch(target[picked], None if other is None else other[picked], rows[picked], _ACC, layer)
 
 
 def _capture_cuda(target: torch.Tensor, other: torch.Tensor | None, token_cap: torch.Tensor, layer: int) -> None:

@@ -186,3 +186,27 @@ def test_triton_kernel_in_interpreter() -> None:
     proc = subprocess.run([sys.executable, "-c", _INTERPRETER_SCRIPT], cwd=Path(__file__).parents[2],
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+def test_the_cpu_kernel_adds_the_captured_tokens_only():
+    from hotwire_core import capture_op
+    from hotwire_core.ops import GATE
+
+    acc = torch.zeros(N_LAYERS, 3, H)
+    saved = capture_op._ACC
+    capture_op.set_accumulator(acc)
+    try:
+        x, r = torch.randn(4, H), torch.randn(4, H)
+        cap = torch.zeros(MAX_TOKENS, dtype=torch.int32)
+        torch.ops.hotwire.capture_(x, r, cap, 1)  # nobody captures
+        assert not acc.any()
+        cap[:4] = torch.tensor([0, 2, 0, 2], dtype=torch.int32)
+        torch.ops.hotwire.capture_(x, r, cap, 1)
+        torch.testing.assert_close(acc[1, 2], (x + r)[[1, 3]].sum(0))
+        assert not acc[1, :2].any() and not acc[[0, 2, 3]].any()  # row 0 collects nothing on the CPU
+        GATE.open = False
+        torch.ops.hotwire.capture_(x, r, cap, 1)  # a closed gate: nothing
+        torch.testing.assert_close(acc[1, 2], (x + r)[[1, 3]].sum(0))
+    finally:
+        GATE.open = True
+        capture_op.set_accumulator(saved)
