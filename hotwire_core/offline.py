@@ -23,6 +23,7 @@ from .contract import TAKE_CAPTURES, rpc_name
 from .errors import EngineError
 from .extraction import ExtractionError, check_sets, example_token_ids, extract, layer_list, means_from_captures
 from .settings import parse_layers
+from .vllm_glue.capture_requests import capture_params
 from .spec import SPEC_KEY, as_index, build_spec
 from .store import tensor_to_stored
 
@@ -131,8 +132,6 @@ def capture_activations(llm: Any, examples: Sequence[Any], layers: Sequence[int]
     """The residual stream after each of ``layers`` for each example (a prompt string or chat messages), at its
     last prompt token or averaged over its prompt: ``[len(examples), len(layers), hidden]`` float64. Runs the
     examples as one-token requests, at most ``HOTWIRE_CAPTURE_ROWS`` at a time."""
-    from vllm import SamplingParams
-
     rows = _call(llm, "catalog")["model"].get("capture_rows", 0)
     if not rows:
         raise HotwireError(503, "capture_off", "activation capture is off on this engine; start it with "
@@ -143,7 +142,7 @@ def capture_activations(llm: Any, examples: Sequence[Any], layers: Sequence[int]
     for start in range(0, len(prompts), rows):
         chunk = prompts[start : start + rows]
         tags = capture_tags(len(chunk))
-        params = [SamplingParams(max_tokens=1, extra_args=capture_args(tag, layers, position)) for tag in tags]
+        params = [capture_params(capture_args(tag, layers, position)) for tag in tags]
         llm.generate(chunk, params, use_tqdm=False)
         out.append(take_activations(llm, tags, layers))
     return np.concatenate(out) if out else np.zeros((0, len(layers), 0))

@@ -1,11 +1,19 @@
-"""Capture requests from an API server (``hotwire_api.extraction``): one-token requests through vLLM's engine client
-(``AsyncLLM.generate``), scheduled like any other prefill, and the served model's tokenizer."""
+"""Capture requests (``hotwire_core.capture_admission``) as vLLM takes them: one-token ``SamplingParams`` (offline,
+``hotwire_core.offline.capture_activations``), and from an API server (``hotwire_api.extraction``) through vLLM's
+engine client (``AsyncLLM.generate``), scheduled like any other prefill, with the served model's tokenizer."""
 
 from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["max_model_len", "run_capture_request", "tokenizer_of"]
+__all__ = ["capture_params", "max_model_len", "run_capture_request", "tokenizer_of"]
+
+
+def capture_params(extra_args: dict[str, Any]) -> Any:
+    """``SamplingParams`` of a capture request: one token (the prompt is what it is for)."""
+    from vllm import SamplingParams
+
+    return SamplingParams(max_tokens=1, extra_args=extra_args)
 
 
 def tokenizer_of(client: Any) -> Any:
@@ -20,9 +28,7 @@ def max_model_len(client: Any) -> int:
 
 async def run_capture_request(client: Any, token_ids: list[int], extra_args: dict[str, Any], request_id: str) -> bool:
     """Run one capture request to its end; False when the engine finished it with an error (a refusal)."""
-    from vllm import SamplingParams
-
-    params = SamplingParams(max_tokens=1, extra_args=extra_args)
+    params = capture_params(extra_args)
     last = None
     try:
         async for output in client.generate({"prompt_token_ids": token_ids}, params, request_id):
