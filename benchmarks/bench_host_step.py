@@ -11,7 +11,10 @@ modes:
   its place in the batch with its whole prompt (a server at a full batch: some request finishes in most steps);
 - ``churn-distinct``: as ``churn``, each new request with a config of its own (its own vector).
 
-    python benchmarks/bench_host_step.py --batches 1,64,256
+With ``--capture`` the worker is built as under ``HOTWIRE_CAPTURE=1`` (capture buffers and hooks on every layer) and
+nobody captures: what capture being possible adds to steps without a capture.
+
+    python benchmarks/bench_host_step.py --batches 1,64,256 [--capture]
 """
 
 from __future__ import annotations
@@ -35,11 +38,16 @@ MODES = ("idle", "steered", "churn", "churn-distinct")
 PROMPT = 32  # prompt tokens of every request
 
 
-def decode_step(batch: int, mode: str, shape: str) -> Callable[[], None]:
+class _Layer(torch.nn.Module):
+    """A stand-in decoder layer: the hook is attached, never run."""
+
+
+def decode_step(batch: int, mode: str, shape: str, capture: bool = False) -> Callable[[], None]:
     """One step of ``mode`` on a worker holding a decode batch of ``batch`` requests (see the module doc)."""
     s = SHAPES[shape]
-    w = WorkerSteering({}, s.num_layers, s.hidden_size, torch.bfloat16, torch.device("cpu"), 8192, batch,
-                       Settings(256, 4, "op", None, None))
+    layers = {i: _Layer() for i in range(s.num_layers)} if capture else {}
+    w = WorkerSteering(layers, s.num_layers, s.hidden_size, torch.bfloat16, torch.device("cpu"), 8192, batch,
+                       Settings(256, 4, "op", None, None, capture=capture))
     layer = s.num_layers // 2
 
     def request(n: int) -> SimpleNamespace:
@@ -79,11 +87,14 @@ def main() -> None:
     parser.add_argument("--batches", default="1,64,256")
     parser.add_argument("--shape", default="qwen3-4b")
     parser.add_argument("--steps", type=int, default=20000)
+    parser.add_argument("--capture", action="store_true", help="a worker with HOTWIRE_CAPTURE=1 (nobody captures)")
     args = parser.parse_args()
-    print(f"# {platform.processor() or platform.machine()}, Python {platform.python_version()}, shape {args.shape}")
+    print(f"# {platform.processor() or platform.machine()}, Python {platform.python_version()}, shape {args.shape}"
+          + (", HOTWIRE_CAPTURE=1" if args.capture else ""))
     print("| batch | " + " | ".join(f"{m} (µs/step)" for m in MODES) + " |\n|---|" + "---|" * len(MODES))
     for b in (int(x) for x in args.batches.split(",")):
-        cells = [timeit.timeit(decode_step(b, m, args.shape), number=args.steps) / args.steps * 1e6 for m in MODES]
+        cells = [timeit.timeit(decode_step(b, m, args.shape, args.capture), number=args.steps) / args.steps * 1e6
+                 for m in MODES]
         print(f"| {b} | " + " | ".join(f"{c:.1f}" for c in cells) + " |")
 
 

@@ -3,6 +3,8 @@
     hotwire register ID FILE [--replace] [--layers 10,12]
     hotwire register ID SAE_FOLDER --feature N [--replace]
     hotwire export ID OUT [--format safetensors|gguf] [--version N]
+    hotwire extract ID --jsonl FILE [--layers all|8-20|10,12] [--method mean_diff|pca] [--position last|mean]
+                       [--normalize] [--replace] [--timeout S]
     hotwire list | slots | fleet | delete ID
 
 Every command takes ``--url URL`` (env ``HOTWIRE_URL``, default http://localhost:8000) and ``--api-key KEY`` (env
@@ -11,7 +13,9 @@ Every command takes ``--url URL`` (env ``HOTWIRE_URL``, default http://localhost
 FILE is ``.safetensors`` (one tensor, or 1-D tensors named by layer index), a control-vector ``.gguf``
 (llama.cpp, repeng) or ``.json`` in the registration format; SAE_FOLDER is an SAE saved by SAELens (cfg.json,
 sae_weights.safetensors), of which feature N is registered. ``export`` writes the vector to OUT (format: from OUT's
-suffix unless given). Results print as JSON; errors print to stderr (exit 1 for a refusal, an unreachable
+suffix unless given). ``extract`` reads contrastive examples from a JSONL file, one object per line with
+``positive`` and/or ``negative`` (a prompt string or a list of chat messages; a line with both is a pair, as ``pca``
+needs), and has the server compute and register the vector. Results print as JSON; errors print to stderr (exit 1 for a refusal, an unreachable
 server or an answer this client cannot read; 2 for local errors such as a bad file).
 """
 
@@ -39,6 +43,26 @@ def _layers(value: str) -> list[int]:
     if layers is None:
         raise argparse.ArgumentTypeError("expected layer indices like 10,12, got nothing")
     return list(layers)
+
+
+def read_examples(path: str) -> tuple[list, list]:
+    """``(positive, negative)`` from a JSONL file: per line an object with ``positive`` and/or ``negative``."""
+    positive, negative = [], []
+    with open(path, encoding="utf-8") as f:
+        for number, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                item = json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"{path}:{number}: not JSON ({exc.msg})") from None
+            if not isinstance(item, dict) or not ({"positive", "negative"} & item.keys()):
+                raise ValueError(f"{path}:{number}: expected an object with positive and/or negative")
+            if "positive" in item:
+                positive.append(item["positive"])
+            if "negative" in item:
+                negative.append(item["negative"])
+    return positive, negative
 
 
 def _server_options(parser: argparse.ArgumentParser, defaults: bool) -> None:
@@ -77,6 +101,15 @@ def build_parser() -> argparse.ArgumentParser:
     export.add_argument("out")
     export.add_argument("--format", choices=("safetensors", "gguf"), help="default: from OUT's suffix")
     export.add_argument("--version", type=int, help="a retained version (default: the current one)")
+    extract = command("extract", "compute a vector from contrastive examples (JSONL) on the server and register it")
+    extract.add_argument("id")
+    extract.add_argument("--jsonl", required=True, help="one {positive, negative} object per line")
+    extract.add_argument("--layers", default="all", help="all (default), a range like 8-20, or 10,12")
+    extract.add_argument("--method", choices=("mean_diff", "pca"), default="mean_diff")
+    extract.add_argument("--position", choices=("last", "mean"), default="last")
+    extract.add_argument("--normalize", action="store_true", help="unit length at every layer")
+    extract.add_argument("--replace", action="store_true", help="replace a vector with the same id")
+    extract.add_argument("--timeout", type=float, default=600.0, help="seconds to wait for the server (600)")
     command("list", "list registered vectors")
     command("slots", "show steering bank occupancy and counters")
     command("fleet", "show every replica on the server's registry (HOTWIRE_REGISTRY): slots, versions held")
@@ -98,6 +131,11 @@ def _run(client: HotwireClient, args: argparse.Namespace) -> object:
         with open(args.out, "wb") as f:
             f.write(raw)
         return {"id": args.id, "format": file_format, "path": args.out, "bytes": len(raw)}
+    if args.command == "extract":
+        positive, negative = read_examples(args.jsonl)
+        layers = args.layers if args.layers == "all" or "-" in args.layers else _layers(args.layers)
+        return client.extract(args.id, positive, negative, layers, args.method, args.position, args.normalize,
+                              args.replace, timeout=args.timeout).model_dump()
     if args.command == "list":
         return [meta.model_dump() for meta in client.list()]
     if args.command == "slots":

@@ -22,7 +22,7 @@ from hotwire_api.codec import CONVERT_HINT
 from hotwire_api.errors import HotwireError
 from hotwire_api.gguf_codec import encode_safetensors
 from hotwire_api.sae_codec import read_sae_folder
-from hotwire_api.models import DeleteResult, FleetView, SlotStats, VectorList, VectorMeta
+from hotwire_api.models import DeleteResult, ExtractResult, FleetView, SlotStats, VectorList, VectorMeta
 
 if TYPE_CHECKING:
     import torch
@@ -116,6 +116,23 @@ def _file_call(vector_id: str, file_format: str, version: int | None) -> _Call:
     return _Call("GET", _vector_path(vector_id) + "/file", params=params)
 
 
+def _extract_call(vector_id: str, positive: Sequence[Any], negative: Sequence[Any], layers: Any, method: str,
+                  position: str, normalize: bool, replace: bool) -> _Call:
+    if isinstance(layers, range):
+        if layers.step != 1 or not layers:
+            raise ValueError(f"layers as a range must be non-empty with step 1, got {layers!r}")
+        layers = f"{layers.start}-{layers.stop - 1}"
+    elif not isinstance(layers, str):
+        layers = [int(layer) for layer in layers]
+    body = {"id": vector_id, "positive": list(positive), "negative": list(negative), "layers": layers,
+            "method": method, "position": position, "normalize": normalize, "replace": replace}
+    return _Call("POST", "/steer/vectors/extract", json_body=body)
+
+
+def _with_timeout(args: dict[str, Any], timeout: float | None) -> dict[str, Any]:
+    return args if timeout is None else {**args, "timeout": timeout}
+
+
 def _vector_path(vector_id: str) -> str:
     segment = quote(vector_id, safe="")
     if vector_id in (".", ".."):  # valid ids, but URL dot-segments that clients would collapse
@@ -179,6 +196,16 @@ class HotwireClient:
     def export(self, vector_id: str, file_format: str = "safetensors", version: int | None = None) -> bytes:
         """The vector as a file: ``safetensors`` (registers again unchanged) or ``gguf`` (llama.cpp, repeng)."""
         return self._send(_file_call(vector_id, file_format, version)).content
+
+    def extract(self, vector_id: str, positive: Sequence[Any], negative: Sequence[Any], layers: Any = "all",
+                method: str = "mean_diff", position: str = "last", normalize: bool = False, replace: bool = False,
+                timeout: float | None = None) -> ExtractResult:
+        """Compute a vector from contrastive examples (prompt strings or chat message lists) on the server and
+        register it as ``vector_id``; ``layers``: "all", "8-20", a range or a list. ``timeout``: seconds for this
+        call (an extraction of many examples outlasts the client's default)."""
+        call = _extract_call(vector_id, positive, negative, layers, method, position, normalize, replace)
+        response = _checked(self._http.request(**_with_timeout(call.request_args(self.url, self._headers), timeout)))
+        return ExtractResult.model_validate(response.json())
 
     def list(self) -> list[VectorMeta]:
         return VectorList.model_validate(self._send(_Call("GET", "/steer/vectors")).json()).vectors
@@ -244,6 +271,14 @@ class AsyncHotwireClient:
     async def export(self, vector_id: str, file_format: str = "safetensors", version: int | None = None) -> bytes:
         """The vector as a file: ``safetensors`` (registers again unchanged) or ``gguf`` (llama.cpp, repeng)."""
         return (await self._send(_file_call(vector_id, file_format, version))).content
+
+    async def extract(self, vector_id: str, positive: Sequence[Any], negative: Sequence[Any], layers: Any = "all",
+                      method: str = "mean_diff", position: str = "last", normalize: bool = False,
+                      replace: bool = False, timeout: float | None = None) -> ExtractResult:
+        """Compute a vector from contrastive examples on the server and register it (see ``HotwireClient.extract``)."""
+        call = _extract_call(vector_id, positive, negative, layers, method, position, normalize, replace)
+        args = _with_timeout(call.request_args(self.url, self._headers), timeout)
+        return ExtractResult.model_validate(_checked(await self._http.request(**args)).json())
 
     async def list(self) -> list[VectorMeta]:
         return VectorList.model_validate((await self._send(_Call("GET", "/steer/vectors"))).json()).vectors

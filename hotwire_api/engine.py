@@ -203,6 +203,22 @@ class HotwireEngine:
         """The full catalogs of the engine cores after the first (none without data parallelism)."""
         return await self._call_each(contract.CATALOG, -1, which=slice(1, None))
 
+    async def take_captures(self, tags: list[str]) -> list[dict[str, Any]]:
+        """Every worker's ``hotwire_take_captures`` answer, on every engine core (a capture is held where its request
+        ran; with pipeline parallelism each rank holds its own layers)."""
+        method = contract.TAKE_CAPTURES
+        try:
+            if self._per_engine is not None:
+                answers = await self._per_engine(method, (tags,), slice(None), False)
+            else:
+                answers = [await self._client.collective_rpc(method, args=(tags,))]
+        except Exception as exc:
+            raise self._unavailable(method, exc) from exc
+        ranks = [rank for answer in answers for rank in (answer if isinstance(answer, list) else [answer])]
+        if not all(isinstance(rank, dict) and rank.get("ok") for rank in ranks):
+            raise HotwireError(502, "bad_engine_result", f"{method} returned something else than captures")
+        return ranks
+
     async def refusals(self, tickets: list[str]) -> dict[str, HotwireError]:
         """The refusals the engine cores kept for these tickets (``hotwire_core.spec.TICKET_KEY``). An engine core
         that fails to answer is left out: it cannot hold a refusal that another one would lose by answering."""
@@ -216,7 +232,7 @@ class HotwireEngine:
 # Counters of a hotwire_stats answer that add up across engine cores (each has its own bank).
 _SUMMED_STATS = (
     "capacity", "used", "pinned", "free", "evictions", "steered_requests", "deferred", "deferrals", "suspended",
-    "resumptions",
+    "resumptions", "capturing",
 )
 
 

@@ -94,6 +94,8 @@ class ModelSteering(_EngineResult):
     max_stack: int | None = Field(None, description="Most entries one request may stack on one layer.")
     norm: bool | None = Field(None, description="Whether norm-relative entries are allowed (HOTWIRE_NORM).")
     layers: str | None = Field(None, description="The layers this server steers, e.g. 0-35 (HOTWIRE_LAYERS).")
+    capture_rows: int | None = Field(None, description="Examples captured at once for vector extraction "
+                                     "(HOTWIRE_CAPTURE_ROWS); 0: capture is off (HOTWIRE_CAPTURE).")
 
 
 class SlotStats(_EngineResult):
@@ -112,6 +114,8 @@ class SlotStats(_EngineResult):
     deferrals: int = Field(0, description="Requests that have had to wait for bank rows, since start.")
     suspended: int = Field(0, description="Preempted requests whose rows are unpinned until they resume.")
     resumptions: int = Field(0, description="Preempted requests that pinned their rows again, since start.")
+    capturing: int = Field(0, description="Capture requests of vector extractions now running (at most "
+                           "HOTWIRE_CAPTURE_ROWS per engine core).")
     vectors: int = Field(description="Registered vectors.")
     rows: list[SlotRow]
     model: ModelSteering
@@ -197,3 +201,40 @@ class FleetView(BaseModel):
     registry: RegistryStatus
     vectors: list[FleetVector]
     replicas: list[ReplicaState]
+
+
+class ChatMessage(BaseModel):
+    role: str
+    content: str
+
+
+Example = str | list[ChatMessage]
+
+
+class ExtractRequest(BaseModel):
+    id: str = Field(pattern=f"^{VECTOR_ID_RE.pattern}$", description="The id to register the vector under.")
+    positive: list[Example] = Field(description="Prompts (or chat message lists) showing the behaviour.")
+    negative: list[Example] = Field(description="Prompts showing its opposite; paired with positive by index for pca.")
+    layers: list[int] | str = Field("all", description="'all' (every hooked layer), a range like '8-20', or a list.")
+    method: Literal["mean_diff", "pca"] = Field("mean_diff", description="mean_diff (CAA) or pca (repeng's pca_diff).")
+    position: Literal["last", "mean"] = Field("last", description="The last prompt token's activation, or the mean "
+                                              "over the prompt.")
+    normalize: bool = Field(False, description="Unit length at every layer.")
+    replace: bool = Field(False, description="Replace a vector with the same id (its version goes up).")
+
+
+class LayerSeparation(BaseModel):
+    layer: int
+    separation: float | None = Field(description="(mean positive - mean negative projection) / pooled std: Cohen's "
+                                     "d along the vector; null when neither set has any spread.")
+    gap: float = Field(description="Mean positive minus mean negative projection onto the unit direction.")
+    accuracy: float = Field(description="Share of examples on their own side of the midpoint of the two means.")
+    norm: float = Field(description="The vector's norm at this layer.")
+
+
+class ExtractResult(BaseModel):
+    vector: VectorMeta
+    method: str
+    position: str
+    examples: dict[str, int]
+    layers: list[LayerSeparation]

@@ -17,6 +17,7 @@ from hotwire_api.catalog import CATALOG, refresh_interval_s
 from hotwire_api.codec import VectorPayload, read_limited, too_large
 from hotwire_api.engine import HotwireEngine
 from hotwire_api.errors import HotwireError
+from hotwire_api.extraction import ExtractRequest, ExtractResult, run_extraction
 from hotwire_api.forms import check_fits
 from hotwire_api.gguf_codec import encode_gguf, encode_safetensors
 from hotwire_api.stats_cache import STATS
@@ -184,6 +185,36 @@ async def register_vector(
     await _refresh_catalog(engine)
     _refresh_stats_later(background, engine)
     return meta
+
+
+@router.post(
+    "/vectors/extract",
+    status_code=201,
+    response_model=ExtractResult,
+    summary="Compute a steering vector from contrastive examples on this server's engine, and register it",
+    responses={
+        200: {"model": ExtractResult, "description": "Replaced an existing vector (`replace`)."},
+        400: _error("Bad id, layers, method or examples: empty sets, pca with unpaired sets, too many "
+                    "(HOTWIRE_EXTRACT_MAX_EXAMPLES) or too long (HOTWIRE_EXTRACT_MAX_TOKENS) examples."),
+        409: _error("The id is taken; send `replace: true` to replace it."),
+        429: _error("`capture_busy`: every capture row is in use by other extractions; retry."),
+        503: _error("`capture_off` (start the server with HOTWIRE_CAPTURE=1) or `model_not_steerable`."),
+    },
+)
+async def extract_vector(body: ExtractRequest, request: Request, response: Response,
+                         background: BackgroundTasks) -> ExtractResult:
+    engine = HotwireEngine.of(request.app)
+    rules = await CATALOG.ready(engine)
+
+    async def register(vector_id: str, payload: VectorPayload, replace: bool) -> tuple[bool, VectorMeta]:
+        return await _registry(request).register(engine, vector_id, payload, replace)
+
+    created, result = await run_extraction(engine, body, request.app.state.hotwire_settings, rules.model, register)
+    if not created:
+        response.status_code = 200
+    await _refresh_catalog(engine)
+    _refresh_stats_later(background, engine)
+    return result
 
 
 @router.get("/vectors", response_model=VectorList, summary="List steering vectors")

@@ -23,6 +23,9 @@ class Settings:
     lenient: bool = False
     api_key: str | None = None
     registry_url: str | None = field(default=None, repr=False)  # may hold a password
+    # POST /steer/vectors/extract: examples per extraction (positive and negative together), tokens per example
+    extract_max_examples: int = 512
+    extract_max_tokens: int = 4096
 
     @classmethod
     def from_env(cls) -> Settings:
@@ -34,4 +37,14 @@ class Settings:
         if not math.isfinite(mb) or mb <= 0:
             raise ValueError(f"HOTWIRE_MAX_UPLOAD_MB must be a positive number of megabytes, got {raw_mb!r}")
         lenient = flag_env("HOTWIRE_LENIENT", False)
-        return cls(int(mb * 1024 * 1024), lenient, os.environ.get("HOTWIRE_API_KEY") or None, registry_url())
+        return cls(int(mb * 1024 * 1024), lenient, os.environ.get("HOTWIRE_API_KEY") or None, registry_url(),
+                   _positive_int("HOTWIRE_EXTRACT_MAX_EXAMPLES", 512), _positive_int("HOTWIRE_EXTRACT_MAX_TOKENS", 4096))
+
+
+def _positive_int(name: str, default: int) -> int:
+    raw = os.environ.get(name, "").strip()
+    if not raw:
+        return default
+    if not raw.isdigit() or int(raw) < 1:
+        raise ValueError(f"{name} must be a positive integer, got {raw!r}")
+    return int(raw)

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from hotwire_api.errors import HotwireError
+from hotwire_core.contract import CAPTURE_KEY
 from hotwire_core.spec import SPEC_KEY, TICKET_KEY
 
 __all__ = ["TICKETS", "Ticket", "TicketBook", "not_admitted"]
@@ -29,7 +30,7 @@ __all__ = ["TICKETS", "Ticket", "TicketBook", "not_admitted"]
 
 @dataclass
 class Ticket:
-    spec: str  # the pinned spec admission decided
+    spec: str | None  # the pinned spec admission decided (None: a capture request, see hotwire_api.extraction)
     presented: bool = False  # the engine client added a request with it
 
 
@@ -47,7 +48,8 @@ class TicketBook:
         self._live: dict[str, Ticket] = {}
         self._kept: OrderedDict[str, tuple[Ticket, float]] = OrderedDict()  # closing order, with expiry
 
-    def issue(self, spec: str) -> str:
+    def issue(self, spec: str | None) -> str:
+        """A ticket for a request with this pinned spec (None: a capture request of the extraction route)."""
         ticket = secrets.token_hex(16)
         self._live[ticket] = Ticket(spec)
         return ticket
@@ -74,9 +76,14 @@ class TicketBook:
     def check(self, extra_args: Mapping[str, Any] | None) -> None:
         """The engine client's guard: raises :class:`HotwireError` (400 ``not_admitted``) for a request that
         carries a spec or a ticket without a live ticket for exactly that spec; marks the ticket presented."""
-        if not extra_args or (SPEC_KEY not in extra_args and TICKET_KEY not in extra_args):
+        if not extra_args or (SPEC_KEY not in extra_args and TICKET_KEY not in extra_args
+                              and CAPTURE_KEY not in extra_args):
             return
         ticket = self.get(extra_args.get(TICKET_KEY))
+        if ticket is None and CAPTURE_KEY in extra_args:
+            # Captures come only from POST /steer/vectors/extract, whose requests carry a ticket without a spec.
+            raise HotwireError(400, "not_admitted", f"{CAPTURE_KEY} is set by this server's vector extraction "
+                               "only; use POST /steer/vectors/extract", CAPTURE_KEY)
         if ticket is None:
             raise not_admitted("this request carries steering that this server's admission did not decide")
         if extra_args.get(SPEC_KEY) != ticket.spec:

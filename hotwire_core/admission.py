@@ -77,6 +77,7 @@ class ModelInfo:
     dtype: str
     layers: frozenset[int]  # layers with a hook, over all PP ranks
     norm: bool = True  # norm-relative entries supported (see steer_hook.SteerHook)
+    capture_rows: int = 0  # captures at once (HOTWIRE_CAPTURE_ROWS); 0: capture is off
 
     def to_json(self, max_stack: int) -> dict:
         return {
@@ -88,6 +89,7 @@ class ModelInfo:
             "max_stack": max_stack,
             "norm": self.norm,
             "layers": format_layers(self.layers),
+            "capture_rows": self.capture_rows,
         }
 
 

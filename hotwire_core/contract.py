@@ -12,10 +12,10 @@ from __future__ import annotations
 from typing import Any, Literal, TypedDict
 
 __all__ = [
-    "BINDING_KEY", "CATALOG", "CHECK", "ENGINE_METHODS", "EXPORT", "GRAPH_SETS", "LIST", "PREFIX", "REBINDS_ATTR",
-    "REFUSALS", "REGISTER", "STATS", "UNREGISTER", "USER_SALT_ATTR", "WORKER_INFO", "WORKER_METHODS", "WRITES_ATTR",
+    "BINDING_KEY", "CAPTURE_KEY", "CATALOG", "CHECK", "ENGINE_METHODS", "EXPORT", "GRAPH_SETS", "LIST", "PREFIX", "REBINDS_ATTR",
+    "REFUSALS", "REGISTER", "STATS", "TAKE_CAPTURES", "UNREGISTER", "USER_SALT_ATTR", "WORKER_INFO", "WORKER_METHODS", "WRITES_ATTR",
     "CatalogResult", "CheckResult", "ExportResult", "Failure", "ListResult", "RefusalsResult", "RegisterResult", "SlotRow", "StatsResult",
-    "UnregisterResult",
+    "TakeCapturesResult", "UnregisterResult",
     "engine_method", "rpc_name",
 ]
 
@@ -35,12 +35,14 @@ ENGINE_METHODS = frozenset({REGISTER, UNREGISTER, LIST, STATS, CHECK, CATALOG, R
 # Answered by every worker (methods vllm_glue adds to vLLM's ``WorkerBase``).
 WORKER_INFO = "hotwire_worker_info"
 GRAPH_SETS = "hotwire_graph_sets"
-WORKER_METHODS = frozenset({WORKER_INFO, GRAPH_SETS})
+TAKE_CAPTURES = "hotwire_take_captures"  # args: tags: list[str]; every rank answers with the layers it holds
+WORKER_METHODS = frozenset({WORKER_INFO, GRAPH_SETS, TAKE_CAPTURES})
 
 # Riding on vLLM's objects from the engine core to the workers.
 BINDING_KEY = "hotwire.binding"  # sampling_params.extra_args: a request's per-phase bank config
 WRITES_ATTR = "hotwire_writes"  # SchedulerOutput: bank rows to load before the step
 REBINDS_ATTR = "hotwire_rebinds"  # SchedulerOutput: new configs of resumed requests whose rows moved
+CAPTURE_KEY = "hotwire.capture"  # sampling_params.extra_args: {"tag", "layers", "position"} of a capture request
 USER_SALT_ATTR = "hotwire_user_salt"  # Request built with hotwire's cache salt: the user's own salt
 
 
@@ -142,8 +144,18 @@ class StatsResult(TypedDict):
     deferrals: int
     suspended: int
     resumptions: int
+    capturing: int  # capture requests admitted and not finished (at most HOTWIRE_CAPTURE_ROWS)
     vectors: int
     model: dict[str, Any]  # steerable, reason, n_layers, hidden_size, dtype, max_stack, norm, layers
+
+
+class TakeCapturesResult(TypedDict):
+    """One rank's answer to ``hotwire_take_captures``: per tag, ``{"layers": [...], "tokens": n, "data": bytes}``
+    (float32 sums over the captured tokens, ``[len(layers), hidden]``, the layers this rank hooks) or ``{"error"}``;
+    tags whose request has not finished are absent."""
+
+    ok: Literal[True]
+    captures: dict[str, dict[str, Any]]
 
 
 class RefusalsResult(TypedDict):

@@ -20,6 +20,7 @@ import torch
 from . import contract
 from .admission import ModelInfo, Refusal, Resolved, Rules, cache_salt, pinned_spec, receipt, resolve, row_key
 from .bindings import BankWrite, Binding, Bindings, Config
+from .capture_admission import CaptureRequests
 from .contract import BINDING_KEY, USER_SALT_ATTR  # re-exported: the benchmarks import them from here
 from .deferral import DeferredRequests
 from .engine_requests import EngineRequests
@@ -60,6 +61,7 @@ class SteeringController:
                            settings.layers is not None)
         self.slots = SlotCache(settings.slots)
         self.bindings = Bindings(self.registry, self.slots, requests)
+        self.captures = CaptureRequests(model.capture_rows, requests)
         self.refused: Counter[str] = Counter()
         self.steered_requests = 0
         # requests waiting for slots
@@ -190,6 +192,7 @@ class SteeringController:
             deferrals=self.deferred.deferrals,
             suspended=sum(b.suspended for b in self.bindings.values()),
             resumptions=self.bindings.resumptions,
+            capturing=len(self.captures.live),
             vectors=len(self.registry.vectors()),
             model=self.model.to_json(self.settings.max_stack),
         )
@@ -279,6 +282,13 @@ class SteeringController:
         if user_salt and user_salt.startswith(SALT_PREFIX):
             self.refused["reserved_salt"] += 1
             raise Refusal(400, "reserved_salt", f"cache_salt may not start with {SALT_PREFIX!r}", "cache_salt")
+        if self.captures.requested(request):
+            try:
+                self.captures.admit(request, self.rules)
+            except Refusal as exc:
+                self.refused[exc.code] += 1
+                raise
+            return None
         extra = requests.steering_args(request)
         if extra is None:
             return None
@@ -354,6 +364,7 @@ class SteeringController:
 
     def release(self, request_id: str) -> None:
         self.bindings.release(request_id)
+        self.captures.release(request_id)
 
     # -- requests waiting for slots ----------------------------------------------------------------------------
 

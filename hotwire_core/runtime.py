@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from .bindings import BankWrite, Config
+from .capture import WorkerCapture  # its capture_op registers torch.ops.hotwire.capture_
 from .config_rows import ConfigRows
 from .settings import Settings
 from .steer_hook import HOOK_NAME, SteerHook
@@ -38,6 +39,8 @@ class Step:
     writes: Sequence[BankWrite] = ()  # bank rows to load before this step
     rebinds: Mapping[str, Config] = field(default_factory=dict)  # preempted requests whose rows moved
     preempted: bool = False  # the step preempted requests
+    finished: Iterable[str] = ()  # requests vLLM finished (captures are taken then; V2's ``removed`` adds preempted)
+    captures: Sequence[tuple[str, int, dict]] = ()  # new capture requests: (id, prompt length, CAPTURE_KEY's value)
 
 
 class WorkerSteering:
@@ -73,6 +76,9 @@ class WorkerSteering:
         # Row 0 means "no steer"; a steered request holds up to two rows (prefill, decode). Room for twice the
         # requests a batch holds: V1 keeps the rows of preempted requests while others run in their place.
         k, n_cfg = settings.max_stack, 2 * CONFIG_ROWS_PER_BATCH_SLOT * max_reqs + 1
+        self._uploader = Uploader(device)
+        self.capture = (WorkerCapture(layers, n_layers, hidden_size, device, max_tokens, settings.capture_rows,
+                                      self._uploader) if settings.capture and layers else None)
         with torch.device(device):
             self.buffers = {
                 "bank": torch.zeros(settings.slots + 1, hidden_size, dtype=dtype),
@@ -83,10 +89,11 @@ class WorkerSteering:
                 "cfg_scale": torch.zeros(n_cfg, n_layers, k, dtype=torch.float32),
                 "cfg_rel": torch.zeros(n_cfg, n_layers, k, dtype=torch.float32),
             }
+        if self.capture is not None:
+            self.buffers["token_cap"] = self.capture.token_cap
         for index, module in layers.items():
             hook = SteerHook(self.buffers, index, settings.impl, self.target, self.norm, index in whole_stream)
             module.add_module(HOOK_NAME, hook)
-        self._uploader = Uploader(device)
         self.config_rows = ConfigRows(n_cfg, n_layers)
         self._line_of: dict[str, int] = {}  # steered req_id -> its line in _lines
         self._lines = np.zeros((8, 3), np.int64)  # per steered request: (prefill row, decode row, prompt len); line 0: none
@@ -111,6 +118,7 @@ class WorkerSteering:
             "hidden_size": self.hidden_size,
             "dtype": str(self.dtype).removeprefix("torch."),
             "norm": self.norm,
+            "capture_rows": self.capture.rows if self.capture is not None else 0,
         }
 
     # -- request lifecycle -----------------------------------------------------------------------------------
@@ -118,6 +126,9 @@ class WorkerSteering:
     def on_step(self, step: Step) -> None:
         """Apply the controller's bank writes, drop removed requests, and add the new ones."""
         epoch = self._epoch
+        capture = self.capture
+        if capture is not None and (capture.live or step.captures):
+            capture.on_step(step.finished, step.captures)
         if step.writes:
             self._apply_writes(step.writes)
         if step.preempted:
@@ -223,7 +234,11 @@ class WorkerSteering:
         self.buffers["cfg_rel"].index_copy_(0, idx, tables[:, 2].view(torch.float32))
 
     def steers_any(self, scheduled: Collection[str]) -> bool:
-        """Whether any scheduled request has a steering config (for prefill or decode): the step's ``ops.GATE``."""
+        """Whether any scheduled request has a steering config (for prefill or decode) or captures: the step's
+        ``ops.GATE``."""
+        capture = self.capture  # attribute checks first: this runs every step, and nobody captures in most
+        if capture is not None and capture.live and capture.scheduled(scheduled):
+            return True
         steered = self._line_of
         if not steered:
             return False
@@ -246,8 +261,8 @@ class WorkerSteering:
 
     @property
     def clean(self) -> bool:
-        """No request is steered and ``token_cfg`` holds no config: ``fill`` has nothing to do."""
-        return not self._line_of and not self._dirty
+        """No request is steered or captures, and ``token_cfg`` / ``token_cap`` hold zeros: ``fill`` has nothing to do."""
+        return not self._line_of and not self._dirty and (self.capture is None or self.capture.clean)
 
     def fill(self, req_ids: Sequence[str], num_scheduled: np.ndarray, num_computed: np.ndarray, num_tokens: int) -> None:
         """Write ``token_cfg`` for a batch laid out request by request in ``req_ids`` order; ``num_tokens`` is the
@@ -255,7 +270,10 @@ class WorkerSteering:
 
         A token at position ``p`` of a request with prompt length ``P`` uses the prefill config when ``p < P``
         and the decode config otherwise. Steps with no steered request leave a clean buffer untouched."""
-        if self.clean:
+        capture = self.capture
+        if capture is not None and (capture.live or capture.dirty):
+            capture.fill(req_ids, num_scheduled, num_computed, num_tokens)
+        if not self._line_of and not self._dirty:
             return
         rows = self._batch_rows(req_ids)
         if not self._batch_steered and not self._dirty:

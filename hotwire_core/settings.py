@@ -96,6 +96,10 @@ class Settings:
     retain_s: int = 60
     max_rows: int | None = None  # HOTWIRE_MAX_ROWS: bank rows one request may pin (None: see rows_per_request)
     max_wait_s: int = 30  # HOTWIRE_MAX_WAIT_S: seconds a request may wait for bank rows before it is refused
+    # HOTWIRE_CAPTURE: compile the capture op in (activation capture for vector extraction; it reads the residual
+    # stream, so like HOTWIRE_NORM it is opt-in: see runtime.SteerHook); HOTWIRE_CAPTURE_ROWS: captures at once
+    capture: bool = False
+    capture_rows: int = 32
 
     @classmethod
     def from_env(cls) -> "Settings":
@@ -118,6 +122,8 @@ class Settings:
             retain_s=retain_s_from_env(),
             max_rows=max_rows,
             max_wait_s=_int_env("HOTWIRE_MAX_WAIT_S", 30, 0, 86_400),
+            capture=flag_env("HOTWIRE_CAPTURE", False),
+            capture_rows=_int_env("HOTWIRE_CAPTURE_ROWS", 32, 1, 4096),
             store=os.environ.get("HOTWIRE_STORE") or None,
             preload=os.environ.get("HOTWIRE_VECTORS") or None,
         )
@@ -133,7 +139,9 @@ class Settings:
     def compile_fingerprint(self) -> str:
         """Everything that changes the compiled graph: mixed into vLLM's compile-cache key."""
         layers = "" if self.layers is None else f";layers={format_layers(self.layers)}"
-        return f"hotwire={__version__};slots={self.slots};stack={self.max_stack};impl={self.impl};norm={self.norm}{layers}"
+        capture = f";capture={self.capture_rows}" if self.capture else ""
+        return (f"hotwire={__version__};slots={self.slots};stack={self.max_stack};impl={self.impl};norm={self.norm}"
+                f"{layers}{capture}")
 
     def store_dir(self, model: str) -> Path | None:
         """One folder per served model under the store root, or None when the store is off."""

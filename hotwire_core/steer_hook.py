@@ -57,6 +57,9 @@ class SteerHook(nn.Module):
             self.register_buffer(name, tensor, persistent=False)
         self.layer, self.impl, self.target, self.norm = layer, impl, target, norm
         self.whole_stream = whole_stream
+        # HOTWIRE_CAPTURE: the capture op after the steering (hotwire_core.capture). It reads the whole stream,
+        # residual included, which costs plain tokens bit-identity in bf16 graphs as norm mode does.
+        self.capture = "token_cap" in buffers
 
     def forward(self, hidden: torch.Tensor, residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
         if residual is None or self.whole_stream:  # the whole stream is in hidden
@@ -70,6 +73,9 @@ class SteerHook(nn.Module):
             target = ops.steer_torch(target, other, *args, use_norm=self.norm)
         else:
             torch.ops.hotwire.steer_(target, other, *args)
+        if self.capture:  # the stream is target + the other of (hidden, residual), if the layer returns both
+            partner = None if residual is None or self.whole_stream else (residual if self.target == "hidden" else hidden)
+            torch.ops.hotwire.capture_(target, partner, self.token_cap, self.layer)
         if residual is None or self.whole_stream:
             return target, residual
         return (target, residual) if self.target == "hidden" else (hidden, target)

@@ -79,3 +79,25 @@ def prompt_logprobs(
     """Log-probability of each prompt token given its prefix (positions 1..n-1), steered as in :func:`logprobs`."""
     ids = torch.tensor(token_ids[1:])
     return logprobs(model, token_ids, steering, positions, **inputs)[:-1].gather(1, ids[:, None])[:, 0]
+
+
+def layer_outputs(model, token_ids: list[int], layers: list[int]) -> dict[int, torch.Tensor]:
+    """The residual stream after each of ``layers`` (a forward hook on the decoder layer's output), ``[T, hidden]``
+    float32 per layer: what hotwire's capture reads."""
+    captured: dict[int, torch.Tensor] = {}
+
+    def make_hook(layer):
+        def hook(module, args, output):
+            hidden = output[0] if isinstance(output, tuple) else output
+            captured[layer] = hidden[0].float().clone()
+
+        return hook
+
+    handles = [decoder_layers(model)[layer].register_forward_hook(make_hook(layer)) for layer in layers]
+    try:
+        with torch.no_grad():
+            model(torch.tensor([token_ids]))
+    finally:
+        for h in handles:
+            h.remove()
+    return captured

@@ -29,7 +29,7 @@ import multiprocessing
 import sys
 from typing import Any, Callable
 
-from .. import ops
+from .. import capture_op, ops
 from .config import patch_config
 from .engine_core import patch_engine_core
 from .graphs import patch_cuda_graph_wrapper, patch_v2_cudagraphs
@@ -94,6 +94,7 @@ def install() -> None:
             reason)
         return
     ops.register_ops()
+    capture_op.register_capture_op()
     for name, patch in PATCHES.items():
         if name in sys.modules:
             patch(sys.modules[name])

@@ -30,7 +30,10 @@ def model_info(results: list[dict]) -> ModelInfo:
     if not steerable and not reason:  # every rank has decoder layers, none of them listed
         reason = f"HOTWIRE_LAYERS={format_layers(settings().layers or frozenset())} selects no layer hotwire can hook"
     norm = all(r.get("norm", False) for r in results)
-    return ModelInfo(steerable, reason, first["n_layers"], first["hidden_size"], first["dtype"], layers, norm)
+    # Every rank captures its own layers, all with the same number of rows (a rank without layers has none).
+    capture_rows = min((r.get("capture_rows", 0) for r in results if r.get("layers")), default=0)
+    return ModelInfo(steerable, reason, first["n_layers"], first["hidden_size"], first["dtype"], layers, norm,
+                     capture_rows)
 
 
 def _send_refusal(engine: Any, request: Any, exc: Refusal, in_caller: bool = True) -> None:

@@ -34,19 +34,24 @@ def step_of(scheduler_output: Any, removed: Iterable[str]) -> Step:
     """What a ``SchedulerOutput`` changes for the worker's steering: its new requests (``NewRequestData``) with
     their bindings, the bank writes and rebinds the controller put on it, whether it preempted requests; ``removed``:
     the requests the runner drops."""
-    new = []
+    preempted = getattr(scheduler_output, "preempted_req_ids", None)
+    new, captures = [], []
     for r in scheduler_output.scheduled_new_reqs:
         extra = extra_args(r)
         if extra and contract.BINDING_KEY in extra:
             new.append((r.req_id, prompt_length(r), extra[contract.BINDING_KEY]))
         else:
             new.append((r.req_id, 0, None))
+            if extra and contract.CAPTURE_KEY in extra:
+                captures.append((r.req_id, prompt_length(r), extra[contract.CAPTURE_KEY]))
     return Step(
         removed=removed,
         new=new,
         writes=getattr(scheduler_output, contract.WRITES_ATTR, None) or (),
         rebinds=getattr(scheduler_output, contract.REBINDS_ATTR, None) or {},
-        preempted=bool(getattr(scheduler_output, "preempted_req_ids", None)),
+        preempted=bool(preempted),
+        finished=set(removed).difference(preempted) if preempted else removed,  # V2 removes preempted ones too
+        captures=captures,
     )
 
 

@@ -27,7 +27,13 @@ def patch_worker_base(module: Any) -> None:
     def hotwire_graph_sets(self) -> dict:
         return graphs.graph_set_counts(self.model_runner)
 
+    def hotwire_take_captures(self, tags: list[str]) -> dict:
+        steering = getattr(self.model_runner, "hotwire", None)
+        capture = steering.capture if steering is not None else None
+        return capture.take(tags) if capture is not None else contract.TakeCapturesResult(ok=True, captures={})
+
     setattr(module.WorkerBase, contract.WORKER_INFO, hotwire_worker_info)
+    setattr(module.WorkerBase, contract.TAKE_CAPTURES, hotwire_take_captures)
     setattr(module.WorkerBase, contract.GRAPH_SETS, hotwire_graph_sets)
 
 

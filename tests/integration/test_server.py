@@ -280,6 +280,7 @@ def test_routes_in_openapi(server):
     assert set(paths["/steer/vectors"]) == {"get", "post"}
     assert set(paths["/steer/vectors/{vector_id}"]) == {"get", "delete"}
     assert set(paths["/steer/slots"]) == {"get"}
+    assert set(paths["/steer/vectors/extract"]) == {"post"}
     register = paths["/steer/vectors"]["post"]
     assert set(register["requestBody"]["content"]) == {"multipart/form-data", "application/json"}
     assert {"200", "201", "400", "401", "409", "413", "415"} <= set(register["responses"])
@@ -297,6 +298,7 @@ ROUTES = [
     ("GET", "/steer/slots", {}),
     ("POST", "/steer/vectors", {"json": json_body("auth-probe", vec(2))}),
     ("POST", "/steer/vectors?replace=true", {"json": json_body("keep", vec(3))}),
+    ("POST", "/steer/vectors/extract", {"json": {"id": "keep", "positive": ["a"], "negative": ["b"], "replace": True}}),
 ]
 
 
@@ -833,6 +835,17 @@ def test_requests_past_the_check_wait_for_rows_instead_of_failing(server, http, 
     assert slots(http)["deferred"] == 0
     if slots(http)["deferrals"] == deferrals:  # checked last: the answers above hold either way
         pytest.skip("every racer was refused at the API check; the engine-side wait was not reached")
+
+
+def test_extraction_is_503_while_capture_is_off(http):
+    """This server runs without HOTWIRE_CAPTURE: the capture op is not compiled in (test_vector_formats.py serves
+    extraction)."""
+    body = {"id": "extracted", "positive": ["good"], "negative": ["bad"]}
+    response = http.post("/steer/vectors/extract", json=body)
+    assert_error(response, 503, "capture_off")
+    assert "HOTWIRE_CAPTURE=1" in response.json()["error"]["message"]
+    assert slots(http)["model"]["capture_rows"] == 0
+    assert http.get("/steer/vectors/extracted").status_code == 404
 
 
 def test_reserved_cache_salt_is_400(http, model):

@@ -2,7 +2,9 @@
 a control-vector GGUF (llama.cpp's / repeng's layout) and an SAE feature (SAELens' folder) register and steer
 exactly as the same rows registered as safetensors, and as transformers with a hook on the output of the block
 the file names; a vector exports as GGUF and safetensors and registers again unchanged; files made for another
-model are refused naming what does not fit.
+model are refused naming what does not fit; a vector extracted from contrastive examples on the server
+(``POST /steer/vectors/extract``, the client, ``hotwire extract``) equals the same computation on transformers with
+hooks, and what cannot be extracted is refused.
 
 One server serves the module (``--enforce-eager`` on the CPU; torch.compile is covered by test_engine.py).
 """
@@ -31,11 +33,18 @@ pytestmark = pytest.mark.integration
 HIDDEN, LAYERS = 256, 4  # hotwire_core.tiny_model "tiny"
 SERVER_ARGS = [] if torch.cuda.is_available() else ["--enforce-eager"]
 TOKENS = [11, 57, 203, 9, 140, 77, 310, 5, 88, 42]  # a prompt as token ids: transformers sees the same
+CAPTURE_ROWS, MAX_EXAMPLES, MAX_EXAMPLE_TOKENS = 2, 8, 40  # fewer rows than examples: extraction runs in chunks
+POSITIVE = ["I love this, it is wonderful", "What a happy sunny day",
+            [{"role": "user", "content": "How was it?"}, {"role": "assistant", "content": "Lovely, thank you!"}]]
+NEGATIVE = ["I hate this, it is awful", "What a sad rainy day",
+            [{"role": "user", "content": "How was it?"}, {"role": "assistant", "content": "Dreadful, sadly."}]]
 
 
 @pytest.fixture(scope="module")
 def server(tiny_model, tmp_path_factory) -> Iterator[VllmServer]:
-    srv = VllmServer(tiny_model, tmp_path_factory.mktemp("vllm-serve"), {"HOTWIRE_STORE": "off"}, SERVER_ARGS)
+    env = {"HOTWIRE_STORE": "off", "HOTWIRE_CAPTURE": "1", "HOTWIRE_CAPTURE_ROWS": str(CAPTURE_ROWS),
+           "HOTWIRE_EXTRACT_MAX_EXAMPLES": str(MAX_EXAMPLES), "HOTWIRE_EXTRACT_MAX_TOKENS": str(MAX_EXAMPLE_TOKENS)}
+    srv = VllmServer(tiny_model, tmp_path_factory.mktemp("vllm-serve"), env, SERVER_ARGS)
     srv.start()
     yield srv
     srv.stop()
@@ -213,3 +222,98 @@ def test_export_round_trips(server, http, tiny_model, tmp_path):
     assert out.read_bytes() == as_gguf.content
     assert cli.main(["--url", server.url, "register", "out-cli", str(out)]) == 0
     assert http.get("/steer/vectors/out-cli").json()["sha256"] == original["sha256"]
+
+
+# -- vectors extracted from contrastive examples -----------------------------------------------------------------
+
+
+def reference_vector(hf, tiny_model, layers: list[int], method: str, position: str) -> np.ndarray:
+    """The same extraction on transformers: the examples tokenized as the server does, each decoder layer's output
+    read by a hook, the arithmetic of hotwire_core.extraction."""
+    from transformers import AutoTokenizer
+
+    from hotwire_core.extraction import example_token_ids, extract
+
+    tok = AutoTokenizer.from_pretrained(str(tiny_model))
+
+    def acts(examples):
+        out = []
+        for example in examples:
+            per_layer = hf_reference.layer_outputs(hf, example_token_ids(tok, example), layers)
+            out.append([(per_layer[l][-1] if position == "last" else per_layer[l].mean(0)).double().numpy()
+                        for l in layers])
+        return np.array(out)
+
+    return extract(acts(POSITIVE), acts(NEGATIVE), layers, method)[0]
+
+
+def exported_rows(http: httpx.Client, vector_id: str) -> np.ndarray:
+    from safetensors.numpy import load as load_numpy
+
+    tensors = load_numpy(http.get(f"/steer/vectors/{vector_id}/file").content)
+    return np.stack([tensors[k] for k in sorted(tensors, key=int)]) if len(tensors) > 1 else next(iter(tensors.values()))
+
+
+def test_extract_route_registers_what_transformers_hooks_give(server, http, tiny_model, hf):
+    body = {"id": "joy", "positive": POSITIVE, "negative": NEGATIVE, "layers": "1-3", "position": "mean"}
+    response = http.post("/steer/vectors/extract", json=body)
+    assert response.status_code == 201, response.text
+    result = response.json()
+    assert (result["vector"]["layers"], result["vector"]["version"]) == ([1, 2, 3], 1)
+    assert [r["layer"] for r in result["layers"]] == [1, 2, 3] and result["examples"] == {"positive": 3, "negative": 3}
+    assert all(0.0 <= r["accuracy"] <= 1.0 and r["norm"] > 0 for r in result["layers"])
+    expected = reference_vector(hf, tiny_model, [1, 2, 3], "mean_diff", "mean")
+    got = exported_rows(http, "joy")
+    assert np.abs(got - expected).max() < 2e-4, np.abs(got - expected).max()
+    assert np.abs(expected).max() > 0.05
+    # an ordinary registration: it steers, and extracting again under the id needs replace (a new version)
+    assert max_diff(prompt_logprobs(http, str(tiny_model), {"id": "joy", "layer": 2, "scale": 4.0}),
+                    prompt_logprobs(http, str(tiny_model))) > 2e-2
+    error(http.post("/steer/vectors/extract", json=body), 409, "exists", "id")
+    with HotwireClient(server.url) as client:
+        again = client.extract("joy", POSITIVE, NEGATIVE, range(1, 4), method="pca", position="last", normalize=True,
+                               replace=True)
+    assert again.vector.version == 2
+    got = exported_rows(http, "joy")
+    assert np.allclose(np.linalg.norm(got, axis=1), 1.0, atol=1e-5)
+    assert np.abs(got - reference_vector(hf, tiny_model, [1, 2, 3], "pca", "last")).max() < 2e-4
+
+
+def test_cli_extract_reads_jsonl(server, http, tmp_path, capsys):
+    path = tmp_path / "examples.jsonl"
+    path.write_text("\n".join(json.dumps({"positive": p, "negative": n}) for p, n in zip(POSITIVE, NEGATIVE)) + "\n")
+    code = cli.main(["--url", server.url, "extract", "cli-joy", "--jsonl", str(path), "--layers", "0,3",
+                     "--method", "pca"])
+    out = capsys.readouterr()
+    assert code == 0, out.err
+    assert json.loads(out.out)["vector"]["layers"] == [0, 3]
+    assert http.get("/steer/vectors/cli-joy").json()["layers"] == [0, 3]
+    path.write_text('{"neutral": "x"}\n')
+    assert cli.main(["--url", server.url, "extract", "cli-bad", "--jsonl", str(path)]) == 2
+    assert "positive and/or negative" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("change, status, code, field", [
+    ({"positive": []}, 400, "empty_examples", "positive"),
+    ({"method": "pca", "negative": NEGATIVE[:2]}, 400, "unpaired_examples", "negative"),
+    ({"layers": [1, 7]}, 400, "layer_out_of_range", "layers"),
+    ({"layers": "x"}, 400, "bad_layers", "layers"),
+    ({"method": "lda"}, 400, "bad_request", "method"),
+    ({"positive": POSITIVE * 2}, 400, "too_many_examples", "positive"),  # 9 > HOTWIRE_EXTRACT_MAX_EXAMPLES
+    ({"negative": ["word " * 60]}, 400, "example_too_long", "negative[0]"),  # > HOTWIRE_EXTRACT_MAX_TOKENS
+    ({"positive": [[{"role": "user"}]]}, 400, "bad_request", "positive.0.str"),
+    ({"id": "../x"}, 400, "bad_request", "id"),
+])
+def test_what_cannot_be_extracted_is_refused_and_registers_nothing(http, change, status, code, field):
+    body = {"id": "refused", "positive": POSITIVE, "negative": NEGATIVE, **change}
+    error(http.post("/steer/vectors/extract", json=body), status, code, field)
+    assert http.get("/steer/vectors/refused").status_code == 404
+    assert http.get("/steer/slots").json()["model"]["capture_rows"] == CAPTURE_ROWS
+
+
+def test_a_capture_cannot_be_smuggled_in_through_vllm_xargs(http, tiny_model):
+    body = {"model": str(tiny_model), "prompt": TOKENS, "max_tokens": 1,
+            "vllm_xargs": {"hotwire.capture": json.dumps({"tag": "t", "layers": [1], "position": "last"})}}
+    response = http.post("/v1/completions", json=body)
+    assert response.status_code == 400, response.text
+    assert "POST /steer/vectors/extract" in response.text

@@ -1017,7 +1017,8 @@ def test_stats_shape(c):
     refusal(c, {"id": "zz", "layer": 0, "scale": 1})
     s = c.stats()
     assert set(s) == {"ok", "capacity", "used", "pinned", "free", "evictions", "refused", "steered_requests",
-                      "vectors", "rows", "model", "deferred", "deferrals", "suspended", "resumptions"}
+                      "vectors", "rows", "model", "deferred", "deferrals", "suspended", "resumptions", "capturing"}
+    assert s["capturing"] == 0
     assert s["ok"] is True
     assert (s["capacity"], s["used"], s["pinned"], s["free"], s["evictions"]) == (8, 2, 2, 6, 0)
     assert s["refused"] == {"unknown_vector": 1}
