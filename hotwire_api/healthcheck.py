@@ -43,6 +43,7 @@ from typing import Any
 import httpx
 
 from hotwire_api.fleet.config import default_replica_name, registry_url
+from hotwire_core.error_codes import ErrorCode
 from hotwire_core.settings import parse_layers
 
 PROBE_ID = "_healthcheck"
@@ -53,7 +54,7 @@ MAX_TOKENS = 2
 # this only keeps run-to-run numerical noise from passing for steering).
 MIN_LOGPROB_DELTA = 1e-4
 DEFAULT_TIMEOUT_S = 25.0  # the whole check; Docker's healthchecks here give it 30 s
-BANK_FULL = "slots_exhausted"  # the refusal (or lenient reason) of a steered request when no bank row is free
+BANK_FULL = ErrorCode.SLOTS_EXHAUSTED  # the refusal (or lenient reason) of a steered request when no bank row is free
 
 
 class Unhealthy(Exception):

@@ -24,6 +24,7 @@ from hotwire_api.models import DeleteResult, ErrorBody, FleetView, RegisterVecto
 from hotwire_api.settings import Settings
 from hotwire_api.uploads import decode_upload
 from hotwire_api.vector_registry import VectorRegistry
+from hotwire_core.error_codes import ErrorCode
 from hotwire_core.spec import VECTOR_ID_RE
 from hotwire_core.vllm_glue import inactive_reason
 from hotwire_core.vllm_glue.api_server import served_model_type
@@ -45,7 +46,7 @@ class _HotwireRoute(APIRoute):
                 first = exc.errors()[0]
                 field = ".".join(str(part) for part in first["loc"][1:]) or None
                 message = f"{field}: {first['msg']}" if field else str(first["msg"])
-                return HotwireError(400, "bad_request", message, field).response()
+                return HotwireError(400, ErrorCode.BAD_REQUEST, message, field).response()
 
         return route
 
@@ -124,7 +125,7 @@ async def _read_upload(request: Request, limit: int) -> tuple[str, VectorPayload
     if media_type not in ("multipart/form-data", "application/json"):
         raise HotwireError(
             415,
-            "unsupported_media_type",
+            ErrorCode.UNSUPPORTED_MEDIA_TYPE,
             f"send multipart/form-data (id, file=<.safetensors or .gguf>, layers?) or application/json, not {media_type!r}",
         )
     return await decode_upload(content_type, await read_limited(request.stream(), limit), limit)
@@ -208,7 +209,7 @@ async def get_vector(vector_id: str, request: Request, background: BackgroundTas
         if meta.id == vector_id:
             return meta
     raise HotwireError(
-        404, "unknown_vector", f"unknown steering vector {vector_id!r}; GET /steer/vectors lists them", "id"
+        404, ErrorCode.UNKNOWN_VECTOR, f"unknown steering vector {vector_id!r}; GET /steer/vectors lists them", "id"
     )
 
 

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from hotwire_api.errors import HotwireError
+from hotwire_core.error_codes import ErrorCode
 from hotwire_core.spec import SPEC_KEY, TICKET_KEY
 
 __all__ = ["TICKETS", "Ticket", "TicketBook", "not_admitted"]
@@ -35,7 +36,7 @@ class Ticket:
 
 def not_admitted(reason: str) -> HotwireError:
     return HotwireError(
-        400, "not_admitted",
+        400, ErrorCode.NOT_ADMITTED,
         f"{reason}: hotwire steers only requests its admission decided, i.e. a spec in vllm_xargs.hotwire of a "
         "JSON body to POST /v1/chat/completions, /v1/completions, /v1/responses or /invocations", SPEC_KEY,
     )

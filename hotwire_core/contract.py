@@ -61,7 +61,7 @@ def engine_method(rpc: Any) -> str | None:
 class _Failure(TypedDict):
     ok: Literal[False]
     status: int  # the HTTP status the control plane answers with
-    code: str  # a stable slug
+    code: str  # an ``error_codes.ErrorCode`` value
     error: str  # for people
 
 

@@ -15,6 +15,7 @@ from hotwire_api.fleet.config import FleetConfig, Keys, default_replica_name
 from hotwire_api.fleet.redis_registry import RedisRegistry
 from hotwire_api.fleet.replica import Replica
 from hotwire_api.models import FleetView, RegistryStatus, VectorMeta
+from hotwire_core.error_codes import ErrorCode
 from hotwire_core.vllm_glue.api_server import is_first_api_server
 
 __all__ = ["FleetRegistry"]
@@ -65,7 +66,7 @@ class FleetRegistry:
 
     def _started(self) -> Replica:
         if self.replica is None:
-            raise HotwireError(503, "registry_unavailable", "the fleet's registry is not connected: the API server "
+            raise HotwireError(503, ErrorCode.REGISTRY_UNAVAILABLE, "the fleet's registry is not connected: the API server "
                                "connects when its app starts; retry once it answers /health")
         return self.replica
 

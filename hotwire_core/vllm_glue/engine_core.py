@@ -11,6 +11,7 @@ from typing import Any
 from .. import contract
 from ..admission import ModelInfo, Refusal
 from ..controller import SteeringController, WaitForRows
+from ..error_codes import ErrorCode
 from ..settings import format_layers
 from ..spec import SPEC_KEY
 from . import compat
@@ -82,7 +83,7 @@ def patch_engine_core(module: Any) -> None:
             if not update and self.hotwire.session_ended(request.request_id, final=not request.resumable):
                 # More input (or the end marker) of a session a refusal ended: an error again, so that vLLM's
                 # client, which keeps a streaming request open past a chunk's error, finishes it
-                _send_refusal(self, request, Refusal(400, "session_ended", "this streaming-input session was ended "
+                _send_refusal(self, request, Refusal(400, ErrorCode.SESSION_ENDED, "this streaming-input session was ended "
                                                      "by an earlier refusal; start a new request"))  # fmt: skip
                 return
             try:
@@ -97,7 +98,7 @@ def patch_engine_core(module: Any) -> None:
                     return
                 if not isinstance(exc, Refusal):
                     logger.exception("hotwire: admission of %s failed", request.request_id)
-                    exc = Refusal(500, "internal", f"steering admission failed: {exc}")
+                    exc = Refusal(500, ErrorCode.INTERNAL, f"steering admission failed: {exc}")
                 if session is not None:  # the refusal ends the session
                     self.scheduler.finish_requests(request.request_id, aborted)
                 if request.resumable:  # a session: more chunks and its end marker are still to come
