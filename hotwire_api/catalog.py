@@ -13,7 +13,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
-import os
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -24,21 +23,9 @@ from hotwire_core.admission import ModelInfo, Rules
 from hotwire_core.settings import parse_layers
 from hotwire_core.vllm_glue.api_server import engine_client
 
-__all__ = ["CATALOG", "Catalog", "CatalogVector", "refresh_interval_s", "rules_of"]
+__all__ = ["CATALOG", "Catalog", "CatalogVector", "rules_of"]
 
 logger = logging.getLogger(__name__)
-
-
-def refresh_interval_s() -> float:
-    """``HOTWIRE_CATALOG_REFRESH_MS`` in seconds (the background refresh of :meth:`Catalog.run`)."""
-    raw = os.environ.get("HOTWIRE_CATALOG_REFRESH_MS", "").strip()
-    try:
-        ms = int(raw) if raw else 200
-    except ValueError:
-        ms = -1
-    if not 10 <= ms <= 3_600_000:
-        raise ValueError(f"HOTWIRE_CATALOG_REFRESH_MS must be an integer from 10 to 3600000, got {raw!r}")
-    return ms / 1000
 
 
 @dataclass(frozen=True)

@@ -13,7 +13,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.routing import APIRoute
 
 from hotwire_api.auth import require_api_key
-from hotwire_api.catalog import CATALOG, refresh_interval_s
+from hotwire_api.catalog import CATALOG
 from hotwire_api.codec import VectorPayload, read_limited, too_large
 from hotwire_api.engine import HotwireEngine
 from hotwire_api.errors import HotwireError
@@ -58,7 +58,7 @@ async def _background(app: Any) -> AsyncIterator[None]:
     if inactive_reason() is not None:
         yield
         return
-    tasks = [asyncio.create_task(STATS.run(app)), asyncio.create_task(CATALOG.run(app, refresh_interval_s()))]
+    tasks = [asyncio.create_task(STATS.run(app)), asyncio.create_task(CATALOG.run(app, app.state.hotwire_settings.catalog_refresh_s))]
     registry: VectorRegistry = app.state.hotwire_registry
     await registry.start(app)
     try:

@@ -111,6 +111,8 @@ class WorkerSteering:
             "hidden_size": self.hidden_size,
             "dtype": str(self.dtype).removeprefix("torch."),
             "norm": self.norm,
+            "slots": self.settings.slots,
+            "max_stack": self.settings.max_stack,
         }
 
     # -- request lifecycle -----------------------------------------------------------------------------------

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 from typing import Any
 
 from hotwire_api.codec import VectorPayload
@@ -50,7 +49,7 @@ class FleetRegistry:
 
         registry = RedisRegistry(self.config, Keys.for_model(_model_name(app)))
         self.replica = Replica(registry, engine, self.config.replica_id or default_replica_id(app),
-                               os.environ.get("HOTWIRE_REPLICA_URL") or None, follows=is_first_api_server())
+                               self.config.replica_url, follows=is_first_api_server())
         logger.info("hotwire: vector registry %s (replica %s%s)", registry.display_url, self.replica.replica_id,
                     ", following its events" if self.replica.follows else "")
         await self.replica.catch_up()

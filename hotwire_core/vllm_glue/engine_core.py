@@ -23,11 +23,30 @@ __all__ = ["model_info", "patch_engine_core"]
 logger = logging.getLogger(__name__)
 
 
+# Settings the engine core and every worker must share: the core fills bank rows and entry configs the workers'
+# buffers were sized by.
+_SHARED = (("slots", "HOTWIRE_SLOTS"), ("max_stack", "HOTWIRE_MAX_STACK"))
+
+
+def settings_mismatch(results: list[dict]) -> str | None:
+    """Why the workers' settings (``hotwire_worker_info``) cannot serve this engine core's, or None. Each process
+    reads its own environment; a launcher that sets it per process (Ray workers on other nodes) could differ."""
+    core = settings()
+    for key, name in _SHARED:
+        theirs = sorted({r[key] for r in results} - {getattr(core, key)})
+        if theirs:
+            return (f"{name} is {getattr(core, key)} in the engine core but {', '.join(map(str, theirs))} in its "
+                    f"workers: the workers' buffers must fit what the engine core fills; set {name} alike in every "
+                    "process's environment")
+    return None
+
+
 def model_info(results: list[dict]) -> ModelInfo:
     first = results[0]
     layers = frozenset(l for r in results for l in r.get("layers", ()))
-    steerable = all(r["steerable"] for r in results) and bool(layers)
-    reason = "; ".join(sorted({r["reason"] for r in results if r["reason"]}))
+    mismatch = settings_mismatch(results)
+    steerable = all(r["steerable"] for r in results) and bool(layers) and mismatch is None
+    reason = mismatch or "; ".join(sorted({r["reason"] for r in results if r["reason"]}))
     if not steerable and not reason:  # every rank has decoder layers, none of them listed
         reason = f"HOTWIRE_LAYERS={format_layers(settings().layers or frozenset())} selects no layer hotwire can hook"
     norm = all(r.get("norm", False) for r in results)

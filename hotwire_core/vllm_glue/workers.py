@@ -21,7 +21,7 @@ def patch_worker_base(module: Any) -> None:
         steering = getattr(self.model_runner, "hotwire", None)
         if steering is None:
             return {"steerable": False, "reason": "hotwire did not attach to the model", "layers": [], "n_layers": 0,
-                    "hidden_size": 0, "dtype": ""}
+                    "hidden_size": 0, "dtype": "", "slots": settings().slots, "max_stack": settings().max_stack}
         return steering.info()
 
     def hotwire_graph_sets(self) -> dict:
