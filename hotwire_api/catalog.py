@@ -19,6 +19,7 @@ from typing import Any
 
 from hotwire_api.engine import HotwireEngine
 from hotwire_api.errors import HotwireError
+from hotwire_core import contract
 from hotwire_core.admission import ModelInfo, Rules
 from hotwire_core.settings import parse_layers
 from hotwire_core.vllm_glue.api_server import engine_client
@@ -39,7 +40,7 @@ class CatalogVector:
     norms: dict[str, float]  # "*" for a [hidden] vector, else str(layer)
 
     @classmethod
-    def from_meta(cls, meta: dict[str, Any]) -> CatalogVector:
+    def from_meta(cls, meta: contract.VectorMeta) -> CatalogVector:
         layers = meta.get("layers")
         norms = {str(k): float(v) for k, v in (meta.get("norms") or {}).items()}
         return cls(str(meta["id"]), int(meta["version"]), str(meta["sha256"]),
@@ -54,7 +55,7 @@ class CatalogVector:
         return self.norms.get(str(layer), 0.0) if layer in self.layers else 0.0
 
 
-def rules_of(answer: dict[str, Any]) -> Rules:
+def rules_of(answer: contract.CatalogResult) -> Rules:
     """The server's rules in a full ``hotwire_catalog`` answer."""
     model = answer["model"]
     layers = frozenset(parse_layers(model["layers"])) if model.get("layers") else frozenset()

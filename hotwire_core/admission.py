@@ -19,6 +19,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from .contract import ModelView
 from .error_codes import ErrorCode
 from .errors import EngineError
 from .settings import format_layers
@@ -79,17 +80,17 @@ class ModelInfo:
     layers: frozenset[int]  # layers with a hook, over all PP ranks
     norm: bool = True  # norm-relative entries supported (see steer_hook.SteerHook)
 
-    def to_json(self, max_stack: int) -> dict:
-        return {
-            "steerable": self.steerable,
-            "reason": self.reason,
-            "n_layers": self.n_layers,
-            "hidden_size": self.hidden_size,
-            "dtype": self.dtype,
-            "max_stack": max_stack,
-            "norm": self.norm,
-            "layers": format_layers(self.layers),
-        }
+    def to_json(self, max_stack: int) -> ModelView:
+        return ModelView(
+            steerable=self.steerable,
+            reason=self.reason,
+            n_layers=self.n_layers,
+            hidden_size=self.hidden_size,
+            dtype=self.dtype,
+            max_stack=max_stack,
+            norm=self.norm,
+            layers=format_layers(self.layers),
+        )
 
 
 @dataclass(frozen=True)

@@ -26,7 +26,7 @@ class EngineError(ValueError):
         self.status, self.code, self.message, self.field = status, known_code(code), message, field
 
     def to_result(self) -> Failure:
-        out = Failure(ok=False, status=self.status, code=self.code, error=self.message)
+        out = Failure(ok=False, status=self.status, code=str(self.code), error=self.message)  # a plain str on the wire
         if self.field:
             out["field"] = self.field
         return out

@@ -23,6 +23,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from .contract import VectorMeta
 from .error_codes import ErrorCode
 from .errors import EngineError
 from .spec import VECTOR_ID_RE, short_repr
@@ -77,18 +78,18 @@ class HostVector:
         keys = ["*"] if self.layers is None else [str(layer) for layer in self.layers]
         return dict(zip(keys, self.row_norms))
 
-    def meta(self) -> dict:
-        return {
-            "id": self.vector_id,
-            "version": self.version,
-            "sha256": self.sha256,
-            "dtype": self.dtype,
-            "shape": list(self.shape),
-            "layers": None if self.layers is None else list(self.layers),
-            "norms": self.norms(),
-            "in_flight": self.refs,
-            "created_at": self.created_at,
-        }
+    def meta(self) -> VectorMeta:
+        return VectorMeta(
+            id=self.vector_id,
+            version=self.version,
+            sha256=self.sha256,
+            dtype=self.dtype,
+            shape=list(self.shape),
+            layers=None if self.layers is None else list(self.layers),
+            norms=self.norms(),
+            in_flight=self.refs,
+            created_at=self.created_at,
+        )
 
 
 # Host-side checks run in numpy (``vector_bits``): it works in the calling thread. Small torch CPU ops wake

@@ -28,7 +28,7 @@ logger = logging.getLogger(__name__)
 _SHARED = (("slots", "HOTWIRE_SLOTS"), ("max_stack", "HOTWIRE_MAX_STACK"))
 
 
-def settings_mismatch(results: list[dict]) -> str | None:
+def settings_mismatch(results: list[contract.WorkerInfo]) -> str | None:
     """Why the workers' settings (``hotwire_worker_info``) cannot serve this engine core's, or None. Each process
     reads its own environment; a launcher that sets it per process (Ray workers on other nodes) could differ."""
     core = settings()
@@ -41,15 +41,15 @@ def settings_mismatch(results: list[dict]) -> str | None:
     return None
 
 
-def model_info(results: list[dict]) -> ModelInfo:
+def model_info(results: list[contract.WorkerInfo]) -> ModelInfo:
     first = results[0]
-    layers = frozenset(l for r in results for l in r.get("layers", ()))
+    layers = frozenset(l for r in results for l in r["layers"])
     mismatch = settings_mismatch(results)
     steerable = all(r["steerable"] for r in results) and bool(layers) and mismatch is None
     reason = mismatch or "; ".join(sorted({r["reason"] for r in results if r["reason"]}))
     if not steerable and not reason:  # every rank has decoder layers, none of them listed
         reason = f"HOTWIRE_LAYERS={format_layers(settings().layers or frozenset())} selects no layer hotwire can hook"
-    norm = all(r.get("norm", False) for r in results)
+    norm = all(r["norm"] for r in results)
     return ModelInfo(steerable, reason, first["n_layers"], first["hidden_size"], first["dtype"], layers, norm)
 
 
