@@ -11,6 +11,7 @@ from hotwire_api.fleet.config import REGISTRY
 from hotwire_core.env import Flag, Float, Int, Text, load, setting
 
 DEFAULT_MAX_UPLOAD_MB = 64.0
+API_KEY = Text("HOTWIRE_API_KEY", doc="guards /steer/* in place of vLLM's --api-key")  # the CLI's default too
 
 
 @dataclass(frozen=True)
@@ -20,8 +21,7 @@ class Settings:
                                           doc="the largest registration upload, in megabytes"))
     lenient: bool = setting(Flag("HOTWIRE_LENIENT", default=False,
                                  doc="serve bad steering requests unsteered instead of refusing them"))
-    api_key: str | None = setting(Text("HOTWIRE_API_KEY",
-                                       doc="guards /steer/* in place of vLLM's --api-key"))
+    api_key: str | None = setting(API_KEY)
     registry_url: str | None = setting(REGISTRY, repr=False)  # may hold a password
     catalog_refresh_s: float = setting(Int("HOTWIRE_CATALOG_REFRESH_MS", default=200, lo=10, hi=3_600_000,
                                            to=lambda ms: ms / 1000,

@@ -15,7 +15,7 @@ from urllib.parse import unquote, unquote_plus, urlsplit, urlunsplit
 from hotwire_core.env import Float, Parsed, Text, load, setting
 from hotwire_core.settings import RETAIN_S
 
-__all__ = ["REGISTRY", "FleetConfig", "Keys", "default_replica_name", "redacted", "registry_url", "scrubbed",
+__all__ = ["REGISTRY", "REPLICA_ID", "FleetConfig", "Keys", "default_replica_name", "redacted", "registry_url", "scrubbed",
            "url_secrets"]
 
 _SCHEMES = ("redis", "rediss", "unix")
@@ -38,6 +38,7 @@ def registry_url(raw: str) -> str | None:
 
 REGISTRY = Parsed("HOTWIRE_REGISTRY", parse_with=registry_url,
                   doc="'local' (unset: each engine's embedded registry) or the fleet's Redis URL")
+REPLICA_ID = Text("HOTWIRE_REPLICA_ID", doc="this replica's name (default: host:port)")
 
 
 def default_replica_name(port: int | None) -> str:
@@ -109,7 +110,7 @@ class FleetConfig:
                                        doc="seconds between a replica's heartbeats"))
     stream_maxlen: int = setting(Float("HOTWIRE_REGISTRY_STREAM_MAXLEN", default=100_000, lo=10, hi=1e9, to=int,
                                        doc="the registry events Redis keeps"))
-    replica_id: str | None = setting(Text("HOTWIRE_REPLICA_ID", doc="this replica's name (default: host:port)"))
+    replica_id: str | None = setting(REPLICA_ID)
     replica_url: str | None = setting(Text("HOTWIRE_REPLICA_URL", doc="this replica's URL, shown in the fleet view"))
     timeout_s: float = setting(Float("HOTWIRE_REGISTRY_TIMEOUT_S", default=2.0, lo=0.05, hi=60,
                                      doc="seconds one Redis command may take"))
