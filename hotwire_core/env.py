@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 __all__ = ["Choice", "Flag", "Float", "Int", "Layers", "MAX_LAYER", "Parsed", "Text", "Var", "load", "parse_layers",
-           "setting"]
+           "setting", "variables"]
 
 _T = TypeVar("_T")
 _ENV = "hotwire_env"  # a dataclass field's metadata key: the Var that sets it
@@ -36,6 +36,7 @@ class Var:
         return value if self.to is None or value is None else self.to(value)
 
     def parse(self, raw: str) -> Any:
+        """A set, non-empty value; each kind below reads its own."""
         raise NotImplementedError
 
     @property
