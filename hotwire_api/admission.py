@@ -39,6 +39,7 @@ from hotwire_api.errors import HotwireError
 from hotwire_api.stats_cache import STATS
 from hotwire_api.tickets import TICKETS
 from hotwire_core.admission import Refusal, pinned_spec, receipt, resolve
+from hotwire_core.error_codes import ErrorCode
 from hotwire_core.spec import SALT_PREFIX, SPEC_KEY, TICKET_KEY, SpecError, parse_spec
 
 __all__ = ["AdmissionMiddleware", "LENIENT_HEADER", "RECEIPT_HEADER", "STEERABLE_ROUTES"]
@@ -107,16 +108,16 @@ class AdmissionMiddleware:
         with vLLM's key where one is set (vLLM checks it on ``/v1`` only)."""
         if path not in STEERABLE_ROUTES or steering.where != "vllm_xargs":
             raise HotwireError(
-                400, "steering_unsupported",
+                400, ErrorCode.STEERING_UNSUPPORTED,
                 f"POST {path} cannot steer: only vllm_xargs.{SPEC_KEY} of POST {', '.join(sorted(STEERABLE_ROUTES))} "
                 "is applied; send the request without it, or to one of those routes", f"{steering.where}.{SPEC_KEY}",
             )
         if _as_pydantic_bool(steering.request.get("use_beam_search")):
-            raise HotwireError(400, "steering_unsupported", "beam search cannot be steered: vLLM runs it with "
+            raise HotwireError(400, ErrorCode.STEERING_UNSUPPORTED, "beam search cannot be steered: vLLM runs it with "
                                "sampling parameters of its own; drop use_beam_search or the steering", "use_beam_search")
         keys = vllm_keys(scope["app"])
         if keys and not bearer_matches(_header(scope, b"authorization"), keys):
-            raise HotwireError(401, "unauthorized", "a steered request needs vLLM's API key (--api-key or "
+            raise HotwireError(401, ErrorCode.UNAUTHORIZED, "a steered request needs vLLM's API key (--api-key or "
                                "VLLM_API_KEY) on every route: send 'Authorization: Bearer <key>'")
 
     async def _serve_admitted(self, scope: Scope, receive: Receive, send: Send, path: str, engine: HotwireEngine,
@@ -157,7 +158,7 @@ def _as_pydantic_bool(value: Any) -> bool:
     return isinstance(value, str) and value.lower() in _TRUE_STRINGS
 
 
-_NEVER_LENIENT = frozenset({"reserved_salt", "reserved_field"})  # forged cache keys and tickets: never served
+_NEVER_LENIENT = frozenset({ErrorCode.RESERVED_SALT, ErrorCode.RESERVED_FIELD})  # forged cache keys and tickets: never served
 
 
 def _refuse_reserved(request: dict[str, Any], steering: _Steering | None) -> None:
@@ -165,9 +166,9 @@ def _refuse_reserved(request: dict[str, Any], steering: _Steering | None) -> Non
     request's cache key), or a ticket."""
     salt = request.get("cache_salt")
     if isinstance(salt, str) and salt.startswith(SALT_PREFIX):
-        raise HotwireError(400, "reserved_salt", f"cache_salt may not start with {SALT_PREFIX!r}", "cache_salt")
+        raise HotwireError(400, ErrorCode.RESERVED_SALT, f"cache_salt may not start with {SALT_PREFIX!r}", "cache_salt")
     if steering is not None and TICKET_KEY in steering.holder:
-        raise HotwireError(400, "reserved_field", f"{TICKET_KEY} is set by the server, not by clients: remove it",
+        raise HotwireError(400, ErrorCode.RESERVED_FIELD, f"{TICKET_KEY} is set by the server, not by clients: remove it",
                            f"{steering.where}.{TICKET_KEY}")
 
 
@@ -176,7 +177,7 @@ async def _decide(engine: HotwireEngine, spec: Any) -> tuple[str, str]:
     field named as in the request body)."""
     if not isinstance(spec, str):
         raise HotwireError(
-            400, "bad_spec",
+            400, ErrorCode.BAD_SPEC,
             f"{_FIELD} must be a JSON string, e.g. "
             '"vllm_xargs": {"hotwire": "{\\"id\\": \\"happy\\", \\"layer\\": 10, \\"scale\\": 4.0}"}',
             _FIELD,
@@ -186,7 +187,7 @@ async def _decide(engine: HotwireEngine, spec: Any) -> tuple[str, str]:
         try:
             entries = parse_spec(spec)
         except SpecError as exc:
-            raise Refusal(400, "bad_spec", str(exc), exc.field) from None
+            raise Refusal(400, ErrorCode.BAD_SPEC, str(exc), exc.field) from None
         if any(e.version is not None and CATALOG.lookup(e.vector_id, e.version) is None for e in entries):
             # A version the catalog does not hold as current may be retained in the engine: it decides.
             return await engine.check(spec)
@@ -194,7 +195,7 @@ async def _decide(engine: HotwireEngine, spec: Any) -> tuple[str, str]:
         try:
             resolved = resolve(spec, CATALOG.lookup, rules)
         except Refusal as exc:
-            if exc.code != "unknown_vector":
+            if exc.code != ErrorCode.UNKNOWN_VECTOR:
                 raise
             # Registered since the last refresh (through another API server)? Only an answer the engine gave
             # after this request arrived can say no: a fetch already in flight may predate the registration.

@@ -25,6 +25,7 @@ from starlette.types import Message, Receive, Scope, Send
 from hotwire_api.engine import HotwireEngine
 from hotwire_api.errors import HotwireError
 from hotwire_api.tickets import Ticket
+from hotwire_core.error_codes import ErrorCode
 from hotwire_core.spec import SPEC_KEY
 
 __all__ = ["Answer", "in_body"]
@@ -41,7 +42,7 @@ def in_body(exc: Any) -> HotwireError:
 
 def _not_steered(path: str) -> HotwireError:
     return HotwireError(
-        400, "steering_unsupported",
+        400, ErrorCode.STEERING_UNSUPPORTED,
         f"POST {path} answered this request without passing its steering to the engine (beam search, for one, "
         "builds sampling parameters of its own), so it was not served: drop the steering, or send it a way that "
         "generates with the request's own parameters", f"vllm_xargs.{SPEC_KEY}",

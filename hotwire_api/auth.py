@@ -16,6 +16,7 @@ from fastapi import Request
 
 from hotwire_api.errors import HotwireError
 from hotwire_api.settings import Settings
+from hotwire_core.error_codes import ErrorCode
 from hotwire_core.vllm_glue.api_server import cli_api_keys
 
 
@@ -48,7 +49,7 @@ async def require_api_key(request: Request) -> None:
     if keys and not bearer_matches(request.headers.get("authorization", ""), keys):
         raise HotwireError(
             401,
-            "unauthorized",
+            ErrorCode.UNAUTHORIZED,
             "missing or wrong API key: send 'Authorization: Bearer <key>' (HOTWIRE_API_KEY, "
             "or vLLM's --api-key when HOTWIRE_API_KEY is not set)",
         )

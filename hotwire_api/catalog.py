@@ -13,32 +13,20 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
-import os
 import time
 from dataclasses import dataclass
 from typing import Any
 
 from hotwire_api.engine import HotwireEngine
 from hotwire_api.errors import HotwireError
+from hotwire_core import contract
 from hotwire_core.admission import ModelInfo, Rules
 from hotwire_core.settings import parse_layers
 from hotwire_core.vllm_glue.api_server import engine_client
 
-__all__ = ["CATALOG", "Catalog", "CatalogVector", "refresh_interval_s", "rules_of"]
+__all__ = ["CATALOG", "Catalog", "CatalogVector", "rules_of"]
 
 logger = logging.getLogger(__name__)
-
-
-def refresh_interval_s() -> float:
-    """``HOTWIRE_CATALOG_REFRESH_MS`` in seconds (the background refresh of :meth:`Catalog.run`)."""
-    raw = os.environ.get("HOTWIRE_CATALOG_REFRESH_MS", "").strip()
-    try:
-        ms = int(raw) if raw else 200
-    except ValueError:
-        ms = -1
-    if not 10 <= ms <= 3_600_000:
-        raise ValueError(f"HOTWIRE_CATALOG_REFRESH_MS must be an integer from 10 to 3600000, got {raw!r}")
-    return ms / 1000
 
 
 @dataclass(frozen=True)
@@ -52,7 +40,7 @@ class CatalogVector:
     norms: dict[str, float]  # "*" for a [hidden] vector, else str(layer)
 
     @classmethod
-    def from_meta(cls, meta: dict[str, Any]) -> CatalogVector:
+    def from_meta(cls, meta: contract.VectorMeta) -> CatalogVector:
         layers = meta.get("layers")
         norms = {str(k): float(v) for k, v in (meta.get("norms") or {}).items()}
         return cls(str(meta["id"]), int(meta["version"]), str(meta["sha256"]),
@@ -67,7 +55,7 @@ class CatalogVector:
         return self.norms.get(str(layer), 0.0) if layer in self.layers else 0.0
 
 
-def rules_of(answer: dict[str, Any]) -> Rules:
+def rules_of(answer: contract.CatalogResult) -> Rules:
     """The server's rules in a full ``hotwire_catalog`` answer."""
     model = answer["model"]
     layers = frozenset(parse_layers(model["layers"])) if model.get("layers") else frozenset()

@@ -32,6 +32,7 @@ import pydantic
 from hotwire_api.client import DEFAULT_URL, HotwireClient
 from hotwire_api.codec import parse_layer_list
 from hotwire_api.errors import HotwireError
+from hotwire_api.settings import API_KEY
 
 
 def _layers(value: str) -> list[int]:
@@ -69,7 +70,7 @@ def _server_options(parser: argparse.ArgumentParser, defaults: bool) -> None:
     """``--url`` / ``--api-key``: on the main parser with their defaults, and on every command without any (a
     default there would overwrite what was given before the command name)."""
     url = os.environ.get("HOTWIRE_URL", DEFAULT_URL) if defaults else argparse.SUPPRESS
-    key = os.environ.get("HOTWIRE_API_KEY") if defaults else argparse.SUPPRESS
+    key = API_KEY.read() if defaults else argparse.SUPPRESS
     parser.add_argument("--url", default=url, help=f"the server (env HOTWIRE_URL; default {DEFAULT_URL})")
     parser.add_argument("--api-key", default=key, help="the key the server's /steer routes want (env HOTWIRE_API_KEY)")
 

@@ -27,6 +27,7 @@ import numpy as np
 import safetensors
 
 from hotwire_api.errors import HotwireError
+from hotwire_core.error_codes import ErrorCode
 from hotwire_core.spec import VECTOR_ID_RE, short_repr
 from hotwire_core.vector_bits import ITEMSIZE, as_bits, non_finite
 
@@ -56,7 +57,7 @@ class VectorPayload:
     kind: str = dataclasses.field(default="", compare=False)
 
 
-def _bad(field: str | None, message: str, code: str) -> HotwireError:
+def _bad(field: str | None, message: str, code: ErrorCode) -> HotwireError:
     return HotwireError(400, code, message, field)
 
 
@@ -64,7 +65,7 @@ def too_large(limit: int) -> HotwireError:
     """The 413 for a body over ``limit`` bytes."""
     return HotwireError(
         413,
-        "payload_too_large",
+        ErrorCode.PAYLOAD_TOO_LARGE,
         f"the upload is larger than HOTWIRE_MAX_UPLOAD_MB ({limit / 2**20:g} MB); send float16/bfloat16 or only "
         "the layers you steer, or raise HOTWIRE_MAX_UPLOAD_MB on the server",
     )
@@ -83,9 +84,9 @@ async def read_limited(chunks: AsyncIterable[bytes], limit: int) -> bytes:
 def validate_id(value: object) -> str:
     """A vector id: 1-64 characters of ``A-Z a-z 0-9 . _ -``, the first no dot or dash."""
     if value is None or value == "":
-        raise _bad("id", f"is required: name the vector ({ID_RULE})", "bad_id")
+        raise _bad("id", f"is required: name the vector ({ID_RULE})", ErrorCode.BAD_ID)
     if not isinstance(value, str) or not VECTOR_ID_RE.fullmatch(value):
-        raise _bad("id", f"must be {ID_RULE}, got {short_repr(value)}", "bad_id")
+        raise _bad("id", f"must be {ID_RULE}, got {short_repr(value)}", ErrorCode.BAD_ID)
     return value
 
 
@@ -99,21 +100,24 @@ def parse_layer_list(value: object, field: str = "layers") -> tuple[int, ...] | 
         try:
             parsed = json.loads(text) if text.startswith("[") else [int(part) for part in text.split(",")]
         except (ValueError, RecursionError):
-            raise _bad(field, f"must be layer indices like 10,12 or [10, 12], got {short_repr(value)}", "bad_layers") from None
+            raise _bad(field, f"must be layer indices like 10,12 or [10, 12], got {short_repr(value)}",
+                       ErrorCode.BAD_LAYERS) from None
     if (
         not isinstance(parsed, list)
         or not parsed
         or any(isinstance(v, bool) or not isinstance(v, int) or v < 0 for v in parsed)
     ):
-        raise _bad(field, f"must be a non-empty list of non-negative layer indices, got {short_repr(value)}", "bad_layers")
+        raise _bad(field, f"must be a non-empty list of non-negative layer indices, got {short_repr(value)}",
+                   ErrorCode.BAD_LAYERS)
     if len(set(parsed)) != len(parsed):
-        raise _bad(field, f"lists a layer twice: {parsed}", "bad_layers")
+        raise _bad(field, f"lists a layer twice: {parsed}", ErrorCode.BAD_LAYERS)
     return tuple(parsed)
 
 
 def _dtype(value: object, field: str) -> str:
     if not isinstance(value, str) or value not in ITEMSIZE:
-        raise _bad(field, f"unsupported dtype {short_repr(value)}; use one of {', '.join(ITEMSIZE)}", "bad_dtype")
+        raise _bad(field, f"unsupported dtype {short_repr(value)}; use one of {', '.join(ITEMSIZE)}",
+                   ErrorCode.BAD_DTYPE)
     return value
 
 
@@ -126,7 +130,7 @@ def _shape(value: object, field: str) -> tuple[int, ...]:
         raise _bad(
             field,
             f"shape must be [hidden], [n_layers, hidden] or [len(layers), hidden] with positive sizes, got {short_repr(value)}",
-            "bad_shape",
+            ErrorCode.BAD_SHAPE,
         )
     return tuple(value)
 
@@ -138,7 +142,7 @@ def _check_finite(data: bytes, dtype: str, width: int, field: str) -> None:
         raise _bad(
             field,
             f"holds {bad.size} NaN or infinite values (first at row {row}, column {col}); every value must be finite",
-            "not_finite",
+            ErrorCode.NOT_FINITE,
         )
 
 
@@ -148,7 +152,8 @@ def finish_payload(
     """The payload of decoded values, after the checks every format shares (size, layers against rows, finite)."""
     expected = math.prod(shape) * ITEMSIZE[dtype]
     if len(data) != expected:
-        raise _bad(field, f"has {len(data)} bytes but shape {list(shape)} of {dtype} needs {expected}", "bad_data")
+        raise _bad(field, f"has {len(data)} bytes but shape {list(shape)} of {dtype} needs {expected}",
+                   ErrorCode.BAD_DATA)
     if layers is not None:
         if len(shape) == 1:
             if len(layers) != 1:
@@ -156,11 +161,11 @@ def finish_payload(
                     "layers",
                     f"names {len(layers)} layers but the vector is 1-D; send a [len(layers), hidden] tensor, "
                     "or omit layers to use the vector at any layer",
-                    "bad_layers",
+                    ErrorCode.BAD_LAYERS,
                 )
             shape = (1, shape[0])
         elif shape[0] != len(layers):
-            raise _bad("layers", f"names {len(layers)} layers but the tensor has {shape[0]} rows", "bad_layers")
+            raise _bad("layers", f"names {len(layers)} layers but the tensor has {shape[0]} rows", ErrorCode.BAD_LAYERS)
     _check_finite(data, dtype, shape[-1], field)
     return VectorPayload(data, dtype, shape, layers, field, kind)
 
@@ -174,10 +179,10 @@ def decode_safetensors(raw: bytes, layers: tuple[int, ...] | None = None, field:
         raise _bad(
             field,
             f"is not a safetensors file ({exc}); the API reads safetensors, GGUF control vectors or JSON only, never pickles: {CONVERT_HINT}",
-            "bad_file",
+            ErrorCode.BAD_FILE,
         ) from None
     if not tensors:
-        raise _bad(field, "holds no tensors", "bad_file")
+        raise _bad(field, "holds no tensors", ErrorCode.BAD_FILE)
 
     def dtype_of(name: str, info: Mapping[str, object]) -> str:
         dtype = SAFETENSORS_DTYPES.get(str(info["dtype"]))
@@ -185,27 +190,28 @@ def decode_safetensors(raw: bytes, layers: tuple[int, ...] | None = None, field:
             raise _bad(
                 field,
                 f"tensor {name!r} has dtype {info['dtype']}; use float32 (F32), float16 (F16) or bfloat16 (BF16)",
-                "bad_dtype",
+                ErrorCode.BAD_DTYPE,
             )
         return dtype
 
     if all(_LAYER_NAME_RE.fullmatch(name) for name, _ in tensors):
         if layers is not None:
-            raise _bad("layers", "must be omitted: the file names its tensors by layer index", "bad_layers")
+            raise _bad("layers", "must be omitted: the file names its tensors by layer index", ErrorCode.BAD_LAYERS)
         rows = sorted((int(name), name, info) for name, info in tensors)
         if len({layer for layer, _, _ in rows}) != len(rows):
-            raise _bad(field, f"names a layer twice: {[name for _, name, _ in rows]}", "bad_layers")
+            raise _bad(field, f"names a layer twice: {[name for _, name, _ in rows]}", ErrorCode.BAD_LAYERS)
         _, first_name, first = rows[0]
         dtype, hidden_shape = dtype_of(first_name, first), list(first["shape"])
         for _, name, info in rows:
             if dtype_of(name, info) != dtype:
-                raise _bad(field, f"tensor {name!r} has dtype {info['dtype']}; all layers need one dtype", "bad_dtype")
+                raise _bad(field, f"tensor {name!r} has dtype {info['dtype']}; all layers need one dtype",
+                           ErrorCode.BAD_DTYPE)
             if len(info["shape"]) != 1 or list(info["shape"]) != hidden_shape:
                 raise _bad(
                     field,
                     f"tensor {name!r} has shape {info['shape']}; tensors named by layer must all be 1-D "
                     f"[hidden] of one size ({first_name!r} is {hidden_shape})",
-                    "bad_shape",
+                    ErrorCode.BAD_SHAPE,
                 )
         data = b"".join(bytes(info["data"]) for _, _, info in rows)
         shape = _shape([len(rows), *hidden_shape], field)
@@ -217,7 +223,7 @@ def decode_safetensors(raw: bytes, layers: tuple[int, ...] | None = None, field:
             field,
             f"holds {len(tensors)} tensors {names[:8]}; send one tensor, or name each 1-D tensor by its layer index "
             '("10", "12", ...)',
-            "bad_file",
+            ErrorCode.BAD_FILE,
         )
     name, info = tensors[0]
     dtype = dtype_of(name, info)
@@ -226,35 +232,37 @@ def decode_safetensors(raw: bytes, layers: tuple[int, ...] | None = None, field:
 
 def _decode_layer_lists(rows: Mapping[str, object]) -> VectorPayload:
     if not rows:
-        raise _bad("layers", "is empty: give at least one layer", "bad_layers")
+        raise _bad("layers", "is empty: give at least one layer", ErrorCode.BAD_LAYERS)
     arrays: dict[int, np.ndarray] = {}
     for key, values in rows.items():
         field = f"layers.{key}"
         if not _LAYER_NAME_RE.fullmatch(key):
-            raise _bad("layers", f'keys must be layer indices like "10", got {short_repr(key)}', "bad_layers")
+            raise _bad("layers", f'keys must be layer indices like "10", got {short_repr(key)}', ErrorCode.BAD_LAYERS)
         if int(key) in arrays:
-            raise _bad("layers", f"names layer {int(key)} twice", "bad_layers")
+            raise _bad("layers", f"names layer {int(key)} twice", ErrorCode.BAD_LAYERS)
         if (
             not isinstance(values, list)
             or not values
             or any(isinstance(v, bool) or not isinstance(v, (int, float)) for v in values)
         ):
-            raise _bad(field, "must be a non-empty list of numbers", "bad_data")
+            raise _bad(field, "must be a non-empty list of numbers", ErrorCode.BAD_DATA)
         try:
             with np.errstate(over="ignore"):
                 row = np.asarray(values, dtype=np.float64).astype("<f4")
         except OverflowError:  # an integer beyond float64
-            raise _bad(field, "holds an integer too large for a float; every value must be finite", "not_finite") from None
+            raise _bad(field, "holds an integer too large for a float; every value must be finite",
+                       ErrorCode.NOT_FINITE) from None
         if not np.isfinite(row).all():
             index = int(np.flatnonzero(~np.isfinite(row))[0])
-            raise _bad(field, f"value {index} is NaN or infinite in float32; every value must be finite", "not_finite")
+            raise _bad(field, f"value {index} is NaN or infinite in float32; every value must be finite",
+                       ErrorCode.NOT_FINITE)
         if arrays and row.size != next(iter(arrays.values())).size:
             first = next(iter(rows))
             raise _bad(
                 field,
                 f"has {row.size} values but layers.{first} has {next(iter(arrays.values())).size}; "
                 "every layer needs hidden_size values",
-                "bad_shape",
+                ErrorCode.BAD_SHAPE,
             )
         arrays[int(key)] = row
     layers = tuple(sorted(arrays))
@@ -265,12 +273,13 @@ def _decode_layer_lists(rows: Mapping[str, object]) -> VectorPayload:
 def decode_json(obj: object) -> tuple[str, VectorPayload]:
     """A JSON upload: base64 ``data`` with ``dtype``/``shape``/``layers``?, or per-layer float lists."""
     if not isinstance(obj, dict):
-        raise _bad(None, "the body must be a JSON object", "bad_body")
+        raise _bad(None, "the body must be a JSON object", ErrorCode.BAD_BODY)
     for name in obj:
         if name == "replace":
-            raise _bad(name, "is a query parameter, not a body field: POST /steer/vectors?replace=true", "bad_body")
+            raise _bad(name, "is a query parameter, not a body field: POST /steer/vectors?replace=true",
+                       ErrorCode.BAD_BODY)
         if name not in _JSON_FIELDS:
-            raise _bad(name, f"unknown field; allowed: {', '.join(_JSON_FIELDS)}", "bad_body")
+            raise _bad(name, f"unknown field; allowed: {', '.join(_JSON_FIELDS)}", ErrorCode.BAD_BODY)
     vector_id = validate_id(obj.get("id"))
     layers = obj.get("layers")
     if isinstance(layers, dict):
@@ -280,7 +289,7 @@ def decode_json(obj: object) -> tuple[str, VectorPayload]:
                     name,
                     'cannot be combined with per-layer float lists; send {"id", "layers": {"<layer>": [...]}} '
                     'or {"id", "data", "dtype", "shape", "layers"?}',
-                    "bad_body",
+                    ErrorCode.BAD_BODY,
                 )
         return vector_id, _decode_layer_lists(layers)
     for name in ("data", "dtype", "shape"):
@@ -289,7 +298,7 @@ def decode_json(obj: object) -> tuple[str, VectorPayload]:
                 name,
                 'is required: send base64 "data" with "dtype" and "shape", or per-layer float lists as '
                 '"layers": {"<layer>": [...]}',
-                "bad_body",
+                ErrorCode.BAD_BODY,
             )
     data = obj["data"]
     try:
@@ -297,7 +306,7 @@ def decode_json(obj: object) -> tuple[str, VectorPayload]:
             raise ValueError
         raw = base64.b64decode(data, validate=True)
     except (ValueError, binascii.Error):
-        raise _bad("data", "must be a base64 string of the raw little-endian values", "bad_data") from None
+        raise _bad("data", "must be a base64 string of the raw little-endian values", ErrorCode.BAD_DATA) from None
     dtype = _dtype(obj["dtype"], "dtype")
     shape = _shape(obj["shape"], "shape")
     return vector_id, finish_payload(raw, dtype, shape, parse_layer_list(layers), "data")

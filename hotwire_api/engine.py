@@ -18,6 +18,7 @@ from pydantic import BaseModel, ValidationError
 from hotwire_api.codec import VectorPayload
 from hotwire_api.errors import HotwireError
 from hotwire_api.models import SlotStats, VectorMeta
+from hotwire_core.error_codes import ErrorCode
 from hotwire_core.vllm_glue.api_server import PerEngineRPC, engine_client, per_engine_rpc
 from hotwire_core import contract
 
@@ -53,10 +54,10 @@ class HotwireEngine:
 
         reason = inactive_reason()
         if reason is not None:
-            raise HotwireError(503, "hotwire_inactive", f"hotwire is inactive on this server: {reason}")
+            raise HotwireError(503, ErrorCode.HOTWIRE_INACTIVE, f"hotwire is inactive on this server: {reason}")
         client = engine_client(app)
         if client is None:
-            raise HotwireError(503, "engine_unavailable", "the engine is not running; retry once /health is OK")
+            raise HotwireError(503, ErrorCode.ENGINE_UNAVAILABLE, "the engine is not running; retry once /health is OK")
         return cls(client, per_engine_rpc(client))
 
     async def _call(self, method: str, *args: Any) -> dict[str, Any]:
@@ -98,7 +99,7 @@ class HotwireEngine:
         """An engine (core) that did not answer: it is dead, or it does not know the method."""
         return HotwireError(
             503,
-            "engine_unavailable",
+            ErrorCode.ENGINE_UNAVAILABLE,
             f"the engine did not answer {method} ({type(exc).__name__}: {exc}); check that the hotwire plugin "
             "is installed where the engine runs and not excluded by VLLM_PLUGINS",
         )
@@ -110,7 +111,7 @@ class HotwireEngine:
         if not isinstance(result, dict):
             raise HotwireError(
                 502,
-                "bad_engine_result",
+                ErrorCode.BAD_ENGINE_RESULT,
                 f"{method} returned {type(result).__name__}; hotwire_core and hotwire_api are from different versions",
             )
         if not result.get("ok"):
@@ -123,7 +124,7 @@ class HotwireEngine:
             return model.model_validate(value)
         except ValidationError as exc:
             raise HotwireError(
-                502, "bad_engine_result", f"{method} returned a malformed {model.__name__}: {exc.errors()[0]['msg']}"
+                502, ErrorCode.BAD_ENGINE_RESULT, f"{method} returned a malformed {model.__name__}: {exc.errors()[0]['msg']}"
             ) from exc
 
     async def register(
@@ -154,7 +155,7 @@ class HotwireEngine:
         if any(m.sha256 != meta.sha256 for m in metas):
             raise HotwireError(
                 500,
-                "engines_disagree",
+                ErrorCode.ENGINES_DISAGREE,
                 f"the data-parallel engine cores decoded {vector_id!r}@{meta.version} to different contents: "
                 "hotwire_core differs between them; install one version everywhere and restart the server",
             )
@@ -178,7 +179,7 @@ class HotwireEngine:
         meta = self._parse(VectorMeta, answer.get("vector"), contract.EXPORT)
         data = answer.get("data")
         if not isinstance(data, (bytes, bytearray)):
-            raise HotwireError(502, "bad_engine_result", f"{contract.EXPORT} returned no bytes")
+            raise HotwireError(502, ErrorCode.BAD_ENGINE_RESULT, f"{contract.EXPORT} returned no bytes")
         return meta, VectorPayload(bytes(data), meta.dtype, tuple(meta.shape),
                                    None if meta.layers is None else tuple(meta.layers))
 
@@ -216,7 +217,7 @@ class HotwireEngine:
             raise self._unavailable(method, exc) from exc
         ranks = [rank for answer in answers for rank in (answer if isinstance(answer, list) else [answer])]
         if not all(isinstance(rank, dict) and rank.get("ok") for rank in ranks):
-            raise HotwireError(502, "bad_engine_result", f"{method} returned something else than captures")
+            raise HotwireError(502, ErrorCode.BAD_ENGINE_RESULT, f"{method} returned something else than captures")
         return ranks
 
     async def refusals(self, tickets: list[str]) -> dict[str, HotwireError]:

@@ -7,11 +7,12 @@ from typing import Any
 
 from starlette.responses import JSONResponse
 
+from hotwire_core.error_codes import ErrorCode
 from hotwire_core.errors import EngineError
 
 __all__ = ["HotwireError"]
 
-_PASSING = frozenset({"slots_busy", "engine_unavailable", "registry_unavailable"})  # 503s worth retrying
+_PASSING = frozenset({ErrorCode.SLOTS_BUSY, ErrorCode.ENGINE_UNAVAILABLE, ErrorCode.REGISTRY_UNAVAILABLE})  # 503s worth retrying
 
 
 class HotwireError(EngineError):

@@ -19,6 +19,7 @@ from hotwire_api.errors import HotwireError
 from hotwire_api.models import Example, ExtractRequest, ExtractResult, LayerSeparation
 from hotwire_api.settings import Settings
 from hotwire_api.tickets import TICKETS
+from hotwire_core.error_codes import ErrorCode
 from hotwire_core.capture_admission import capture_args
 from hotwire_core.extraction import ExtractionError, check_sets, example_token_ids, extract, layer_list, means_from_captures
 from hotwire_core.spec import TICKET_KEY
@@ -42,9 +43,9 @@ def _token_ids(body: ExtractRequest, tokenizer: Any, limit: int) -> list[list[in
         for i, example in enumerate(examples):
             ids = example_token_ids(tokenizer, _as_plain(example))
             if not ids:
-                raise HotwireError(400, "empty_example", f"{name}[{i}] has no tokens", f"{name}[{i}]")
+                raise HotwireError(400, ErrorCode.EMPTY_EXAMPLE, f"{name}[{i}] has no tokens", f"{name}[{i}]")
             if len(ids) > limit:
-                raise HotwireError(400, "example_too_long", f"{name}[{i}] is {len(ids)} tokens long; at most {limit} "
+                raise HotwireError(400, ErrorCode.EXAMPLE_TOO_LONG, f"{name}[{i}] is {len(ids)} tokens long; at most {limit} "
                                    "are allowed (HOTWIRE_EXTRACT_MAX_TOKENS, and the model's max_model_len)",
                                    f"{name}[{i}]")
             out.append(ids)
@@ -85,16 +86,16 @@ async def run_extraction(engine: HotwireEngine, body: ExtractRequest, settings: 
     """Extract and register (``register(vector_id, payload, replace) -> (created, meta)``: the register path);
     ``model``: the catalog's model (``hotwire_core.admission.ModelInfo``)."""
     if not model.steerable:
-        raise HotwireError(503, "model_not_steerable", f"this model cannot be steered or captured: {model.reason}")
+        raise HotwireError(503, ErrorCode.MODEL_NOT_STEERABLE, f"this model cannot be steered or captured: {model.reason}")
     if not model.capture_rows:
-        raise HotwireError(503, "capture_off", "activation capture is off on this server; start it with "
+        raise HotwireError(503, ErrorCode.CAPTURE_OFF, "activation capture is off on this server; start it with "
                            "HOTWIRE_CAPTURE=1 to extract vectors")
     if not body.replace and any(meta.id == body.id for meta in await engine.vectors()):  # before the work
-        raise HotwireError(409, "exists", f"vector {body.id!r} is already registered; send replace: true to make "
+        raise HotwireError(409, ErrorCode.EXISTS, f"vector {body.id!r} is already registered; send replace: true to make "
                            "a new version", "id")
     total = len(body.positive) + len(body.negative)
     if total > settings.extract_max_examples:
-        raise HotwireError(400, "too_many_examples", f"{total} examples; at most {settings.extract_max_examples} "
+        raise HotwireError(400, ErrorCode.TOO_MANY_EXAMPLES, f"{total} examples; at most {settings.extract_max_examples} "
                            "(positive and negative together) are allowed (HOTWIRE_EXTRACT_MAX_EXAMPLES)", "positive")
     try:
         layers = layer_list(body.layers, model.layers)

@@ -26,6 +26,7 @@ import numpy as np
 
 from hotwire_api.codec import SAFETENSORS_DTYPES, VectorPayload, finish_payload
 from hotwire_api.errors import HotwireError
+from hotwire_core.error_codes import ErrorCode
 from hotwire_core.vector_bits import ITEMSIZE, as_bits, as_float32
 
 __all__ = ["decode_gguf", "encode_gguf", "encode_safetensors", "is_gguf"]
@@ -42,7 +43,7 @@ _SCALAR_SIZES = {
 _SAFETENSORS_NAMES = {ours: theirs for theirs, ours in SAFETENSORS_DTYPES.items()}
 
 
-def _bad(message: str, code: str = "bad_file", field: str = "file") -> HotwireError:
+def _bad(message: str, code: ErrorCode = ErrorCode.BAD_FILE, field: str = "file") -> HotwireError:
     return HotwireError(400, code, message, field)
 
 
@@ -151,13 +152,14 @@ def decode_gguf(raw: bytes) -> VectorPayload:
                 raise _bad(f"holds tensor {tensor.name!r}; a control vector holds only direction.N tensors (N: the layer)")
             if tensor.tensor_type != gguf.GGMLQuantizationType.F32:
                 raise _bad(f"tensor {tensor.name} is {tensor.tensor_type.name}; direction tensors must be F32 (llama.cpp "
-                           "reads no other type)", "bad_dtype")
+                           "reads no other type)", ErrorCode.BAD_DTYPE)
             shape = [int(d) for d in tensor.shape]
             if len(shape) != 1 or tensor.data.size != shape[0]:
-                raise _bad(f"tensor {tensor.name} has shape {shape}; direction tensors are 1-D [n_embd]", "bad_shape")
+                raise _bad(f"tensor {tensor.name} has shape {shape}; direction tensors are 1-D [n_embd]",
+                           ErrorCode.BAD_SHAPE)
             if width is not None and shape[0] != width:
                 raise _bad(f"tensor {tensor.name} has {shape[0]} values but the others have {width}; all directions "
-                           "need the model's hidden size", "bad_shape")
+                           "need the model's hidden size", ErrorCode.BAD_SHAPE)
             width = shape[0]
             row = np.asarray(tensor.data, dtype="<f4").copy()
             layer = int(match.group(1))
@@ -179,13 +181,13 @@ def encode_gguf(payload: VectorPayload, name: str, model_hint: str, n_layers: in
     if len(payload.shape) == 1:
         raise _bad(
             "is a [hidden] vector, usable at any layer; a GGUF control vector names the layers it steers: register "
-            "it with layers (one row per layer), or export format=safetensors", "not_exportable", "format",
+            "it with layers (one row per layer), or export format=safetensors", ErrorCode.NOT_EXPORTABLE, "format",
         )
     layers = payload.layers if payload.layers is not None else tuple(range(n_layers))
     if 0 in layers:
         raise _bad(
             "has a row for layer 0, which llama.cpp's control-vector loader refuses (direction.0); register it "
-            "without layer 0 to export it as GGUF, or export format=safetensors", "not_exportable", "format",
+            "without layer 0 to export it as GGUF, or export format=safetensors", ErrorCode.NOT_EXPORTABLE, "format",
         )
     rows = as_float32(as_bits(payload.data, payload.dtype), payload.dtype).reshape(payload.shape).astype("<f4")
     with tempfile.TemporaryDirectory() as folder:

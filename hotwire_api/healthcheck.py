@@ -42,7 +42,9 @@ from typing import Any
 
 import httpx
 
-from hotwire_api.fleet.config import default_replica_name, registry_url
+from hotwire_api.fleet.config import REGISTRY, REPLICA_ID, default_replica_name
+from hotwire_api.settings import API_KEY
+from hotwire_core.error_codes import ErrorCode
 from hotwire_core.settings import parse_layers
 
 PROBE_ID = "_healthcheck"
@@ -53,7 +55,7 @@ MAX_TOKENS = 2
 # this only keeps run-to-run numerical noise from passing for steering).
 MIN_LOGPROB_DELTA = 1e-4
 DEFAULT_TIMEOUT_S = 25.0  # the whole check; Docker's healthchecks here give it 30 s
-BANK_FULL = "slots_exhausted"  # the refusal (or lenient reason) of a steered request when no bank row is free
+BANK_FULL = ErrorCode.SLOTS_EXHAUSTED  # the refusal (or lenient reason) of a steered request when no bank row is free
 
 
 class Unhealthy(Exception):
@@ -70,7 +72,7 @@ def _bearer(key: str | None) -> dict[str, str]:
 
 def _keys() -> tuple[str | None, str | None]:
     """(key for /steer/*, key for /v1/*): hotwire's key guards /steer, vLLM's own guards /v1."""
-    hotwire = os.environ.get("HOTWIRE_API_KEY") or None
+    hotwire = API_KEY.read()
     vllm = os.environ.get("VLLM_API_KEY") or None
     return hotwire or vllm, vllm or hotwire
 
@@ -148,12 +150,12 @@ def probe_id(port: int | None = None, env: Mapping[str, str] = os.environ) -> st
     replica on ``port`` gives itself (``<host name>:<port>``); characters outside the id alphabet become ``-``, at
     most 64 in all."""
     try:
-        fleet = registry_url(env.get("HOTWIRE_REGISTRY", "")) is not None
+        fleet = REGISTRY.read(env) is not None
     except ValueError:  # a server with such a setting does not start; its check must not crash on it
         fleet = True
     if not fleet:
         return PROBE_ID
-    replica = env.get("HOTWIRE_REPLICA_ID") or default_replica_name(port)
+    replica = REPLICA_ID.read(env) or default_replica_name(port)
     return f"{PROBE_ID}.{re.sub(r'[^A-Za-z0-9._-]', '-', replica)}"[:64]
 
 

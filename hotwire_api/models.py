@@ -154,15 +154,27 @@ class ReplicaSlots(BaseModel):
     deferred: int = 0
     engines: int = 1
 
+    @classmethod
+    def of(cls, stats: SlotStats) -> ReplicaSlots:
+        return cls(**{name: getattr(stats, name) for name in cls.model_fields})
+
 
 class HeldVector(BaseModel):
+    """A version a replica holds, in its heartbeat."""
+
     id: str
     version: int
     sha256: str
     in_flight: int = 0
 
+    @classmethod
+    def of(cls, meta: VectorMeta) -> HeldVector:
+        return cls(id=meta.id, version=meta.version, sha256=meta.sha256, in_flight=meta.in_flight)
+
 
 class PinnedRow(BaseModel):
+    """A bank row running requests pin, in a replica's heartbeat."""
+
     model_config = ConfigDict(extra="ignore")
 
     id: str
@@ -170,6 +182,10 @@ class PinnedRow(BaseModel):
     layer: int
     refcount: int
     engine: int = 0
+
+    @classmethod
+    def of(cls, row: SlotRow) -> PinnedRow:
+        return cls(id=row.id, version=row.version, layer=row.layer, refcount=row.refcount, engine=row.engine)
 
 
 class ReplicaState(BaseModel):

@@ -49,9 +49,9 @@ def register() -> None:
     (its versions must all be the registry's)."""
     if not install():
         return
-    from hotwire_api.fleet.config import registry_url
+    from hotwire_api.fleet.config import REGISTRY
 
-    if registry_url() is None:
+    if REGISTRY.read() is None:
         os.environ.setdefault("HOTWIRE_STORE", default_store_root())
         return
     for name in ("HOTWIRE_STORE", "HOTWIRE_VECTORS"):

@@ -13,7 +13,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.routing import APIRoute
 
 from hotwire_api.auth import require_api_key
-from hotwire_api.catalog import CATALOG, refresh_interval_s
+from hotwire_api.catalog import CATALOG
 from hotwire_api.codec import VectorPayload, read_limited, too_large
 from hotwire_api.engine import HotwireEngine
 from hotwire_api.errors import HotwireError
@@ -25,6 +25,7 @@ from hotwire_api.models import DeleteResult, ErrorBody, FleetView, RegisterVecto
 from hotwire_api.settings import Settings
 from hotwire_api.uploads import decode_upload
 from hotwire_api.vector_registry import VectorRegistry
+from hotwire_core.error_codes import ErrorCode
 from hotwire_core.spec import VECTOR_ID_RE
 from hotwire_core.vllm_glue import inactive_reason
 from hotwire_core.vllm_glue.api_server import served_model_type
@@ -46,7 +47,7 @@ class _HotwireRoute(APIRoute):
                 first = exc.errors()[0]
                 field = ".".join(str(part) for part in first["loc"][1:]) or None
                 message = f"{field}: {first['msg']}" if field else str(first["msg"])
-                return HotwireError(400, "bad_request", message, field).response()
+                return HotwireError(400, ErrorCode.BAD_REQUEST, message, field).response()
 
         return route
 
@@ -58,7 +59,7 @@ async def _background(app: Any) -> AsyncIterator[None]:
     if inactive_reason() is not None:
         yield
         return
-    tasks = [asyncio.create_task(STATS.run(app)), asyncio.create_task(CATALOG.run(app, refresh_interval_s()))]
+    tasks = [asyncio.create_task(STATS.run(app)), asyncio.create_task(CATALOG.run(app, app.state.hotwire_settings.catalog_refresh_s))]
     registry: VectorRegistry = app.state.hotwire_registry
     await registry.start(app)
     try:
@@ -125,7 +126,7 @@ async def _read_upload(request: Request, limit: int) -> tuple[str, VectorPayload
     if media_type not in ("multipart/form-data", "application/json"):
         raise HotwireError(
             415,
-            "unsupported_media_type",
+            ErrorCode.UNSUPPORTED_MEDIA_TYPE,
             f"send multipart/form-data (id, file=<.safetensors or .gguf>, layers?) or application/json, not {media_type!r}",
         )
     return await decode_upload(content_type, await read_limited(request.stream(), limit), limit)
@@ -239,7 +240,7 @@ async def get_vector(vector_id: str, request: Request, background: BackgroundTas
         if meta.id == vector_id:
             return meta
     raise HotwireError(
-        404, "unknown_vector", f"unknown steering vector {vector_id!r}; GET /steer/vectors lists them", "id"
+        404, ErrorCode.UNKNOWN_VECTOR, f"unknown steering vector {vector_id!r}; GET /steer/vectors lists them", "id"
     )
 
 

@@ -22,6 +22,7 @@ from pathlib import Path
 
 from hotwire_api.codec import SAFETENSORS_DTYPES, VectorPayload, finish_payload
 from hotwire_api.errors import HotwireError
+from hotwire_core.error_codes import ErrorCode
 from hotwire_core.spec import short_repr
 from hotwire_core.vector_bits import ITEMSIZE
 
@@ -34,7 +35,7 @@ _MAX_HEADER = 100 << 20  # safetensors' own limit on the JSON header
 Read = Callable[[int, int], bytes]  # (offset, length) -> the file's bytes there (fewer at its end)
 
 
-def _bad(field: str, message: str, code: str = "bad_file") -> HotwireError:
+def _bad(field: str, message: str, code: ErrorCode = ErrorCode.BAD_FILE) -> HotwireError:
     return HotwireError(400, code, message, field)
 
 
@@ -46,14 +47,14 @@ def hook_layer(hook_name: str) -> int:
             "sae_cfg",
             f"the SAE reads hook point {hook_name!r}, which is not the residual stream between decoder layers; hotwire "
             "steers after decoder layer L: an SAE on blocks.L.hook_resid_post (or blocks.L+1.hook_resid_pre)",
-            "bad_hook",
+            ErrorCode.BAD_HOOK,
         )
     block = int(match.group(1))
     if match.group(2) == "post":
         return block
     if block == 0:
         raise _bad("sae_cfg", "the SAE reads blocks.0.hook_resid_pre, the embeddings before any decoder layer; hotwire "
-                   "steers after decoder layers only", "bad_hook")
+                   "steers after decoder layers only", ErrorCode.BAD_HOOK)
     return block - 1
 
 
@@ -86,7 +87,8 @@ def parse_feature(value: object) -> int:
     except ValueError:
         feature = -1
     if feature < 0:
-        raise _bad("feature", f"must be a feature index (a non-negative integer), got {short_repr(value)}", "bad_feature")
+        raise _bad("feature", f"must be a feature index (a non-negative integer), got {short_repr(value)}",
+                   ErrorCode.BAD_FEATURE)
     return feature
 
 
@@ -110,17 +112,18 @@ def _decoder_row(read: Read, size: int, d_in: int, d_sae: int, feature: int) -> 
         raise _bad("file", f"holds no W_dec tensor (the SAE decoder, [d_sae, d_in]); tensors: {names}")
     dtype = SAFETENSORS_DTYPES.get(str(entry.get("dtype")))
     if dtype is None:
-        raise _bad("file", f"W_dec is {entry.get('dtype')}; hotwire takes F32, F16 or BF16", "bad_dtype")
+        raise _bad("file", f"W_dec is {entry.get('dtype')}; hotwire takes F32, F16 or BF16", ErrorCode.BAD_DTYPE)
     if entry.get("shape") != [d_sae, d_in]:
         raise _bad("file", f"W_dec has shape {short_repr(entry.get('shape'))}, but cfg.json's d_sae and d_in make "
-                   f"[{d_sae}, {d_in}]", "bad_shape")
+                   f"[{d_sae}, {d_in}]", ErrorCode.BAD_SHAPE)
     offsets = entry.get("data_offsets")
     row_bytes = d_in * ITEMSIZE[dtype]
     if (not isinstance(offsets, list) or len(offsets) != 2 or not all(isinstance(o, int) for o in offsets)
             or offsets[1] - offsets[0] != d_sae * row_bytes or offsets[0] < 0 or 8 + length + offsets[1] > size):
         raise _bad("file", "W_dec's data_offsets do not match its shape or lie beyond the file's end")
     if feature >= d_sae:
-        raise _bad("feature", f"is {feature}, but the SAE has d_sae = {d_sae} features (0-{d_sae - 1})", "bad_feature")
+        raise _bad("feature", f"is {feature}, but the SAE has d_sae = {d_sae} features (0-{d_sae - 1})",
+                   ErrorCode.BAD_FEATURE)
     return read(8 + length + offsets[0] + feature * row_bytes, row_bytes), dtype
 
 

@@ -1,50 +1,36 @@
-"""Control-plane settings, read once from the environment when hotwire is attached to an app."""
+"""Control-plane settings, read once from the environment when hotwire is attached to an app (parsed by
+``hotwire_core.env``; a fleet's own settings are ``hotwire_api.fleet.config.FleetConfig``)."""
 
 from __future__ import annotations
 
-import math
 import os
-from dataclasses import dataclass, field
+from collections.abc import Mapping
+from dataclasses import dataclass
 
-from hotwire_api.fleet.config import registry_url
-from hotwire_core.settings import flag_env
+from hotwire_api.fleet.config import REGISTRY
+from hotwire_core.env import Flag, Float, Int, Text, load, setting
 
 DEFAULT_MAX_UPLOAD_MB = 64.0
+API_KEY = Text("HOTWIRE_API_KEY", doc="guards /steer/* in place of vLLM's --api-key")  # the CLI's default too
 
 
 @dataclass(frozen=True)
 class Settings:
-    """``max_upload_bytes``: ``HOTWIRE_MAX_UPLOAD_MB`` (default 64); ``lenient``: ``HOTWIRE_LENIENT=1``
-    serves bad steering requests unsteered instead of refusing them; ``api_key``: ``HOTWIRE_API_KEY``,
-    which guards ``/steer/*`` in place of vLLM's ``--api-key``; ``registry_url``: ``HOTWIRE_REGISTRY``'s Redis URL
-    (None: each engine's embedded registry; see ``hotwire_api.fleet``)."""
-
-    max_upload_bytes: int = int(DEFAULT_MAX_UPLOAD_MB * 1024 * 1024)
-    lenient: bool = False
-    api_key: str | None = None
-    registry_url: str | None = field(default=None, repr=False)  # may hold a password
-    # POST /steer/vectors/extract: examples per extraction (positive and negative together), tokens per example
-    extract_max_examples: int = 512
-    extract_max_tokens: int = 4096
+    max_upload_bytes: int = setting(Float("HOTWIRE_MAX_UPLOAD_MB", default=DEFAULT_MAX_UPLOAD_MB, lo_open=True,
+                                          to=lambda mb: int(mb * 1024 * 1024),
+                                          doc="the largest registration upload, in megabytes"))
+    lenient: bool = setting(Flag("HOTWIRE_LENIENT", default=False,
+                                 doc="serve bad steering requests unsteered instead of refusing them"))
+    api_key: str | None = setting(API_KEY)
+    registry_url: str | None = setting(REGISTRY, repr=False)  # may hold a password
+    catalog_refresh_s: float = setting(Int("HOTWIRE_CATALOG_REFRESH_MS", default=200, lo=10, hi=3_600_000,
+                                           to=lambda ms: ms / 1000,
+                                           doc="how often the catalog asks the engine whether vectors changed"))
+    extract_max_examples: int = setting(Int("HOTWIRE_EXTRACT_MAX_EXAMPLES", default=512, lo=1, hi=1 << 20,
+                                            doc="examples per extraction, positive and negative together"))
+    extract_max_tokens: int = setting(Int("HOTWIRE_EXTRACT_MAX_TOKENS", default=4096, lo=1, hi=1 << 24,
+                                          doc="tokens per extraction example"))
 
     @classmethod
-    def from_env(cls) -> Settings:
-        raw_mb = os.environ.get("HOTWIRE_MAX_UPLOAD_MB", "").strip()
-        try:
-            mb = float(raw_mb) if raw_mb else DEFAULT_MAX_UPLOAD_MB
-        except ValueError:
-            mb = math.nan
-        if not math.isfinite(mb) or mb <= 0:
-            raise ValueError(f"HOTWIRE_MAX_UPLOAD_MB must be a positive number of megabytes, got {raw_mb!r}")
-        lenient = flag_env("HOTWIRE_LENIENT", False)
-        return cls(int(mb * 1024 * 1024), lenient, os.environ.get("HOTWIRE_API_KEY") or None, registry_url(),
-                   _positive_int("HOTWIRE_EXTRACT_MAX_EXAMPLES", 512), _positive_int("HOTWIRE_EXTRACT_MAX_TOKENS", 4096))
-
-
-def _positive_int(name: str, default: int) -> int:
-    raw = os.environ.get(name, "").strip()
-    if not raw:
-        return default
-    if not raw.isdigit() or int(raw) < 1:
-        raise ValueError(f"{name} must be a positive integer, got {raw!r}")
-    return int(raw)
+    def from_env(cls, env: Mapping[str, str] = os.environ) -> Settings:
+        return load(cls, env)

@@ -23,6 +23,7 @@ from typing import Any
 
 from hotwire_api.errors import HotwireError
 from hotwire_core.contract import CAPTURE_KEY
+from hotwire_core.error_codes import ErrorCode
 from hotwire_core.spec import SPEC_KEY, TICKET_KEY
 
 __all__ = ["TICKETS", "Ticket", "TicketBook", "not_admitted"]
@@ -36,7 +37,7 @@ class Ticket:
 
 def not_admitted(reason: str) -> HotwireError:
     return HotwireError(
-        400, "not_admitted",
+        400, ErrorCode.NOT_ADMITTED,
         f"{reason}: hotwire steers only requests its admission decided, i.e. a spec in vllm_xargs.hotwire of a "
         "JSON body to POST /v1/chat/completions, /v1/completions, /v1/responses or /invocations", SPEC_KEY,
     )
@@ -82,7 +83,7 @@ class TicketBook:
         ticket = self.get(extra_args.get(TICKET_KEY))
         if ticket is None and CAPTURE_KEY in extra_args:
             # Captures come only from POST /steer/vectors/extract, whose requests carry a ticket without a spec.
-            raise HotwireError(400, "not_admitted", f"{CAPTURE_KEY} is set by this server's vector extraction "
+            raise HotwireError(400, ErrorCode.NOT_ADMITTED, f"{CAPTURE_KEY} is set by this server's vector extraction "
                                "only; use POST /steer/vectors/extract", CAPTURE_KEY)
         if ticket is None:
             raise not_admitted("this request carries steering that this server's admission did not decide")

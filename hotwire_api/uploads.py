@@ -24,6 +24,7 @@ from starlette.formparsers import MultiPartException, MultiPartParser
 from hotwire_api.codec import VectorPayload, decode_json
 from hotwire_api.errors import HotwireError
 from hotwire_api.forms import decode_form
+from hotwire_core.error_codes import ErrorCode
 
 __all__ = ["DECODERS", "INLINE_BYTES", "decode_upload"]
 
@@ -51,9 +52,9 @@ async def _decode(content_type: str, body: bytes, limit: int) -> tuple[str, Vect
     try:
         obj = json.loads(body)
     except ValueError as exc:
-        raise HotwireError(400, "bad_body", f"the body is not valid JSON ({exc})") from None
+        raise HotwireError(400, ErrorCode.BAD_BODY, f"the body is not valid JSON ({exc})") from None
     except RecursionError:
-        raise HotwireError(400, "bad_body", "the body nests too deeply to be read; see the registration format") from None
+        raise HotwireError(400, ErrorCode.BAD_BODY, "the body nests too deeply to be read; see the registration format") from None
     return decode_json(obj)
 
 
@@ -64,12 +65,12 @@ async def _form_fields(headers: Headers, body: bytes, limit: int) -> dict[str, s
     try:
         form = await MultiPartParser(headers, chunks(), max_files=2, max_fields=8, max_part_size=limit).parse()
     except MultiPartException as exc:
-        raise HotwireError(400, "bad_body", f"malformed multipart body: {exc.message}") from None
+        raise HotwireError(400, ErrorCode.BAD_BODY, f"malformed multipart body: {exc.message}") from None
     fields: dict[str, str | bytes] = {}
     try:
         for name, value in form.multi_items():
             if name in fields:
-                raise HotwireError(400, "bad_body", "is given twice", name)
+                raise HotwireError(400, ErrorCode.BAD_BODY, "is given twice", name)
             fields[name] = await value.read() if isinstance(value, UploadFile) else value
     finally:
         await form.close()
@@ -101,7 +102,7 @@ async def _decode_in_a_process(content_type: str, body: bytes, limit: int) -> tu
     try:
         header, data = _unframe(out)
     except (struct.error, ValueError):
-        raise HotwireError(500, "internal", f"the upload decoder process failed (exit {proc.returncode}): "
+        raise HotwireError(500, ErrorCode.INTERNAL, f"the upload decoder process failed (exit {proc.returncode}): "
                            f"{err.decode(errors='replace')[-500:]}") from None
     if not header["ok"]:
         raise HotwireError(header["status"], header["code"], header["message"], header.get("field"))

@@ -12,7 +12,16 @@ from hotwire_api.engine import HotwireEngine
 from hotwire_api.fleet.config import FleetConfig
 from hotwire_api.fleet.fleet_registry import FleetRegistry
 from hotwire_api.stats_cache import STATS
-from hotwire_api.models import FleetView, RegistryStatus, ReplicaSlots, VectorMeta
+from hotwire_api.models import (
+    FleetVector,
+    FleetView,
+    HeldVector,
+    PinnedRow,
+    RegistryStatus,
+    ReplicaSlots,
+    ReplicaState,
+    VectorMeta,
+)
 from hotwire_api.settings import Settings
 
 __all__ = ["LocalRegistry", "VectorRegistry", "registry_for"]
@@ -67,15 +76,12 @@ class LocalRegistry:
     async def view(self, engine: HotwireEngine) -> FleetView:
         stats, _ = await STATS.get(engine, 0)
         vectors = await engine.vectors()
-        held = [{"id": m.id, "version": m.version, "sha256": m.sha256, "in_flight": m.in_flight} for m in vectors]
-        me = {
-            "replica": "local", "slots": {k: getattr(stats, k) for k in ReplicaSlots.model_fields},
-            "refused": stats.refused, "vectors": held, "in_sync": True, "age_ms": 0.0,
-            "pinned_rows": [r.model_dump() for r in stats.rows if r.refcount > 0],
-        }
+        me = ReplicaState(replica="local", slots=ReplicaSlots.of(stats), refused=stats.refused, in_sync=True,
+                          vectors=[HeldVector.of(m) for m in vectors], age_ms=0.0,
+                          pinned_rows=[PinnedRow.of(row) for row in stats.rows if row.refcount > 0])
         return FleetView(registry=RegistryStatus(kind="local"), replicas=[me],
-                         vectors=[{"id": m.id, "version": m.version, "sha256": m.sha256, "held_by": ["local"],
-                                   "missing_on": []} for m in vectors])
+                         vectors=[FleetVector(id=m.id, version=m.version, sha256=m.sha256, held_by=["local"],
+                                              missing_on=[]) for m in vectors])
 
 
 def registry_for(settings: Settings) -> VectorRegistry:

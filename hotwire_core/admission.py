@@ -19,6 +19,8 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from .contract import ModelView
+from .error_codes import ErrorCode
 from .errors import EngineError
 from .settings import format_layers
 from .slots import RowKey
@@ -79,18 +81,18 @@ class ModelInfo:
     norm: bool = True  # norm-relative entries supported (see steer_hook.SteerHook)
     capture_rows: int = 0  # captures at once (HOTWIRE_CAPTURE_ROWS); 0: capture is off
 
-    def to_json(self, max_stack: int) -> dict:
-        return {
-            "steerable": self.steerable,
-            "reason": self.reason,
-            "n_layers": self.n_layers,
-            "hidden_size": self.hidden_size,
-            "dtype": self.dtype,
-            "max_stack": max_stack,
-            "norm": self.norm,
-            "layers": format_layers(self.layers),
-            "capture_rows": self.capture_rows,
-        }
+    def to_json(self, max_stack: int) -> ModelView:
+        return ModelView(
+            steerable=self.steerable,
+            reason=self.reason,
+            n_layers=self.n_layers,
+            hidden_size=self.hidden_size,
+            dtype=self.dtype,
+            max_stack=max_stack,
+            norm=self.norm,
+            layers=format_layers(self.layers),
+            capture_rows=self.capture_rows,
+        )
 
 
 @dataclass(frozen=True)
@@ -115,37 +117,37 @@ def resolve(spec: Any, lookup: Lookup, rules: Rules) -> Resolved:
     :class:`Refusal` for anything that can never be served as asked (bank rows aside: they free up)."""
     model = rules.model
     if not model.steerable:
-        raise Refusal(503, "model_not_steerable", f"this model cannot be steered: {model.reason}")
+        raise Refusal(503, ErrorCode.MODEL_NOT_STEERABLE, f"this model cannot be steered: {model.reason}")
     try:
         entries = parse_spec(spec)
     except SpecError as exc:
-        raise Refusal(400, "bad_spec", str(exc), exc.field) from None
+        raise Refusal(400, ErrorCode.BAD_SPEC, str(exc), exc.field) from None
     resolved: Resolved = []
     for i, entry in enumerate(entries):
         vector = lookup(entry.vector_id, entry.version)
         if vector is None:
             if entry.version is None or lookup(entry.vector_id, None) is None:
-                raise Refusal(400, "unknown_vector", f"unknown steering vector {entry.vector_id!r}; register it first",
+                raise Refusal(400, ErrorCode.UNKNOWN_VECTOR, f"unknown steering vector {entry.vector_id!r}; register it first",
                               f"{SPEC_KEY}[{i}].id")
-            raise Refusal(410, "version_gone", f"version {entry.version} of {entry.vector_id!r} is neither current "
+            raise Refusal(410, ErrorCode.VERSION_GONE, f"version {entry.version} of {entry.vector_id!r} is neither current "
                           "nor retained any more; leave out 'version' to steer with the current one",
                           f"{SPEC_KEY}[{i}].version")
         if entry.norm and not model.norm:
             raise Refusal(
-                400, "norm_disabled",
+                400, ErrorCode.NORM_DISABLED,
                 "norm-relative steering is off on this server; start it with HOTWIRE_NORM=1 to allow it",
                 f"{SPEC_KEY}[{i}].norm",
             )
         for layer in entry.layers:
             if layer not in model.layers:
                 raise Refusal(
-                    400, "layer_out_of_range",
+                    400, ErrorCode.LAYER_OUT_OF_RANGE,
                     f"layer {layer} cannot be steered: this server steers layers {rules.steered_layers()}",
                     f"{SPEC_KEY}[{i}].layer",
                 )
             if not vector.has_row(layer):
                 raise Refusal(
-                    400, "no_row_for_layer",
+                    400, ErrorCode.NO_ROW_FOR_LAYER,
                     f"vector {entry.vector_id!r}@{vector.version} has no row for layer {layer} (it has "
                     f"{list(vector.layers or [])})",
                     f"{SPEC_KEY}[{i}].layer",
@@ -156,7 +158,7 @@ def resolve(spec: Any, lookup: Lookup, rules: Rules) -> Resolved:
     rows = len(row_keys(resolved))
     if rows > rules.max_rows:
         raise Refusal(
-            400, "too_many_rows",
+            400, ErrorCode.TOO_MANY_ROWS,
             f"this spec needs {rows} bank rows (one per vector and layer; a [hidden] vector takes one for all its "
             f"layers) but one request may pin at most {rules.max_rows} of the {rules.capacity} "
             f"(HOTWIRE_MAX_ROWS={rules.max_rows}, HOTWIRE_SLOTS={rules.capacity}); steer fewer layers or vectors, or "
@@ -182,7 +184,7 @@ def _check_stack(resolved: Resolved, max_stack: int) -> None:
         for layer, count in per_layer.items():
             if count > max_stack:
                 raise Refusal(
-                    400, "too_many_entries",
+                    400, ErrorCode.TOO_MANY_ENTRIES,
                     f"{count} entries steer layer {layer}; at most HOTWIRE_MAX_STACK={max_stack} may",
                     SPEC_KEY,
                 )
@@ -220,7 +222,7 @@ def _check_strength(resolved: Resolved, dtype: str) -> None:
             )
         else:
             continue
-        raise Refusal(400, "too_strong", f"this spec steers too strongly: {what}; stronger steering overflows "
+        raise Refusal(400, ErrorCode.TOO_STRONG, f"this spec steers too strongly: {what}; stronger steering overflows "
                       f"the model's arithmetic. Lower the scale ({SPEC_KEY}[{culprit}] weighs most).",
                       f"{SPEC_KEY}[{culprit}].scale")
 

@@ -11,15 +11,13 @@ from typing import Any
 import torch
 
 from .admission import Resolved, receipt, row_key
-from .contract import BINDING_KEY
+from .contract import BINDING_KEY, Config, SteerItem
 from .engine_requests import EngineRequests
 from .registry import HostVector, VectorRegistry
 from .slots import RowKey, SlotCache, SlotsExhausted
 from .spec import Phase
 
-__all__ = ["BankWrite", "Binding", "Bindings", "BoundEntry", "Config"]
-
-Config = dict[str, list[list[float]]]  # phase ("p", "d") -> the workers' [layer, slot, scale, rel] items
+__all__ = ["BankWrite", "Binding", "Bindings", "BoundEntry"]
 
 
 @dataclass(frozen=True)
@@ -125,11 +123,11 @@ class Bindings(Mapping[str, Binding]):
 
     @staticmethod
     def _config(entries: list[BoundEntry], slot_of: dict[RowKey, int]) -> Config:
-        """The workers' per-phase ``[layer, slot, scale, rel]`` items."""
+        """The workers' per-phase items."""
         config: Config = {"p": [], "d": []}
         for e in entries:
             for phase in e.phases:
-                config[phase].append([e.layer, slot_of[e.key], e.scale, e.rel])
+                config[phase].append(SteerItem(e.layer, slot_of[e.key], e.scale, e.rel))
         return config
 
     def suspend(self, request_id: str) -> None:

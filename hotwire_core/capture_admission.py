@@ -12,6 +12,7 @@ import uuid
 from collections.abc import Iterable
 from typing import Any
 
+from .error_codes import ErrorCode
 from .admission import Refusal, Rules
 from .contract import CAPTURE_KEY
 from .engine_requests import EngineRequests
@@ -30,22 +31,22 @@ def capture_args(tag: str, layers: Iterable[int], position: str) -> dict[str, An
 def parse_capture(value: Any, rules: Rules) -> dict[str, Any]:
     """The checked capture of a request (``CAPTURE_KEY``'s value), or :class:`Refusal` (400) saying what is wrong."""
     if not isinstance(value, dict) or set(value) != {"tag", "layers", "position"}:
-        raise Refusal(400, "bad_capture", f"{CAPTURE_KEY} must be an object with exactly tag, layers and position",
+        raise Refusal(400, ErrorCode.BAD_CAPTURE, f"{CAPTURE_KEY} must be an object with exactly tag, layers and position",
                       CAPTURE_KEY)
     tag, layers, position = value["tag"], value["layers"], value["position"]
     if not isinstance(tag, str) or not VECTOR_ID_RE.fullmatch(tag):
-        raise Refusal(400, "bad_capture", f"{CAPTURE_KEY}.tag must be 1-64 letters, digits, '.', '_' or '-'",
+        raise Refusal(400, ErrorCode.BAD_CAPTURE, f"{CAPTURE_KEY}.tag must be 1-64 letters, digits, '.', '_' or '-'",
                       f"{CAPTURE_KEY}.tag")
     if position not in POSITIONS:
-        raise Refusal(400, "bad_capture", f"{CAPTURE_KEY}.position must be one of {', '.join(POSITIONS)}, got "
+        raise Refusal(400, ErrorCode.BAD_CAPTURE, f"{CAPTURE_KEY}.position must be one of {', '.join(POSITIONS)}, got "
                       f"{position!r}", f"{CAPTURE_KEY}.position")
     if (not isinstance(layers, list) or not layers
             or not all(isinstance(l, int) and not isinstance(l, bool) for l in layers)):
-        raise Refusal(400, "bad_capture", f"{CAPTURE_KEY}.layers must be a non-empty list of layer indices",
+        raise Refusal(400, ErrorCode.BAD_CAPTURE, f"{CAPTURE_KEY}.layers must be a non-empty list of layer indices",
                       f"{CAPTURE_KEY}.layers")
     for layer in layers:
         if layer not in rules.model.layers:
-            raise Refusal(400, "layer_out_of_range", f"layer {layer} cannot be captured: this server hooks layers "
+            raise Refusal(400, ErrorCode.LAYER_OUT_OF_RANGE, f"layer {layer} cannot be captured: this server hooks layers "
                           f"{rules.steered_layers()}", f"{CAPTURE_KEY}.layers")
     return {"tag": tag, "layers": sorted(set(layers)), "position": position}
 
@@ -67,15 +68,15 @@ class CaptureRequests:
         """Admit a request with ``CAPTURE_KEY`` in its ``extra_args``, or raise :class:`Refusal`."""
         extra = self.requests.extra_args(request)
         if not rules.model.steerable:
-            raise Refusal(503, "model_not_steerable", f"this model cannot be steered or captured: {rules.model.reason}")
+            raise Refusal(503, ErrorCode.MODEL_NOT_STEERABLE, f"this model cannot be steered or captured: {rules.model.reason}")
         if not self.capacity:
-            raise Refusal(503, "capture_off", "activation capture is off on this server; start it with "
+            raise Refusal(503, ErrorCode.CAPTURE_OFF, "activation capture is off on this server; start it with "
                           "HOTWIRE_CAPTURE=1 to extract vectors")
         if SPEC_KEY in extra:
-            raise Refusal(400, "capture_with_steering", "a request may capture or steer, not both", CAPTURE_KEY)
+            raise Refusal(400, ErrorCode.CAPTURE_WITH_STEERING, "a request may capture or steer, not both", CAPTURE_KEY)
         checked = parse_capture(extra[CAPTURE_KEY], rules)
         if len(self.live) >= self.capacity:
-            raise Refusal(429, "capture_busy", f"all {self.capacity} capture rows are in use "
+            raise Refusal(429, ErrorCode.CAPTURE_BUSY, f"all {self.capacity} capture rows are in use "
                           f"(HOTWIRE_CAPTURE_ROWS={self.capacity}); retry when running extractions finish")
         self.requests.set_extra(request, CAPTURE_KEY, checked)
         self.requests.set_cache_salt(request, f"{SALT_PREFIX}capture:{uuid.uuid4().hex}")

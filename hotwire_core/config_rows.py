@@ -7,6 +7,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from .contract import SteerItem
+
 __all__ = ["ConfigRows"]
 
 
@@ -28,9 +30,8 @@ class ConfigRows:
         """Rows in use."""
         return len(self._users)
 
-    def acquire(self, items: Sequence[Sequence[float]]) -> tuple[int, bool]:
-        """The row holding config ``items`` (``[layer, slot, scale, rel]`` each), and whether it is new (then the
-        caller writes it to the device)."""
+    def acquire(self, items: Sequence[SteerItem]) -> tuple[int, bool]:
+        """The row holding config ``items``, and whether it is new (then the caller writes it to the device)."""
         key = tuple(map(tuple, items))
         row = self._row_of.get(key)
         if row is not None:

@@ -3,19 +3,26 @@ calls on the engine core and its workers, the shapes of their answers, and the n
 objects on their way from the engine core to the workers.
 
 Everything here crosses a process boundary as msgpack or pickle, so results are plain dicts: the TypedDicts name
-their keys for type checkers and readers, and build them (``RegisterResult(ok=True, ...)`` is a ``dict``).
-The table in docs/architecture.md ("RPC contract") describes each call.
+their keys for type checkers and readers, and build them (``RegisterResult(ok=True, ...)`` is a ``dict``). vLLM's
+``MsgpackEncoder`` sends a utility result's own types only under ``VLLM_ALLOW_INSECURE_SERIALIZATION`` (it then
+records each value's class, ``vllm.v1.serial_utils.UtilityResult``), so a dataclass or msgspec struct would reach
+the API server as a dict anyway: the API server validates what it reads into its own models
+(``hotwire_api.models``, whose fields tests/unit/test_contract.py pins to these). Each shape is written here once,
+and both sides build or read it through these names. The table in docs/architecture.md ("RPC contract")
+describes each call.
 """
 
 from __future__ import annotations
 
-from typing import Any, Literal, TypedDict
+from typing import Any, Literal, NamedTuple, TypedDict
 
 __all__ = [
-    "BINDING_KEY", "CAPTURE_KEY", "CATALOG", "CHECK", "ENGINE_METHODS", "EXPORT", "GRAPH_SETS", "LIST", "PREFIX", "REBINDS_ATTR",
-    "REFUSALS", "REGISTER", "STATS", "TAKE_CAPTURES", "UNREGISTER", "USER_SALT_ATTR", "WORKER_INFO", "WORKER_METHODS", "WRITES_ATTR",
-    "CatalogResult", "CheckResult", "ExportResult", "Failure", "ListResult", "RefusalsResult", "RegisterResult", "SlotRow", "StatsResult",
-    "TakeCapturesResult", "UnregisterResult",
+    "BINDING_KEY", "CAPTURE_KEY", "CATALOG", "CHECK", "ENGINE_METHODS", "EXPORT", "GRAPH_SETS", "LIST", "PREFIX",
+    "REBINDS_ATTR", "REFUSALS", "REGISTER", "STATS", "TAKE_CAPTURES", "UNREGISTER", "USER_SALT_ATTR", "WORKER_INFO",
+    "WORKER_METHODS", "WRITES_ATTR",
+    "CatalogResult", "CheckResult", "Config", "ExportResult", "Failure", "ListResult", "ModelView", "RefusalsResult",
+    "RegisterResult", "SlotRow", "StatsResult", "SteerItem", "TakeCapturesResult", "UnregisterResult", "VectorMeta",
+    "WorkerInfo",
     "engine_method", "rpc_name",
 ]
 
@@ -46,6 +53,22 @@ CAPTURE_KEY = "hotwire.capture"  # sampling_params.extra_args: {"tag", "layers",
 USER_SALT_ATTR = "hotwire_user_salt"  # Request built with hotwire's cache salt: the user's own salt
 
 
+class SteerItem(NamedTuple):
+    """One entry of a request's phase config, as the workers apply it: after decoder layer ``layer``, add bank row
+    ``slot`` times ``scale`` (absolute; 0 for a norm-relative entry) or times ``rel`` and the token's norm. A tuple,
+    so pickle (the scheduler output to the workers) keeps it, and msgpack would give a list that unpacks alike."""
+
+    layer: int
+    slot: int
+    scale: float
+    rel: float
+
+
+# A request's binding (``sampling_params.extra_args[BINDING_KEY]``, ``REBINDS_ATTR``): phase "p" (its prompt) and
+# "d" (after it) -> the items steering its tokens in that phase. Built by ``bindings``, read by ``runtime``.
+Config = dict[str, list[SteerItem]]
+
+
 def rpc_name(method: str) -> str:
     """The RPC name of a controller method (``"register"`` -> ``"hotwire_register"``)."""
     return PREFIX + method
@@ -63,7 +86,7 @@ def engine_method(rpc: Any) -> str | None:
 class _Failure(TypedDict):
     ok: Literal[False]
     status: int  # the HTTP status the control plane answers with
-    code: str  # a stable slug
+    code: str  # an ``error_codes.ErrorCode`` value
     error: str  # for people
 
 
@@ -73,10 +96,56 @@ class Failure(_Failure, total=False):
     field: str  # the request field at fault
 
 
+class VectorMeta(TypedDict):
+    """A registered vector (``registry.HostVector.meta``); the API server reads it as ``hotwire_api.models.VectorMeta``
+    and, for its catalog, as ``hotwire_api.catalog.CatalogVector``."""
+
+    id: str
+    version: int
+    sha256: str
+    dtype: str
+    shape: list[int]
+    layers: list[int] | None  # the layers naming the rows; None: a [hidden] vector, or one row per layer
+    norms: dict[str, float]  # each row's L2 norm by str(layer) ("*" for a [hidden] vector)
+    in_flight: int  # requests steered by it now
+    created_at: float  # seconds since the epoch
+
+
+class WorkerInfo(TypedDict):
+    """``hotwire_worker_info``: what one worker hooked (``runtime.WorkerSteering.info``), and the settings its
+    buffers were sized by, which the engine core checks against its own (``vllm_glue.engine_core``)."""
+
+    steerable: bool
+    reason: str  # why not, when not
+    layers: list[int]  # the layers hooked on this rank
+    n_layers: int
+    hidden_size: int
+    dtype: str
+    norm: bool  # norm-relative entries supported
+    slots: int  # HOTWIRE_SLOTS
+    max_stack: int  # HOTWIRE_MAX_STACK
+    capture_rows: int  # HOTWIRE_CAPTURE_ROWS where the capture op is compiled in (HOTWIRE_CAPTURE), else 0
+
+
+class ModelView(TypedDict):
+    """The served model as steering sees it (``admission.ModelInfo.to_json``): in ``hotwire_stats`` (the API's
+    ``models.ModelSteering``) and ``hotwire_catalog`` (read back by ``hotwire_api.catalog.rules_of``)."""
+
+    steerable: bool
+    reason: str
+    n_layers: int
+    hidden_size: int
+    dtype: str
+    max_stack: int
+    norm: bool
+    layers: str  # the hooked layers, "0-35" (``settings.format_layers``)
+    capture_rows: int  # captures at once for vector extraction (0: capture off)
+
+
 class RegisterResult(TypedDict):
     ok: Literal[True]
     created: bool
-    vector: dict[str, Any]  # VectorMeta (docs/architecture.md)
+    vector: VectorMeta
 
 
 class UnregisterResult(TypedDict):
@@ -87,13 +156,13 @@ class UnregisterResult(TypedDict):
 
 class ExportResult(TypedDict):
     ok: Literal[True]
-    vector: dict[str, Any]  # VectorMeta
+    vector: VectorMeta
     data: bytes  # the rows in layer order, as ``hotwire_register`` takes them
 
 
 class ListResult(TypedDict):
     ok: Literal[True]
-    vectors: list[dict[str, Any]]  # VectorMeta, with in_flight
+    vectors: list[VectorMeta]
 
 
 class CheckResult(TypedDict):
@@ -109,11 +178,11 @@ class CatalogResult(TypedDict, total=False):
     ok: Literal[True]
     generation: int
     unchanged: bool
-    model: dict[str, Any]
+    model: ModelView
     capacity: int
     max_rows: int  # bank rows one request may pin (HOTWIRE_MAX_ROWS)
     layers_setting: bool
-    vectors: list[dict[str, Any]]
+    vectors: list[VectorMeta]
 
 
 class SlotRow(TypedDict):
@@ -146,7 +215,7 @@ class StatsResult(TypedDict):
     resumptions: int
     capturing: int  # capture requests admitted and not finished (at most HOTWIRE_CAPTURE_ROWS)
     vectors: int
-    model: dict[str, Any]  # steerable, reason, n_layers, hidden_size, dtype, max_stack, norm, layers
+    model: ModelView
 
 
 class TakeCapturesResult(TypedDict):

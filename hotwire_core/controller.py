@@ -19,11 +19,12 @@ import torch
 
 from . import contract
 from .admission import ModelInfo, Refusal, Resolved, Rules, cache_salt, pinned_spec, receipt, resolve, row_key
-from .bindings import BankWrite, Binding, Bindings, Config
+from .bindings import BankWrite, Binding, Bindings
 from .capture_admission import CaptureRequests
-from .contract import BINDING_KEY, USER_SALT_ATTR  # re-exported: the benchmarks import them from here
+from .contract import BINDING_KEY, USER_SALT_ATTR, Config  # the first two re-exported: the benchmarks import them from here
 from .deferral import DeferredRequests
 from .engine_requests import EngineRequests
+from .error_codes import ErrorCode
 from .errors import EngineError
 from .registry import HostVector, RegistryError, VectorRegistry
 from .sessions import EndedSessions, same_steering
@@ -45,7 +46,7 @@ class WaitForRows(Refusal):
     ``SteeringController.defer``). ``resolved``: what its spec resolved to, so deferring it resolves nothing again."""
 
     def __init__(self, message: str, resolved: Resolved):
-        super().__init__(429, "slots_exhausted", message)
+        super().__init__(429, ErrorCode.SLOTS_EXHAUSTED, message)
         self.resolved = resolved
 
 
@@ -82,14 +83,14 @@ class SteeringController:
         already; anything else that goes wrong becomes a 500 naming the exception, its traceback logged here."""
         if contract.rpc_name(method) not in contract.ENGINE_METHODS:
             return EngineError(
-                501, "unknown_method", f"hotwire_{method} is not an engine method: are hotwire_core and its caller from different versions?"
+                501, ErrorCode.UNKNOWN_METHOD, f"hotwire_{method} is not an engine method: are hotwire_core and its caller from different versions?"
             ).to_result()
         try:
             return getattr(self, method)(*args, **kwargs)
         except Exception as exc:
             logger.exception("hotwire: hotwire_%s failed", method)
             return EngineError(
-                500, "internal", f"hotwire_{method} failed in the engine ({type(exc).__name__}: {exc}); its log has the traceback"
+                500, ErrorCode.INTERNAL, f"hotwire_{method} failed in the engine ({type(exc).__name__}: {exc}); its log has the traceback"
             ).to_result()
 
     def register(
@@ -118,11 +119,11 @@ class SteeringController:
         retired_mono = None
         if retired_at is not None:
             if version is None:
-                return EngineError(400, "bad_request", "retired_at needs the version it retired", "version").to_result()
+                return EngineError(400, ErrorCode.BAD_REQUEST, "retired_at needs the version it retired", "version").to_result()
             age = max(0.0, time.time() - float(retired_at))
             if age >= self.settings.retain_s:
                 return EngineError(
-                    410, "version_gone", f"version {version} of {vector_id!r} was retired {age:.0f} s ago, past "
+                    410, ErrorCode.VERSION_GONE, f"version {version} of {vector_id!r} was retired {age:.0f} s ago, past "
                     f"its retention (HOTWIRE_RETAIN_S={self.settings.retain_s})", "version"
                 ).to_result()
             retired_mono = time.monotonic() - age
@@ -168,7 +169,7 @@ class SteeringController:
         vector = self.registry.lookup(vector_id, None if version is None else int(version))
         if vector is None:
             held = vector_id if version is None else f"{vector_id}@{version}"
-            return EngineError(404, "unknown_vector", f"this engine holds no {held}; GET /steer/vectors lists the "
+            return EngineError(404, ErrorCode.UNKNOWN_VECTOR, f"this engine holds no {held}; GET /steer/vectors lists the "
                                "vectors", "id").to_result()
         data = vector.rows.contiguous().view(-1).view(torch.uint8).numpy().tobytes()
         return contract.ExportResult(ok=True, vector=vector.meta(), data=data)
@@ -209,7 +210,7 @@ class SteeringController:
                 self.deferred.wait_turn(None)
                 needed, available = self.slots.missing(keys), self.slots.available(keys)
                 if needed > available:
-                    raise Refusal(429, "slots_exhausted", str(SlotsExhausted(needed, available, self.slots.capacity)))
+                    raise Refusal(429, ErrorCode.SLOTS_EXHAUSTED, str(SlotsExhausted(needed, available, self.slots.capacity)))
         except Refusal as exc:
             return exc.to_result()
         return contract.CheckResult(ok=True, receipt=receipt(entries), spec=pinned_spec(entries), new_rows=needed)
@@ -280,8 +281,8 @@ class SteeringController:
         requests = self.requests
         user_salt = requests.user_salt(request)
         if user_salt and user_salt.startswith(SALT_PREFIX):
-            self.refused["reserved_salt"] += 1
-            raise Refusal(400, "reserved_salt", f"cache_salt may not start with {SALT_PREFIX!r}", "cache_salt")
+            self.refused[ErrorCode.RESERVED_SALT] += 1
+            raise Refusal(400, ErrorCode.RESERVED_SALT, f"cache_salt may not start with {SALT_PREFIX!r}", "cache_salt")
         if self.captures.requested(request):
             try:
                 self.captures.admit(request, self.rules)
@@ -300,9 +301,9 @@ class SteeringController:
             try:
                 slot_of, loads = self.slots.acquire(sources.keys())
             except SlotsExhausted as exc:
-                raise Refusal(429, "slots_exhausted", str(exc)) from None
+                raise Refusal(429, ErrorCode.SLOTS_EXHAUSTED, str(exc)) from None
         except Refusal as exc:
-            if exc.code == "slots_exhausted":  # deferred, not refused (see defer); resolve raises no such code
+            if exc.code == ErrorCode.SLOTS_EXHAUSTED:  # deferred, not refused (see defer); resolve raises no such code
                 raise WaitForRows(exc.message, resolved) from None
             self.refused[exc.code] += 1
             raise
@@ -326,14 +327,14 @@ class SteeringController:
         request_id = self.requests.request_id(update)
         if session is None:  # its first chunk is deferred: vLLM never saw the session
             self.deferred.take(request_id)
-            raise Refusal(429, "slots_exhausted",
+            raise Refusal(429, ErrorCode.SLOTS_EXHAUSTED,
                           "this streaming-input session's first chunk was still waiting for bank rows when more input "
                           "came; start the session again once rows are free")  # fmt: skip
         if not self.requests.expects_more_input(update):
             return  # the end marker: vLLM finishes the session, which releases its binding
         if not same_steering(self._spec_of(update), self._spec_of(session)):
-            self.refused["steering_changed"] += 1
-            raise Refusal(400, "steering_changed",
+            self.refused[ErrorCode.STEERING_CHANGED] += 1
+            raise Refusal(400, ErrorCode.STEERING_CHANGED,
                           "every chunk of a streaming-input session must carry the steering its first chunk had "
                           "(or none, if it had none); start a new request to steer differently", SPEC_KEY)  # fmt: skip
 

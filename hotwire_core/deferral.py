@@ -11,6 +11,7 @@ from typing import Any, Callable, Iterable, Iterator, NamedTuple
 from .admission import Refusal, Resolved, pinned_spec, row_keys
 from .bindings import Bindings
 from .engine_requests import EngineRequests
+from .error_codes import ErrorCode
 from .registry import HostVector
 from .slots import RowKey
 from .spec import SPEC_KEY
@@ -51,9 +52,9 @@ class DeferredRequests:
         request, which is not behind itself). Even a request that only shares rows pinned already waits: it would
         keep those rows pinned, and a stream of such requests could keep an earlier one waiting for ever."""
         if self._bindings.waiting_to_resume:
-            raise Refusal(429, "slots_exhausted", "a preempted steered request is waiting for bank rows; this one waits behind it")
+            raise Refusal(429, ErrorCode.SLOTS_EXHAUSTED, "a preempted steered request is waiting for bank rows; this one waits behind it")
         if self._held and request_id not in self._held:
-            raise Refusal(429, "slots_exhausted", "steered requests that came earlier are waiting for bank rows "
+            raise Refusal(429, ErrorCode.SLOTS_EXHAUSTED, "steered requests that came earlier are waiting for bank rows "
                           f"({len(self._held)} held); this one waits behind them")  # fmt: skip
 
     def hold(self, request: Any, resolved: Resolved) -> None:
@@ -86,7 +87,7 @@ class DeferredRequests:
             try:
                 admit(held.request)
             except Refusal as exc:
-                if exc.code == "slots_exhausted":
+                if exc.code == ErrorCode.SLOTS_EXHAUSTED:
                     waited = time.monotonic() - held.since
                     if waited < self.max_wait_s:
                         break
@@ -109,7 +110,7 @@ class DeferredRequests:
             why = "preempted steered requests are waiting to pin their rows again, and new ones queue behind them"
         running = [len(b.keys) for b in self._bindings.values() if not b.suspended]
         return Refusal(
-            503, "slots_busy",
+            503, ErrorCode.SLOTS_BUSY,
             f"this steered request waited {waited:.1f} s for bank rows (HOTWIRE_MAX_WAIT_S={self.max_wait_s:g}): "
             f"{why}; {slots.pinned} of the {slots.capacity} rows are pinned by {len(running)} running steered "
             f"request(s), the largest holding {max(running, default=0)}. Retry later or steer fewer layers or vectors; "

@@ -9,6 +9,7 @@ from collections.abc import Mapping
 from typing import Any, TypeVar
 
 from .contract import Failure
+from .error_codes import ErrorCode, known_code
 
 
 _Error = TypeVar("_Error", bound="EngineError")
@@ -17,14 +18,15 @@ __all__ = ["EngineError"]
 
 
 class EngineError(ValueError):
-    """Something the engine cannot honour; ``status`` is the HTTP status the control plane answers with."""
+    """Something the engine cannot honour; ``status`` is the HTTP status the control plane answers with. ``code``
+    is an ``ErrorCode``; one read off the wire that hotwire does not know (another server's) stays a string."""
 
-    def __init__(self, status: int, code: str, message: str, field: str | None = None):
+    def __init__(self, status: int, code: ErrorCode | str, message: str, field: str | None = None):
         super().__init__(message)
-        self.status, self.code, self.message, self.field = status, code, message, field
+        self.status, self.code, self.message, self.field = status, known_code(code), message, field
 
     def to_result(self) -> Failure:
-        out = Failure(ok=False, status=self.status, code=self.code, error=self.message)
+        out = Failure(ok=False, status=self.status, code=str(self.code), error=self.message)  # a plain str on the wire
         if self.field:
             out["field"] = self.field
         return out
@@ -32,5 +34,5 @@ class EngineError(ValueError):
     @classmethod
     def from_result(cls: type[_Error], result: Mapping[str, Any], default_message: str = "hotwire call failed") -> _Error:
         """The error a failure dict (``contract.Failure``) describes; missing keys get defaults."""
-        return cls(int(result.get("status") or 500), str(result.get("code") or "engine_error"),
+        return cls(int(result.get("status") or 500), str(result.get("code") or ErrorCode.INTERNAL),
                    str(result.get("error") or default_message), result.get("field"))

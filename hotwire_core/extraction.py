@@ -23,6 +23,7 @@ from typing import Any
 
 import numpy as np
 
+from .error_codes import ErrorCode
 from .errors import EngineError
 from .settings import parse_layers
 
@@ -46,20 +47,20 @@ def layer_list(layers: Any, hooked: Iterable[int]) -> list[int]:
         try:
             chosen = sorted(parse_layers(layers))
         except ValueError:
-            raise ExtractionError(400, "bad_layers", f"layers {layers!r} is not 'all', a layer index or a range like "
+            raise ExtractionError(400, ErrorCode.BAD_LAYERS, f"layers {layers!r} is not 'all', a layer index or a range like "
                                   "8-20", "layers") from None
     else:
         chosen = []
         for layer in layers:
             if isinstance(layer, bool) or not isinstance(layer, (int, np.integer)):
-                raise ExtractionError(400, "bad_layers", f"layers must be integers, got {layer!r}", "layers")
+                raise ExtractionError(400, ErrorCode.BAD_LAYERS, f"layers must be integers, got {layer!r}", "layers")
             chosen.append(int(layer))
         chosen = sorted(set(chosen))
     if not chosen:
-        raise ExtractionError(400, "bad_layers", "layers names no layer", "layers")
+        raise ExtractionError(400, ErrorCode.BAD_LAYERS, "layers names no layer", "layers")
     for layer in chosen:
         if layer not in hooked:
-            raise ExtractionError(400, "layer_out_of_range", f"layer {layer} cannot be captured: this server hooks "
+            raise ExtractionError(400, ErrorCode.LAYER_OUT_OF_RANGE, f"layer {layer} cannot be captured: this server hooks "
                                   f"layers {hooked[0]}-{hooked[-1]}" if hooked else "this model has no hooked layer",
                                   "layers")
     return chosen

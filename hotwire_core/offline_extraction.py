@@ -18,6 +18,7 @@ from typing import Any
 
 import numpy as np
 
+from .error_codes import ErrorCode
 from .capture_admission import POSITIONS, capture_args
 from .contract import TAKE_CAPTURES
 from .extraction import ExtractionError, check_sets, example_token_ids, extract, layer_list, means_from_captures
@@ -48,7 +49,7 @@ def capture_activations(llm: Any, examples: Sequence[Any], layers: Sequence[int]
     examples as one-token requests, at most ``HOTWIRE_CAPTURE_ROWS`` at a time."""
     rows = _call(llm, "catalog")["model"].get("capture_rows", 0)
     if not rows:
-        raise HotwireError(503, "capture_off", "activation capture is off on this engine; start it with "
+        raise HotwireError(503, ErrorCode.CAPTURE_OFF, "activation capture is off on this engine; start it with "
                            "HOTWIRE_CAPTURE=1 to extract vectors")
     tokenizer = llm.get_tokenizer()
     prompts = [{"prompt_token_ids": example_token_ids(tokenizer, e)} for e in examples]
@@ -81,9 +82,9 @@ def extract_vector(
     Returns ``{"vector": <metadata>, "layers": [{"layer", "separation", "gap", "accuracy", "norm"}, ...]}``."""
     model = _call(llm, "catalog")["model"]
     if not model["steerable"]:
-        raise HotwireError(503, "model_not_steerable", f"this model cannot be steered or captured: {model['reason']}")
+        raise HotwireError(503, ErrorCode.MODEL_NOT_STEERABLE, f"this model cannot be steered or captured: {model['reason']}")
     if position not in POSITIONS:
-        raise HotwireError(400, "bad_position", f"position must be one of {', '.join(POSITIONS)}, got {position!r}",
+        raise HotwireError(400, ErrorCode.BAD_POSITION, f"position must be one of {', '.join(POSITIONS)}, got {position!r}",
                            "position")
     try:
         chosen = layer_list(layers, parse_layers(model["layers"]))

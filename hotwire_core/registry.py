@@ -23,6 +23,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from .contract import VectorMeta
+from .error_codes import ErrorCode
 from .errors import EngineError
 from .spec import VECTOR_ID_RE, short_repr
 from .vector_bits import ITEMSIZE, as_bits, as_float32, non_finite
@@ -76,18 +78,18 @@ class HostVector:
         keys = ["*"] if self.layers is None else [str(layer) for layer in self.layers]
         return dict(zip(keys, self.row_norms))
 
-    def meta(self) -> dict:
-        return {
-            "id": self.vector_id,
-            "version": self.version,
-            "sha256": self.sha256,
-            "dtype": self.dtype,
-            "shape": list(self.shape),
-            "layers": None if self.layers is None else list(self.layers),
-            "norms": self.norms(),
-            "in_flight": self.refs,
-            "created_at": self.created_at,
-        }
+    def meta(self) -> VectorMeta:
+        return VectorMeta(
+            id=self.vector_id,
+            version=self.version,
+            sha256=self.sha256,
+            dtype=self.dtype,
+            shape=list(self.shape),
+            layers=None if self.layers is None else list(self.layers),
+            norms=self.norms(),
+            in_flight=self.refs,
+            created_at=self.created_at,
+        )
 
 
 # Host-side checks run in numpy (``vector_bits``): it works in the calling thread. Small torch CPU ops wake
@@ -106,42 +108,42 @@ def decode_vector(
     """Check raw bytes against the served model; return ``(rows [R, hidden], layers or None, row norms)``.
     ``model_dtype`` is the dtype the bank holds rows in: a value it cannot hold would be inf there."""
     if dtype not in DTYPES:
-        raise RegistryError(400, "bad_dtype", f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}", "dtype")
+        raise RegistryError(400, ErrorCode.BAD_DTYPE, f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}", "dtype")
     if not isinstance(shape, (list, tuple)) or not all(isinstance(d, int) and d > 0 for d in shape):
-        raise RegistryError(400, "bad_shape", f"shape must be a list of positive ints, got {shape!r}", "shape")
+        raise RegistryError(400, ErrorCode.BAD_SHAPE, f"shape must be a list of positive ints, got {shape!r}", "shape")
     if len(shape) not in (1, 2) or shape[-1] != hidden_size:
         raise RegistryError(
             400,
-            "bad_shape",
+            ErrorCode.BAD_SHAPE,
             f"shape {list(shape)} does not fit this model: use [{hidden_size}] (any layer), "
             f"[{n_layers}, {hidden_size}] (a row per layer) or [len(layers), {hidden_size}] with 'layers'",
             "shape",
         )
     expected = math.prod(shape) * ITEMSIZE[dtype]
     if len(data) != expected:
-        raise RegistryError(400, "bad_data", f"data has {len(data)} bytes; shape {list(shape)} of {dtype} needs {expected}", "data")
+        raise RegistryError(400, ErrorCode.BAD_DATA, f"data has {len(data)} bytes; shape {list(shape)} of {dtype} needs {expected}", "data")
     values = as_bits(data, dtype).reshape(-1, hidden_size)
     if non_finite(values, dtype).size:
-        raise RegistryError(400, "not_finite", "vector contains NaN or infinite values", "data")
+        raise RegistryError(400, ErrorCode.NOT_FINITE, "vector contains NaN or infinite values", "data")
 
     if len(shape) == 1:
         if layers:
-            raise RegistryError(400, "bad_layers", "'layers' needs a 2-D array with one row per listed layer", "layers")
+            raise RegistryError(400, ErrorCode.BAD_LAYERS, "'layers' needs a 2-D array with one row per listed layer", "layers")
         layers_t = None
     elif layers is None:
         if shape[0] != n_layers:
             raise RegistryError(
-                400, "bad_shape", f"a 2-D vector without 'layers' needs {n_layers} rows (one per layer), got {shape[0]}", "shape"
+                400, ErrorCode.BAD_SHAPE, f"a 2-D vector without 'layers' needs {n_layers} rows (one per layer), got {shape[0]}", "shape"
             )
         layers_t = tuple(range(n_layers))
     else:
         if len(layers) != shape[0]:
-            raise RegistryError(400, "bad_layers", f"'layers' names {len(layers)} layers but the array has {shape[0]} rows", "layers")
+            raise RegistryError(400, ErrorCode.BAD_LAYERS, f"'layers' names {len(layers)} layers but the array has {shape[0]} rows", "layers")
         for layer in layers:
             if isinstance(layer, bool) or not isinstance(layer, int) or not 0 <= layer < n_layers:
-                raise RegistryError(400, "layer_out_of_range", f"layer {layer!r} is outside [0, {n_layers})", "layers")
+                raise RegistryError(400, ErrorCode.LAYER_OUT_OF_RANGE, f"layer {layer!r} is outside [0, {n_layers})", "layers")
         if len(set(layers)) != len(layers):
-            raise RegistryError(400, "bad_layers", "'layers' lists a layer twice", "layers")
+            raise RegistryError(400, ErrorCode.BAD_LAYERS, "'layers' lists a layer twice", "layers")
         values = values[np.argsort(layers, kind="stable")]
         layers_t = tuple(sorted(layers))
     values = values.copy()  # own the bytes (and make them writable for torch)
@@ -150,7 +152,7 @@ def decode_vector(
     peak = float(np.abs(wide).max())
     if peak > largest:
         raise RegistryError(
-            400, "out_of_range",
+            400, ErrorCode.OUT_OF_RANGE,
             f"the vector holds {peak:.6g}, beyond the largest value of this model's {model_dtype} ({largest:.6g}): "
             "divide the vector by a constant and multiply the spec's scale by it",
             "data",
@@ -207,10 +209,10 @@ class VectorRegistry:
         may still fail to store it. ``version`` is given when restoring, or by the engine core that numbers
         versions for all (data parallelism); ``created_at`` only when restoring."""
         if not isinstance(vector_id, str) or not VECTOR_ID_RE.fullmatch(vector_id):
-            raise RegistryError(400, "bad_id", f"id must match {VECTOR_ID_RE.pattern}, got {short_repr(vector_id)}", "id")
+            raise RegistryError(400, ErrorCode.BAD_ID, f"id must match {VECTOR_ID_RE.pattern}, got {short_repr(vector_id)}", "id")
         if vector_id in self._current and not replace and version is None:
             raise RegistryError(
-                409, "exists", f"vector {vector_id!r} is already registered; register it with replace=true "
+                409, ErrorCode.EXISTS, f"vector {vector_id!r} is already registered; register it with replace=true "
                 "(hotwire register --replace) to make a new version", "id"
             )
         rows, layers_t, norms = decode_vector(
@@ -265,7 +267,7 @@ class VectorRegistry:
             if current is None or current.version > version:
                 return None
         if current is None:
-            raise RegistryError(404, "unknown_vector", f"unknown steering vector {vector_id!r}", "id")
+            raise RegistryError(404, ErrorCode.UNKNOWN_VECTOR, f"unknown steering vector {vector_id!r}", "id")
         del self._current[vector_id]
         self._deleted_upto[vector_id] = max(current.version, self._deleted_upto.get(vector_id, 0))
         self._retire(current)

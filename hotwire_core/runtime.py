@@ -18,8 +18,9 @@ import numpy as np
 import torch
 from torch import nn
 
-from .bindings import BankWrite, Config
+from .bindings import BankWrite
 from .capture import WorkerCapture  # its capture_op registers torch.ops.hotwire.capture_
+from .contract import Config, SteerItem, WorkerInfo
 from .config_rows import ConfigRows
 from .settings import Settings
 from .steer_hook import HOOK_NAME, SteerHook
@@ -109,17 +110,19 @@ class WorkerSteering:
         self._batch_steered = False
         self._steady_rows: np.ndarray | None = None  # the batch rows whose token_cfg stays put (all decoding)
 
-    def info(self) -> dict:
-        return {
-            "steerable": self.steerable,
-            "reason": "" if self.steerable else self.reason,
-            "layers": sorted(self.layers),
-            "n_layers": self.n_layers,
-            "hidden_size": self.hidden_size,
-            "dtype": str(self.dtype).removeprefix("torch."),
-            "norm": self.norm,
-            "capture_rows": self.capture.rows if self.capture is not None else 0,
-        }
+    def info(self) -> WorkerInfo:
+        return WorkerInfo(
+            steerable=self.steerable,
+            reason="" if self.steerable else self.reason,
+            layers=sorted(self.layers),
+            n_layers=self.n_layers,
+            hidden_size=self.hidden_size,
+            dtype=str(self.dtype).removeprefix("torch."),
+            norm=self.norm,
+            slots=self.settings.slots,
+            max_stack=self.settings.max_stack,
+            capture_rows=self.capture.rows if self.capture is not None else 0,
+        )
 
     # -- request lifecycle -----------------------------------------------------------------------------------
 
@@ -184,10 +187,10 @@ class WorkerSteering:
             self._layer_on = on
             self._uploader.copy_(self.buffers["layer_on"], torch.from_numpy(on))
 
-    def _add(self, new: list[tuple[str, int, dict]]) -> None:
+    def _add(self, new: list[tuple[str, int, Config]]) -> None:
         """Give each new request its config rows: a config already live is shared, a new one is written to the
         device (all of this step's in one copy)."""
-        fresh: list[tuple[int, list]] = []
+        fresh: list[tuple[int, list[SteerItem]]] = []
         for req_id, prompt_len, config in new:
             self._remove(req_id)  # a re-added (preempted or streaming) request starts clean
             pair = [0, 0]
@@ -210,8 +213,8 @@ class WorkerSteering:
         if fresh:
             self._write_rows(fresh)
 
-    def _write_rows(self, fresh: list[tuple[int, list]]) -> None:
-        """Write config rows ``(row, [layer, slot, scale, rel] items)`` to ``cfg_slot`` / ``cfg_scale`` /
+    def _write_rows(self, fresh: list[tuple[int, list[SteerItem]]]) -> None:
+        """Write config rows ``(row, items)`` to ``cfg_slot`` / ``cfg_scale`` /
         ``cfg_rel`` with one host-to-device copy: the row ids and the three tables travel as one int32 array
         (the float tables as their bits), split on the device."""
         k, n = self.settings.max_stack, len(fresh)

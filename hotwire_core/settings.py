@@ -1,60 +1,18 @@
-"""Environment settings, read once per process."""
+"""The engine's environment settings (parsed by ``hotwire_core.env``), read once per process."""
 
 from __future__ import annotations
 
 import hashlib
 import os
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
 from . import __version__
+from .env import Choice, Flag, Int, Layers, Text, load, parse_layers, setting
 
-
-def _int_env(name: str, default: int, lo: int, hi: int) -> int:
-    raw = os.environ.get(name)
-    if raw is None or raw == "":
-        return default
-    try:
-        value = int(raw)
-    except ValueError:
-        raise ValueError(f"{name}={raw!r} is not an integer") from None
-    if not lo <= value <= hi:
-        raise ValueError(f"{name}={value} must be in [{lo}, {hi}]")
-    return value
-
-
-_YES, _NO = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
-
-
-def flag_env(name: str, default: bool) -> bool:
-    """A yes/no setting: 1/true/yes/on or 0/false/no/off in any case; unset or empty means ``default``. Anything
-    else is an error, not a silent "off"."""
-    raw = os.environ.get(name, "").strip().lower()
-    if not raw:
-        return default
-    if raw in _YES or raw in _NO:
-        return raw in _YES
-    raise ValueError(f"{name}={os.environ[name]!r} must be 1 or 0 (true/false, yes/no and on/off work too)")
-
-
-MAX_LAYER = 1 << 16  # far above any model's depth; bounds HOTWIRE_LAYERS ranges before they are expanded
-
-
-def parse_layers(text: str) -> frozenset[int]:
-    """``"8-20,24"`` -> {8, ..., 20, 24}: comma-separated layer indices and inclusive ranges."""
-    layers: set[int] = set()
-    for part in text.split(","):
-        first, dash, last = part.strip().partition("-")
-        try:
-            lo = int(first)
-            hi = int(last) if dash else lo
-        except ValueError:
-            raise ValueError(f"HOTWIRE_LAYERS={text!r}: {part.strip()!r} is not a layer index or a range like 8-20") from None
-        if lo < 0 or hi < lo or hi >= MAX_LAYER:
-            raise ValueError(f"HOTWIRE_LAYERS={text!r}: {part.strip()!r} is not a range of layers in [0, {MAX_LAYER})")
-        layers.update(range(lo, hi + 1))
-    return frozenset(layers)
+__all__ = ["RETAIN_S", "Settings", "default_store_root", "format_layers", "middle_layer", "parse_layers"]
 
 
 def middle_layer(hooked: str | None, n_layers: int) -> int:
@@ -75,58 +33,48 @@ def format_layers(layers: frozenset[int] | set[int]) -> str:
     return ",".join(str(lo) if lo == hi else f"{lo}-{hi}" for lo, hi in runs)
 
 
-def retain_s_from_env() -> int:
-    """HOTWIRE_RETAIN_S: seconds a replaced or deleted version stays usable by requests pinned to it (default 60);
-    a fleet's replicas read it too (``hotwire_api.fleet``)."""
-    return _int_env("HOTWIRE_RETAIN_S", 60, 0, 86_400)
+RETAIN_S = Int("HOTWIRE_RETAIN_S", default=60, lo=0, hi=86_400,
+               doc="seconds a replaced or deleted version stays usable by requests pinned to it (the registry; a "
+                   "fleet's replicas read it too, hotwire_api.fleet)")
 
 
 @dataclass(frozen=True)
 class Settings:
-    slots: int  # HOTWIRE_SLOTS: bank rows that can hold vectors
-    max_stack: int  # HOTWIRE_MAX_STACK: entries per token and layer (same-layer stacking)
-    impl: str  # HOTWIRE_IMPL: "op" (opaque custom op) or "inductor" (torch ops fused by Inductor)
-    store: str | None  # HOTWIRE_STORE: store root, "off", or None (unset)
-    preload: str | None  # HOTWIRE_VECTORS: directory of vectors loaded at start
-    norm: bool = False  # HOTWIRE_NORM: allow norm-relative entries at tensor parallel 1 (see steer_hook.SteerHook)
-    idle_graphs: bool = True  # HOTWIRE_IDLE_GRAPHS: capture hotwire-free CUDA graphs for unsteered steps (ops.Gate)
-    layers: frozenset[int] | None = None  # HOTWIRE_LAYERS: the only layers hooked (None: all); fewer, cheaper steps
-    pdl: bool = True  # HOTWIRE_PDL: programmatic dependent launch of the op's kernel where the GPU has it (ops.PDL)
-    # HOTWIRE_RETAIN_S: seconds a replaced or deleted version stays usable by requests pinned to it (registry)
-    retain_s: int = 60
-    max_rows: int | None = None  # HOTWIRE_MAX_ROWS: bank rows one request may pin (None: see rows_per_request)
-    max_wait_s: int = 30  # HOTWIRE_MAX_WAIT_S: seconds a request may wait for bank rows before it is refused
-    # HOTWIRE_CAPTURE: compile the capture op in (activation capture for vector extraction; it reads the residual
-    # stream, so like HOTWIRE_NORM it is opt-in: see runtime.SteerHook); HOTWIRE_CAPTURE_ROWS: captures at once
-    capture: bool = False
-    capture_rows: int = 32
+    """The engine's settings, read in the engine core and in each worker (``vllm_glue.patching.settings``)."""
+
+    slots: int = setting(Int("HOTWIRE_SLOTS", default=256, lo=1, hi=1 << 16, doc="bank rows that can hold vectors"))
+    max_stack: int = setting(Int("HOTWIRE_MAX_STACK", default=4, lo=1, hi=16,
+                                 doc="entries per token and layer (same-layer stacking)"))
+    impl: str = setting(Choice("HOTWIRE_IMPL", default="op", options=("op", "inductor"),
+                               doc='"op" (opaque custom op) or "inductor" (torch ops fused by Inductor)'))
+    store: str | None = setting(Text("HOTWIRE_STORE", doc='the store root, "off", or unset (the default root)'))
+    preload: str | None = setting(Text("HOTWIRE_VECTORS", doc="a directory of vectors loaded at start"))
+    norm: bool = setting(Flag("HOTWIRE_NORM", default=False,
+                              doc="allow norm-relative entries at tensor parallel 1 (see steer_hook.SteerHook)"))
+    idle_graphs: bool = setting(Flag("HOTWIRE_IDLE_GRAPHS", default=True,
+                                     doc="capture hotwire-free CUDA graphs for unsteered steps (ops.Gate)"))
+    layers: frozenset[int] | None = setting(Layers("HOTWIRE_LAYERS",
+                                                   doc="the only layers hooked (unset: all); fewer, cheaper steps"))
+    pdl: bool = setting(Flag("HOTWIRE_PDL", default=True,
+                             doc="programmatic dependent launch of the op's kernel where the GPU has it (ops.PDL)"))
+    retain_s: int = setting(RETAIN_S)
+    max_rows: int | None = setting(Int("HOTWIRE_MAX_ROWS", lo=1, hi=1 << 16,
+                                       doc="bank rows one request may pin (unset: see rows_per_request)"))
+    max_wait_s: int = setting(Int("HOTWIRE_MAX_WAIT_S", default=30, lo=0, hi=86_400,
+                                  doc="seconds a request may wait for bank rows before it is refused"))
+    capture: bool = setting(Flag("HOTWIRE_CAPTURE", default=False,
+                                 doc="compile the capture op in (vector extraction); it reads the residual stream, "
+                                     "so like HOTWIRE_NORM it is opt-in (see steer_hook.SteerHook)"))
+    capture_rows: int = setting(Int("HOTWIRE_CAPTURE_ROWS", default=32, lo=1, hi=4096,
+                                    doc="captures (extraction examples) running at once per engine core"))
 
     @classmethod
-    def from_env(cls) -> "Settings":
-        impl = os.environ.get("HOTWIRE_IMPL", "op")
-        if impl not in ("op", "inductor"):
-            raise ValueError(f"HOTWIRE_IMPL={impl!r} must be 'op' or 'inductor'")
-        slots = _int_env("HOTWIRE_SLOTS", 256, 1, 1 << 16)
-        max_rows = _int_env("HOTWIRE_MAX_ROWS", 0, 1, 1 << 16) or None  # unset: rows_per_request decides
-        if max_rows is not None and max_rows > slots:
-            raise ValueError(f"HOTWIRE_MAX_ROWS={max_rows} is more than the bank holds (HOTWIRE_SLOTS={slots}): "
-                             f"set it to at most {slots}, or raise HOTWIRE_SLOTS")
-        return cls(
-            slots=slots,
-            max_stack=_int_env("HOTWIRE_MAX_STACK", 4, 1, 16),
-            impl=impl,
-            norm=flag_env("HOTWIRE_NORM", False),
-            idle_graphs=flag_env("HOTWIRE_IDLE_GRAPHS", True),
-            layers=parse_layers(os.environ["HOTWIRE_LAYERS"]) if os.environ.get("HOTWIRE_LAYERS") else None,
-            pdl=flag_env("HOTWIRE_PDL", True),
-            retain_s=retain_s_from_env(),
-            max_rows=max_rows,
-            max_wait_s=_int_env("HOTWIRE_MAX_WAIT_S", 30, 0, 86_400),
-            capture=flag_env("HOTWIRE_CAPTURE", False),
-            capture_rows=_int_env("HOTWIRE_CAPTURE_ROWS", 32, 1, 4096),
-            store=os.environ.get("HOTWIRE_STORE") or None,
-            preload=os.environ.get("HOTWIRE_VECTORS") or None,
-        )
+    def from_env(cls, env: Mapping[str, str] = os.environ) -> "Settings":
+        settings = load(cls, env)
+        if settings.max_rows is not None and settings.max_rows > settings.slots:
+            raise ValueError(f"HOTWIRE_MAX_ROWS={settings.max_rows} is more than the bank holds (HOTWIRE_SLOTS="
+                             f"{settings.slots}): set it to at most {settings.slots}, or raise HOTWIRE_SLOTS")
+        return settings
 
     def rows_per_request(self, steerable_layers: int) -> int:
         """The bank rows one request may pin: ``HOTWIRE_MAX_ROWS``, by default a quarter of the bank (so one

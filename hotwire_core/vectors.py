@@ -8,6 +8,7 @@ import logging
 from pathlib import Path
 
 from .contract import Failure
+from .error_codes import ErrorCode
 from .errors import EngineError
 from .registry import HostVector, RegistryError, VectorRegistry
 from .store import HistoryLost, StoredVector, VectorStore, load_preload_dir
@@ -91,7 +92,7 @@ def _store_at_start(store: VectorStore | None, vector: HostVector) -> None:
 def store_failed(store: VectorStore, what: str, exc: OSError) -> Failure:
     """The refusal of a registration or deletion the store could not record (nothing changed)."""
     return EngineError(
-        500, "store_failed",
+        500, ErrorCode.STORE_FAILED,
         f"could not {what} the store at {store.root} ({type(exc).__name__}: {exc}); "
         "nothing changed: make the folder writable or free space (HOTWIRE_STORE), then retry",
     ).to_result()

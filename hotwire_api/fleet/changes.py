@@ -22,6 +22,7 @@ from hotwire_api.fleet import blobs
 from hotwire_api.fleet.standing import Standing
 from hotwire_api.models import VectorMeta
 from hotwire_core.admission import Rules
+from hotwire_core.error_codes import ErrorCode
 
 __all__ = ["Changes"]
 
@@ -47,7 +48,7 @@ class Changes:
         r = self.replica
         model = (await self.model_rules(engine)).model
         if not model.steerable:
-            raise HotwireError(503, "model_not_steerable", f"this model cannot be steered: {model.reason}")
+            raise HotwireError(503, ErrorCode.MODEL_NOT_STEERABLE, f"this model cannot be steered: {model.reason}")
         checked = blobs.check(payload, model.n_layers, model.hidden_size, model.dtype)
         await r.do(r.registry.put_blob(checked.sha256, blobs.encode(checked.payload)))
         status, version, previous = await r.do(
@@ -55,7 +56,7 @@ class Changes:
         )
         if status == 409:
             raise HotwireError(
-                409, "exists", f"vector {vector_id!r} is already registered (version {previous[0] if previous else '?'} "
+                409, ErrorCode.EXISTS, f"vector {vector_id!r} is already registered (version {previous[0] if previous else '?'} "
                 "in the fleet's registry); register it with replace=true (hotwire register --replace) to make a new "
                 "version", "id",
             )
@@ -76,7 +77,7 @@ class Changes:
         r = self.replica
         deleted = await r.do(r.registry.delete(vector_id))
         if deleted is None:
-            raise HotwireError(404, "unknown_vector", f"unknown steering vector {vector_id!r}", "id")
+            raise HotwireError(404, ErrorCode.UNKNOWN_VECTOR, f"unknown steering vector {vector_id!r}", "id")
         version, _ = deleted
         r.note(vector_id, version, deleted=True)
         try:

@@ -4,15 +4,19 @@ Also the names of hotwire's keys, and the URL's secrets (:func:`url_secrets`) ma
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import re
 import socket
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from urllib.parse import unquote, unquote_plus, urlsplit, urlunsplit
 
-from hotwire_core.settings import retain_s_from_env
+from hotwire_core.env import Float, Parsed, Text, load, setting
+from hotwire_core.settings import RETAIN_S
 
-__all__ = ["FleetConfig", "Keys", "default_replica_name", "redacted", "registry_url", "scrubbed", "url_secrets"]
+__all__ = ["REGISTRY", "REPLICA_ID", "FleetConfig", "Keys", "default_replica_name", "redacted", "registry_url", "scrubbed",
+           "url_secrets"]
 
 _SCHEMES = ("redis", "rediss", "unix")
 # Query parameters whose value is a secret: redis-py passes every one to the connection (``password``,
@@ -20,9 +24,9 @@ _SCHEMES = ("redis", "rediss", "unix")
 _SECRET_PARAM = re.compile(r"pass|secret|token|credential", re.IGNORECASE)
 
 
-def registry_url(raw: str | None = None) -> str | None:
+def registry_url(raw: str) -> str | None:
     """The Redis URL ``HOTWIRE_REGISTRY`` names, or None for the embedded registry; ValueError for anything else."""
-    value = (os.environ.get("HOTWIRE_REGISTRY", "") if raw is None else raw).strip()
+    value = raw.strip()
     if value in ("", "local"):
         return None
     if urlsplit(value).scheme not in _SCHEMES:
@@ -30,6 +34,11 @@ def registry_url(raw: str | None = None) -> str | None:
             f"HOTWIRE_REGISTRY must be 'local' or a redis://, rediss:// or unix:// URL, got {redacted(value)!r}"
         )
     return value
+
+
+REGISTRY = Parsed("HOTWIRE_REGISTRY", parse_with=registry_url,
+                  doc="'local' (unset: each engine's embedded registry) or the fleet's Redis URL")
+REPLICA_ID = Text("HOTWIRE_REPLICA_ID", doc="this replica's name (default: host:port)")
 
 
 def default_replica_name(port: int | None) -> str:
@@ -82,17 +91,6 @@ def scrubbed(text: str, url: str) -> str:
     return text
 
 
-def _float_env(name: str, default: float, low: float, high: float) -> float:
-    raw = os.environ.get(name, "").strip()
-    try:
-        value = float(raw) if raw else default
-    except ValueError:
-        value = float("nan")
-    if not low <= value <= high:
-        raise ValueError(f"{name} must be a number from {low:g} to {high:g}, got {raw!r}")
-    return value
-
-
 @dataclass(frozen=True)
 class FleetConfig:
     """``url``: the Redis; ``heartbeat_s``: ``HOTWIRE_FLEET_HEARTBEAT_S`` (default 1), a replica whose heartbeat is
@@ -108,29 +106,25 @@ class FleetConfig:
     report cannot hold changes back for longer)."""
 
     url: str = field(repr=False)  # it may carry a password
-    heartbeat_s: float = 1.0
-    stream_maxlen: int = 100_000
-    replica_id: str | None = None
-    timeout_s: float = 2.0
-    blob_grace_s: float = 3600.0
-    retain_s: float = 60.0
+    heartbeat_s: float = setting(Float("HOTWIRE_FLEET_HEARTBEAT_S", default=1.0, lo=0.05, hi=3600,
+                                       doc="seconds between a replica's heartbeats"))
+    stream_maxlen: int = setting(Float("HOTWIRE_REGISTRY_STREAM_MAXLEN", default=100_000, lo=10, hi=1e9, to=int,
+                                       doc="the registry events Redis keeps"))
+    replica_id: str | None = setting(REPLICA_ID)
+    replica_url: str | None = setting(Text("HOTWIRE_REPLICA_URL", doc="this replica's URL, shown in the fleet view"))
+    timeout_s: float = setting(Float("HOTWIRE_REGISTRY_TIMEOUT_S", default=2.0, lo=0.05, hi=60,
+                                     doc="seconds one Redis command may take"))
+    blob_grace_s: float = setting(Float("HOTWIRE_REGISTRY_BLOB_GRACE_S", default=3600.0, lo=0, hi=30 * 86400,
+                                        doc="seconds an unused blob stays in Redis before it is collected"))
+    retain_s: float = setting(RETAIN_S)
     restart_settle_s: float = 2.0
     restart_limit_s: float = 30.0
 
     @classmethod
-    def from_env(cls, url: str) -> FleetConfig:
-        heartbeat_s = _float_env("HOTWIRE_FLEET_HEARTBEAT_S", 1.0, 0.05, 3600)
-        return cls(
-            url=url,
-            heartbeat_s=heartbeat_s,
-            stream_maxlen=int(_float_env("HOTWIRE_REGISTRY_STREAM_MAXLEN", 100_000, 10, 1e9)),
-            replica_id=os.environ.get("HOTWIRE_REPLICA_ID") or None,
-            timeout_s=_float_env("HOTWIRE_REGISTRY_TIMEOUT_S", 2.0, 0.05, 60),
-            blob_grace_s=_float_env("HOTWIRE_REGISTRY_BLOB_GRACE_S", 3600.0, 0, 30 * 86400),
-            retain_s=retain_s_from_env(),
-            restart_settle_s=2 * heartbeat_s,
-            restart_limit_s=max(30.0, 4 * heartbeat_s),
-        )
+    def from_env(cls, url: str, env: Mapping[str, str] = os.environ) -> FleetConfig:
+        config = load(cls, env, url=url)
+        return dataclasses.replace(config, restart_settle_s=2 * config.heartbeat_s,
+                                   restart_limit_s=max(30.0, 4 * config.heartbeat_s))
 
 
 @dataclass(frozen=True)

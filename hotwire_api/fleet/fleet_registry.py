@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 from typing import Any
 
 from hotwire_api.codec import VectorPayload
@@ -15,6 +14,7 @@ from hotwire_api.fleet.config import FleetConfig, Keys, default_replica_name
 from hotwire_api.fleet.redis_registry import RedisRegistry
 from hotwire_api.fleet.replica import Replica
 from hotwire_api.models import FleetView, RegistryStatus, VectorMeta
+from hotwire_core.error_codes import ErrorCode
 from hotwire_core.vllm_glue.api_server import engine_client, is_first_api_server, served_port_and_model
 
 __all__ = ["FleetRegistry"]
@@ -47,7 +47,7 @@ class FleetRegistry:
 
         registry = RedisRegistry(self.config, Keys.for_model(_model_name(app)))
         self.replica = Replica(registry, engine, self.config.replica_id or default_replica_id(app),
-                               os.environ.get("HOTWIRE_REPLICA_URL") or None, follows=is_first_api_server())
+                               self.config.replica_url, follows=is_first_api_server())
         logger.info("hotwire: vector registry %s (replica %s%s)", registry.display_url, self.replica.replica_id,
                     ", following its events" if self.replica.follows else "")
         await self.replica.catch_up()
@@ -63,7 +63,7 @@ class FleetRegistry:
 
     def _started(self) -> Replica:
         if self.replica is None:
-            raise HotwireError(503, "registry_unavailable", "the fleet's registry is not connected: the API server "
+            raise HotwireError(503, ErrorCode.REGISTRY_UNAVAILABLE, "the fleet's registry is not connected: the API server "
                                "connects when its app starts; retry once it answers /health")
         return self.replica
 

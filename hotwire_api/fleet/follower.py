@@ -29,6 +29,7 @@ from hotwire_api.fleet.config import scrubbed
 from hotwire_api.fleet.redis_registry import Event, Unavailable
 from hotwire_api.fleet.repair import Repair
 from hotwire_api.fleet.standing import Standing
+from hotwire_core.error_codes import ErrorCode
 
 __all__ = ["Follower"]
 
@@ -207,9 +208,9 @@ class Follower:
         try:
             _, meta = await engine.register(vector_id, payload, True, version, retired_at)
         except HotwireError as exc:
-            if exc.code == "engine_unavailable":
+            if exc.code == ErrorCode.ENGINE_UNAVAILABLE:
                 raise
-            if exc.code == "version_gone":  # a retired version whose retention ended meanwhile: nothing to hold
+            if exc.code == ErrorCode.VERSION_GONE:  # a retired version whose retention ended meanwhile: nothing to hold
                 logger.info("hotwire: %s@%d not held: %s", vector_id, version, exc.message)
             else:
                 logger.error("hotwire: this engine refused %s@%d from the registry: %s", vector_id, version, exc.message)

@@ -13,6 +13,7 @@ from hotwire_api.engine import HotwireEngine
 from hotwire_api.errors import HotwireError
 from hotwire_api.fleet.redis_registry import Unavailable
 from hotwire_api.fleet.standing import Standing
+from hotwire_api.models import FleetVector, HeldVector, PinnedRow, ReplicaSlots
 
 __all__ = ["Heartbeat"]
 
@@ -33,13 +34,10 @@ class Heartbeat:
         return {
             "replica": r.replica_id, "url": r.url, "pid": os.getpid(), "started_at": r.started_at,
             "sent_at": time.time(), **r.progress(),
-            "slots": {k: getattr(stats, k) for k in ("capacity", "used", "pinned", "free", "evictions",
-                                                     "steered_requests", "deferred", "engines")},
+            "slots": ReplicaSlots.of(stats).model_dump(),
             "refused": stats.refused,
-            "pinned_rows": [{"id": row.id, "version": row.version, "layer": row.layer, "refcount": row.refcount,
-                             "engine": row.engine} for row in stats.rows if row.refcount > 0],
-            "vectors": [{"id": m.id, "version": m.version, "sha256": m.sha256, "in_flight": m.in_flight}
-                        for m in vectors],
+            "pinned_rows": [PinnedRow.of(row).model_dump() for row in stats.rows if row.refcount > 0],
+            "vectors": [HeldVector.of(m).model_dump() for m in vectors],
         }
 
     async def run(self) -> None:
@@ -90,6 +88,7 @@ class Heartbeat:
         for vector_id, (version, sha) in sorted(remote.items()):
             holders = [beat["replica"] for beat in replicas
                        if any(v["id"] == vector_id and v["version"] == version for v in beat.get("vectors") or [])]
-            vectors.append({"id": vector_id, "version": version, "sha256": sha, "held_by": holders,
-                            "missing_on": [beat["replica"] for beat in replicas if beat["replica"] not in holders]})
+            vectors.append(FleetVector(id=vector_id, version=version, sha256=sha, held_by=holders,
+                                       missing_on=[beat["replica"] for beat in replicas
+                                                   if beat["replica"] not in holders]).model_dump())
         return {"registry": await self.status(), "vectors": vectors, "replicas": replicas}

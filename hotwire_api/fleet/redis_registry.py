@@ -18,6 +18,7 @@ from typing import Any
 from hotwire_api.errors import HotwireError
 from hotwire_api.fleet import lua
 from hotwire_api.fleet.config import FleetConfig, Keys, redacted, scrubbed
+from hotwire_core.error_codes import ErrorCode
 
 __all__ = ["Event", "Gate", "RedisRegistry", "Restarting", "Unavailable"]
 
@@ -38,7 +39,7 @@ class Unavailable(HotwireError):
                 "the registry's version once it answers" if unsure else
                 "vectors cannot be registered or deleted until it answers again")  # fmt: skip
         super().__init__(
-            503, "registry_unavailable",
+            503, ErrorCode.REGISTRY_UNAVAILABLE,
             f"the vector registry at {redacted(url)} is unreachable ({type(exc).__name__}: {scrubbed(str(exc), url)}); "
             f"{what}; every replica keeps serving the vectors it holds",
         )
@@ -52,7 +53,7 @@ class Restarting(HotwireError):
 
     def __init__(self, url: str):
         super().__init__(
-            503, "registry_unavailable",
+            503, ErrorCode.REGISTRY_UNAVAILABLE,
             f"the vector registry at {redacted(url)} restarted (or lost hotwire's keys) and the replicas are putting "
             "back what it may have lost; nothing was changed: retry in a few seconds",
         )
@@ -233,7 +234,7 @@ class RedisRegistry:
             args=[vector_id, op, version, sha256, self.config.stream_maxlen, f"{time.time():.6f}"],
         )))
         if answer == 424:
-            raise HotwireError(503, "registry_unavailable", f"the vector registry at {self.display_url} lost a blob "
+            raise HotwireError(503, ErrorCode.REGISTRY_UNAVAILABLE, f"the vector registry at {self.display_url} lost a blob "
                                "as it was written (is Redis evicting keys? hotwire needs maxmemory-policy noeviction)")
         return answer == 1
 
@@ -265,7 +266,7 @@ class RedisRegistry:
             args=[vector_id, sha256, "1" if replace else "0", self.config.stream_maxlen, f"{time.time():.6f}", floor],
         )
         if int(status) == 424:
-            raise HotwireError(503, "registry_unavailable",
+            raise HotwireError(503, ErrorCode.REGISTRY_UNAVAILABLE,
                                f"the vector registry at {self.display_url} lost the vector's blob before it was "
                                "registered (is Redis evicting keys? hotwire needs maxmemory-policy noeviction); retry")
         return int(status), int(version), (_parse_current(previous) if previous else None)

@@ -11,6 +11,7 @@ from typing import Any
 from .. import contract
 from ..admission import ModelInfo, Refusal
 from ..controller import SteeringController, WaitForRows
+from ..error_codes import ErrorCode
 from ..settings import format_layers
 from ..spec import SPEC_KEY
 from . import compat
@@ -22,14 +23,33 @@ __all__ = ["model_info", "patch_engine_core"]
 logger = logging.getLogger(__name__)
 
 
-def model_info(results: list[dict]) -> ModelInfo:
+# Settings the engine core and every worker must share: the core fills bank rows and entry configs the workers'
+# buffers were sized by.
+_SHARED = (("slots", "HOTWIRE_SLOTS"), ("max_stack", "HOTWIRE_MAX_STACK"))
+
+
+def settings_mismatch(results: list[contract.WorkerInfo]) -> str | None:
+    """Why the workers' settings (``hotwire_worker_info``) cannot serve this engine core's, or None. Each process
+    reads its own environment; a launcher that sets it per process (Ray workers on other nodes) could differ."""
+    core = settings()
+    for key, name in _SHARED:
+        theirs = sorted({r[key] for r in results} - {getattr(core, key)})
+        if theirs:
+            return (f"{name} is {getattr(core, key)} in the engine core but {', '.join(map(str, theirs))} in its "
+                    f"workers: the workers' buffers must fit what the engine core fills; set {name} alike in every "
+                    "process's environment")
+    return None
+
+
+def model_info(results: list[contract.WorkerInfo]) -> ModelInfo:
     first = results[0]
-    layers = frozenset(l for r in results for l in r.get("layers", ()))
-    steerable = all(r["steerable"] for r in results) and bool(layers)
-    reason = "; ".join(sorted({r["reason"] for r in results if r["reason"]}))
+    layers = frozenset(l for r in results for l in r["layers"])
+    mismatch = settings_mismatch(results)
+    steerable = all(r["steerable"] for r in results) and bool(layers) and mismatch is None
+    reason = mismatch or "; ".join(sorted({r["reason"] for r in results if r["reason"]}))
     if not steerable and not reason:  # every rank has decoder layers, none of them listed
         reason = f"HOTWIRE_LAYERS={format_layers(settings().layers or frozenset())} selects no layer hotwire can hook"
-    norm = all(r.get("norm", False) for r in results)
+    norm = all(r["norm"] for r in results)
     # Every rank captures its own layers, all with the same number of rows (a rank without layers has none).
     capture_rows = min((r.get("capture_rows", 0) for r in results if r.get("layers")), default=0)
     return ModelInfo(steerable, reason, first["n_layers"], first["hidden_size"], first["dtype"], layers, norm,
@@ -85,7 +105,7 @@ def patch_engine_core(module: Any) -> None:
             if not update and self.hotwire.session_ended(request.request_id, final=not request.resumable):
                 # More input (or the end marker) of a session a refusal ended: an error again, so that vLLM's
                 # client, which keeps a streaming request open past a chunk's error, finishes it
-                _send_refusal(self, request, Refusal(400, "session_ended", "this streaming-input session was ended "
+                _send_refusal(self, request, Refusal(400, ErrorCode.SESSION_ENDED, "this streaming-input session was ended "
                                                      "by an earlier refusal; start a new request"))  # fmt: skip
                 return
             try:
@@ -100,7 +120,7 @@ def patch_engine_core(module: Any) -> None:
                     return
                 if not isinstance(exc, Refusal):
                     logger.exception("hotwire: admission of %s failed", request.request_id)
-                    exc = Refusal(500, "internal", f"steering admission failed: {exc}")
+                    exc = Refusal(500, ErrorCode.INTERNAL, f"steering admission failed: {exc}")
                 if session is not None:  # the refusal ends the session
                     self.scheduler.finish_requests(request.request_id, aborted)
                 if request.resumable:  # a session: more chunks and its end marker are still to come

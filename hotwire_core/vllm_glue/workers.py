@@ -17,11 +17,12 @@ logger = logging.getLogger(__name__)
 
 
 def patch_worker_base(module: Any) -> None:
-    def hotwire_worker_info(self) -> dict:
+    def hotwire_worker_info(self) -> contract.WorkerInfo:
         steering = getattr(self.model_runner, "hotwire", None)
         if steering is None:
-            return {"steerable": False, "reason": "hotwire did not attach to the model", "layers": [], "n_layers": 0,
-                    "hidden_size": 0, "dtype": ""}
+            return contract.WorkerInfo(steerable=False, reason="hotwire did not attach to the model", layers=[],
+                                       n_layers=0, hidden_size=0, dtype="", norm=False, slots=settings().slots,
+                                       max_stack=settings().max_stack)
         return steering.info()
 
     def hotwire_graph_sets(self) -> dict:

@@ -18,7 +18,7 @@ from vllm.utils.hashing import sha256
 from hotwire_api.catalog import CatalogVector, rules_of
 from hotwire_core import sessions as sessions_mod
 from hotwire_core.admission import DEFAULT_STRENGTH_LIMIT, STRENGTH_LIMITS, ModelInfo, Refusal, resolve
-from hotwire_core.contract import BINDING_KEY, USER_SALT_ATTR
+from hotwire_core.contract import BINDING_KEY, USER_SALT_ATTR, SteerItem
 from hotwire_core.bindings import BankWrite
 from hotwire_core.controller import SteeringController, WaitForRows
 from hotwire_core.spec import SALT_PREFIX
@@ -154,8 +154,8 @@ def test_binding_config_phases_and_norm(c):
     assert len(set(slots.values())) == 4 and 0 not in slots.values()
     a1, a2, g, p0 = slots["a", 1], slots["a", 2], slots["g", -1], slots["part", 0]
     assert binding.config == {
-        "p": [[1, a1, 3.0, 0.0], [2, a2, 3.0, 0.0], [0, p0, -1.5, 0.0]],
-        "d": [[1, a1, 3.0, 0.0], [2, a2, 3.0, 0.0], [1, g, 0.0, 0.5]],
+        "p": [SteerItem(1, a1, 3.0, 0.0), SteerItem(2, a2, 3.0, 0.0), SteerItem(0, p0, -1.5, 0.0)],
+        "d": [SteerItem(1, a1, 3.0, 0.0), SteerItem(2, a2, 3.0, 0.0), SteerItem(1, g, 0.0, 0.5)],
     }
     assert req.sampling_params.extra_args[BINDING_KEY] == binding.config
     assert req.sampling_params.extra_args["hotwire"] == json.dumps(spec)  # the spec itself stays
@@ -345,7 +345,7 @@ def test_same_vector_twice_shares_rows_and_refs(c):
     binding, _ = admit(c, "r", [{"id": "a", "layer": 1, "scale": 1}, {"id": "a", "layer": 1, "scale": 2}])
     assert len(c.take_writes()) == 1
     slot = c.stats()["rows"][0]["slot"]
-    assert binding.config["p"] == [[1, slot, 1.0, 0.0], [1, slot, 2.0, 0.0]]
+    assert binding.config["p"] == [SteerItem(1, slot, 1.0, 0.0), SteerItem(1, slot, 2.0, 0.0)]
     assert c.registry.current("a").refs == 1 and binding.vectors == [c.registry.current("a")]
     c.release("r")
     assert c.registry.current("a").refs == 0 and c.stats()["pinned"] == 0
@@ -1262,7 +1262,7 @@ def test_resumed_request_gets_its_rows_back_in_other_slots():
     assert torch.equal(w.row, a) and w.slot != slot_a  # version 1's values, in b's old slot
     assert c.step_payload_pending  # the rebind still has to go out
     rebinds = c.take_rebinds()
-    assert rebinds == {"r1": {"p": [[0, w.slot, 2.0, 0.0]], "d": [[0, w.slot, 2.0, 0.0]]}}
+    assert rebinds == {"r1": {"p": [SteerItem(0, w.slot, 2.0, 0.0)], "d": [SteerItem(0, w.slot, 2.0, 0.0)]}}
     assert r1.sampling_params.extra_args[BINDING_KEY] == rebinds["r1"]
     assert c.take_rebinds() == {}
 

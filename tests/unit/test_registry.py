@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from hotwire_core import contract
 from hotwire_core.admission import row_key
 from hotwire_core.registry import DTYPES, RegistryError, VectorRegistry, content_sha256, decode_vector
 
@@ -78,7 +79,7 @@ def test_named_layers_unsorted_rows_follow(r):
 def test_meta_shape(r):
     v = reg(r, "abc", t=vec(2, HIDDEN), layers=[1, 2])
     meta = v.meta()
-    assert set(meta) == {"id", "version", "sha256", "dtype", "shape", "layers", "norms", "in_flight", "created_at"}
+    assert set(meta) == set(contract.VectorMeta.__annotations__)  # the shape both processes read
     assert meta["id"] == "abc" and meta["version"] == 1 and meta["dtype"] == "float32"
     assert meta["shape"] == [2, HIDDEN] and meta["in_flight"] == 0 and len(meta["sha256"]) == 64
 

@@ -597,14 +597,15 @@ def test_rebind_of_a_request_readded_in_the_same_step_uses_the_new_request():
     assert len(w.config_rows) == 1  # one config row taken, not two
 
 
-def _worker_info(steerable: bool, layers: list[int], reason: str = "") -> dict:
+def _worker_info(steerable: bool, layers: list[int], reason: str = "", slots: int = SLOTS, stack: int = STACK) -> dict:
     return {"steerable": steerable, "reason": reason, "layers": layers, "n_layers": 4, "hidden_size": 8,
-            "dtype": "float32", "norm": False}
+            "dtype": "float32", "norm": False, "slots": slots, "max_stack": stack}
 
 
 def test_model_info_over_ranks(monkeypatch):
     from hotwire_core.vllm_glue import engine_core, patching
 
+    monkeypatch.setattr(patching, "_SETTINGS", Settings(SLOTS, STACK, "op", None, None))
     # pipeline ranks: the union of their hooked layers; a rank HOTWIRE_LAYERS left without hooks is fine
     info = engine_core.model_info([_worker_info(True, [1]), _worker_info(True, [])])
     assert info.steerable and info.layers == frozenset({1}) and not info.reason
@@ -614,3 +615,17 @@ def test_model_info_over_ranks(monkeypatch):
     monkeypatch.setattr(patching, "_SETTINGS", Settings(SLOTS, STACK, "op", None, None, layers=frozenset({2})))
     info = engine_core.model_info([_worker_info(True, []), _worker_info(True, [])])
     assert not info.steerable and info.reason == "HOTWIRE_LAYERS=2 selects no layer hotwire can hook"
+
+
+def test_workers_with_another_bank_size_turn_steering_off(monkeypatch):
+    """Each process reads its own environment: a worker whose bank or stack differs from the engine core's would
+    read rows and configs the core never wrote, so the model is reported unsteerable, naming the variable."""
+    from hotwire_core.vllm_glue import engine_core, patching
+
+    monkeypatch.setattr(patching, "_SETTINGS", Settings(SLOTS, STACK, "op", None, None))
+    assert engine_core.model_info([_worker_info(True, [1]), _worker_info(True, [2])]).steerable
+    info = engine_core.model_info([_worker_info(True, [1]), _worker_info(True, [2], slots=SLOTS * 2)])
+    assert not info.steerable
+    assert info.reason.startswith(f"HOTWIRE_SLOTS is {SLOTS} in the engine core but {SLOTS * 2} in its workers")
+    info = engine_core.model_info([_worker_info(True, [1], stack=STACK + 1)])
+    assert not info.steerable and info.reason.startswith(f"HOTWIRE_MAX_STACK is {STACK} in the engine core")

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
 
 from hotwire_core import __version__
+from hotwire_core.env import Flag, Float, Int, Layers, Text, variables
 from hotwire_core.settings import Settings, default_store_root, format_layers, middle_layer, parse_layers
 
 ENV = ("HOTWIRE_SLOTS", "HOTWIRE_MAX_STACK", "HOTWIRE_IMPL", "HOTWIRE_STORE", "HOTWIRE_VECTORS", "HOTWIRE_IDLE_GRAPHS",
@@ -227,3 +229,64 @@ def test_compile_cache_key_follows_hotwire_sources(monkeypatch, method):
     monkeypatch.undo()
     digest = glue_config.source_digest()
     assert len(digest) == 16 and digest == glue_config.source_digest()
+
+
+def _documented(doc: str, heading: str) -> set[str]:
+    table = (Path(__file__).resolve().parents[2] / "docs" / doc).read_text().split(heading, 1)[1].split("\n## ", 1)[0]
+    return set(re.findall(r"^\| `(HOTWIRE_\w+)` \|", table, re.MULTILINE))
+
+
+def test_every_setting_is_declared_once_and_documented():
+    """Each process side declares its variables on its settings dataclass (``hotwire_core.env.setting``); the
+    engine's and the API server's are the table in docs/deployment.md, a fleet's the one in docs/fleet.md."""
+    from hotwire_api.fleet.config import FleetConfig
+    from hotwire_api.settings import Settings as ApiSettings
+
+    engine, api, fleet = (frozenset(v.name for v in variables(cls).values())
+                          for cls in (Settings, ApiSettings, FleetConfig))
+    assert len(engine) == len(variables(Settings)) and len(api) == len(variables(ApiSettings))
+    assert engine | api == _documented("deployment.md", "## Environment")
+    assert fleet | {"HOTWIRE_REGISTRY"} == _documented("fleet.md", "| setting | default | meaning |")
+    assert all(var.doc for cls in (Settings, ApiSettings, FleetConfig) for var in variables(cls).values())
+
+
+@pytest.mark.parametrize(
+    "var,raw,message",
+    [
+        (Float("X", lo=0.05, hi=60, doc="."), "0", "X must be a number from 0.05 to 60, got '0'"),
+        (Float("X", lo=0.05, hi=60, doc="."), "nan", "X must be a number from 0.05 to 60, got 'nan'"),
+        (Float("X", lo=0, lo_open=True, doc="."), "0", "X must be a number above 0, got '0'"),
+        (Float("X", lo=0, lo_open=True, doc="."), "inf", "X must be a number above 0, got 'inf'"),
+        (Int("X", lo=10, hi=20, doc="."), "9", "X=9 must be in [10, 20]"),
+        (Flag("X", doc="."), "maybe", "X='maybe' must be 1 or 0"),
+        (Layers("X", doc="."), "1-", "X='1-': '1-' is not a layer index or a range"),
+    ],
+)
+def test_each_kind_of_value_refuses_what_it_cannot_read(var, raw, message):
+    with pytest.raises(ValueError) as info:
+        var.read({"X": raw})
+    assert str(info.value).startswith(message)
+
+
+def test_unset_or_empty_is_the_default_and_to_converts():
+    mb = Float("X", default=64.0, lo=0, lo_open=True, to=lambda v: int(v * 2**20), doc=".")
+    assert mb.read({}) == mb.read({"X": " "}) == 64 * 2**20 and mb.read({"X": "0.5"}) == 2**19
+    assert Text("X", doc=".").read({"X": ""}) is None and Layers("X", doc=".").read({}) is None
+    assert Flag("X", default=True, doc=".").read({"X": " OFF "}) is False
+
+
+def test_api_and_fleet_settings_read_the_given_environment():
+    from hotwire_api.fleet.config import FleetConfig
+    from hotwire_api.settings import Settings as ApiSettings
+
+    api = ApiSettings.from_env({"HOTWIRE_CATALOG_REFRESH_MS": "3600000", "HOTWIRE_REGISTRY": "local"})
+    assert api.catalog_refresh_s == 3600.0 and api.registry_url is None
+    assert ApiSettings.from_env({}).catalog_refresh_s == 0.2
+    with pytest.raises(ValueError, match=r"HOTWIRE_CATALOG_REFRESH_MS=5 must be in \[10, 3600000\]"):
+        ApiSettings.from_env({"HOTWIRE_CATALOG_REFRESH_MS": "5"})
+    with pytest.raises(ValueError, match="HOTWIRE_REGISTRY must be 'local' or a redis://"):
+        ApiSettings.from_env({"HOTWIRE_REGISTRY": "http://h/"})
+    fleet = FleetConfig.from_env("redis://h/0", {"HOTWIRE_FLEET_HEARTBEAT_S": "10", "HOTWIRE_RETAIN_S": "5",
+                                                 "HOTWIRE_REGISTRY_STREAM_MAXLEN": "1e3", "HOTWIRE_REPLICA_URL": "u"})
+    assert (fleet.heartbeat_s, fleet.restart_settle_s, fleet.restart_limit_s) == (10.0, 20.0, 40.0)
+    assert (fleet.retain_s, fleet.stream_maxlen, fleet.replica_url, fleet.replica_id) == (5, 1000, "u", None)
