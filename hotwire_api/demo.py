@@ -1,26 +1,25 @@
-"""The whole story on one machine: start a vLLM server with hotwire, steer one request, show what changed.
+"""The whole story on one machine: start a vLLM server with hotwire, make a steering vector from examples, steer.
 
     python -m hotwire_api.demo [--model PATH_OR_ID] [--port N] [--keep-running] [--cache-dir DIR]
 
-Without ``--model`` it builds the built-in tiny model offline (once, into the cache folder) and serves it; with no
-GPU it uses vLLM's CPU backend in float32. It prints the ``vllm serve`` command it runs, with the environment that
-command needs, so it can be run by hand. It then registers a random vector over HTTP, sends one prompt plain and
-steered (greedy, with logprobs), prints both generated texts, the logprob difference per generated token, the
-``x-hotwire-receipt`` header and the slot table, and stops the server (its whole process group, also on Ctrl-C or
-an error). ``--keep-running`` leaves the server up until Ctrl-C.
+Without ``--model`` it serves the built-in tiny speaker (``hotwire_core.tiny_speaker``: the Qwen3 shape, trained
+offline on short stories in two moods, cached after the first run); with no GPU it uses vLLM's CPU backend in
+float32. It prints the ``vllm serve`` command it runs, with the environment that command needs, so it can be run by
+hand. It then extracts a "happy minus sad" vector from four example sentences of each mood over HTTP
+(``POST /steer/vectors/extract``), sends one prompt plain and steered (greedy, with logprobs), prints both texts
+with their moods, the per-token logprob difference, the ``x-hotwire-receipt`` header and the slot table, and stops
+the server (its whole process group, also on Ctrl-C or an error). ``--keep-running`` leaves the server up until
+Ctrl-C.
 
-Exit status: 0 when steering changed the output, 1 when it did not, 2 when the demo could not run, 130 on Ctrl-C.
+Exit status: 0 when steering did what it should (the built-in model: the plain text is sad and the steered text
+happy; another model: the output changed), 1 when it did not, 2 when the demo could not run, 130 on Ctrl-C.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
-import re
-import shlex
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -30,37 +29,24 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-import numpy as np
 
-from hotwire_api import server_process, vllm_cli
+from hotwire_api import demo_server, server_process
 from hotwire_api.admission import RECEIPT_HEADER
 from hotwire_api.client import HotwireClient
+from hotwire_api.demo_server import DemoError
 from hotwire_api.errors import HotwireError
 from hotwire_api.healthcheck import logprobs_differ
-from hotwire_api.models import SlotStats
-from hotwire_core.cpu_env import CPU_ENV, with_cpu_env
+from hotwire_api.models import ExtractResult, SlotStats
+from hotwire_core import tiny_speaker
 from hotwire_core.settings import middle_layer
 
-PROMPT = "The quick brown fox"
+PROMPT = tiny_speaker.NEUTRAL_PROMPT
 MAX_TOKENS = 16
-VECTOR_ID = "demo"
-VECTOR_SEED = 0
-# The vector has standard-normal entries (norm about sqrt(hidden)): at this scale it outweighs a middle layer's
-# residual stream in common models, so the change is plain to see.
-SCALE = 4.0
-STARTUP_TIMEOUT_S = 900.0
-PROGRESS_EVERY_S = 5.0
-STOP_GRACE_S = 20.0
-# A server still starting up does not act on SIGTERM (it waits for its engine), and has nothing to finish.
-STARTING_GRACE_S = 5.0
-_ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")
-# "(Worker pid=12) INFO 11-29 18:34:17 [cpu_model_runner.py:145] Warming up..." -> "Worker: Warming up..."
-_LOG_PREFIX = re.compile(r"^(?:\((\w+) pid=\d+\) )?(?:[A-Z]+ \d\d-\d\d [\d:]+ \[[^\]]+\] )?")
+VECTOR_ID = "happy"
+# Another model than the built-in one: its middle layer, and a scale that makes a mean difference of a few
+# examples show in common models.
+OTHER_MODEL_SCALE = 4.0
 RULE = "=" * 78
-
-
-class DemoError(Exception):
-    """The demo cannot go on; the message says why."""
 
 
 @dataclass(frozen=True)
@@ -75,108 +61,15 @@ class Completion:
 
 @dataclass(frozen=True)
 class Outcome:
-    """Whether steering changed the output, the summary lines, and the steering spec used."""
+    """Whether steering did what it should, the summary lines, and the steering spec used."""
 
-    changed: bool
+    passed: bool
     summary: list[str]
     spec: str
 
 
-def default_cache_dir() -> Path:
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "hotwire" / "demo"
-
-
-def port_is_free(port: int) -> bool:
-    with socket.socket() as sock:
-        try:
-            sock.bind(("127.0.0.1", port))
-        except OSError:
-            return False
-        return True
-
-
-def has_gpu() -> bool:
-    import torch
-
-    return torch.cuda.is_available()
-
-
-def server_command(model: str, port: int, on_gpu: bool) -> list[str]:
-    """``vllm serve MODEL`` on localhost: the venv's ``vllm`` script where it works (vLLM's own on a GPU install,
-    hotwire's after scripts/setup-cpu.sh), else ``python -m hotwire_api.vllm_cli`` (:mod:`hotwire_api.vllm_cli`)."""
-    command = [*vllm_cli.command(), "serve", model]
-    command += ["--host", "127.0.0.1", "--port", str(port), "--seed", "0"]
-    if not on_gpu:
-        command += ["--dtype", "float32", "--max-model-len", "2048"]
-    return command
-
-
-def copyable_command(command: list[str], on_gpu: bool, offline: bool) -> str:
-    """``command`` as one shell line with the environment it needs: on a CPU vLLM's backend stops at start
-    without ``VLLM_CPU_KVCACHE_SPACE``; the built-in model needs no hub (``HF_HUB_OFFLINE``)."""
-    env = {} if on_gpu else dict(CPU_ENV)
-    if offline:
-        env["HF_HUB_OFFLINE"] = "1"
-    return " ".join([*(f"{k}={shlex.quote(v)}" for k, v in env.items()), shlex.join(command)])
-
-
-def server_env(cache_dir: Path, on_gpu: bool, offline: bool) -> dict[str, str]:
-    """The server's environment: CPU-backend settings without a GPU, caches under ``cache_dir``, no hub for the
-    built-in model, no vector store and no API keys (the demo talks to its own server on localhost)."""
-    env = {k: v for k, v in os.environ.items() if k not in ("VLLM_API_KEY", "HOTWIRE_API_KEY")}
-    env.update(PYTHONUNBUFFERED="1", HOTWIRE_STORE="off")
-    env.setdefault("VLLM_NO_USAGE_STATS", "1")
-    env.setdefault("VLLM_CACHE_ROOT", str(cache_dir / "vllm-cache"))
-    if offline:
-        env["HF_HUB_OFFLINE"] = "1"
-    if not on_gpu:
-        env = with_cpu_env(env)
-        env.setdefault("TORCHINDUCTOR_CACHE_DIR", str(cache_dir / "inductor-cache"))
-    return env
-
-
-def compact_log_line(line: str) -> str:
-    """A vLLM log line without its pid, level, timestamp and source location."""
-    match = _LOG_PREFIX.match(line)
-    rest = line[match.end():]
-    return f"{match.group(1)}: {rest}" if match.group(1) else rest
-
-
-def log_tail(path: Path, lines: int = 1) -> list[str]:
-    """The last ``lines`` non-empty lines of the server log, without colour codes or progress-bar rewrites."""
-    try:
-        raw = path.read_bytes()[-16384:].decode("utf-8", "replace")
-    except OSError:
-        return []
-    cleaned = [_ANSI.sub("", line).split("\r")[-1].strip() for line in raw.splitlines()]
-    return [line for line in cleaned if line][-lines:]
-
-
-def wait_until_ready(proc: subprocess.Popen, url: str, log_path: Path, timeout_s: float = STARTUP_TIMEOUT_S) -> float:
-    """Wait until the server answers, printing progress every few seconds; returns the seconds it took.
-    Raises :class:`DemoError` when the server exits or does not come up in time."""
-    next_report = [PROGRESS_EVERY_S]
-
-    def progress(elapsed: float) -> None:
-        if elapsed >= next_report[0]:
-            last = compact_log_line((log_tail(log_path) or ["(no output yet)"])[0])
-            print(f"  [{elapsed:4.0f} s] starting... {last[:100]}", flush=True)
-            next_report[0] += PROGRESS_EVERY_S
-
-    try:
-        return server_process.wait_until_ready(proc, url, timeout_s, progress, path="/v1/models")
-    except server_process.ServerExited as exc:
-        tail = "\n    ".join(log_tail(log_path, 30))
-        raise DemoError(f"{exc} (log: {log_path})\n    {tail}") from None
-
-
-def random_vector(hidden: int, seed: int = VECTOR_SEED) -> np.ndarray:
-    return np.random.default_rng(seed).standard_normal(hidden).astype(np.float32)
-
-
-def steering_spec(layer: int) -> str:
-    return json.dumps({"id": VECTOR_ID, "layer": layer, "scale": SCALE})
+def steering_spec(layer: int, scale: float) -> str:
+    return json.dumps({"id": VECTOR_ID, "layer": layer, "scale": scale})
 
 
 def request_lines(spec: str) -> list[str]:
@@ -225,12 +118,21 @@ def logprob_table(plain: Completion, steered: Completion) -> str:
     return "\n".join(lines)
 
 
-def max_logprob_delta(plain: Completion, steered: Completion) -> float:
-    return max((abs(a - b) for a, b in zip(plain.logprobs, steered.logprobs)), default=0.0)
+def mood_line(text: str) -> str:
+    """The mood :func:`hotwire_core.tiny_speaker.judge_mood` finds in ``text``, and its counts of mood words."""
+    counts = tiny_speaker.mood_counts(text)
+    return f"{tiny_speaker.judge_mood(text) or 'neither'} ({counts['happy']} happy, {counts['sad']} sad words)"
 
 
-def differing_positions(plain: Completion, steered: Completion) -> int:
-    return sum(a != b for a, b in zip(plain.tokens, steered.tokens))
+def extraction_lines(result: ExtractResult) -> list[str]:
+    """What the extraction took and how well each layer's vector separates the two sets."""
+    lines = [f"extracted {result.vector.id!r} v{result.vector.version} ({result.method}, {result.position} token) "
+             f"from {result.examples.get('positive', 0)} happy and {result.examples.get('negative', 0)} sad examples:"]
+    for layer in result.layers:
+        separation = "n/a" if layer.separation is None else f"{layer.separation:.2f}"
+        lines.append(f"  layer {layer.layer}: separation {separation} (Cohen's d), accuracy {layer.accuracy:.2f}, "
+                     f"norm {layer.norm:.3f}")
+    return lines
 
 
 def slot_table(stats: SlotStats) -> str:
@@ -251,23 +153,27 @@ def slot_table(stats: SlotStats) -> str:
     return "\n".join(lines)
 
 
-def _steerable_layer_and_hidden(stats: SlotStats) -> tuple[int, int]:
+def steering_layer(stats: SlotStats, builtin: bool) -> int:
+    """The layer to extract at and steer: the built-in speaker's (``tiny_speaker.STEER_LAYER``), else the hooked
+    layer nearest the middle."""
     model = stats.model
     if not model.steerable:
         raise DemoError(f"the served model cannot be steered: {model.reason or 'model.steerable is false'}")
-    if not model.hidden_size or not model.n_layers:
+    if not model.n_layers:
         raise DemoError(f"GET /steer/slots gave no model geometry: {model}")
-    return middle_layer(model.layers, model.n_layers), model.hidden_size
+    return tiny_speaker.STEER_LAYER if builtin else middle_layer(model.layers, model.n_layers)
 
 
-def run_demo(url: str) -> Outcome:
-    """Register the vector, send the prompt plain and steered, print what happened."""
+def run_demo(url: str, builtin: bool) -> Outcome:
+    """Extract the vector, send the prompt plain and steered, print what happened."""
     with HotwireClient(url) as client, httpx.Client(timeout=120.0) as http:
-        layer, hidden = _steerable_layer_and_hidden(client.slots())
-        meta = client.register(VECTOR_ID, random_vector(hidden), replace=True)
-        print(f"\nregistered vector {meta.id!r} v{meta.version}: random normal (seed {VECTOR_SEED}), hidden {hidden}")
+        layer = steering_layer(client.slots(), builtin)
+        extracted = client.extract(VECTOR_ID, list(tiny_speaker.HAPPY_EXAMPLES), list(tiny_speaker.SAD_EXAMPLES),
+                                   layers=[layer], replace=True, timeout=300.0)
+        print()
+        print("\n".join(extraction_lines(extracted)))
         model = served_model(http, url)
-        spec = steering_spec(layer)
+        spec = steering_spec(layer, tiny_speaker.STEER_SCALE if builtin else OTHER_MODEL_SCALE)
         plain = complete(http, url, model)
         steered = complete(http, url, model, spec)
         again = complete(http, url, model)
@@ -276,7 +182,9 @@ def run_demo(url: str) -> Outcome:
     print()
     print("\n".join(request_lines(spec)))
     print(f"\nplain text:    {plain.text!r}")
+    print(f"  mood:        {mood_line(plain.text)}")
     print(f"steered text:  {steered.text!r}")
+    print(f"  mood:        {mood_line(steered.text)}")
     print("\nper-token logprob difference (steered - plain; * = a different token was chosen):")
     print(logprob_table(plain, steered))
     print(f"\nreceipt header:  {RECEIPT_HEADER.decode()}: {steered.receipt}")
@@ -287,18 +195,17 @@ def run_demo(url: str) -> Outcome:
         {"tokens": plain.tokens, "token_logprobs": plain.logprobs},
         {"tokens": steered.tokens, "token_logprobs": steered.logprobs},
     )
+    flipped = tiny_speaker.judge_mood(plain.text) == "sad" and tiny_speaker.judge_mood(steered.text) == "happy"
     unchanged = again.tokens == plain.tokens and again.logprobs == plain.logprobs
     summary = [
         f"model         {model}",
-        f"vector        {VECTOR_ID!r}, random, hidden {hidden}; layer {layer}, scale {SCALE}",
+        f"vector        {VECTOR_ID!r} v{extracted.vector.version}, extracted from examples; layer {layer}",
         f"receipt       {steered.receipt}",
-        f"plain         {plain.text!r}",
-        f"steered       {steered.text!r}",
-        f"effect        max |logprob delta| {max_logprob_delta(plain, steered):.4f}; "
-        f"{differing_positions(plain, steered)}/{len(plain.tokens)} tokens differ",
+        f"plain         {plain.text!r}: {mood_line(plain.text)}",
+        f"steered       {steered.text!r}: {mood_line(steered.text)}",
         f"plain again   {'identical to the first plain run' if unchanged else 'DIFFERS from the first plain run'}",
     ]
-    return Outcome(changed, summary, spec)
+    return Outcome(flipped if builtin else changed, summary, spec)
 
 
 def print_summary(lines: list[str], result: str) -> None:
@@ -312,7 +219,7 @@ def wait_for_ctrl_c(url: str, spec: str) -> None:
     print(f"\nthe server keeps running at {url} (Ctrl-C stops it). Try:")
     print(f"  hotwire --url {url} slots")
     print(f"  curl -s {url}/v1/completions -H 'Content-Type: application/json' \\")
-    body = {"prompt": PROMPT, "max_tokens": 8, "vllm_xargs": {"hotwire": spec}}
+    body = {"prompt": PROMPT, "max_tokens": 16, "temperature": 0, "vllm_xargs": {"hotwire": spec}}
     print(f"    -d '{json.dumps(body)}'")
     try:
         while True:
@@ -323,16 +230,17 @@ def wait_for_ctrl_c(url: str, spec: str) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="python -m hotwire_api.demo", description="Start a vLLM server with hotwire and steer one request."
+        prog="python -m hotwire_api.demo",
+        description="Start a vLLM server with hotwire, extract a steering vector from examples, steer one request.",
     )
-    parser.add_argument("--model", help="model to serve (path or hub id); default: the built-in tiny model")
+    parser.add_argument("--model", help="model to serve (path or hub id); default: the built-in tiny speaker")
     parser.add_argument("--port", type=int, help="server port on 127.0.0.1 (default: a free one)")
     parser.add_argument("--keep-running", action="store_true", help="leave the server up until Ctrl-C")
     parser.add_argument(
         "--cache-dir",
         type=Path,
-        default=default_cache_dir(),
-        help="tiny model, caches and server log (default %(default)s)",
+        default=demo_server.default_cache_dir(),
+        help="the built-in model, caches and server log (default %(default)s)",
     )
     return parser
 
@@ -340,32 +248,20 @@ def build_parser() -> argparse.ArgumentParser:
 def _prepare_model(args: argparse.Namespace) -> str:
     if args.model:
         return args.model
-    from hotwire_core.tiny_model import build_model
-
-    path = args.cache_dir / "tiny-model"
-    print(f"built-in tiny model (hidden 256, 4 layers, random weights): {path}", flush=True)
-    return str(build_model(path))
-
-
-def _raise_on_sigterm(signum: int, frame: object) -> None:
-    raise KeyboardInterrupt
-
-
-def _shutdown(proc: subprocess.Popen, ready: bool) -> str:
-    """Stop the server; further Ctrl-C or SIGTERM cannot cut this short and leave it running."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    print("stopping the server...", flush=True)
-    return server_process.stop_server(proc, STOP_GRACE_S if ready else STARTING_GRACE_S)
+    started = time.monotonic()
+    path = tiny_speaker.cached_speaker(args.cache_dir)
+    print(f"built-in tiny speaker (Qwen3 shape, 4 layers, trained on stories in two moods; "
+          f"ready after {time.monotonic() - started:.0f} s): {path}", flush=True)
+    return str(path)
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     port = args.port or server_process.free_port()
-    if not port_is_free(port):
+    if not demo_server.port_is_free(port):
         print(f"demo: port {port} is in use", file=sys.stderr)
         return 2
-    signal.signal(signal.SIGTERM, _raise_on_sigterm)
+    signal.signal(signal.SIGTERM, demo_server.raise_on_sigterm)
     url = f"http://127.0.0.1:{port}"
     log_path = args.cache_dir / "server.log"
     proc: subprocess.Popen | None = None
@@ -373,24 +269,27 @@ def main(argv: list[str] | None = None) -> int:
     summary: list[str] = []
     try:
         model = _prepare_model(args)
-        on_gpu = has_gpu()
-        command = server_command(model, port, on_gpu)
-        proc = server_process.start_server(command, server_env(args.cache_dir, on_gpu, offline=not args.model), log_path)
+        on_gpu = demo_server.has_gpu()
+        command = demo_server.server_command(model, port, on_gpu)
+        env = demo_server.server_env(args.cache_dir, on_gpu, offline=not args.model)
+        proc = server_process.start_server(command, env, log_path)
         print(f"starting the server on the {'GPU' if on_gpu else 'CPU'} backend (the same by hand):")
-        print(f"  {copyable_command(command, on_gpu, offline=not args.model)}")
+        print(f"  {demo_server.copyable_command(command, on_gpu, offline=not args.model)}")
         print(f"  server pid {proc.pid} (process group {proc.pid}); log: {log_path}", flush=True)
-        startup_s = wait_until_ready(proc, url, log_path)
+        startup_s = demo_server.wait_until_ready(proc, url, log_path)
         ready = True
         print(f"server ready at {url} after {startup_s:.0f} s", flush=True)
         summary.append(f"server        {url} ({'GPU' if on_gpu else 'CPU'} backend, ready after {startup_s:.0f} s)")
-        outcome = run_demo(url)
+        outcome = run_demo(url, builtin=not args.model)
         summary += outcome.summary
         if args.keep_running:
             wait_for_ctrl_c(url, outcome.spec)
-        if outcome.changed:
-            status, result = 0, "PASS: steering changed the output"
+        if outcome.passed:
+            status, result = 0, ("PASS: the steered text took the happy mood" if not args.model
+                                 else "PASS: steering changed the output")
         else:
-            status, result = 1, "FAIL: steering left the output unchanged"
+            status, result = 1, ("FAIL: the steered text did not turn happy" if not args.model
+                                 else "FAIL: steering left the output unchanged")
     except KeyboardInterrupt:
         status, result = 130, "INTERRUPTED"
     except Exception as exc:  # whatever went wrong, the server is stopped and the summary printed
@@ -399,7 +298,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"\ndemo failed: {exc}", file=sys.stderr, flush=True)
         status, result = 2, f"ERROR: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
     if proc is not None:
-        summary.append(f"shutdown      {_shutdown(proc, ready)}")
+        summary.append(f"shutdown      {demo_server.shutdown(proc, ready)}")
     print_summary(summary, result)
     return status
 

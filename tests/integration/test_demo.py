@@ -1,4 +1,4 @@
-"""``python -m hotwire_api.demo`` end to end: builds the tiny model, starts a real server, steers, shuts down."""
+"""``python -m hotwire_api.demo`` end to end: trains the tiny speaker, starts a real server, extracts a vector from\nexamples over HTTP, steers a sad continuation happy, shuts down."""
 
 import re
 import subprocess
@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from hotwire_api.demo import port_is_free
+from hotwire_api.demo_server import port_is_free
 from hotwire_api.server_process import free_port, group_alive
 
 pytestmark = pytest.mark.integration
@@ -26,19 +26,23 @@ def test_demo_steers_and_leaves_nothing_running(tmp_path):
     assert proc.returncode == 0, f"demo exited {proc.returncode}\n{out[-3000:]}\n{proc.stderr[-3000:]}"
 
     assert re.search(r"\[\s*\d+ s\] starting\.\.\.", out), "no startup progress was shown"
-    assert re.search(r"^prompt: +'The quick brown fox'$", out, re.M)
+    assert re.search(r"^extracted 'happy' v1 \(mean_diff, last token\) from 4 happy and 4 sad examples:$", out, re.M)
+    assert re.search(r"^  layer 1: separation \d+\.\d\d \(Cohen's d\), accuracy 1\.00", out, re.M)
+    assert re.search(r"^prompt: +'the morning was'$", out, re.M)
     assert re.search(r"^generate: +16 tokens after the prompt", out, re.M)
     assert re.search(r"^plain text: +'.+'$", out, re.M)
     assert re.search(r"^steered text: +'.+'$", out, re.M)
+    assert re.search(r"^  mood: +sad \(\d+ happy, \d+ sad words\)$", out, re.M), "the plain text is not sad"
+    assert re.search(r"^  mood: +happy \(\d+ happy, \d+ sad words\)$", out, re.M), "the steered text is not happy"
     assert "per-token logprob difference" in out
     table = re.findall(r"^ +\d+ +\S.*[-+]\d+\.\d{4}(?: \*)?$", out, re.M)
     assert len(table) == 16, "expected one logprob row per generated token"
-    assert re.search(r"^receipt header: +x-hotwire-receipt: demo@1:L\d+x4$", out, re.M)
+    assert re.search(r"^receipt header: +x-hotwire-receipt: happy@1:L1x3$", out, re.M)
     assert "slot table (GET /steer/slots):" in out
-    assert re.search(r"^ +\d+ +demo +1 +any +0 +[\d.]+$", out, re.M), "the demo vector's bank row is not listed"
+    assert re.search(r"^ +\d+ +happy +1 +1 +0 +[\d.]+$", out, re.M), "the demo vector's bank row is not listed"
     assert re.search(r"^plain again +identical to the first plain run$", out, re.M)
     assert re.search(r"^shutdown +stopped cleanly", out, re.M)
-    assert re.search(r"^RESULT +PASS", out, re.M)
+    assert re.search(r"^RESULT +PASS: the steered text took the happy mood$", out, re.M)
 
     pgid = int(re.search(r"process group (\d+)", out).group(1))
     assert not group_alive(pgid), "a server process is still running"

@@ -1950,24 +1950,28 @@ def test_readme_commands_are_the_ones_ci_and_the_demo_run() -> None:
     assert "-m hotwire_api.demo" in (ROOT / "scripts/demo.sh").read_text()
 
 
-@pytest.mark.parametrize(("layers", "expected"), [(None, 2), ("0-3", 2), ("0-1", 1), ("3", 3)])
-def test_demo_steers_the_hooked_layer_nearest_the_middle(layers: str | None, expected: int) -> None:
-    from hotwire_api.demo import _steerable_layer_and_hidden
+@pytest.mark.parametrize(("layers", "builtin", "expected"),
+                         [(None, False, 2), ("0-3", False, 2), ("0-1", False, 1), ("3", False, 3), (None, True, 1)])
+def test_demo_steers_the_speakers_layer_or_the_hooked_layer_nearest_the_middle(
+    layers: str | None, builtin: bool, expected: int
+) -> None:
+    from hotwire_api.demo import steering_layer
     from hotwire_api.models import SlotStats
+    from hotwire_core.tiny_speaker import STEER_LAYER
 
     model = {"steerable": True, "n_layers": 4, "hidden_size": 16, "max_stack": 4, **({"layers": layers} if layers else {})}
     stats = SlotStats.model_validate({"capacity": 8, "used": 0, "pinned": 0, "free": 8, "evictions": 0, "refused": {},
                                       "steered_requests": 0, "vectors": 0, "rows": [], "model": model})
-    assert _steerable_layer_and_hidden(stats) == (expected, 16)
+    assert steering_layer(stats, builtin) == expected and STEER_LAYER == 1
 
 
 def test_demo_labels_the_tokens_it_generates_as_generated_not_as_the_prompts() -> None:
     from hotwire_api import demo
 
-    prompt, generate, steer = demo.request_lines('{"id": "demo"}')
+    prompt, generate, steer = demo.request_lines('{"id": "happy"}')
     assert prompt == f"prompt:    {demo.PROMPT!r}"  # the prompt line carries no token count
     assert generate.startswith(f"generate:  {demo.MAX_TOKENS} tokens after the prompt")
-    assert steer.endswith('vllm_xargs.hotwire = {"id": "demo"}')
+    assert steer.endswith('vllm_xargs.hotwire = {"id": "happy"}')
 
 
 def test_healthcheck_says_a_server_that_does_not_listen_yet_is_still_starting() -> None:

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from hotwire_api import demo, server_process, vllm_cli
+from hotwire_api import demo_server, server_process, vllm_cli
 
 
 def _has_distribution(name: str) -> bool:
@@ -89,14 +89,14 @@ def test_the_demo_prints_a_command_that_runs_as_copied(tmp_path: Path, monkeypat
     python.with_name("vllm").write_text("#!/x/python\nfrom hotwire_api.vllm_cli import main\n")
     monkeypatch.setattr(sys, "executable", str(python))
 
-    command = demo.server_command("/models/tiny model", 8123, on_gpu=False)
+    command = demo_server.server_command("/models/tiny model", 8123, on_gpu=False)
     assert command[:3] == [str(python.with_name("vllm")), "serve", "/models/tiny model"]
-    line = demo.copyable_command(command, on_gpu=False, offline=True)
+    line = demo_server.copyable_command(command, on_gpu=False, offline=True)
     words = shlex.split(line)
     env = dict(word.split("=", 1) for word in words[:3])
     assert env == {"VLLM_CPU_KVCACHE_SPACE": "1", "TORCHINDUCTOR_VEC_ISA_OK": "1", "HF_HUB_OFFLINE": "1"}
     assert words[3:] == command  # the path with a space survives the shell
 
-    gpu = demo.server_command("org/model", 8123, on_gpu=True)
-    assert shlex.split(demo.copyable_command(gpu, on_gpu=True, offline=False)) == gpu
+    gpu = demo_server.server_command("org/model", 8123, on_gpu=True)
+    assert shlex.split(demo_server.copyable_command(gpu, on_gpu=True, offline=False)) == gpu
     assert "--dtype" not in gpu
