@@ -45,6 +45,9 @@ class Follower:
         self._on_change = on_change
         self.repair = Repair(replica)
         self._gate_checked = -1e9
+        # The stream position at the end of the last sync: events read after it may come from a Redis that lost it
+        # (a replica's put-back after a wipe), so a repair judges the loss by this one.
+        self._synced_at: str | None = None
         self._collected = time.monotonic()  # the first collection a while after start
         self.collect_every_s = 60.0
         self.block_ms = 1000
@@ -103,13 +106,16 @@ class Follower:
         self._gate_checked = time.monotonic()
         if r.position is not None:
             reconnected, r.reconnected = r.reconnected, False
-            if not (reconnected or repaired) or await r.do(r.registry.covers(r.position)):
+            judged = self._synced_at if repaired and self._synced_at not in (None, "0-0") else r.position
+            if not (reconnected or repaired) or await r.do(r.registry.covers(judged)):
+                self._synced_at = r.position
                 return  # caught up from the stream: no reload
             if repaired:
                 r.reset_seen = True
                 logger.error("hotwire: the vector registry at %s came back without events this replica had "
                              "applied (older data, or none): it resyncs", r.registry.display_url)
         await self.resync(engine)
+        self._synced_at = r.position
 
     async def resync(self, engine: HotwireEngine) -> None:
         """Make the engine hold the registry's current versions and the versions retired within the retention:
