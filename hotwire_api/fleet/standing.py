@@ -45,7 +45,7 @@ class Standing:
         # id -> (the newest version this process applied or saw deleted, whether that was a deletion)
         self.known: dict[str, tuple[int, bool]] = {}
         # Set to end the follower after its current read and the heartbeat after its current write: redis-py 8.1
-        # has been seen to swallow a cancellation that arrives during a command (a blocking XREAD; a SET), so the
+        # can swallow a cancellation that arrives during a command (a blocking XREAD; a SET), so the
         # tasks are stopped this way, cancelled only when they do not end (``Replica.stop_tasks``). ``wake`` ends
         # their pauses at once.
         self.stopping = False

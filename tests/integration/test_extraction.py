@@ -7,7 +7,6 @@ One engine serves the module; the plain batchmate is compared with a plugin-free
 from __future__ import annotations
 
 import json
-import os
 
 import numpy as np
 import pytest
@@ -36,16 +35,10 @@ NEGATIVE = ["I hate this, it is awful and dark", "What a sad rainy day", "Grief 
 def llm(tiny_model):
     from vllm import LLM
 
-    saved = {k: os.environ.get(k) for k in ("HOTWIRE_CAPTURE", "HOTWIRE_CAPTURE_ROWS")}
-    os.environ.update(HOTWIRE_CAPTURE="1", HOTWIRE_CAPTURE_ROWS=str(ROWS))
-    try:
+    with pytest.MonkeyPatch.context() as env:  # the engine reads them at start; later modules must not inherit them
+        env.setenv("HOTWIRE_CAPTURE", "1")
+        env.setenv("HOTWIRE_CAPTURE_ROWS", str(ROWS))
         engine = LLM(str(tiny_model), **engine_kwargs())
-    finally:
-        for key, value in saved.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
     yield engine
     engine.llm_engine.engine_core.shutdown()
 
