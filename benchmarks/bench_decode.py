@@ -13,7 +13,8 @@ can run different kernels for the same op, a difference between the engines that
 Configurations: ``vanilla`` (no plugin loaded at all: ``VLLM_PLUGINS=""``), ``op`` (hotwire, opaque Triton op),
 ``op_1set`` (the op without idle graph variants: ``HOTWIRE_IDLE_GRAPHS=0``), ``op_8layers`` (the op hooked on
 the 8 middle layers only: ``HOTWIRE_LAYERS``; it cannot run ``steered_all_layers``), ``op_nopdl`` (the op
-without programmatic dependent launch: ``HOTWIRE_PDL=0``), ``inductor`` (hotwire, torch ops fused by Inductor), ``eager`` (hotwire's op with ``enforce_eager``: no
+without programmatic dependent launch: ``HOTWIRE_PDL=0``), ``op_capture`` (the op with the capture op of
+``POST /steer/vectors/extract`` compiled in: ``HOTWIRE_CAPTURE=1``, nobody capturing), ``inductor`` (hotwire, torch ops fused by Inductor), ``eager`` (hotwire's op with ``enforce_eager``: no
 torch.compile, no CUDA graphs, what hook-based steering tools pay). All use vLLM's default V2 model runner; a
 ``/v1`` suffix (``vanilla/v1``, ``op/v1``) runs the V1 runner instead, compared with ``vanilla/v1``.
 
@@ -70,6 +71,7 @@ CONFIGS = {
     "op_1set": "hotwire's op with one graph set for steered and unsteered steps (HOTWIRE_IDLE_GRAPHS=0)",
     "op_8layers": "hotwire's op hooked on the 8 middle layers only (HOTWIRE_LAYERS=n/2-4..n/2+3)",
     "op_nopdl": "hotwire's op launched without programmatic dependent launch (HOTWIRE_PDL=0)",
+    "op_capture": "hotwire's op with the capture op compiled in (HOTWIRE_CAPTURE=1), nobody capturing",
     "inductor": "hotwire, torch ops fused by Inductor (HOTWIRE_IMPL=inductor)",
     "eager": "hotwire's op with enforce_eager=True (no torch.compile, no CUDA graphs)",
 }
@@ -233,6 +235,7 @@ class Engine:
             env["HOTWIRE_IMPL"] = "inductor" if kind == "inductor" else "op"
             env["HOTWIRE_IDLE_GRAPHS"] = "0" if kind == "op_1set" else "1"
             env["HOTWIRE_PDL"] = "0" if kind == "op_nopdl" else "1"
+            env["HOTWIRE_CAPTURE"] = "1" if kind == "op_capture" else "0"
             env.pop("HOTWIRE_LAYERS", None)
             if kind == "op_8layers":
                 env["HOTWIRE_LAYERS"] = middle_layers(n_layers, 8)

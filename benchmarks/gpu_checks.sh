@@ -4,6 +4,9 @@
 #             steps, PIECEWISE for prefill), plugin-free vLLM as reference; V2 and V1 runner
 #   identity: tests/integration/test_bit_identity.py (plain requests bit-identical to plugin-free vLLM); V2 and V1
 #   ops:      tests/unit/test_ops.py (Triton op vs reference, CUDA-graph replay)
+#   capture:  tests/unit/test_capture.py (the capture kernel compiled, under graph replay) and
+#             tests/integration/test_extraction.py (HOTWIRE_CAPTURE=1: extracted vectors vs transformers with hooks,
+#             the plain batchmate of an extraction vs plugin-free vLLM); V2 and V1 runner
 #   async:    tests/integration/test_async_engine.py (AsyncLLM: streaming-input sessions, pause_generation, a
 #             request waiting for a bank row) and test_unsteerable_model.py (GPT-2: starts, refuses steering); V2, V1
 #   server:   tests/integration/test_server.py: real `vllm serve` with graphs on (float32 tiny model, fixed 1 GiB KV
@@ -70,6 +73,12 @@ for part in $parts; do
       for runner in v2 v1; do launch "$part-$runner" next $runner "${pytest_cmd[@]}" "$file"; done
       ;;
     ops) launch ops next v2 "${pytest_cmd[@]}" tests/unit/test_ops.py ;;
+    capture)
+      for runner in v2 v1; do
+        launch "capture-$runner" next $runner "${pytest_cmd[@]}" -s tests/unit/test_capture.py \
+          tests/integration/test_extraction.py
+      done
+      ;;
     async)
       for runner in v2 v1; do
         launch "async-$runner" next $runner "${pytest_cmd[@]}" tests/integration/test_async_engine.py \

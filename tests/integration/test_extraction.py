@@ -1,7 +1,9 @@
 """Vectors from contrastive examples, captured inside a real vLLM 0.25.1 engine (``HOTWIRE_CAPTURE=1``), against the
 same computation on a plain transformers forward with hooks on the same weights (float32 on the CPU).
 
-One engine serves the module; the plain batchmate is compared with a plugin-free engine in a clean subprocess.
+One engine serves the module; the plain batchmate is compared with a plugin-free engine in a clean subprocess. On a
+GPU the engine runs bf16 with CUDA graphs: tolerances there scale with how far the engine's own activations (or plain
+logprobs) are from transformers' float32, measured in the same run.
 """
 
 from __future__ import annotations
@@ -70,9 +72,21 @@ def exported(llm, vector_id) -> np.ndarray:
     return np.frombuffer(result["data"], np.float32).reshape(len(LAYERS), -1)
 
 
+@pytest.fixture(scope="module")
+def activation_floor(llm, hf_model, token_ids) -> float:
+    """The engine's captured activations against transformers' at the same tokens: float32 rounding on the CPU,
+    bf16 on a GPU. Extraction cannot be closer to the reference than its inputs are."""
+    from hotwire_core.offline_extraction import capture_activations
+
+    got = capture_activations(llm, POSITIVE, LAYERS, "last")
+    floor = float(np.abs(got - reference_acts(hf_model, token_ids, POSITIVE, "last")).max())
+    print(f"activation floor (engine vs transformers, last token): {floor:.3g}")
+    return floor
+
+
 @pytest.mark.parametrize("position", ["last", "mean"])
 @pytest.mark.parametrize("method", ["mean_diff", "pca"])
-def test_extracted_vector_equals_transformers_hooks(llm, hf_model, token_ids, method, position):
+def test_extracted_vector_equals_transformers_hooks(llm, hf_model, token_ids, activation_floor, method, position):
     from hotwire_core.offline_extraction import extract_vector
 
     vector_id = f"x-{method}-{position}"
@@ -83,12 +97,17 @@ def test_extracted_vector_equals_transformers_hooks(llm, hf_model, token_ids, me
     expected, report = extract(pos, neg, LAYERS, method)
     got = exported(llm, vector_id)
     err = np.abs(got - expected).max()
-    assert err < ATOL[method], f"{method}/{position}: extracted vector differs from transformers + hooks by {err}"
-    assert np.abs(expected).max() > 100 * ATOL[method]  # the check is not one of zeros
+    # A difference of means moves by up to twice its inputs' error; pca's unit direction, scaled by the mean gap, alike.
+    tolerance = max(ATOL[method], 4 * activation_floor) if ON_GPU else ATOL[method]
+    print(f"{method}/{position}: extracted vector vs transformers + hooks: {err:.3g} (tolerance {tolerance:.3g}, "
+          f"largest entry {np.abs(expected).max():.3g})")
+    assert err < tolerance, f"{method}/{position}: extracted vector differs from transformers + hooks by {err}"
+    assert np.abs(expected).max() > 20 * tolerance  # the check is not one of zeros
     for mine, theirs in zip(result["layers"], report):
         assert mine["layer"] == theirs["layer"]
-        assert mine["accuracy"] == theirs["accuracy"]
-        assert mine["separation"] == pytest.approx(theirs["separation"], rel=1e-3)
+        if not ON_GPU:  # bf16 may move an example across the midpoint; the vector's check above bounds it there
+            assert mine["accuracy"] == theirs["accuracy"]
+            assert mine["separation"] == pytest.approx(theirs["separation"], rel=1e-3)
 
 
 def test_mean_capture_twice_same_prompt_is_not_served_from_the_prefix_cache(llm):
@@ -134,10 +153,17 @@ def test_steering_with_capture_compiled_in_equals_transformers_hook(llm, hf_mode
     params = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0,
                             extra_args={"hotwire": json.dumps({"id": "steer-me", "layer": 2, "scale": 4.0})})
     got = summarize(llm.generate([{"prompt_token_ids": ids}], params, use_tqdm=False)[0])["prompt_logprobs"][1:]
+    plain_params = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0)
+    got_plain = summarize(llm.generate([{"prompt_token_ids": ids}], plain_params, use_tqdm=False)[0])
+    got_plain = got_plain["prompt_logprobs"][1:]
     expected = hf_reference.prompt_logprobs(hf_model, ids, [(2, v, 4.0, False)])
     plain = hf_reference.prompt_logprobs(hf_model, ids)
-    assert (torch.tensor(got) - expected).abs().max().item() < 2e-3
-    assert (expected - plain).abs().max().item() > 2e-2
+    # On a GPU bf16 is the floor: the plain request's own distance from transformers' float32.
+    tolerance = max(2e-3, 2 * (torch.tensor(got_plain) - plain).abs().max().item()) if ON_GPU else 2e-3
+    err = (torch.tensor(got) - expected).abs().max().item()
+    print(f"steering with capture compiled in vs transformers + hook: {err:.3g} (tolerance {tolerance:.3g})")
+    assert err < tolerance
+    assert (expected - plain).abs().max().item() > 10 * tolerance
 
 
 def test_captures_beyond_the_rows_are_refused_and_rows_come_back(llm, token_ids):

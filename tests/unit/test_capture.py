@@ -140,12 +140,13 @@ def test_capture_op_adds_only_rows_with_a_capture(n):
     assert torch.equal(acc[2, 2], x[0]) and not acc[2, 1].any() and not acc[[0, 1, 3]].any()
 
 
-# -- the CUDA kernel, in Triton's interpreter on the CPU ------------------------------------------------------
+# -- the CUDA kernel: in Triton's interpreter on the CPU, compiled on a GPU --------------------------------------
 
 
-def check_triton_against_torch() -> None:
+def check_triton_against_torch(device: str) -> None:
     """``capture_triton_`` adds what ``capture_torch`` adds: with and without a partner, bf16 and float32 streams,
-    several tokens into one row (a ``mean`` capture), and a hidden size spanning several blocks."""
+    several tokens into one row (a ``mean`` capture), and a hidden size spanning several blocks. On ``cpu`` it runs
+    in Triton's interpreter (the caller sets ``TRITON_INTERPRET``); on ``cuda`` compiled."""
     from hotwire_core import triton_capture
 
     g = torch.Generator().manual_seed(0)
@@ -160,10 +161,12 @@ def check_triton_against_torch() -> None:
             other = torch.randn(n, hidden, generator=g).to(dtype) if with_other else None
             cap = torch.zeros(MAX_TOKENS, dtype=torch.int32)
             cap[:n] = torch.tensor([0, 2, 2, 1, 0, 2], dtype=torch.int32)
-            want, got = torch.zeros(N_LAYERS, 3, hidden), torch.zeros(N_LAYERS, 3, hidden)
+            want, got = torch.zeros(N_LAYERS, 3, hidden), torch.zeros(N_LAYERS, 3, hidden, device=device)
             capture_torch(target, other, cap, want, 1)
             want[:, 0] = 0  # row 0 is never read: the kernel skips its tokens
-            triton_capture.capture_triton_(target, other, cap, got, 1)
+            triton_capture.capture_triton_(target.to(device), None if other is None else other.to(device),
+                                           cap.to(device), got, 1)
+            got = got.cpu()
             torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
             assert got[1, 2].abs().sum() > 0
         finally:
@@ -175,7 +178,7 @@ import os, sys
 os.environ["TRITON_INTERPRET"] = "1"
 sys.path.insert(0, {str(Path(__file__).parent)!r})
 import test_capture
-test_capture.check_triton_against_torch()
+test_capture.check_triton_against_torch("cpu")
 """
 
 
@@ -209,3 +212,33 @@ def test_the_cpu_kernel_adds_the_captured_tokens_only():
     finally:
         GATE.open = True
         capture_op.set_accumulator(saved)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_triton_kernel_on_the_gpu_and_under_graph_replay() -> None:
+    """The kernel compiled for the GPU adds what the torch kernel adds, at a model's width, and a captured CUDA graph
+    replays it on the buffers' contents at replay time (new streams, new rows), not those of capture."""
+    from hotwire_core import triton_capture
+
+    check_triton_against_torch("cuda")
+    g = torch.Generator().manual_seed(1)
+    n, hidden = 64, 2560
+    target = torch.zeros(n, hidden, dtype=torch.bfloat16, device="cuda")
+    other = torch.zeros_like(target)
+    cap = torch.zeros(MAX_TOKENS * 4, dtype=torch.int32, device="cuda")
+    acc = torch.zeros(N_LAYERS, 3, hidden, device="cuda")
+    triton_capture.capture_triton_(target, other, cap, acc, 1)  # compiles before capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        triton_capture.capture_triton_(target, other, cap, acc, 1)
+    t, o = torch.randn(n, hidden, generator=g).bfloat16(), torch.randn(n, hidden, generator=g).bfloat16()
+    rows = torch.zeros(MAX_TOKENS * 4, dtype=torch.int32)
+    rows[:n] = torch.randint(0, 3, (n,), generator=g, dtype=torch.int32)
+    target.copy_(t), other.copy_(o), cap.copy_(rows)
+    graph.replay()
+    want = torch.zeros(N_LAYERS, 3, hidden)
+    capture_torch(t, o, rows, want, 1)
+    want[:, 0] = 0
+    torch.testing.assert_close(acc.cpu(), want, atol=1e-4, rtol=1e-5)
+    assert want[1, 1:].abs().sum() > 0
