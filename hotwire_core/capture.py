@@ -32,6 +32,11 @@ class _Live:
     mean: bool
     prompt_len: int
     tokens: int = 0  # prompt tokens given the row since the prompt was (re)started
+    taken: bool = False  # handed out before the worker heard that its request finished (``take``)
+
+    @property
+    def complete(self) -> bool:
+        return self.tokens == (self.prompt_len if self.mean else 1)
 
 
 class WorkerCapture:
@@ -104,18 +109,19 @@ class WorkerCapture:
         self._uploader.copy_(self.token_cap[:length], torch.from_numpy(host.copy()))
         self.dirty = num_tokens if host[:num_tokens].any() else 0
 
+    def _result(self, live: _Live) -> dict:
+        if not live.complete:
+            return {"error": f"the capture saw {live.tokens} of the {live.prompt_len if live.mean else 1} prompt "
+                             "tokens it needs (the request was aborted, or part of its prompt was not computed)"}
+        sums = self.acc[live.layers, live.row].cpu().numpy() if live.layers else np.zeros((0, self.hidden_size))
+        return {"layers": live.layers, "tokens": live.tokens, "data": np.ascontiguousarray(sums, np.float32).tobytes()}
+
     def _finish(self, req_id: str) -> None:
         live = self.live.pop(req_id)
-        wanted = live.prompt_len if live.mean else 1
-        if live.tokens != wanted:
-            result = {"error": f"the capture saw {live.tokens} of the {wanted} prompt tokens it needs (the request "
-                               "was aborted, or part of its prompt was not computed)"}
-        else:
-            sums = self.acc[live.layers, live.row].cpu().numpy() if live.layers else np.zeros((0, self.hidden_size))
-            result = {"layers": live.layers, "tokens": live.tokens, "data": np.ascontiguousarray(sums, np.float32).tobytes()}
+        if not live.taken:
+            self._store(live.tag, self._result(live))
         self.acc[:, live.row].zero_()
         self._free.append(live.row)
-        self._store(live.tag, result)
 
     def _store(self, tag: str, result: dict) -> None:
         now = time.monotonic()
@@ -124,5 +130,17 @@ class WorkerCapture:
             self._done.popitem(last=False)
 
     def take(self, tags: Iterable[str]) -> TakeCapturesResult:
-        """The finished captures of ``tags``, each handed out once (``contract.TakeCapturesResult``)."""
-        return TakeCapturesResult(ok=True, captures={tag: self._done.pop(tag)[1] for tag in tags if tag in self._done})
+        """The captures of ``tags``, each handed out once (``contract.TakeCapturesResult``). vLLM tells the workers
+        that a request finished only in the step after it finished, and with nothing else to run that step can come
+        after the caller, who has the request's output, asks: a capture whose prompt is complete is handed out
+        then (its row stays held until the worker hears of the finish)."""
+        wanted = set(tags)
+        out = {tag: self._done.pop(tag)[1] for tag in wanted if tag in self._done}
+        early = [live for live in self.live.values()
+                 if live.tag in wanted and live.tag not in out and not live.taken and live.complete]
+        if early and self.acc.is_cuda:
+            torch.cuda.synchronize(self.acc.device)  # the forward that added the last token may still be running
+        for live in early:
+            out[live.tag] = self._result(live)
+            live.taken = True
+        return TakeCapturesResult(ok=True, captures=out)

@@ -362,7 +362,10 @@ def test_slot_exhaustion_defers_then_serves_with_lru_eviction(llm, prompts, vect
     before = stats(llm)
 
     engine = llm.llm_engine
-    engine.add_request("holder", {"prompt_token_ids": prompts["short"]}, SamplingParams(**params, extra_args=wide))
+    # Long enough to still hold its rows after the checks below: the engine core steps in its own process, and on
+    # a GPU 8 tokens are done before the next line runs.
+    holder_params = {**params, "max_tokens": 256}
+    engine.add_request("holder", {"prompt_token_ids": prompts["short"]}, SamplingParams(**holder_params, extra_args=wide))
     engine.step()
     held = stats(llm)
     assert held["pinned"] >= LAYERS

@@ -138,6 +138,14 @@ def test_plain_batchmate_is_identical_to_vllm_without_hotwire(llm, token_ids, ti
     (vanilla,), = run_vanilla(tiny_model, [[{"prompt_token_ids": plain_ids, "params": plain}]], tmp_path)
     ours = summarize(outputs[-1])
     assert ours["token_ids"] == vanilla["token_ids"]
+    if ON_GPU:
+        # bf16 graphs: the capture op reads `residual`, so Inductor stores it rounded to bf16 in a step that
+        # captures (docs/architecture.md, "Capture"); steps without capture or steering replay the idle graphs.
+        diff = max(abs(a - b) for a, b in zip(ours["logprobs"] + ours["prompt_logprobs"][1:],
+                                              vanilla["logprobs"] + vanilla["prompt_logprobs"][1:]))
+        print(f"plain batchmate of an extraction vs vLLM without hotwire (bf16, graphs): {diff:.3g}")
+        assert diff < 1e-3, "the batchmate moved by more than bf16 rounding"
+        return
     assert ours["logprobs"] == vanilla["logprobs"], "the batchmate's logprobs differ from vLLM without hotwire"
     assert ours["prompt_logprobs"] == vanilla["prompt_logprobs"]
 

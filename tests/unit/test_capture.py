@@ -94,6 +94,21 @@ def test_rows_come_back_and_token_cap_is_cleared_once_nobody_captures():
     assert w.clean and not w.token_cap.any()
 
 
+def test_a_complete_capture_is_handed_out_before_the_worker_hears_of_the_finish():
+    """vLLM passes finished ids on in the next step, which an idle engine may run after the caller asks: a capture
+    whose prompt is complete is taken then, once; its row comes back only with the finish, and nothing is stored."""
+    w = worker()
+    step(w, [new_req("m", 4, "tm", position="mean"), new_req("h", 4, "th", position="mean")])
+    s = streams_for(6, 1)
+    forward(w, ["m", "h"], [4, 2], [0, 0], s)  # "h" has seen half of its prompt
+    early = take(w, "tm")
+    assert early["tokens"] == 4 and np.allclose(as_rows(early)[0], s[1][:4].sum(0).numpy(), atol=1e-5)
+    assert take(w, "th") is None  # incomplete: not yet
+    assert take(w, "tm") is None and len(w._free) == ROWS - 2  # once; the row is still held
+    step(w, finished={"m"})
+    assert take(w, "tm") is None and len(w._free) == ROWS - 1 and (w.acc[:, 1:2] == 0).all()
+
+
 def test_a_restarted_prompt_starts_its_sum_again():
     w = worker()
     step(w, [new_req("m", 4, "tm", position="mean")])

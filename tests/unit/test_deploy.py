@@ -927,9 +927,11 @@ FAKE_PYTHON = r"""#!/usr/bin/env bash
 # A stand-in for the venv's python: answers version look-ups, logs pip and -m calls (pip exits $FAKE_PIP_RC, other
 # modules $FAKE_RC, or with $FAKE_FAILING set $FAKE_FAILING_RC where that is one of the arguments, else 0), knows
 # whether the project was installed (pip install ... -e . creates $FAKE_PROJECT; importing hotwire_core needs it);
-# runs a .venv/bin/vllm script as exiting $FAKE_VLLM_RC. With $FAKE_RUNNING (a folder) a module run lasts half a
-# second and appends to $FAKE_RUNNING.counts how many were running then, to $FAKE_RUNNING.together the arguments of
-# those runs (one line). Its output ends with a line after the summary, as vLLM's shutdown can print.
+# runs a .venv/bin/vllm script as exiting $FAKE_VLLM_RC. With $FAKE_RUNNING (a folder) a module run lasts 1.5 s
+# (long enough that runs started in one pass of the lanes loop overlap on a busy machine) and appends to
+# $FAKE_RUNNING.counts how many were running at its end, to $FAKE_RUNNING.together the arguments of the runs running
+# at its start and at its end (one line each). Its output ends with a line after the summary, as vLLM's shutdown
+# can print.
 case "$1" in
     -)  cat >/dev/null
         var="FAKE_VERSION_$(printf '%s' "$2" | tr 'a-z-' 'A-Z_')"
@@ -951,7 +953,8 @@ case "$1" in
         env > "$FAKE_ENV"
         if [[ -n "${FAKE_RUNNING:-}" ]]; then
             printf '%s ' "${@:3}" > "$FAKE_RUNNING/$$"
-            sleep 0.5
+            { cat "$FAKE_RUNNING"/*; echo; } >> "$FAKE_RUNNING.together"
+            sleep 1.5
             ls "$FAKE_RUNNING" | wc -l >> "$FAKE_RUNNING.counts"
             { cat "$FAKE_RUNNING"/*; echo; } >> "$FAKE_RUNNING.together"
             rm "$FAKE_RUNNING/$$"
