@@ -6,6 +6,7 @@ operator checks the configuration they serve before they enable steering."""
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -24,10 +25,12 @@ class Setup:
     lora_path: str | None = None
 
     def engine_kwargs(self) -> dict[str, Any]:
-        """What the engines get: :attr:`engine`, plus LoRA enabled at the adapter's rank."""
+        """What the engines get: a deep copy of :attr:`engine` (vLLM adds its own objects to a
+        ``speculative_config`` dict it is given), plus LoRA enabled at the adapter's rank."""
+        engine = copy.deepcopy(self.engine)
         if self.lora_path is None:
-            return dict(self.engine)
-        return {**self.engine, "enable_lora": True, "max_loras": 1, "max_lora_rank": _lora_rank(self.lora_path)}
+            return engine
+        return {**engine, "enable_lora": True, "max_loras": 1, "max_lora_rank": _lora_rank(self.lora_path)}
 
     def request_lora(self) -> list | None:
         """The adapter as a plugin-free job names it per request (``plugin_free.Request``'s ``lora``)."""

@@ -97,8 +97,8 @@ def test_extracted_vector_equals_transformers_hooks(llm, hf_model, token_ids, ac
     expected, report = extract(pos, neg, LAYERS, method)
     got = exported(llm, vector_id)
     err = np.abs(got - expected).max()
-    # A difference of means moves by up to twice its inputs' error; pca's unit direction, scaled by the mean gap, alike.
-    tolerance = max(ATOL[method], 4 * activation_floor) if ON_GPU else ATOL[method]
+    # Averaging over examples does not add to its inputs' error (H200, bf16: 0.001-0.0021 against a floor of 0.0046).
+    tolerance = max(ATOL[method], activation_floor) if ON_GPU else ATOL[method]
     print(f"{method}/{position}: extracted vector vs transformers + hooks: {err:.3g} (tolerance {tolerance:.3g}, "
           f"largest entry {np.abs(expected).max():.3g})")
     assert err < tolerance, f"{method}/{position}: extracted vector differs from transformers + hooks by {err}"
@@ -140,11 +140,12 @@ def test_plain_batchmate_is_identical_to_vllm_without_hotwire(llm, token_ids, ti
     assert ours["token_ids"] == vanilla["token_ids"]
     if ON_GPU:
         # bf16 graphs: the capture op reads `residual`, so Inductor stores it rounded to bf16 in a step that
-        # captures (docs/architecture.md, "Capture"); steps without capture or steering replay the idle graphs.
+        # captures (docs/architecture.md, "Capture"; H200: 0.006-0.008 in a logprob); steps without capture or
+        # steering replay the idle graphs. The bound is test_engine's for HOTWIRE_NORM=1, the same rounding.
         diff = max(abs(a - b) for a, b in zip(ours["logprobs"] + ours["prompt_logprobs"][1:],
                                               vanilla["logprobs"] + vanilla["prompt_logprobs"][1:]))
         print(f"plain batchmate of an extraction vs vLLM without hotwire (bf16, graphs): {diff:.3g}")
-        assert diff < 1e-3, "the batchmate moved by more than bf16 rounding"
+        assert diff < 2e-2, "the batchmate moved by more than bf16 rounding"
         return
     assert ours["logprobs"] == vanilla["logprobs"], "the batchmate's logprobs differ from vLLM without hotwire"
     assert ours["prompt_logprobs"] == vanilla["prompt_logprobs"]

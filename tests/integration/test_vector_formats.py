@@ -32,6 +32,9 @@ pytestmark = pytest.mark.integration
 
 HIDDEN, LAYERS = 256, 4  # hotwire_core.tiny_model "tiny"
 SERVER_ARGS = [] if torch.cuda.is_available() else ["--enforce-eager"]
+# Extracted vectors against transformers, both float32: the CPU's kernels come within 2e-4; a GPU's (graphs on) sum in
+# other orders (seen on the H200: 2.1e-4 on a unit-length pca vector).
+EXTRACT_ATOL = 5e-4 if torch.cuda.is_available() else 2e-4
 TOKENS = [11, 57, 203, 9, 140, 77, 310, 5, 88, 42]  # a prompt as token ids: transformers sees the same
 CAPTURE_ROWS, MAX_EXAMPLES, MAX_EXAMPLE_TOKENS = 2, 8, 40  # fewer rows than examples: extraction runs in chunks
 POSITIVE = ["I love this, it is wonderful", "What a happy sunny day",
@@ -264,7 +267,7 @@ def test_extract_route_registers_what_transformers_hooks_give(server, http, tiny
     assert all(0.0 <= r["accuracy"] <= 1.0 and r["norm"] > 0 for r in result["layers"])
     expected = reference_vector(hf, tiny_model, [1, 2, 3], "mean_diff", "mean")
     got = exported_rows(http, "joy")
-    assert np.abs(got - expected).max() < 2e-4, np.abs(got - expected).max()
+    assert np.abs(got - expected).max() < EXTRACT_ATOL, np.abs(got - expected).max()
     assert np.abs(expected).max() > 0.05
     # an ordinary registration: it steers, and extracting again under the id needs replace (a new version)
     assert max_diff(prompt_logprobs(http, str(tiny_model), {"id": "joy", "layer": 2, "scale": 4.0}),
@@ -276,7 +279,7 @@ def test_extract_route_registers_what_transformers_hooks_give(server, http, tiny
     assert again.vector.version == 2
     got = exported_rows(http, "joy")
     assert np.allclose(np.linalg.norm(got, axis=1), 1.0, atol=1e-5)
-    assert np.abs(got - reference_vector(hf, tiny_model, [1, 2, 3], "pca", "last")).max() < 2e-4
+    assert np.abs(got - reference_vector(hf, tiny_model, [1, 2, 3], "pca", "last")).max() < EXTRACT_ATOL
 
 
 def test_cli_extract_reads_jsonl(server, http, tmp_path, capsys):
