@@ -22,9 +22,11 @@ import json
 import math
 import re
 from collections.abc import AsyncIterable, Mapping
+from typing import Any, Literal
 
 import numpy as np
 import safetensors
+from pydantic import BaseModel, ConfigDict, Field, SkipValidation, ValidationError, field_validator, model_validator
 
 from hotwire_api.errors import HotwireError
 from hotwire_core.error_codes import ErrorCode
@@ -33,7 +35,6 @@ from hotwire_core.vector_bits import ITEMSIZE, as_bits, non_finite
 
 SAFETENSORS_DTYPES = {"F32": "float32", "F16": "float16", "BF16": "bfloat16"}  # safetensors' names -> ours
 _LAYER_NAME_RE = re.compile(r"[0-9]{1,6}")
-_JSON_FIELDS = ("id", "data", "dtype", "shape", "layers")
 ID_RULE = "1-64 characters of A-Z a-z 0-9 . _ -, not starting with . or -"
 CONVERT_HINT = (
     "convert it first, e.g. safetensors.torch.save_file({'vector': tensor.contiguous()}, 'vector.safetensors')"
@@ -270,43 +271,96 @@ def _decode_layer_lists(rows: Mapping[str, object]) -> VectorPayload:
     return finish_payload(data, "float32", (len(layers), arrays[layers[0]].size), layers, "layers")
 
 
-def decode_json(obj: object) -> tuple[str, VectorPayload]:
-    """A JSON upload: base64 ``data`` with ``dtype``/``shape``/``layers``?, or per-layer float lists."""
-    if not isinstance(obj, dict):
-        raise _bad(None, "the body must be a JSON object", ErrorCode.BAD_BODY)
-    for name in obj:
-        if name == "replace":
-            raise _bad(name, "is a query parameter, not a body field: POST /steer/vectors?replace=true",
-                       ErrorCode.BAD_BODY)
-        if name not in _JSON_FIELDS:
-            raise _bad(name, f"unknown field; allowed: {', '.join(_JSON_FIELDS)}", ErrorCode.BAD_BODY)
-    vector_id = validate_id(obj.get("id"))
-    layers = obj.get("layers")
-    if isinstance(layers, dict):
+class RegisterVectorJSON(BaseModel):
+    """JSON body of ``POST /steer/vectors``: either base64 ``data`` with ``dtype`` and ``shape`` (``layers``
+    optionally naming the rows), or per-layer float lists in ``layers`` (stored as float32).
+
+    The one definition of that body: its fields are the OpenAPI schema, and its validators are the checks
+    registration runs (:func:`decode_json`), each refusal naming its field and error code."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    id: str = Field(pattern=f"^{VECTOR_ID_RE.pattern}$")
+    data: str | None = Field(None, description="Base64 of the raw little-endian values, row-major.")
+    dtype: Literal["float32", "float16", "bfloat16"] | None = None
+    shape: list[int] | None = Field(None, description="[hidden], [n_layers, hidden] or [len(layers), hidden].")
+    # Checked by check_layers alone: pydantic would copy every float list of a large upload once more.
+    layers: SkipValidation[list[int] | dict[str, list[float]] | None] = Field(
+        None, description='Layer indices naming the rows of `data`, or {"<layer>": [floats...]}.'
+    )
+
+    @model_validator(mode="before")
+    @classmethod
+    def check_object(cls, obj: Any) -> Any:
+        if not isinstance(obj, dict):
+            raise _bad(None, "the body must be a JSON object", ErrorCode.BAD_BODY)
+        for name in obj:
+            if name == "replace":
+                raise _bad(name, "is a query parameter, not a body field: POST /steer/vectors?replace=true",
+                           ErrorCode.BAD_BODY)
+            if name not in cls.model_fields:
+                raise _bad(name, f"unknown field; allowed: {', '.join(cls.model_fields)}", ErrorCode.BAD_BODY)
+        validate_id(obj.get("id"))
+        if isinstance(obj.get("layers"), dict):
+            for name in ("data", "dtype", "shape"):
+                if name in obj:
+                    raise _bad(name, 'cannot be combined with per-layer float lists; send {"id", "layers": '
+                               '{"<layer>": [...]}} or {"id", "data", "dtype", "shape", "layers"?}', ErrorCode.BAD_BODY)
+            return obj
         for name in ("data", "dtype", "shape"):
-            if name in obj:
-                raise _bad(
-                    name,
-                    'cannot be combined with per-layer float lists; send {"id", "layers": {"<layer>": [...]}} '
-                    'or {"id", "data", "dtype", "shape", "layers"?}',
-                    ErrorCode.BAD_BODY,
-                )
-        return vector_id, _decode_layer_lists(layers)
-    for name in ("data", "dtype", "shape"):
-        if name not in obj:
-            raise _bad(
-                name,
-                'is required: send base64 "data" with "dtype" and "shape", or per-layer float lists as '
-                '"layers": {"<layer>": [...]}',
-                ErrorCode.BAD_BODY,
-            )
-    data = obj["data"]
+            if name not in obj:
+                raise _bad(name, 'is required: send base64 "data" with "dtype" and "shape", or per-layer float lists '
+                           'as "layers": {"<layer>": [...]}', ErrorCode.BAD_BODY)
+        return obj
+
+    @field_validator("data", mode="before")
+    @classmethod
+    def check_data(cls, value: Any) -> Any:
+        try:
+            if not isinstance(value, str):
+                raise ValueError
+            base64.b64decode(value, validate=True)
+        except (ValueError, binascii.Error):
+            raise _bad("data", "must be a base64 string of the raw little-endian values", ErrorCode.BAD_DATA) from None
+        return value
+
+    @field_validator("dtype", mode="before")
+    @classmethod
+    def check_dtype(cls, value: Any) -> Any:
+        return _dtype(value, "dtype")
+
+    @field_validator("shape", mode="before")
+    @classmethod
+    def check_shape(cls, value: Any) -> Any:
+        return list(_shape(value, "shape"))
+
+    @field_validator("layers", mode="before")
+    @classmethod
+    def check_layers(cls, value: Any) -> Any:
+        if isinstance(value, dict):
+            return _decode_layer_lists(value)
+        if isinstance(value, str):  # a form field's text form; JSON has lists
+            raise _bad("layers", f"must be a list of layer indices like [10, 12] or per-layer float lists, got "
+                       f"{short_repr(value)}", ErrorCode.BAD_LAYERS)
+        layers = parse_layer_list(value)
+        return None if layers is None else list(layers)
+
+    def payload(self) -> VectorPayload:
+        if isinstance(self.layers, VectorPayload):  # per-layer float lists, decoded by check_layers
+            return self.layers
+        layers = None if self.layers is None else tuple(self.layers)
+        return finish_payload(base64.b64decode(self.data), self.dtype, tuple(self.shape), layers, "data")
+
+
+def decode_json(obj: object) -> tuple[str, VectorPayload]:
+    """A JSON upload, validated by :class:`RegisterVectorJSON`."""
     try:
-        if not isinstance(data, str):
-            raise ValueError
-        raw = base64.b64decode(data, validate=True)
-    except (ValueError, binascii.Error):
-        raise _bad("data", "must be a base64 string of the raw little-endian values", ErrorCode.BAD_DATA) from None
-    dtype = _dtype(obj["dtype"], "dtype")
-    shape = _shape(obj["shape"], "shape")
-    return vector_id, finish_payload(raw, dtype, shape, parse_layer_list(layers), "data")
+        body = RegisterVectorJSON.model_validate(obj)
+    except ValidationError as exc:
+        first = exc.errors(include_url=False)[0]
+        error = first.get("ctx", {}).get("error")
+        if isinstance(error, HotwireError):
+            raise error from None
+        field = ".".join(str(part) for part in first["loc"]) or None
+        raise _bad(field, first["msg"], ErrorCode.BAD_BODY) from None
+    return body.id, body.payload()

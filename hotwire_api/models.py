@@ -56,21 +56,6 @@ class DeleteResult(BaseModel):
     in_flight: int
 
 
-class RegisterVectorJSON(BaseModel):
-    """JSON body of ``POST /steer/vectors``: either base64 ``data`` with ``dtype`` and ``shape`` (``layers``
-    optionally naming the rows), or per-layer float lists in ``layers`` (stored as float32)."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    id: str = Field(pattern=f"^{VECTOR_ID_RE.pattern}$")
-    data: str | None = Field(None, description="Base64 of the raw little-endian values, row-major.")
-    dtype: Literal["float32", "float16", "bfloat16"] | None = None
-    shape: list[int] | None = Field(None, description="[hidden], [n_layers, hidden] or [len(layers), hidden].")
-    layers: list[int] | dict[str, list[float]] | None = Field(
-        None, description='Layer indices naming the rows of `data`, or {"<layer>": [floats...]}.'
-    )
-
-
 class SlotRow(_EngineResult):
     """One occupied row of the steering bank."""
 

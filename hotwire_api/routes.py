@@ -14,14 +14,14 @@ from fastapi.routing import APIRoute
 
 from hotwire_api.auth import require_api_key
 from hotwire_api.catalog import CATALOG
-from hotwire_api.codec import VectorPayload, read_limited, too_large
+from hotwire_api.codec import RegisterVectorJSON, VectorPayload, read_limited, too_large
 from hotwire_api.engine import HotwireEngine
 from hotwire_api.errors import HotwireError
 from hotwire_api.extraction import ExtractRequest, ExtractResult, run_extraction
 from hotwire_api.forms import check_fits
 from hotwire_api.gguf_codec import encode_gguf, encode_safetensors
 from hotwire_api.stats_cache import STATS
-from hotwire_api.models import DeleteResult, ErrorBody, FleetView, RegisterVectorJSON, SlotStats, VectorList, VectorMeta
+from hotwire_api.models import DeleteResult, ErrorBody, FleetView, SlotStats, VectorList, VectorMeta
 from hotwire_api.settings import Settings
 from hotwire_api.uploads import decode_upload
 from hotwire_api.vector_registry import VectorRegistry

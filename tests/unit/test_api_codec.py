@@ -352,3 +352,40 @@ def test_a_large_upload_is_refused_from_the_other_process_as_it_would_be_in_plac
     assert len(form) > uploads.INLINE_BYTES
     vector_id, payload = asyncio.run(uploads.decode_upload(f"multipart/form-data; boundary={boundary}", form, 1 << 30))
     assert vector_id == "v" and payload.data == array.tobytes() and payload.source == "file"
+
+
+@pytest.mark.parametrize(
+    ("body", "accepted"),
+    [
+        (_json(), True),
+        (_json(layers=[3]), True),
+        ({"id": "v", "layers": {"1": [1.0] * HIDDEN, "4": [0.5] * HIDDEN}}, True),
+        (_json(id="-v"), False),
+        (_json(dtype="float64"), False),
+        (_json(shape="8"), False),
+        (_json(data=7), False),
+        (_json(extra=1), False),
+        (_json(layers="3"), False),  # a JSON body's layers are a list (a form's may be a string)
+    ],
+)
+def test_the_advertised_json_schema_is_what_registration_accepts(body, accepted) -> None:
+    """The OpenAPI schema of the JSON registration body is RegisterVectorJSON's, and RegisterVectorJSON is what
+    decode_json validates with: a body the schema refuses is refused, one registration accepts fits the schema."""
+    import jsonschema
+    from fastapi import FastAPI
+
+    from hotwire_api.codec import RegisterVectorJSON
+    from hotwire_api.routes import router
+
+    app = FastAPI()
+    app.include_router(router)
+    advertised = app.openapi()["paths"]["/steer/vectors"]["post"]["requestBody"]["content"]["application/json"]
+    schema = advertised["schema"]  # RegisterVectorJSON's, as FastAPI writes it (without the null defaults)
+    assert schema["description"] == RegisterVectorJSON.model_json_schema()["description"]
+    assert set(schema["properties"]) == set(RegisterVectorJSON.model_fields) and schema["additionalProperties"] is False
+    fits = jsonschema.Draft202012Validator(schema).is_valid(body)
+    assert fits == accepted
+    if accepted:
+        assert decode_json(body)[0] == "v"
+    else:
+        assert _refused(decode_json, body).status == 400
