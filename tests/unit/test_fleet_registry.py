@@ -507,6 +507,11 @@ def test_a_wiped_registry_is_put_back_from_the_replicas(tmp_path) -> None:
             _, other = await b.replica.changes.register(b.engine, "other", layered, False)
             await eventually(lambda: a.client.held() == b.client.held() and len(a.client.held()) == 2, 1.0)
             await eventually(lambda: a.replica.position is not None and b.replica.position is not None, 1.0)
+            # Each follower has looked at the gate since it read these events: a loss is judged by the position of
+            # that look (Follower._synced_at). A wipe in the second between a replica's first read and its next look,
+            # with another replica's put-back read first, leaves `reset_seen` false on it (an open race: it still
+            # holds what it held, and the put-back events it read re-register what it has).
+            await eventually(lambda: all(n.replica.follower._synced_at == n.replica.position for n in (a, b)), 3.0)
             server.restart()  # no persistence: hotwire's keys are gone
             await eventually(lambda: a.replica.reset_seen and b.replica.reset_seen, 5.0)
             assert a.client.held()["kept"] == (2, kept.sha256)  # served all along
