@@ -1054,8 +1054,10 @@ class FakeRun:
             FAKE_PYTHON_SOURCE=str(self.python_source),
             **env,
         )
+        # 240 s: the lanes checks run the script with 1.5 s fake pytest runs; beside engines on two cores one took
+        # over 60 s (a fresh-clone CI run at b1bb6b1).
         return subprocess.run(
-            [BASH, str(self.repo / script), *args], env=base, capture_output=True, text=True, timeout=60
+            [BASH, str(self.repo / script), *args], env=base, capture_output=True, text=True, timeout=240
         )
 
     def calls(self) -> list[str]:
