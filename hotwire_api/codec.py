@@ -281,7 +281,8 @@ class RegisterVectorJSON(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     id: str = Field(pattern=f"^{VECTOR_ID_RE.pattern}$")
-    data: str | None = Field(None, description="Base64 of the raw little-endian values, row-major.")
+    # check_data decodes it once and keeps the bytes (the schema is the base64 string).
+    data: SkipValidation[str | None] = Field(None, description="Base64 of the raw little-endian values, row-major.")
     dtype: Literal["float32", "float16", "bfloat16"] | None = None
     shape: list[int] | None = Field(None, description="[hidden], [n_layers, hidden] or [len(layers), hidden].")
     # Checked by check_layers alone: pydantic would copy every float list of a large upload once more.
@@ -319,10 +320,9 @@ class RegisterVectorJSON(BaseModel):
         try:
             if not isinstance(value, str):
                 raise ValueError
-            base64.b64decode(value, validate=True)
+            return base64.b64decode(value, validate=True)
         except (ValueError, binascii.Error):
             raise _bad("data", "must be a base64 string of the raw little-endian values", ErrorCode.BAD_DATA) from None
-        return value
 
     @field_validator("dtype", mode="before")
     @classmethod
@@ -349,7 +349,7 @@ class RegisterVectorJSON(BaseModel):
         if isinstance(self.layers, VectorPayload):  # per-layer float lists, decoded by check_layers
             return self.layers
         layers = None if self.layers is None else tuple(self.layers)
-        return finish_payload(base64.b64decode(self.data), self.dtype, tuple(self.shape), layers, "data")
+        return finish_payload(self.data, self.dtype, tuple(self.shape), layers, "data")
 
 
 def decode_json(obj: object) -> tuple[str, VectorPayload]:

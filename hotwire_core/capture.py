@@ -35,8 +35,13 @@ class _Live:
     taken: bool = False  # handed out before the worker heard that its request finished (``take``)
 
     @property
+    def wanted(self) -> int:
+        """Prompt tokens the capture needs: all of them for ``mean``, the last one for ``last``."""
+        return self.prompt_len if self.mean else 1
+
+    @property
     def complete(self) -> bool:
-        return self.tokens == (self.prompt_len if self.mean else 1)
+        return self.tokens == self.wanted
 
 
 class WorkerCapture:
@@ -111,7 +116,7 @@ class WorkerCapture:
 
     def _result(self, live: _Live) -> dict:
         if not live.complete:
-            return {"error": f"the capture saw {live.tokens} of the {live.prompt_len if live.mean else 1} prompt "
+            return {"error": f"the capture saw {live.tokens} of the {live.wanted} prompt "
                              "tokens it needs (the request was aborted, or part of its prompt was not computed)"}
         sums = self.acc[live.layers, live.row].cpu().numpy() if live.layers else np.zeros((0, self.hidden_size))
         return {"layers": live.layers, "tokens": live.tokens, "data": np.ascontiguousarray(sums, np.float32).tobytes()}
