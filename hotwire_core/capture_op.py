@@ -15,13 +15,11 @@ from __future__ import annotations
 
 import torch
 
-from .ops import GATE, OP_NAMESPACE
+from .ops import GATE, define_op
 
 OP_NAME = "capture_"
-_QUALNAME = f"{OP_NAMESPACE}::{OP_NAME}"
 _SCHEMA = f"{OP_NAME}(Tensor(a!) target, Tensor? other, Tensor token_cap, int layer) -> ()"
 
-_LIB: torch.library.Library | None = None
 _ACC: torch.Tensor | None = None
 
 
@@ -54,24 +52,9 @@ def _capture_cuda(target: torch.Tensor, other: torch.Tensor | None, token_cap: t
         capture_triton_(target, other, token_cap, _ACC, layer)
 
 
-def _capture_fake(*args: object) -> None:
-    return None
-
-
 def register_capture_op() -> None:
     """Register ``torch.ops.hotwire.capture_`` once per process."""
-    global _LIB
-    try:
-        torch._C._dispatch_find_schema_or_throw(_QUALNAME, "")
-        return
-    except RuntimeError:
-        pass
-    lib = torch.library.Library(OP_NAMESPACE, "FRAGMENT")
-    lib.define(_SCHEMA)
-    lib.impl(OP_NAME, _capture_cpu, "CPU")
-    lib.impl(OP_NAME, _capture_cuda, "CUDA")
-    torch.library.register_fake(_QUALNAME, _capture_fake, lib=lib)
-    _LIB = lib
+    define_op(OP_NAME, _SCHEMA, _capture_cpu, _capture_cuda)
 
 
 register_capture_op()

@@ -14,15 +14,10 @@ import torch
 
 OP_NAMESPACE = "hotwire"
 OP_NAME = "steer_"
-_QUALNAME = f"{OP_NAMESPACE}::{OP_NAME}"
 _SCHEMA = (
     f"{OP_NAME}(Tensor(a!) residual, Tensor? hidden, Tensor token_cfg, Tensor layer_on, Tensor cfg_slot, "
     "Tensor cfg_scale, Tensor cfg_rel, Tensor bank, Tensor inv_norm, int layer) -> ()"
 )
-
-# The op lives exactly as long as this object: keep it referenced for the life of the process.
-_LIB: torch.library.Library | None = None
-
 
 class Gate:
     """Whether the forward being run (or captured into a CUDA graph) may steer any token.
@@ -116,31 +111,34 @@ def _steer_cuda(*args: object) -> None:
         steer_triton_(*args, pdl=PDL)
 
 
-def _steer_fake(*args: object) -> None:
-    """Shape propagation for tracing: the op only mutates ``residual`` and returns nothing."""
-    return None
+_LIBS: list[torch.library.Library] = []  # each op lives exactly as long as its library: kept for the process
 
 
-def _op_registered() -> bool:
-    """Ask the dispatcher rather than ``torch.ops`` (which caches lookups), so a dropped library is seen."""
+def define_op(name: str, schema: str, cpu: Callable, cuda: Callable) -> None:
+    """Register ``torch.ops.hotwire.<name>`` (``schema``; it returns nothing) with its CPU and CUDA kernels, once
+    per process. The dispatcher is asked rather than ``torch.ops`` (which caches lookups), so a dropped library is
+    seen."""
     try:
-        torch._C._dispatch_find_schema_or_throw(_QUALNAME, "")
+        torch._C._dispatch_find_schema_or_throw(f"{OP_NAMESPACE}::{name}", "")
+        return
     except RuntimeError:
-        return False
-    return True
+        pass
+    lib = torch.library.Library(OP_NAMESPACE, "FRAGMENT")
+    lib.define(schema)
+    lib.impl(name, cpu, "CPU")
+    lib.impl(name, cuda, "CUDA")
+    torch.library.register_fake(f"{OP_NAMESPACE}::{name}", _fake, lib=lib)
+    _LIBS.append(lib)
+
+
+def _fake(*args: object) -> None:
+    """Shape propagation for tracing: hotwire's ops only mutate their first argument and return nothing."""
+    return None
 
 
 def register_ops() -> None:
     """Register ``torch.ops.hotwire.steer_``; a no-op when it is already registered in this process."""
-    global _LIB
-    if _op_registered():
-        return
-    lib = torch.library.Library(OP_NAMESPACE, "FRAGMENT")
-    lib.define(_SCHEMA)
-    lib.impl(OP_NAME, _steer_cpu, "CPU")
-    lib.impl(OP_NAME, _steer_cuda, "CUDA")
-    torch.library.register_fake(_QUALNAME, _steer_fake, lib=lib)
-    _LIB = lib
+    define_op(OP_NAME, _SCHEMA, _steer_cpu, _steer_cuda)
 
 
 register_ops()
