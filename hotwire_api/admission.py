@@ -37,9 +37,11 @@ from hotwire_api.catalog import CATALOG
 from hotwire_api.engine import HotwireEngine
 from hotwire_api.errors import HotwireError
 from hotwire_api.stats_cache import STATS
-from hotwire_api.tickets import TICKETS
+from hotwire_api.tickets import TICKETS, readout_unsupported
 from hotwire_core.admission import Refusal, pinned_spec, receipt, resolve
+from hotwire_core.contract import BINDING_KEY, READOUT_ARGS_KEY
 from hotwire_core.error_codes import ErrorCode
+from hotwire_core.readout_spec import READOUT_KEY
 from hotwire_core.spec import SALT_PREFIX, SPEC_KEY, TICKET_KEY, SpecError, parse_spec
 
 __all__ = ["AdmissionMiddleware", "LENIENT_HEADER", "RECEIPT_HEADER", "STEERABLE_ROUTES"]
@@ -158,12 +160,25 @@ def _as_pydantic_bool(value: Any) -> bool:
     return isinstance(value, str) and value.lower() in _TRUE_STRINGS
 
 
-_NEVER_LENIENT = frozenset({ErrorCode.RESERVED_SALT, ErrorCode.RESERVED_FIELD})  # forged cache keys and tickets: never served
+# Forged cache keys and tickets are never served; nor is a readout without its values.
+_NEVER_LENIENT = frozenset({ErrorCode.RESERVED_SALT, ErrorCode.RESERVED_FIELD, ErrorCode.READOUT_UNSUPPORTED})
 
 
 def _refuse_reserved(request: dict[str, Any], steering: _Steering | None) -> None:
     """A client may not set what only hotwire sets: a cache salt with its prefix (it could forge a steered
-    request's cache key), or a ticket."""
+    request's cache key), a ticket, or what the engine's admission gives a request (a binding to bank rows). A
+    readout, which HTTP responses do not carry yet, is refused too."""
+    params = request.get("sampling_params")
+    for holder, where in ((request.get("vllm_xargs"), "vllm_xargs"),
+                          (params.get("extra_args") if isinstance(params, dict) else None, "sampling_params.extra_args")):
+        if not isinstance(holder, dict):
+            continue
+        if READOUT_KEY in holder:
+            raise readout_unsupported(f"{where}.{READOUT_KEY}")
+        for key in (BINDING_KEY, READOUT_ARGS_KEY):
+            if key in holder:  # the engine refuses them too, but only as a failed request
+                raise HotwireError(400, ErrorCode.RESERVED_FIELD, f"{key} is set by hotwire's admission, not by "
+                                   "clients: remove it", f"{where}.{key}")
     salt = request.get("cache_salt")
     if isinstance(salt, str) and salt.startswith(SALT_PREFIX):
         raise HotwireError(400, ErrorCode.RESERVED_SALT, f"cache_salt may not start with {SALT_PREFIX!r}", "cache_salt")

@@ -81,6 +81,8 @@ class ModelSteering(_EngineResult):
     layers: str | None = Field(None, description="The layers this server steers, e.g. 0-35 (HOTWIRE_LAYERS).")
     capture_rows: int | None = Field(None, description="Examples captured at once for vector extraction "
                                      "(HOTWIRE_CAPTURE_ROWS); 0: capture is off (HOTWIRE_CAPTURE).")
+    readout_probes: int | None = Field(None, description="Probes one request may read (HOTWIRE_READOUT_PROBES); "
+                                       "0: readout is off (HOTWIRE_READOUT).")
 
 
 class SlotStats(_EngineResult):

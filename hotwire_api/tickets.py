@@ -24,6 +24,7 @@ from typing import Any
 from hotwire_api.errors import HotwireError
 from hotwire_core.contract import CAPTURE_KEY
 from hotwire_core.error_codes import ErrorCode
+from hotwire_core.readout_spec import READOUT_KEY
 from hotwire_core.spec import SPEC_KEY, TICKET_KEY
 
 __all__ = ["TICKETS", "Ticket", "TicketBook", "not_admitted"]
@@ -78,8 +79,10 @@ class TicketBook:
         """The engine client's guard: raises :class:`HotwireError` (400 ``not_admitted``) for a request that
         carries a spec or a ticket without a live ticket for exactly that spec; marks the ticket presented."""
         if not extra_args or (SPEC_KEY not in extra_args and TICKET_KEY not in extra_args
-                              and CAPTURE_KEY not in extra_args):
+                              and CAPTURE_KEY not in extra_args and READOUT_KEY not in extra_args):
             return
+        if READOUT_KEY in extra_args:
+            raise readout_unsupported()
         ticket = self.get(extra_args.get(TICKET_KEY))
         if ticket is None and CAPTURE_KEY in extra_args:
             # Captures come only from POST /steer/vectors/extract, whose requests carry a ticket without a spec.
@@ -93,6 +96,14 @@ class TicketBook:
 
     def __len__(self) -> int:
         return len(self._live) + len(self._kept)
+
+
+def readout_unsupported(field: str = f"vllm_xargs.{READOUT_KEY}") -> HotwireError:
+    """Readout is served offline only (``hotwire_core.offline.generate_with_readout``): an HTTP response has no
+    room for it yet, and a request that asks for it is never answered without it."""
+    return HotwireError(400, ErrorCode.READOUT_UNSUPPORTED, f"{READOUT_KEY} is not served over HTTP yet; read probes "
+                        "with the offline API (hotwire_core.offline.generate_with_readout), or send the request "
+                        "without it", field)
 
 
 TICKETS = TicketBook()

@@ -80,6 +80,7 @@ class ModelInfo:
     layers: frozenset[int]  # layers with a hook, over all PP ranks
     norm: bool = True  # norm-relative entries supported (see steer_hook.SteerHook)
     capture_rows: int = 0  # captures at once (HOTWIRE_CAPTURE_ROWS); 0: capture is off
+    readout_probes: int = 0  # probes one request may read (HOTWIRE_READOUT_PROBES); 0: readout is off
 
     def to_json(self, max_stack: int) -> ModelView:
         return ModelView(
@@ -92,6 +93,7 @@ class ModelInfo:
             norm=self.norm,
             layers=format_layers(self.layers),
             capture_rows=self.capture_rows,
+            readout_probes=self.readout_probes,
         )
 
 

@@ -4,7 +4,7 @@ carries to the workers (bank writes, new configs of resumed requests). See docs/
 
 from __future__ import annotations
 
-from collections.abc import Collection, Iterator, Mapping
+from collections.abc import Collection, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -52,6 +52,7 @@ class Binding:
     entries: list[BoundEntry]
     sources: dict[RowKey, tuple[HostVector, int]]  # its rows, and where their values come from: (vector, layer)
     config: Config = field(default_factory=dict)
+    reads: list[tuple[RowKey, int]] = field(default_factory=list)  # its readout probes' rows and layers, in order
     suspended: bool = False
 
     @property
@@ -91,11 +92,13 @@ class Bindings(Mapping[str, Binding]):
         sources: dict[RowKey, tuple[HostVector, int]],
         slot_of: dict[RowKey, int],
         loads: list[tuple[int, RowKey]],
+        probes: Sequence[tuple[Any, HostVector]] = (),
     ) -> Binding:
         """Bind a request whose rows ``SlotCache.acquire`` pinned (``slot_of``, ``loads``): reference its versions,
-        queue the loads, and give the request its config."""
+        queue the loads, and give the request its config. ``probes``: its readout's ``(Probe, version)`` pairs
+        (``readout_admission``), whose rows ``sources`` holds too."""
         vectors = []
-        for _, vector in resolved:
+        for _, vector in [*resolved, *probes]:
             if vector not in vectors:
                 self.registry.acquire(vector)
                 vectors.append(vector)
@@ -104,8 +107,9 @@ class Bindings(Mapping[str, Binding]):
             BoundEntry(row_key(v, layer), layer, 0.0 if e.norm else e.scale, e.scale if e.norm else 0.0, _PHASES[e.phase])
             for e, v in resolved for layer in e.layers
         ]
-        config = self._config(entries, slot_of)
-        binding = Binding(vectors, receipt(resolved), entries, sources, config)
+        reads = [(row_key(v, p.layer), p.layer) for p, v in probes]
+        config = self._config(entries, reads, slot_of)
+        binding = Binding(vectors, receipt(resolved), entries, sources, config, reads)
         self._by_id[self.requests.request_id(request)] = binding
         self.give_config(request, config)
         return binding
@@ -122,12 +126,14 @@ class Bindings(Mapping[str, Binding]):
             self._writes.append(BankWrite(slot, row, 1.0 / max(vector.row_norm(layer), 1e-30)))
 
     @staticmethod
-    def _config(entries: list[BoundEntry], slot_of: dict[RowKey, int]) -> Config:
-        """The workers' per-phase items."""
+    def _config(entries: list[BoundEntry], reads: list[tuple[RowKey, int]], slot_of: dict[RowKey, int]) -> Config:
+        """The workers' per-phase items, and the readout's rows (``"r"``) where it reads."""
         config: Config = {"p": [], "d": []}
         for e in entries:
             for phase in e.phases:
                 config[phase].append(SteerItem(e.layer, slot_of[e.key], e.scale, e.rel))
+        if reads:
+            config["r"] = [SteerItem(layer, slot_of[key], 0.0, 0.0) for key, layer in reads]
         return config
 
     def suspend(self, request_id: str) -> None:
@@ -154,7 +160,7 @@ class Bindings(Mapping[str, Binding]):
         self._load(loads, binding.sources)
         binding.suspended = False
         self.resumptions += 1
-        config = self._config(binding.entries, slot_of)
+        config = self._config(binding.entries, binding.reads, slot_of)
         if config != binding.config:
             binding.config = config
             self.give_config(request, config)

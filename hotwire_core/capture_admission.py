@@ -16,6 +16,7 @@ from .error_codes import ErrorCode
 from .admission import Refusal, Rules
 from .contract import CAPTURE_KEY
 from .engine_requests import EngineRequests
+from .readout_spec import READOUT_KEY
 from .spec import SALT_PREFIX, SPEC_KEY, VECTOR_ID_RE
 
 __all__ = ["POSITIONS", "CaptureRequests", "capture_args", "parse_capture"]
@@ -72,8 +73,9 @@ class CaptureRequests:
         if not self.capacity:
             raise Refusal(503, ErrorCode.CAPTURE_OFF, "activation capture is off on this server; start it with "
                           "HOTWIRE_CAPTURE=1 to extract vectors")
-        if SPEC_KEY in extra:
-            raise Refusal(400, ErrorCode.CAPTURE_WITH_STEERING, "a request may capture or steer, not both", CAPTURE_KEY)
+        if SPEC_KEY in extra or READOUT_KEY in extra:
+            raise Refusal(400, ErrorCode.CAPTURE_WITH_STEERING, "a request may capture, or steer and read, not both",
+                          CAPTURE_KEY)
         checked = parse_capture(extra[CAPTURE_KEY], rules)
         if len(self.live) >= self.capacity:
             raise Refusal(429, ErrorCode.CAPTURE_BUSY, f"all {self.capacity} capture rows are in use "

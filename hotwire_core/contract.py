@@ -18,10 +18,11 @@ from typing import Any, Literal, NamedTuple, TypedDict
 
 __all__ = [
     "BINDING_KEY", "CAPTURE_KEY", "CATALOG", "CHECK", "ENGINE_METHODS", "EXPORT", "GRAPH_SETS", "LIST", "PREFIX",
-    "REBINDS_ATTR", "REFUSALS", "REGISTER", "STATS", "TAKE_CAPTURES", "UNREGISTER", "USER_SALT_ATTR", "WORKER_INFO",
+    "READOUT_ARGS_KEY", "REBINDS_ATTR", "REFUSALS", "REGISTER", "STATS", "TAKE_CAPTURES", "TAKE_READOUTS", "UNREGISTER", "USER_SALT_ATTR", "WORKER_INFO",
     "WORKER_METHODS", "WRITES_ATTR",
-    "CatalogResult", "CheckResult", "Config", "ExportResult", "Failure", "ListResult", "ModelView", "RefusalsResult",
-    "RegisterResult", "SlotRow", "StatsResult", "SteerItem", "TakeCapturesResult", "UnregisterResult", "VectorMeta",
+    "CatalogResult", "CheckResult", "Config", "ExportResult", "Failure", "ListResult", "ModelView", "ReadoutArgs",
+    "ReadoutProbe", "RefusalsResult",
+    "RegisterResult", "SlotRow", "StatsResult", "SteerItem", "TakeCapturesResult", "TakeReadoutsResult", "UnregisterResult", "VectorMeta",
     "WorkerInfo",
     "engine_method", "rpc_name",
 ]
@@ -43,7 +44,8 @@ ENGINE_METHODS = frozenset({REGISTER, UNREGISTER, LIST, STATS, CHECK, CATALOG, R
 WORKER_INFO = "hotwire_worker_info"
 GRAPH_SETS = "hotwire_graph_sets"
 TAKE_CAPTURES = "hotwire_take_captures"  # args: tags: list[str]; every rank answers with the layers it holds
-WORKER_METHODS = frozenset({WORKER_INFO, GRAPH_SETS, TAKE_CAPTURES})
+TAKE_READOUTS = "hotwire_take_readouts"  # args: tags: list[str]; every rank answers with the probes it reads
+WORKER_METHODS = frozenset({WORKER_INFO, GRAPH_SETS, TAKE_CAPTURES, TAKE_READOUTS})
 
 # Riding on vLLM's objects from the engine core to the workers.
 BINDING_KEY = "hotwire.binding"  # sampling_params.extra_args: a request's per-phase bank config
@@ -51,6 +53,7 @@ WRITES_ATTR = "hotwire_writes"  # SchedulerOutput: bank rows to load before the 
 REBINDS_ATTR = "hotwire_rebinds"  # SchedulerOutput: new configs of resumed requests whose rows moved
 CAPTURE_KEY = "hotwire.capture"  # sampling_params.extra_args: {"tag", "layers", "position"} of a capture request
 USER_SALT_ATTR = "hotwire_user_salt"  # Request built with hotwire's cache salt: the user's own salt
+READOUT_ARGS_KEY = "hotwire.readout"  # sampling_params.extra_args: a readout request's ReadoutArgs
 
 
 class SteerItem(NamedTuple):
@@ -65,7 +68,8 @@ class SteerItem(NamedTuple):
 
 
 # A request's binding (``sampling_params.extra_args[BINDING_KEY]``, ``REBINDS_ATTR``): phase "p" (its prompt) and
-# "d" (after it) -> the items steering its tokens in that phase. Built by ``bindings``, read by ``runtime``.
+# "d" (after it) -> the items steering its tokens in that phase, and "r" -> its readout probes' rows in probe order
+# (``layer`` and ``slot``; scales 0). Built by ``bindings``, read by ``runtime``.
 Config = dict[str, list[SteerItem]]
 
 
@@ -125,6 +129,7 @@ class WorkerInfo(TypedDict):
     slots: int  # HOTWIRE_SLOTS
     max_stack: int  # HOTWIRE_MAX_STACK
     capture_rows: int  # HOTWIRE_CAPTURE_ROWS where the capture op is compiled in (HOTWIRE_CAPTURE), else 0
+    readout_probes: int  # HOTWIRE_READOUT_PROBES where the readout op is compiled in (HOTWIRE_READOUT), else 0
 
 
 class ModelView(TypedDict):
@@ -140,6 +145,7 @@ class ModelView(TypedDict):
     norm: bool
     layers: str  # the hooked layers, "0-35" (``settings.format_layers``)
     capture_rows: int  # captures at once for vector extraction (0: capture off)
+    readout_probes: int  # probes one request may read (0: readout off)
 
 
 class RegisterResult(TypedDict):
@@ -225,6 +231,33 @@ class TakeCapturesResult(TypedDict):
 
     ok: Literal[True]
     captures: dict[str, dict[str, Any]]
+
+
+class ReadoutProbe(TypedDict):
+    """One probe of a readout request as the engine core resolved it."""
+
+    name: str  # "id@version:L<layer>"
+    layer: int
+    bias: float  # added to the dot product
+    norm: float  # the probe row's L2 norm (for cosines)
+
+
+class ReadoutArgs(TypedDict):
+    """``extra_args[READOUT_ARGS_KEY]`` of an admitted readout request (``readout_admission.worker_args``)."""
+
+    tag: str
+    tokens: str  # "prompt", "generated" or "all"
+    probes: list[ReadoutProbe]
+
+
+class TakeReadoutsResult(TypedDict):
+    """One rank's answer to ``hotwire_take_readouts``: per tag, ``{"args": ReadoutArgs, "prompt_len": n,
+    "held": [probe indices this rank reads], "positions": bytes, "values": bytes}`` (``positions``: int32 ``[m]``,
+    the token positions read, ascending; ``values``: float32 ``[m, len(probes), 2]``, each probe's dot product and
+    the stream's norm at its layer) or ``{"error"}``; tags whose request has not finished are absent."""
+
+    ok: Literal[True]
+    readouts: dict[str, dict[str, Any]]
 
 
 class RefusalsResult(TypedDict):

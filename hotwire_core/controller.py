@@ -13,7 +13,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import Counter, OrderedDict
-from typing import Any, Callable, Iterable, Sequence
+from typing import Any, Callable, Collection, Iterable, Sequence
 
 import torch
 
@@ -21,7 +21,8 @@ from . import contract
 from .admission import ModelInfo, Refusal, Resolved, Rules, cache_salt, pinned_spec, receipt, resolve, row_key
 from .bindings import BankWrite, Binding, Bindings
 from .capture_admission import CaptureRequests
-from .contract import BINDING_KEY, USER_SALT_ATTR, Config  # the first two re-exported: the benchmarks import them from here
+# BINDING_KEY and USER_SALT_ATTR are re-exported: the benchmarks import them from here
+from .contract import BINDING_KEY, READOUT_ARGS_KEY, USER_SALT_ATTR, Config
 from .deferral import DeferredRequests
 from .engine_requests import EngineRequests
 from .error_codes import ErrorCode
@@ -30,6 +31,8 @@ from .registry import HostVector, RegistryError, VectorRegistry
 from .sessions import EndedSessions, same_steering
 from .settings import Settings
 from .slots import RowKey, SlotCache, SlotsExhausted
+from .readout_admission import probe_sources, readout_salt, resolve_readout, worker_args
+from .readout_spec import READOUT_KEY
 from .spec import SALT_PREFIX, SPEC_KEY, TICKET_KEY, SpecError, parse_spec
 from .store import VectorStore
 from .vectors import restore, store_failed
@@ -45,9 +48,9 @@ class WaitForRows(Refusal):
     """``admit``'s refusal of a request that fits once running requests release their rows: it waits (see
     ``SteeringController.defer``). ``resolved``: what its spec resolved to, so deferring it resolves nothing again."""
 
-    def __init__(self, message: str, resolved: Resolved):
+    def __init__(self, message: str, resolved: Resolved, rows: Collection[RowKey] = ()):
         super().__init__(429, ErrorCode.SLOTS_EXHAUSTED, message)
-        self.resolved = resolved
+        self.resolved, self.rows = resolved, rows
 
 
 class SteeringController:
@@ -283,6 +286,12 @@ class SteeringController:
         if user_salt and user_salt.startswith(SALT_PREFIX):
             self.refused[ErrorCode.RESERVED_SALT] += 1
             raise Refusal(400, ErrorCode.RESERVED_SALT, f"cache_salt may not start with {SALT_PREFIX!r}", "cache_salt")
+        extra = requests.extra_args(request) or {}
+        forged = [key for key in (BINDING_KEY, READOUT_ARGS_KEY) if key in extra]
+        if forged:  # set by admission only: a client's own would steer or read rows it was never given
+            self.refused[ErrorCode.RESERVED_FIELD] += 1
+            raise Refusal(400, ErrorCode.RESERVED_FIELD, f"{forged[0]} is set by hotwire's admission, not by clients: "
+                          "remove it", forged[0])
         if self.captures.requested(request):
             try:
                 self.captures.admit(request, self.rules)
@@ -290,13 +299,20 @@ class SteeringController:
                 self.refused[exc.code] += 1
                 raise
             return None
-        extra = requests.steering_args(request)
-        if extra is None:
+        spec, readout = extra.get(SPEC_KEY), extra.get(READOUT_KEY)
+        if spec is None and readout is None:
             return None
         request_id = requests.request_id(request)
+        resolved: Resolved = []
         try:
-            resolved = self._resolve(extra[SPEC_KEY])
-            sources = self._row_sources(resolved)
+            resolved = self._resolve(spec) if spec is not None else []
+            reading, probes = (resolve_readout(readout, self.registry.lookup, self.rules, self.model.readout_probes)
+                               if readout is not None else (None, []))
+            sources = {**self._row_sources(resolved), **probe_sources(probes)}
+            if probes and len(sources) > self.rules.max_rows:
+                raise Refusal(400, ErrorCode.TOO_MANY_ROWS, f"this request's steering and probes need {len(sources)} "
+                              f"bank rows, but one request may pin at most {self.rules.max_rows} (HOTWIRE_MAX_ROWS); "
+                              "read fewer probes or steer fewer layers", READOUT_KEY)
             self.deferred.wait_turn(request_id)  # first come, first served
             try:
                 slot_of, loads = self.slots.acquire(sources.keys())
@@ -304,13 +320,19 @@ class SteeringController:
                 raise Refusal(429, ErrorCode.SLOTS_EXHAUSTED, str(exc)) from None
         except Refusal as exc:
             if exc.code == ErrorCode.SLOTS_EXHAUSTED:  # deferred, not refused (see defer); resolve raises no such code
-                raise WaitForRows(exc.message, resolved) from None
+                raise WaitForRows(exc.message, resolved, sources.keys()) from None
             self.refused[exc.code] += 1
             raise
         try:
-            binding = self.bindings.bind(request, resolved, sources, slot_of, loads)
+            binding = self.bindings.bind(request, resolved, sources, slot_of, loads, probes)
+            if reading is not None:
+                for key, value in worker_args(reading, probes, request_id).items():
+                    requests.set_extra(request, key, value)
             # Hashed again only if it was hashed without this salt (or the registry changed since).
-            requests.set_cache_salt(request, cache_salt(user_salt, resolved, requests.prompt_length(request)))
+            if reading is not None and reading.reads_prompt:
+                requests.set_cache_salt(request, readout_salt())
+            elif resolved:
+                requests.set_cache_salt(request, cache_salt(user_salt, resolved, requests.prompt_length(request)))
         except BaseException:
             self.release(request_id)  # the glue refuses the request: its pins and versions must not leak
             raise
@@ -369,13 +391,13 @@ class SteeringController:
 
     # -- requests waiting for slots ----------------------------------------------------------------------------
 
-    def defer(self, request: Any, resolved: Resolved | None = None) -> None:
+    def defer(self, request: Any, resolved: Resolved | None = None, rows: Collection[RowKey] = ()) -> None:
         """Hold a request whose rows cannot be pinned now; ``admit_deferred`` adds it once they can. It keeps the
-        versions it resolved to (``resolved``: by ``admit``, in its :class:`WaitForRows`; None: resolve now), its
-        spec pinned to them and held, whatever is registered while it waits."""
+        versions it resolved to (``resolved`` and ``rows``: by ``admit``, in its :class:`WaitForRows`; None: resolve
+        its spec now), its spec pinned to them and held, whatever is registered while it waits."""
         if resolved is None:
             resolved = self._resolve(self.requests.steering_args(request)[SPEC_KEY])
-        self.deferred.hold(request, resolved)
+        self.deferred.hold(request, resolved, rows)
 
     def admit_deferred(self) -> list[Any]:
         """Deferred requests that could be admitted now, in arrival order (the first that still does not fit

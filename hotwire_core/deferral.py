@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import time
 from collections import Counter, OrderedDict
-from typing import Any, Callable, Iterable, Iterator, NamedTuple
+from typing import Any, Callable, Collection, Iterable, Iterator, NamedTuple
 
 from .admission import Refusal, Resolved, pinned_spec, row_keys
 from .bindings import Bindings
@@ -57,14 +57,17 @@ class DeferredRequests:
             raise Refusal(429, ErrorCode.SLOTS_EXHAUSTED, "steered requests that came earlier are waiting for bank rows "
                           f"({len(self._held)} held); this one waits behind them")  # fmt: skip
 
-    def hold(self, request: Any, resolved: Resolved) -> None:
-        """Hold ``request`` with the versions it resolved to: its spec is pinned to them and each is referenced,
-        whatever is registered while it waits."""
+    def hold(self, request: Any, resolved: Resolved, rows: Collection[RowKey] = ()) -> None:
+        """Hold ``request`` with the versions it resolved to: its spec (if it steers) is pinned to them and each is
+        referenced, whatever is registered while it waits. ``rows``: bank rows it needs beside its spec's (a
+        readout's probes, resolved again when it is admitted)."""
         vectors = list({id(v): v for _, v in resolved}.values())
         for vector in vectors:
             self._bindings.registry.acquire(vector)
-        self._requests.set_extra(request, SPEC_KEY, pinned_spec(resolved))
-        self._held[self._requests.request_id(request)] = _Held(request, vectors, row_keys(resolved), time.monotonic())
+        if resolved:
+            self._requests.set_extra(request, SPEC_KEY, pinned_spec(resolved))
+        held = _Held(request, vectors, row_keys(resolved) | set(rows), time.monotonic())
+        self._held[self._requests.request_id(request)] = held
         self.deferrals += 1
 
     def take(self, request_id: str) -> Any:

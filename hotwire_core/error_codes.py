@@ -57,6 +57,11 @@ class ErrorCode(StrEnum):
     EMPTY_EXAMPLE = "empty_example"
     EXAMPLE_TOO_LONG = "example_too_long"
     TOO_MANY_EXAMPLES = "too_many_examples"
+    # Readout of the residual stream onto probes.
+    BAD_READOUT = "bad_readout"
+    READOUT_OFF = "readout_off"
+    READOUT_LOST = "readout_lost"
+    READOUT_UNSUPPORTED = "readout_unsupported"
     # The server itself.
     STORE_FAILED = "store_failed"
     ENGINES_DISAGREE = "engines_disagree"

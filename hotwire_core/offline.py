@@ -1,4 +1,4 @@
-"""Offline Python API: register vectors on an ``vllm.LLM`` and build steering specs.
+"""Offline Python API: register vectors on an ``vllm.LLM``, build steering specs, and read probes.
 
     from vllm import LLM, SamplingParams
     from hotwire_core.offline import register_vector, steer
@@ -11,14 +11,20 @@
 
 from __future__ import annotations
 
+import copy
+import json
+import uuid
 from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 import torch
 
-from .contract import rpc_name
+from .contract import TAKE_READOUTS, rpc_name
+from .error_codes import ErrorCode
 from .errors import EngineError
+from .readout_results import readout_of
+from .readout_spec import READOUT_KEY, parse_readout
 from .spec import SPEC_KEY, as_index, build_spec
 from .store import tensor_to_stored
 
@@ -108,3 +114,40 @@ def check_steering(llm: Any, extra_args: dict[str, Any] | str) -> dict:
 def steer(*entries: dict[str, Any]) -> dict[str, str]:
     """``extra_args`` for ``SamplingParams``: ``SamplingParams(extra_args=steer({"id": ..., "layer": ..., "scale": ...}))``."""
     return {SPEC_KEY: build_spec(*entries)}
+
+
+def read(probes: Sequence[dict[str, Any]], tokens: str = "generated") -> dict[str, str]:
+    """``extra_args`` for a readout (``hotwire_core.readout_spec``); merge it with :func:`steer`'s to steer and read."""
+    spec = parse_readout({"probes": list(probes), "tokens": tokens}, max_probes=1 << 16)  # the engine checks its limit
+    return {READOUT_KEY: json.dumps(spec.to_json(), separators=(",", ":"))}
+
+
+def generate_with_readout(llm: Any, prompts: Any, params: Any, probes: Sequence[dict[str, Any]],
+                          tokens: str = "generated") -> list[Any]:
+    """``llm.generate(prompts, params)`` reading ``probes`` (``[{"id", "layer"[, "bias"]}]``) on ``tokens``
+    (``prompt``, ``generated`` or ``all``) of every request; each ``RequestOutput`` gets the readout as
+    ``hotwire_readout`` (``hotwire_core.readout_results``). ``params``: one ``SamplingParams`` (its ``extra_args``
+    may steer) or one per prompt. Raises :class:`HotwireError` for a refused request or a lost readout."""
+    prompts = [prompts] if isinstance(prompts, (str, dict)) else list(prompts)
+    params = list(params) if isinstance(params, (list, tuple)) else [params] * len(prompts)
+    spec = json.loads(read(probes, tokens)[READOUT_KEY])
+    tags, tagged = [], []
+    for p in params:
+        if getattr(p, "n", 1) != 1:
+            raise ValueError("generate_with_readout reads one completion per prompt: use n=1")
+        tag = uuid.uuid4().hex
+        q = copy.copy(p)
+        q.extra_args = {**(p.extra_args or {}), READOUT_KEY: json.dumps({**spec, "tag": tag})}
+        tags.append(tag)
+        tagged.append(q)
+    outputs = llm.generate(prompts, tagged, use_tqdm=False)
+    answers = llm.collective_rpc(TAKE_READOUTS, args=(tags,))
+    for output, tag in zip(outputs, tags):
+        if output.outputs and output.outputs[0].finish_reason == "error":
+            raise HotwireError(400, ErrorCode.NOT_ADMITTED, f"request {output.request_id} was refused; the engine's log says why "
+                               "(check_steering and the readout's ids and layers)")
+        try:
+            output.hotwire_readout = readout_of(answers, tag, len(output.outputs[0].token_ids))
+        except EngineError as exc:
+            raise HotwireError(exc.status, exc.code, exc.message, exc.field) from None
+    return outputs

@@ -20,6 +20,7 @@ from torch import nn
 
 from .bindings import BankWrite
 from .capture import WorkerCapture  # its capture_op registers torch.ops.hotwire.capture_
+from .readout_worker import WorkerReadout  # its readout_op registers torch.ops.hotwire.read_
 from .contract import Config, SteerItem, WorkerInfo
 from .config_rows import ConfigRows
 from .settings import Settings
@@ -42,6 +43,7 @@ class Step:
     preempted: bool = False  # the step preempted requests
     finished: Iterable[str] = ()  # requests vLLM finished (captures are taken then; V2's ``removed`` adds preempted)
     captures: Sequence[tuple[str, int, dict]] = ()  # new capture requests: (id, prompt length, CAPTURE_KEY's value)
+    readouts: Sequence[tuple[str, int, dict, list]] = ()  # new readout requests: (id, prompt length, args, probe rows)
 
 
 class WorkerSteering:
@@ -90,8 +92,12 @@ class WorkerSteering:
                 "cfg_scale": torch.zeros(n_cfg, n_layers, k, dtype=torch.float32),
                 "cfg_rel": torch.zeros(n_cfg, n_layers, k, dtype=torch.float32),
             }
+        self.readout = (WorkerReadout(layers, n_layers, device, max_tokens, settings.readout_probes, n_cfg - 1,
+                                      self._uploader) if settings.readout and layers else None)
         if self.capture is not None:
             self.buffers["token_cap"] = self.capture.token_cap
+        if self.readout is not None:
+            self.buffers["token_read"], self.buffers["read_slot"] = self.readout.token_read, self.readout.read_slot
         for index, module in layers.items():
             hook = SteerHook(self.buffers, index, settings.impl, self.target, self.norm, index in whole_stream)
             module.add_module(HOOK_NAME, hook)
@@ -122,6 +128,7 @@ class WorkerSteering:
             slots=self.settings.slots,
             max_stack=self.settings.max_stack,
             capture_rows=self.capture.rows if self.capture is not None else 0,
+            readout_probes=self.readout.k if self.readout is not None else 0,
         )
 
     # -- request lifecycle -----------------------------------------------------------------------------------
@@ -134,6 +141,9 @@ class WorkerSteering:
             capture.on_step(step.finished, step.captures)
         if step.writes:
             self._apply_writes(step.writes)
+        readout = self.readout
+        if readout is not None and (readout.live or step.readouts):
+            readout.on_step(step.finished, step.readouts, step.rebinds)
         if step.preempted:
             # V1 keeps a preempted request's rows; resumed, it recomputes its prompt in the same batch slot.
             self._steady_rows = None
@@ -242,6 +252,9 @@ class WorkerSteering:
         capture = self.capture  # attribute checks first: this runs every step, and nobody captures in most
         if capture is not None and capture.live and capture.scheduled(scheduled):
             return True
+        readout = self.readout
+        if readout is not None and readout.live and readout.scheduled(scheduled):
+            return True
         steered = self._line_of
         if not steered:
             return False
@@ -265,7 +278,8 @@ class WorkerSteering:
     @property
     def clean(self) -> bool:
         """No request is steered or captures, and ``token_cfg`` / ``token_cap`` hold zeros: ``fill`` has nothing to do."""
-        return not self._line_of and not self._dirty and (self.capture is None or self.capture.clean)
+        return (not self._line_of and not self._dirty and (self.capture is None or self.capture.clean)
+                and (self.readout is None or self.readout.clean))
 
     def fill(self, req_ids: Sequence[str], num_scheduled: np.ndarray, num_computed: np.ndarray, num_tokens: int) -> None:
         """Write ``token_cfg`` for a batch laid out request by request in ``req_ids`` order; ``num_tokens`` is the
@@ -276,6 +290,9 @@ class WorkerSteering:
         capture = self.capture
         if capture is not None and (capture.live or capture.dirty):
             capture.fill(req_ids, num_scheduled, num_computed, num_tokens)
+        readout = self.readout
+        if readout is not None and not readout.clean:
+            readout.fill(req_ids, num_scheduled, num_computed, num_tokens)
         if not self._line_of and not self._dirty:
             return
         rows = self._batch_rows(req_ids)

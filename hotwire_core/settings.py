@@ -67,6 +67,11 @@ class Settings:
                                      "so like HOTWIRE_NORM it is opt-in (see steer_hook.SteerHook)"))
     capture_rows: int = setting(Int("HOTWIRE_CAPTURE_ROWS", default=32, lo=1, hi=4096,
                                     doc="captures (extraction examples) running at once per engine core"))
+    readout: bool = setting(Flag("HOTWIRE_READOUT", default=False,
+                                 doc="compile the readout op in (probe projections per token); it reads the "
+                                     "residual stream, so like HOTWIRE_NORM it is opt-in (see steer_hook.SteerHook)"))
+    readout_probes: int = setting(Int("HOTWIRE_READOUT_PROBES", default=4, lo=1, hi=32,
+                                      doc="probes one request may read (the readout buffers' width)"))
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] = os.environ) -> "Settings":
@@ -88,8 +93,9 @@ class Settings:
         """Everything that changes the compiled graph: mixed into vLLM's compile-cache key."""
         layers = "" if self.layers is None else f";layers={format_layers(self.layers)}"
         capture = f";capture={self.capture_rows}" if self.capture else ""
+        readout = f";readout={self.readout_probes}" if self.readout else ""
         return (f"hotwire={__version__};slots={self.slots};stack={self.max_stack};impl={self.impl};norm={self.norm}"
-                f"{layers}{capture}")
+                f"{layers}{capture}{readout}")
 
     def store_dir(self, model: str) -> Path | None:
         """One folder per served model under the store root, or None when the store is off."""

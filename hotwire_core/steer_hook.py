@@ -60,6 +60,8 @@ class SteerHook(nn.Module):
         # HOTWIRE_CAPTURE: the capture op after the steering (hotwire_core.capture). It reads the whole stream,
         # residual included, which costs plain tokens bit-identity in bf16 graphs as norm mode does.
         self.capture = "token_cap" in buffers
+        # HOTWIRE_READOUT: the readout op after that (hotwire_core.readout_op); it reads the whole stream too.
+        self.readout = "token_read" in buffers
 
     def forward(self, hidden: torch.Tensor, residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
         if residual is None or self.whole_stream:  # the whole stream is in hidden
@@ -73,9 +75,12 @@ class SteerHook(nn.Module):
             target = ops.steer_torch(target, other, *args, use_norm=self.norm)
         else:
             torch.ops.hotwire.steer_(target, other, *args)
-        if self.capture:  # the stream is target + the other of (hidden, residual), if the layer returns both
+        if self.capture or self.readout:  # the stream is target + the other of (hidden, residual), if both come
             partner = None if residual is None or self.whole_stream else (residual if self.target == "hidden" else hidden)
-            torch.ops.hotwire.capture_(target, partner, self.token_cap, self.layer)
+            if self.capture:
+                torch.ops.hotwire.capture_(target, partner, self.token_cap, self.layer)
+            if self.readout:
+                torch.ops.hotwire.read_(target, partner, self.token_read, self.read_slot, self.bank, self.layer)
         if residual is None or self.whole_stream:
             return target, residual
         return (target, residual) if self.target == "hidden" else (hidden, target)

@@ -52,8 +52,9 @@ def model_info(results: list[contract.WorkerInfo]) -> ModelInfo:
     norm = all(r["norm"] for r in results)
     # Every rank captures its own layers, all with the same number of rows (a rank without layers has none).
     capture_rows = min((r.get("capture_rows", 0) for r in results if r.get("layers")), default=0)
+    readout_probes = min((r.get("readout_probes", 0) for r in results if r.get("layers")), default=0)
     return ModelInfo(steerable, reason, first["n_layers"], first["hidden_size"], first["dtype"], layers, norm,
-                     capture_rows)
+                     capture_rows, readout_probes)
 
 
 def _send_refusal(engine: Any, request: Any, exc: Refusal, in_caller: bool = True) -> None:
@@ -116,7 +117,7 @@ def patch_engine_core(module: Any) -> None:
             except Exception as exc:  # a bad request must never take the engine down
                 if not update and isinstance(exc, WaitForRows):
                     # It fits once running requests release their rows: wait, like any queued request.
-                    self.hotwire.defer(request, exc.resolved)
+                    self.hotwire.defer(request, exc.resolved, exc.rows)
                     return
                 if not isinstance(exc, Refusal):
                     logger.exception("hotwire: admission of %s failed", request.request_id)

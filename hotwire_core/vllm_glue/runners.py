@@ -35,11 +35,14 @@ def step_of(scheduler_output: Any, removed: Iterable[str]) -> Step:
     their bindings, the bank writes and rebinds the controller put on it, whether it preempted requests; ``removed``:
     the requests the runner drops."""
     preempted = getattr(scheduler_output, "preempted_req_ids", None)
-    new, captures = [], []
+    new, captures, readouts = [], [], []
     for r in scheduler_output.scheduled_new_reqs:
         extra = extra_args(r)
         if extra and contract.BINDING_KEY in extra:
-            new.append((r.req_id, prompt_length(r), extra[contract.BINDING_KEY]))
+            config = extra[contract.BINDING_KEY]
+            new.append((r.req_id, prompt_length(r), config))
+            if config.get("r") and contract.READOUT_ARGS_KEY in extra:
+                readouts.append((r.req_id, prompt_length(r), extra[contract.READOUT_ARGS_KEY], config["r"]))
         else:
             new.append((r.req_id, 0, None))
             if extra and contract.CAPTURE_KEY in extra:
@@ -52,6 +55,7 @@ def step_of(scheduler_output: Any, removed: Iterable[str]) -> Step:
         preempted=bool(preempted),
         finished=set(removed).difference(preempted) if preempted else removed,  # V2 removes preempted ones too
         captures=captures,
+        readouts=readouts,
     )
 
 

@@ -22,7 +22,7 @@ def patch_worker_base(module: Any) -> None:
         if steering is None:
             return contract.WorkerInfo(steerable=False, reason="hotwire did not attach to the model", layers=[],
                                        n_layers=0, hidden_size=0, dtype="", norm=False, slots=settings().slots,
-                                       max_stack=settings().max_stack)
+                                       max_stack=settings().max_stack, capture_rows=0, readout_probes=0)
         return steering.info()
 
     def hotwire_graph_sets(self) -> dict:
@@ -33,7 +33,13 @@ def patch_worker_base(module: Any) -> None:
         capture = steering.capture if steering is not None else None
         return capture.take(tags) if capture is not None else contract.TakeCapturesResult(ok=True, captures={})
 
+    def hotwire_take_readouts(self, tags: list[str]) -> dict:
+        steering = getattr(self.model_runner, "hotwire", None)
+        readout = steering.readout if steering is not None else None
+        return readout.take(tags) if readout is not None else contract.TakeReadoutsResult(ok=True, readouts={})
+
     setattr(module.WorkerBase, contract.WORKER_INFO, hotwire_worker_info)
+    setattr(module.WorkerBase, contract.TAKE_READOUTS, hotwire_take_readouts)
     setattr(module.WorkerBase, contract.TAKE_CAPTURES, hotwire_take_captures)
     setattr(module.WorkerBase, contract.GRAPH_SETS, hotwire_graph_sets)
 

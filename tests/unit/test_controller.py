@@ -5,6 +5,7 @@ Uses real ``vllm.v1.request.Request`` objects with vLLM's own block hasher."""
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 
 import pytest
@@ -18,7 +19,7 @@ from vllm.utils.hashing import sha256
 from hotwire_api.catalog import CatalogVector, rules_of
 from hotwire_core import sessions as sessions_mod
 from hotwire_core.admission import DEFAULT_STRENGTH_LIMIT, STRENGTH_LIMITS, ModelInfo, Refusal, resolve
-from hotwire_core.contract import BINDING_KEY, USER_SALT_ATTR, SteerItem
+from hotwire_core.contract import BINDING_KEY, READOUT_ARGS_KEY, USER_SALT_ATTR, SteerItem
 from hotwire_core.bindings import BankWrite
 from hotwire_core.controller import SteeringController, WaitForRows
 from hotwire_core.spec import SALT_PREFIX
@@ -1587,3 +1588,75 @@ def test_deferring_reuses_what_admit_resolved(monkeypatch):
     monkeypatch.setattr(c, "_resolve", lambda spec: pytest.fail("resolved again"))
     c.defer(late, info.value.resolved)
     assert list(c.deferred) == ["late"] and '"version"' in late.sampling_params.extra_args["hotwire"]
+
+
+# -- readout ---------------------------------------------------------------------------------------------------
+
+
+def reader(readout_probes=2, slots=8) -> SteeringController:
+    info = dataclasses.replace(model(), readout_probes=readout_probes)
+    c = SteeringController(info, Settings(slots, 2, "op", None, None), "org/model", VLLM_REQUESTS)
+    register(c, "a", vec(N_LAYERS, HIDDEN, seed=1))
+    register(c, "g", vec(HIDDEN, seed=2))
+    return c
+
+
+def test_a_readout_pins_its_probe_rows_and_gives_the_workers_its_probes():
+    c = reader()
+    readout = {"probes": [{"id": "a", "layer": 1, "bias": 0.5}, {"id": "g", "layer": 3}], "tokens": "generated"}
+    binding, req = admit(c, "r1", extra={"hotwire_readout": json.dumps(readout)})
+    assert [item.layer for item in binding.config["r"]] == [1, 3]
+    assert len({item.slot for item in binding.config["r"]}) == 2 and all(item.slot for item in binding.config["r"])
+    assert binding.config["p"] == binding.config["d"] == []  # reads, does not steer
+    args = req.sampling_params.extra_args[READOUT_ARGS_KEY]
+    assert args["tag"] == "r1" and args["tokens"] == "generated"
+    assert [(p["name"], p["layer"], p["bias"]) for p in args["probes"]] == [("a@1:L1", 1, 0.5), ("g@1:L3", 3, 0.0)]
+    assert args["probes"][1]["norm"] == pytest.approx(float(vec(HIDDEN, seed=2).norm()), rel=1e-6)
+    assert c.stats()["pinned"] == 2 and req.cache_salt is None  # generated tokens only: the prefix cache stays
+    c.release("r1")
+    assert c.stats()["pinned"] == 0
+
+
+def test_a_prompt_readout_gets_a_cache_salt_of_its_own_and_steers_beside_it():
+    c = reader()
+    readout = json.dumps({"probes": [{"id": "a", "layer": 2}], "tokens": "all", "tag": "mine"})
+    spec = {"id": "a", "layer": 2, "scale": 1.0}
+    first, req1 = admit(c, "r1", spec=spec, extra={"hotwire_readout": readout})
+    second, req2 = admit(c, "r2", spec=spec, extra={"hotwire_readout": readout})
+    assert req1.cache_salt.startswith("hotwire:readout:") and req1.cache_salt != req2.cache_salt
+    assert first.config["r"][0].slot == first.config["p"][0].slot  # the steering row doubles as the probe's
+    assert req1.sampling_params.extra_args[READOUT_ARGS_KEY]["tag"] == "mine"
+    assert c.stats()["pinned"] == 1
+
+
+@pytest.mark.parametrize("readout, code, field", [
+    ({"probes": [{"id": "nope", "layer": 1}]}, "unknown_vector", "hotwire_readout.probes[0].id"),
+    ({"probes": [{"id": "a", "layer": N_LAYERS}]}, "layer_out_of_range", "hotwire_readout.probes[0].layer"),
+    ({"probes": [{"id": "a", "layer": 1}] * 3}, "bad_readout", "hotwire_readout.probes"),
+    ({"probes": [{"id": "a", "layer": 1, "version": 7}]}, "version_gone", "hotwire_readout.probes[0].version"),
+])
+def test_a_readout_admission_cannot_serve_is_refused_without_side_effects(readout, code, field):
+    c = reader()
+    before = state(c)
+    with pytest.raises(Refusal) as info:
+        c.admit(request("bad", extra={"hotwire_readout": json.dumps(readout)}))
+    assert (info.value.code, info.value.field) == (code, field)
+    assert state(c)[1:] == before[1:]
+
+
+def test_readout_on_a_server_without_the_readout_op_is_refused_503():
+    c = reader(readout_probes=0)
+    with pytest.raises(Refusal) as info:
+        c.admit(request("r", extra={"hotwire_readout": '{"probes": [{"id": "a", "layer": 1}]}'}))
+    assert (info.value.status, info.value.code) == (503, "readout_off")
+
+
+@pytest.mark.parametrize("key", [BINDING_KEY, READOUT_ARGS_KEY])
+def test_a_client_cannot_send_what_only_admission_sets(c, key):
+    """A forged binding would make the workers steer with whatever bank rows it names."""
+    forged = {BINDING_KEY: {"p": [[1, 1, 100.0, 0.0]], "d": []}, READOUT_ARGS_KEY: {"tag": "t", "tokens": "all", "probes": []}}
+    with pytest.raises(Refusal) as info:
+        c.admit(request("f", extra={key: forged[key]}))
+    assert (info.value.code, info.value.field) == ("reserved_field", key)
+    with pytest.raises(Refusal):
+        c.admit(request("g", spec={"id": "a", "layer": 1, "scale": 1.0}, extra={key: forged[key]}))

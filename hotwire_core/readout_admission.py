@@ -1,0 +1,80 @@
+"""Admitting readout requests in the engine core: which versions a request's probes read, the bank rows they pin
+(beside its steering's, in the same binding), what the workers get, and the cache salt.
+
+A request reading prompt tokens gets a cache salt of its own: every prompt token it reads must be computed (a
+prefix-cache hit would skip it), and the KV it leaves behind is then never read by another request. One reading
+only generated tokens keeps the prefix cache: vLLM always computes the last prompt token, where the first generated
+token's value is read.
+"""
+
+from __future__ import annotations
+
+import uuid
+from typing import Any
+
+from .admission import Lookup, Refusal, Rules, row_key
+from .contract import READOUT_ARGS_KEY, ReadoutArgs, ReadoutProbe
+from .error_codes import ErrorCode
+from .readout_spec import READOUT_KEY, ReadoutSpec, parse_readout
+from .slots import RowKey
+from .spec import SALT_PREFIX, SpecError
+
+__all__ = ["ResolvedProbes", "probe_name", "readout_salt", "resolve_readout", "worker_args"]
+
+ResolvedProbes = list[tuple[Any, Any]]  # (readout_spec.Probe, its VectorView), in spec order
+
+
+def probe_name(vector: Any, layer: int) -> str:
+    """``id@version:L<layer>``, as receipts name steering."""
+    return f"{vector.vector_id}@{vector.version}:L{layer}"
+
+
+def resolve_readout(value: Any, lookup: Lookup, rules: Rules, max_probes: int) -> tuple[ReadoutSpec, ResolvedProbes]:
+    """Parse a request's readout (``READOUT_KEY``'s value) and bind each probe to a version; raise :class:`Refusal`
+    for what can never be served (``max_probes``: 0 when the readout op is not compiled in)."""
+    model = rules.model
+    if not model.steerable:
+        raise Refusal(503, ErrorCode.MODEL_NOT_STEERABLE, f"this model cannot be steered or read: {model.reason}")
+    if not max_probes:
+        raise Refusal(503, ErrorCode.READOUT_OFF, "readout is off on this server; start it with HOTWIRE_READOUT=1 to "
+                      "read probes", READOUT_KEY)
+    try:
+        spec = parse_readout(value, max_probes)
+    except SpecError as exc:
+        raise Refusal(400, ErrorCode.BAD_READOUT, str(exc), exc.field) from None
+    resolved: ResolvedProbes = []
+    for i, probe in enumerate(spec.probes):
+        field = f"{READOUT_KEY}.probes[{i}]"
+        vector = lookup(probe.vector_id, probe.version)
+        if vector is None:
+            if probe.version is None or lookup(probe.vector_id, None) is None:
+                raise Refusal(400, ErrorCode.UNKNOWN_VECTOR, f"unknown vector {probe.vector_id!r}; register it first",
+                              f"{field}.id")
+            raise Refusal(410, ErrorCode.VERSION_GONE, f"version {probe.version} of {probe.vector_id!r} is neither "
+                          "current nor retained any more; leave out 'version' to read the current one", f"{field}.version")
+        if probe.layer not in model.layers:
+            raise Refusal(400, ErrorCode.LAYER_OUT_OF_RANGE, f"layer {probe.layer} cannot be read: this server hooks "
+                          f"layers {rules.steered_layers()}", f"{field}.layer")
+        if not vector.has_row(probe.layer):
+            raise Refusal(400, ErrorCode.NO_ROW_FOR_LAYER, f"vector {probe.vector_id!r}@{vector.version} has no row for "
+                          f"layer {probe.layer} (it has {list(vector.layers or [])})", f"{field}.layer")
+        resolved.append((probe, vector))
+    return spec, resolved
+
+
+def probe_sources(resolved: ResolvedProbes) -> dict[RowKey, tuple[Any, int]]:
+    """The bank rows the probes read, each with the (vector, layer) its values come from."""
+    return {row_key(v, p.layer): (v, p.layer) for p, v in resolved}
+
+
+def worker_args(spec: ReadoutSpec, resolved: ResolvedProbes, tag: str) -> dict[str, ReadoutArgs]:
+    """The ``extra_args`` entry the workers read a readout request's probes from (their bank slots come with the
+    binding's config, ``"r"``)."""
+    probes = [ReadoutProbe(name=probe_name(v, p.layer), layer=p.layer, bias=p.bias, norm=v.row_norm(p.layer))
+              for p, v in resolved]
+    return {READOUT_ARGS_KEY: ReadoutArgs(tag=spec.tag or tag, tokens=spec.tokens, probes=probes)}
+
+
+def readout_salt() -> str:
+    """A cache salt no other request has (see the module's docstring)."""
+    return f"{SALT_PREFIX}readout:{uuid.uuid4().hex}"

@@ -1,0 +1,223 @@
+"""Worker side of readout: which tokens of the batch the readout op projects for which request (``token_read``,
+written before each forward in which a readout runs), the requests' probe rows (``read_slot``), the values copied
+out of ``out`` after each forward, and the readouts of finished requests, kept until the caller takes them
+(``hotwire_take_readouts``). See docs/architecture.md, "Readout".
+
+A readout request (``contract.READOUT_ARGS_KEY`` in its ``extra_args`` and ``"r"`` in its binding, both set by the
+controller: ``readout_admission``) gets a row when the worker first sees it. The values a forward wrote are
+gathered and copied to pinned host memory by a copy issued at the next step's fill, before the forward that
+could overwrite them, and read once that copy is done: the hot path never waits on the device. Only when a result
+is handed out (``take``, a finish) does the host wait for copies still under way.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import OrderedDict
+from collections.abc import Collection, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+from .contract import ReadoutArgs, SteerItem, TakeReadoutsResult
+from .readout_op import set_output
+
+__all__ = ["WorkerReadout"]
+
+KEEP_S = 600.0  # a finished readout nobody took (its caller left) is dropped after this long
+
+
+@dataclass
+class _Reader:
+    tag: str
+    row: int
+    args: ReadoutArgs
+    prompt_len: int
+    start: int  # first position read
+    end: float  # positions read are < end
+    chunks: list[tuple[np.ndarray, np.ndarray]] = field(default_factory=list)  # (positions, values [m, probes, 2])
+    taken: bool = False  # handed out before the worker heard that its request finished (``take``)
+
+
+@dataclass
+class _Copy:
+    """The values one forward wrote for the read tokens, on their way to the host."""
+
+    event: Any  # a CUDA event recorded after the copy (None on a CPU)
+    host: torch.Tensor  # [n_layers, m, K + 1]
+    readers: list[tuple[_Reader, slice, np.ndarray]]  # (reader, its tokens' columns in host, their positions)
+
+
+class WorkerReadout:
+    def __init__(self, layers: Collection[int], n_layers: int, device: torch.device, max_tokens: int,
+                 max_probes: int, rows: int, uploader: Any):
+        self.layers, self.rows, self.k = frozenset(layers), rows, max_probes
+        with torch.device(device):
+            self.token_read = torch.zeros(max_tokens, dtype=torch.int32)
+            self.read_slot = torch.zeros(rows + 1, n_layers, max_probes, dtype=torch.int32)  # row 0: nobody reads
+            self.out = torch.zeros(n_layers, max_tokens, max_probes + 1, dtype=torch.float32)
+        set_output(self.out)
+        self._cuda = self.out.is_cuda
+        self._uploader = uploader
+        self._free = list(range(rows, 0, -1))
+        self.live: dict[str, _Reader] = {}  # req_id -> its readout
+        self._done: OrderedDict[str, tuple[float, dict]] = OrderedDict()  # tag -> (finished at, result)
+        self._staging = np.zeros(max_tokens, np.int32)
+        self._read: tuple[np.ndarray, list[tuple[_Reader, slice, np.ndarray]]] | None = None  # last forward's tokens
+        self._copies: list[_Copy] = []
+        self.dirty = 0  # token_read[:dirty] may be non-zero on the device
+
+    @property
+    def clean(self) -> bool:
+        """Nobody reads, nothing is on its way out and ``token_read`` holds zeros: ``fill`` has nothing to do."""
+        return not self.live and not self.dirty and self._read is None and not self._copies
+
+    def scheduled(self, scheduled: Collection[str]) -> bool:
+        """Whether a reading request is in the step (the gate must then be open)."""
+        return any(req_id in scheduled for req_id in self.live)
+
+    def on_step(self, finished: Iterable[str], new: Sequence[tuple[str, int, ReadoutArgs, list[SteerItem]]],
+                rebinds: Mapping[str, Any]) -> None:
+        """Finish the readouts of ``finished`` requests, give new ones (``(id, prompt length, args, probe rows)``)
+        their rows, and rewrite the rows of resumed requests whose probes moved in the bank (``rebinds``: id ->
+        binding config). A request seen again (V2 re-adds a preempted one) keeps its row and its values."""
+        ended = [req_id for req_id in finished if req_id in self.live]
+        if ended:
+            self._flush(wait=True)
+            for req_id in ended:
+                self._finish(req_id)
+        writes = []
+        for req_id, prompt_len, args, items in new:
+            if req_id in self.live:
+                writes.append((self.live[req_id].row, items))
+                continue
+            if not self._free:  # as many rows as config rows: this should not happen
+                self._store(args["tag"], {"error": f"all {self.rows} readout rows of this worker are in use"})
+                continue
+            reads_prompt = args["tokens"] in ("prompt", "all")
+            end = prompt_len if args["tokens"] == "prompt" else float("inf")
+            reader = _Reader(args["tag"], self._free.pop(), args, prompt_len, 0 if reads_prompt else max(prompt_len - 1, 0),
+                             end)
+            self.live[req_id] = reader
+            writes.append((reader.row, items))
+        for req_id, config in rebinds.items():
+            if req_id in self.live and config.get("r"):
+                writes.append((self.live[req_id].row, config["r"]))
+        if writes:
+            self._write_rows(writes)
+
+    def _write_rows(self, writes: list[tuple[int, list[SteerItem]]]) -> None:
+        table = np.zeros((len(writes), *self.read_slot.shape[1:]), np.int32)
+        for i, (_, items) in enumerate(writes):
+            for k, item in enumerate(items):
+                table[i, int(item[0]), k] = int(item[1])
+        idx = self._uploader.to_device(torch.tensor([row for row, _ in writes], dtype=torch.long))
+        self.read_slot.index_copy_(0, idx, self._uploader.to_device(torch.from_numpy(table)))
+
+    def fill(self, req_ids: Sequence[str], num_scheduled: np.ndarray, num_computed: np.ndarray, num_tokens: int) -> None:
+        """Send the last forward's values on their way out, then write ``token_read`` for this batch (laid out
+        request by request in ``req_ids`` order)."""
+        self._flush(wait=False)
+        length = max(num_tokens, self.dirty)
+        host = self._staging[:length]
+        host[:] = 0
+        tokens, readers = [], []
+        if self.live:
+            starts = np.cumsum(num_scheduled) - num_scheduled
+            taken = 0
+            for i, req_id in enumerate(req_ids):
+                reader = self.live.get(req_id)
+                if reader is None:
+                    continue
+                first, count = int(num_computed[i]), int(num_scheduled[i])
+                lo, hi = max(first, reader.start), min(first + count, reader.end)
+                if hi <= lo:
+                    continue
+                hi = int(hi)
+                index = np.arange(lo - first, hi - first) + int(starts[i])
+                host[index] = reader.row
+                tokens.append(index)
+                readers.append((reader, slice(taken, taken + len(index)), np.arange(lo, hi, dtype=np.int32)))
+                taken += len(index)
+        self._read = (np.concatenate(tokens), readers) if tokens else None
+        self._uploader.copy_(self.token_read[:length], torch.from_numpy(host.copy()))
+        self.dirty = num_tokens if tokens else 0
+
+    def _flush(self, wait: bool) -> None:
+        """Issue the copy of the last forward's values (stream-ordered after it), then hand the values of every copy
+        that has arrived (``wait``: of every copy) to their readers."""
+        if self._read is not None:
+            tokens, readers = self._read
+            self._read = None
+            gathered = self.out[:, self._uploader.to_device(torch.from_numpy(tokens).long())]
+            if self._cuda:
+                host = torch.empty(gathered.shape, dtype=gathered.dtype, pin_memory=True)
+                host.copy_(gathered, non_blocking=True)
+                event = torch.cuda.Event()
+                event.record()
+            else:
+                host, event = gathered, None
+            self._copies.append(_Copy(event, host, readers))
+        while self._copies and (wait or self._copies[0].event is None or self._copies[0].event.query()):
+            copy = self._copies.pop(0)
+            if copy.event is not None:
+                copy.event.synchronize()
+            values = copy.host.numpy()
+            for reader, columns, positions in copy.readers:
+                reader.chunks.append((positions, self._values(reader, values[:, columns])))
+
+    def _values(self, reader: _Reader, values: np.ndarray) -> np.ndarray:
+        """``[m, probes, 2]``: each probe's dot product and the stream's norm at its layer (NaN where this rank does
+        not hook the layer) from ``values`` ``[n_layers, m, K + 1]``."""
+        probes = reader.args["probes"]
+        out = np.full((values.shape[1], len(probes), 2), np.nan, np.float32)
+        for k, probe in enumerate(probes):
+            if probe["layer"] in self.layers:
+                out[:, k, 0] = values[probe["layer"], :, k]
+                out[:, k, 1] = values[probe["layer"], :, self.k]
+        return out
+
+    def _result(self, reader: _Reader) -> dict:
+        if reader.chunks:
+            positions = np.concatenate([p for p, _ in reader.chunks])
+            values = np.concatenate([v for _, v in reader.chunks])
+        else:
+            positions, values = np.zeros(0, np.int32), np.zeros((0, len(reader.args["probes"]), 2), np.float32)
+        # A position computed again (a preempted request recomputes its tokens) keeps its latest value.
+        order = np.argsort(positions, kind="stable")
+        positions, values = positions[order], values[order]
+        latest = np.append(positions[1:] != positions[:-1], True)
+        held = [k for k, probe in enumerate(reader.args["probes"]) if probe["layer"] in self.layers]
+        return {"args": reader.args, "prompt_len": reader.prompt_len, "held": held, "positions": np.ascontiguousarray(positions[latest]).tobytes(),
+                "values": np.ascontiguousarray(values[latest], np.float32).tobytes()}
+
+    def _finish(self, req_id: str) -> None:
+        reader = self.live.pop(req_id)
+        if not reader.taken:
+            self._store(reader.tag, self._result(reader))
+        self._free.append(reader.row)
+
+    def _store(self, tag: str, result: dict) -> None:
+        now = time.monotonic()
+        self._done[tag] = (now, result)
+        while self._done and (len(self._done) > 2 * self.rows or next(iter(self._done.values()))[0] < now - KEEP_S):
+            self._done.popitem(last=False)
+
+    def take(self, tags: Iterable[str]) -> TakeReadoutsResult:
+        """The readouts of ``tags``, each handed out once (``contract.TakeReadoutsResult``). As with captures, vLLM
+        tells the workers that a request finished only in the step after it finished, which an idle engine may run
+        after the caller asks: a live request's readout is handed out as it stands, with every forward run so far
+        (the caller, who has the request's output, cuts it to the tokens it got)."""
+        wanted = set(tags)
+        out = {tag: self._done.pop(tag)[1] for tag in wanted if tag in self._done}
+        early = [reader for reader in self.live.values() if reader.tag in wanted and reader.tag not in out and not reader.taken]
+        if early:
+            if self._cuda:
+                torch.cuda.synchronize(self.out.device)  # the forward that wrote the last token may still be running
+            self._flush(wait=True)
+        for reader in early:
+            out[reader.tag] = self._result(reader)
+            reader.taken = True
+        return TakeReadoutsResult(ok=True, readouts=out)

@@ -1,0 +1,66 @@
+"""Triton kernel behind the CUDA implementation of ``torch.ops.hotwire.read_`` (``hotwire_core.readout_op``).
+
+One program per token: a token without a readout row returns after one int32 load, so a step in which nobody
+reads (but something is steered: the gate is open) pays about what ``steer_`` pays at a switched-off layer. A read
+token loads its stream row (``target + other``, in float32) block by block, accumulates its dot product with each
+of its row's ``K`` probes and its squared norm, and writes ``K + 1`` floats. The launcher reads only shapes and
+strides, so it is safe to capture in a CUDA graph once compiled. Imported on the op's first CUDA call.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+MAX_BLOCK_H = 1024
+
+
+@triton.jit
+def _read_kernel(target_ptr, other_ptr, token_read_ptr, read_slot_ptr, bank_ptr, out_ptr, layer, target_stride,
+                 other_stride, slot_row_stride, out_layer_stride, H: tl.constexpr, K: tl.constexpr,
+                 K_POW2: tl.constexpr, HAS_OTHER: tl.constexpr, BLOCK_H: tl.constexpr):
+    token = tl.program_id(0).to(tl.int64)
+    row = tl.load(token_read_ptr + token).to(tl.int64)
+    if row == 0:
+        return
+    ks = tl.arange(0, K_POW2)
+    kmask = ks < K
+    slots = tl.load(read_slot_ptr + row * slot_row_stride + layer * K + ks, mask=kmask, other=0).to(tl.int64)
+    offs = tl.arange(0, BLOCK_H)
+    dots = tl.zeros([K_POW2], dtype=tl.float32)
+    squares = tl.zeros([BLOCK_H], dtype=tl.float32)
+    for h0 in range(0, H, BLOCK_H):
+        h = h0 + offs
+        mask = h < H
+        x = tl.load(target_ptr + token * target_stride + h, mask=mask, other=0.0).to(tl.float32)
+        if HAS_OTHER:
+            x += tl.load(other_ptr + token * other_stride + h, mask=mask, other=0.0).to(tl.float32)
+        squares += x * x
+        probes = tl.load(bank_ptr + slots[:, None] * H + h[None, :], mask=kmask[:, None] & mask[None, :],
+                         other=0.0).to(tl.float32)
+        dots += tl.sum(probes * x[None, :], axis=1)
+    dst = out_ptr + layer * out_layer_stride + token * (K + 1)
+    tl.store(dst + ks, dots, mask=kmask)
+    tl.store(dst + K, tl.sqrt(tl.sum(squares, axis=0)))
+
+
+def read_triton_(target: torch.Tensor, other: torch.Tensor | None, token_read: torch.Tensor, read_slot: torch.Tensor,
+                 bank: torch.Tensor, out: torch.Tensor, layer: int) -> None:
+    """``out[layer, t] = (stream[t] . bank[read_slot[token_read[t], layer, k]] for k, |stream[t]|)`` for every token
+    with a non-zero readout row."""
+    n_tokens, hidden_size = target.shape
+    if n_tokens == 0:
+        return
+    if (target.stride(-1) != 1 or (other is not None and other.stride(-1) != 1) or not out.is_contiguous()
+            or not bank.is_contiguous() or not read_slot.is_contiguous()):
+        raise ValueError("hotwire.read_: the stream needs unit stride along the hidden dim; bank, slots and output "
+                         "must be contiguous")
+    k = read_slot.shape[-1]
+    block_h = min(triton.next_power_of_2(hidden_size), MAX_BLOCK_H)
+    src = target if other is None else other  # any valid pointer; HAS_OTHER=False never reads it
+    _read_kernel[(n_tokens,)](
+        target, src, token_read, read_slot, bank, out, layer, target.stride(0), src.stride(0), read_slot.stride(0),
+        out.stride(0), H=hidden_size, K=k, K_POW2=triton.next_power_of_2(k), HAS_OTHER=other is not None,
+        BLOCK_H=block_h, num_warps=min(8, max(1, block_h // 256)),
+    )

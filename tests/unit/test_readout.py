@@ -1,0 +1,247 @@
+"""Readout's pure parts: the spec, the op (its CPU kernel, and its Triton kernel in Triton's interpreter), the worker's
+per-step bookkeeping, and the result a reader gets. The engine end to end: tests/integration/test_readout.py."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from hotwire_core.contract import SteerItem
+from hotwire_core.readout_op import read_torch
+from hotwire_core.readout_results import ReadoutLost, readout_of
+from hotwire_core.readout_spec import parse_readout
+from hotwire_core.spec import SpecError
+
+N_LAYERS, H, MAX_TOKENS, K = 4, 24, 16, 3
+
+
+# -- the spec ---------------------------------------------------------------------------------------------------
+
+
+def test_a_readout_parses_from_json_with_defaults():
+    spec = parse_readout('{"probes": [{"id": "joy", "layer": 2}, {"id": "r", "layer": 0, "bias": -1}]}', 4)
+    assert [(p.vector_id, p.layer, p.bias) for p in spec.probes] == [("joy", 2, 0.0), ("r", 0, -1.0)]
+    assert spec.tokens == "generated" and not spec.reads_prompt and spec.tag is None
+    assert parse_readout({"probes": {"id": "joy", "layer": 1}, "tokens": "all"}, 4).reads_prompt
+    assert parse_readout(spec.to_json(), 4) == spec
+
+
+@pytest.mark.parametrize("value, field", [
+    ("{", "hotwire_readout"),
+    ([], "hotwire_readout"),
+    ({"probes": []}, "hotwire_readout.probes"),
+    ({"probes": [{"id": "a", "layer": 1}] * 5}, "hotwire_readout.probes"),
+    ({"probes": [{"id": "a", "layer": True}]}, "hotwire_readout.probes[0].layer"),
+    ({"probes": [{"id": "a", "layer": [1, 2]}]}, "hotwire_readout.probes[0].layer"),
+    ({"probes": [{"id": "../a", "layer": 1}]}, "hotwire_readout.probes[0].id"),
+    ({"probes": [{"id": "a", "layer": 1, "bias": float("nan")}]}, "hotwire_readout.probes[0].bias"),
+    ({"probes": [{"id": "a", "layer": 1, "scale": 2}]}, "hotwire_readout.probes[0].scale"),
+    ({"probes": [{"id": "a", "layer": 1}], "tokens": "every"}, "hotwire_readout.tokens"),
+    ({"probes": [{"id": "a", "layer": 1}], "when": 1}, "hotwire_readout.when"),
+])
+def test_a_bad_readout_names_its_field(value, field):
+    with pytest.raises(SpecError) as info:
+        parse_readout(value, 4)
+    assert info.value.field == field
+
+
+# -- the op -----------------------------------------------------------------------------------------------------
+
+
+def _tables(g):
+    bank = torch.randn(5, H, generator=g)
+    bank[0] = 0  # slot 0: the bank's all-zero row
+    read_slot = torch.zeros(3, N_LAYERS, K, dtype=torch.int32)
+    read_slot[1, 1, 0], read_slot[1, 2, 1] = 3, 4  # row 1: probe 0 at layer 1, probe 1 at layer 2
+    read_slot[2, 1, 0], read_slot[2, 1, 2] = 2, 3
+    return bank, read_slot
+
+
+def test_the_cpu_kernel_writes_the_read_tokens_only():
+    from hotwire_core import readout_op
+    from hotwire_core.ops import GATE
+
+    g = torch.Generator().manual_seed(0)
+    bank, read_slot = _tables(g)
+    out = torch.full((N_LAYERS, MAX_TOKENS, K + 1), -7.0)
+    saved = readout_op._OUT
+    readout_op.set_output(out)
+    try:
+        x, r = torch.randn(4, H, generator=g), torch.randn(4, H, generator=g)
+        rows = torch.zeros(MAX_TOKENS, dtype=torch.int32)
+        rows[:4] = torch.tensor([0, 1, 2, 0], dtype=torch.int32)
+        torch.ops.hotwire.read_(x, r, rows, read_slot, bank, 1)
+        stream = x + r
+        torch.testing.assert_close(out[1, 1, 0], stream[1] @ bank[3])
+        torch.testing.assert_close(out[1, 2, 2], stream[2] @ bank[3])
+        torch.testing.assert_close(out[1, 2, 0], stream[2] @ bank[2])
+        torch.testing.assert_close(out[1, 1, K], stream[1].norm())
+        assert out[1, 1, 1] == 0  # probe 1 of row 1 reads layer 2, not 1
+        assert (out[1, [0, 3]] == -7).all() and (out[[0, 2, 3]] == -7).all()  # unread tokens and layers untouched
+        GATE.open = False
+        torch.ops.hotwire.read_(x * 2, r, rows, read_slot, bank, 1)  # a closed gate: nothing
+        torch.testing.assert_close(out[1, 1, K], stream[1].norm())
+    finally:
+        GATE.open = True
+        readout_op.set_output(saved)
+
+
+def check_triton_against_torch(device: str) -> None:
+    """``read_triton_`` writes what ``read_torch`` computes for read tokens and leaves the others: with and without a
+    partner, bf16 and float32 streams, a hidden size spanning several blocks, and K not a power of two."""
+    from hotwire_core import triton_readout
+
+    g = torch.Generator().manual_seed(1)
+    for dtype, with_other, block in ((torch.float32, True, None), (torch.bfloat16, False, 8), (torch.bfloat16, True, 8)):
+        saved = triton_readout.MAX_BLOCK_H
+        if block is not None:
+            triton_readout.MAX_BLOCK_H = block
+        try:
+            bank, read_slot = _tables(g)
+            bank = bank.to(dtype)
+            n = 5
+            target = torch.randn(n, H, generator=g).to(dtype)
+            other = torch.randn(n, H, generator=g).to(dtype) if with_other else None
+            rows = torch.zeros(MAX_TOKENS, dtype=torch.int32)
+            rows[:n] = torch.tensor([1, 0, 2, 1, 0], dtype=torch.int32)
+            want = torch.full((N_LAYERS, MAX_TOKENS, K + 1), -7.0)
+            picked = rows[:n].nonzero().squeeze(1)
+            want[1, picked] = read_torch(target[picked], None if other is None else other[picked], rows[picked],
+                                         read_slot, bank, 1)
+            got = torch.full((N_LAYERS, MAX_TOKENS, K + 1), -7.0, device=device)
+            triton_readout.read_triton_(target.to(device), None if other is None else other.to(device),
+                                        rows.to(device), read_slot.to(device), bank.to(device), got, 1)
+            torch.testing.assert_close(got.cpu(), want, atol=1e-4, rtol=1e-4)
+        finally:
+            triton_readout.MAX_BLOCK_H = saved
+
+
+_INTERPRETER_SCRIPT = f"""
+import os, sys
+os.environ["TRITON_INTERPRET"] = "1"
+sys.path.insert(0, {str(Path(__file__).parent)!r})
+import test_readout
+test_readout.check_triton_against_torch("cpu")
+"""
+
+
+def test_triton_kernel_in_interpreter() -> None:
+    pytest.importorskip("triton")
+
+    proc = subprocess.run([sys.executable, "-c", _INTERPRETER_SCRIPT], cwd=Path(__file__).parents[2],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+# -- the worker -------------------------------------------------------------------------------------------------
+
+
+class _HostUploader:
+    to_device = staticmethod(lambda t: t)
+    copy_ = staticmethod(lambda dst, src: dst.copy_(src))
+
+
+def _args(tag, tokens, layers=(1, 2)):
+    probes = [{"name": f"p{k}@1:L{layer}", "layer": layer, "bias": 0.0, "norm": 1.0} for k, layer in enumerate(layers)]
+    return {"tag": tag, "tokens": tokens, "probes": probes}
+
+
+def _worker():
+    from hotwire_core.readout_worker import WorkerReadout
+
+    return WorkerReadout([0, 1, 2, 3], N_LAYERS, torch.device("cpu"), MAX_TOKENS, K, 4, _HostUploader())
+
+
+def _forward(worker, positions_values):
+    """What the op would write for the step's read tokens: value = 100 * row + position (dot), position (norm)."""
+    for t in range(MAX_TOKENS):
+        row = int(worker.token_read[t])
+        if row:
+            worker.out[:, t, :K] = 100 * row + positions_values[t]
+            worker.out[:, t, K] = positions_values[t]
+
+
+def test_the_worker_reads_the_asked_positions_across_chunks_and_keeps_the_latest():
+    w = _worker()
+    items = [SteerItem(1, 3, 0.0, 0.0), SteerItem(2, 4, 0.0, 0.0)]
+    w.on_step([], [("a", 5, _args("ta", "all"), items), ("b", 5, _args("tb", "generated"), items)], {})
+    assert w.read_slot[1, 1, 0] == 3 and w.read_slot[1, 2, 1] == 4
+    # step 1: a's prompt positions 0-2 and b's 0-4 (b reads from position 4 on: the last prompt token)
+    w.fill(["a", "b", "plain"], np.array([3, 5, 2]), np.array([0, 0, 0]), 10)
+    assert w.token_read[:10].tolist() == [1, 1, 1, 0, 0, 0, 0, 2, 0, 0]
+    _forward(w, [0, 1, 2, 0, 0, 0, 0, 4, 0, 0] + [0] * 6)
+    # step 2: a's positions 3-4, b's 5; a position read again (3) keeps the latest value
+    w.fill(["a", "b"], np.array([2, 1]), np.array([3, 5]), 3)
+    _forward(w, [3, 4, 5] + [0] * 13)
+    w.fill(["a"], np.array([1]), np.array([3]), 1)  # a recomputes position 3 (preempted)
+    _forward(w, [3.5] + [0] * 15)
+    w.on_step(["a", "b"], [], {})
+    a = w.take(["ta"])["readouts"]["ta"]
+    positions = np.frombuffer(a["positions"], np.int32)
+    values = np.frombuffer(a["values"], np.float32).reshape(len(positions), 2, 2)
+    assert positions.tolist() == [0, 1, 2, 3, 4]
+    assert values[:, 0, 0].tolist() == [100, 101, 102, 103.5, 104] and values[:, 1, 1].tolist() == [0, 1, 2, 3.5, 4]
+    b = w.take(["tb"])["readouts"]["tb"]
+    assert np.frombuffer(b["positions"], np.int32).tolist() == [4, 5]
+    assert w.take(["ta", "tb"])["readouts"] == {}  # each handed out once
+    assert not w.clean  # token_read still holds the last step's rows
+    w.fill(["plain"], np.array([1]), np.array([9]), 1)
+    assert w.clean and not w.token_read.any() and sorted(w._free) == [1, 2, 3, 4]
+
+
+def test_a_live_request_is_handed_out_when_asked_before_the_worker_hears_it_finished():
+    w = _worker()
+    w.on_step([], [("a", 2, _args("ta", "generated", (1,)), [SteerItem(1, 3, 0.0, 0.0)])], {})
+    w.fill(["a"], np.array([2]), np.array([0]), 2)
+    _forward(w, [0, 1] + [0] * 14)
+    got = w.take(["ta"])["readouts"]["ta"]  # the last forward's values are flushed by the take itself
+    assert np.frombuffer(got["positions"], np.int32).tolist() == [1]
+    w.on_step(["a"], [], {})  # the finish arrives: nothing is kept for the tag again
+    assert w.take(["ta"])["readouts"] == {} and not w.live
+
+
+def test_a_rebind_rewrites_the_probe_rows():
+    w = _worker()
+    w.on_step([], [("a", 2, _args("ta", "all", (1,)), [SteerItem(1, 3, 0.0, 0.0)])], {})
+    w.on_step([], [], {"a": {"p": [], "d": [], "r": [SteerItem(1, 7, 0.0, 0.0)]}})
+    assert w.read_slot[1, 1, 0] == 7
+
+
+# -- the result -------------------------------------------------------------------------------------------------
+
+
+def _answer(tag, prompt_len, positions, values, held, tokens="all", layers=(1, 2)):
+    args = _args(tag, tokens, layers)
+    args["probes"][0]["bias"], args["probes"][0]["norm"] = 0.5, 2.0
+    return {"ok": True, "readouts": {tag: {
+        "args": args, "prompt_len": prompt_len, "held": held, "positions": np.array(positions, np.int32).tobytes(),
+        "values": np.array(values, np.float32).tobytes()}}}
+
+
+def test_the_result_splits_prompt_and_generated_and_merges_ranks():
+    positions = [0, 1, 2, 3]
+    rank0 = [[[1, 2], [np.nan, np.nan]], [[2, 2], [np.nan, np.nan]], [[3, 2], [np.nan, np.nan]], [[4, 0], [np.nan, np.nan]]]
+    rank1 = [[[np.nan, np.nan], [5, 1]], [[np.nan, np.nan], [6, 1]], [[np.nan, np.nan], [7, 1]], [[np.nan, np.nan], [8, 1]]]
+    answers = [_answer("t", 2, positions, rank0, [0]), _answer("t", 2, positions, rank1, [1])]
+    got = readout_of(answers, "t", n_generated=3)
+    first, second = got["probes"]
+    assert first["probe"] == "p0@1:L1" and first["bias"] == 0.5
+    assert first["prompt"] == {"score": [1.5, 2.5], "cosine": [0.25, 0.5]}
+    assert first["generated"] == {"score": [2.5, 3.5, 4.5], "cosine": [0.5, 0.75, 0.0]}  # norm 0: cosine 0
+    assert second["generated"]["score"] == [6.0, 7.0, 8.0]
+
+
+def test_a_missing_position_is_an_error_not_a_short_answer():
+    answers = [_answer("t", 2, [0, 1], [[[1, 1], [1, 1]], [[1, 1], [1, 1]]], [0, 1])]
+    with pytest.raises(ReadoutLost, match="no value for position 2"):
+        readout_of(answers, "t", n_generated=2)
+    with pytest.raises(ReadoutLost, match="no worker returned it"):
+        readout_of(answers, "other", n_generated=1)
+    lost = {"ok": True, "readouts": {"t": {"error": "all 4 readout rows of this worker are in use"}}}
+    with pytest.raises(ReadoutLost, match="rows of this worker"):
+        readout_of([lost], "t", n_generated=1)
