@@ -24,8 +24,10 @@ prefix, or a client's own ``hotwire_ticket``, is refused on every route.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
+import uuid
 from dataclasses import dataclass
 from typing import Any
 
@@ -37,10 +39,11 @@ from hotwire_api.catalog import CATALOG
 from hotwire_api.engine import HotwireEngine
 from hotwire_api.errors import HotwireError
 from hotwire_api.stats_cache import STATS
-from hotwire_api.tickets import TICKETS, readout_unsupported
+from hotwire_api.tickets import TICKETS
 from hotwire_core.admission import Refusal, pinned_spec, receipt, resolve
 from hotwire_core.contract import BINDING_KEY, READOUT_ARGS_KEY
 from hotwire_core.error_codes import ErrorCode
+from hotwire_core.readout_admission import resolve_readout
 from hotwire_core.readout_spec import READOUT_KEY
 from hotwire_core.spec import SALT_PREFIX, SPEC_KEY, TICKET_KEY, SpecError, parse_spec
 
@@ -64,6 +67,10 @@ class _Steering:
     @property
     def spec(self) -> Any:
         return self.holder.get(SPEC_KEY)
+
+    @property
+    def readout(self) -> Any:
+        return self.holder.get(READOUT_KEY)
 
 
 class AdmissionMiddleware:
@@ -89,20 +96,26 @@ class AdmissionMiddleware:
             if steering is None:
                 await self.app(scope, _replay(body, receive), send)
                 return
+            reads = READOUT_KEY in steering.holder
+            if reads:
+                _authorize_readout(path, steering)
             self._authorize(scope, path, steering)
             engine = HotwireEngine.of(scope["app"])
-            decided, pinned = await _decide(engine, steering.spec)
+            # Present, whatever its value: a spec that is not a JSON string is hotwire's 400, not vLLM's.
+            decided, pinned = await _decide(engine, steering.spec) if SPEC_KEY in steering.holder else ("", None)
+            readout = await _decide_readout(engine, steering.readout) if reads else None
         except HotwireError as err:
             STATS.count_refusal(err.code)
             if err.code in _NEVER_LENIENT or not (self.lenient and 400 <= err.status < 500):
                 await err.response()(scope, receive, send)
                 return
-            del steering.holder[SPEC_KEY]
+            steering.holder.pop(SPEC_KEY, None)
+            steering.holder.pop(READOUT_KEY, None)
             body = json.dumps(steering.request, separators=(",", ":")).encode()
             lenient_send = _add_header(send, LENIENT_HEADER, f"{err.code}: {err.message}")
             await self.app(_with_length(scope, len(body)), _replay(body, receive), lenient_send)
             return
-        await self._serve_admitted(scope, receive, send, path, engine, steering, decided, pinned)
+        await self._serve_admitted(scope, receive, send, path, engine, steering, decided, pinned, readout)
 
     @staticmethod
     def _authorize(scope: Scope, path: str, steering: _Steering) -> None:
@@ -123,14 +136,19 @@ class AdmissionMiddleware:
                                "VLLM_API_KEY) on every route: send 'Authorization: Bearer <key>'")
 
     async def _serve_admitted(self, scope: Scope, receive: Receive, send: Send, path: str, engine: HotwireEngine,
-                              steering: _Steering, decided: str, pinned: str) -> None:
-        ticket_id = TICKETS.issue(pinned)
+                              steering: _Steering, decided: str, pinned: str | None,
+                              readout: tuple[str, str] | None) -> None:
+        ticket_id = TICKETS.issue(pinned, readout[0] if readout else None)
         ticket = TICKETS.get(ticket_id)
         assert ticket is not None
-        steering.holder[SPEC_KEY] = pinned
+        if pinned is not None:
+            steering.holder[SPEC_KEY] = pinned
+            send = _add_header(send, RECEIPT_HEADER, decided)
+        if readout is not None:
+            steering.holder[READOUT_KEY] = readout[0]
         steering.holder[TICKET_KEY] = ticket_id
         body = json.dumps(steering.request, separators=(",", ":")).encode()
-        answer = Answer(engine, ticket_id, ticket, scope, receive, _add_header(send, RECEIPT_HEADER, decided), path)
+        answer = Answer(engine, ticket_id, ticket, scope, receive, send, path, readout[1] if readout else None)
         try:
             await self.app(_with_length(scope, len(body)), _replay(body, receive), answer.send)
         except Exception:
@@ -160,21 +178,17 @@ def _as_pydantic_bool(value: Any) -> bool:
     return isinstance(value, str) and value.lower() in _TRUE_STRINGS
 
 
-# Forged cache keys and tickets are never served; nor is a readout without its values.
-_NEVER_LENIENT = frozenset({ErrorCode.RESERVED_SALT, ErrorCode.RESERVED_FIELD, ErrorCode.READOUT_UNSUPPORTED})
+_NEVER_LENIENT = frozenset({ErrorCode.RESERVED_SALT, ErrorCode.RESERVED_FIELD})  # forged cache keys and tickets: never served
 
 
 def _refuse_reserved(request: dict[str, Any], steering: _Steering | None) -> None:
     """A client may not set what only hotwire sets: a cache salt with its prefix (it could forge a steered
-    request's cache key), a ticket, or what the engine's admission gives a request (a binding to bank rows). A
-    readout, which HTTP responses do not carry yet, is refused too."""
+    request's cache key), a ticket, or what the engine's admission gives a request (a binding to bank rows)."""
     params = request.get("sampling_params")
     for holder, where in ((request.get("vllm_xargs"), "vllm_xargs"),
                           (params.get("extra_args") if isinstance(params, dict) else None, "sampling_params.extra_args")):
         if not isinstance(holder, dict):
             continue
-        if READOUT_KEY in holder:
-            raise readout_unsupported(f"{where}.{READOUT_KEY}")
         for key in (BINDING_KEY, READOUT_ARGS_KEY):
             if key in holder:  # the engine refuses them too, but only as a failed request
                 raise HotwireError(400, ErrorCode.RESERVED_FIELD, f"{key} is set by hotwire's admission, not by "
@@ -221,6 +235,48 @@ async def _decide(engine: HotwireEngine, spec: Any) -> tuple[str, str]:
     return receipt(resolved), pinned_spec(resolved)
 
 
+READOUT_ROUTES = frozenset({"/v1/chat/completions", "/v1/completions"})
+
+
+def _authorize_readout(path: str, steering: _Steering) -> None:
+    """A readout comes back in the JSON body of a chat or completions response: one completion, not streamed."""
+    field = f"{steering.where}.{READOUT_KEY}"
+    if path not in READOUT_ROUTES or steering.where != "vllm_xargs":
+        raise HotwireError(400, ErrorCode.READOUT_UNSUPPORTED, f"POST {path} cannot return a readout: only "
+                           f"vllm_xargs.{READOUT_KEY} of POST {', '.join(sorted(READOUT_ROUTES))} is read; send the "
+                           "request without it, or to one of those routes", field)
+    if _as_pydantic_bool(steering.request.get("stream")):
+        raise HotwireError(400, ErrorCode.READOUT_UNSUPPORTED, "a streamed response does not carry a readout yet: send "
+                           "the request with stream false to get it in the response body", "stream")
+    if steering.request.get("n", 1) not in (1, None):
+        raise HotwireError(400, ErrorCode.BAD_READOUT, "a readout reads one completion: send n = 1", "n")
+
+
+async def _decide_readout(engine: HotwireEngine, value: Any) -> tuple[str, str]:
+    """The pinned readout (every probe bound to the version decided here, and a tag to take its values by) and its
+    tag, or its refusal (:class:`HotwireError`, with the field named as in the request body)."""
+    if not isinstance(value, str):
+        raise HotwireError(400, ErrorCode.BAD_READOUT, f"vllm_xargs.{READOUT_KEY} must be a JSON string holding "
+                           '{"probes": [{"id": ..., "layer": ...}], "tokens": ...}', f"vllm_xargs.{READOUT_KEY}")
+    arrived = time.monotonic()
+    try:
+        rules = await CATALOG.ready(engine)
+        try:
+            spec, resolved = resolve_readout(value, CATALOG.lookup, rules, rules.model.readout_probes)
+        except Refusal as exc:
+            if exc.code not in (ErrorCode.UNKNOWN_VECTOR, ErrorCode.VERSION_GONE):
+                raise
+            # Registered since the last refresh, or a retained version the engine still holds: ask again.
+            await CATALOG.refresh(engine, not_before=arrived)
+            spec, resolved = resolve_readout(value, CATALOG.lookup, rules, rules.model.readout_probes)
+    except (Refusal, HotwireError) as exc:
+        raise in_body(exc) from None
+    tag = uuid.uuid4().hex
+    pinned = dataclasses.replace(spec, probes=tuple(dataclasses.replace(p, version=v.version) for p, v in resolved),
+                                 tag=tag)
+    return json.dumps(pinned.to_json(), separators=(",", ":")), tag
+
+
 def _path(scope: Scope) -> str:
     return scope["path"].removeprefix(scope.get("root_path", ""))
 
@@ -260,7 +316,7 @@ def _steering(request: dict[str, Any]) -> _Steering | None:
     params = request.get("sampling_params")
     for holder, where in ((request.get("vllm_xargs"), "vllm_xargs"),
                           (params.get("extra_args") if isinstance(params, dict) else None, "sampling_params.extra_args")):
-        if isinstance(holder, dict) and (SPEC_KEY in holder or TICKET_KEY in holder):
+        if isinstance(holder, dict) and (SPEC_KEY in holder or TICKET_KEY in holder or READOUT_KEY in holder):
             return _Steering(request, holder, where)
     return None
 

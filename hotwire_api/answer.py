@@ -12,7 +12,10 @@ Two things can make vLLM's answer wrong for such a request, and this module repl
   the route dropped the spec on its way (beam search builds its own sampling parameters; a pooling handler has no
   room for one). The client gets 400 ``steering_unsupported`` instead of output that was not steered.
 
-No request that was refused, or not steered as admitted, ends as a success.
+A request that reads probes (``hotwire_readout``) gets its values in the JSON body (``hotwire_readout``), taken from
+the workers once the response is whole; if they cannot be had, the readout's error replaces the response.
+
+No request that was refused, or not steered or read as admitted, ends as a success.
 """
 
 from __future__ import annotations
@@ -26,6 +29,8 @@ from hotwire_api.engine import HotwireEngine
 from hotwire_api.errors import HotwireError
 from hotwire_api.tickets import Ticket
 from hotwire_core.error_codes import ErrorCode
+from hotwire_core.errors import EngineError
+from hotwire_core.readout_results import readout_of
 from hotwire_core.spec import SPEC_KEY
 
 __all__ = ["Answer", "in_body"]
@@ -53,8 +58,8 @@ class Answer:
     """vLLM's answer to one admitted request, passed on or replaced (see the module docstring)."""
 
     def __init__(self, engine: HotwireEngine, ticket_id: str, ticket: Ticket, scope: Scope, receive: Receive,
-                 send: Send, path: str):
-        self.engine, self.ticket_id, self.ticket = engine, ticket_id, ticket
+                 send: Send, path: str, readout_tag: str | None = None):
+        self.engine, self.ticket_id, self.ticket, self.readout_tag = engine, ticket_id, ticket, readout_tag
         self.scope, self.receive, self._send, self.path = scope, receive, send, path
         self.responses_api = path == "/v1/responses"
         self.held: list[Message] = []  # what the client has not been sent yet
@@ -123,7 +128,33 @@ class Answer:
               and _delivers_output(b"".join(m.get("body", b"") for m in self.held[1:]))):
             await self._refuse(_not_steered(self.path))
             return
+        elif self.readout_tag is not None and self.status < 300:
+            try:
+                await self._attach_readout()
+            except HotwireError as exc:
+                await self._refuse(exc)
+                return
         await self._flush()
+
+    async def _attach_readout(self) -> None:
+        """Put the request's readout (``hotwire_core.readout_results``) into the JSON body as ``hotwire_readout``,
+        or raise :class:`HotwireError`: a response that asked for one never goes out without it."""
+        try:
+            data = json.loads(b"".join(m.get("body", b"") for m in self.held[1:]))
+            generated = int(data["usage"]["completion_tokens"])
+        except (ValueError, KeyError, TypeError):
+            raise HotwireError(500, ErrorCode.READOUT_LOST, "the response has no token count (usage.completion_tokens) "
+                               "to cut the readout to") from None
+        answers = await self.engine.take_readouts([self.readout_tag])
+        try:
+            data["hotwire_readout"] = readout_of(answers, self.readout_tag, generated)
+        except EngineError as exc:
+            raise HotwireError(exc.status, exc.code, exc.message, exc.field) from None
+        body = json.dumps(data, separators=(",", ":")).encode()
+        start = self.held[0]
+        headers = [(k, v) for k, v in start.get("headers", []) if k.lower() != b"content-length"]
+        self.held = [{**start, "headers": [*headers, (b"content-length", str(len(body)).encode())]},
+                     {"type": "http.response.body", "body": body}]
 
     async def _flush(self) -> None:
         held, self.held = self.held, []

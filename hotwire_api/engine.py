@@ -207,7 +207,13 @@ class HotwireEngine:
     async def take_captures(self, tags: list[str]) -> list[dict[str, Any]]:
         """Every worker's ``hotwire_take_captures`` answer, on every engine core (a capture is held where its request
         ran; with pipeline parallelism each rank holds its own layers)."""
-        method = contract.TAKE_CAPTURES
+        return await self._take(contract.TAKE_CAPTURES, tags)
+
+    async def take_readouts(self, tags: list[str]) -> list[dict[str, Any]]:
+        """Every worker's ``hotwire_take_readouts`` answer, on every engine core (as :meth:`take_captures`)."""
+        return await self._take(contract.TAKE_READOUTS, tags)
+
+    async def _take(self, method: str, tags: list[str]) -> list[dict[str, Any]]:
         try:
             if self._per_engine is not None:
                 answers = await self._per_engine(method, (tags,), slice(None), False)
@@ -217,7 +223,7 @@ class HotwireEngine:
             raise self._unavailable(method, exc) from exc
         ranks = [rank for answer in answers for rank in (answer if isinstance(answer, list) else [answer])]
         if not all(isinstance(rank, dict) and rank.get("ok") for rank in ranks):
-            raise HotwireError(502, ErrorCode.BAD_ENGINE_RESULT, f"{method} returned something else than captures")
+            raise HotwireError(502, ErrorCode.BAD_ENGINE_RESULT, f"{method} returned something else than its results")
         return ranks
 
     async def refusals(self, tickets: list[str]) -> dict[str, HotwireError]:

@@ -1,6 +1,7 @@
 """Tickets: the proof that a steered request reaching this API server's engine client was admitted here.
 
-The admission middleware (``hotwire_api.admission``) issues one per admitted request, for the spec it pinned.
+The admission middleware (``hotwire_api.admission``) issues one per admitted request, for the spec (and readout)
+it pinned.
 The guard on the engine client (:meth:`TicketBook.check`, run by ``hotwire_core.vllm_glue.api_server`` on every
 request vLLM adds) lets a steering spec into the engine only with a live ticket for exactly that spec, and
 notes that the ticket was presented. So no route, body encoding or parser difference brings steering into the
@@ -33,6 +34,7 @@ __all__ = ["TICKETS", "Ticket", "TicketBook", "not_admitted"]
 @dataclass
 class Ticket:
     spec: str | None  # the pinned spec admission decided (None: a capture request, see hotwire_api.extraction)
+    readout: str | None = None  # the pinned readout admission decided, with its tag (None: the request reads none)
     presented: bool = False  # the engine client added a request with it
 
 
@@ -50,10 +52,11 @@ class TicketBook:
         self._live: dict[str, Ticket] = {}
         self._kept: OrderedDict[str, tuple[Ticket, float]] = OrderedDict()  # closing order, with expiry
 
-    def issue(self, spec: str | None) -> str:
-        """A ticket for a request with this pinned spec (None: a capture request of the extraction route)."""
+    def issue(self, spec: str | None, readout: str | None = None) -> str:
+        """A ticket for a request with this pinned spec (None: a capture request of the extraction route, or one
+        that only reads) and readout."""
         ticket = secrets.token_hex(16)
-        self._live[ticket] = Ticket(spec)
+        self._live[ticket] = Ticket(spec, readout)
         return ticket
 
     def get(self, ticket: Any) -> Ticket | None:
@@ -77,12 +80,11 @@ class TicketBook:
 
     def check(self, extra_args: Mapping[str, Any] | None) -> None:
         """The engine client's guard: raises :class:`HotwireError` (400 ``not_admitted``) for a request that
-        carries a spec or a ticket without a live ticket for exactly that spec; marks the ticket presented."""
+        carries a spec, a readout or a ticket without a live ticket for exactly that spec and readout; marks the
+        ticket presented."""
         if not extra_args or (SPEC_KEY not in extra_args and TICKET_KEY not in extra_args
                               and CAPTURE_KEY not in extra_args and READOUT_KEY not in extra_args):
             return
-        if READOUT_KEY in extra_args:
-            raise readout_unsupported()
         ticket = self.get(extra_args.get(TICKET_KEY))
         if ticket is None and CAPTURE_KEY in extra_args:
             # Captures come only from POST /steer/vectors/extract, whose requests carry a ticket without a spec.
@@ -92,18 +94,12 @@ class TicketBook:
             raise not_admitted("this request carries steering that this server's admission did not decide")
         if extra_args.get(SPEC_KEY) != ticket.spec:
             raise not_admitted("this request's steering differs from what admission decided for it")
+        if extra_args.get(READOUT_KEY) != ticket.readout:
+            raise not_admitted("this request's readout differs from what admission decided for it")
         ticket.presented = True
 
     def __len__(self) -> int:
         return len(self._live) + len(self._kept)
-
-
-def readout_unsupported(field: str = f"vllm_xargs.{READOUT_KEY}") -> HotwireError:
-    """Readout is served offline only (``hotwire_core.offline.generate_with_readout``): an HTTP response has no
-    room for it yet, and a request that asks for it is never answered without it."""
-    return HotwireError(400, ErrorCode.READOUT_UNSUPPORTED, f"{READOUT_KEY} is not served over HTTP yet; read probes "
-                        "with the offline API (hotwire_core.offline.generate_with_readout), or send the request "
-                        "without it", field)
 
 
 TICKETS = TicketBook()

@@ -216,13 +216,16 @@ def test_a_client_cannot_bring_its_own_ticket(http, model):
     ("hotwire.binding", {"p": [[1, 1, 100.0, 0.0]], "d": []}, "reserved_field"),
     ("hotwire.readout", {"tag": "t", "tokens": "all", "probes": []}, "reserved_field"),
 ])
-def test_a_readout_or_what_only_admission_sets_is_refused_on_every_route(http, model, key, value, code):
-    """HTTP responses carry no readout yet: a request asking for one is refused, never served without it. A binding
-    to bank rows comes from the engine's admission only: a client's own would steer with rows it names."""
+def test_a_readout_or_what_only_admission_sets_is_refused_where_it_cannot_be_served(http, model, key, value, code):
+    """The token route returns no readout: a request asking for one there is refused, never served without it. A
+    binding to bank rows comes from the engine's admission only: a client's own would steer with rows it names."""
     tokens = {"model": model, "token_ids": [1, 2, 3], "sampling_params": {"max_tokens": 3, "extra_args": {key: value}}}
     assert error_of(http.post("/inference/v1/generate", json=tokens), 400, code)["field"] == f"sampling_params.extra_args.{key}"
-    if isinstance(value, str):  # vllm_xargs takes strings, numbers and lists of them
-        error_of(http.post("/v1/completions", json={**completion(model), "vllm_xargs": {key: value}}), 400, code)
+
+
+def test_a_readout_on_a_server_without_the_readout_op_is_refused(http, model):
+    body = {**completion(model), "vllm_xargs": {"hotwire_readout": json.dumps({"probes": [{"id": "fz", "layer": 1}]})}}
+    error_of(http.post("/v1/completions", json=body), 503, "readout_off")
 
 
 def test_a_background_response_is_steered_after_its_answer(http, model):

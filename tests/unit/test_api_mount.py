@@ -113,6 +113,18 @@ def test_the_guard_refuses_steering_admission_did_not_decide_before_vllm_sees_th
     TICKETS.close(ticket)
     with pytest.raises(HotwireError):
         add({"hotwire": spec, "hotwire_ticket": ticket})  # the request is over
+    readout = json.dumps({"probes": [{"id": "happy", "layer": 1, "version": 1}], "tokens": "all", "tag": "t"})
+    with pytest.raises(HotwireError) as info:
+        add({"hotwire_readout": readout})  # a readout needs its ticket too
+    assert info.value.code == "not_admitted"
+    ticket = TICKETS.issue(None, readout)
+    with pytest.raises(HotwireError):
+        add({"hotwire_readout": readout.replace('"all"', '"prompt"'), "hotwire_ticket": ticket})
+    with pytest.raises(HotwireError):
+        add({"hotwire": spec, "hotwire_readout": readout, "hotwire_ticket": ticket})  # steering it was not given
+    with pytest.raises(EngineDeadError):
+        add({"hotwire_readout": readout, "hotwire_ticket": ticket})
+    TICKETS.close(ticket)
 
 
 def test_python_m_api_server_counts_as_api_server(

@@ -1,0 +1,139 @@
+"""Readout through a real ``vllm serve`` (vLLM 0.25.1, CPU, ``HOTWIRE_READOUT=1``): the values come back in the JSON
+body of chat and completions responses, equal to the projections on a transformers forward with hooks on the same
+weights; what cannot be served (a stream, ``n > 1``, a bad probe) is refused, never answered without its values."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+
+import httpx
+import numpy as np
+import pytest
+import torch
+
+import hf_reference
+from server_fixture import VllmServer
+
+pytestmark = pytest.mark.integration
+
+HIDDEN, LAYERS = 256, 4
+ATOL = 2e-3
+SERVER_ARGS = [] if torch.cuda.is_available() else ["--enforce-eager"]
+PROMPT = [11, 42, 7, 99, 3, 250, 17, 64, 5]
+
+
+@pytest.fixture(scope="module")
+def rows() -> dict[str, list[list[float]]]:
+    rng = np.random.default_rng(5)
+    return {"joy": rng.standard_normal((LAYERS, HIDDEN)).tolist(), "calm": rng.standard_normal((LAYERS, HIDDEN)).tolist()}
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model, tmp_path_factory, rows) -> Iterator[VllmServer]:
+    env = {"HOTWIRE_STORE": "off", "HOTWIRE_READOUT": "1", "HOTWIRE_READOUT_PROBES": "2"}
+    srv = VllmServer(tiny_model, tmp_path_factory.mktemp("vllm-serve"), env, SERVER_ARGS)
+    srv.start()
+    with httpx.Client(base_url=srv.url, timeout=60) as http:
+        for vector_id, values in rows.items():
+            body = {"id": vector_id, "layers": {str(layer): row for layer, row in enumerate(values)}}
+            assert http.post("/steer/vectors", json=body).status_code == 201
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture(scope="module")
+def http(server) -> Iterator[httpx.Client]:
+    with httpx.Client(base_url=server.url, timeout=120) as client:
+        yield client
+
+
+@pytest.fixture(scope="module")
+def hf_model(tiny_model):
+    return hf_reference.load(tiny_model)
+
+
+def readout(*probes: tuple[str, int], tokens: str = "all") -> dict[str, str]:
+    return {"hotwire_readout": json.dumps({"probes": [{"id": i, "layer": l} for i, l in probes], "tokens": tokens})}
+
+
+def streams(hf_model, token_ids: list[int], layers: list[int], steering=()) -> dict[int, torch.Tensor]:
+    decoder = hf_reference.decoder_layers(hf_model)
+    out, handles = {}, []
+    for layer, vector, scale in steering:
+        handles.append(decoder[layer].register_forward_hook(
+            lambda m, a, o, v=vector, s=scale: (o[0] + s * v, *o[1:]) if isinstance(o, tuple) else o + s * v))
+    for layer in layers:
+        handles.append(decoder[layer].register_forward_hook(
+            lambda m, a, o, layer=layer: out.__setitem__(layer, (o[0] if isinstance(o, tuple) else o)[0].float().clone())))
+    try:
+        with torch.no_grad():
+            hf_model(torch.tensor([token_ids]))
+    finally:
+        for h in handles:
+            h.remove()
+    return out
+
+
+def check(entry: dict, part: str, stream: torch.Tensor, vector: list[float]) -> None:
+    v = torch.tensor(vector)
+    dots = stream @ v
+    err = np.abs(np.array(entry[part]["score"]) - dots.numpy()).max()
+    print(f"{entry['probe']} {part}: readout through vllm serve vs transformers + hooks: {err:.3g}")
+    assert len(entry[part]["score"]) == len(stream) and err < ATOL
+    cosine = dots / (stream.norm(dim=-1) * v.norm())
+    assert np.abs(np.array(entry[part]["cosine"]) - cosine.numpy()).max() < ATOL
+
+
+@pytest.mark.parametrize("steered", [False, True])
+def test_a_completion_carries_its_readout_equal_to_transformers_hooks(http, tiny_model, hf_model, rows, steered):
+    xargs = readout(("joy", 1), ("calm", 3))
+    if steered:
+        xargs["hotwire"] = json.dumps({"id": "calm", "layer": 1, "scale": 2.0})
+    body = {"model": str(tiny_model), "prompt": PROMPT, "max_tokens": 5, "temperature": 0, "ignore_eos": True,
+            "return_token_ids": True, "vllm_xargs": xargs}
+    response = http.post("/v1/completions", json=body)
+    assert response.status_code == 200, response.text
+    data = response.json()
+    generated = data["choices"][0]["token_ids"]
+    got = data["hotwire_readout"]
+    assert got["tokens"] == "all" and [p["probe"] for p in got["probes"]] == ["joy@1:L1", "calm@1:L3"]
+    assert ("x-hotwire-receipt" in response.headers) == steered
+    steering = [(1, torch.tensor(rows["calm"][1]), 2.0)] if steered else []
+    reference = streams(hf_model, PROMPT + generated[:-1], [1, 3], steering)
+    P = len(PROMPT)
+    for entry, (name, layer) in zip(got["probes"], [("joy", 1), ("calm", 3)]):
+        check(entry, "prompt", reference[layer][:P], rows[name][layer])
+        check(entry, "generated", reference[layer][P - 1 :], rows[name][layer])
+
+
+def test_a_chat_response_carries_the_generated_tokens_readout(http, tiny_model):
+    body = {"model": str(tiny_model), "messages": [{"role": "user", "content": "hello there"}], "max_tokens": 4,
+            "temperature": 0, "ignore_eos": True, "vllm_xargs": readout(("joy", 2), tokens="generated")}
+    response = http.post("/v1/chat/completions", json=body)
+    assert response.status_code == 200, response.text
+    (probe,) = response.json()["hotwire_readout"]["probes"]
+    assert list(probe) == ["probe", "bias", "generated"] and len(probe["generated"]["score"]) == 4
+    assert all(np.isfinite(probe["generated"]["score"])) and any(probe["generated"]["score"])
+
+
+@pytest.mark.parametrize("extra, status, code, field", [
+    ({"stream": True}, 400, "readout_unsupported", "stream"),
+    ({"n": 2}, 400, "bad_readout", "n"),
+    ({"vllm_xargs": readout(("nope", 1))}, 400, "unknown_vector", "vllm_xargs.hotwire_readout.probes[0].id"),
+    ({"vllm_xargs": readout(("joy", 1), ("joy", 2), ("calm", 0))}, 400, "bad_readout", "vllm_xargs.hotwire_readout.probes"),
+    ({"vllm_xargs": {"hotwire_readout": '{"probes": [{"id": "joy", "layer": 1}], "tokens": "most"}'}}, 400,
+     "bad_readout", "vllm_xargs.hotwire_readout.tokens"),
+])
+def test_a_readout_that_cannot_be_served_is_refused(http, tiny_model, extra, status, code, field):
+    body = {"model": str(tiny_model), "prompt": PROMPT, "max_tokens": 2, "vllm_xargs": readout(("joy", 1)), **extra}
+    response = http.post("/v1/completions", json=body)
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert (error["code"], error.get("field")) == (code, field)
+
+
+def test_a_readout_on_a_route_that_returns_none_is_refused(http, tiny_model):
+    body = {"model": str(tiny_model), "input": "hello", "max_output_tokens": 2, "vllm_xargs": readout(("joy", 1))}
+    response = http.post("/v1/responses", json=body)
+    assert response.status_code == 400 and response.json()["error"]["code"] == "readout_unsupported", response.text
