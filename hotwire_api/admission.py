@@ -144,11 +144,18 @@ class AdmissionMiddleware:
         if pinned is not None:
             steering.holder[SPEC_KEY] = pinned
             send = _add_header(send, RECEIPT_HEADER, decided)
+        usage_wanted = True
         if readout is not None:
             steering.holder[READOUT_KEY] = readout[0]
+            options = steering.request.get("stream_options")
+            if _as_pydantic_bool(steering.request.get("stream")) and isinstance(options or {}, dict):
+                # The usage chunk says how many tokens the stream generated: what the readout is cut to.
+                usage_wanted = _as_pydantic_bool((options or {}).get("include_usage"))
+                steering.request["stream_options"] = {**(options or {}), "include_usage": True}
         steering.holder[TICKET_KEY] = ticket_id
         body = json.dumps(steering.request, separators=(",", ":")).encode()
-        answer = Answer(engine, ticket_id, ticket, scope, receive, send, path, readout[1] if readout else None)
+        answer = Answer(engine, ticket_id, ticket, scope, receive, send, path, readout[1] if readout else None,
+                        usage_wanted)
         try:
             await self.app(_with_length(scope, len(body)), _replay(body, receive), answer.send)
         except Exception:
@@ -239,15 +246,13 @@ READOUT_ROUTES = frozenset({"/v1/chat/completions", "/v1/completions"})
 
 
 def _authorize_readout(path: str, steering: _Steering) -> None:
-    """A readout comes back in the JSON body of a chat or completions response: one completion, not streamed."""
+    """A readout comes back in the JSON body of a chat or completions response (a stream: in a chunk of its own),
+    for one completion."""
     field = f"{steering.where}.{READOUT_KEY}"
     if path not in READOUT_ROUTES or steering.where != "vllm_xargs":
         raise HotwireError(400, ErrorCode.READOUT_UNSUPPORTED, f"POST {path} cannot return a readout: only "
                            f"vllm_xargs.{READOUT_KEY} of POST {', '.join(sorted(READOUT_ROUTES))} is read; send the "
                            "request without it, or to one of those routes", field)
-    if _as_pydantic_bool(steering.request.get("stream")):
-        raise HotwireError(400, ErrorCode.READOUT_UNSUPPORTED, "a streamed response does not carry a readout yet: send "
-                           "the request with stream false to get it in the response body", "stream")
     if steering.request.get("n", 1) not in (1, None):
         raise HotwireError(400, ErrorCode.BAD_READOUT, "a readout reads one completion: send n = 1", "n")
 

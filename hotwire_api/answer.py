@@ -13,7 +13,9 @@ Two things can make vLLM's answer wrong for such a request, and this module repl
   room for one). The client gets 400 ``steering_unsupported`` instead of output that was not steered.
 
 A request that reads probes (``hotwire_readout``) gets its values in the JSON body (``hotwire_readout``), taken from
-the workers once the response is whole; if they cannot be had, the readout's error replaces the response.
+the workers once the response is whole; if they cannot be had, the readout's error replaces the response. A stream
+gets them in a chunk of their own before ``[DONE]`` (or an error event there), cut to the usage chunk's count, which
+admission asks vLLM for (and which is dropped when the client did not ask for it).
 
 No request that was refused, or not steered or read as admitted, ends as a success.
 """
@@ -58,8 +60,11 @@ class Answer:
     """vLLM's answer to one admitted request, passed on or replaced (see the module docstring)."""
 
     def __init__(self, engine: HotwireEngine, ticket_id: str, ticket: Ticket, scope: Scope, receive: Receive,
-                 send: Send, path: str, readout_tag: str | None = None):
+                 send: Send, path: str, readout_tag: str | None = None, usage_wanted: bool = True):
         self.engine, self.ticket_id, self.ticket, self.readout_tag = engine, ticket_id, ticket, readout_tag
+        self.usage_wanted = usage_wanted  # a stream's usage chunk goes out (admission asks for it for a readout)
+        self._generated: int | None = None  # a readout stream's completion tokens, from its usage chunk
+        self._chunk: dict[str, Any] = {}  # the id, object, created and model of a readout stream's chunks
         self.scope, self.receive, self._send, self.path = scope, receive, send, path
         self.responses_api = path == "/v1/responses"
         self.held: list[Message] = []  # what the client has not been sent yet
@@ -114,8 +119,48 @@ class Answer:
             if refusal is not None:
                 await self._refuse(refusal)
                 return
+        if self.readout_tag is not None:
+            message = await self._readout_in_stream(message)
         await self._flush()
         await self._send(message)
+
+    async def _readout_in_stream(self, message: Message) -> Message:
+        """A readout stream's events: its usage chunk read (and dropped when the client did not ask for usage), and
+        the readout's own chunk (``choices`` empty, ``hotwire_readout``) or its error event put before ``[DONE]``."""
+        events = []
+        for event in message.get("body", b"").split(b"\n\n"):
+            if not event.strip():
+                continue
+            if event.strip() == b"data: [DONE]":
+                events.append(await self._readout_event())
+            else:
+                found = _event_data(event)
+                data = found[0] if len(found) == 1 else None
+                if isinstance(data, dict) and data.get("usage") and not data.get("choices"):
+                    self._generated = data["usage"].get("completion_tokens")
+                    self._chunk = {k: data[k] for k in ("id", "object", "created", "model") if k in data}
+                    if not self.usage_wanted:
+                        continue
+            events.append(event)
+        return {**message, "body": b"".join(event + b"\n\n" for event in events)}
+
+    async def _readout_event(self) -> bytes:
+        try:
+            if not isinstance(self._generated, int):
+                raise HotwireError(500, ErrorCode.READOUT_LOST, "the stream had no usage chunk to cut the readout to")
+            readout = await self._take_readout(self._generated)
+        except HotwireError as exc:
+            return _error_event(exc, self.responses_api).strip()
+        return b"data: " + json.dumps({**self._chunk, "choices": [], "hotwire_readout": readout}).encode()
+
+    async def _take_readout(self, generated: int) -> dict[str, Any]:
+        """The request's readout (``hotwire_core.readout_results``) for ``generated`` tokens, or :class:`HotwireError`."""
+        assert self.readout_tag is not None
+        answers = await self.engine.take_readouts([self.readout_tag])
+        try:
+            return readout_of(answers, self.readout_tag, generated)
+        except EngineError as exc:
+            raise HotwireError(exc.status, exc.code, exc.message, exc.field) from None
 
     async def _end(self) -> None:
         """A whole (non-streamed or failed) response has been produced: send it, or the refusal behind it."""
@@ -145,11 +190,7 @@ class Answer:
         except (ValueError, KeyError, TypeError):
             raise HotwireError(500, ErrorCode.READOUT_LOST, "the response has no token count (usage.completion_tokens) "
                                "to cut the readout to") from None
-        answers = await self.engine.take_readouts([self.readout_tag])
-        try:
-            data["hotwire_readout"] = readout_of(answers, self.readout_tag, generated)
-        except EngineError as exc:
-            raise HotwireError(exc.status, exc.code, exc.message, exc.field) from None
+        data["hotwire_readout"] = await self._take_readout(generated)
         body = json.dumps(data, separators=(",", ":")).encode()
         start = self.held[0]
         headers = [(k, v) for k, v in start.get("headers", []) if k.lower() != b"content-length"]

@@ -117,8 +117,33 @@ def test_a_chat_response_carries_the_generated_tokens_readout(http, tiny_model):
     assert all(np.isfinite(probe["generated"]["score"])) and any(probe["generated"]["score"])
 
 
+@pytest.mark.parametrize("route", ["/v1/completions", "/v1/chat/completions"])
+@pytest.mark.parametrize("usage", [False, True])
+def test_a_stream_carries_its_readout_in_a_chunk_before_done(http, tiny_model, route, usage):
+    """The readout chunk (no choices) comes last before [DONE], equal to the same request's readout unstreamed; the
+    usage chunk admission asked vLLM for goes out only if the client asked for it too."""
+    body = {"model": str(tiny_model), "max_tokens": 5, "temperature": 0, "ignore_eos": True,
+            "vllm_xargs": readout(("joy", 1), ("calm", 2))}
+    body.update({"prompt": PROMPT} if route == "/v1/completions" else {"messages": [{"role": "user", "content": "hi"}]})
+    plain = http.post(route, json=body)
+    assert plain.status_code == 200, plain.text
+    options = {"stream_options": {"include_usage": True}} if usage else {}
+    with http.stream("POST", route, json={**body, "stream": True, **options}) as response:
+        assert response.status_code == 200
+        lines = [line for line in response.iter_lines() if line.startswith("data: ")]
+    assert lines[-1] == "data: [DONE]"
+    events = [json.loads(line.removeprefix("data: ")) for line in lines[:-1]]
+    assert events[-1]["choices"] == [] and "error" not in events[-1]
+    expected = plain.json()["hotwire_readout"]
+    for got, want in zip(events[-1]["hotwire_readout"]["probes"], expected["probes"]):
+        assert got["probe"] == want["probe"]
+        for part in ("prompt", "generated"):
+            np.testing.assert_allclose(got[part]["score"], want[part]["score"], atol=ATOL)
+    assert sum("usage" in e and e["usage"] and not e["choices"] for e in events) == int(usage)
+    assert events[-1]["id"] == events[0]["id"]
+
+
 @pytest.mark.parametrize("extra, status, code, field", [
-    ({"stream": True}, 400, "readout_unsupported", "stream"),
     ({"n": 2}, 400, "bad_readout", "n"),
     ({"vllm_xargs": readout(("nope", 1))}, 400, "unknown_vector", "vllm_xargs.hotwire_readout.probes[0].id"),
     ({"vllm_xargs": readout(("joy", 1), ("joy", 2), ("calm", 0))}, 400, "bad_readout", "vllm_xargs.hotwire_readout.probes"),
