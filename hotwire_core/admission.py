@@ -28,7 +28,7 @@ from .spec import SALT_PREFIX, SPEC_KEY, Phase, SpecError, SteeringEntry, canoni
 
 __all__ = [
     "DEFAULT_STRENGTH_LIMIT", "STRENGTH_LIMITS", "ModelInfo", "Refusal", "Resolved", "Rules", "StrengthLimit",
-    "VectorView", "cache_salt", "pinned_spec", "receipt", "resolve", "row_key", "row_keys",
+    "VectorView", "cache_salt", "find_version", "pinned_spec", "receipt", "resolve", "row_key", "row_keys",
 ]
 
 
@@ -126,14 +126,7 @@ def resolve(spec: Any, lookup: Lookup, rules: Rules) -> Resolved:
         raise Refusal(400, ErrorCode.BAD_SPEC, str(exc), exc.field) from None
     resolved: Resolved = []
     for i, entry in enumerate(entries):
-        vector = lookup(entry.vector_id, entry.version)
-        if vector is None:
-            if entry.version is None or lookup(entry.vector_id, None) is None:
-                raise Refusal(400, ErrorCode.UNKNOWN_VECTOR, f"unknown steering vector {entry.vector_id!r}; register it first",
-                              f"{SPEC_KEY}[{i}].id")
-            raise Refusal(410, ErrorCode.VERSION_GONE, f"version {entry.version} of {entry.vector_id!r} is neither current "
-                          "nor retained any more; leave out 'version' to steer with the current one",
-                          f"{SPEC_KEY}[{i}].version")
+        vector = find_version(lookup, entry.vector_id, entry.version, f"{SPEC_KEY}[{i}]")
         if entry.norm and not model.norm:
             raise Refusal(
                 400, ErrorCode.NORM_DISABLED,
@@ -168,6 +161,20 @@ def resolve(spec: Any, lookup: Lookup, rules: Rules) -> Resolved:
             SPEC_KEY,
         )
     return resolved
+
+
+def find_version(lookup: Lookup, vector_id: str, version: int | None, field: str, role: str = "steering") -> VectorView:
+    """``version`` of ``vector_id`` (None: the current one), or the :class:`Refusal` saying it is unknown (400) or no
+    longer held (410); ``field``: the entry naming it, ``role``: "steering" or "probe"."""
+    vector = lookup(vector_id, version)
+    if vector is not None:
+        return vector
+    if version is None or lookup(vector_id, None) is None:
+        raise Refusal(400, ErrorCode.UNKNOWN_VECTOR, f"unknown {role} vector {vector_id!r}; register it first",
+                      f"{field}.id")
+    use = "steer with" if role == "steering" else "read"
+    raise Refusal(410, ErrorCode.VERSION_GONE, f"version {version} of {vector_id!r} is neither current nor retained any "
+                  f"more; leave out 'version' to {use} the current one", f"{field}.version")
 
 
 def row_key(vector: VectorView, layer: int) -> RowKey:

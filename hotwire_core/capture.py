@@ -9,8 +9,6 @@ prompt token. Each rank keeps the layers it hooks (with pipeline parallelism eac
 
 from __future__ import annotations
 
-import time
-from collections import OrderedDict
 from collections.abc import Collection, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -20,8 +18,8 @@ import torch
 
 from .capture_op import set_accumulator
 from .contract import TakeCapturesResult
+from .handouts import Handouts
 
-KEEP_S = 600.0  # a finished capture nobody took (its caller left) is dropped after this long
 
 
 @dataclass
@@ -56,7 +54,7 @@ class WorkerCapture:
         self._uploader = uploader
         self._free = list(range(rows, 0, -1))
         self.live: dict[str, _Live] = {}  # req_id -> its capture (read by WorkerSteering's per-step checks)
-        self._done: OrderedDict[str, tuple[float, dict]] = OrderedDict()  # tag -> (finished at, result)
+        self.done = Handouts(2 * rows)  # finished ones, until taken
         self._staging = np.zeros(max_tokens, np.int32)
         self.dirty = 0  # token_cap[:dirty] may be non-zero on the device
 
@@ -80,7 +78,7 @@ class WorkerCapture:
             if req_id in self.live:
                 continue
             if not self._free:  # the controller admits at most `rows` captures: this should not happen
-                self._store(args["tag"], {"error": f"all {self.rows} capture rows of this worker are in use"})
+                self.done.put(args["tag"], {"error": f"all {self.rows} capture rows of this worker are in use"})
                 continue
             layers = sorted(self.layers.intersection(args["layers"]))
             self.live[req_id] = _Live(args["tag"], self._free.pop(), layers, args["position"] == "mean", prompt_len)
@@ -124,15 +122,9 @@ class WorkerCapture:
     def _finish(self, req_id: str) -> None:
         live = self.live.pop(req_id)
         if not live.taken:
-            self._store(live.tag, self._result(live))
+            self.done.put(live.tag, self._result(live))
         self.acc[:, live.row].zero_()
         self._free.append(live.row)
-
-    def _store(self, tag: str, result: dict) -> None:
-        now = time.monotonic()
-        self._done[tag] = (now, result)
-        while self._done and (len(self._done) > 2 * self.rows or next(iter(self._done.values()))[0] < now - KEEP_S):
-            self._done.popitem(last=False)
 
     def take(self, tags: Iterable[str]) -> TakeCapturesResult:
         """The captures of ``tags``, each handed out once (``contract.TakeCapturesResult``). vLLM tells the workers
@@ -140,7 +132,7 @@ class WorkerCapture:
         after the caller, who has the request's output, asks: a capture whose prompt is complete is handed out
         then (its row stays held until the worker hears of the finish)."""
         wanted = set(tags)
-        out = {tag: self._done.pop(tag)[1] for tag in wanted if tag in self._done}
+        out = self.done.take(wanted)
         early = [live for live in self.live.values()
                  if live.tag in wanted and live.tag not in out and not live.taken and live.complete]
         if early and self.acc.is_cuda:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import uuid
 from typing import Any
 
-from .admission import Lookup, Refusal, Rules, row_key
+from .admission import Lookup, Refusal, Rules, find_version, row_key
 from .contract import READOUT_ARGS_KEY, ReadoutArgs, ReadoutProbe
 from .error_codes import ErrorCode
 from .readout_spec import READOUT_KEY, ReadoutSpec, parse_readout
@@ -45,13 +45,7 @@ def resolve_readout(value: Any, lookup: Lookup, rules: Rules, max_probes: int) -
     resolved: ResolvedProbes = []
     for i, probe in enumerate(spec.probes):
         field = f"{READOUT_KEY}.probes[{i}]"
-        vector = lookup(probe.vector_id, probe.version)
-        if vector is None:
-            if probe.version is None or lookup(probe.vector_id, None) is None:
-                raise Refusal(400, ErrorCode.UNKNOWN_VECTOR, f"unknown vector {probe.vector_id!r}; register it first",
-                              f"{field}.id")
-            raise Refusal(410, ErrorCode.VERSION_GONE, f"version {probe.version} of {probe.vector_id!r} is neither "
-                          "current nor retained any more; leave out 'version' to read the current one", f"{field}.version")
+        vector = find_version(lookup, probe.vector_id, probe.version, field, "probe")
         if probe.layer not in model.layers:
             raise Refusal(400, ErrorCode.LAYER_OUT_OF_RANGE, f"layer {probe.layer} cannot be read: this server hooks "
                           f"layers {rules.steered_layers()}", f"{field}.layer")

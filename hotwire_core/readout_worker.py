@@ -12,8 +12,6 @@ is handed out (``take``, a finish) does the host wait for copies still under way
 
 from __future__ import annotations
 
-import time
-from collections import OrderedDict
 from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -22,11 +20,11 @@ import numpy as np
 import torch
 
 from .contract import ReadoutArgs, SteerItem, TakeReadoutsResult
+from .handouts import Handouts
 from .readout_op import set_output
 
 __all__ = ["WorkerReadout"]
 
-KEEP_S = 600.0  # a finished readout nobody took (its caller left) is dropped after this long
 
 
 @dataclass
@@ -63,7 +61,7 @@ class WorkerReadout:
         self._uploader = uploader
         self._free = list(range(rows, 0, -1))
         self.live: dict[str, _Reader] = {}  # req_id -> its readout
-        self._done: OrderedDict[str, tuple[float, dict]] = OrderedDict()  # tag -> (finished at, result)
+        self.done = Handouts(2 * rows)  # finished ones, until taken
         self._staging = np.zeros(max_tokens, np.int32)
         self._read: tuple[np.ndarray, list[tuple[_Reader, slice, np.ndarray]]] | None = None  # last forward's tokens
         self._copies: list[_Copy] = []
@@ -94,7 +92,7 @@ class WorkerReadout:
                 writes.append((self.live[req_id].row, items))
                 continue
             if not self._free:  # as many rows as config rows: this should not happen
-                self._store(args["tag"], {"error": f"all {self.rows} readout rows of this worker are in use"})
+                self.done.put(args["tag"], {"error": f"all {self.rows} readout rows of this worker are in use"})
                 continue
             reads_prompt = args["tokens"] in ("prompt", "all")
             end = prompt_len if args["tokens"] == "prompt" else float("inf")
@@ -196,14 +194,8 @@ class WorkerReadout:
     def _finish(self, req_id: str) -> None:
         reader = self.live.pop(req_id)
         if not reader.taken:
-            self._store(reader.tag, self._result(reader))
+            self.done.put(reader.tag, self._result(reader))
         self._free.append(reader.row)
-
-    def _store(self, tag: str, result: dict) -> None:
-        now = time.monotonic()
-        self._done[tag] = (now, result)
-        while self._done and (len(self._done) > 2 * self.rows or next(iter(self._done.values()))[0] < now - KEEP_S):
-            self._done.popitem(last=False)
 
     def take(self, tags: Iterable[str]) -> TakeReadoutsResult:
         """The readouts of ``tags``, each handed out once (``contract.TakeReadoutsResult``). As with captures, vLLM
@@ -211,7 +203,7 @@ class WorkerReadout:
         after the caller asks: a live request's readout is handed out as it stands, with every forward run so far
         (the caller, who has the request's output, cuts it to the tokens it got)."""
         wanted = set(tags)
-        out = {tag: self._done.pop(tag)[1] for tag in wanted if tag in self._done}
+        out = self.done.take(wanted)
         early = [reader for reader in self.live.values() if reader.tag in wanted and reader.tag not in out and not reader.taken]
         if early:
             if self._cuda:

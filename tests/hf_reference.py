@@ -81,19 +81,30 @@ def prompt_logprobs(
     return logprobs(model, token_ids, steering, positions, **inputs)[:-1].gather(1, ids[:, None])[:, 0]
 
 
-def layer_outputs(model, token_ids: list[int], layers: list[int]) -> dict[int, torch.Tensor]:
+def layer_outputs(
+    model, token_ids: list[int], layers: list[int], steering: list[tuple[int, torch.Tensor, float]] = ()
+) -> dict[int, torch.Tensor]:
     """The residual stream after each of ``layers`` (a forward hook on the decoder layer's output), ``[T, hidden]``
-    float32 per layer: what hotwire's capture reads."""
+    float32 per layer: what hotwire's capture and readout read. ``steering`` entries ``(layer, vector, scale)`` are
+    added to the named layers' outputs first, as hotwire's ops run (steering, then reading)."""
     captured: dict[int, torch.Tensor] = {}
+    decoder = decoder_layers(model)
 
-    def make_hook(layer):
+    def steer(vector, scale):
+        def hook(module, args, output):
+            return (output[0] + scale * vector, *output[1:]) if isinstance(output, tuple) else output + scale * vector
+
+        return hook
+
+    def keep(layer):
         def hook(module, args, output):
             hidden = output[0] if isinstance(output, tuple) else output
             captured[layer] = hidden[0].float().clone()
 
         return hook
 
-    handles = [decoder_layers(model)[layer].register_forward_hook(make_hook(layer)) for layer in layers]
+    handles = [decoder[layer].register_forward_hook(steer(vector, scale)) for layer, vector, scale in steering]
+    handles += [decoder[layer].register_forward_hook(keep(layer)) for layer in layers]
     try:
         with torch.no_grad():
             model(torch.tensor([token_ids]))

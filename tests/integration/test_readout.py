@@ -18,8 +18,10 @@ pytestmark = pytest.mark.integration
 
 HIDDEN = 256
 ON_GPU = torch.cuda.is_available()
-# float32 on the CPU: vLLM's kernels and transformers' sum in other orders; scores here are O(1).
-ATOL = 2e-3 if not ON_GPU else 0.1
+# float32 on the CPU: vLLM's kernels and transformers' sum in other orders; scores here are O(1) to O(1000). On a GPU
+# the engine runs bf16 against transformers' float32: a first bound of 2% of the largest score, not yet run there.
+ATOL = 2e-3
+GPU_RELATIVE = 0.02
 PROMPT = "the residual stream carries what each layer adds to it"
 
 
@@ -58,34 +60,6 @@ def prompt_ids(tiny_model):
     return AutoTokenizer.from_pretrained(str(tiny_model)).encode(PROMPT)
 
 
-def reference_streams(hf_model, token_ids, layers, steering=()):
-    """The residual stream after each of ``layers`` at every position (float32), with ``steering`` entries
-    ``(layer, vector, scale)`` added to the named layers' outputs first, as hotwire's op order has it."""
-    decoder = hf_reference.decoder_layers(hf_model)
-    streams, handles = {}, []
-
-    def steer(vector, scale):
-        def hook(module, args, output):
-            return (output[0] + scale * vector, *output[1:]) if isinstance(output, tuple) else output + scale * vector
-        return hook
-
-    def keep(layer):
-        def hook(module, args, output):
-            streams[layer] = (output[0] if isinstance(output, tuple) else output)[0].float().clone()
-        return hook
-
-    for layer, vector, scale in steering:
-        handles.append(decoder[layer].register_forward_hook(steer(vector, scale)))
-    handles += [decoder[layer].register_forward_hook(keep(layer)) for layer in layers]
-    try:
-        with torch.no_grad():
-            hf_model(torch.tensor([token_ids]))
-    finally:
-        for h in handles:
-            h.remove()
-    return streams
-
-
 def expected_scores(streams, vector, layer, positions, bias=0.0):
     stream = streams[layer][positions]
     dots = stream @ vector.float()
@@ -98,10 +72,12 @@ def check(entry, part, streams, vector, layer, positions, bias=0.0):
     got_score, got_cosine = np.array(entry[part]["score"]), np.array(entry[part]["cosine"])
     assert got_score.shape == score.shape, f"{entry['probe']} {part}: {got_score.shape} values, expected {score.shape}"
     err = np.abs(got_score - score).max()
-    print(f"{entry['probe']} {part}: readout vs transformers + hooks: {err:.3g} (largest {np.abs(score).max():.3g})")
-    assert err < ATOL
-    assert np.abs(got_cosine - cosine).max() < ATOL
-    assert np.abs(score).max() > 20 * ATOL  # the check is not one of zeros
+    tolerance = GPU_RELATIVE * np.abs(score).max() if ON_GPU else ATOL
+    print(f"{entry['probe']} {part}: readout vs transformers + hooks: {err:.3g} (largest {np.abs(score).max():.3g}, "
+          f"tolerance {tolerance:.3g})")
+    assert err < tolerance
+    assert np.abs(got_cosine - cosine).max() < (GPU_RELATIVE if ON_GPU else ATOL)
+    assert np.abs(score).max() > 20 * tolerance  # the check is not one of zeros
 
 
 def greedy(**extra):
@@ -118,7 +94,7 @@ def test_readout_of_prompt_and_generated_tokens_equals_transformers_hooks(llm, h
     generated = list(out.outputs[0].token_ids)
     readout = out.hotwire_readout
     assert readout["tokens"] == "all" and [p["probe"] for p in readout["probes"]] == ["joy@1:L1", "deep@1:L3"]
-    streams = reference_streams(hf_model, prompt_ids + generated[:-1], [1, 3])
+    streams = hf_reference.layer_outputs(hf_model, prompt_ids + generated[:-1], [1, 3])
     P, G = len(prompt_ids), len(generated)
     for entry, (name, layer, bias) in zip(readout["probes"], [("joy", 1, 0.25), ("deep", 3, 0.0)]):
         check(entry, "prompt", streams, probes[name](layer), layer, slice(0, P), bias)
@@ -133,7 +109,7 @@ def test_readout_of_a_steered_request_reads_the_steered_stream(llm, hf_model, pr
     (out,) = generate_with_readout(llm, [{"prompt_token_ids": prompt_ids}], params,
                                    [{"id": "joy", "layer": 1}, {"id": "deep", "layer": 2}], tokens="all")
     generated = list(out.outputs[0].token_ids)
-    streams = reference_streams(hf_model, prompt_ids + generated[:-1], [1, 2], [(1, probes["joy"](1), 3.0)])
+    streams = hf_reference.layer_outputs(hf_model, prompt_ids + generated[:-1], [1, 2], [(1, probes["joy"](1), 3.0)])
     P, G = len(prompt_ids), len(generated)
     for entry, (name, layer) in zip(out.hotwire_readout["probes"], [("joy", 1), ("deep", 2)]):
         check(entry, "prompt", streams, probes[name](layer), layer, slice(0, P))
@@ -154,7 +130,7 @@ def test_generated_readout_keeps_the_prefix_cache_and_prompt_readout_does_not_ne
     runs = [generate_with_readout(llm, prompt, greedy(), asked, tokens=t)[0] for t in ("generated", "generated", "prompt")]
     assert runs[1].num_cached_tokens > 0, "the second run did not hit the prefix cache: the test checks nothing"
     generated = list(runs[0].outputs[0].token_ids)
-    streams = reference_streams(hf_model, ids + generated[:-1], [2])
+    streams = hf_reference.layer_outputs(hf_model, ids + generated[:-1], [2])
     P = len(ids)
     for run in runs[:2]:
         check(run.hotwire_readout["probes"][0], "generated", streams, probes["deep"](2), 2, slice(P - 1, P - 1 + 6))

@@ -57,24 +57,6 @@ def readout(*probes: tuple[str, int], tokens: str = "all") -> dict[str, str]:
     return {"hotwire_readout": json.dumps({"probes": [{"id": i, "layer": l} for i, l in probes], "tokens": tokens})}
 
 
-def streams(hf_model, token_ids: list[int], layers: list[int], steering=()) -> dict[int, torch.Tensor]:
-    decoder = hf_reference.decoder_layers(hf_model)
-    out, handles = {}, []
-    for layer, vector, scale in steering:
-        handles.append(decoder[layer].register_forward_hook(
-            lambda m, a, o, v=vector, s=scale: (o[0] + s * v, *o[1:]) if isinstance(o, tuple) else o + s * v))
-    for layer in layers:
-        handles.append(decoder[layer].register_forward_hook(
-            lambda m, a, o, layer=layer: out.__setitem__(layer, (o[0] if isinstance(o, tuple) else o)[0].float().clone())))
-    try:
-        with torch.no_grad():
-            hf_model(torch.tensor([token_ids]))
-    finally:
-        for h in handles:
-            h.remove()
-    return out
-
-
 def check(entry: dict, part: str, stream: torch.Tensor, vector: list[float]) -> None:
     v = torch.tensor(vector)
     dots = stream @ v
@@ -100,7 +82,7 @@ def test_a_completion_carries_its_readout_equal_to_transformers_hooks(http, tiny
     assert got["tokens"] == "all" and [p["probe"] for p in got["probes"]] == ["joy@1:L1", "calm@1:L3"]
     assert ("x-hotwire-receipt" in response.headers) == steered
     steering = [(1, torch.tensor(rows["calm"][1]), 2.0)] if steered else []
-    reference = streams(hf_model, PROMPT + generated[:-1], [1, 3], steering)
+    reference = hf_reference.layer_outputs(hf_model, PROMPT + generated[:-1], [1, 3], steering)
     P = len(PROMPT)
     for entry, (name, layer) in zip(got["probes"], [("joy", 1), ("calm", 3)]):
         check(entry, "prompt", reference[layer][:P], rows[name][layer])

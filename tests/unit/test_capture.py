@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from hotwire_core import capture as capture_mod
+from hotwire_core import handouts
 from hotwire_core.capture import WorkerCapture
 from hotwire_core.capture_admission import capture_args
 from hotwire_core.capture_op import capture_torch
@@ -140,9 +140,9 @@ def test_only_this_ranks_layers_are_kept_and_old_captures_expire():
     step(w, [new_req("b", 1, "tb")])
     forward(w, ["b"], [1], [0], streams_for(1, 1))
     step(w, finished={"b"})
-    finished_at, result = w._done["tb"]
-    w._done["tb"] = (finished_at - capture_mod.KEEP_S - 1, result)  # as if it had waited past KEEP_S
-    w._store("tc", {"error": "x"})  # storing a later one drops what expired
+    finished_at, result = w.done.kept["tb"]
+    w.done.kept["tb"] = (finished_at - handouts.KEEP_S - 1, result)  # as if it had waited past KEEP_S
+    w.done.put("tc", {"error": "x"})  # storing a later one drops what expired
     assert take(w, "tb") is None and take(w, "tc") is not None
 
 

@@ -138,6 +138,12 @@ def test_triton_kernel_in_interpreter() -> None:
     assert proc.returncode == 0, proc.stdout + proc.stderr
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_triton_kernel_compiled_on_a_gpu() -> None:
+    check_triton_against_torch("cuda")
+
+
 # -- the worker -------------------------------------------------------------------------------------------------
 
 
