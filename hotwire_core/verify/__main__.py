@@ -30,6 +30,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--vanilla", action="store_true", help="also compare plain requests with a plugin-free engine")
     parser.add_argument("--save-plain", type=Path, metavar="FILE",
                         help="write the plain requests' results (those --vanilla compares) to FILE as JSON")
+    parser.add_argument("--readout", action="store_true",
+                        help="compile the readout op in (HOTWIRE_READOUT=1) and check (f): the steering vector read "
+                             "as a probe shows exactly what steering added")
     parser.add_argument("--vanilla-job", nargs=2, metavar=("JOB", "OUT"), help=argparse.SUPPRESS)
     setup.add_arguments(parser)
     return parser
@@ -47,6 +50,8 @@ def _set_environment(args: argparse.Namespace, on_gpu: bool) -> None:
         os.environ["HF_HUB_OFFLINE"] = "1"
     os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
     os.environ["HOTWIRE_STORE"] = "off"
+    if args.readout:
+        os.environ["HOTWIRE_READOUT"] = "1"
     # This process may touch CUDA before vLLM starts its engine; a forked engine could then not use the GPU.
     os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
 

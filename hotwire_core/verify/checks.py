@@ -14,6 +14,9 @@ MAX_DECODE_OVERHEAD = 0.5  # steered decode may cost at most this much more than
 # move the timing by more than the op costs, so only a gross regression (an eager fallback costs several times the
 # step) should fail there (the measured overheads are in benchmarks/RESULTS.md).
 MAX_DECODE_OVERHEAD_CPU = 2.0
+# Readout check (f): steered minus plain score, relative to what the steering added. bf16 rounds the stream it reads
+# (an element's error is about 2^-9 of it, and they cancel over the hidden size), so this is far above the noise.
+MAX_READOUT_ERROR = 0.01
 # vLLM's CPU backend is not bit-reproducible, not even between identical batches in one engine (its logprobs jitter
 # by an ulp, 5e-7), so on the CPU "identical" means within this; on a GPU it means bit for bit.
 CPU_TOLERANCE = 1e-5
@@ -179,3 +182,15 @@ def check_vanilla(ours: Sequence[Result], references: Sequence[Sequence[Result]]
         how = f"max |delta| to the nearer {worst:.3g}"
     detail = f"{len(ours)} plain requests: {listed} match neither of two plugin-free engines ({how}), {between}"
     return Check(name, False, detail)
+
+
+def check_readout(plain: Sequence[float], steered: Sequence[float], added: float, max_error: float) -> Check:
+    """The probe at the steered layer is the steering vector ``v`` itself, so at every prompt token the steered
+    request's score must exceed the plain one's by exactly what steering added along it: ``scale * |v|^2``."""
+    name = "f. readout"
+    if len(plain) != len(steered) or not plain:
+        return Check(name, False, f"{len(plain)} plain and {len(steered)} steered prompt-token values")
+    worst = max(abs((s - p) - added) for p, s in zip(plain, steered)) / abs(added)
+    detail = (f"{len(plain)} prompt tokens: steered minus plain score is scale x |v|^2 = {added:.5g} within "
+              f"{worst:.2g} of it (relative; limit {max_error:g})")
+    return Check(name, worst <= max_error, detail)

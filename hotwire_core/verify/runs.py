@@ -163,6 +163,21 @@ def checks_a_to_c(
     return [judge.check_steering_fires(plain, steered), batchmates, *prefix], [plain, *all_plain, *plain_long]
 
 
+def readout_check(llm: Any, ids: list[int], entry: dict, spec: dict, vector: Any) -> Check:
+    """Check (f), with ``--readout``: the steering vector read as a probe at the steered layer, on every prompt
+    token of a plain and a steered request (:func:`checks.check_readout`)."""
+    from hotwire_core.offline import generate_with_readout
+
+    probe = [{"id": entry["id"], "layer": entry["layer"]}]
+    plain, steered = (
+        generate_with_readout(llm, [{"prompt_token_ids": ids}], params(1, extra), probe, tokens="prompt")[0]
+        .hotwire_readout["probes"][0]["prompt"]["score"]
+        for extra in (None, spec)
+    )
+    added = entry["scale"] * float(vector.double().norm()) ** 2
+    return judge.check_readout(plain, steered, added, judge.MAX_READOUT_ERROR)
+
+
 def timed(llm: Any, prompts: Sequence[list[int]], max_tokens: int, steer: dict | None) -> float:
     sampling = [params(max_tokens, steer, skip_cache=True) for _ in prompts]
     start = time.perf_counter()
@@ -326,6 +341,10 @@ def run(args: argparse.Namespace, model: str, workdir: Path) -> tuple[Header, li
     started = time.monotonic()
     checks.append(decode_cost_check(llm, short, spec))
     timings.append(("decode timing", time.monotonic() - started))
+    if args.readout:
+        started = time.monotonic()
+        checks.append(readout_check(llm, x, entry, spec, vector))
+        timings.append(("readout", time.monotonic() - started))
     shutdown(llm)
 
     batches = plain_batches(short, x, y)

@@ -1,4 +1,5 @@
-"""``python -m hotwire_core.verify`` end to end on the built-in tiny model: a real engine runs checks a-d.
+"""``python -m hotwire_core.verify`` end to end on the built-in tiny model: a real engine runs checks a-d (and f,
+with ``--readout``).
 
 On the CPU there are no CUDA graphs, so check d reports one graph set; on a GPU the same run needs every rank's
 hotwire-free graphs in place after an unsteered step (``benchmarks/gpu_checks.sh matrix`` runs it there)."""
@@ -14,9 +15,10 @@ pytestmark = pytest.mark.integration
 BUDGET_S = 300  # about 40 s on a 2-core CPU, most of it the engine start
 
 
-def test_verify_passes_and_reports_every_check(tmp_path):
+@pytest.mark.parametrize("flags", [[], ["--readout"]])
+def test_verify_passes_and_reports_every_check(tmp_path, flags):
     proc = subprocess.run(
-        [sys.executable, "-m", "hotwire_core.verify", "--kv-cache-gib", "1"],
+        [sys.executable, "-m", "hotwire_core.verify", "--kv-cache-gib", "1", *flags],
         capture_output=True,
         text=True,
         timeout=BUDGET_S,
@@ -30,4 +32,6 @@ def test_verify_passes_and_reports_every_check(tmp_path):
     decode = re.search(r"^PASS  d\. decode cost .*$", out, re.M).group(0)
     expected = "one graph set" if "device     CPU" in out else "had their hotwire-free set in place"
     assert expected in decode, decode
-    assert re.search(r"^result +PASS \(6/6 checks\)$", out, re.M)
+    if flags:  # check f: the steering vector read as a probe shows what steering added, at every prompt token
+        assert re.search(r"^PASS  f\. readout +\d+ prompt tokens: steered minus plain score", out, re.M), out[-3000:]
+    assert re.search(rf"^result +PASS \({6 + len(flags)}/{6 + len(flags)} checks\)$", out, re.M)

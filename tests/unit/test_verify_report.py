@@ -89,6 +89,14 @@ def test_decode_cost_uses_medians_and_the_limit():
     assert not verify.check_decode_cost([2.0, 2.0, 2.0], [3.5, 3.5, 3.5], 0.5, NO_GRAPHS).passed
 
 
+def test_readout_check_wants_exactly_what_steering_added_at_every_token():
+    ok = verify.check_readout([1.0, -2.0, 0.5], [101.0, 98.0, 100.4], 100.0, 0.01)
+    assert ok.passed and "3 prompt tokens" in ok.detail and "within 0.001" in ok.detail
+    assert not verify.check_readout([1.0, -2.0], [101.0, 100.0], 100.0, 0.01).passed  # one token 2% off
+    assert not verify.check_readout([1.0], [], 100.0, 0.01).passed
+    assert not verify.check_readout([], [], 100.0, 0.01).passed
+
+
 def graph_rank(serving_idle: int, holders: int = 37, split: bool = True) -> dict:
     return {"split": split, "gate_open": False, "holders": holders, "serving_idle": serving_idle,
             "idle_graphs": 10 * holders, "steered_graphs": 10 * holders}
