@@ -29,7 +29,7 @@ import json
 import time
 import uuid
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable, TypeVar
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -40,8 +40,8 @@ from hotwire_api.engine import HotwireEngine
 from hotwire_api.errors import HotwireError
 from hotwire_api.stats_cache import STATS
 from hotwire_api.tickets import TICKETS
-from hotwire_core.admission import Refusal, pinned_spec, receipt, resolve
-from hotwire_core.contract import BINDING_KEY, READOUT_ARGS_KEY
+from hotwire_core.admission import Refusal, Rules, pinned_spec, receipt, resolve
+from hotwire_core.contract import ADMISSION_ONLY_KEYS
 from hotwire_core.error_codes import ErrorCode
 from hotwire_core.readout_admission import resolve_readout
 from hotwire_core.readout_spec import READOUT_KEY
@@ -49,6 +49,7 @@ from hotwire_core.spec import SALT_PREFIX, SPEC_KEY, TICKET_KEY, SpecError, pars
 
 __all__ = ["AdmissionMiddleware", "LENIENT_HEADER", "RECEIPT_HEADER", "STEERABLE_ROUTES"]
 
+T = TypeVar("T")
 STEERABLE_ROUTES = frozenset({"/v1/chat/completions", "/v1/completions", "/v1/responses", "/invocations"})
 _FIELD = f"vllm_xargs.{SPEC_KEY}"
 RECEIPT_HEADER = b"x-hotwire-receipt"
@@ -196,7 +197,7 @@ def _refuse_reserved(request: dict[str, Any], steering: _Steering | None) -> Non
                           (params.get("extra_args") if isinstance(params, dict) else None, "sampling_params.extra_args")):
         if not isinstance(holder, dict):
             continue
-        for key in (BINDING_KEY, READOUT_ARGS_KEY):
+        for key in ADMISSION_ONLY_KEYS:
             if key in holder:  # the engine refuses them too, but only as a failed request
                 raise HotwireError(400, ErrorCode.RESERVED_FIELD, f"{key} is set by hotwire's admission, not by "
                                    "clients: remove it", f"{where}.{key}")
@@ -227,19 +228,26 @@ async def _decide(engine: HotwireEngine, spec: Any) -> tuple[str, str]:
         if any(e.version is not None and CATALOG.lookup(e.vector_id, e.version) is None for e in entries):
             # A version the catalog does not hold as current may be retained in the engine: it decides.
             return await engine.check(spec)
-        rules = await CATALOG.ready(engine)
-        try:
-            resolved = resolve(spec, CATALOG.lookup, rules)
-        except Refusal as exc:
-            if exc.code != ErrorCode.UNKNOWN_VECTOR:
-                raise
-            # Registered since the last refresh (through another API server)? Only an answer the engine gave
-            # after this request arrived can say no: a fetch already in flight may predate the registration.
-            await CATALOG.refresh(engine, not_before=arrived)
-            resolved = resolve(spec, CATALOG.lookup, rules)
+        resolved = await _against_catalog(engine, arrived, lambda rules: resolve(spec, CATALOG.lookup, rules),
+                                          (ErrorCode.UNKNOWN_VECTOR,))
     except (Refusal, HotwireError) as exc:
         raise in_body(exc) from None
     return receipt(resolved), pinned_spec(resolved)
+
+
+async def _against_catalog(engine: HotwireEngine, arrived: float, decide: Callable[[Rules], T],
+                           unknown: tuple[ErrorCode, ...]) -> T:
+    """``decide`` against this process's catalog, and once more after a refresh when it refuses with a code of
+    ``unknown``: registered since the last refresh (through another API server)? Only an answer the engine gave
+    after the request ``arrived`` can say no: a fetch already in flight may predate the registration."""
+    rules = await CATALOG.ready(engine)
+    try:
+        return decide(rules)
+    except Refusal as exc:
+        if exc.code not in unknown:
+            raise
+    await CATALOG.refresh(engine, not_before=arrived)
+    return decide(rules)
 
 
 READOUT_ROUTES = frozenset({"/v1/chat/completions", "/v1/completions"})
@@ -265,15 +273,10 @@ async def _decide_readout(engine: HotwireEngine, value: Any) -> tuple[str, str]:
                            '{"probes": [{"id": ..., "layer": ...}], "tokens": ...}', f"vllm_xargs.{READOUT_KEY}")
     arrived = time.monotonic()
     try:
-        rules = await CATALOG.ready(engine)
-        try:
-            spec, resolved = resolve_readout(value, CATALOG.lookup, rules, rules.model.readout_probes)
-        except Refusal as exc:
-            if exc.code not in (ErrorCode.UNKNOWN_VECTOR, ErrorCode.VERSION_GONE):
-                raise
-            # Registered since the last refresh, or a retained version the engine still holds: ask again.
-            await CATALOG.refresh(engine, not_before=arrived)
-            spec, resolved = resolve_readout(value, CATALOG.lookup, rules, rules.model.readout_probes)
+        # A probe's pinned version the catalog lacks may be one the engine still retains: refreshed, it is held.
+        spec, resolved = await _against_catalog(
+            engine, arrived, lambda rules: resolve_readout(value, CATALOG.lookup, rules, rules.model.readout_probes),
+            (ErrorCode.UNKNOWN_VECTOR, ErrorCode.VERSION_GONE))
     except (Refusal, HotwireError) as exc:
         raise in_body(exc) from None
     tag = uuid.uuid4().hex

@@ -19,7 +19,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from .contract import ModelView
+from .contract import ADMISSION_ONLY_KEYS, ModelView
 from .error_codes import ErrorCode
 from .errors import EngineError
 from .settings import format_layers
@@ -28,7 +28,8 @@ from .spec import SALT_PREFIX, SPEC_KEY, Phase, SpecError, SteeringEntry, canoni
 
 __all__ = [
     "DEFAULT_STRENGTH_LIMIT", "STRENGTH_LIMITS", "ModelInfo", "Refusal", "Resolved", "Rules", "StrengthLimit",
-    "VectorView", "cache_salt", "find_version", "pinned_spec", "receipt", "resolve", "row_key", "row_keys",
+    "VectorView", "cache_salt", "check_client_fields", "check_rows", "find_version", "pinned_spec", "presalt",
+    "receipt", "resolve", "row_key", "row_keys", "row_sources",
 ]
 
 
@@ -150,17 +151,34 @@ def resolve(spec: Any, lookup: Lookup, rules: Rules) -> Resolved:
         resolved.append((entry, vector))
     _check_stack(resolved, rules.max_stack)
     _check_strength(resolved, model.dtype)
-    rows = len(row_keys(resolved))
+    check_rows(len(row_keys(resolved)), rules, SPEC_KEY)
+    return resolved
+
+
+def check_rows(rows: int, rules: Rules, field: str) -> None:
+    """Refuse a request that needs more bank rows than one request may pin: its steering's (``field`` the spec's)
+    or its steering's and its readout's probes' together (``field`` the readout's)."""
     if rows > rules.max_rows:
+        what = "this spec needs" if field == SPEC_KEY else "this request's steering and probes need"
         raise Refusal(
             400, ErrorCode.TOO_MANY_ROWS,
-            f"this spec needs {rows} bank rows (one per vector and layer; a [hidden] vector takes one for all its "
-            f"layers) but one request may pin at most {rules.max_rows} of the {rules.capacity} "
-            f"(HOTWIRE_MAX_ROWS={rules.max_rows}, HOTWIRE_SLOTS={rules.capacity}); steer fewer layers or vectors, or "
-            "ask the operator to raise HOTWIRE_MAX_ROWS",
-            SPEC_KEY,
+            f"{what} {rows} bank rows (one per vector and layer; a [hidden] vector takes one for all its layers) but "
+            f"one request may pin at most {rules.max_rows} of the {rules.capacity} (HOTWIRE_MAX_ROWS={rules.max_rows}, "
+            f"HOTWIRE_SLOTS={rules.capacity}); steer fewer layers or vectors, read fewer probes, or ask the operator "
+            "to raise HOTWIRE_MAX_ROWS",
+            field,
         )
-    return resolved
+
+
+def check_client_fields(user_salt: str | None, extra_args: dict[str, Any]) -> None:
+    """Refuse what a client may not set on an engine request: a cache salt with hotwire's prefix (it could forge a
+    steered request's cache key), or what only admission gives a request (``ADMISSION_ONLY_KEYS``)."""
+    if user_salt and user_salt.startswith(SALT_PREFIX):
+        raise Refusal(400, ErrorCode.RESERVED_SALT, f"cache_salt may not start with {SALT_PREFIX!r}", "cache_salt")
+    for key in ADMISSION_ONLY_KEYS:
+        if key in extra_args:
+            raise Refusal(400, ErrorCode.RESERVED_FIELD, f"{key} is set by hotwire's admission, not by clients: "
+                          "remove it", key)
 
 
 def find_version(lookup: Lookup, vector_id: str, version: int | None, field: str, role: str = "steering") -> VectorView:
@@ -180,6 +198,11 @@ def find_version(lookup: Lookup, vector_id: str, version: int | None, field: str
 def row_key(vector: VectorView, layer: int) -> RowKey:
     """The bank row ``vector`` contributes at ``layer`` (layer -1: a vector with one row for any layer)."""
     return RowKey(vector.vector_id, vector.version, -1 if vector.layers is None else layer)
+
+
+def row_sources(resolved: Resolved) -> dict[RowKey, tuple[Any, int]]:
+    """The bank rows a spec reads, each with the (vector, layer) its values come from."""
+    return {row_key(v, layer): (v, layer) for e, v in resolved for layer in e.layers}
 
 
 def row_keys(resolved: Resolved) -> set[RowKey]:
@@ -248,6 +271,22 @@ def receipt(resolved: Resolved) -> str:
 def pinned_spec(resolved: Resolved) -> str:
     """The spec as a JSON string with every entry pinned to the version it resolved to."""
     return canonical_spec(tuple(e.pinned(v.version) for e, v in resolved))
+
+
+def presalt(spec: Any, user_salt: str | None, prompt_len: int, lookup: Lookup) -> str | None:
+    """The cache salt the engine core's admission would give a request with this spec and user salt as ``lookup``
+    stands now; None where it would refuse it. Setting it before vLLM hashes the prompt's blocks spares admission
+    hashing them again."""
+    if user_salt and user_salt.startswith(SALT_PREFIX):
+        return None
+    try:
+        entries = parse_spec(spec)
+    except SpecError:
+        return None
+    vectors = [lookup(e.vector_id, e.version) for e in entries]
+    if None in vectors:
+        return None
+    return cache_salt(user_salt, zip(entries, vectors), prompt_len)
 
 
 def cache_salt(user_salt: str | None, resolved: Iterable[tuple[SteeringEntry, Any]], prompt_len: int) -> str:

@@ -17,7 +17,7 @@ from __future__ import annotations
 from typing import Any, Literal, NamedTuple, TypedDict
 
 __all__ = [
-    "BINDING_KEY", "CAPTURE_KEY", "CATALOG", "CHECK", "ENGINE_METHODS", "EXPORT", "GRAPH_SETS", "LIST", "PREFIX",
+    "ADMISSION_ONLY_KEYS", "BINDING_KEY", "CAPTURE_KEY", "CATALOG", "CHECK", "ENGINE_METHODS", "EXPORT", "GRAPH_SETS", "LIST", "PREFIX",
     "READOUT_ARGS_KEY", "REBINDS_ATTR", "REFUSALS", "REGISTER", "STATS", "TAKE_CAPTURES", "TAKE_READOUTS", "UNREGISTER", "USER_SALT_ATTR", "WORKER_INFO",
     "WORKER_METHODS", "WRITES_ATTR",
     "CatalogResult", "CheckResult", "Config", "ExportResult", "Failure", "ListResult", "ModelView", "ReadoutArgs",
@@ -54,6 +54,8 @@ REBINDS_ATTR = "hotwire_rebinds"  # SchedulerOutput: new configs of resumed requ
 CAPTURE_KEY = "hotwire.capture"  # sampling_params.extra_args: {"tag", "layers", "position"} of a capture request
 USER_SALT_ATTR = "hotwire_user_salt"  # Request built with hotwire's cache salt: the user's own salt
 READOUT_ARGS_KEY = "hotwire.readout"  # sampling_params.extra_args: a readout request's ReadoutArgs
+# Set by the engine core's admission only: a client's own would steer or read bank rows it was never given.
+ADMISSION_ONLY_KEYS = (BINDING_KEY, READOUT_ARGS_KEY)
 
 
 class SteerItem(NamedTuple):

@@ -12,28 +12,32 @@ from __future__ import annotations
 
 import logging
 import time
-from collections import Counter, OrderedDict
+from collections import Counter
 from typing import Any, Callable, Collection, Iterable, Sequence
 
 import torch
 
 from . import contract
-from .admission import ModelInfo, Refusal, Resolved, Rules, cache_salt, pinned_spec, receipt, resolve, row_key
+from .admission import (
+    ModelInfo, Refusal, Resolved, Rules, cache_salt, check_client_fields, check_rows, pinned_spec, presalt, receipt,
+    resolve, row_sources,
+)
 from .bindings import BankWrite, Binding, Bindings
 from .capture_admission import CaptureRequests
 # BINDING_KEY and USER_SALT_ATTR are re-exported: the benchmarks import them from here
-from .contract import BINDING_KEY, READOUT_ARGS_KEY, USER_SALT_ATTR, Config
+from .contract import BINDING_KEY, USER_SALT_ATTR, Config
 from .deferral import DeferredRequests
 from .engine_requests import EngineRequests
+from .handouts import Handouts
 from .error_codes import ErrorCode
 from .errors import EngineError
 from .registry import HostVector, RegistryError, VectorRegistry
 from .sessions import EndedSessions, same_steering
 from .settings import Settings
 from .slots import RowKey, SlotCache, SlotsExhausted
-from .readout_admission import probe_sources, readout_salt, resolve_readout, worker_args
+from .readout_admission import Reading
 from .readout_spec import READOUT_KEY
-from .spec import SALT_PREFIX, SPEC_KEY, TICKET_KEY, SpecError, parse_spec
+from .spec import SPEC_KEY, TICKET_KEY
 from .store import VectorStore
 from .vectors import restore, store_failed
 
@@ -70,7 +74,7 @@ class SteeringController:
         self.steered_requests = 0
         # requests waiting for slots
         self.deferred = DeferredRequests(self.bindings, requests, settings.max_wait_s, self.refused)
-        self._refusals: OrderedDict[str, contract.Failure] = OrderedDict()  # ticket -> refusal (see note_refusal)
+        self._refusals = Handouts(REFUSALS_KEPT)  # ticket -> refusal (see note_refusal)
         # Set by the engine glue: finishes a deferred request that can no longer be admitted with an error.
         self.on_refused: Callable[[Any, Refusal], None] = lambda request, exc: None
         self._ended_sessions = EndedSessions()
@@ -208,7 +212,7 @@ class SteeringController:
         needed = 0
         try:
             entries = self._resolve(spec)
-            keys = self._row_sources(entries).keys()
+            keys = row_sources(entries).keys()
             if slots:
                 self.deferred.wait_turn(None)
                 needed, available = self.slots.missing(keys), self.slots.available(keys)
@@ -240,39 +244,20 @@ class SteeringController:
         extra = self.requests.extra_args(request)
         ticket = extra.get(TICKET_KEY) if extra else None
         if isinstance(ticket, str):
-            self._refusals[ticket] = exc.to_result()
-            while len(self._refusals) > REFUSALS_KEPT:  # a ticket nobody asks for (its client left)
-                self._refusals.popitem(last=False)
+            self._refusals.put(ticket, exc.to_result())
 
     def refusals(self, tickets: list[str]) -> contract.RefusalsResult:
         """The refusals kept for ``tickets`` (each handed out once)."""
-        found = {t: self._refusals.pop(t) for t in tickets if t in self._refusals}
-        return contract.RefusalsResult(ok=True, refusals=found)
+        return contract.RefusalsResult(ok=True, refusals=self._refusals.take(tickets))
 
     # -- admission -------------------------------------------------------------------------------------------
 
     def _resolve(self, spec: Any) -> Resolved:
         return resolve(spec, self.registry.lookup, self.rules)
 
-    @staticmethod
-    def _row_sources(resolved: Resolved) -> dict[RowKey, tuple[HostVector, int]]:
-        """The bank rows a spec reads, each with the (vector, layer) its values come from."""
-        return {row_key(v, l): (v, l) for e, v in resolved for l in e.layers}
-
     def cache_salt_for(self, spec: Any, user_salt: str | None, prompt_len: int) -> str | None:
-        """The cache salt ``admit`` would give a request with this spec and user salt as the registry stands now;
-        None where it would refuse it. Only reads, so vLLM's input thread may call it while the engine steps:
-        setting the salt before vLLM hashes the prompt's blocks spares ``admit`` hashing them again."""
-        if user_salt and user_salt.startswith(SALT_PREFIX):
-            return None
-        try:
-            entries = parse_spec(spec)
-        except SpecError:
-            return None
-        vectors = [self.registry.lookup(e.vector_id, e.version) for e in entries]
-        if None in vectors:
-            return None
-        return cache_salt(user_salt, zip(entries, vectors), prompt_len)
+        """``admission.presalt`` over this registry: vLLM's input thread calls it while the engine steps."""
+        return presalt(spec, user_salt, prompt_len, self.registry.lookup)
 
     def admit(self, request: Any) -> Binding | None:
         """Bind a new engine request to its steering, or raise :class:`Refusal` (code ``slots_exhausted`` when it
@@ -283,36 +268,27 @@ class SteeringController:
         ``cache_salt_for``) keeps its block hashes."""
         requests = self.requests
         user_salt = requests.user_salt(request)
-        if user_salt and user_salt.startswith(SALT_PREFIX):
-            self.refused[ErrorCode.RESERVED_SALT] += 1
-            raise Refusal(400, ErrorCode.RESERVED_SALT, f"cache_salt may not start with {SALT_PREFIX!r}", "cache_salt")
         extra = requests.extra_args(request) or {}
-        forged = [key for key in (BINDING_KEY, READOUT_ARGS_KEY) if key in extra]
-        if forged:  # set by admission only: a client's own would steer or read rows it was never given
-            self.refused[ErrorCode.RESERVED_FIELD] += 1
-            raise Refusal(400, ErrorCode.RESERVED_FIELD, f"{forged[0]} is set by hotwire's admission, not by clients: "
-                          "remove it", forged[0])
-        if self.captures.requested(request):
-            try:
+        try:
+            check_client_fields(user_salt, extra)
+            if self.captures.requested(request):
                 self.captures.admit(request, self.rules)
-            except Refusal as exc:
-                self.refused[exc.code] += 1
-                raise
-            return None
+                return None
+        except Refusal as exc:
+            self.refused[exc.code] += 1
+            raise
         spec, readout = extra.get(SPEC_KEY), extra.get(READOUT_KEY)
         if spec is None and readout is None:
             return None
         request_id = requests.request_id(request)
         resolved: Resolved = []
+        sources: dict[RowKey, tuple[HostVector, int]] = {}
         try:
             resolved = self._resolve(spec) if spec is not None else []
-            reading, probes = (resolve_readout(readout, self.registry.lookup, self.rules, self.model.readout_probes)
-                               if readout is not None else (None, []))
-            sources = {**self._row_sources(resolved), **probe_sources(probes)}
-            if probes and len(sources) > self.rules.max_rows:
-                raise Refusal(400, ErrorCode.TOO_MANY_ROWS, f"this request's steering and probes need {len(sources)} "
-                              f"bank rows, but one request may pin at most {self.rules.max_rows} (HOTWIRE_MAX_ROWS); "
-                              "read fewer probes or steer fewer layers", READOUT_KEY)
+            reading = (Reading.of(readout, self.registry.lookup, self.rules, self.model.readout_probes)
+                       if readout is not None else None)
+            sources = {**row_sources(resolved), **(reading.sources() if reading else {})}
+            check_rows(len(sources), self.rules, READOUT_KEY if reading else SPEC_KEY)
             self.deferred.wait_turn(request_id)  # first come, first served
             try:
                 slot_of, loads = self.slots.acquire(sources.keys())
@@ -324,15 +300,15 @@ class SteeringController:
             self.refused[exc.code] += 1
             raise
         try:
-            binding = self.bindings.bind(request, resolved, sources, slot_of, loads, probes)
-            if reading is not None:
-                for key, value in worker_args(reading, probes, request_id).items():
-                    requests.set_extra(request, key, value)
+            binding = self.bindings.bind(request, resolved, sources, slot_of, loads, reading.probes if reading else ())
+            for key, value in (reading.worker_args(request_id) if reading else {}).items():
+                requests.set_extra(request, key, value)
             # Hashed again only if it was hashed without this salt (or the registry changed since).
-            if reading is not None and reading.reads_prompt:
-                requests.set_cache_salt(request, readout_salt())
-            elif resolved:
-                requests.set_cache_salt(request, cache_salt(user_salt, resolved, requests.prompt_length(request)))
+            salt = reading.own_salt() if reading else None
+            if salt is None and resolved:
+                salt = cache_salt(user_salt, resolved, requests.prompt_length(request))
+            if salt is not None:
+                requests.set_cache_salt(request, salt)
         except BaseException:
             self.release(request_id)  # the glue refuses the request: its pins and versions must not leak
             raise

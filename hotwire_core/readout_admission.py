@@ -10,6 +10,7 @@ token's value is read.
 from __future__ import annotations
 
 import uuid
+from dataclasses import dataclass
 from typing import Any
 
 from .admission import Lookup, Refusal, Rules, find_version, row_key
@@ -19,7 +20,7 @@ from .readout_spec import READOUT_KEY, ReadoutSpec, parse_readout
 from .slots import RowKey
 from .spec import SALT_PREFIX, SpecError
 
-__all__ = ["ResolvedProbes", "probe_name", "readout_salt", "resolve_readout", "worker_args"]
+__all__ = ["Reading", "ResolvedProbes", "probe_name", "readout_salt", "resolve_readout", "worker_args"]
 
 ResolvedProbes = list[tuple[Any, Any]]  # (readout_spec.Probe, its VectorView), in spec order
 
@@ -56,9 +57,27 @@ def resolve_readout(value: Any, lookup: Lookup, rules: Rules, max_probes: int) -
     return spec, resolved
 
 
-def probe_sources(resolved: ResolvedProbes) -> dict[RowKey, tuple[Any, int]]:
-    """The bank rows the probes read, each with the (vector, layer) its values come from."""
-    return {row_key(v, p.layer): (v, p.layer) for p, v in resolved}
+@dataclass(frozen=True)
+class Reading:
+    """A readout the engine core admits: the spec and its probes' versions (``resolve_readout``)."""
+
+    spec: ReadoutSpec
+    probes: ResolvedProbes
+
+    @classmethod
+    def of(cls, value: Any, lookup: Lookup, rules: Rules, max_probes: int) -> Reading:
+        return cls(*resolve_readout(value, lookup, rules, max_probes))
+
+    def sources(self) -> dict[RowKey, tuple[Any, int]]:
+        """The bank rows the probes read, each with the (vector, layer) its values come from."""
+        return {row_key(v, p.layer): (v, p.layer) for p, v in self.probes}
+
+    def worker_args(self, tag: str) -> dict[str, ReadoutArgs]:
+        return worker_args(self.spec, self.probes, tag)
+
+    def own_salt(self) -> str | None:
+        """The request's own cache salt when it reads prompt tokens (see the module's docstring), else None."""
+        return readout_salt() if self.spec.reads_prompt else None
 
 
 def worker_args(spec: ReadoutSpec, resolved: ResolvedProbes, tag: str) -> dict[str, ReadoutArgs]:

@@ -130,3 +130,12 @@ def test_no_vllm_object_is_read_outside_the_glue() -> None:
     unexpected = {f"{name}:{lines} .{attribute} ({VLLM_ATTRIBUTES[attribute]})": None
                   for (name, attribute), lines in found.items()}
     assert list(unexpected) == [], "read these through hotwire_core.vllm_glue"
+
+
+MAX_MODULE_LINES = 400  # one job per module: a module past this has taken on a second one
+
+
+def test_no_module_of_the_packages_is_over_400_lines() -> None:
+    long = {str(path.relative_to(ROOT)): n for package in PACKAGES for path in (ROOT / package).rglob("*.py")
+            if (n := len(path.read_text().splitlines())) > MAX_MODULE_LINES}
+    assert long == {}, "split these by job"
