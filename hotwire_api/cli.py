@@ -5,6 +5,8 @@
     hotwire export ID OUT [--format safetensors|gguf] [--version N]
     hotwire extract ID --jsonl FILE [--layers all|8-20|10,12] [--method mean_diff|pca] [--position last|mean]
                        [--normalize] [--replace] [--timeout S]
+    hotwire complete PROMPT [--steer ID:LAYER:SCALE ... | --spec JSON] [--read ID:LAYER[:BIAS] ...]
+                     [--tokens generated|prompt|all] [--max-tokens N] [--temperature T] [--model M]
     hotwire list | slots | fleet | delete ID
 
 Every command takes ``--url URL`` (env ``HOTWIRE_URL``, default http://localhost:8000) and ``--api-key KEY`` (env
@@ -15,7 +17,8 @@ FILE is ``.safetensors`` (one tensor, or 1-D tensors named by layer index), a co
 sae_weights.safetensors), of which feature N is registered. ``export`` writes the vector to OUT (format: from OUT's
 suffix unless given). ``extract`` reads contrastive examples from a JSONL file, one object per line with
 ``positive`` and/or ``negative`` (a prompt string or a list of chat messages; a line with both is a pair, as ``pca``
-needs), and has the server compute and register the vector. Results print as JSON; errors print to stderr (exit 1 for a refusal, an unreachable
+needs), and has the server compute and register the vector. ``complete`` sends one steered and/or read completion
+(``POST /v1/completions``: the server's vLLM key is the ``--api-key`` then). Results print as JSON; errors print to stderr (exit 1 for a refusal, an unreachable
 server or an answer this client cannot read; 2 for local errors such as a bad file).
 """
 
@@ -31,6 +34,7 @@ import pydantic
 
 from hotwire_api.client import DEFAULT_URL, HotwireClient
 from hotwire_api.codec import parse_layer_list
+from hotwire_api.completion import parse_probe, parse_steering
 from hotwire_api.errors import HotwireError
 from hotwire_api.settings import API_KEY
 
@@ -44,6 +48,16 @@ def _layers(value: str) -> list[int]:
     if layers is None:
         raise argparse.ArgumentTypeError("expected layer indices like 10,12, got nothing")
     return list(layers)
+
+
+def _argument(parse):
+    """An argparse type from a parser that raises ValueError: its message, not argparse's "invalid value"."""
+    def parsed(value: str):
+        try:
+            return parse(value)
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
+    return parsed
 
 
 def read_examples(path: str) -> tuple[list, list]:
@@ -111,6 +125,19 @@ def build_parser() -> argparse.ArgumentParser:
     extract.add_argument("--normalize", action="store_true", help="unit length at every layer")
     extract.add_argument("--replace", action="store_true", help="replace a vector with the same id")
     extract.add_argument("--timeout", type=float, default=600.0, help="seconds to wait for the server (600)")
+    complete = command("complete", "one completion, steered (--steer) and/or reading probes (--read, needs "
+                       "HOTWIRE_READOUT=1 on the server); prints its text, receipt and readout")
+    complete.add_argument("prompt")
+    complete.add_argument("--steer", action="append", type=_argument(parse_steering), metavar="ID:LAYER:SCALE",
+                          help="steer with a vector at a layer (repeatable)")
+    complete.add_argument("--spec", help="a whole spec as JSON (vllm_xargs.hotwire), instead of --steer")
+    complete.add_argument("--read", action="append", type=_argument(parse_probe), metavar="ID:LAYER[:BIAS]",
+                          help="read a vector as a probe at a layer (repeatable)")
+    complete.add_argument("--tokens", choices=("generated", "prompt", "all"), default="generated",
+                          help="the tokens --read reads (generated)")
+    complete.add_argument("--max-tokens", type=int, default=16)
+    complete.add_argument("--temperature", type=float, default=0.0)
+    complete.add_argument("--model", help="default: the server's first")
     command("list", "list registered vectors")
     command("slots", "show steering bank occupancy and counters")
     command("fleet", "show every replica on the server's registry (HOTWIRE_REGISTRY): slots, versions held")
@@ -137,6 +164,11 @@ def _run(client: HotwireClient, args: argparse.Namespace) -> object:
         layers = args.layers if args.layers == "all" or "-" in args.layers else _layers(args.layers)
         return client.extract(args.id, positive, negative, layers, args.method, args.position, args.normalize,
                               args.replace, timeout=args.timeout).model_dump()
+    if args.command == "complete":
+        if args.spec is not None and args.steer:
+            raise ValueError("pass --steer or --spec, not both")
+        return client.complete(args.prompt, args.max_tokens, steer=args.spec or args.steer, read=args.read,
+                               tokens=args.tokens, model=args.model, temperature=args.temperature).model_dump()
     if args.command == "list":
         return [meta.model_dump() for meta in client.list()]
     if args.command == "slots":

@@ -19,10 +19,11 @@ import httpx
 import numpy as np
 
 from hotwire_api.codec import CONVERT_HINT
+from hotwire_api.completion import Steering, completion_body, completion_of
 from hotwire_api.errors import HotwireError
 from hotwire_api.gguf_codec import encode_safetensors
 from hotwire_api.sae_codec import read_sae_folder
-from hotwire_api.models import DeleteResult, ExtractResult, FleetView, SlotStats, VectorList, VectorMeta
+from hotwire_api.models import Completion, DeleteResult, ExtractResult, FleetView, SlotStats, VectorList, VectorMeta
 
 if TYPE_CHECKING:
     import torch
@@ -129,6 +130,13 @@ def _extract_call(vector_id: str, positive: Sequence[Any], negative: Sequence[An
     return _Call("POST", "/steer/vectors/extract", json_body=body)
 
 
+def _served_model(response: httpx.Response) -> str:
+    models = response.json().get("data") or []
+    if not models:
+        raise ValueError("the server's GET /v1/models lists no model: pass model=")
+    return str(models[0]["id"])
+
+
 def _with_timeout(args: dict[str, Any], timeout: float | None) -> dict[str, Any]:
     return args if timeout is None else {**args, "timeout": timeout}
 
@@ -176,6 +184,7 @@ class HotwireClient:
         self._headers = _headers(api_key)
         self._owned = http_client is None
         self._http = http_client or httpx.Client(timeout=timeout)
+        self._model: str | None = None  # the server's, for complete
 
     def _send(self, call: _Call) -> httpx.Response:
         return _checked(self._http.request(**call.request_args(self.url, self._headers)))
@@ -225,6 +234,21 @@ class HotwireClient:
         """Every replica on the server's registry (one, ``local``, without ``HOTWIRE_REGISTRY``)."""
         return FleetView.model_validate(self._send(_Call("GET", "/steer/fleet")).json())
 
+    def complete(self, prompt: str | Sequence[int], max_tokens: int = 16, *, steer: Steering | None = None,
+                 read: Sequence[dict[str, Any]] | None = None, tokens: str = "generated", model: str | None = None,
+                 api_key: str | None = None, **params: Any) -> Completion:
+        """One completion (``POST /v1/completions``), steered by ``steer`` (a spec: JSON string, entry or list of
+        entries) and reading ``read`` (probes ``{"id", "layer"[, "bias"]}``) on ``tokens`` (generated, prompt or
+        all). ``model``: default the server's first; ``api_key``: vLLM's key where it is not the client's;
+        ``params``: other fields of the body (``temperature``, ``seed``, ...)."""
+        body = completion_body(model, prompt, max_tokens, steer, read, tokens, params)  # checked before sending
+        headers = self._headers if api_key is None else _headers(api_key)
+        if model is None:
+            self._model = self._model or _served_model(_checked(self._http.get(f"{self.url}/v1/models",
+                                                                               headers=headers)))
+            body["model"] = self._model
+        return completion_of(_checked(self._http.post(f"{self.url}/v1/completions", json=body, headers=headers)))
+
     def close(self) -> None:
         if self._owned:
             self._http.close()
@@ -251,6 +275,7 @@ class AsyncHotwireClient:
         self._headers = _headers(api_key)
         self._owned = http_client is None
         self._http = http_client or httpx.AsyncClient(timeout=timeout)
+        self._model: str | None = None  # the server's, for complete
 
     async def _send(self, call: _Call) -> httpx.Response:
         return _checked(await self._http.request(**call.request_args(self.url, self._headers)))
@@ -297,6 +322,17 @@ class AsyncHotwireClient:
     async def fleet(self) -> FleetView:
         """Every replica on the server's registry (one, ``local``, without ``HOTWIRE_REGISTRY``)."""
         return FleetView.model_validate((await self._send(_Call("GET", "/steer/fleet"))).json())
+
+    async def complete(self, prompt: str | Sequence[int], max_tokens: int = 16, *, steer: Steering | None = None,
+                       read: Sequence[dict[str, Any]] | None = None, tokens: str = "generated",
+                       model: str | None = None, api_key: str | None = None, **params: Any) -> Completion:
+        body = completion_body(model, prompt, max_tokens, steer, read, tokens, params)
+        headers = self._headers if api_key is None else _headers(api_key)
+        if model is None:
+            self._model = self._model or _served_model(
+                _checked(await self._http.get(f"{self.url}/v1/models", headers=headers)))
+            body["model"] = self._model
+        return completion_of(_checked(await self._http.post(f"{self.url}/v1/completions", json=body, headers=headers)))
 
     async def aclose(self) -> None:
         if self._owned:

@@ -241,3 +241,36 @@ class ExtractResult(BaseModel):
     position: str
     examples: dict[str, int]
     layers: list[LayerSeparation]
+
+
+class ReadoutValues(BaseModel):
+    score: list[float] = Field(description="Per token: the dot product of the residual stream with the probe, plus "
+                               "its bias.")
+    cosine: list[float] = Field(description="Per token: the cosine between the residual stream and the probe.")
+
+
+class ProbeReadout(BaseModel):
+    probe: str = Field(description="id@version:L<layer>, as receipts name steering.")
+    bias: float
+    prompt: ReadoutValues | None = Field(None, description="One value per prompt token (tokens prompt or all).")
+    generated: ReadoutValues | None = Field(None, description="One value per generated token, read at the position "
+                                            "that predicted it (tokens generated or all).")
+
+
+class Readout(BaseModel):
+    """``hotwire_readout`` of a chat or completions response (docs/usage.md, "Readout")."""
+
+    tokens: str
+    probes: list[ProbeReadout]
+
+
+class Completion(BaseModel):
+    """What ``HotwireClient.complete`` returns: one completion, its receipt and its readout."""
+
+    model: str
+    text: str
+    finish_reason: str | None
+    receipt: str | None = Field(description="x-hotwire-receipt: the versions that steered it (None: unsteered).")
+    readout: Readout | None = Field(description="hotwire_readout, when probes were read.")
+    prompt_tokens: int
+    completion_tokens: int

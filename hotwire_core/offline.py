@@ -24,7 +24,7 @@ from .contract import TAKE_READOUTS, rpc_name
 from .error_codes import ErrorCode
 from .errors import EngineError
 from .readout_results import readout_of
-from .readout_spec import READOUT_KEY, parse_readout
+from .readout_spec import READOUT_KEY, build_readout
 from .spec import SPEC_KEY, as_index, build_spec
 from .store import tensor_to_stored
 
@@ -118,8 +118,7 @@ def steer(*entries: dict[str, Any]) -> dict[str, str]:
 
 def read(probes: Sequence[dict[str, Any]], tokens: str = "generated") -> dict[str, str]:
     """``extra_args`` for a readout (``hotwire_core.readout_spec``); merge it with :func:`steer`'s to steer and read."""
-    spec = parse_readout({"probes": list(probes), "tokens": tokens}, max_probes=1 << 16)  # the engine checks its limit
-    return {READOUT_KEY: json.dumps(spec.to_json(), separators=(",", ":"))}
+    return {READOUT_KEY: build_readout(list(probes), tokens)}
 
 
 def generate_with_readout(llm: Any, prompts: Any, params: Any, probes: Sequence[dict[str, Any]],

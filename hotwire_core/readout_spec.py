@@ -23,7 +23,7 @@ from typing import Any
 
 from .spec import SpecError, VECTOR_ID_RE, short_repr
 
-__all__ = ["READOUT_KEY", "TOKENS", "Probe", "ReadoutSpec", "parse_readout"]
+__all__ = ["READOUT_KEY", "TOKENS", "Probe", "ReadoutSpec", "build_readout", "parse_readout"]
 
 READOUT_KEY = "hotwire_readout"
 TOKENS = ("prompt", "generated", "all")
@@ -106,3 +106,10 @@ def parse_readout(value: Any, max_probes: int) -> ReadoutSpec:
     if tag is not None and (not isinstance(tag, str) or not VECTOR_ID_RE.fullmatch(tag)):
         raise SpecError(f"{READOUT_KEY}.tag", f"must match {VECTOR_ID_RE.pattern}, got {short_repr(tag)}")
     return ReadoutSpec(parsed, tokens, tag)
+
+
+def build_readout(probes: list[dict[str, Any]], tokens: str = "generated") -> str:
+    """A readout's value for ``extra_args`` / ``vllm_xargs`` (a JSON string), checked here; raises
+    :class:`SpecError`. The server checks its own probe limit."""
+    spec = parse_readout({"probes": list(probes), "tokens": tokens}, max_probes=1 << 16)
+    return json.dumps(spec.to_json(), separators=(",", ":"))

@@ -144,3 +144,53 @@ def test_a_readout_on_a_route_that_returns_none_is_refused(http, tiny_model):
     body = {"model": str(tiny_model), "input": "hello", "max_output_tokens": 2, "vllm_xargs": readout(("joy", 1))}
     response = http.post("/v1/responses", json=body)
     assert response.status_code == 400 and response.json()["error"]["code"] == "readout_unsupported", response.text
+
+
+def test_the_clients_and_the_cli_complete_with_steering_and_readout(http, server, tiny_model, capsys):
+    """``HotwireClient.complete``, its async twin and ``hotwire complete`` send what the raw request sends and
+    return its text, receipt and readout, typed; a refusal is the server's error."""
+    import asyncio
+
+    from hotwire_api import cli
+    from hotwire_api.client import AsyncHotwireClient, HotwireClient
+    from hotwire_api.errors import HotwireError
+
+    body = {"model": str(tiny_model), "prompt": "hello there", "max_tokens": 4, "temperature": 0, "ignore_eos": True,
+            "vllm_xargs": {"hotwire": json.dumps({"id": "calm", "layer": 1, "scale": 2.0}), **readout(("joy", 2))}}
+    raw = http.post("/v1/completions", json=body)
+    assert raw.status_code == 200, raw.text
+    want = raw.json()
+    steer, read = [{"id": "calm", "layer": 1, "scale": 2.0}], [{"id": "joy", "layer": 2}]
+
+    def same(got) -> None:
+        assert got.text == want["choices"][0]["text"] and got.receipt == raw.headers["x-hotwire-receipt"] == "calm@1:L1x2"
+        assert got.completion_tokens == 4 and got.model == str(tiny_model)
+        (probe,) = got.readout.probes
+        assert probe.probe == "joy@1:L2" and len(probe.prompt.score) == want["usage"]["prompt_tokens"]
+        for part in ("prompt", "generated"):
+            np.testing.assert_allclose(getattr(probe, part).score, want["hotwire_readout"]["probes"][0][part]["score"],
+                                       atol=ATOL)
+
+    with HotwireClient(server.url) as client:
+        same(client.complete("hello there", 4, steer=steer, read=read, tokens="all", temperature=0, ignore_eos=True))
+        as_cli = client.complete("hello there", 4, steer=steer, read=read, tokens="all", temperature=0)
+        plain = client.complete("hello there", 4, temperature=0)
+        assert plain.receipt is None and plain.readout is None and plain.text
+        with pytest.raises(HotwireError) as info:
+            client.complete("hello", 2, read=[{"id": "nope", "layer": 1}])
+        assert (info.value.status, info.value.code) == (400, "unknown_vector")
+
+    async def complete_async():
+        async with AsyncHotwireClient(server.url) as client:
+            return await client.complete("hello there", 4, steer=json.dumps(steer), read=read, tokens="all",
+                                         temperature=0, ignore_eos=True)
+
+    same(asyncio.run(complete_async()))
+    capsys.readouterr()
+    assert cli.main(["--url", server.url, "complete", "hello there", "--max-tokens", "4", "--steer", "calm:1:2",
+                     "--read", "joy:2", "--tokens", "all"]) == 0
+    printed = json.loads(capsys.readouterr().out)
+    assert printed["receipt"] == "calm@1:L1x2" and printed["text"] == as_cli.text  # the CLI's temperature is 0
+    (probe,) = printed["readout"]["probes"]
+    assert probe["probe"] == "joy@1:L2"
+    np.testing.assert_allclose(probe["generated"]["score"], as_cli.readout.probes[0].generated.score, atol=ATOL)
