@@ -14,7 +14,9 @@ Configurations: ``vanilla`` (no plugin loaded at all: ``VLLM_PLUGINS=""``), ``op
 ``op_1set`` (the op without idle graph variants: ``HOTWIRE_IDLE_GRAPHS=0``), ``op_8layers`` (the op hooked on
 the 8 middle layers only: ``HOTWIRE_LAYERS``; it cannot run ``steered_all_layers``), ``op_nopdl`` (the op
 without programmatic dependent launch: ``HOTWIRE_PDL=0``), ``op_capture`` (the op with the capture op of
-``POST /steer/vectors/extract`` compiled in: ``HOTWIRE_CAPTURE=1``, nobody capturing), ``inductor`` (hotwire, torch ops fused by Inductor), ``eager`` (hotwire's op with ``enforce_eager``: no
+``POST /steer/vectors/extract`` compiled in: ``HOTWIRE_CAPTURE=1``, nobody capturing), ``op_readout`` (the op with
+the readout op compiled in: ``HOTWIRE_READOUT=1``; the only one that runs the modes ``read4`` and ``steered_read4``,
+every request reading 4 probes at a middle layer), ``inductor`` (hotwire, torch ops fused by Inductor), ``eager`` (hotwire's op with ``enforce_eager``: no
 torch.compile, no CUDA graphs, what hook-based steering tools pay). All use vLLM's default V2 model runner; a
 ``/v1`` suffix (``vanilla/v1``, ``op/v1``) runs the V1 runner instead, compared with ``vanilla/v1``.
 
@@ -64,7 +66,10 @@ MODES = {
     "steered_all_layers": "every request steered: one vector at every layer",
     "stacked": "every request steered: 4 entries on the same layer",
     "distinct": "every request its own vector (up to 256 distinct), one middle layer",
+    "read4": "every request reads 4 probes at one middle layer, on its generated tokens (op_readout only)",
+    "steered_read4": "every request steered at one middle layer and reading 4 probes there (op_readout only)",
 }
+READ_MODES = ("read4", "steered_read4")
 CONFIGS = {
     "vanilla": "plain vLLM 0.25.1, no plugin loaded (VLLM_PLUGINS=\"\")",
     "op": "hotwire, opaque Triton op (HOTWIRE_IMPL=op), idle graph variants for unsteered steps (the default)",
@@ -72,15 +77,28 @@ CONFIGS = {
     "op_8layers": "hotwire's op hooked on the 8 middle layers only (HOTWIRE_LAYERS=n/2-4..n/2+3)",
     "op_nopdl": "hotwire's op launched without programmatic dependent launch (HOTWIRE_PDL=0)",
     "op_capture": "hotwire's op with the capture op compiled in (HOTWIRE_CAPTURE=1), nobody capturing",
+    "op_readout": "hotwire's op with the readout op compiled in (HOTWIRE_READOUT=1, 4 probes per request)",
     "inductor": "hotwire, torch ops fused by Inductor (HOTWIRE_IMPL=inductor)",
     "eager": "hotwire's op with enforce_eager=True (no torch.compile, no CUDA graphs)",
 }
 PROFILE_STEPS = 32  # decode steps in a profiled generate (--profile): a trace of a few MB
 
 
+def _extra_args(mode: str, n_layers: int, i: int) -> dict[str, str] | None:
+    """A request's ``extra_args`` in ``mode``: its spec and its readout (None: a plain request)."""
+    extra = {}
+    spec = _spec(mode.removesuffix("_read4") if mode.endswith("_read4") else mode, n_layers, i)
+    if spec is not None:
+        extra["hotwire"] = spec
+    if mode in READ_MODES:
+        probes = [{"id": f"v{k}", "layer": n_layers // 2} for k in range(4)]
+        extra["hotwire_readout"] = json.dumps({"probes": probes, "tokens": "generated"})
+    return extra or None
+
+
 def _spec(mode: str, n_layers: int, i: int) -> str | None:
     mid = n_layers // 2
-    if mode == "plain":
+    if mode in ("plain", "read4"):
         return None
     if mode == "steered":
         return json.dumps({"id": "v0", "layer": mid, "scale": 2.0})
@@ -131,10 +149,11 @@ def worker(args: argparse.Namespace) -> None:
                    for _ in range(batch)]
         params = []
         for i in range(batch):
-            spec = _spec(mode, n_layers, i)
             # No detokenizing: frontend CPU work hotwire does not touch, which at batch 256 may bound the step.
+            # Readouts are not taken: the workers keep a bounded number (Handouts) and the timing ends at the
+            # last token; their copy-out runs every step all the same.
             params.append(SamplingParams(max_tokens=n, ignore_eos=True, temperature=0.0, detokenize=False,
-                                         extra_args={"hotwire": spec} if spec else None))
+                                         extra_args=_extra_args(mode, n_layers, i)))
         return request_times(llm.generate(prompts, params, use_tqdm=False))
 
     clock = StepClock(llm.llm_engine.engine_core)
@@ -236,6 +255,8 @@ class Engine:
             env["HOTWIRE_IDLE_GRAPHS"] = "0" if kind == "op_1set" else "1"
             env["HOTWIRE_PDL"] = "0" if kind == "op_nopdl" else "1"
             env["HOTWIRE_CAPTURE"] = "1" if kind == "op_capture" else "0"
+            env["HOTWIRE_READOUT"] = "1" if kind == "op_readout" else "0"
+            env["HOTWIRE_READOUT_PROBES"] = "4"
             env.pop("HOTWIRE_LAYERS", None)
             if kind == "op_8layers":
                 env["HOTWIRE_LAYERS"] = middle_layers(n_layers, 8)
@@ -340,6 +361,8 @@ def baseline_of(config: str) -> str:
 
 def modes_of(config: str, modes: list[str]) -> list[str]:
     kind = split_config(config)[0]
+    if kind != "op_readout":
+        modes = [m for m in modes if m not in READ_MODES]
     if kind == "vanilla":
         return ["plain"]
     if kind == "eager":

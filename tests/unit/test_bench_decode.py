@@ -20,6 +20,23 @@ def test_specs_per_mode():
         bench._spec("nope", 4, 0)
 
 
+def test_extra_args_per_mode():
+    assert bench._extra_args("plain", 36, 0) is None
+    assert bench._extra_args("steered", 36, 0) == {"hotwire": bench._spec("steered", 36, 0)}
+    read = json.loads(bench._extra_args("read4", 36, 0)["hotwire_readout"])
+    assert read == {"probes": [{"id": f"v{k}", "layer": 18} for k in range(4)], "tokens": "generated"}
+    both = bench._extra_args("steered_read4", 36, 0)
+    assert both["hotwire"] == bench._spec("steered", 36, 0) and json.loads(both["hotwire_readout"]) == read
+    assert "hotwire" not in bench._extra_args("read4", 36, 0)
+
+
+def test_read_modes_run_on_the_readout_engine_only():
+    modes = ["plain", "steered", "read4", "steered_read4"]
+    assert bench.modes_of("op_readout", modes) == modes
+    assert bench.modes_of("op", modes) == ["plain", "steered"]
+    assert bench.modes_of("vanilla", modes) == ["plain"]
+
+
 def test_modes_of_config():
     modes = ["plain", "steered", "distinct"]
     assert bench.modes_of("vanilla", modes) == ["plain"]
