@@ -28,9 +28,13 @@ from hotwire_api.models import Completion, DeleteResult, ExtractResult, FleetVie
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["AsyncHotwireClient", "HotwireClient", "HotwireError", "VectorSource"]
+__all__ = ["KEEPALIVE_S", "AsyncHotwireClient", "HotwireClient", "HotwireError", "VectorSource"]
 
 DEFAULT_URL = "http://localhost:8000"
+# Below vLLM's server-side keep-alive (VLLM_HTTP_TIMEOUT_KEEP_ALIVE, 5 s): a connection idle as long as the server
+# allows may be closed under the next request (docs/deployment.md, "Idle connections").
+KEEPALIVE_S = 3.0
+_LIMITS = httpx.Limits(max_connections=100, max_keepalive_connections=20, keepalive_expiry=KEEPALIVE_S)  # httpx's sizes
 VectorSource = Union[str, os.PathLike, np.ndarray, "torch.Tensor"]
 _PICKLE_SUFFIXES = (".pt", ".pth", ".bin", ".pkl", ".pickle")
 
@@ -183,7 +187,7 @@ class HotwireClient:
         self.url = url.rstrip("/")
         self._headers = _headers(api_key)
         self._owned = http_client is None
-        self._http = http_client or httpx.Client(timeout=timeout)
+        self._http = http_client or httpx.Client(timeout=timeout, limits=_LIMITS)
         self._model: str | None = None  # the server's, for complete
 
     def _send(self, call: _Call) -> httpx.Response:
@@ -274,7 +278,7 @@ class AsyncHotwireClient:
         self.url = url.rstrip("/")
         self._headers = _headers(api_key)
         self._owned = http_client is None
-        self._http = http_client or httpx.AsyncClient(timeout=timeout)
+        self._http = http_client or httpx.AsyncClient(timeout=timeout, limits=_LIMITS)
         self._model: str | None = None  # the server's, for complete
 
     async def _send(self, call: _Call) -> httpx.Response:

@@ -1,6 +1,6 @@
-"""The completion helper's request side (``hotwire_api.completion``): what the CLI's shorthands mean, and that a
-spec or readout that cannot be served is refused before anything is sent. Its answers are checked against a real
-``vllm serve`` in tests/integration/test_readout_http.py."""
+"""The clients' request side: what the CLI's shorthands mean, that a spec or readout that cannot be served is
+refused before anything is sent (``hotwire_api.completion``), and the clients' keep-alive. Their answers are checked
+against a real ``vllm serve`` in tests/integration/test_readout_http.py."""
 
 from __future__ import annotations
 
@@ -59,3 +59,20 @@ def test_the_cli_refuses_steer_and_spec_together_and_bad_shorthands(capsys) -> N
     with pytest.raises(SystemExit) as info:
         cli.main(["complete", "hi", "--read", "p:one"])
     assert info.value.code == 2 and "LAYER must be an integer, got 'one'" in capsys.readouterr().err
+
+
+def test_the_clients_drop_idle_connections_before_vllms_server_does() -> None:
+    """vLLM closes a connection idle for VLLM_HTTP_TIMEOUT_KEEP_ALIVE seconds; a client keeping it as long may send
+    on a connection being closed (docs/deployment.md, "Idle connections")."""
+    import asyncio
+
+    import vllm.envs
+
+    from hotwire_api.client import KEEPALIVE_S, AsyncHotwireClient, HotwireClient
+
+    assert KEEPALIVE_S < vllm.envs.VLLM_HTTP_TIMEOUT_KEEP_ALIVE
+    with HotwireClient() as client:
+        assert client._http._transport._pool._keepalive_expiry == KEEPALIVE_S
+    async_client = AsyncHotwireClient()
+    assert async_client._http._transport._pool._keepalive_expiry == KEEPALIVE_S
+    asyncio.run(async_client.aclose())
