@@ -35,7 +35,7 @@ from .registry import HostVector, RegistryError, VectorRegistry
 from .sessions import EndedSessions, same_steering
 from .settings import Settings
 from .slots import RowKey, SlotCache, SlotsExhausted
-from .readout_admission import Reading
+from .readout_admission import Reading, refuse_in_session
 from .readout_spec import READOUT_KEY
 from .spec import SPEC_KEY, TICKET_KEY
 from .store import VectorStore
@@ -285,8 +285,8 @@ class SteeringController:
         sources: dict[RowKey, tuple[HostVector, int]] = {}
         try:
             resolved = self._resolve(spec) if spec is not None else []
-            reading = (Reading.of(readout, self.registry.lookup, self.rules, self.model.readout_probes)
-                       if readout is not None else None)
+            reading = (Reading.of(readout, self.registry.lookup, self.rules, self.model.readout_probes,
+                                  requests.expects_more_input(request)) if readout is not None else None)
             sources = {**row_sources(resolved), **(reading.sources() if reading else {})}
             check_rows(len(sources), self.rules, READOUT_KEY if reading else SPEC_KEY)
             self.deferred.wait_turn(request_id)  # first come, first served
@@ -330,6 +330,9 @@ class SteeringController:
                           "came; start the session again once rows are free")  # fmt: skip
         if not self.requests.expects_more_input(update):
             return  # the end marker: vLLM finishes the session, which releases its binding
+        if READOUT_KEY in (self.requests.extra_args(update) or {}):
+            self.refused[ErrorCode.READOUT_UNSUPPORTED] += 1
+            refuse_in_session()
         if not same_steering(self._spec_of(update), self._spec_of(session)):
             self.refused[ErrorCode.STEERING_CHANGED] += 1
             raise Refusal(400, ErrorCode.STEERING_CHANGED,

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import uuid
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NoReturn
 
 from .admission import Lookup, Refusal, Rules, find_version, row_key
 from .contract import READOUT_ARGS_KEY, ReadoutArgs, ReadoutProbe
@@ -20,9 +20,17 @@ from .readout_spec import READOUT_KEY, ReadoutSpec, parse_readout
 from .slots import RowKey
 from .spec import SALT_PREFIX, SpecError
 
-__all__ = ["Reading", "ResolvedProbes", "probe_name", "readout_salt", "resolve_readout", "worker_args"]
+__all__ = [
+    "Reading", "ResolvedProbes", "probe_name", "readout_salt", "refuse_in_session", "resolve_readout", "worker_args",
+]
 
 ResolvedProbes = list[tuple[Any, Any]]  # (readout_spec.Probe, its VectorView), in spec order
+
+
+def refuse_in_session() -> NoReturn:
+    """A streaming-input session's prompt grows chunk by chunk, past what its readout would call the prompt."""
+    raise Refusal(400, ErrorCode.READOUT_UNSUPPORTED, "a streaming-input session cannot be read: send the readout "
+                  "with a request whose prompt is whole", READOUT_KEY)
 
 
 def probe_name(vector: Any, layer: int) -> str:
@@ -65,7 +73,10 @@ class Reading:
     probes: ResolvedProbes
 
     @classmethod
-    def of(cls, value: Any, lookup: Lookup, rules: Rules, max_probes: int) -> Reading:
+    def of(cls, value: Any, lookup: Lookup, rules: Rules, max_probes: int, session: bool) -> Reading:
+        """``session``: the request is a streaming-input session's first chunk, which cannot be read."""
+        if session:
+            refuse_in_session()
         return cls(*resolve_readout(value, lookup, rules, max_probes))
 
     def sources(self) -> dict[RowKey, tuple[Any, int]]:

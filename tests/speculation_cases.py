@@ -26,6 +26,7 @@ __all__ = [
     "batches", "engine", "prompts", "unspeculated", "vector",
     "test_decode_only_and_prefill_only_split_at_the_prompt",
     "test_plain_requests_are_bit_identical_to_a_plugin_free_engine_with_the_same_speculation",
+    "test_readouts_under_speculation_equal_transformers_hooks",
     "test_steered_requests_equal_the_same_requests_without_speculation",
     "test_the_target_is_steerable_and_only_its_layers_are_hooked",
 ]
@@ -94,8 +95,12 @@ def engine(speculative_config, tiny_model, vector, batches):
 
     from hotwire_core.offline import register_vector
 
-    # a copy: vLLM adds its config objects to the dict it is given
-    llm = LLM(str(tiny_model), **engine_kwargs(), speculative_config=dict(speculative_config), disable_log_stats=False)
+    # a copy: vLLM adds its config objects to the dict it is given. Readout on (read at start; later modules must not
+    # inherit it): the plain requests' bit identity holds with its op compiled in too.
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("HOTWIRE_READOUT", "1")
+        llm = LLM(str(tiny_model), **engine_kwargs(), speculative_config=dict(speculative_config),
+                  disable_log_stats=False)
     try:
         register_vector(llm, "v", torch.tensor(vector))
         results, drafts = [], []
@@ -190,3 +195,43 @@ def test_plain_requests_are_bit_identical_to_a_plugin_free_engine_with_the_same_
         got, want = ours[MIXED][n], vanilla[2][n]
         assert got["token_ids"] == want["token_ids"]
         assert lp_diff(got, want) < 1e-5, f"plain batchmate {n} moved by {lp_diff(got, want)}"
+
+
+def test_readouts_under_speculation_equal_transformers_hooks(engine, tiny_model, prompts, vector):
+    """A verification step computes 1 + k positions of a request, and a rejected draft's position is computed again
+    with the token that replaced it: each generated token is read where it was predicted, the value the forward of
+    the accepted token gave (the latest at its position), steered as decode tokens are. Against transformers with
+    hooks on the prompt and the tokens the engine generated."""
+    import numpy as np
+    from vllm import SamplingParams
+
+    import hf_reference
+    from hotwire_core.offline import generate_with_readout, steer
+
+    llm, v = engine["llm"], torch.tensor(vector)
+    # Steered and plain: n-gram drafts of the steered requests are all accepted (they repeat themselves), the plain
+    # ones' are rejected in part.
+    cases = [(key, steered) for key in ("a", "b") for steered in (True, False)]
+    params = [SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True,
+                             extra_args=steer(ENTRY) if steered else None) for _, steered in cases]
+    before = draft_counts(llm)
+    outs = generate_with_readout(llm, [{"prompt_token_ids": prompts[key]} for key, _ in cases], params,
+                                 [{"id": "v", "layer": 2}], tokens="all")
+    drafted, accepted = (after - was for after, was in zip(draft_counts(llm), before))
+    hf_model = hf_reference.load(tiny_model)
+    worst = 0.0
+    for (key, steered), out in zip(cases, outs):
+        steering = [(layer, v, ENTRY["scale"]) for layer in ENTRY["layer"]] if steered else []
+        prompt, generated = prompts[key], list(out.outputs[0].token_ids)
+        stream = hf_reference.layer_outputs(hf_model, prompt + generated[:-1], [2], steering)[2]
+        (probe,) = out.hotwire_readout["probes"]
+        P = len(prompt)
+        for part, rows in (("prompt", stream[:P]), ("generated", stream[P - 1 : P - 1 + len(generated)])):
+            want = (rows @ v).numpy()
+            got = np.array(probe[part]["score"])
+            assert got.shape == want.shape, (key, steered, part)
+            worst = max(worst, float(np.abs(got - want).max() / np.abs(want).max()))
+    print(f"readout under speculation vs transformers + hooks: {worst:.2e} of the largest score; drafted {drafted}, "
+          f"accepted {accepted}")
+    assert worst < (0.02 if torch.cuda.is_available() else 1e-5)
+    assert 0 < accepted < drafted  # verification kept drafts past the first token, and rejected some

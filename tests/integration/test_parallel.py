@@ -121,6 +121,7 @@ def llm(tiny_model, vectors, parallel, vanilla):
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("VLLM_CPU_OMP_THREADS_BIND", "nobind")
         mp.setenv("HOTWIRE_LAYERS", "1,2,3")
+        mp.setenv("HOTWIRE_READOUT", "1")  # compiled in: the plain requests' bit identity holds with it too
         engine = LLM(str(tiny_model), **engine_kwargs(), **PARALLEL[parallel])
     try:
         for name, vector in vectors.items():
@@ -160,6 +161,32 @@ def test_steering_equals_transformers_hook(llm, hf_model, prompts, vectors, entr
     assert plain_err < TOLERANCE, f"plain vLLM differs from transformers by {plain_err}"
     assert steered_err < TOLERANCE, f"steered vLLM differs from transformers + hook: {steered_err} (effect {effect})"
     assert effect > 10 * TOLERANCE, f"the steering in this check is too weak to be seen: {effect}"
+
+
+def test_readout_across_ranks_equals_transformers_hooks(llm, hf_model, prompts, vectors):
+    """Probes at layer 1 (PP: rank 0's) and layer 3 (PP: rank 1's) of a request steered at layer 1: each rank
+    returns the probes of the layers it hooks (at TP 2 both return both), merged into one readout."""
+    from vllm import SamplingParams
+
+    from hotwire_core.offline import generate_with_readout, steer
+
+    ids = prompts["fox"]
+    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True,
+                            extra_args=steer({"id": "a", "layer": 1, "scale": 2.0}))
+    with deadline():
+        (out,) = generate_with_readout(llm, [{"prompt_token_ids": ids}], params,
+                                       [{"id": "a", "layer": 1}, {"id": "b", "layer": 3}], tokens="all")
+    generated = list(out.outputs[0].token_ids)
+    streams = hf_reference.layer_outputs(hf_model, ids + generated[:-1], [1, 3], [(1, vectors["a"], 2.0)])
+    P = len(ids)
+    for probe, (name, layer) in zip(out.hotwire_readout["probes"], [("a", 1), ("b", 3)]):
+        stream = streams[layer]
+        for part, rows in (("prompt", stream[:P]), ("generated", stream[P - 1 : P - 1 + len(generated)])):
+            want = rows @ vectors[name]
+            err = (torch.tensor(probe[part]["score"]) - want).abs().max().item()
+            print(f"{probe['probe']} {part}: readout across ranks vs transformers + hooks: {err:.2e} (largest "
+                  f"{want.abs().max().item():.3g})")
+            assert err < TOLERANCE * max(1.0, want.abs().max().item())
 
 
 @pytest.fixture(scope="module")

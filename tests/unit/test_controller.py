@@ -1314,9 +1314,9 @@ def test_releasing_a_preempted_request_that_waits_lets_others_in():
     admit(c, "r3", {"id": "a", "layer": 0, "scale": 1})
 
 
-def session_chunk(rid, spec=None, resumable=True, prompt=PROMPT) -> Request:
+def session_chunk(rid, spec=None, resumable=True, prompt=PROMPT, extra=None) -> Request:
     """A streaming-input chunk (or, not resumable, the session's end marker) as vLLM's input processor builds it."""
-    req = request(rid, spec, prompt=prompt)
+    req = request(rid, spec, prompt=prompt, extra=extra)
     req.resumable = resumable
     return req
 
@@ -1642,6 +1642,25 @@ def test_a_readout_admission_cannot_serve_is_refused_without_side_effects(readou
         c.admit(request("bad", extra={"hotwire_readout": json.dumps(readout)}))
     assert (info.value.code, info.value.field) == (code, field)
     assert state(c)[1:] == before[1:]
+
+
+def test_a_streaming_input_session_cannot_be_read():
+    """Its prompt grows chunk by chunk: its first chunk with a readout is refused, and so is a later chunk's."""
+    c = reader()
+    readout = json.dumps({"probes": [{"id": "a", "layer": 1}], "tokens": "all"})
+    first = session_chunk("s", extra={"hotwire_readout": readout})
+    with pytest.raises(Refusal) as info:
+        c.admit(first)
+    assert (info.value.status, info.value.code, info.value.field) == (400, "readout_unsupported", "hotwire_readout")
+    binding, session = admit(c, "t", {"id": "a", "layer": 0, "scale": 1.0})
+    session.resumable = True
+    with pytest.raises(Refusal) as info:
+        c.admit_update(session_chunk("t", {"id": "a", "layer": 0, "scale": 1.0},
+                                     extra={"hotwire_readout": readout}), session)
+    assert info.value.code == "readout_unsupported"
+    assert c.stats()["refused"] == {"readout_unsupported": 2}
+    c.admit_update(session_chunk("t", {"id": "a", "layer": 0, "scale": 1.0}, resumable=False,
+                                 extra={"hotwire_readout": readout}), session)  # the end marker: vLLM ends it
 
 
 def test_readout_on_a_server_without_the_readout_op_is_refused_503():
