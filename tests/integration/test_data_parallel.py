@@ -38,7 +38,7 @@ PROMPT = "The quick brown fox jumps over"
 @pytest.fixture(scope="module")
 def server(tiny_model, tmp_path_factory) -> Iterator[VllmServer]:
     args = ["--enforce-eager", "--data-parallel-size", "2"]
-    env = {"HOTWIRE_RETAIN_S": "0", "HOTWIRE_CATALOG_REFRESH_MS": "3600000"}
+    env = {"HOTWIRE_RETAIN_S": "0", "HOTWIRE_CATALOG_REFRESH_MS": "3600000", "HOTWIRE_READOUT": "1"}
     srv = VllmServer(tiny_model, tmp_path_factory.mktemp("vllm-serve-dp"), env, args, cli=True)
     srv.start()
     yield srv
@@ -83,6 +83,23 @@ def test_a_vector_registered_over_http_steers_on_every_engine_core(http, tiny_mo
 
 
 @retried_on_a_busy_cpu
+def test_a_readout_comes_back_from_the_engine_core_that_ran_it(http, tiny_model) -> None:
+    """The API server takes a readout from every engine core; only the one that ran the request holds it, and the
+    same request on either engine core reads the same values."""
+    model = str(tiny_model)
+    register(http, "dp-probe", seed=3)
+    readout = json.dumps({"probes": [{"id": "dp-probe", "layer": LAYER}], "tokens": "all"})
+    values = []
+    for rank in (0, 1):
+        response = completion(http, model, rank, vllm_xargs={"hotwire_readout": readout})
+        assert response.status_code == 200, response.text
+        (probe,) = response.json()["hotwire_readout"]["probes"]
+        assert probe["probe"] == "dp-probe@1:L2" and len(probe["generated"]["score"]) == 4
+        values.append(probe["prompt"]["score"] + probe["generated"]["score"])
+    assert np.abs(np.array(values[0]) - np.array(values[1])).max() < 1e-4 * np.abs(values[0]).max()
+    assert np.abs(values[0]).max() > 1.0  # not a readout of zeros
+
+
 def test_delete_waits_for_a_user_on_the_second_engine_core(http, tiny_model) -> None:
     """The vector's only in-flight user runs on engine core 1: DELETE is a 202, not a 204, and the rows go once
     that request ends (here: its client disconnects, which aborts it)."""
