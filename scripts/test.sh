@@ -111,10 +111,12 @@ CONFIGS=(
     tests/integration/test_speculative_eagle.py tests/integration/test_vision_language.py
 )
 
-is_config() {
-    local file
-    for file in "${CONFIGS[@]}"; do
-        [[ "$1" != "$file" ]] || return 0
+# is_one_of FILE LIST...: whether FILE is one of LIST
+is_one_of() {
+    local file=$1 other
+    shift
+    for other; do
+        [[ "$file" != "$other" ]] || return 0
     done
     return 1
 }
@@ -124,7 +126,7 @@ ci_suite() {
     local file
     echo tests/unit
     while IFS= read -r file; do
-        is_config "$file" || echo "$file"
+        is_one_of "$file" "${CONFIGS[@]}" || echo "$file"
     done < <(find tests -name 'test_*.py' -not -path 'tests/unit/*' | sort)
 }
 
@@ -137,11 +139,7 @@ case "${1:-}" in
 esac
 
 is_apart() {
-    local file
-    for file in "${APART[@]}"; do
-        [[ "$1" != "$file" ]] || return 0
-    done
-    return 1
+    is_one_of "$1" "${APART[@]}"
 }
 
 # lanes_items PATH...: the pytest runs of a lanes run, one per line (paths separated by tabs), longest first; none

@@ -1581,7 +1581,8 @@ SCRIPT_BREAKAGES = [
     ("test_script_runs_files_in_lanes", "scripts/test.sh", _replace(
         'for item in "${LONGEST_FIRST[@]}"; do', 'for item in; do')),
     ("test_script_runs_files_in_lanes", "scripts/test.sh", _replace("apart_pid=$!", "apart_pid=")),
-    ("test_script_runs_files_in_lanes", "scripts/test.sh", _replace('is_config "$file" || echo', "echo")),
+    ("test_script_runs_files_in_lanes", "scripts/test.sh", _replace('is_one_of "$file" "${CONFIGS[@]}" || echo', "echo")),
+    ("test_script_runs_files_in_lanes", "scripts/test.sh", _replace('[[ "$file" != "$other" ]] || return 0', ":")),
     ("test_script_runs_files_in_lanes", "scripts/test.sh", _replace('set -- "${CONFIGS[@]}"', "set -- tests")),
     ("test_script_runs_files_in_lanes", "scripts/test.sh", _replace("    all) (( $# == 1 ))", "    al) (( $# == 1 ))")),
     ("ci_run_hands_over_to_the_test_script", ".ci/run", _replace('scripts/test.sh "$@"', "scripts/test.sh")),
