@@ -47,7 +47,7 @@ from pathlib import Path
 import httpx
 import numpy as np
 
-from hotwire_api.admission import RECEIPT_HEADER
+from hotwire_api.headers import RECEIPT_HEADER
 from hotwire_api.client import HotwireClient
 from hotwire_api.models import SlotStats
 from hotwire_core.cpu_env import with_cpu_env
@@ -207,7 +207,7 @@ def measure_registration(hw: HotwireClient, http: httpx.Client, shape: ModelShap
         response = http.post("/v1/completions", json=_body(_prompt(rng, prompt_len), _spec(vector_id, every), 1))
         elapsed = _ms_since(start)
         response.raise_for_status()
-        if not response.headers.get(RECEIPT_HEADER.decode(), "").startswith(f"{vector_id}@"):
+        if not response.headers.get(RECEIPT_HEADER, "").startswith(f"{vector_id}@"):
             raise RuntimeError(f"completion naming {vector_id!r} was not steered by it: {dict(response.headers)}")
         return elapsed
 

@@ -38,6 +38,7 @@ from hotwire_api.auth import bearer_matches, vllm_keys
 from hotwire_api.catalog import CATALOG
 from hotwire_api.engine import HotwireEngine
 from hotwire_api.errors import HotwireError
+from hotwire_api.headers import LENIENT_HEADER, RECEIPT_HEADER
 from hotwire_api.stats_cache import STATS
 from hotwire_api.tickets import TICKETS
 from hotwire_core.admission import Refusal, Rules, pinned_spec, receipt, resolve
@@ -47,13 +48,11 @@ from hotwire_core.readout_admission import resolve_readout
 from hotwire_core.readout_spec import READOUT_KEY
 from hotwire_core.spec import SALT_PREFIX, SPEC_KEY, TICKET_KEY, SpecError, parse_spec
 
-__all__ = ["AdmissionMiddleware", "LENIENT_HEADER", "RECEIPT_HEADER", "STEERABLE_ROUTES"]
+__all__ = ["AdmissionMiddleware", "STEERABLE_ROUTES"]
 
 T = TypeVar("T")
 STEERABLE_ROUTES = frozenset({"/v1/chat/completions", "/v1/completions", "/v1/responses", "/invocations"})
 _FIELD = f"vllm_xargs.{SPEC_KEY}"
-RECEIPT_HEADER = b"x-hotwire-receipt"
-LENIENT_HEADER = b"x-hotwire-lenient"
 
 
 @dataclass
@@ -113,7 +112,7 @@ class AdmissionMiddleware:
             steering.holder.pop(SPEC_KEY, None)
             steering.holder.pop(READOUT_KEY, None)
             body = json.dumps(steering.request, separators=(",", ":")).encode()
-            lenient_send = _add_header(send, LENIENT_HEADER, f"{err.code}: {err.message}")
+            lenient_send = _add_header(send, LENIENT_HEADER.encode(), f"{err.code}: {err.message}")
             await self.app(_with_length(scope, len(body)), _replay(body, receive), lenient_send)
             return
         await self._serve_admitted(scope, receive, send, path, engine, steering, decided, pinned, readout)
@@ -144,7 +143,7 @@ class AdmissionMiddleware:
         assert ticket is not None
         if pinned is not None:
             steering.holder[SPEC_KEY] = pinned
-            send = _add_header(send, RECEIPT_HEADER, decided)
+            send = _add_header(send, RECEIPT_HEADER.encode(), decided)
         usage_wanted = True
         if readout is not None:
             steering.holder[READOUT_KEY] = readout[0]

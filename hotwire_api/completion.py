@@ -14,6 +14,7 @@ from typing import Any
 
 import httpx
 
+from hotwire_api.headers import RECEIPT_HEADER
 from hotwire_api.models import Completion
 from hotwire_core.readout_spec import READOUT_KEY, build_readout
 from hotwire_core.spec import SPEC_KEY, build_spec
@@ -21,7 +22,6 @@ from hotwire_core.spec import SPEC_KEY, build_spec
 __all__ = ["Steering", "completion_body", "completion_of", "parse_probe", "parse_steering"]
 
 Steering = str | dict[str, Any] | Sequence[dict[str, Any]]
-RECEIPT_HEADER = "x-hotwire-receipt"
 
 
 def _number(text: str, what: str, kind: type) -> Any:

@@ -31,7 +31,7 @@ from typing import Any
 import httpx
 
 from hotwire_api import demo_server, server_process
-from hotwire_api.admission import RECEIPT_HEADER
+from hotwire_api.headers import RECEIPT_HEADER
 from hotwire_api.client import HotwireClient
 from hotwire_api.demo_server import DemoError
 from hotwire_api.errors import HotwireError
@@ -99,7 +99,7 @@ def complete(http: httpx.Client, url: str, model: str, spec: str | None = None) 
     choice = response.json()["choices"][0]
     logprobs = choice["logprobs"]
     return Completion(
-        choice["text"], logprobs["tokens"], logprobs["token_logprobs"], response.headers.get(RECEIPT_HEADER.decode())
+        choice["text"], logprobs["tokens"], logprobs["token_logprobs"], response.headers.get(RECEIPT_HEADER)
     )
 
 
@@ -187,7 +187,7 @@ def run_demo(url: str, builtin: bool) -> Outcome:
     print(f"  mood:        {mood_line(steered.text)}")
     print("\nper-token logprob difference (steered - plain; * = a different token was chosen):")
     print(logprob_table(plain, steered))
-    print(f"\nreceipt header:  {RECEIPT_HEADER.decode()}: {steered.receipt}")
+    print(f"\nreceipt header:  {RECEIPT_HEADER}: {steered.receipt}")
     print("\nslot table (GET /steer/slots):")
     print(slot_table(stats))
 

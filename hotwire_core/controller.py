@@ -28,9 +28,9 @@ from .capture_admission import CaptureRequests
 from .contract import BINDING_KEY, USER_SALT_ATTR, Config
 from .deferral import DeferredRequests
 from .engine_requests import EngineRequests
-from .handouts import Handouts
 from .error_codes import ErrorCode
 from .errors import EngineError
+from .handouts import Handouts
 from .registry import HostVector, RegistryError, VectorRegistry
 from .sessions import EndedSessions, same_steering
 from .settings import Settings

@@ -1,5 +1,6 @@
-"""Results a worker keeps until their caller takes them, each once (finished captures and readouts): at most
-``most`` of them, none older than ``KEEP_S``, so that results nobody takes (their caller left) cannot pile up."""
+"""Results kept until their caller takes them, each once (a worker's finished captures and readouts, the engine
+core's refusals of ticketed requests): at most ``most`` of them, none older than ``KEEP_S``, so that results nobody
+takes (their caller left) cannot pile up."""
 
 from __future__ import annotations
 

@@ -9,8 +9,10 @@ from typing import Any
 
 import httpx
 
+from hotwire_api.headers import RECEIPT_HEADER
+
 from .plan import PROMPTS, Plan, SoakConfig, request_body
-from .responses import PATHS, RECEIPT_HEADER, Observation, error_code, read_event, read_whole
+from .responses import PATHS, Observation, error_code, read_event, read_whole
 from .steering import Spec
 
 

@@ -10,7 +10,6 @@ from typing import Any
 
 from .steering import Spec
 
-RECEIPT_HEADER = "x-hotwire-receipt"
 PATHS = {"completions": "/v1/completions", "chat": "/v1/chat/completions", "responses": "/v1/responses"}
 TOKEN_ROUTES = ("completions", "chat")  # routes that return token ids and top-2 logprobs
 
