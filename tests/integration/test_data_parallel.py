@@ -96,7 +96,9 @@ def test_a_readout_comes_back_from_the_engine_core_that_ran_it(http, tiny_model)
         (probe,) = response.json()["hotwire_readout"]["probes"]
         assert probe["probe"] == "dp-probe@1:L2" and len(probe["generated"]["score"]) == 4
         values.append(probe["prompt"]["score"] + probe["generated"]["score"])
-    assert np.abs(np.array(values[0]) - np.array(values[1])).max() < 1e-4 * np.abs(values[0]).max()
+    apart = np.abs(np.array(values[0]) - np.array(values[1])).max() / np.abs(values[0]).max()
+    print(f"the same readout on engine cores 0 and 1: {apart:.2e} of the largest score")
+    assert apart < 1e-4
     assert np.abs(values[0]).max() > 1.0  # not a readout of zeros
 
 
