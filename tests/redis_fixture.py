@@ -1,18 +1,21 @@
 """A real ``redis-server`` (Debian's package; scripts/setup-cpu.sh installs it) on a free port in a folder of its
 own, for the fleet tests: start it, kill it mid-test (SIGKILL, like a crash), start it again on the same port and
 folder (with ``appendonly`` it comes back with its data: ``appendfsync always``, so a kill loses nothing it
-acknowledged, even on a busy disk; without it, it comes back with the last snapshot :meth:`RedisServer.save`
-wrote, or empty), stop it at the end. ``transport``: how :attr:`url` reaches
+acknowledged; without it, it comes back with the last snapshot :meth:`RedisServer.save` wrote, or empty), stop it
+at the end. Its data lives on tmpfs (``/dev/shm``) where there is one: a killed process loses nothing there either,
+and an fsync on CI's shared disk, busy with other lanes, has kept a reply waiting past the client's timeout. ``transport``: how :attr:`url` reaches
 it: ``tcp`` (``redis://``), ``tls`` (``rediss://`` on a second port, with a self-signed certificate made by
 ``openssl``, its CA passed in the URL) or ``unix`` (``unix://`` socket). The plain port always answers too: the
 fixture's own liveness check uses it."""
 
 from __future__ import annotations
 
+import os
 import shutil
 import signal
 import socket
 import subprocess
+import tempfile
 import time
 from pathlib import Path
 
@@ -32,6 +35,9 @@ class RedisServer:
         self.tls_port = free_port() if transport == "tls" else None
         self.proc: subprocess.Popen | None = None
         self.starts = 0
+        shm = Path("/dev/shm")
+        on_tmpfs = shm.is_dir() and os.access(shm, os.W_OK)
+        self.datadir = Path(tempfile.mkdtemp(prefix="hotwire-redis-", dir=shm)) if on_tmpfs else workdir / "data"
 
     @property
     def url(self) -> str:
@@ -64,7 +70,8 @@ class RedisServer:
         self.workdir.mkdir(parents=True, exist_ok=True)
         self.starts += 1
         aof = self.appendonly if appendonly is None else appendonly
-        cmd = [self.exe, "--port", str(self.port), "--bind", "127.0.0.1", "--dir", str(self.workdir),
+        self.datadir.mkdir(parents=True, exist_ok=True)
+        cmd = [self.exe, "--port", str(self.port), "--bind", "127.0.0.1", "--dir", str(self.datadir),
                "--save", "", "--appendonly", "yes" if aof else "no", "--appendfsync", "always", "--daemonize", "no",
                "--protected-mode", "no", "--logfile", str(self.workdir / f"redis-{self.starts}.log")]
         if self.password:
@@ -112,9 +119,9 @@ class RedisServer:
         append-only file is deleted, and turned on again once the snapshot is loaded."""
         self.kill()
         if wipe or snapshot:
-            shutil.rmtree(self.workdir / "appendonlydir", ignore_errors=True)
+            shutil.rmtree(self.datadir / "appendonlydir", ignore_errors=True)
         if wipe:
-            for dump in self.workdir.glob("*.rdb"):
+            for dump in self.datadir.glob("*.rdb"):
                 dump.unlink()
         self.start(appendonly=False if snapshot else None)
         if snapshot and self.appendonly:
@@ -124,6 +131,7 @@ class RedisServer:
                 client.config_set("appendonly", "yes")
 
     def stop(self) -> None:
+        """Stop it and delete its data."""
         proc, self.proc = self.proc, None
         if proc is not None and proc.poll() is None:
             proc.terminate()
@@ -132,3 +140,4 @@ class RedisServer:
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait(10)
+        shutil.rmtree(self.datadir, ignore_errors=True)
