@@ -34,11 +34,11 @@ from typing import Any, Callable, TypeVar
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from hotwire_api.answer import Answer, in_body
-from hotwire_api.auth import bearer_matches, vllm_keys
+from hotwire_api.auth import authorize_steering
 from hotwire_api.catalog import CATALOG
 from hotwire_api.engine import HotwireEngine
 from hotwire_api.errors import HotwireError
-from hotwire_api.headers import LENIENT_HEADER, RECEIPT_HEADER
+from hotwire_api.headers import KEY_HEADER, LENIENT_HEADER, RECEIPT_HEADER
 from hotwire_api.stats_cache import STATS
 from hotwire_api.tickets import TICKETS
 from hotwire_core.admission import Refusal, Rules, pinned_spec, receipt, resolve
@@ -120,7 +120,7 @@ class AdmissionMiddleware:
     @staticmethod
     def _authorize(scope: Scope, path: str, steering: _Steering) -> None:
         """Steering is only for the routes and requests that generate with the request's parameters, and only
-        with vLLM's key where one is set (vLLM checks it on ``/v1`` only)."""
+        with the keys ``auth.authorize_steering`` asks for."""
         if path not in STEERABLE_ROUTES or steering.where != "vllm_xargs":
             raise HotwireError(
                 400, ErrorCode.STEERING_UNSUPPORTED,
@@ -130,10 +130,8 @@ class AdmissionMiddleware:
         if _as_pydantic_bool(steering.request.get("use_beam_search")):
             raise HotwireError(400, ErrorCode.STEERING_UNSUPPORTED, "beam search cannot be steered: vLLM runs it with "
                                "sampling parameters of its own; drop use_beam_search or the steering", "use_beam_search")
-        keys = vllm_keys(scope["app"])
-        if keys and not bearer_matches(_header(scope, b"authorization"), keys):
-            raise HotwireError(401, ErrorCode.UNAUTHORIZED, "a steered request needs vLLM's API key (--api-key or "
-                               "VLLM_API_KEY) on every route: send 'Authorization: Bearer <key>'")
+        authorize_steering(scope["app"], _header(scope, b"authorization"),
+                           _header(scope, KEY_HEADER.lower().encode()) or None)
 
     async def _serve_admitted(self, scope: Scope, receive: Receive, send: Send, path: str, engine: HotwireEngine,
                               steering: _Steering, decided: str, pinned: str | None,

@@ -1,9 +1,15 @@
-"""Bearer-token auth for ``/steer/*``.
+"""Who may use ``/steer/*`` and steering, by API key.
 
-The key is ``HOTWIRE_API_KEY`` when set; otherwise vLLM's own keys, in vLLM's order: ``--api-key`` (in vLLM
-0.25.1 a list, ``app.state.args.api_key``) and else the ``VLLM_API_KEY`` environment variable. vLLM's own
-``AuthenticationMiddleware`` only guards ``/v1``, ``/v2`` and ``/inference``, so ``/steer/*`` must check here, and
-admission checks vLLM's keys for a steered request on any route (``/invocations`` is not guarded by vLLM).
+With ``HOTWIRE_KEYS_FILE``, keys carry roles (``hotwire_api.keys``): ``read`` opens the slot bank and the fleet
+view, ``steer`` also lists and fetches vectors and steers or reads requests, ``admin`` also registers, replaces,
+deletes and extracts vectors; ``HOTWIRE_API_KEY``, if set too, is one more admin key. A steered request carries its
+key in ``X-Hotwire-Key``, or in ``Authorization: Bearer`` where vLLM has no key of its own.
+
+Without a keys file, one key opens everything, as before roles: ``HOTWIRE_API_KEY`` when set, otherwise vLLM's
+own keys, in vLLM's order: ``--api-key`` (in vLLM 0.25.1 a list, ``app.state.args.api_key``) and else the
+``VLLM_API_KEY`` environment variable; none set: open. vLLM's own ``AuthenticationMiddleware`` only guards
+``/v1``, ``/v2`` and ``/inference``, so ``/steer/*`` is checked here, and a steered request needs vLLM's key on
+every route (``/invocations`` is not guarded by vLLM) whatever hotwire's keys are.
 """
 
 from __future__ import annotations
@@ -12,12 +18,16 @@ import hmac
 import os
 from typing import Any
 
-from fastapi import Request
+from fastapi import Depends, Request
 
 from hotwire_api.errors import HotwireError
+from hotwire_api.headers import KEY_HEADER
+from hotwire_api.keys import Key, KeyRing, Role, hash_key
 from hotwire_api.settings import Settings
 from hotwire_core.error_codes import ErrorCode
 from hotwire_core.vllm_glue.api_server import cli_api_keys
+
+__all__ = ["Access", "authorize_steering", "bearer_matches", "require", "vllm_keys"]
 
 
 def vllm_keys(app: Any) -> list[str]:
@@ -25,31 +35,84 @@ def vllm_keys(app: Any) -> list[str]:
     return [key for key in (cli_api_keys(app) or [os.environ.get("VLLM_API_KEY")]) if key]
 
 
-def api_keys(app: Any) -> list[str]:
-    """The keys that open ``/steer/*``: ``HOTWIRE_API_KEY``, else vLLM's; empty means auth is off."""
-    settings: Settings = app.state.hotwire_settings
-    return [settings.api_key] if settings.api_key else vllm_keys(app)
+def _bearer(authorization: str) -> str | None:
+    scheme, _, token = authorization.partition(" ")
+    return token.strip() if scheme.lower() == "bearer" else None
 
 
 def bearer_matches(authorization: str, keys: list[str]) -> bool:
     """Whether an ``Authorization`` header value is ``Bearer <one of keys>``, compared in constant time."""
-    scheme, _, token = authorization.partition(" ")
-    if scheme.lower() != "bearer":
+    token = _bearer(authorization)
+    if token is None:
         return False
-    presented = token.strip().encode()
+    presented = token.encode()
     match = False
     for key in keys:  # no early exit: the time taken does not depend on which key matched
         match |= hmac.compare_digest(presented, key.encode())
     return match
 
 
-async def require_api_key(request: Request) -> None:
-    """FastAPI dependency: 401 unless ``Authorization: Bearer <key>`` carries a valid key (when auth is on)."""
-    keys = api_keys(request.app)
-    if keys and not bearer_matches(request.headers.get("authorization", ""), keys):
-        raise HotwireError(
-            401,
-            ErrorCode.UNAUTHORIZED,
-            "missing or wrong API key: send 'Authorization: Bearer <key>' (HOTWIRE_API_KEY, "
-            "or vLLM's --api-key when HOTWIRE_API_KEY is not set)",
-        )
+class Access:
+    """The app's keys: a :class:`KeyRing` with a keys file, else the one-key setting (read per request, since
+    vLLM's keys live in its app state)."""
+
+    def __init__(self, settings: Settings):
+        self.api_key = settings.api_key
+        extra = ()
+        if settings.api_key:
+            extra = (Key(name="HOTWIRE_API_KEY", role=Role.ADMIN, sha256=hash_key(settings.api_key)),)
+        self.ring = KeyRing(settings.keys_file, extra) if settings.keys_file else None
+
+    def one_key(self, app: Any) -> list[str]:
+        return [self.api_key] if self.api_key else vllm_keys(app)
+
+    def caller(self, secret: str | None, needed: Role, what: str) -> Key:
+        """The key of role ``needed`` or above that ``secret`` is; 401, 403 or 503 ``keys_unavailable`` otherwise."""
+        assert self.ring is not None
+        key = self.ring.identify(secret)
+        if key is None and self.ring.error is not None:
+            raise HotwireError(503, ErrorCode.KEYS_UNAVAILABLE, f"{self.ring.error}; until it is fixed only "
+                               "HOTWIRE_API_KEY opens hotwire (no restart needed: the server reads it again)")
+        if key is None:
+            raise HotwireError(401, ErrorCode.UNAUTHORIZED, f"missing or unknown API key: {what}")
+        if not key.role.allows(needed):
+            raise HotwireError(403, ErrorCode.FORBIDDEN, f"the key {key.name!r} has role {key.role.value!r}; this "
+                               f"needs {needed.value!r} or above: use a key with that role (hotwire keys add)")
+        return key
+
+
+def _access(app: Any) -> Access:
+    return app.state.hotwire_access
+
+
+def require(role: Role) -> Any:
+    """A route dependency: the caller's key must have ``role`` or above (any valid key without a keys file)."""
+
+    async def check(request: Request) -> None:
+        access = _access(request.app)
+        authorization = request.headers.get("authorization", "")
+        if access.ring is not None:
+            access.caller(_bearer(authorization), role, "send 'Authorization: Bearer <key>' with a key from "
+                          "HOTWIRE_KEYS_FILE (or HOTWIRE_API_KEY)")
+            return
+        keys = access.one_key(request.app)
+        if keys and not bearer_matches(authorization, keys):
+            raise HotwireError(401, ErrorCode.UNAUTHORIZED, "missing or wrong API key: send 'Authorization: Bearer "
+                               "<key>' (HOTWIRE_API_KEY, or vLLM's --api-key when HOTWIRE_API_KEY is not set)")
+
+    check.role = role  # type: ignore[attr-defined]  # what tests read to check every route declares one
+    return Depends(check)
+
+
+def authorize_steering(app: Any, authorization: str, hotwire_key: str | None) -> None:
+    """A steered or reading request on an OpenAI route: vLLM's key where one is set (vLLM checks it on ``/v1``
+    only), and with a keys file a key of role ``steer`` or above (``X-Hotwire-Key``, else the bearer token)."""
+    keys = vllm_keys(app)
+    if keys and not bearer_matches(authorization, keys):
+        raise HotwireError(401, ErrorCode.UNAUTHORIZED, "a steered request needs vLLM's API key (--api-key or "
+                           "VLLM_API_KEY) on every route: send 'Authorization: Bearer <key>'")
+    access = _access(app)
+    if access.ring is not None:
+        where = f"{KEY_HEADER}: <key>" if keys else f"'Authorization: Bearer <key>' (or {KEY_HEADER}: <key>)"
+        access.caller(hotwire_key or _bearer(authorization), Role.STEER,
+                      f"a steered request needs a key of role 'steer' or 'admin' from HOTWIRE_KEYS_FILE: send {where}")

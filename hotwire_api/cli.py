@@ -8,6 +8,7 @@
     hotwire complete PROMPT [--steer ID:LAYER:SCALE ... | --spec JSON] [--read ID:LAYER[:BIAS] ...]
                      [--tokens generated|prompt|all] [--max-tokens N] [--temperature T] [--model M]
     hotwire list | slots | fleet | delete ID
+    hotwire keys add NAME --role read|steer|admin | keys rotate NAME | keys revoke NAME | keys list  [--file F]
 
 Every command takes ``--url URL`` (env ``HOTWIRE_URL``, default http://localhost:8000) and ``--api-key KEY`` (env
 ``HOTWIRE_API_KEY``), before or after the command name.
@@ -18,8 +19,10 @@ sae_weights.safetensors), of which feature N is registered. ``export`` writes th
 suffix unless given). ``extract`` reads contrastive examples from a JSONL file, one object per line with
 ``positive`` and/or ``negative`` (a prompt string or a list of chat messages; a line with both is a pair, as ``pca``
 needs), and has the server compute and register the vector. ``complete`` sends one steered and/or read completion
-(``POST /v1/completions``: the server's vLLM key is the ``--api-key`` then). Results print as JSON; errors print to stderr (exit 1 for a refusal, an unreachable
-server or an answer this client cannot read; 2 for local errors such as a bad file).
+(``POST /v1/completions``; ``--vllm-key``: vLLM's key where it is not ``--api-key``, which then goes in
+``X-Hotwire-Key``). ``keys`` edits a keys file (``--file``, env ``HOTWIRE_KEYS_FILE``; no server needed): ``add`` and
+``rotate`` print the new key, the only time it is shown. Results print as JSON; errors print to stderr (exit 1 for
+a refusal, an unreachable server or an answer this client cannot read; 2 for local errors such as a bad file).
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ from hotwire_api.client import DEFAULT_URL, HotwireClient
 from hotwire_api.codec import parse_layer_list
 from hotwire_api.completion import parse_probe, parse_steering
 from hotwire_api.errors import HotwireError
+from hotwire_api.keys import Role, add_key, read_keys, revoke_key, rotate_key
 from hotwire_api.settings import API_KEY
 
 
@@ -138,12 +142,38 @@ def build_parser() -> argparse.ArgumentParser:
     complete.add_argument("--max-tokens", type=int, default=16)
     complete.add_argument("--temperature", type=float, default=0.0)
     complete.add_argument("--model", help="default: the server's first")
+    complete.add_argument("--vllm-key", help="vLLM's --api-key where it is not --api-key (which then goes in "
+                          "X-Hotwire-Key, as a server with HOTWIRE_KEYS_FILE wants)")
     command("list", "list registered vectors")
     command("slots", "show steering bank occupancy and counters")
     command("fleet", "show every replica on the server's registry (HOTWIRE_REGISTRY): slots, versions held")
     delete = command("delete", "delete a vector")
     delete.add_argument("id")
+    keys = commands.add_parser("keys", help="add, rotate, revoke or list the keys of a keys file (HOTWIRE_KEYS_FILE)")
+    keys.add_argument("--file", default=os.environ.get("HOTWIRE_KEYS_FILE"),
+                      help="the keys file (default: HOTWIRE_KEYS_FILE)")
+    actions = keys.add_subparsers(dest="action", required=True)
+    add = actions.add_parser("add", help="add a key and print it (the file keeps only its hash)")
+    add.add_argument("name")
+    add.add_argument("--role", required=True, choices=[role.value for role in Role])
+    rotate = actions.add_parser("rotate", help="replace a key with a new one of the same role, and print it")
+    rotate.add_argument("name")
+    actions.add_parser("revoke", help="remove a key").add_argument("name")
+    actions.add_parser("list", help="names, roles and dates of the keys")
     return parser
+
+
+def _keys(args: argparse.Namespace) -> object:
+    if not args.file:
+        raise ValueError("no keys file: pass --file or set HOTWIRE_KEYS_FILE")
+    if args.action == "add":
+        return {"name": args.name, "role": args.role, "key": add_key(args.file, args.name, Role(args.role))}
+    if args.action == "rotate":
+        return {"name": args.name, "key": rotate_key(args.file, args.name)}
+    if args.action == "revoke":
+        revoke_key(args.file, args.name)
+        return {"name": args.name, "revoked": True}
+    return [key.model_dump(mode="json", exclude={"sha256"}) for key in read_keys(args.file)]
 
 
 def _run(client: HotwireClient, args: argparse.Namespace) -> object:
@@ -168,7 +198,8 @@ def _run(client: HotwireClient, args: argparse.Namespace) -> object:
         if args.spec is not None and args.steer:
             raise ValueError("pass --steer or --spec, not both")
         return client.complete(args.prompt, args.max_tokens, steer=args.spec or args.steer, read=args.read,
-                               tokens=args.tokens, model=args.model, temperature=args.temperature).model_dump()
+                               tokens=args.tokens, model=args.model, api_key=args.vllm_key,
+                               temperature=args.temperature).model_dump()
     if args.command == "list":
         return [meta.model_dump() for meta in client.list()]
     if args.command == "slots":
@@ -181,8 +212,11 @@ def _run(client: HotwireClient, args: argparse.Namespace) -> object:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        with HotwireClient(args.url, args.api_key) as client:
-            result = _run(client, args)
+        if args.command == "keys":
+            result = _keys(args)
+        else:
+            with HotwireClient(args.url, args.api_key) as client:
+                result = _run(client, args)
     except HotwireError as err:
         where = f", field {err.field}" if err.field else ""
         print(f"hotwire: {err.message} (HTTP {err.status} {err.code}{where})", file=sys.stderr)

@@ -22,6 +22,7 @@ from hotwire_api.codec import CONVERT_HINT
 from hotwire_api.completion import Steering, completion_body, completion_of
 from hotwire_api.errors import HotwireError
 from hotwire_api.gguf_codec import encode_safetensors
+from hotwire_api.headers import KEY_HEADER
 from hotwire_api.sae_codec import read_sae_folder
 from hotwire_api.models import Completion, DeleteResult, ExtractResult, FleetView, SlotStats, VectorList, VectorMeta
 
@@ -173,6 +174,14 @@ def _headers(api_key: str | None) -> dict[str, str]:
     return {"Authorization": f"Bearer {api_key}"} if api_key else {}
 
 
+def _completion_headers(own_key: str | None, vllm_key: str | None) -> dict[str, str]:
+    """A completion's headers: vLLM's key where it is not the client's, which then goes in ``X-Hotwire-Key`` (a
+    server with a keys file wants a steered request's hotwire key there)."""
+    if vllm_key is None or vllm_key == own_key:
+        return _headers(own_key)
+    return {**_headers(vllm_key), **({KEY_HEADER: own_key} if own_key else {})}
+
+
 class HotwireClient:
     """Synchronous client. ``http_client`` replaces the internal ``httpx.Client`` (it is then not closed here)."""
 
@@ -185,7 +194,7 @@ class HotwireClient:
         http_client: httpx.Client | None = None,
     ):
         self.url = url.rstrip("/")
-        self._headers = _headers(api_key)
+        self._key, self._headers = api_key, _headers(api_key)
         self._owned = http_client is None
         self._http = http_client or httpx.Client(timeout=timeout, limits=_LIMITS)
         self._model: str | None = None  # the server's, for complete
@@ -243,10 +252,10 @@ class HotwireClient:
                  api_key: str | None = None, **params: Any) -> Completion:
         """One completion (``POST /v1/completions``), steered by ``steer`` (a spec: JSON string, entry or list of
         entries) and reading ``read`` (probes ``{"id", "layer"[, "bias"]}``) on ``tokens`` (generated, prompt or
-        all). ``model``: default the server's first; ``api_key``: vLLM's key where it is not the client's;
-        ``params``: other fields of the body (``temperature``, ``seed``, ...)."""
+        all). ``model``: default the server's first; ``api_key``: vLLM's key where it is not the client's (whose
+        key then goes in ``X-Hotwire-Key``); ``params``: other fields of the body (``temperature``, ``seed``, ...)."""
         body = completion_body(model, prompt, max_tokens, steer, read, tokens, params)  # checked before sending
-        headers = self._headers if api_key is None else _headers(api_key)
+        headers = _completion_headers(self._key, api_key)
         if model is None:
             self._model = self._model or _served_model(_checked(self._http.get(f"{self.url}/v1/models",
                                                                                headers=headers)))
@@ -276,7 +285,7 @@ class AsyncHotwireClient:
         http_client: httpx.AsyncClient | None = None,
     ):
         self.url = url.rstrip("/")
-        self._headers = _headers(api_key)
+        self._key, self._headers = api_key, _headers(api_key)
         self._owned = http_client is None
         self._http = http_client or httpx.AsyncClient(timeout=timeout, limits=_LIMITS)
         self._model: str | None = None  # the server's, for complete
@@ -331,7 +340,7 @@ class AsyncHotwireClient:
                        read: Sequence[dict[str, Any]] | None = None, tokens: str = "generated",
                        model: str | None = None, api_key: str | None = None, **params: Any) -> Completion:
         body = completion_body(model, prompt, max_tokens, steer, read, tokens, params)
-        headers = self._headers if api_key is None else _headers(api_key)
+        headers = _completion_headers(self._key, api_key)
         if model is None:
             self._model = self._model or _served_model(
                 _checked(await self._http.get(f"{self.url}/v1/models", headers=headers)))

@@ -8,17 +8,18 @@ import time
 from collections.abc import AsyncIterator, Callable, Coroutine
 from typing import Any, Literal
 
-from fastapi import APIRouter, BackgroundTasks, Depends, Query, Request, Response
+from fastapi import APIRouter, BackgroundTasks, Query, Request, Response
 from fastapi.exceptions import RequestValidationError
 from fastapi.routing import APIRoute
 
-from hotwire_api.auth import require_api_key
+from hotwire_api.auth import require
 from hotwire_api.catalog import CATALOG
 from hotwire_api.codec import RegisterVectorJSON, VectorPayload, read_limited, too_large
 from hotwire_api.engine import HotwireEngine
 from hotwire_api.errors import HotwireError
 from hotwire_api.extraction import ExtractRequest, ExtractResult, run_extraction
 from hotwire_api.forms import check_fits
+from hotwire_api.keys import Role
 from hotwire_api.gguf_codec import encode_gguf, encode_safetensors
 from hotwire_api.stats_cache import STATS
 from hotwire_api.models import DeleteResult, ErrorBody, FleetView, SlotStats, VectorList, VectorMeta
@@ -79,11 +80,11 @@ router = APIRouter(
     prefix="/steer",
     tags=["hotwire"],
     route_class=_HotwireRoute,
-    dependencies=[Depends(require_api_key)],
     lifespan=_background,
     # "default" also keeps FastAPI from declaring a 422: _HotwireRoute answers a malformed parameter with 400.
     responses={
         401: _error("Missing or wrong API key."),
+        403: _error("`forbidden`: the key's role does not allow this route (HOTWIRE_KEYS_FILE)."),
         503: _error("The engine is not running, or cannot be steered."),
         "default": _error("Any other error, in the same body: 500 `internal` or `engines_disagree`, 502 "
                           "`bad_engine_result` (hotwire_core and hotwire_api of different versions)."),
@@ -167,6 +168,7 @@ async def _refresh_catalog(engine: HotwireEngine) -> None:
                     "restarted and the replicas are putting back what it may have lost (Retry-After); nothing was "
                     "registered."),
     },
+    dependencies=[require(Role.ADMIN)],
 )
 async def register_vector(
     request: Request,
@@ -201,6 +203,7 @@ async def register_vector(
         429: _error("`capture_busy`: every capture row is in use by other extractions; retry."),
         503: _error("`capture_off` (start the server with HOTWIRE_CAPTURE=1) or `model_not_steerable`."),
     },
+    dependencies=[require(Role.ADMIN)],
 )
 async def extract_vector(body: ExtractRequest, request: Request, response: Response,
                          background: BackgroundTasks) -> ExtractResult:
@@ -218,7 +221,8 @@ async def extract_vector(body: ExtractRequest, request: Request, response: Respo
     return result
 
 
-@router.get("/vectors", response_model=VectorList, summary="List steering vectors")
+@router.get("/vectors", response_model=VectorList, summary="List steering vectors",
+            dependencies=[require(Role.STEER)])
 async def list_vectors(request: Request, background: BackgroundTasks) -> VectorList:
     engine = HotwireEngine.of(request.app)
     vectors = await engine.vectors()
@@ -231,6 +235,7 @@ async def list_vectors(request: Request, background: BackgroundTasks) -> VectorL
     response_model=VectorMeta,
     summary="Get one steering vector",
     responses={404: _error("No vector has this id.")},
+    dependencies=[require(Role.STEER)],
 )
 async def get_vector(vector_id: str, request: Request, background: BackgroundTasks) -> VectorMeta:
     engine = HotwireEngine.of(request.app)
@@ -255,6 +260,7 @@ async def get_vector(vector_id: str, request: Request, background: BackgroundTas
                     "`bad_request` for another `format` or a `version` below 1."),
         404: _error("No vector has this id (or this engine holds no such version)."),
     },
+    dependencies=[require(Role.STEER)],
 )
 async def vector_file(
     vector_id: str,
@@ -290,6 +296,7 @@ async def vector_file(
         503: _error("`registry_unavailable`: the fleet's registry does not answer, or Redis restarted and the "
                     "replicas are putting back what it may have lost (Retry-After); nothing was deleted."),
     },
+    dependencies=[require(Role.ADMIN)],
 )
 async def delete_vector(vector_id: str, request: Request, background: BackgroundTasks) -> Response:
     engine = HotwireEngine.of(request.app)
@@ -307,6 +314,7 @@ async def delete_vector(vector_id: str, request: Request, background: Background
     response_model=SlotStats,
     summary="Steering bank occupancy and counters",
     responses={400: _error("`bad_request`: `max_age_ms` is not an integer in 0-60000.")},
+    dependencies=[require(Role.READ)],
 )
 async def slots(
     request: Request,
@@ -327,6 +335,7 @@ async def slots(
     response_model=FleetView,
     summary="Every replica on the fleet's registry: slots, pinned rows, refusals, vector versions held",
     responses={503: _error("`registry_unavailable`: the fleet's registry does not answer.")},
+    dependencies=[require(Role.READ)],
 )
 async def fleet(request: Request) -> FleetView:
     return await _registry(request).view(HotwireEngine.of(request.app))

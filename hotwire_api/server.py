@@ -7,6 +7,7 @@ from __future__ import annotations
 from fastapi import FastAPI
 
 from hotwire_api.admission import AdmissionMiddleware
+from hotwire_api.auth import Access
 from hotwire_api.metrics import register_collector
 from hotwire_api.routes import router
 from hotwire_api.settings import Settings
@@ -18,6 +19,7 @@ def attach(app: FastAPI, settings: Settings | None = None) -> None:
     any added later, so the host's auth, CORS and error middleware run before admission."""
     settings = settings or Settings.from_env()
     app.state.hotwire_settings = settings
+    app.state.hotwire_access = Access(settings)  # a keys file that cannot be read stops the start
     app.state.hotwire_registry = registry_for(settings)
     app.include_router(router)
     app.add_middleware(AdmissionMiddleware, lenient=settings.lenient)

@@ -22,6 +22,8 @@ class Settings:
     lenient: bool = setting(Flag("HOTWIRE_LENIENT", default=False,
                                  doc="serve bad steering requests unsteered instead of refusing them"))
     api_key: str | None = setting(API_KEY)
+    keys_file: str | None = setting(Text("HOTWIRE_KEYS_FILE", doc="API keys with roles (read, steer, admin) for "
+                                         "/steer/* and steering, read again when it changes; hotwire keys edits it"))
     registry_url: str | None = setting(REGISTRY, repr=False)  # may hold a password
     catalog_refresh_s: float = setting(Int("HOTWIRE_CATALOG_REFRESH_MS", default=200, lo=10, hi=3_600_000,
                                            to=lambda ms: ms / 1000,

@@ -28,6 +28,7 @@ class ErrorCode(StrEnum):
     STEERING_CHANGED = "steering_changed"
     SESSION_ENDED = "session_ended"
     UNAUTHORIZED = "unauthorized"
+    FORBIDDEN = "forbidden"
     # A registration (or export) the server cannot take.
     BAD_ID = "bad_id"
     BAD_FILE = "bad_file"
@@ -72,6 +73,7 @@ class ErrorCode(StrEnum):
     MODEL_NOT_STEERABLE = "model_not_steerable"
     ENGINE_UNAVAILABLE = "engine_unavailable"
     HOTWIRE_INACTIVE = "hotwire_inactive"
+    KEYS_UNAVAILABLE = "keys_unavailable"
 
 
 _BY_VALUE = {code.value: code for code in ErrorCode}

@@ -25,8 +25,10 @@ from prometheus_client import REGISTRY, generate_latest, make_asgi_app
 from safetensors.numpy import save as save_numpy
 
 from hotwire_api import cli
+from hotwire_api.auth import Access
 from hotwire_api.client import AsyncHotwireClient, HotwireClient
 from hotwire_api.errors import HotwireError
+from hotwire_api.keys import KeysFileError, Role, add_key
 from hotwire_api.stats_cache import STATS
 from hotwire_api.server import attach
 from hotwire_api.settings import Settings
@@ -544,8 +546,52 @@ def test_vllm_api_keys_apply_when_hotwire_has_none(engine: FakeEngine, monkeypat
     monkeypatch.setenv("VLLM_API_KEY", "env-key")
     assert (_auth_status(client, "env-key"), _auth_status(client, "k1")) == (200, 401)
 
-    app.state.hotwire_settings = Settings(api_key="mine")  # HOTWIRE_API_KEY wins
+    app.state.hotwire_access = Access(Settings(api_key="mine"))  # HOTWIRE_API_KEY wins
     assert (_auth_status(client, "mine"), _auth_status(client, "env-key")) == (200, 401)
+
+
+ROUTE_ROLES = {  # docs/security.md, "Keys with roles"
+    ("GET", "/steer/slots"): Role.READ, ("GET", "/steer/fleet"): Role.READ,
+    ("GET", "/steer/vectors"): Role.STEER, ("GET", "/steer/vectors/{vector_id}"): Role.STEER,
+    ("GET", "/steer/vectors/{vector_id}/file"): Role.STEER,
+    ("POST", "/steer/vectors"): Role.ADMIN, ("POST", "/steer/vectors/extract"): Role.ADMIN,
+    ("DELETE", "/steer/vectors/{vector_id}"): Role.ADMIN,
+}
+
+
+def test_every_steer_route_names_the_role_it_needs() -> None:
+    from hotwire_api.routes import router
+
+    declared = {}
+    for route in router.routes:
+        roles = [d.call.role for d in route.dependant.dependencies if hasattr(d.call, "role")]
+        assert len(roles) == 1, f"{route.path} declares {len(roles)} roles"
+        for method in route.methods:
+            declared[(method, route.path)] = roles[0]
+    assert declared == ROUTE_ROLES
+
+
+def test_with_a_keys_file_a_steered_request_takes_a_steer_key_as_its_bearer(engine: FakeEngine, tmp_path,
+                                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where vLLM has no key, the bearer token is the hotwire key; beside vLLM's key it goes in X-Hotwire-Key
+    (against a real vllm serve: tests/integration/test_roles.py)."""
+    monkeypatch.delenv("VLLM_API_KEY", raising=False)
+    path = tmp_path / "keys.json"
+    keys = {role: add_key(path, role.value, role) for role in Role}
+    client = TestClient(_openai_app(engine, Settings(keys_file=str(path))))
+    bearer = {role: {"Authorization": f"Bearer {key}"} for role, key in keys.items()}
+    assert _upload(client, "happy", _vector(), headers=bearer[Role.ADMIN]).status_code == 201
+    steered = _chat({"hotwire": _spec()})
+    assert "x-hotwire-receipt" in client.post("/v1/chat/completions", json=steered, headers=bearer[Role.STEER]).headers
+    assert "x-hotwire-receipt" in client.post("/v1/chat/completions", json=steered,
+                                              headers={"X-Hotwire-Key": keys[Role.STEER]}).headers
+    _error(client.post("/v1/chat/completions", json=steered, headers=bearer[Role.READ]), 403, "forbidden")
+    _error(client.post("/v1/chat/completions", json=steered), 401, "unauthorized")
+    assert client.post("/v1/chat/completions", json=_chat()).status_code == 200  # plain: vLLM's to guard
+    _error(client.get("/steer/vectors", headers=bearer[Role.READ]), 403, "forbidden")
+    assert client.get("/steer/slots", headers=bearer[Role.READ]).status_code == 200
+    with pytest.raises(KeysFileError):  # a server whose keys file cannot be read does not start
+        _openai_app(engine, Settings(keys_file=str(tmp_path / "missing.json")))
 
 
 # ---- admission --------------------------------------------------------------------------------------------

@@ -1,0 +1,200 @@
+"""API keys with roles, kept in a file (``HOTWIRE_KEYS_FILE``): the file's format, the edits ``hotwire keys`` makes
+to it, and :class:`KeyRing`, which the server asks who a presented key belongs to.
+
+The file is JSON, ``{"keys": [{"name", "role", "sha256", "created"}]}``: a key's SHA-256, never the key. Keys are
+made here (``hw_`` and 32 random bytes), so an unsalted hash is as hard to reverse as the key is to guess. Edits
+write a new file beside the old one and rename it over (mode 0600): a server reading the file never sees half of
+one. The server reads the file again whenever it changes (its size, modification time or inode), so keys are added,
+rotated and revoked without a restart.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import hmac
+import json
+import os
+import secrets
+import tempfile
+import time
+from dataclasses import dataclass
+from enum import StrEnum
+from pathlib import Path
+
+import pydantic
+
+__all__ = ["Key", "KeyRing", "KeysFileError", "Role", "add_key", "hash_key", "read_keys", "revoke_key", "rotate_key"]
+
+NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$"
+
+
+class Role(StrEnum):
+    """What a key may do; each role may do what the ones before it may."""
+
+    READ = "read"  # the slot bank and the fleet view
+    STEER = "steer"  # list and fetch vectors, and steer or read requests with them
+    ADMIN = "admin"  # register, replace, delete and extract vectors
+
+    def allows(self, needed: Role) -> bool:
+        return _RANK[self] >= _RANK[needed]
+
+
+_RANK = {role: rank for rank, role in enumerate(Role)}
+
+
+class Key(pydantic.BaseModel):
+    """One entry of the keys file."""
+
+    model_config = pydantic.ConfigDict(extra="forbid", frozen=True)
+
+    name: str = pydantic.Field(pattern=NAME_PATTERN, description="who holds the key: in logs, errors and the audit")
+    role: Role
+    sha256: str = pydantic.Field(pattern=r"^[0-9a-f]{64}$", description="the key's SHA-256, lowercase hex")
+    created: str = pydantic.Field(default="", description="when the key was made (UTC, ISO 8601)")
+
+
+class _KeysFile(pydantic.BaseModel):
+    model_config = pydantic.ConfigDict(extra="forbid")
+
+    keys: list[Key]
+
+    @pydantic.field_validator("keys")
+    @classmethod
+    def _distinct(cls, keys: list[Key]) -> list[Key]:
+        for field in ("name", "sha256"):
+            seen: set[str] = set()
+            for key in keys:
+                value = getattr(key, field)
+                if value in seen:
+                    raise ValueError(f"two keys have the same {field} {value!r}" if field == "name"
+                                     else f"two keys ({key.name!r} and another) are the same key")
+                seen.add(value)
+        return keys
+
+
+class KeysFileError(ValueError):
+    """The keys file cannot be read, or is not a keys file; the message says which and where."""
+
+
+def hash_key(secret: str) -> str:
+    return hashlib.sha256(secret.encode()).hexdigest()
+
+
+def read_keys(path: str | os.PathLike) -> list[Key]:
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except OSError as exc:
+        raise KeysFileError(f"the keys file {path} cannot be read ({exc.strerror or exc})") from None
+    try:
+        return _KeysFile.model_validate_json(text).keys
+    except pydantic.ValidationError as exc:
+        first = exc.errors()[0]
+        where = ".".join(str(part) for part in first["loc"])
+        raise KeysFileError(f"the keys file {path} is not valid: {where + ': ' if where else ''}{first['msg']} "
+                            "(hotwire keys add/rotate/revoke write it)") from None
+
+
+def _write(path: Path, keys: list[Key]) -> None:
+    text = json.dumps({"keys": [key.model_dump(mode="json") for key in keys]}, indent=2) + "\n"
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:  # mkstemp made it 0600
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+
+
+def _edit(path: str | os.PathLike, name: str, role: Role | None, create: bool) -> str:
+    """Give ``name`` a new key (of ``role``, or of its current one) and return it."""
+    path = Path(path)
+    keys = read_keys(path) if path.exists() else []
+    current = next((key for key in keys if key.name == name), None)
+    if create and current is not None:
+        raise KeysFileError(f"a key named {name!r} is in {path} already: rotate it, or revoke it first")
+    if not create and current is None:
+        raise KeysFileError(f"no key named {name!r} in {path}")
+    secret = "hw_" + secrets.token_urlsafe(32)
+    try:
+        new = Key(name=name, role=role or current.role, sha256=hash_key(secret),
+                  created=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))
+    except pydantic.ValidationError:
+        raise KeysFileError(f"key name {name!r}: 1-64 letters, digits, '_', '.' or '-', starting with a letter or "
+                            "digit") from None
+    _write(path, [new if key.name == name else key for key in keys] + ([new] if create else []))
+    return secret
+
+
+def add_key(path: str | os.PathLike, name: str, role: Role) -> str:
+    """Add a key named ``name`` with ``role`` (creating the file if need be); returns the key, shown only now."""
+    return _edit(path, name, role, create=True)
+
+
+def rotate_key(path: str | os.PathLike, name: str) -> str:
+    """Replace ``name``'s key with a new one of the same role: the old one stops working once the server reads the
+    file (on its next request). For a rotation without a moment in which neither works, add a second key, move the
+    clients to it, then revoke the first."""
+    return _edit(path, name, None, create=False)
+
+
+def revoke_key(path: str | os.PathLike, name: str) -> None:
+    path = Path(path)
+    keys = read_keys(path)
+    if not any(key.name == name for key in keys):
+        raise KeysFileError(f"no key named {name!r} in {path}")
+    _write(path, [key for key in keys if key.name != name])
+
+
+@dataclass(frozen=True)
+class _State:
+    stamp: tuple[int, int, int]
+    keys: tuple[Key, ...]
+    error: str | None
+
+
+class KeyRing:
+    """The keys that open the server: the file's (read again when it changes) and ``extra``, keys given otherwise
+    (``HOTWIRE_API_KEY``: an admin key that no edit of the file revokes). A file that cannot be read or is not
+    valid opens nothing until it is fixed (:attr:`error` says why); ``extra`` keys still work."""
+
+    def __init__(self, path: str | os.PathLike, extra: tuple[Key, ...] = ()):
+        self.path, self.extra = Path(path), extra
+        self._state = _State((-1, -1, -1), (), None)
+        self.refresh()
+        if self.error is not None:
+            raise KeysFileError(self.error)
+
+    def refresh(self) -> None:
+        try:
+            st = os.stat(self.path)
+            stamp = (st.st_mtime_ns, st.st_size, st.st_ino)
+        except OSError as exc:
+            self._state = _State((-1, -1, -1), (), f"the keys file {self.path} cannot be read ({exc.strerror})")
+            return
+        if stamp != self._state.stamp:
+            try:
+                self._state = _State(stamp, tuple(read_keys(self.path)), None)
+            except KeysFileError as exc:
+                self._state = _State(stamp, (), str(exc))
+
+    @property
+    def error(self) -> str | None:
+        return self._state.error
+
+    def identify(self, secret: str | None) -> Key | None:
+        """The key ``secret`` is, if any: its hash is compared with every key's in constant time, without an early
+        exit, so the time taken does not say which key matched or how many there are before it."""
+        self.refresh()
+        if not secret:
+            return None
+        digest = hash_key(secret).encode()
+        found = None
+        for key in (*self.extra, *self._state.keys):
+            if hmac.compare_digest(digest, key.sha256.encode()):
+                found = key
+        return found
