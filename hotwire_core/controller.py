@@ -288,7 +288,8 @@ class SteeringController:
             reading = (Reading.of(readout, self.registry.lookup, self.rules, self.model.readout_probes,
                                   requests.expects_more_input(request)) if readout is not None else None)
             sources = {**row_sources(resolved), **(reading.sources() if reading else {})}
-            check_rows(len(sources), self.rules, READOUT_KEY if reading else SPEC_KEY)
+            if reading:  # (resolve checked the steering's rows alone)
+                check_rows(len(sources), self.rules, READOUT_KEY)
             self.deferred.wait_turn(request_id)  # first come, first served
             try:
                 slot_of, loads = self.slots.acquire(sources.keys())
