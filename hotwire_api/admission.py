@@ -34,7 +34,7 @@ from typing import Any, Callable, TypeVar
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from hotwire_api.answer import Answer, in_body
-from hotwire_api.auth import authorize_steering
+from hotwire_api.auth import authorize_steering, record_key_changes
 from hotwire_api.catalog import CATALOG
 from hotwire_api.engine import HotwireEngine
 from hotwire_api.errors import HotwireError
@@ -100,6 +100,7 @@ class AdmissionMiddleware:
             if reads:
                 _authorize_readout(path, steering)
             self._authorize(scope, path, steering)
+            await record_key_changes(scope["app"])
             engine = HotwireEngine.of(scope["app"])
             # Present, whatever its value: a spec that is not a JSON string is hotwire's 400, not vLLM's.
             decided, pinned = await _decide(engine, steering.spec) if SPEC_KEY in steering.holder else ("", None)

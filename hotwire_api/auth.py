@@ -15,11 +15,13 @@ every route (``/invocations`` is not guarded by vLLM) whatever hotwire's keys ar
 from __future__ import annotations
 
 import hmac
+import logging
 import os
 from typing import Any
 
 from fastapi import Depends, Request
 
+from hotwire_api.audit import entry
 from hotwire_api.errors import HotwireError
 from hotwire_api.headers import KEY_HEADER
 from hotwire_api.keys import Key, KeyRing, Role, hash_key
@@ -27,7 +29,10 @@ from hotwire_api.settings import Settings
 from hotwire_core.error_codes import ErrorCode
 from hotwire_core.vllm_glue.api_server import cli_api_keys
 
-__all__ = ["Access", "authorize_steering", "bearer_matches", "require", "vllm_keys"]
+__all__ = ["Access", "authorize_steering", "bearer_matches", "caller_name", "record_key_changes", "require",
+           "vllm_keys"]
+
+logger = logging.getLogger(__name__)
 
 
 def vllm_keys(app: Any) -> list[str]:
@@ -85,6 +90,22 @@ def _access(app: Any) -> Access:
     return app.state.hotwire_access
 
 
+async def record_key_changes(app: Any) -> None:
+    """Put the key changes the keys file's last edits made into the audit trail (``who``: ``keys file``: the
+    server does not know who edited it); kept for the next request if the trail cannot take them now."""
+    ring = _access(app).ring
+    if ring is None or not ring.changes:
+        return
+    changes, ring.changes = ring.changes, []
+    for n, (action, name) in enumerate(changes):
+        try:
+            await app.state.hotwire_registry.record(entry("keys file", action, name))
+        except HotwireError as exc:
+            logger.error("hotwire: key changes not yet in the audit trail: %s", exc.message)
+            ring.changes[:0] = changes[n:]
+            return
+
+
 def require(role: Role) -> Any:
     """A route dependency: the caller's key must have ``role`` or above (any valid key without a keys file)."""
 
@@ -92,16 +113,24 @@ def require(role: Role) -> Any:
         access = _access(request.app)
         authorization = request.headers.get("authorization", "")
         if access.ring is not None:
-            access.caller(_bearer(authorization), role, "send 'Authorization: Bearer <key>' with a key from "
-                          "HOTWIRE_KEYS_FILE (or HOTWIRE_API_KEY)")
+            key = access.caller(_bearer(authorization), role, "send 'Authorization: Bearer <key>' with a key from "
+                                "HOTWIRE_KEYS_FILE (or HOTWIRE_API_KEY)")
+            request.state.hotwire_caller = key.name
+            await record_key_changes(request.app)
             return
         keys = access.one_key(request.app)
         if keys and not bearer_matches(authorization, keys):
             raise HotwireError(401, ErrorCode.UNAUTHORIZED, "missing or wrong API key: send 'Authorization: Bearer "
                                "<key>' (HOTWIRE_API_KEY, or vLLM's --api-key when HOTWIRE_API_KEY is not set)")
+        request.state.hotwire_caller = "api-key" if keys else "anonymous"
 
     check.role = role  # type: ignore[attr-defined]  # what tests read to check every route declares one
     return Depends(check)
+
+
+def caller_name(request: Request) -> str:
+    """The name of the key that :func:`require` let in (for the audit trail)."""
+    return request.state.hotwire_caller
 
 
 def authorize_steering(app: Any, authorization: str, hotwire_key: str | None) -> None:

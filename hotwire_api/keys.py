@@ -160,14 +160,34 @@ class _State:
 class KeyRing:
     """The keys that open the server: the file's (read again when it changes) and ``extra``, keys given otherwise
     (``HOTWIRE_API_KEY``: an admin key that no edit of the file revokes). A file that cannot be read or is not
-    valid opens nothing until it is fixed (:attr:`error` says why); ``extra`` keys still work."""
+    valid opens nothing until it is fixed (:attr:`error` says why); ``extra`` keys still work. :attr:`changes`
+    lists the keys each new valid file added, rotated, revoked or gave another role, for the audit trail."""
 
     def __init__(self, path: str | os.PathLike, extra: tuple[Key, ...] = ()):
         self.path, self.extra = Path(path), extra
         self._state = _State((-1, -1, -1), (), None)
+        self._valid: tuple[Key, ...] | None = None  # the keys of the last valid read: what an edit is compared with
+        self.changes: list[tuple[str, str]] = []  # (action, key name) since the caller last took them
         self.refresh()
         if self.error is not None:
             raise KeysFileError(self.error)
+
+    def _note_changes(self, keys: tuple[Key, ...]) -> None:
+        if self._valid is None:
+            self._valid = keys
+            return
+        before, after = {k.name: k for k in self._valid}, {k.name: k for k in keys}
+        for name, key in after.items():
+            old = before.get(name)
+            if old is None:
+                self.changes.append(("key_added", name))
+            else:
+                if old.sha256 != key.sha256:
+                    self.changes.append(("key_rotated", name))
+                if old.role != key.role:
+                    self.changes.append(("key_role_changed", name))
+        self.changes += [("key_revoked", name) for name in before if name not in after]
+        self._valid = keys
 
     def refresh(self) -> None:
         try:
@@ -181,6 +201,8 @@ class KeyRing:
                 self._state = _State(stamp, tuple(read_keys(self.path)), None)
             except KeysFileError as exc:
                 self._state = _State(stamp, (), str(exc))
+                return
+            self._note_changes(self._state.keys)
 
     @property
     def error(self) -> str | None:

@@ -12,7 +12,8 @@ from fastapi import APIRouter, BackgroundTasks, Query, Request, Response
 from fastapi.exceptions import RequestValidationError
 from fastapi.routing import APIRoute
 
-from hotwire_api.auth import require
+from hotwire_api.audit import AuditPage, Author
+from hotwire_api.auth import caller_name, require
 from hotwire_api.catalog import CATALOG
 from hotwire_api.codec import RegisterVectorJSON, VectorPayload, read_limited, too_large
 from hotwire_api.engine import HotwireEngine
@@ -182,7 +183,8 @@ async def register_vector(
     if payload.kind:  # a GGUF or SAE file: its misfit is named in that format's terms
         model = (await CATALOG.ready(engine)).model
         check_fits(payload, model.n_layers, model.hidden_size)
-    created, meta = await _registry(request).register(engine, vector_id, payload, replace)
+    created, meta = await _registry(request).register(engine, vector_id, payload, replace,
+                                                      Author(caller_name(request), "upload"))
     if not created:
         response.status_code = 200
     await _refresh_catalog(engine)
@@ -211,7 +213,8 @@ async def extract_vector(body: ExtractRequest, request: Request, response: Respo
     rules = await CATALOG.ready(engine)
 
     async def register(vector_id: str, payload: VectorPayload, replace: bool) -> tuple[bool, VectorMeta]:
-        return await _registry(request).register(engine, vector_id, payload, replace)
+        return await _registry(request).register(engine, vector_id, payload, replace,
+                                                 Author(caller_name(request), "extract"))
 
     created, result = await run_extraction(engine, body, request.app.state.hotwire_settings, rules.model, register)
     if not created:
@@ -300,7 +303,7 @@ async def vector_file(
 )
 async def delete_vector(vector_id: str, request: Request, background: BackgroundTasks) -> Response:
     engine = HotwireEngine.of(request.app)
-    in_flight = await _registry(request).unregister(engine, vector_id)
+    in_flight = await _registry(request).unregister(engine, vector_id, Author(caller_name(request)))
     await _refresh_catalog(engine)
     _refresh_stats_later(background, engine)
     if in_flight > 0:
@@ -339,3 +342,15 @@ async def slots(
 )
 async def fleet(request: Request) -> FleetView:
     return await _registry(request).view(HotwireEngine.of(request.app))
+
+
+@router.get(
+    "/audit",
+    response_model=AuditPage,
+    summary="Every change to the vectors and the keys, with who made it, newest first",
+    responses={400: _error("`bad_request`: `limit` is not an integer in 1-10000."),
+               503: _error("`registry_unavailable`: the fleet's registry does not answer.")},
+    dependencies=[require(Role.ADMIN)],
+)
+async def audit(request: Request, limit: int = Query(100, ge=1, le=10_000, description="How many changes.")) -> AuditPage:
+    return await _registry(request).audit(limit)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from typing import Any, Protocol
 
+from hotwire_api.audit import AuditEntry, AuditFile, AuditMemory, AuditPage, Author, entry
 from hotwire_api.codec import VectorPayload
 from hotwire_api.engine import HotwireEngine
 from hotwire_api.fleet.config import FleetConfig
@@ -23,6 +24,8 @@ from hotwire_api.models import (
     VectorMeta,
 )
 from hotwire_api.settings import Settings
+from hotwire_core.settings import Settings as CoreSettings
+from hotwire_core.vllm_glue.api_server import served_port_and_model
 
 __all__ = ["LocalRegistry", "VectorRegistry", "registry_for"]
 
@@ -35,13 +38,22 @@ class VectorRegistry(Protocol):
     async def stop(self) -> None: ...
 
     async def register(
-        self, engine: HotwireEngine, vector_id: str, payload: VectorPayload, replace: bool
+        self, engine: HotwireEngine, vector_id: str, payload: VectorPayload, replace: bool, by: Author
     ) -> tuple[bool, VectorMeta]:
-        """Register (``replace``: a new version of an existing id); returns (created, meta)."""
+        """Register (``replace``: a new version of an existing id), recorded in the audit trail as ``by``'s;
+        returns (created, meta)."""
         ...
 
-    async def unregister(self, engine: HotwireEngine, vector_id: str) -> int:
-        """Delete; returns the requests still using the vector (they keep it until done)."""
+    async def unregister(self, engine: HotwireEngine, vector_id: str, by: Author) -> int:
+        """Delete, recorded as ``by``'s; returns the requests still using the vector (they keep it until done)."""
+        ...
+
+    async def record(self, change: AuditEntry) -> None:
+        """Add a change made elsewhere (a key's) to the audit trail."""
+        ...
+
+    async def audit(self, limit: int) -> AuditPage:
+        """``GET /steer/audit``: the newest ``limit`` changes."""
         ...
 
     async def status(self) -> RegistryStatus:
@@ -54,21 +66,41 @@ class VectorRegistry(Protocol):
 
 
 class LocalRegistry:
-    """Each engine's own registry: nothing to start; the fleet view is this server alone (``replica: "local"``)."""
+    """Each engine's own registry; the fleet view is this server alone (``replica: "local"``). The audit trail is
+    ``audit.jsonl`` in the served model's store folder (``HOTWIRE_STORE``), found at start; in memory with the
+    store off."""
+
+    def __init__(self) -> None:
+        self.trail: AuditFile | AuditMemory = AuditMemory()
 
     async def start(self, app: Any) -> None:
-        pass
+        model = served_port_and_model(app)[1]
+        folder = CoreSettings.from_env().store_dir(model) if model else None
+        self.trail = AuditFile(folder / "audit.jsonl") if folder is not None else AuditMemory()
 
     async def stop(self) -> None:
         pass
 
     async def register(
-        self, engine: HotwireEngine, vector_id: str, payload: VectorPayload, replace: bool
+        self, engine: HotwireEngine, vector_id: str, payload: VectorPayload, replace: bool, by: Author
     ) -> tuple[bool, VectorMeta]:
-        return await engine.register(vector_id, payload, replace)
+        created, meta = await engine.register(vector_id, payload, replace)
+        self.trail.record(entry(by.who, "register" if created else "replace", vector_id, meta.version, meta.sha256,
+                                by.via))
+        return created, meta
 
-    async def unregister(self, engine: HotwireEngine, vector_id: str) -> int:
-        return await engine.unregister(vector_id)
+    async def unregister(self, engine: HotwireEngine, vector_id: str, by: Author) -> int:
+        known = {meta.id: meta for meta in await engine.vectors()}.get(vector_id)
+        in_flight = await engine.unregister(vector_id)
+        self.trail.record(entry(by.who, "delete", vector_id, known.version if known else None,
+                                known.sha256 if known else None))
+        return in_flight
+
+    async def record(self, change: AuditEntry) -> None:
+        self.trail.record(change)
+
+    async def audit(self, limit: int) -> AuditPage:
+        return AuditPage(kept=self.trail.kept, entries=self.trail.read(limit))
 
     async def status(self) -> RegistryStatus:
         return RegistryStatus(kind="local")

@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 import time
 
+from hotwire_api.audit import Author
 from hotwire_api.catalog import rules_of
 from hotwire_api.codec import VectorPayload
 from hotwire_api.engine import HotwireEngine
@@ -42,9 +43,10 @@ class Changes:
         return self._rules
 
     async def register(
-        self, engine: HotwireEngine, vector_id: str, payload: VectorPayload, replace: bool
+        self, engine: HotwireEngine, vector_id: str, payload: VectorPayload, replace: bool, by: Author = Author()
     ) -> tuple[bool, VectorMeta]:
-        """Register through the registry (see the module docstring); returns (created, meta)."""
+        """Register through the registry (see the module docstring), in the audit stream as ``by``'s; returns
+        (created, meta)."""
         r = self.replica
         model = (await self.model_rules(engine)).model
         if not model.steerable:
@@ -52,7 +54,7 @@ class Changes:
         checked = blobs.check(payload, model.n_layers, model.hidden_size, model.dtype)
         await r.do(r.registry.put_blob(checked.sha256, blobs.encode(checked.payload)))
         status, version, previous = await r.do(
-            r.registry.register(vector_id, checked.sha256, replace, floor=r.known_version(vector_id))
+            r.registry.register(vector_id, checked.sha256, replace, floor=r.known_version(vector_id), by=by)
         )
         if status == 409:
             raise HotwireError(
@@ -72,10 +74,11 @@ class Changes:
                               created_at=time.time())
         return status == 201, meta
 
-    async def unregister(self, engine: HotwireEngine, vector_id: str) -> int:
-        """Delete through the registry; returns this replica's requests still using the vector."""
+    async def unregister(self, engine: HotwireEngine, vector_id: str, by: Author = Author()) -> int:
+        """Delete through the registry, in the audit stream as ``by``'s; returns this replica's requests still
+        using the vector."""
         r = self.replica
-        deleted = await r.do(r.registry.delete(vector_id))
+        deleted = await r.do(r.registry.delete(vector_id, by))
         if deleted is None:
             raise HotwireError(404, ErrorCode.UNKNOWN_VECTOR, f"unknown steering vector {vector_id!r}", "id")
         version, _ = deleted

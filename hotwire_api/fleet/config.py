@@ -159,6 +159,12 @@ class Keys:
         return f"{self.prefix}events"
 
     @property
+    def audit(self) -> str:
+        """Stream of every change with who made it (``hotwire_api.audit``), appended by the register and delete
+        scripts and for key changes; never trimmed."""
+        return f"{self.prefix}audit"
+
+    @property
     def orphans(self) -> str:
         """Sorted set: sha256 -> when its blob stopped being any id's current version (replaced, deleted, or a
         registration that lost its race); the blobs the collection may delete once they are older than the grace."""

@@ -4,9 +4,11 @@ API server's :class:`Replica`, made when the app starts."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 from typing import Any
 
+from hotwire_api.audit import AuditEntry, AuditPage, Author
 from hotwire_api.codec import VectorPayload
 from hotwire_api.engine import HotwireEngine
 from hotwire_api.errors import HotwireError
@@ -68,12 +70,23 @@ class FleetRegistry:
         return self.replica
 
     async def register(
-        self, engine: HotwireEngine, vector_id: str, payload: VectorPayload, replace: bool
+        self, engine: HotwireEngine, vector_id: str, payload: VectorPayload, replace: bool, by: Author
     ) -> tuple[bool, VectorMeta]:
-        return await self._started().changes.register(engine, vector_id, payload, replace)
+        replica = self._started()
+        return await replica.changes.register(engine, vector_id, payload, replace,
+                                              dataclasses.replace(by, replica=replica.replica_id))
 
-    async def unregister(self, engine: HotwireEngine, vector_id: str) -> int:
-        return await self._started().changes.unregister(engine, vector_id)
+    async def unregister(self, engine: HotwireEngine, vector_id: str, by: Author) -> int:
+        replica = self._started()
+        return await replica.changes.unregister(engine, vector_id, dataclasses.replace(by, replica=replica.replica_id))
+
+    async def record(self, change: AuditEntry) -> None:
+        replica = self._started()
+        await replica.do(replica.registry.record(change.model_copy(update={"replica": replica.replica_id})))
+
+    async def audit(self, limit: int) -> AuditPage:
+        replica = self._started()
+        return AuditPage(kept="redis", entries=await replica.do(replica.registry.audit(limit)))
 
     async def status(self) -> RegistryStatus:
         return RegistryStatus(**await self._started().heartbeat.status())

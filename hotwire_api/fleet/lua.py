@@ -31,10 +31,11 @@ local function now()
 end
 """
 
-# KEYS: current, last_version, events, blob, orphans, retired, retired_since. ARGV: id, sha256, replace (0|1),
-# maxlen, at, floor (the newest version the caller knows of: numbering goes on above it). Returns {status,
-# version, previous "<version>:<sha>" or ""}: 201/200 registered, 409 taken, 424 blob missing. The blob the id
-# stops using becomes an orphan, the registered one is not; a replaced version is recorded as retired.
+# KEYS: current, last_version, events, blob, orphans, retired, retired_since, audit. ARGV: id, sha256, replace
+# (0|1), maxlen, at, floor (the newest version the caller knows of: numbering goes on above it), who, replica,
+# via. Returns {status, version, previous "<version>:<sha>" or ""}: 201/200 registered, 409 taken, 424 blob
+# missing. The blob the id stops using becomes an orphan, the registered one is not; a replaced version is
+# recorded as retired. The audit stream (never trimmed) gets the change in the same step.
 _REGISTER = """
 local previous = redis.call('HGET', KEYS[1], ARGV[1])
 if previous and ARGV[3] ~= '1' then return {409, 0, previous} end
@@ -47,12 +48,14 @@ if previous and sha_of(previous) ~= ARGV[2] then redis.call('ZADD', KEYS[5], ARG
 if previous then retire(KEYS[6], KEYS[7], ARGV[1], previous, ARGV[5]) end
 redis.call('XADD', KEYS[3], 'MAXLEN', '~', ARGV[4], '*', 'op', 'register', 'id', ARGV[1],
            'version', version, 'sha256', ARGV[2], 'at', ARGV[5])
+redis.call('XADD', KEYS[8], '*', 'at', ARGV[5], 'who', ARGV[7], 'action', previous and 'replace' or 'register',
+           'id', ARGV[1], 'version', version, 'sha256', ARGV[2], 'via', ARGV[9], 'replica', ARGV[8])
 if previous then return {200, version, previous} end
 return {201, version, ''}
 """
 
-# KEYS: current, events, orphans, retired, retired_since. ARGV: id, maxlen, at. Returns {status,
-# "<version>:<sha>"}: 200 deleted (and recorded as retired), 404 unknown.
+# KEYS: current, events, orphans, retired, retired_since, audit. ARGV: id, maxlen, at, who, replica. Returns
+# {status, "<version>:<sha>"}: 200 deleted (and recorded as retired, and in the audit stream), 404 unknown.
 _DELETE = """
 local current = redis.call('HGET', KEYS[1], ARGV[1])
 if not current then return {404, ''} end
@@ -62,6 +65,8 @@ redis.call('ZADD', KEYS[3], ARGV[3], sha)
 retire(KEYS[4], KEYS[5], ARGV[1], current, ARGV[3])
 redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[2], '*', 'op', 'delete', 'id', ARGV[1],
            'version', version_of(current), 'sha256', sha, 'at', ARGV[3])
+redis.call('XADD', KEYS[6], '*', 'at', ARGV[3], 'who', ARGV[4], 'action', 'delete', 'id', ARGV[1],
+           'version', version_of(current), 'sha256', sha, 'replica', ARGV[5])
 return {200, current}
 """
 
@@ -87,8 +92,8 @@ return answer
 """
 
 
-REGISTER_ONCE = _once(_REGISTER, 7, 6)
-DELETE_ONCE = _once(_DELETE, 5, 3)
+REGISTER_ONCE = _once(_REGISTER, 8, 9)
+DELETE_ONCE = _once(_DELETE, 6, 5)
 
 # KEYS: current, last_version, events, blob, orphans, retired, retired_since. ARGV: id, op, version, sha256,
 # maxlen, at. Puts back into a Redis that came back with older data (or none) what one replica knows of one id,

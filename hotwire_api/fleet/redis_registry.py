@@ -15,6 +15,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from hotwire_api.audit import AuditEntry, Author
 from hotwire_api.errors import HotwireError
 from hotwire_api.fleet import lua
 from hotwire_api.fleet.config import FleetConfig, Keys, redacted, scrubbed
@@ -254,16 +255,17 @@ class RedisRegistry:
         return await self._do(self._redis.get(self.keys.blob(sha256)))
 
     async def register(
-        self, vector_id: str, sha256: str, replace: bool, floor: int = 0
+        self, vector_id: str, sha256: str, replace: bool, floor: int = 0, by: Author = Author()
     ) -> tuple[int, int, tuple[int, str] | None]:
-        """Make ``sha256`` (its blob stored already) the next version of ``vector_id``, atomically: returns
-        (201 created | 200 replaced | 409 taken, the new version (0 on 409), the version it replaced or holds).
-        The new version is above ``floor`` too."""
+        """Make ``sha256`` (its blob stored already) the next version of ``vector_id``, atomically, and record it in
+        the audit stream as ``by``'s: returns (201 created | 200 replaced | 409 taken, the new version (0 on 409),
+        the version it replaced or holds). The new version is above ``floor`` too."""
         k = self.keys
         status, version, previous = await self._once_per_operation(
             self._register,
-            keys=[k.current, k.last_version, k.events, k.blob(sha256), k.orphans, k.retired, k.retired_since],
-            args=[vector_id, sha256, "1" if replace else "0", self.config.stream_maxlen, f"{time.time():.6f}", floor],
+            keys=[k.current, k.last_version, k.events, k.blob(sha256), k.orphans, k.retired, k.retired_since, k.audit],
+            args=[vector_id, sha256, "1" if replace else "0", self.config.stream_maxlen, f"{time.time():.6f}", floor,
+                  by.who, by.replica, by.via],
         )
         if int(status) == 424:
             raise HotwireError(503, ErrorCode.REGISTRY_UNAVAILABLE,
@@ -271,13 +273,14 @@ class RedisRegistry:
                                "registered (is Redis evicting keys? hotwire needs maxmemory-policy noeviction); retry")
         return int(status), int(version), (_parse_current(previous) if previous else None)
 
-    async def delete(self, vector_id: str) -> tuple[int, str] | None:
-        """Delete the current version of ``vector_id`` atomically; returns (version, sha256), None if unknown."""
+    async def delete(self, vector_id: str, by: Author = Author()) -> tuple[int, str] | None:
+        """Delete the current version of ``vector_id`` atomically, recorded in the audit stream as ``by``'s;
+        returns (version, sha256), None if unknown."""
         k = self.keys
         status, current = await self._once_per_operation(
             self._delete,
-            keys=[k.current, k.events, k.orphans, k.retired, k.retired_since],
-            args=[vector_id, self.config.stream_maxlen, f"{time.time():.6f}"],
+            keys=[k.current, k.events, k.orphans, k.retired, k.retired_since, k.audit],
+            args=[vector_id, self.config.stream_maxlen, f"{time.time():.6f}", by.who, by.replica],
         )
         return _parse_current(current) if int(status) == 200 else None
 
@@ -324,6 +327,19 @@ class RedisRegistry:
         """Every live vector: id -> (version, sha256)."""
         raw = await self._do(self._redis.hgetall(self.keys.current))
         return {_str(k): _parse_current(v) for k, v in raw.items()}
+
+    # -- the audit stream --------------------------------------------------------------------------------------
+
+    async def record(self, change: AuditEntry) -> None:
+        """Append a change made outside the register and delete scripts (a key's) to the audit stream."""
+        fields = {k: str(v) for k, v in change.model_dump(exclude_none=True).items()}
+        await self._do(self._redis.xadd(self.keys.audit, fields))
+
+    async def audit(self, limit: int) -> list[AuditEntry]:
+        """The newest ``limit`` changes, newest first."""
+        entries = await self._do(self._redis.xrevrange(self.keys.audit, count=limit))
+        return [AuditEntry.model_validate({_str(k): _str(v) for k, v in fields.items() if _str(v) != ""})
+                for _, fields in entries]
 
     # -- the event stream --------------------------------------------------------------------------------------
 

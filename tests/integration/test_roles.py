@@ -1,7 +1,7 @@
 """Keys with roles (``HOTWIRE_KEYS_FILE``) against a real ``vllm serve`` (vLLM 0.25.1, tiny float32 model; CPU
 backend in CI): every role on every ``/steer`` route, steering with and without a steer key beside vLLM's own,
 the client and the CLI, keys rotated and revoked while requests run, and a keys file broken and mended, all
-without a restart.
+without a restart; then the audit trail of what the tests changed.
 
 One server for the module: a keys file with an ``admin``, two ``steer`` and a ``read`` key, ``HOTWIRE_API_KEY``
 (one more admin key) and ``VLLM_API_KEY`` (vLLM's, which guards ``/v1``).
@@ -95,6 +95,7 @@ def test_every_role_on_every_route(server, keys) -> None:
         ("POST", "/steer/vectors", upload, Role.ADMIN, 201),
         ("DELETE", "/steer/vectors/{mine}", None, Role.ADMIN, 204),
         ("POST", "/steer/vectors/extract", {"id": "x", "positive": ["a"], "negative": ["b"]}, Role.ADMIN, 503),
+        ("GET", "/steer/audit", None, Role.ADMIN, 200),
     ]
     with httpx.Client(base_url=server.url, timeout=120) as http:
         for who, key in presented.items():
@@ -199,6 +200,27 @@ def test_keys_change_under_load_without_a_restart(server, keys, model, tmp_path)
     assert all(r.status_code == 503 and r.json()["error"]["code"] == "keys_unavailable" for r in failures), \
         [r.text[:200] for r in failures if r.status_code != 503][:3]
     assert len(answered) >= 4, len(answered)
+
+
+def test_the_audit_trail_says_who_changed_what(server, keys) -> None:
+    """After the tests above: the registrations and deletions each admin key made, and the key changes of the
+    rotation test, in the store folder's audit.jsonl, newest first."""
+    with httpx.Client(base_url=server.url, timeout=120) as http:
+        page = http.get("/steer/audit", params={"limit": 50}, headers=bearer(keys.secret["ops"])).json()
+    assert page["kept"].startswith("file ") and page["kept"].endswith("audit.jsonl")
+    assert Path(page["kept"].removeprefix("file ")).parent.parent == Path(server.extra_env["HOTWIRE_STORE"])
+    changes = [(e["who"], e["action"], e["id"]) for e in reversed(page["entries"])]
+    assert changes == [
+        ("ops", "register", "base"),
+        ("ops", "register", "by-ops"), ("ops", "delete", "by-ops"),
+        ("HOTWIRE_API_KEY", "register", "by-env"), ("HOTWIRE_API_KEY", "delete", "by-env"),
+        ("keys file", "key_rotated", "app"), ("keys file", "key_revoked", "app"), ("keys file", "key_added", "app"),
+    ]
+    registered = {e["id"]: e for e in page["entries"] if e["action"] == "register"}
+    assert registered["by-ops"]["version"] == 1 and len(registered["by-ops"]["sha256"]) == 64
+    assert registered["by-ops"]["via"] == "upload" and registered["by-ops"]["replica"] == "local"
+    deleted = next(e for e in page["entries"] if e["action"] == "delete" and e["id"] == "by-ops")
+    assert deleted["version"] == 1 and deleted["sha256"] == registered["by-ops"]["sha256"]
 
 
 @pytest.fixture(scope="module")

@@ -555,7 +555,7 @@ ROUTE_ROLES = {  # docs/security.md, "Keys with roles"
     ("GET", "/steer/vectors"): Role.STEER, ("GET", "/steer/vectors/{vector_id}"): Role.STEER,
     ("GET", "/steer/vectors/{vector_id}/file"): Role.STEER,
     ("POST", "/steer/vectors"): Role.ADMIN, ("POST", "/steer/vectors/extract"): Role.ADMIN,
-    ("DELETE", "/steer/vectors/{vector_id}"): Role.ADMIN,
+    ("DELETE", "/steer/vectors/{vector_id}"): Role.ADMIN, ("GET", "/steer/audit"): Role.ADMIN,
 }
 
 

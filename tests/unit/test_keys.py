@@ -129,3 +129,25 @@ def test_the_cli_edits_the_file_and_prints_the_key_once(tmp_path, capsys, monkey
     assert bad_role.value.code == 2 and "invalid choice: 'root'" in capsys.readouterr().err
     monkeypatch.delenv("HOTWIRE_KEYS_FILE")
     assert cli.main(["keys", "list"]) == 2 and "pass --file or set HOTWIRE_KEYS_FILE" in capsys.readouterr().err
+
+
+def test_a_ring_lists_what_each_valid_edit_changed(tmp_path) -> None:
+    path = tmp_path / "keys.json"
+    add_key(path, "ops", Role.ADMIN)
+    ring = KeyRing(path)
+    assert ring.changes == []  # the first read is no change
+    add_key(path, "app", Role.STEER)
+    ring.refresh()
+    rotate_key(path, "app")
+    ring.refresh()
+    assert ring.changes == [("key_added", "app"), ("key_rotated", "app")]
+    ring.changes.clear()
+
+    saved = path.read_text()
+    path.write_text("{")  # broken, then mended with one key revoked and one given another role
+    ring.refresh()
+    keys = json.loads(saved)
+    keys["keys"] = [dict(k, role="read") for k in keys["keys"] if k["name"] == "ops"]
+    path.write_text(json.dumps(keys))
+    ring.refresh()
+    assert ring.changes == [("key_role_changed", "ops"), ("key_revoked", "app")]
