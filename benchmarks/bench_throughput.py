@@ -17,8 +17,10 @@ number of requests that ended within the measured ``--seconds``, per second. Eve
 200, ``[DONE]``, ``usage.completion_tokens == max_tokens``, and a receipt naming its vector exactly when steered.
 Any other outcome is a failure, and the run exits 1.
 
-Reported: per configuration the median req/s and TTFT p50 over rounds; per round the paired ratios steered /
-plain and plain / vanilla, and their medians (the figures of the targets: ≥ 0.98 and ≥ 0.99).
+Reported: per configuration the median req/s, TTFT p50 and the API server's CPU time per completed request
+(the server's main process, over the measured window: where a saturated API server spends what steering adds)
+over rounds; per round the paired ratios steered / plain and plain / vanilla, and their medians (the figures of the
+targets: ≥ 0.98 and ≥ 0.99).
 
     # on the GPU: a small model whose API server saturates first
     python benchmarks/bench_throughput.py --clients 128 --rounds 4 --out throughput.json
@@ -37,6 +39,7 @@ import random
 import statistics
 import sys
 import tempfile
+import threading
 import time
 from collections import Counter
 from collections.abc import Iterator, Sequence
@@ -46,6 +49,7 @@ from typing import Any
 
 import httpx
 import numpy as np
+import psutil
 
 CONFIGS = ("vanilla", "plain", "steered")
 PROMPTS = ("The quick brown fox jumps over", "Once upon a time in a land far", "The capital of France is",
@@ -168,14 +172,28 @@ def _worker(load: Load, clients: int, seed: int, start_at: float, warmup: float,
     return tally
 
 
-def run_round(pool: Any, load: Load, clients: int, workers: int, seed: int, warmup: float, seconds: float) -> Tally:
+def run_round(pool: Any, load: Load, clients: int, workers: int, seed: int, warmup: float, seconds: float,
+              api_server_pid: int) -> tuple[Tally, float | None]:
+    """The round's tally, and the CPU seconds the API server (``api_server_pid``) spent in its measured window."""
     start_at = time.monotonic() + 2.0  # every worker's clients start together
     shares = [clients // workers + (i < clients % workers) for i in range(workers)]
+    cpu: list[float] = []
+    timers = [threading.Timer(start_at + warmup + at - time.monotonic(), lambda: cpu.append(_cpu_s(api_server_pid)))
+              for at in (0.0, seconds)]
+    for timer in timers:
+        timer.start()
     results = pool.starmap(_worker, [(load, n, seed * 100 + i, start_at, warmup, seconds) for i, n in enumerate(shares)])
+    for timer in timers:
+        timer.join()
     total = Tally()
     for tally in results:
         total.merge(tally)
-    return total
+    return total, (cpu[1] - cpu[0] if len(cpu) == 2 else None)
+
+
+def _cpu_s(pid: int) -> float:
+    times = psutil.Process(pid).cpu_times()
+    return times.user + times.system
 
 
 def median(values: Sequence[float]) -> float | None:
@@ -192,6 +210,8 @@ def summarize(rounds: list[dict[str, Any]], seconds: float) -> dict[str, Any]:
             "req_per_s_median": median([r["completed"] / seconds for r in runs]),
             "ttft_p50_ms_median": median([r["ttft_p50_ms"] for r in runs if r["ttft_p50_ms"] is not None]),
             "steered_share": median([r["steered"] / r["completed"] for r in runs if r["completed"]]),
+            "api_cpu_ms_per_request_median": median([r["api_cpu_s"] * 1000 / r["completed"] for r in runs
+                                                     if r.get("api_cpu_s") is not None and r["completed"]]),
         }
     for name, (num, den) in {"steered_vs_plain": ("steered", "plain"), "plain_vs_vanilla": ("plain", "vanilla")}.items():
         paired = [a["completed"] / b["completed"]
@@ -201,8 +221,9 @@ def summarize(rounds: list[dict[str, Any]], seconds: float) -> dict[str, Any]:
 
 
 @contextlib.contextmanager
-def servers(model: Path, extra_args: Sequence[str], workdir: Path, slots: int) -> Iterator[dict[str, str]]:
-    """The plugin-free and the hotwire ``vllm serve``, started together; their URLs by name."""
+def servers(model: Path, extra_args: Sequence[str], workdir: Path, slots: int) -> Iterator[dict[str, tuple[str, int]]]:
+    """The plugin-free and the hotwire ``vllm serve``, started together; by name, their URL and the pid of their
+    API server (the main process: one API server)."""
     from hotwire_api.server_process import free_port, start_server, stop_server, vllm_serve_command, wait_until_ready
 
     import torch
@@ -228,7 +249,7 @@ def servers(model: Path, extra_args: Sequence[str], workdir: Path, slots: int) -
             print(f"throughput: {name} server: {' '.join(command[3:])} (log {workdir / f'server_{name}.log'})", flush=True)
         for name, proc in procs.items():
             print(f"throughput: {name} ready after {wait_until_ready(proc, urls[name], 900.0):.0f} s", flush=True)
-        yield urls
+        yield {name: (url, procs[name].pid) for name, url in urls.items()}
     finally:
         for name, proc in procs.items():
             print(f"throughput: {name} server {stop_server(proc)}", flush=True)
@@ -287,7 +308,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         extra = ["--dtype", "float32", "--max-model-len", "4096", *extra]
     rounds: list[dict[str, Any]] = []
     failures: Counter = Counter()
-    with servers(args.model, extra, workdir, args.slots) as urls:
+    with servers(args.model, extra, workdir, args.slots) as started:
+        urls = {server: url for server, (url, _) in started.items()}
+        api_server = {"vanilla": started["vanilla"][1], "plain": started["hotwire"][1], "steered": started["hotwire"][1]}
         name, hidden, n_layers = model_facts(urls["hotwire"])
         ids = tuple(f"tp{i}" for i in range(args.ids))
         register_vectors(urls["hotwire"], ids, hidden, args.seed)
@@ -300,15 +323,17 @@ def main(argv: Sequence[str] | None = None) -> int:
             for r in range(args.rounds):
                 order = CONFIGS[r % 3:] + CONFIGS[:r % 3]
                 for config in order:
-                    tally = run_round(pool, loads[config], args.clients, args.workers, args.seed + len(rounds),
-                                      args.warmup, args.seconds)  # fmt: skip
+                    tally, api_cpu_s = run_round(pool, loads[config], args.clients, args.workers,
+                                                 args.seed + len(rounds), args.warmup, args.seconds, api_server[config])
                     failures.update({f"{config}:{k}": v for k, v in tally.failures.items()})
                     ttft = median(tally.ttft_s)
                     rounds.append({"round": r, "config": config, "completed": tally.completed, "steered": tally.steered,
-                                   "ttft_p50_ms": None if ttft is None else ttft * 1000,
+                                   "ttft_p50_ms": None if ttft is None else ttft * 1000, "api_cpu_s": api_cpu_s,
                                    "failures": dict(tally.failures)})  # fmt: skip
+                    per_request = api_cpu_s * 1000 / tally.completed if api_cpu_s is not None and tally.completed else None
                     print(f"throughput: round {r} {config:8s} {tally.completed / args.seconds:8.2f} req/s"
                           f"  TTFT p50 {rounds[-1]['ttft_p50_ms'] or float('nan'):7.1f} ms"
+                          f"  API server CPU {per_request or float('nan'):.3f} ms/request"
                           f"  failures {dict(tally.failures) or 0}", flush=True)  # fmt: skip
     result = {"command": sys.argv, "args": {k: str(v) for k, v in vars(args).items()}, "model": name,
               "hidden": hidden, "n_layers": n_layers, "rounds": rounds, "failures": dict(failures),
@@ -324,7 +349,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args.out.write_text(json.dumps(result, indent=1))
     for config, figures in result["configs"].items():
         print(f"throughput: {config:8s} median {figures['req_per_s_median']:.2f} req/s, TTFT p50 "
-              f"{figures['ttft_p50_ms_median']} ms")  # fmt: skip
+              f"{figures['ttft_p50_ms_median']} ms, API server CPU {figures['api_cpu_ms_per_request_median']} "
+              "ms/request")  # fmt: skip
     for ratio, figures in result["ratios"].items():
         print(f"throughput: {ratio}: median {figures['median']}, per round {figures['per_round']}")
     print(f"throughput: failures {dict(failures) or 0}; report {args.out}")

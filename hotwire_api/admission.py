@@ -226,11 +226,29 @@ async def _decide(engine: HotwireEngine, spec: Any) -> tuple[str, str]:
         if any(e.version is not None and CATALOG.lookup(e.vector_id, e.version) is None for e in entries):
             # A version the catalog does not hold as current may be retained in the engine: it decides.
             return await engine.check(spec)
+        await CATALOG.ready(engine)  # (a catalog of another engine is started afresh: a new state)
+        hit = _DECIDED.get((spec, CATALOG.state))
+        if hit is not None:
+            return hit
         resolved = await _against_catalog(engine, arrived, lambda rules: resolve(spec, CATALOG.lookup, rules),
                                           (ErrorCode.UNKNOWN_VECTOR,))
     except (Refusal, HotwireError) as exc:
         raise in_body(exc) from None
-    return receipt(resolved), pinned_spec(resolved)
+    decided = receipt(resolved), pinned_spec(resolved)
+    if len(spec) <= _CACHED_SPEC_CHARS:  # (resolved against the catalog as it is now: no await since)
+        if len(_DECIDED) >= _DECIDED_KEPT:
+            _DECIDED.clear()
+        _DECIDED[(spec, CATALOG.state)] = decided
+    return decided
+
+
+# The admissions decided against the catalog, by (spec string, catalog state): a server sees the same few specs
+# over and over, and deciding one anew (resolve, the strength bound, receipt and pinned spec) was most of the host
+# time admission adds to a steered request. A change of the catalog starts afresh; only admitted short specs are
+# kept (a client chooses the keys), at most _DECIDED_KEPT of them.
+_DECIDED: dict[tuple[str, int], tuple[str, str]] = {}
+_DECIDED_KEPT = 1024
+_CACHED_SPEC_CHARS = 1024
 
 
 async def _against_catalog(engine: HotwireEngine, arrived: float, decide: Callable[[Rules], T],

@@ -11,6 +11,7 @@ the engine retains (``HOTWIRE_RETAIN_S``) after a replace or delete, and the rec
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import math
 import time
@@ -66,10 +67,14 @@ def rules_of(answer: contract.CatalogResult) -> Rules:
                  bool(answer.get("layers_setting")))
 
 
+_STATES = itertools.count()  # one count for every catalog object: a state number never comes back
+
+
 class Catalog:
     """This process's copy of the engine's catalog (see the module docstring)."""
 
     def __init__(self) -> None:
+        self.state = next(_STATES)  # changes whenever rules or vectors may have: what decisions are cached under
         self.generation = -1
         self.rules: Rules | None = None
         self.vectors: dict[str, CatalogVector] = {}
@@ -121,6 +126,7 @@ class Catalog:
                         elif int(meta["version"]) < vector.version:
                             vectors[vector_id] = CatalogVector.from_meta(meta)
             self.vectors = vectors
+            self.state = next(_STATES)
             self.generation = -1 if behind else int(answer["generation"])  # behind: look again next time
         self.taken_at = time.monotonic()
 

@@ -639,6 +639,32 @@ def test_a_replace_is_seen_by_the_next_request_and_receipts_name_the_pinned_vers
     assert json.loads(json.loads(response.json()["raw"])["vllm_xargs"]["hotwire"])[0]["version"] == 2
 
 
+def test_a_spec_is_decided_once_per_catalog_state_and_the_decisions_kept_are_bounded(
+    client: TestClient, engine: FakeEngine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from hotwire_api import admission
+
+    resolved = []
+    real = admission.resolve
+    monkeypatch.setattr(admission, "resolve", lambda *a: resolved.append(a[0]) or real(*a))
+    monkeypatch.setattr(admission, "_DECIDED_KEPT", 3)
+    admission._DECIDED.clear()
+    _upload(client, "happy", _vector())
+    receipts = [client.post("/v1/chat/completions", json=_chat({"hotwire": _spec()})).headers["x-hotwire-receipt"]
+                for _ in range(3)]
+    assert receipts == ["happy@1:L1x4"] * 3 and resolved == [_spec()]
+    _error(client.post("/v1/chat/completions", json=_chat({"hotwire": _spec("nope")})), 400, "unknown_vector",
+           "vllm_xargs.hotwire[0].id")
+    assert len(admission._DECIDED) == 1  # a refusal is not kept
+    assert _upload(client, "happy", _vector() + 1, replace=True).status_code == 200  # a new catalog state
+    assert client.post("/v1/chat/completions", json=_chat({"hotwire": _spec()})).headers["x-hotwire-receipt"] \
+        == "happy@2:L1x4"
+    assert resolved.count(_spec()) == 2
+    for scale in (1.0, 2.0, 3.0, 5.0):
+        client.post("/v1/chat/completions", json=_chat({"hotwire": _spec(scale=scale)}))
+    assert len(admission._DECIDED) <= 3
+
+
 def test_an_id_registered_elsewhere_is_fetched_on_first_use(client: TestClient, engine: FakeEngine) -> None:
     client.post("/v1/chat/completions", json=_chat(None))
     _upload(client, "first", _vector())

@@ -41,7 +41,11 @@ def test_rounds_give_medians_and_ratios_paired_by_round() -> None:
         {"round": 1, "config": "steered", "completed": 190, "steered": 140, "ttft_p50_ms": 14.0},
         {"round": 1, "config": "vanilla", "completed": 200, "steered": 0, "ttft_p50_ms": 15.0},
     ]
+    for r, cpu in zip(rounds, (0.2, 0.3, 0.49, None, 0.95, 0.4)):
+        r["api_cpu_s"] = cpu
     out = bt.summarize(rounds, seconds=10.0)
+    assert out["configs"]["steered"]["api_cpu_ms_per_request_median"] == (5.0 + 5.0) / 2
+    assert out["configs"]["plain"]["api_cpu_ms_per_request_median"] == 0.3 * 1000 / 99  # round 1 has no figure
     assert out["configs"]["plain"]["req_per_s"] == [9.9, 20.0]
     assert out["configs"]["vanilla"]["req_per_s_median"] == 15.0
     assert out["configs"]["steered"]["ttft_p50_ms_median"] == 13.0
