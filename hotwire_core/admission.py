@@ -229,7 +229,7 @@ def _check_strength(resolved: Resolved, dtype: str) -> None:
     ``G n + added``; ``G`` and ``added`` must stay within the model dtype's limits."""
     limit = STRENGTH_LIMITS.get(dtype, DEFAULT_STRENGTH_LIMIT)
     phased = any(entry.phase is not Phase.ALL for entry, _ in resolved)
-    for phase in (Phase.PREFILL, Phase.DECODE):
+    for phase in (Phase.PREFILL, Phase.DECODE) if phased else (Phase.PREFILL,):  # unphased: both phases alike
         active = [(i, e, v) for i, (e, v) in enumerate(resolved) if e.phase in (Phase.ALL, phase)]
         added, log_growth = 0.0, 0.0  # the growth as a log: it can exceed a float
         for layer in sorted({layer for _, entry, _ in active for layer in entry.layers}):

@@ -16,7 +16,6 @@ The HTTP admission pins every entry's version this way, so the engine applies wh
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import json
 import math
@@ -40,6 +39,7 @@ MAX_SPEC_CHARS = 65_536  # far above 64 entries of 64-character ids; longer spec
 _CACHED_SPEC_CHARS = 1024  # specs up to this length are cached: a server sees few distinct short specs
 _ENTRY_FIELDS = {"id", "layer", "scale", "decode_only", "prefill_only", "norm", "version"}
 FLOAT32_MAX = 3.4028234663852886e38
+_FLOAT32_OVERFLOW = 2.0**128 - 2.0**103  # the smallest magnitude float32 rounds to inf (FLOAT32_MAX + half a step)
 
 
 class Phase(str, Enum):
@@ -72,12 +72,12 @@ class SteeringEntry:
 
     def pinned(self, version: int) -> SteeringEntry:
         """This entry bound to ``version`` of its vector."""
-        return dataclasses.replace(self, version=version)
+        return SteeringEntry(self.vector_id, self.layers, self.scale, self.phase, self.norm, version)
 
     def steering(self) -> SteeringEntry:
         """What the entry does, without the version that names its vector's contents (the cache salt and the
         strength check use the contents themselves)."""
-        return self if self.version is None else dataclasses.replace(self, version=None)
+        return self if self.version is None else self.pinned(None)
 
     def to_json(self) -> dict[str, Any]:
         out: dict[str, Any] = {"id": self.vector_id, "layer": list(self.layers), "scale": self.scale}
@@ -132,10 +132,9 @@ def _parse_entry(raw: Any, field: str) -> SteeringEntry:
             raise SpecError(f"{field}.scale", f"is too large for a float (about 2**{scale.bit_length()})") from None
     if not isinstance(scale, float) or not math.isfinite(scale):
         raise SpecError(f"{field}.scale", f"must be a finite number, got {short_repr(scale)}")
-    with np.errstate(over="ignore"):
-        scale32 = np.float32(scale)
-    if not np.isfinite(scale32):  # the per-token scale table is float32: a larger scale would become inf there
+    if abs(scale) >= _FLOAT32_OVERFLOW:  # the per-token scale table is float32: a larger scale would become inf
         raise SpecError(f"{field}.scale", f"{scale!r} is outside float32's range (|scale| <= {FLOAT32_MAX:.4g})")
+    scale32 = np.float32(scale)
     # What steers is the float32 value: written with the fewest digits that give it back, scales that steer
     # alike get one cache salt, e.g. 0.1 and numpy's float32(0.1) = 0.10000000149011612.
     scale = float(str(scale32 + np.float32(0)))  # + 0: -0.0 (or a negative scale too small for float32) is 0.0

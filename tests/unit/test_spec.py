@@ -210,6 +210,14 @@ def test_scale_outside_float32_is_spec_error():
         err = spec_error('{"id": "a", "layer": 1, "scale": %s}' % literal)
         assert err.field == "hotwire.scale" and "float32" in err.message, literal
     assert parse_spec('{"id": "a", "layer": 1, "scale": -3.4e38}')[0].scale == -3.4e38
+    # the edge is where float32 rounds to inf: 2**128 - 2**103 (3.4028235677973366e38) and above are refused
+    import math
+
+    edge = 2.0**128 - 2.0**103
+    for value in (edge, -edge):
+        assert "float32" in spec_error('{"id": "a", "layer": 1, "scale": %r}' % value).message
+    below = math.nextafter(edge, 0)
+    assert parse_spec('{"id": "a", "layer": 1, "scale": %r}' % below)[0].scale == 3.4028235e38
 
 
 def test_scales_that_steer_alike_canonicalise_alike():
