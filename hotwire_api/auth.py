@@ -91,15 +91,15 @@ def _access(app: Any) -> Access:
 
 
 async def record_key_changes(app: Any) -> None:
-    """Put the key changes the keys file's last edits made into the audit trail (``who``: ``keys file``: the
-    server does not know who edited it); kept for the next request if the trail cannot take them now."""
+    """Put the key changes the keys file's last edits made into the audit trail (``who``: the caller's key for an
+    edit over HTTP, else ``keys file``); kept for the next request if the trail cannot take them now."""
     ring = _access(app).ring
     if ring is None or not ring.changes:
         return
     changes, ring.changes = ring.changes, []
-    for n, (action, name) in enumerate(changes):
+    for n, (action, name, who) in enumerate(changes):
         try:
-            await app.state.hotwire_registry.record(entry("keys file", action, name))
+            await app.state.hotwire_registry.record(entry(who, action, name))
         except HotwireError as exc:
             logger.error("hotwire: key changes not yet in the audit trail: %s", exc.message)
             ring.changes[:0] = changes[n:]

@@ -11,6 +11,7 @@ rotated and revoked without a restart.
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import hashlib
 import hmac
 import json
@@ -18,11 +19,14 @@ import os
 import secrets
 import tempfile
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from enum import StrEnum
 from pathlib import Path
 
 import pydantic
+
+from hotwire_core.error_codes import ErrorCode
 
 __all__ = ["Key", "KeyRing", "KeysFileError", "Role", "add_key", "hash_key", "read_keys", "revoke_key", "rotate_key"]
 
@@ -74,7 +78,13 @@ class _KeysFile(pydantic.BaseModel):
 
 
 class KeysFileError(ValueError):
-    """The keys file cannot be read, or is not a keys file; the message says which and where."""
+    """The keys file cannot be read or is not a keys file (``code`` ``keys_unavailable``), or an edit cannot be
+    made: the name is taken (``exists``), not there (``unknown_key``), not a name (``bad_request``), or the key is
+    the file's last admin key and may not go (``last_admin``); the message says which."""
+
+    def __init__(self, message: str, code: ErrorCode = ErrorCode.KEYS_UNAVAILABLE):
+        super().__init__(message)
+        self.code = code
 
 
 def hash_key(secret: str) -> str:
@@ -110,23 +120,36 @@ def _write(path: Path, keys: list[Key]) -> None:
         raise
 
 
+@contextlib.contextmanager
+def _locked(path: Path) -> Iterator[None]:
+    """Hold the keys file's lock (``<file>.lock`` beside it): edits by the CLI and by several API servers are made
+    one after another, none lost."""
+    with open(path.with_name(path.name + ".lock"), "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+
+
 def _edit(path: str | os.PathLike, name: str, role: Role | None, create: bool) -> str:
     """Give ``name`` a new key (of ``role``, or of its current one) and return it."""
     path = Path(path)
-    keys = read_keys(path) if path.exists() else []
-    current = next((key for key in keys if key.name == name), None)
-    if create and current is not None:
-        raise KeysFileError(f"a key named {name!r} is in {path} already: rotate it, or revoke it first")
-    if not create and current is None:
-        raise KeysFileError(f"no key named {name!r} in {path}")
-    secret = "hw_" + secrets.token_urlsafe(32)
-    try:
-        new = Key(name=name, role=role or current.role, sha256=hash_key(secret),
-                  created=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))
-    except pydantic.ValidationError:
-        raise KeysFileError(f"key name {name!r}: 1-64 letters, digits, '_', '.' or '-', starting with a letter or "
-                            "digit") from None
-    _write(path, [new if key.name == name else key for key in keys] + ([new] if create else []))
+    with _locked(path):
+        keys = read_keys(path) if path.exists() else []
+        current = next((key for key in keys if key.name == name), None)
+        if create and current is not None:
+            raise KeysFileError(f"a key named {name!r} is in {path} already: rotate it, or revoke it first", ErrorCode.EXISTS)
+        if not create and current is None:
+            raise KeysFileError(f"no key named {name!r} in {path}", ErrorCode.UNKNOWN_KEY)
+        secret = "hw_" + secrets.token_urlsafe(32)
+        try:
+            new = Key(name=name, role=role or current.role, sha256=hash_key(secret),
+                      created=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))
+        except pydantic.ValidationError:
+            raise KeysFileError(f"key name {name!r}: 1-64 letters, digits, '_', '.' or '-', starting with a letter "
+                                "or digit", ErrorCode.BAD_REQUEST) from None
+        _write(path, [new if key.name == name else key for key in keys] + ([new] if create else []))
     return secret
 
 
@@ -142,12 +165,20 @@ def rotate_key(path: str | os.PathLike, name: str) -> str:
     return _edit(path, name, None, create=False)
 
 
-def revoke_key(path: str | os.PathLike, name: str) -> None:
+def revoke_key(path: str | os.PathLike, name: str, keep_an_admin: bool = False) -> None:
+    """Remove ``name``'s key; with ``keep_an_admin``, refuse to remove the file's last admin key."""
     path = Path(path)
-    keys = read_keys(path)
-    if not any(key.name == name for key in keys):
-        raise KeysFileError(f"no key named {name!r} in {path}")
-    _write(path, [key for key in keys if key.name != name])
+    with _locked(path):
+        keys = read_keys(path)
+        key = next((key for key in keys if key.name == name), None)
+        if key is None:
+            raise KeysFileError(f"no key named {name!r} in {path}", ErrorCode.UNKNOWN_KEY)
+        admins = sum(k.role is Role.ADMIN for k in keys)
+        if keep_an_admin and key.role is Role.ADMIN and admins == 1:
+            raise KeysFileError(f"{name!r} is the last admin key in {path}: add another admin key first (without "
+                                "one, and without HOTWIRE_API_KEY, nobody could manage keys or vectors over HTTP)",
+                                ErrorCode.LAST_ADMIN)
+        _write(path, [k for k in keys if k.name != name])
 
 
 @dataclass(frozen=True)
@@ -161,32 +192,46 @@ class KeyRing:
     """The keys that open the server: the file's (read again when it changes) and ``extra``, keys given otherwise
     (``HOTWIRE_API_KEY``: an admin key that no edit of the file revokes). A file that cannot be read or is not
     valid opens nothing until it is fixed (:attr:`error` says why); ``extra`` keys still work. :attr:`changes`
-    lists the keys each new valid file added, rotated, revoked or gave another role, for the audit trail."""
+    lists the keys each new valid file added, rotated, revoked or gave another role, and who did (the caller's key
+    for an edit over HTTP, else ``keys file``: the server cannot know who edited it), for the audit trail."""
 
     def __init__(self, path: str | os.PathLike, extra: tuple[Key, ...] = ()):
         self.path, self.extra = Path(path), extra
         self._state = _State((-1, -1, -1), (), None)
         self._valid: tuple[Key, ...] | None = None  # the keys of the last valid read: what an edit is compared with
-        self.changes: list[tuple[str, str]] = []  # (action, key name) since the caller last took them
+        self.changes: list[tuple[str, str, str]] = []  # (action, key name, who) since the caller last took them
+        self._authors: dict[str, str] = {}  # key name -> who is editing it over HTTP (else: "keys file")
         self.refresh()
         if self.error is not None:
             raise KeysFileError(self.error)
+
+    @contextlib.contextmanager
+    def editing(self, name: str, who: str) -> Iterator[None]:
+        """Attribute the change to ``name`` that the enclosed edit makes to ``who`` (and note it now)."""
+        self._authors[name] = who
+        try:
+            yield
+        finally:
+            self.refresh()
+            self._authors.pop(name, None)
 
     def _note_changes(self, keys: tuple[Key, ...]) -> None:
         if self._valid is None:
             self._valid = keys
             return
         before, after = {k.name: k for k in self._valid}, {k.name: k for k in keys}
+        found = []
         for name, key in after.items():
             old = before.get(name)
             if old is None:
-                self.changes.append(("key_added", name))
+                found.append(("key_added", name))
             else:
                 if old.sha256 != key.sha256:
-                    self.changes.append(("key_rotated", name))
+                    found.append(("key_rotated", name))
                 if old.role != key.role:
-                    self.changes.append(("key_role_changed", name))
-        self.changes += [("key_revoked", name) for name in before if name not in after]
+                    found.append(("key_role_changed", name))
+        found += [("key_revoked", name) for name in before if name not in after]
+        self.changes += [(action, name, self._authors.get(name, "keys file")) for action, name in found]
         self._valid = keys
 
     def refresh(self) -> None:

@@ -5,12 +5,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import AsyncIterator, Callable, Coroutine
+from collections.abc import AsyncIterator
 from typing import Any, Literal
 
-from fastapi import APIRouter, BackgroundTasks, Query, Request, Response
-from fastapi.exceptions import RequestValidationError
-from fastapi.routing import APIRoute
+from fastapi import BackgroundTasks, Query, Request, Response
 
 from hotwire_api.audit import AuditPage, Author
 from hotwire_api.auth import caller_name, require
@@ -23,7 +21,8 @@ from hotwire_api.forms import check_fits
 from hotwire_api.keys import Role
 from hotwire_api.gguf_codec import encode_gguf, encode_safetensors
 from hotwire_api.stats_cache import STATS
-from hotwire_api.models import DeleteResult, ErrorBody, FleetView, SlotStats, VectorList, VectorMeta
+from hotwire_api.steer_router import error_doc, steer_router
+from hotwire_api.models import DeleteResult, FleetView, SlotStats, VectorList, VectorMeta
 from hotwire_api.settings import Settings
 from hotwire_api.uploads import decode_upload
 from hotwire_api.vector_registry import VectorRegistry
@@ -31,27 +30,6 @@ from hotwire_core.error_codes import ErrorCode
 from hotwire_core.spec import VECTOR_ID_RE
 from hotwire_core.vllm_glue import inactive_reason
 from hotwire_core.vllm_glue.api_server import served_model_type
-
-
-class _HotwireRoute(APIRoute):
-    """Renders :class:`HotwireError` and request-validation failures as hotwire error bodies, whichever
-    exception handlers the host app has."""
-
-    def get_route_handler(self) -> Callable[[Request], Coroutine[Any, Any, Response]]:
-        handler = super().get_route_handler()
-
-        async def route(request: Request) -> Response:
-            try:
-                return await handler(request)
-            except HotwireError as err:
-                return err.response()
-            except RequestValidationError as exc:
-                first = exc.errors()[0]
-                field = ".".join(str(part) for part in first["loc"][1:]) or None
-                message = f"{field}: {first['msg']}" if field else str(first["msg"])
-                return HotwireError(400, ErrorCode.BAD_REQUEST, message, field).response()
-
-        return route
 
 
 @contextlib.asynccontextmanager
@@ -73,24 +51,7 @@ async def _background(app: Any) -> AsyncIterator[None]:
         await registry.stop()
 
 
-def _error(description: str) -> dict[str, Any]:
-    return {"model": ErrorBody, "description": description}
-
-
-router = APIRouter(
-    prefix="/steer",
-    tags=["hotwire"],
-    route_class=_HotwireRoute,
-    lifespan=_background,
-    # "default" also keeps FastAPI from declaring a 422: _HotwireRoute answers a malformed parameter with 400.
-    responses={
-        401: _error("Missing or wrong API key."),
-        403: _error("`forbidden`: the key's role does not allow this route (HOTWIRE_KEYS_FILE)."),
-        503: _error("The engine is not running, or cannot be steered."),
-        "default": _error("Any other error, in the same body: 500 `internal` or `engines_disagree`, 502 "
-                          "`bad_engine_result` (hotwire_core and hotwire_api of different versions)."),
-    },
-)
+router = steer_router("The engine is not running, or cannot be steered.", lifespan=_background)
 
 _REGISTER_BODY = {
     "required": True,
@@ -159,13 +120,13 @@ async def _refresh_catalog(engine: HotwireEngine) -> None:
     openapi_extra={"requestBody": _REGISTER_BODY},
     responses={
         200: {"model": VectorMeta, "description": "Replaced an existing vector (`?replace=true`)."},
-        400: _error("Bad id, dtype, shape, layers or values, or a hidden size / layer the model does not have; "
+        400: error_doc("Bad id, dtype, shape, layers or values, or a hidden size / layer the model does not have; "
                     "`bad_request` for a `replace` that is not a boolean."),
-        409: _error("The id is taken; pass `?replace=true` to replace it."),
-        413: _error("Larger than HOTWIRE_MAX_UPLOAD_MB."),
-        415: _error("Neither multipart/form-data nor application/json."),
-        500: _error("`store_failed`: the vector store could not be written; nothing was registered."),
-        503: _error("`registry_unavailable`: the fleet's registry (HOTWIRE_REGISTRY) does not answer, or Redis "
+        409: error_doc("The id is taken; pass `?replace=true` to replace it."),
+        413: error_doc("Larger than HOTWIRE_MAX_UPLOAD_MB."),
+        415: error_doc("Neither multipart/form-data nor application/json."),
+        500: error_doc("`store_failed`: the vector store could not be written; nothing was registered."),
+        503: error_doc("`registry_unavailable`: the fleet's registry (HOTWIRE_REGISTRY) does not answer, or Redis "
                     "restarted and the replicas are putting back what it may have lost (Retry-After); nothing was "
                     "registered."),
     },
@@ -199,11 +160,11 @@ async def register_vector(
     summary="Compute a steering vector from contrastive examples on this server's engine, and register it",
     responses={
         200: {"model": ExtractResult, "description": "Replaced an existing vector (`replace`)."},
-        400: _error("Bad id, layers, method or examples: empty sets, pca with unpaired sets, too many "
+        400: error_doc("Bad id, layers, method or examples: empty sets, pca with unpaired sets, too many "
                     "(HOTWIRE_EXTRACT_MAX_EXAMPLES) or too long (HOTWIRE_EXTRACT_MAX_TOKENS) examples."),
-        409: _error("The id is taken; send `replace: true` to replace it."),
-        429: _error("`capture_busy`: every capture row is in use by other extractions; retry."),
-        503: _error("`capture_off` (start the server with HOTWIRE_CAPTURE=1) or `model_not_steerable`."),
+        409: error_doc("The id is taken; send `replace: true` to replace it."),
+        429: error_doc("`capture_busy`: every capture row is in use by other extractions; retry."),
+        503: error_doc("`capture_off` (start the server with HOTWIRE_CAPTURE=1) or `model_not_steerable`."),
     },
     dependencies=[require(Role.ADMIN)],
 )
@@ -237,7 +198,7 @@ async def list_vectors(request: Request, background: BackgroundTasks) -> VectorL
     "/vectors/{vector_id}",
     response_model=VectorMeta,
     summary="Get one steering vector",
-    responses={404: _error("No vector has this id.")},
+    responses={404: error_doc("No vector has this id.")},
     dependencies=[require(Role.STEER)],
 )
 async def get_vector(vector_id: str, request: Request, background: BackgroundTasks) -> VectorMeta:
@@ -259,9 +220,9 @@ async def get_vector(vector_id: str, request: Request, background: BackgroundTas
     responses={
         200: {"content": {"application/octet-stream": {}},
               "description": "safetensors (registers again unchanged) or a control-vector GGUF (llama.cpp, repeng)."},
-        400: _error("`not_exportable`: GGUF cannot carry this vector (a [hidden] vector, or a row for layer 0); "
+        400: error_doc("`not_exportable`: GGUF cannot carry this vector (a [hidden] vector, or a row for layer 0); "
                     "`bad_request` for another `format` or a `version` below 1."),
-        404: _error("No vector has this id (or this engine holds no such version)."),
+        404: error_doc("No vector has this id (or this engine holds no such version)."),
     },
     dependencies=[require(Role.STEER)],
 )
@@ -294,9 +255,9 @@ async def vector_file(
     summary="Delete a steering vector",
     responses={
         202: {"model": DeleteResult, "description": "Deleted for new requests; running ones keep it until done."},
-        404: _error("No vector has this id."),
-        500: _error("`store_failed`: its stored file could not be removed; it stays registered."),
-        503: _error("`registry_unavailable`: the fleet's registry does not answer, or Redis restarted and the "
+        404: error_doc("No vector has this id."),
+        500: error_doc("`store_failed`: its stored file could not be removed; it stays registered."),
+        503: error_doc("`registry_unavailable`: the fleet's registry does not answer, or Redis restarted and the "
                     "replicas are putting back what it may have lost (Retry-After); nothing was deleted."),
     },
     dependencies=[require(Role.ADMIN)],
@@ -316,7 +277,7 @@ async def delete_vector(vector_id: str, request: Request, background: Background
     "/slots",
     response_model=SlotStats,
     summary="Steering bank occupancy and counters",
-    responses={400: _error("`bad_request`: `max_age_ms` is not an integer in 0-60000.")},
+    responses={400: error_doc("`bad_request`: `max_age_ms` is not an integer in 0-60000.")},
     dependencies=[require(Role.READ)],
 )
 async def slots(
@@ -337,7 +298,7 @@ async def slots(
     "/fleet",
     response_model=FleetView,
     summary="Every replica on the fleet's registry: slots, pinned rows, refusals, vector versions held",
-    responses={503: _error("`registry_unavailable`: the fleet's registry does not answer.")},
+    responses={503: error_doc("`registry_unavailable`: the fleet's registry does not answer.")},
     dependencies=[require(Role.READ)],
 )
 async def fleet(request: Request) -> FleetView:
@@ -348,8 +309,8 @@ async def fleet(request: Request) -> FleetView:
     "/audit",
     response_model=AuditPage,
     summary="Every change to the vectors and the keys, with who made it, newest first",
-    responses={400: _error("`bad_request`: `limit` is not an integer in 1-10000."),
-               503: _error("`registry_unavailable`: the fleet's registry does not answer.")},
+    responses={400: error_doc("`bad_request`: `limit` is not an integer in 1-10000."),
+               503: error_doc("`registry_unavailable`: the fleet's registry does not answer.")},
     dependencies=[require(Role.ADMIN)],
 )
 async def audit(request: Request, limit: int = Query(100, ge=1, le=10_000, description="How many changes.")) -> AuditPage:

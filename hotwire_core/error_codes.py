@@ -74,6 +74,10 @@ class ErrorCode(StrEnum):
     ENGINE_UNAVAILABLE = "engine_unavailable"
     HOTWIRE_INACTIVE = "hotwire_inactive"
     KEYS_UNAVAILABLE = "keys_unavailable"
+    # Keys managed over HTTP (/steer/keys).
+    KEYS_OFF = "keys_off"
+    UNKNOWN_KEY = "unknown_key"
+    LAST_ADMIN = "last_admin"
 
 
 _BY_VALUE = {code.value: code for code in ErrorCode}

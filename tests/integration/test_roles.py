@@ -1,5 +1,5 @@
 """Keys with roles (``HOTWIRE_KEYS_FILE``) against a real ``vllm serve`` (vLLM 0.25.1, tiny float32 model; CPU
-backend in CI): every role on every ``/steer`` route, steering with and without a steer key beside vLLM's own,
+backend in CI): every role on every ``/steer`` route (the keys' own routes too), steering with and without a steer key beside vLLM's own,
 the client and the CLI, keys rotated and revoked while requests run, and a keys file broken and mended, all
 without a restart; then the audit trail of what the tests changed.
 
@@ -86,6 +86,7 @@ def test_every_role_on_every_route(server, keys) -> None:
     presented = {"none": None, "wrong": "hw_wrong", "vllm": VLLM_KEY, **keys.secret, "env": ENV_ADMIN}
     role_of = {"viewer": Role.READ, "app": Role.STEER, "app2": Role.STEER, "ops": Role.ADMIN, "env": Role.ADMIN}
     upload = {"id": "", "layers": {"1": vector(2).tolist()}}
+    newkey = {"name": "", "role": "read"}
     routes = [  # (method, path, body, role, status when allowed)
         ("GET", "/steer/slots", None, Role.READ, 200),
         ("GET", "/steer/fleet", None, Role.READ, 200),
@@ -96,6 +97,9 @@ def test_every_role_on_every_route(server, keys) -> None:
         ("DELETE", "/steer/vectors/{mine}", None, Role.ADMIN, 204),
         ("POST", "/steer/vectors/extract", {"id": "x", "positive": ["a"], "negative": ["b"]}, Role.ADMIN, 503),
         ("GET", "/steer/audit", None, Role.ADMIN, 200),
+        ("GET", "/steer/keys", None, Role.ADMIN, 200),
+        ("POST", "/steer/keys", newkey, Role.ADMIN, 201),
+        ("DELETE", "/steer/keys/{mine}", None, Role.ADMIN, 204),
     ]
     with httpx.Client(base_url=server.url, timeout=120) as http:
         for who, key in presented.items():
@@ -103,6 +107,8 @@ def test_every_role_on_every_route(server, keys) -> None:
                 mine = f"by-{who}"
                 if body is upload:
                     body = {**upload, "id": mine}
+                if body is newkey:
+                    body = {**newkey, "name": mine}
                 response = http.request(method, path.format(mine=mine), json=body, headers=bearer(key))
                 case = f"{who} {method} {path}"
                 if who not in role_of:
@@ -213,7 +219,9 @@ def test_the_audit_trail_says_who_changed_what(server, keys) -> None:
     assert changes == [
         ("ops", "register", "base"),
         ("ops", "register", "by-ops"), ("ops", "delete", "by-ops"),
+        ("ops", "key_added", "by-ops"), ("ops", "key_revoked", "by-ops"),  # over /steer/keys: by the caller
         ("HOTWIRE_API_KEY", "register", "by-env"), ("HOTWIRE_API_KEY", "delete", "by-env"),
+        ("HOTWIRE_API_KEY", "key_added", "by-env"), ("HOTWIRE_API_KEY", "key_revoked", "by-env"),
         ("keys file", "key_rotated", "app"), ("keys file", "key_revoked", "app"), ("keys file", "key_added", "app"),
     ]
     registered = {e["id"]: e for e in page["entries"] if e["action"] == "register"}

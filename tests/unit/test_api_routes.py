@@ -556,14 +556,17 @@ ROUTE_ROLES = {  # docs/security.md, "Keys with roles"
     ("GET", "/steer/vectors/{vector_id}/file"): Role.STEER,
     ("POST", "/steer/vectors"): Role.ADMIN, ("POST", "/steer/vectors/extract"): Role.ADMIN,
     ("DELETE", "/steer/vectors/{vector_id}"): Role.ADMIN, ("GET", "/steer/audit"): Role.ADMIN,
+    ("GET", "/steer/keys"): Role.ADMIN, ("POST", "/steer/keys"): Role.ADMIN,
+    ("POST", "/steer/keys/{name}/rotate"): Role.ADMIN, ("DELETE", "/steer/keys/{name}"): Role.ADMIN,
 }
 
 
 def test_every_steer_route_names_the_role_it_needs() -> None:
+    from hotwire_api.key_routes import router as key_router
     from hotwire_api.routes import router
 
     declared = {}
-    for route in router.routes:
+    for route in [*router.routes, *key_router.routes]:
         roles = [d.call.role for d in route.dependant.dependencies if hasattr(d.call, "role")]
         assert len(roles) == 1, f"{route.path} declares {len(roles)} roles"
         for method in route.methods:

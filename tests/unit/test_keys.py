@@ -12,6 +12,7 @@ import pytest
 
 from hotwire_api import cli
 from hotwire_api.keys import KeyRing, KeysFileError, Role, add_key, hash_key, read_keys, revoke_key, rotate_key
+from hotwire_core.error_codes import ErrorCode
 
 
 def test_roles_are_ordered() -> None:
@@ -29,7 +30,7 @@ def test_the_file_keeps_hashes_only_and_edits_are_whole(tmp_path) -> None:
     assert ops not in text and app not in text and hash_key(ops) in text
     assert stat.S_IMODE(os.stat(path).st_mode) == 0o600
     assert [(k.name, k.role) for k in read_keys(path)] == [("ops", Role.ADMIN), ("app-a", Role.STEER)]
-    assert [p.name for p in tmp_path.iterdir()] == ["keys.json"]  # no temporary file left behind
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["keys.json", "keys.json.lock"]  # no temporary file left
 
     new = rotate_key(path, "app-a")
     keys = {k.name: k for k in read_keys(path)}
@@ -140,7 +141,10 @@ def test_a_ring_lists_what_each_valid_edit_changed(tmp_path) -> None:
     ring.refresh()
     rotate_key(path, "app")
     ring.refresh()
-    assert ring.changes == [("key_added", "app"), ("key_rotated", "app")]
+    with ring.editing("app", "ops"):  # an edit over HTTP names its caller
+        rotate_key(path, "app")
+    assert ring.changes == [("key_added", "app", "keys file"), ("key_rotated", "app", "keys file"),
+                            ("key_rotated", "app", "ops")]
     ring.changes.clear()
 
     saved = path.read_text()
@@ -150,4 +154,28 @@ def test_a_ring_lists_what_each_valid_edit_changed(tmp_path) -> None:
     keys["keys"] = [dict(k, role="read") for k in keys["keys"] if k["name"] == "ops"]
     path.write_text(json.dumps(keys))
     ring.refresh()
-    assert ring.changes == [("key_role_changed", "ops"), ("key_revoked", "app")]
+    assert ring.changes == [("key_role_changed", "ops", "keys file"), ("key_revoked", "app", "keys file")]
+
+
+def test_edits_from_many_processes_at_once_are_all_kept(tmp_path) -> None:
+    """The lock beside the file: concurrent adds (the CLI, several API servers) each read the others' result."""
+    import multiprocessing
+
+    path = tmp_path / "keys.json"
+    with multiprocessing.get_context("spawn").Pool(4) as pool:
+        pool.starmap(add_key, [(path, f"k{n}", Role.STEER) for n in range(24)])
+    assert sorted(key.name for key in read_keys(path)) == sorted(f"k{n}" for n in range(24))
+
+
+def test_the_last_admin_key_is_kept_when_asked(tmp_path) -> None:
+    path = tmp_path / "keys.json"
+    add_key(path, "ops", Role.ADMIN)
+    add_key(path, "app", Role.STEER)
+    with pytest.raises(KeysFileError, match="last admin key") as refused:
+        revoke_key(path, "ops", keep_an_admin=True)
+    assert refused.value.code is ErrorCode.LAST_ADMIN
+    revoke_key(path, "app", keep_an_admin=True)
+    add_key(path, "ops2", Role.ADMIN)
+    revoke_key(path, "ops", keep_an_admin=True)
+    revoke_key(path, "ops2")  # the CLI's operator may empty the file
+    assert read_keys(path) == []

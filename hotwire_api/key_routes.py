@@ -1,0 +1,123 @@
+"""``/steer/keys``: admins list, add, rotate and revoke the keys of ``HOTWIRE_KEYS_FILE`` over HTTP. Each edit is
+the one ``hotwire keys`` makes (``hotwire_api.keys``: under the file's lock, written atomically), takes effect on
+the next request, and goes into the audit trail under the caller's key name."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from pathlib import Path
+from typing import TypeVar
+
+import pydantic
+from fastapi import Request, Response
+
+from hotwire_api.auth import caller_name, record_key_changes, require
+from hotwire_api.errors import HotwireError
+from hotwire_api.keys import NAME_PATTERN, KeyRing, KeysFileError, Role, add_key, read_keys, revoke_key, rotate_key
+from hotwire_api.steer_router import error_doc, steer_router
+from hotwire_core.error_codes import ErrorCode
+
+__all__ = ["AddKey", "KeyInfo", "KeyList", "NewKey", "router"]
+
+T = TypeVar("T")
+
+
+class KeyInfo(pydantic.BaseModel):
+    name: str
+    role: Role
+    created: str = pydantic.Field(description="when the key was made (UTC, ISO 8601)")
+
+
+class KeyList(pydantic.BaseModel):
+    file: str = pydantic.Field(description="the keys file (HOTWIRE_KEYS_FILE)")
+    keys: list[KeyInfo] = pydantic.Field(description="its keys, without their hashes (HOTWIRE_API_KEY, an admin key "
+                                         "too where set, is not among them)")
+
+
+class NewKey(KeyInfo):
+    key: str = pydantic.Field(description="the key itself: shown only in this answer, kept only as its hash")
+
+
+class AddKey(pydantic.BaseModel):
+    model_config = pydantic.ConfigDict(extra="forbid")
+
+    name: str = pydantic.Field(pattern=NAME_PATTERN, description="who will hold the key: named in logs, errors and "
+                               "the audit trail")
+    role: Role = pydantic.Field(description="read: slots and fleet; steer: also vectors and steering; admin: "
+                                "everything")
+
+
+router = steer_router("`keys_off`: the server has no HOTWIRE_KEYS_FILE; `keys_unavailable`: the file cannot be "
+                      "read or is not valid.")
+
+_STATUS = {ErrorCode.EXISTS: 409, ErrorCode.UNKNOWN_KEY: 404, ErrorCode.BAD_REQUEST: 400, ErrorCode.LAST_ADMIN: 409,
+           ErrorCode.KEYS_UNAVAILABLE: 503}
+
+
+def _ring(request: Request) -> KeyRing:
+    ring = request.app.state.hotwire_access.ring
+    if ring is None:
+        raise HotwireError(503, ErrorCode.KEYS_OFF, "this server has no keys file: start it with HOTWIRE_KEYS_FILE "
+                           "(hotwire keys add NAME --role admin --file F makes one) to manage keys over HTTP")
+    return ring
+
+
+async def _edit(request: Request, name: str, edit: Callable[[Path], T]) -> T:
+    """Make ``edit`` to the keys file (off the event loop: it locks and syncs the file) in the caller's name."""
+    ring = _ring(request)
+    try:
+        with ring.editing(name, caller_name(request)):
+            result = await asyncio.to_thread(edit, ring.path)
+    except KeysFileError as exc:
+        field = None if exc.code is ErrorCode.KEYS_UNAVAILABLE else "name"
+        raise HotwireError(_STATUS[exc.code], exc.code, str(exc), field) from None
+    await record_key_changes(request.app)
+    return result
+
+
+def _new(path: Path, name: str, secret: str) -> NewKey:
+    """``name``'s key as the edit that made ``secret`` wrote it (read under no lock: only its date may have moved)."""
+    key = next((key for key in read_keys(path) if key.name == name), None)
+    if key is None:  # revoked by another edit in the moment since
+        raise KeysFileError(f"the key {name!r} was revoked as it was made: make it again",
+                            ErrorCode.UNKNOWN_KEY)
+    return NewKey(name=key.name, role=key.role, created=key.created, key=secret)
+
+
+@router.get("/keys", response_model=KeyList, summary="The keys of the keys file: names, roles, dates",
+            dependencies=[require(Role.ADMIN)])
+async def list_keys(request: Request) -> KeyList:
+    ring = _ring(request)
+    try:
+        keys = await asyncio.to_thread(read_keys, ring.path)
+    except KeysFileError as exc:
+        raise HotwireError(503, ErrorCode.KEYS_UNAVAILABLE, str(exc)) from None
+    return KeyList(file=str(ring.path), keys=[KeyInfo(name=k.name, role=k.role, created=k.created) for k in keys])
+
+
+@router.post("/keys", status_code=201, response_model=NewKey, summary="Add a key (shown once, in this answer)",
+             responses={400: error_doc("`bad_request`: a name or role that is not one."),
+                        409: error_doc("`exists`: a key has this name; rotate it, or revoke it first.")},
+             dependencies=[require(Role.ADMIN)])
+async def create_key(body: AddKey, request: Request) -> NewKey:
+    return await _edit(request, body.name, lambda path: _new(path, body.name, add_key(path, body.name, body.role)))
+
+
+@router.post("/keys/{name}/rotate", response_model=NewKey,
+             summary="Replace a key with a new one of the same role; the old one stops working now",
+             responses={404: error_doc("`unknown_key`: no key has this name.")},
+             dependencies=[require(Role.ADMIN)])
+async def rotate(name: str, request: Request) -> NewKey:
+    return await _edit(request, name, lambda path: _new(path, name, rotate_key(path, name)))
+
+
+@router.delete("/keys/{name}", status_code=204, response_class=Response, summary="Revoke a key: it stops working now",
+               responses={404: error_doc("`unknown_key`: no key has this name."),
+                          409: error_doc("`last_admin`: the file's last admin key, on a server without "
+                                      "HOTWIRE_API_KEY; add another admin key first.")},
+               dependencies=[require(Role.ADMIN)])
+async def revoke(name: str, request: Request) -> Response:
+    keep = not request.app.state.hotwire_settings.api_key
+    await _edit(request, name, lambda path: revoke_key(path, name, keep_an_admin=keep))
+    return Response(status_code=204)

@@ -1,0 +1,62 @@
+"""What every ``/steer/*`` router shares: errors rendered as hotwire's JSON error body, and the responses every
+route may give, declared once for the OpenAPI schema."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Coroutine
+from typing import Any
+
+from fastapi import APIRouter, Request, Response
+from fastapi.exceptions import RequestValidationError
+from fastapi.routing import APIRoute
+
+from hotwire_api.errors import HotwireError
+from hotwire_api.models import ErrorBody
+from hotwire_core.error_codes import ErrorCode
+
+__all__ = ["HotwireRoute", "error_doc", "steer_router"]
+
+
+class HotwireRoute(APIRoute):
+    """Renders :class:`HotwireError` and request-validation failures as hotwire error bodies, whichever
+    exception handlers the host app has."""
+
+    def get_route_handler(self) -> Callable[[Request], Coroutine[Any, Any, Response]]:
+        handler = super().get_route_handler()
+
+        async def route(request: Request) -> Response:
+            try:
+                return await handler(request)
+            except HotwireError as err:
+                return err.response()
+            except RequestValidationError as exc:
+                first = exc.errors()[0]
+                field = ".".join(str(part) for part in first["loc"][1:]) or None
+                message = f"{field}: {first['msg']}" if field else str(first["msg"])
+                return HotwireError(400, ErrorCode.BAD_REQUEST, message, field).response()
+
+        return route
+
+
+def error_doc(description: str) -> dict[str, Any]:
+    """An error response for the OpenAPI schema: hotwire's error body, described."""
+    return {"model": ErrorBody, "description": description}
+
+
+def steer_router(unavailable: str, **kwargs: Any) -> APIRouter:
+    """A router under ``/steer`` whose routes answer errors as :class:`HotwireRoute` does; ``unavailable`` describes
+    its 503s."""
+    return APIRouter(
+        prefix="/steer",
+        tags=["hotwire"],
+        route_class=HotwireRoute,
+        # "default" also keeps FastAPI from declaring a 422: HotwireRoute answers a malformed parameter with 400.
+        responses={
+            401: error_doc("Missing or wrong API key."),
+            403: error_doc("`forbidden`: the key's role does not allow this route (HOTWIRE_KEYS_FILE)."),
+            503: error_doc(unavailable),
+            "default": error_doc("Any other error, in the same body: 500 `internal` or `engines_disagree`, 502 "
+                                 "`bad_engine_result` (hotwire_core and hotwire_api of different versions)."),
+        },
+        **kwargs,
+    )
