@@ -19,38 +19,40 @@ engine client requires of every spec that reaches the engine; the response carri
 naming those versions (``hotwire_api.answer`` replaces an answer that is not the steered one). A request whose
 bank rows are taken waits in the engine until they free up. With lenient mode a 4xx instead strips the spec,
 serves the request unsteered and adds ``x-hotwire-lenient: <reason>``. A ``cache_salt`` with hotwire's reserved
-prefix, or a client's own ``hotwire_ticket``, is refused on every route.
+prefix, or a client's own ``hotwire_ticket``, is refused on every route. With monitors (``hotwire_api.monitors``)
+every chat and completions body is read, and one they can read is admitted as a reading request
+(``hotwire_api.reading``), whatever the client asked.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import json
+import logging
 import time
-import uuid
 from dataclasses import dataclass
-from typing import Any, Callable, TypeVar
+from typing import Any
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from hotwire_api.answer import Answer, in_body
+from hotwire_api.answer import Answer
 from hotwire_api.auth import authorize_steering, record_key_changes
 from hotwire_api.catalog import CATALOG
 from hotwire_api.engine import HotwireEngine
-from hotwire_api.errors import HotwireError
+from hotwire_api.errors import HotwireError, in_body
 from hotwire_api.headers import KEY_HEADER, LENIENT_HEADER, RECEIPT_HEADER
+from hotwire_api.monitors import Monitor, MonitorBook, skipped
+from hotwire_api.reading import Reading, authorize_readout, decide_reading, monitored
 from hotwire_api.stats_cache import STATS
 from hotwire_api.tickets import TICKETS
-from hotwire_core.admission import Refusal, Rules, pinned_spec, receipt, resolve
+from hotwire_core.admission import Refusal, pinned_spec, receipt, resolve
 from hotwire_core.contract import ADMISSION_ONLY_KEYS
 from hotwire_core.error_codes import ErrorCode
-from hotwire_core.readout_admission import resolve_readout
 from hotwire_core.readout_spec import READOUT_KEY
 from hotwire_core.spec import SALT_PREFIX, SPEC_KEY, TICKET_KEY, SpecError, parse_spec
 
 __all__ = ["AdmissionMiddleware", "STEERABLE_ROUTES"]
 
-T = TypeVar("T")
+logger = logging.getLogger(__name__)
 STEERABLE_ROUTES = frozenset({"/v1/chat/completions", "/v1/completions", "/v1/responses", "/invocations"})
 _FIELD = f"vllm_xargs.{SPEC_KEY}"
 
@@ -88,23 +90,27 @@ class AdmissionMiddleware:
         body = await _read_body(receive)
         if body is None:  # the client left before sending the whole body
             return
-        request = _json_object(body) if _may_name_hotwire(body) else None
+        book: MonitorBook = scope["app"].state.hotwire_monitors
+        monitors = book.current() if path in STEERABLE_ROUTES else ()
+        request = _json_object(body) if monitors or _may_name_hotwire(body) else None
         steering = _steering(request) if request is not None else None
         try:
             if request is not None:
                 _refuse_reserved(request, steering)
+            monitors = monitored(monitors, path, request, _as_pydantic_bool((request or {}).get("use_beam_search")))
             if steering is None:
-                await self.app(scope, _replay(body, receive), send)
+                await self._serve_monitored(scope, receive, send, path, body, request, monitors, book.state)
                 return
             reads = READOUT_KEY in steering.holder
             if reads:
-                _authorize_readout(path, steering)
+                authorize_readout(path, steering.where, steering.request)
             self._authorize(scope, path, steering)
             await record_key_changes(scope["app"])
             engine = HotwireEngine.of(scope["app"])
             # Present, whatever its value: a spec that is not a JSON string is hotwire's 400, not vLLM's.
             decided, pinned = await _decide(engine, steering.spec) if SPEC_KEY in steering.holder else ("", None)
-            readout = await _decide_readout(engine, steering.readout) if reads else None
+            reading = await decide_reading(engine, steering.readout if reads else None, monitors, book.state) \
+                if reads or monitors else None
         except HotwireError as err:
             STATS.count_refusal(err.code)
             if err.code in _NEVER_LENIENT or not (self.lenient and 400 <= err.status < 500):
@@ -116,7 +122,25 @@ class AdmissionMiddleware:
             lenient_send = _add_header(send, LENIENT_HEADER.encode(), f"{err.code}: {err.message}")
             await self.app(_with_length(scope, len(body)), _replay(body, receive), lenient_send)
             return
-        await self._serve_admitted(scope, receive, send, path, engine, steering, decided, pinned, readout)
+        await self._serve_admitted(scope, receive, send, path, engine, steering, decided, pinned, reading)
+
+    async def _serve_monitored(self, scope: Scope, receive: Receive, send: Send, path: str, body: bytes,
+                               request: dict[str, Any] | None, monitors: tuple[Monitor, ...], state: int) -> None:
+        """A request that asks nothing of hotwire: read by the monitors where they can, else passed on as it came."""
+        reading = None
+        if monitors:
+            assert request is not None
+            try:
+                engine = HotwireEngine.of(scope["app"])
+                reading = await decide_reading(engine, None, monitors, state)
+            except HotwireError as err:  # the engine is not there to read it: vLLM answers it as it would anyway
+                skipped("unavailable")
+                logger.debug("hotwire: monitors skip a request: %s", err.message)
+        if reading is None:
+            await self.app(scope, _replay(body, receive), send)
+            return
+        steering = _Steering(request, request.setdefault("vllm_xargs", {}), "vllm_xargs")
+        await self._serve_admitted(scope, receive, send, path, engine, steering, "", None, reading, required=False)
 
     @staticmethod
     def _authorize(scope: Scope, path: str, steering: _Steering) -> None:
@@ -135,17 +159,17 @@ class AdmissionMiddleware:
                            _header(scope, KEY_HEADER.lower().encode()) or None)
 
     async def _serve_admitted(self, scope: Scope, receive: Receive, send: Send, path: str, engine: HotwireEngine,
-                              steering: _Steering, decided: str, pinned: str | None,
-                              readout: tuple[str, str] | None) -> None:
-        ticket_id = TICKETS.issue(pinned, readout[0] if readout else None)
+                              steering: _Steering, decided: str, pinned: str | None, reading: Reading | None,
+                              required: bool = True) -> None:
+        ticket_id = TICKETS.issue(pinned, reading.value if reading else None)
         ticket = TICKETS.get(ticket_id)
         assert ticket is not None
         if pinned is not None:
             steering.holder[SPEC_KEY] = pinned
             send = _add_header(send, RECEIPT_HEADER.encode(), decided)
         usage_wanted = True
-        if readout is not None:
-            steering.holder[READOUT_KEY] = readout[0]
+        if reading is not None:
+            steering.holder[READOUT_KEY] = reading.value
             options = steering.request.get("stream_options")
             if _as_pydantic_bool(steering.request.get("stream")) and isinstance(options or {}, dict):
                 # The usage chunk says how many tokens the stream generated: what the readout is cut to.
@@ -153,8 +177,7 @@ class AdmissionMiddleware:
                 steering.request["stream_options"] = {**(options or {}), "include_usage": True}
         steering.holder[TICKET_KEY] = ticket_id
         body = json.dumps(steering.request, separators=(",", ":")).encode()
-        answer = Answer(engine, ticket_id, ticket, scope, receive, send, path, readout[1] if readout else None,
-                        usage_wanted)
+        answer = Answer(engine, ticket_id, ticket, scope, receive, send, path, reading, usage_wanted, required)
         try:
             await self.app(_with_length(scope, len(body)), _replay(body, receive), answer.send)
         except Exception:
@@ -230,8 +253,8 @@ async def _decide(engine: HotwireEngine, spec: Any) -> tuple[str, str]:
         hit = _DECIDED.get((spec, CATALOG.state))
         if hit is not None:
             return hit
-        resolved = await _against_catalog(engine, arrived, lambda rules: resolve(spec, CATALOG.lookup, rules),
-                                          (ErrorCode.UNKNOWN_VECTOR,))
+        resolved = await CATALOG.decide(engine, arrived, lambda rules: resolve(spec, CATALOG.lookup, rules),
+                                        (ErrorCode.UNKNOWN_VECTOR,))
     except (Refusal, HotwireError) as exc:
         raise in_body(exc) from None
     decided = receipt(resolved), pinned_spec(resolved)
@@ -249,56 +272,6 @@ async def _decide(engine: HotwireEngine, spec: Any) -> tuple[str, str]:
 _DECIDED: dict[tuple[str, int], tuple[str, str]] = {}
 _DECIDED_KEPT = 1024
 _CACHED_SPEC_CHARS = 1024
-
-
-async def _against_catalog(engine: HotwireEngine, arrived: float, decide: Callable[[Rules], T],
-                           unknown: tuple[ErrorCode, ...]) -> T:
-    """``decide`` against this process's catalog, and once more after a refresh when it refuses with a code of
-    ``unknown``: registered since the last refresh (through another API server)? Only an answer the engine gave
-    after the request ``arrived`` can say no: a fetch already in flight may predate the registration."""
-    rules = await CATALOG.ready(engine)
-    try:
-        return decide(rules)
-    except Refusal as exc:
-        if exc.code not in unknown:
-            raise
-    await CATALOG.refresh(engine, not_before=arrived)
-    return decide(rules)
-
-
-READOUT_ROUTES = frozenset({"/v1/chat/completions", "/v1/completions"})
-
-
-def _authorize_readout(path: str, steering: _Steering) -> None:
-    """A readout comes back in the JSON body of a chat or completions response (a stream: in a chunk of its own),
-    for one completion."""
-    field = f"{steering.where}.{READOUT_KEY}"
-    if path not in READOUT_ROUTES or steering.where != "vllm_xargs":
-        raise HotwireError(400, ErrorCode.READOUT_UNSUPPORTED, f"POST {path} cannot return a readout: only "
-                           f"vllm_xargs.{READOUT_KEY} of POST {', '.join(sorted(READOUT_ROUTES))} is read; send the "
-                           "request without it, or to one of those routes", field)
-    if steering.request.get("n", 1) not in (1, None):
-        raise HotwireError(400, ErrorCode.BAD_READOUT, "a readout reads one completion: send n = 1", "n")
-
-
-async def _decide_readout(engine: HotwireEngine, value: Any) -> tuple[str, str]:
-    """The pinned readout (every probe bound to the version decided here, and a tag to take its values by) and its
-    tag, or its refusal (:class:`HotwireError`, with the field named as in the request body)."""
-    if not isinstance(value, str):
-        raise HotwireError(400, ErrorCode.BAD_READOUT, f"vllm_xargs.{READOUT_KEY} must be a JSON string holding "
-                           '{"probes": [{"id": ..., "layer": ...}], "tokens": ...}', f"vllm_xargs.{READOUT_KEY}")
-    arrived = time.monotonic()
-    try:
-        # A probe's pinned version the catalog lacks may be one the engine still retains: refreshed, it is held.
-        spec, resolved = await _against_catalog(
-            engine, arrived, lambda rules: resolve_readout(value, CATALOG.lookup, rules, rules.model.readout_probes),
-            (ErrorCode.UNKNOWN_VECTOR, ErrorCode.VERSION_GONE))
-    except (Refusal, HotwireError) as exc:
-        raise in_body(exc) from None
-    tag = uuid.uuid4().hex
-    pinned = dataclasses.replace(spec, probes=tuple(dataclasses.replace(p, version=v.version) for p, v in resolved),
-                                 tag=tag)
-    return json.dumps(pinned.to_json(), separators=(",", ":")), tag
 
 
 def _path(scope: Scope) -> str:

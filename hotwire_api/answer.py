@@ -15,7 +15,9 @@ Two things can make vLLM's answer wrong for such a request, and this module repl
 A request that reads probes (``hotwire_readout``) gets its values in the JSON body (``hotwire_readout``), taken from
 the workers once the response is whole; if they cannot be had, the readout's error replaces the response. A stream
 gets them in a chunk of their own before ``[DONE]`` (or an error event there), cut to the usage chunk's count, which
-admission asks vLLM for (and which is dropped when the client did not ask for it).
+admission asks vLLM for (and which is dropped when the client did not ask for it). The monitors' verdicts
+(``hotwire_monitors``, ``hotwire_api.reading``) come the same way; a request that only the monitors read is never
+failed by them: when its values cannot be had, it goes out without verdicts (counted as skipped).
 
 No request that was refused, or not steered or read as admitted, ends as a success.
 """
@@ -23,28 +25,23 @@ No request that was refused, or not steered or read as admitted, ends as a succe
 from __future__ import annotations
 
 import json
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from starlette.types import Message, Receive, Scope, Send
 
 from hotwire_api.engine import HotwireEngine
-from hotwire_api.errors import HotwireError
+from hotwire_api.errors import HotwireError, in_body
+from hotwire_api.monitors import skipped
 from hotwire_api.tickets import Ticket
 from hotwire_core.error_codes import ErrorCode
 from hotwire_core.errors import EngineError
 from hotwire_core.readout_results import readout_of
 from hotwire_core.spec import SPEC_KEY
 
-__all__ = ["Answer", "in_body"]
+__all__ = ["Answer"]
 
-
-def in_body(exc: Any) -> HotwireError:
-    """A refusal (``Refusal`` or :class:`HotwireError`) with its field named as in the request body
-    (``vllm_xargs.hotwire[0].id``)."""
-    field = exc.field
-    if field is not None and field.startswith(SPEC_KEY):
-        field = f"vllm_xargs.{field}"
-    return HotwireError(exc.status, exc.code, exc.message, field)
+if TYPE_CHECKING:
+    from hotwire_api.reading import Reading
 
 
 def _not_steered(path: str) -> HotwireError:
@@ -60,8 +57,10 @@ class Answer:
     """vLLM's answer to one admitted request, passed on or replaced (see the module docstring)."""
 
     def __init__(self, engine: HotwireEngine, ticket_id: str, ticket: Ticket, scope: Scope, receive: Receive,
-                 send: Send, path: str, readout_tag: str | None = None, usage_wanted: bool = True):
-        self.engine, self.ticket_id, self.ticket, self.readout_tag = engine, ticket_id, ticket, readout_tag
+                 send: Send, path: str, reading: Reading | None = None, usage_wanted: bool = True,
+                 required: bool = True):
+        self.engine, self.ticket_id, self.ticket, self.reading = engine, ticket_id, ticket, reading
+        self.required = required  # the client asked for steering or a readout (else only the monitors read it)
         self.usage_wanted = usage_wanted  # a stream's usage chunk goes out (admission asks for it for a readout)
         self._generated: int | None = None  # a readout stream's completion tokens, from its usage chunk
         self._chunk: dict[str, Any] = {}  # the id, object, created and model of a readout stream's chunks
@@ -108,9 +107,11 @@ class Answer:
                 message = {**message, "body": _error_event(refusal, self.responses_api)}
         elif not self.output and _carries_output(events):
             self.output = True
-            if not self.ticket.presented:
+            if not self.ticket.presented and self.required:
                 await self._refuse_or_end(_not_steered(self.path))
                 return
+            if not self.ticket.presented:
+                self._unmonitored("not_sent")
         if not self.started and not self.output and message.get("more_body", False):
             self.held.append(message)  # the start and the events before the first output wait
             return
@@ -119,7 +120,7 @@ class Answer:
             if refusal is not None:
                 await self._refuse(refusal)
                 return
-        if self.readout_tag is not None:
+        if self.reading is not None or not self.usage_wanted:
             message = await self._readout_in_stream(message)
         await self._flush()
         await self._send(message)
@@ -132,7 +133,9 @@ class Answer:
             if not event.strip():
                 continue
             if event.strip() == b"data: [DONE]":
-                events.append(await self._readout_event())
+                readout = await self._readout_event() if self.reading is not None else b""
+                if readout:
+                    events.append(readout)
             else:
                 found = _event_data(event)
                 data = found[0] if len(found) == 1 else None
@@ -146,21 +149,39 @@ class Answer:
 
     async def _readout_event(self) -> bytes:
         try:
-            if not isinstance(self._generated, int):
-                raise HotwireError(500, ErrorCode.READOUT_LOST, "the stream had no usage chunk to cut the readout to")
-            readout = await self._take_readout(self._generated)
+            fields = await self._readout_fields(self._generated)
         except HotwireError as exc:
             return _error_event(exc, self.responses_api).strip()
-        return b"data: " + json.dumps({**self._chunk, "choices": [], "hotwire_readout": readout}).encode()
+        if not fields:
+            return b""
+        return b"data: " + json.dumps({**self._chunk, "choices": [], **fields}).encode()
 
-    async def _take_readout(self, generated: int) -> dict[str, Any]:
-        """The request's readout (``hotwire_core.readout_results``) for ``generated`` tokens, or :class:`HotwireError`."""
-        assert self.readout_tag is not None
-        answers = await self.engine.take_readouts([self.readout_tag])
+    def _unmonitored(self, reason: str) -> None:
+        """A request only the monitors read goes out without their verdicts."""
+        skipped(reason)
+        self.reading = None
+
+    async def _readout_fields(self, generated: Any) -> dict[str, Any]:
+        """The response's fields for the request's readout (``hotwire_core.readout_results``) over ``generated``
+        tokens: ``hotwire_readout`` where the client asked for one, ``hotwire_monitors`` where monitors read it.
+        :class:`HotwireError` when the client's readout cannot be had; without one, no fields then."""
+        reading = self.reading
+        assert reading is not None
         try:
-            return readout_of(answers, self.readout_tag, generated)
-        except EngineError as exc:
-            raise HotwireError(exc.status, exc.code, exc.message, exc.field) from None
+            if not isinstance(generated, int):
+                raise HotwireError(500, ErrorCode.READOUT_LOST, "the response has no token count "
+                                   "(usage.completion_tokens) to cut the readout to")
+            mine, verdicts = reading.split(readout_of(await self.engine.take_readouts([reading.tag]), reading.tag,
+                                                      generated))
+        except (EngineError, HotwireError) as exc:
+            if reading.tokens is not None:
+                raise HotwireError(exc.status, exc.code, exc.message, exc.field) from None
+            self._unmonitored("lost")
+            return {}
+        fields: dict[str, Any] = {} if mine is None else {"hotwire_readout": mine}
+        if reading.monitors:
+            fields["hotwire_monitors"] = [verdict.model_dump() for verdict in verdicts]
+        return fields
 
     async def _end(self) -> None:
         """A whole (non-streamed or failed) response has been produced: send it, or the refusal behind it."""
@@ -171,9 +192,11 @@ class Answer:
                 return
         elif (not self.ticket.presented and self.status < 300
               and _delivers_output(b"".join(m.get("body", b"") for m in self.held[1:]))):
-            await self._refuse(_not_steered(self.path))
-            return
-        elif self.readout_tag is not None and self.status < 300:
+            if self.required:
+                await self._refuse(_not_steered(self.path))
+                return
+            self._unmonitored("not_sent")
+        elif self.reading is not None and self.status < 300:
             try:
                 await self._attach_readout()
             except HotwireError as exc:
@@ -182,15 +205,17 @@ class Answer:
         await self._flush()
 
     async def _attach_readout(self) -> None:
-        """Put the request's readout (``hotwire_core.readout_results``) into the JSON body as ``hotwire_readout``,
-        or raise :class:`HotwireError`: a response that asked for one never goes out without it."""
+        """Put the request's readout fields (``_readout_fields``) into the JSON body, or raise
+        :class:`HotwireError`: a response whose client asked for a readout never goes out without it."""
         try:
             data = json.loads(b"".join(m.get("body", b"") for m in self.held[1:]))
             generated = int(data["usage"]["completion_tokens"])
         except (ValueError, KeyError, TypeError):
-            raise HotwireError(500, ErrorCode.READOUT_LOST, "the response has no token count (usage.completion_tokens) "
-                               "to cut the readout to") from None
-        data["hotwire_readout"] = await self._take_readout(generated)
+            data, generated = None, None
+        fields = await self._readout_fields(generated)
+        if not fields:
+            return
+        data.update(fields)
         body = json.dumps(data, separators=(",", ":")).encode()
         start = self.held[0]
         headers = [(k, v) for k, v in start.get("headers", []) if k.lower() != b"content-length"]

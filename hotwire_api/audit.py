@@ -24,7 +24,8 @@ logger = logging.getLogger(__name__)
 
 MEMORY_ENTRIES = 10_000
 
-Action = Literal["register", "replace", "delete", "key_added", "key_rotated", "key_revoked", "key_role_changed"]
+Action = Literal["register", "replace", "delete", "key_added", "key_rotated", "key_revoked", "key_role_changed",
+                 "monitor_added", "monitor_replaced", "monitor_deleted"]
 
 
 @dataclass(frozen=True)
@@ -42,7 +43,7 @@ class AuditEntry(pydantic.BaseModel):
     who: str = pydantic.Field(description="the name of the key that made the change (`HOTWIRE_API_KEY`; `api-key` "
                               "with one key and no keys file; `anonymous` with auth off; `keys file` for key changes)")
     action: Action
-    id: str = pydantic.Field(description="the vector's id, or the key's name")
+    id: str = pydantic.Field(description="the vector's id, the key's name or the monitor's id")
     version: int | None = None
     sha256: str | None = pydantic.Field(None, description="the vector's content hash")
     via: Literal["upload", "extract"] | None = pydantic.Field(None, description="how a vector came: uploaded or "

@@ -15,19 +15,22 @@ import itertools
 import logging
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 from hotwire_api.engine import HotwireEngine
 from hotwire_api.errors import HotwireError
 from hotwire_core import contract
-from hotwire_core.admission import ModelInfo, Rules
+from hotwire_core.admission import ModelInfo, Refusal, Rules
+from hotwire_core.error_codes import ErrorCode
 from hotwire_core.settings import parse_layers
 from hotwire_core.vllm_glue.api_server import engine_client
 
 __all__ = ["CATALOG", "Catalog", "CatalogVector", "rules_of"]
 
 logger = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -106,6 +109,20 @@ class Catalog:
             await self.refresh(engine)
         assert self.rules is not None
         return self.rules
+
+    async def decide(self, engine: HotwireEngine, arrived: float, decide: Callable[[Rules], T],
+                     unknown: tuple[ErrorCode, ...]) -> T:
+        """``decide`` against this copy, and once more after a refresh when it refuses with a code of ``unknown``:
+        registered since the last refresh (through another API server)? Only an answer the engine gave after the
+        request ``arrived`` can say no: a fetch already in flight may predate the registration."""
+        rules = await self.ready(engine)
+        try:
+            return decide(rules)
+        except Refusal as exc:
+            if exc.code not in unknown:
+                raise
+        await self.refresh(engine, not_before=arrived)
+        return decide(rules)
 
     async def _fetch(self, engine: HotwireEngine) -> None:
         answer = await engine.catalog(self.generation)

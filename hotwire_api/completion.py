@@ -3,7 +3,8 @@ request body (the spec and the readout checked here, before anything is sent) an
 
 ``steer``: a spec as ``vllm_xargs.hotwire`` takes it (a JSON string, an entry or a list of entries), or the CLI's
 shorthand ``ID:LAYER:SCALE``; ``read``: probes (``{"id", "layer"[, "bias"]}``, or ``ID:LAYER[:BIAS]``) read on
-``tokens``. The answer's ``receipt`` names the versions that steered it; ``readout`` holds the probes' values.
+``tokens``. The answer's ``receipt`` names the versions that steered it; ``readout`` holds the probes' values;
+``monitors`` the server's monitors' verdicts, where they read it.
 """
 
 from __future__ import annotations
@@ -79,4 +80,4 @@ def completion_of(response: httpx.Response) -> Completion:
     usage = data.get("usage") or {}
     return Completion(model=data["model"], text=choice["text"], finish_reason=choice.get("finish_reason"),
                       receipt=response.headers.get(RECEIPT_HEADER), readout=data.get(READOUT_KEY),
-                      prompt_tokens=usage.get("prompt_tokens", 0), completion_tokens=usage.get("completion_tokens", 0))
+                      monitors=data.get("hotwire_monitors"), prompt_tokens=usage.get("prompt_tokens", 0), completion_tokens=usage.get("completion_tokens", 0))

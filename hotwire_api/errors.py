@@ -9,8 +9,9 @@ from starlette.responses import JSONResponse
 
 from hotwire_core.error_codes import ErrorCode
 from hotwire_core.errors import EngineError
+from hotwire_core.spec import SPEC_KEY
 
-__all__ = ["HotwireError"]
+__all__ = ["HotwireError", "in_body"]
 
 _PASSING = frozenset({ErrorCode.SLOTS_BUSY, ErrorCode.ENGINE_UNAVAILABLE, ErrorCode.REGISTRY_UNAVAILABLE})  # 503s worth retrying
 
@@ -40,3 +41,12 @@ class HotwireError(EngineError):
 
     def response(self) -> JSONResponse:
         return JSONResponse(self.body(), status_code=self.status, headers=self.headers())
+
+
+def in_body(exc: Any) -> HotwireError:
+    """A refusal (``Refusal`` or :class:`HotwireError`) with its field named as in the request body
+    (``vllm_xargs.hotwire[0].id``)."""
+    field = exc.field
+    if field is not None and field.startswith(SPEC_KEY):
+        field = f"vllm_xargs.{field}"
+    return HotwireError(exc.status, exc.code, exc.message, field)

@@ -11,13 +11,11 @@ rotated and revoked without a restart.
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import hashlib
 import hmac
 import json
 import os
 import secrets
-import tempfile
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -26,6 +24,7 @@ from pathlib import Path
 
 import pydantic
 
+from hotwire_api.json_file import locked, stamp, write_atomic
 from hotwire_core.error_codes import ErrorCode
 
 __all__ = ["Key", "KeyRing", "KeysFileError", "Role", "add_key", "hash_key", "read_keys", "revoke_key", "rotate_key"]
@@ -106,36 +105,13 @@ def read_keys(path: str | os.PathLike) -> list[Key]:
 
 
 def _write(path: Path, keys: list[Key]) -> None:
-    text = json.dumps({"keys": [key.model_dump(mode="json") for key in keys]}, indent=2) + "\n"
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:  # mkstemp made it 0600
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
-
-
-@contextlib.contextmanager
-def _locked(path: Path) -> Iterator[None]:
-    """Hold the keys file's lock (``<file>.lock`` beside it): edits by the CLI and by several API servers are made
-    one after another, none lost."""
-    with open(path.with_name(path.name + ".lock"), "a") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(lock, fcntl.LOCK_UN)
+    write_atomic(path, json.dumps({"keys": [key.model_dump(mode="json") for key in keys]}, indent=2) + "\n")
 
 
 def _edit(path: str | os.PathLike, name: str, role: Role | None, create: bool) -> str:
     """Give ``name`` a new key (of ``role``, or of its current one) and return it."""
     path = Path(path)
-    with _locked(path):
+    with locked(path):
         keys = read_keys(path) if path.exists() else []
         current = next((key for key in keys if key.name == name), None)
         if create and current is not None:
@@ -168,7 +144,7 @@ def rotate_key(path: str | os.PathLike, name: str) -> str:
 def revoke_key(path: str | os.PathLike, name: str, keep_an_admin: bool = False) -> None:
     """Remove ``name``'s key; with ``keep_an_admin``, refuse to remove the file's last admin key."""
     path = Path(path)
-    with _locked(path):
+    with locked(path):
         keys = read_keys(path)
         key = next((key for key in keys if key.name == name), None)
         if key is None:
@@ -236,16 +212,15 @@ class KeyRing:
 
     def refresh(self) -> None:
         try:
-            st = os.stat(self.path)
-            stamp = (st.st_mtime_ns, st.st_size, st.st_ino)
+            now = stamp(self.path)
         except OSError as exc:
             self._state = _State((-1, -1, -1), (), f"the keys file {self.path} cannot be read ({exc.strerror})")
             return
-        if stamp != self._state.stamp:
+        if now != self._state.stamp:
             try:
-                self._state = _State(stamp, tuple(read_keys(self.path)), None)
+                self._state = _State(now, tuple(read_keys(self.path)), None)
             except KeysFileError as exc:
-                self._state = _State(stamp, (), str(exc))
+                self._state = _State(now, (), str(exc))
                 return
             self._note_changes(self._state.keys)
 

@@ -264,13 +264,24 @@ class Readout(BaseModel):
     probes: list[ProbeReadout]
 
 
+class MonitorScore(BaseModel):
+    """One monitor's verdict on one request (``hotwire_monitors`` in the response)."""
+
+    monitor: str
+    probe: str = Field(description="the probe read: id@version:L<layer>")
+    score: float
+    flagged: bool
+
+
 class Completion(BaseModel):
-    """What ``HotwireClient.complete`` returns: one completion, its receipt and its readout."""
+    """What ``HotwireClient.complete`` returns: one completion, its receipt, its readout and the monitors' verdicts."""
 
     model: str
     text: str
     finish_reason: str | None
     receipt: str | None = Field(description="x-hotwire-receipt: the versions that steered it (None: unsteered).")
     readout: Readout | None = Field(description="hotwire_readout, when probes were read.")
+    monitors: list[MonitorScore] | None = Field(None, description="hotwire_monitors, when the server's monitors read "
+                                                "the request.")
     prompt_tokens: int
     completion_tokens: int

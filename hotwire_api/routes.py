@@ -42,6 +42,7 @@ async def _background(app: Any) -> AsyncIterator[None]:
     tasks = [asyncio.create_task(STATS.run(app)), asyncio.create_task(CATALOG.run(app, app.state.hotwire_settings.catalog_refresh_s))]
     registry: VectorRegistry = app.state.hotwire_registry
     await registry.start(app)
+    await app.state.hotwire_monitors.start(app)
     try:
         yield
     finally:

@@ -194,3 +194,131 @@ def test_the_clients_and_the_cli_complete_with_steering_and_readout(http, server
     (probe,) = printed["readout"]["probes"]
     assert probe["probe"] == "joy@1:L2"
     np.testing.assert_allclose(probe["generated"]["score"], as_cli.readout.probes[0].generated.score, atol=ATOL)
+
+
+def _metric(http, line_start: str) -> float:
+    """The value of the /metrics sample whose line starts with ``line_start`` (0 when there is none yet)."""
+    for line in http.get("/metrics").text.splitlines():
+        if line.startswith(line_start):
+            return float(line.rsplit(" ", 1)[1])
+    return 0.0
+
+
+@pytest.fixture
+def monitors(http) -> Iterator[None]:
+    """Monitors on joy@L1 (generated tokens, max; always flagged) and calm@L2 (the last prompt token; flagged below
+    a threshold it never reaches), deleted afterwards: the module's other tests see no monitors."""
+    added = [{"id": "joy-max", "probe": "joy", "layer": 1, "threshold": -1e9},
+             {"id": "calm-prompt", "probe": "calm", "layer": 2, "bias": 0.5, "threshold": -1e9, "flag": "below",
+              "scope": "prompt"}]
+    for monitor in added:
+        assert http.post("/steer/monitors", json=monitor).status_code == 201
+    yield
+    for monitor in added:
+        http.delete(f"/steer/monitors/{monitor['id']}")
+    assert http.get("/steer/monitors").json()["monitors"] == []
+
+
+def test_monitors_read_every_request_as_its_probes_read_it_and_change_nothing_else(http, tiny_model, monitors):
+    """A plain request under two monitors: the same tokens as without them, and each monitor's score what a readout
+    of its probe gives (max over the generated tokens; the last prompt token's, plus bias); streamed and not; a
+    steered request and one with a readout of its own too; /metrics counts them."""
+    def body(**extra):
+        return {"model": str(tiny_model), "prompt": PROMPT, "max_tokens": 5, "temperature": 0, "ignore_eos": True,
+                "return_token_ids": True, **extra}
+
+    listed = http.get("/steer/monitors").json()
+    assert listed["kept"] == "memory" and [m["id"] for m in listed["monitors"]] == ["joy-max", "calm-prompt"]
+    flagged_before = _metric(http, 'hotwire_monitor_requests_total{flagged="true",monitor="joy-max"}')
+    plain = http.post("/v1/completions", json=body())
+    assert plain.status_code == 200, plain.text
+    data = plain.json()
+    assert "hotwire_readout" not in data and "x-hotwire-receipt" not in plain.headers
+    by_monitor = {v["monitor"]: v for v in data["hotwire_monitors"]}
+    assert by_monitor["joy-max"]["probe"] == "joy@1:L1" and by_monitor["calm-prompt"]["probe"] == "calm@1:L2"
+    assert by_monitor["joy-max"]["flagged"] is True and by_monitor["calm-prompt"]["flagged"] is False
+
+    http.delete("/steer/monitors/joy-max")  # (the fixture adds it back below)
+    http.delete("/steer/monitors/calm-prompt")
+    unmonitored = http.post("/v1/completions", json=body()).json()
+    assert "hotwire_monitors" not in unmonitored
+    assert unmonitored["choices"][0]["token_ids"] == data["choices"][0]["token_ids"]  # the monitors changed nothing
+    read = http.post("/v1/completions", json=body(vllm_xargs=readout(("joy", 1), ("calm", 2), tokens="generated")))
+    probes = read.json()["hotwire_readout"]["probes"]
+    assert by_monitor["joy-max"]["score"] == pytest.approx(max(probes[0]["generated"]["score"]), abs=ATOL)
+    assert by_monitor["calm-prompt"]["score"] == pytest.approx(probes[1]["generated"]["score"][0] + 0.5, abs=ATOL)
+    for monitor in ({"id": "joy-max", "probe": "joy", "layer": 1, "threshold": -1e9},
+                    {"id": "calm-prompt", "probe": "calm", "layer": 2, "bias": 0.5, "threshold": -1e9, "flag": "below",
+                     "scope": "prompt"}):
+        assert http.post("/steer/monitors", json=monitor).status_code == 201
+
+    with http.stream("POST", "/v1/completions", json=body(stream=True)) as response:
+        lines = [line for line in response.iter_lines() if line.startswith("data: ")]
+    events = [json.loads(line.removeprefix("data: ")) for line in lines[:-1]]
+    assert lines[-1] == "data: [DONE]" and events[-1]["choices"] == []
+    assert not any(e.get("usage") for e in events[:-1])  # the usage chunk admission asked for is not passed on
+    for got, want in zip(events[-1]["hotwire_monitors"], data["hotwire_monitors"]):
+        assert got["monitor"] == want["monitor"] and got["score"] == pytest.approx(want["score"], abs=ATOL)
+
+    steered = http.post("/v1/completions", json=body(vllm_xargs={"hotwire": json.dumps({"id": "calm", "layer": 1,
+                                                                                         "scale": 2.0})}))
+    assert steered.headers["x-hotwire-receipt"] == "calm@1:L1x2" and len(steered.json()["hotwire_monitors"]) == 2
+    assert _metric(http, 'hotwire_monitor_requests_total{flagged="true",monitor="joy-max"}') == flagged_before + 3
+    assert _metric(http, 'hotwire_monitor_score_count{monitor="calm-prompt"}') >= 3
+
+    from hotwire_api.client import HotwireClient
+
+    with HotwireClient(str(http.base_url)) as client:  # the client's typed answer carries the verdicts
+        typed = client.complete(PROMPT, 5, temperature=0, ignore_eos=True)
+    assert [(v.monitor, v.flagged) for v in typed.monitors] == [("joy-max", True), ("calm-prompt", False)]
+    assert typed.monitors[0].score == pytest.approx(by_monitor["joy-max"]["score"], abs=ATOL)
+
+
+def test_a_request_the_monitors_cannot_read_is_served_as_without_them(http, tiny_model, monitors):
+    def skipped(reason):
+        return _metric(http, f'hotwire_monitor_skipped_total{{reason="{reason}"}}')
+
+    before = {reason: skipped(reason) for reason in ("n", "probe_limit", "route", "unavailable")}
+    body = {"model": str(tiny_model), "prompt": PROMPT, "max_tokens": 3, "temperature": 0}
+    two = http.post("/v1/completions", json={**body, "n": 2, "temperature": 1.0, "top_k": 1})  # (vLLM: n > 1 not greedy)
+    assert two.status_code == 200 and len(two.json()["choices"]) == 2 and "hotwire_monitors" not in two.json()
+    # the server reads 2 probes per request: the client's own readout is served, the monitors are not
+    mine = http.post("/v1/completions", json={**body, "vllm_xargs": readout(("joy", 3), tokens="prompt")})
+    assert mine.status_code == 200 and "hotwire_monitors" not in mine.json()
+    assert list(mine.json()["hotwire_readout"]["probes"][0]) == ["probe", "bias", "prompt"]
+    responses = http.post("/v1/responses", json={"model": str(tiny_model), "input": "hello", "max_output_tokens": 2})
+    assert responses.status_code == 200, responses.text
+    assert skipped("n") == before["n"] + 1 and skipped("probe_limit") == before["probe_limit"] + 1
+    assert skipped("route") == before["route"] + 1
+
+    # a monitor whose probe is deleted: requests are served without monitors until it is back
+    assert http.post("/steer/vectors", json={"id": "gone", "layers": {"1": [1.0] * HIDDEN}}).status_code == 201
+    assert http.delete("/steer/monitors/calm-prompt").status_code == 204
+    assert http.post("/steer/monitors", json={"id": "m", "probe": "gone", "layer": 1, "threshold": 0}).status_code == 201
+    assert http.delete("/steer/vectors/gone").status_code in (202, 204)
+    served = http.post("/v1/completions", json=body)
+    assert served.status_code == 200 and "hotwire_monitors" not in served.json()
+    assert skipped("unavailable") == before["unavailable"] + 1
+    assert http.delete("/steer/monitors/m").status_code == 204
+    assert http.post("/steer/monitors", json={"id": "calm-prompt", "probe": "calm", "layer": 2, "threshold": 0}
+                     ).status_code == 201
+
+
+@pytest.mark.parametrize("monitor, replace, status, code, field", [
+    ({"id": "joy-max", "probe": "joy", "layer": 1, "threshold": 0}, False, 409, "exists", "id"),
+    ({"id": "joy-max", "probe": "nope", "layer": 1, "threshold": 0}, True, 400, "unknown_vector", "probe"),
+    ({"id": "joy-max", "probe": "joy", "layer": 9, "threshold": 0}, True, 400, "layer_out_of_range", "layer"),
+    ({"id": "x", "probe": "joy", "layer": 1, "threshold": 0}, False, 400, "bad_readout", None),  # a third: over 2
+    ({"id": "x", "probe": "joy", "layer": 1}, False, 400, "bad_request", "threshold"),
+    ({"id": "x", "probe": "joy", "layer": 1, "threshold": 0, "scope": "all"}, False, 400, "bad_request", "scope"),
+    ({"id": "joy-max", "probe": "joy", "layer": 2, "threshold": 0}, True, 200, None, None),
+])
+def test_a_monitor_that_cannot_read_every_request_is_refused(http, monitors, monitor, replace, status, code, field):
+    response = http.post("/steer/monitors", json=monitor, params={"replace": str(replace).lower()})
+    assert response.status_code == status, response.text
+    if code is not None:
+        assert (response.json()["error"]["code"], response.json()["error"].get("field")) == (code, field)
+    else:
+        assert {"id": "joy-max", "layer": 2} in [{"id": m["id"], "layer": m["layer"]} for m in response.json()["monitors"]]
+    assert http.delete("/steer/monitors/x").status_code == 404
+    assert http.delete("/steer/monitors/x").json()["error"]["code"] == "unknown_monitor"

@@ -100,6 +100,8 @@ def test_every_role_on_every_route(server, keys) -> None:
         ("GET", "/steer/keys", None, Role.ADMIN, 200),
         ("POST", "/steer/keys", newkey, Role.ADMIN, 201),
         ("DELETE", "/steer/keys/{mine}", None, Role.ADMIN, 204),
+        ("GET", "/steer/monitors", None, Role.READ, 200),
+        ("POST", "/steer/monitors", {"id": "m", "probe": "base", "layer": 1, "threshold": 1}, Role.ADMIN, 503),
     ]
     with httpx.Client(base_url=server.url, timeout=120) as http:
         for who, key in presented.items():
@@ -118,8 +120,8 @@ def test_every_role_on_every_route(server, keys) -> None:
                     assert f"'{who}'" in message and needed.value in message, (case, message)
                 else:
                     assert response.status_code == allowed, (case, response.text)
-                    if allowed == 503:  # extraction needs HOTWIRE_CAPTURE=1: past auth, the route's own answer
-                        assert response.json()["error"]["code"] == "capture_off", case
+                    if allowed == 503:  # extraction and monitors need HOTWIRE_CAPTURE=1 and HOTWIRE_READOUT=1
+                        assert response.json()["error"]["code"] in ("capture_off", "readout_off"), case
 
 
 def test_steering_needs_a_steer_key_beside_vllms(server, keys, model) -> None:

@@ -558,15 +558,18 @@ ROUTE_ROLES = {  # docs/security.md, "Keys with roles"
     ("DELETE", "/steer/vectors/{vector_id}"): Role.ADMIN, ("GET", "/steer/audit"): Role.ADMIN,
     ("GET", "/steer/keys"): Role.ADMIN, ("POST", "/steer/keys"): Role.ADMIN,
     ("POST", "/steer/keys/{name}/rotate"): Role.ADMIN, ("DELETE", "/steer/keys/{name}"): Role.ADMIN,
+    ("GET", "/steer/monitors"): Role.READ, ("POST", "/steer/monitors"): Role.ADMIN,
+    ("DELETE", "/steer/monitors/{monitor_id}"): Role.ADMIN,
 }
 
 
 def test_every_steer_route_names_the_role_it_needs() -> None:
     from hotwire_api.key_routes import router as key_router
+    from hotwire_api.monitor_routes import router as monitor_router
     from hotwire_api.routes import router
 
     declared = {}
-    for route in [*router.routes, *key_router.routes]:
+    for route in [*router.routes, *key_router.routes, *monitor_router.routes]:
         roles = [d.call.role for d in route.dependant.dependencies if hasattr(d.call, "role")]
         assert len(roles) == 1, f"{route.path} declares {len(roles)} roles"
         for method in route.methods:

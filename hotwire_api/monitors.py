@@ -1,0 +1,158 @@
+"""Monitors: probes an operator runs on every chat and completions request, steered or not. Each request is read
+like a request with its own readout (``hotwire_api.reading`` adds the monitors' probes to it at admission); when
+it is whole, each monitor's score is put in the response (``hotwire_monitors``), on ``/metrics`` (a histogram of
+scores and a count of the requests it flagged) and, when it crosses the monitor's threshold, in the log.
+
+A monitor reads generated tokens only (positions from the last prompt token on), so a monitored request keeps the
+prefix cache: ``scope`` ``prompt`` scores the last prompt token (whose residual stream has attended to the whole
+prompt; the position that predicts the first generated token), ``generated`` reduces the scores of every
+generated token (``max``, ``mean`` or ``min``).
+
+Monitors are kept in ``monitors.json`` in the served model's store folder (``HOTWIRE_STORE``), edited under a lock
+and read again when it changes, so every API server of a host sees the same ones; with the store off (a fleet) each
+API server keeps its own in memory.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any, Literal
+
+import pydantic
+from prometheus_client import Counter, Histogram
+
+from hotwire_api.json_file import locked, stamp, write_atomic
+from hotwire_api.models import MonitorScore
+from hotwire_core.settings import Settings as CoreSettings
+from hotwire_core.spec import VECTOR_ID_RE
+from hotwire_core.vllm_glue.api_server import served_port_and_model
+
+__all__ = ["Monitor", "MonitorBook", "score_of", "skipped"]
+
+logger = logging.getLogger(__name__)
+
+_SCORES = Histogram("hotwire_monitor_score", "Per-request score of each monitor.", ["monitor"],
+                    buckets=(-1000, -300, -100, -30, -10, -3, -1, -0.3, 0, 0.3, 1, 3, 10, 30, 100, 300, 1000))
+_REQUESTS = Counter("hotwire_monitor_requests", "Requests each monitor scored, by whether it flagged them.",
+                    ["monitor", "flagged"])
+_SKIPPED = Counter("hotwire_monitor_skipped", "Chat and completions requests the monitors could not read, by "
+                   "reason.", ["reason"])
+
+
+class Monitor(pydantic.BaseModel):
+    """``POST /steer/monitors``: a registered vector read as a probe on every request."""
+
+    model_config = pydantic.ConfigDict(extra="forbid", frozen=True)
+
+    id: str = pydantic.Field(pattern=f"^{VECTOR_ID_RE.pattern}$", description="the monitor's name (metrics label)")
+    probe: str = pydantic.Field(pattern=f"^{VECTOR_ID_RE.pattern}$", description="the registered vector read as "
+                                "a probe (its current version when each request is admitted)")
+    layer: int = pydantic.Field(ge=0, description="the layer after which the residual stream is read")
+    bias: float = pydantic.Field(0.0, allow_inf_nan=False, description="added to the dot product (a linear probe)")
+    threshold: float = pydantic.Field(allow_inf_nan=False, description="a score past it flags the request")
+    flag: Literal["above", "below"] = pydantic.Field("above", description="flag scores at or above the threshold, "
+                                                      "or at or below it")
+    scope: Literal["prompt", "generated"] = pydantic.Field(
+        "generated", description="prompt: the last prompt token's score; generated: the generated tokens' scores, "
+        "reduced")
+    reduce: Literal["max", "mean", "min"] = pydantic.Field("max", description="how the generated tokens' scores "
+                                                            "make the request's (scope generated)")
+
+
+class _MonitorsFile(pydantic.BaseModel):
+    monitors: list[Monitor]
+
+
+def score_of(monitor: Monitor, read: dict[str, Any]) -> MonitorScore | None:
+    """``monitor``'s verdict from its probe's readout (``readout_results.readout_of``'s entry, generated tokens
+    read); None when the request generated nothing."""
+    scores = read["generated"]["score"]
+    if not scores:
+        return None
+    if monitor.scope == "prompt":
+        value = scores[0]
+    else:
+        value = {"max": max, "min": min, "mean": lambda s: sum(s) / len(s)}[monitor.reduce](scores)
+    flagged = value >= monitor.threshold if monitor.flag == "above" else value <= monitor.threshold
+    _SCORES.labels(monitor.id).observe(value)
+    _REQUESTS.labels(monitor.id, "true" if flagged else "false").inc()
+    return MonitorScore(monitor=monitor.id, probe=read["probe"], score=value, flagged=flagged)
+
+
+def skipped(reason: str) -> None:
+    """Count a request the monitors could not read (``hotwire_monitor_skipped_total{reason}``)."""
+    _SKIPPED.labels(reason).inc()
+
+
+class MonitorBook:
+    """The monitors (see the module docstring): a file, or this API server's memory until :meth:`start` finds
+    the store."""
+
+    def __init__(self) -> None:
+        self.path: Path | None = None
+        self._monitors: tuple[Monitor, ...] = ()
+        self._stamp: tuple[int, int, int] | None = None
+        self.state = 0  # changes whenever the monitors may have: what admission caches their decision under
+
+    async def start(self, app: Any) -> None:
+        model = served_port_and_model(app)[1]
+        folder = CoreSettings.from_env().store_dir(model) if model else None
+        if folder is not None:
+            self.path = folder / "monitors.json"
+            self.current()
+
+    def current(self) -> tuple[Monitor, ...]:
+        """The monitors now (the file read again if it changed; one that cannot be read keeps the last good ones,
+        with an error in the log)."""
+        if self.path is None:
+            return self._monitors
+        try:
+            now = stamp(self.path)
+        except FileNotFoundError:
+            now = None
+        except OSError as exc:
+            logger.error("hotwire: the monitors file %s cannot be read (%s); the last monitors read stay on",
+                         self.path, exc.strerror)
+            return self._monitors
+        if now != self._stamp:
+            try:
+                self._set(self._read(), now)
+            except (OSError, ValueError) as exc:
+                logger.error("hotwire: the monitors file %s is not valid (%s); the last monitors read stay on",
+                             self.path, str(exc)[:200])
+                self._stamp = now
+        return self._monitors
+
+    def _set(self, monitors: Sequence[Monitor], now: tuple[int, int, int] | None) -> None:
+        self._monitors, self._stamp = tuple(monitors), now
+        self.state += 1
+
+    def _read(self) -> list[Monitor]:
+        if self.path is None or not self.path.exists():
+            return list(self._monitors) if self.path is None else []
+        return _MonitorsFile.model_validate_json(self.path.read_text(encoding="utf-8")).monitors
+
+    def edit(self, monitor_id: str, new: Monitor | None) -> Monitor | None:
+        """Put ``new`` in place of the monitor ``monitor_id`` (added when there is none; removed when ``new`` is
+        None); returns the monitor it replaced. The caller checked ``new``."""
+        if self.path is None:
+            return self._apply(list(self._monitors), monitor_id, new, None)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        with locked(self.path):
+            old = self._apply(self._read(), monitor_id, new, self.path)
+        self.current()
+        return old
+
+    def _apply(self, monitors: list[Monitor], monitor_id: str, new: Monitor | None, path: Path | None) -> Monitor | None:
+        old = next((m for m in monitors if m.id == monitor_id), None)
+        if old is None and new is None:
+            return None
+        kept = [m for m in monitors if m.id != monitor_id] + ([new] if new is not None else [])
+        if path is None:
+            self._set(kept, None)
+        else:
+            write_atomic(path, json.dumps({"monitors": [m.model_dump() for m in kept]}, indent=2) + "\n")
+        return old
