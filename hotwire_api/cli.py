@@ -8,6 +8,8 @@
     hotwire complete PROMPT [--steer ID:LAYER:SCALE ... | --spec JSON] [--read ID:LAYER[:BIAS] ...]
                      [--tokens generated|prompt|all] [--max-tokens N] [--temperature T] [--model M]
     hotwire list | slots | fleet | delete ID
+    hotwire monitors list | monitors add ID --probe P --layer L --threshold T [--bias B] [--flag above|below]
+                     [--scope generated|prompt] [--reduce max|mean|min] [--replace] | monitors delete ID
     hotwire keys add NAME --role read|steer|admin | keys rotate NAME | keys revoke NAME | keys list  [--file F]
 
 Every command takes ``--url URL`` (env ``HOTWIRE_URL``, default http://localhost:8000) and ``--api-key KEY`` (env
@@ -149,6 +151,19 @@ def build_parser() -> argparse.ArgumentParser:
     command("fleet", "show every replica on the server's registry (HOTWIRE_REGISTRY): slots, versions held")
     delete = command("delete", "delete a vector")
     delete.add_argument("id")
+    monitors = command("monitors", "list, add or delete the probes read on every request (HOTWIRE_READOUT=1)")
+    watch = monitors.add_subparsers(dest="action", required=True)
+    watch.add_parser("list", help="the monitors", parents=[server])
+    add_monitor = watch.add_parser("add", help="read a vector as a probe on every request", parents=[server])
+    add_monitor.add_argument("id")
+    for name in ("probe", "layer", "threshold"):
+        add_monitor.add_argument(f"--{name}", required=True, type={"layer": int, "threshold": float}.get(name, str))
+    add_monitor.add_argument("--bias", type=float, default=0.0)
+    add_monitor.add_argument("--flag", choices=("above", "below"), default="above")
+    add_monitor.add_argument("--scope", choices=("generated", "prompt"), default="generated")
+    add_monitor.add_argument("--reduce", choices=("max", "mean", "min"), default="max")
+    add_monitor.add_argument("--replace", action="store_true", help="replace a monitor with the same id")
+    watch.add_parser("delete", help="delete a monitor", parents=[server]).add_argument("id")
     keys = commands.add_parser("keys", help="add, rotate, revoke or list the keys of a keys file (HOTWIRE_KEYS_FILE)")
     keys.add_argument("--file", default=os.environ.get("HOTWIRE_KEYS_FILE"),
                       help="the keys file (default: HOTWIRE_KEYS_FILE)")
@@ -206,7 +221,20 @@ def _run(client: HotwireClient, args: argparse.Namespace) -> object:
         return client.slots().model_dump()
     if args.command == "fleet":
         return client.fleet().model_dump()
+    if args.command == "monitors":
+        return _monitors(client, args)
     return client.delete(args.id).model_dump()
+
+
+def _monitors(client: HotwireClient, args: argparse.Namespace) -> object:
+    if args.action == "add":
+        fields = ("probe", "layer", "threshold", "bias", "flag", "scope", "reduce")
+        monitor = {"id": args.id, **{name: getattr(args, name) for name in fields}}
+        return [m.model_dump() for m in client.add_monitor(monitor, replace=args.replace)]
+    if args.action == "delete":
+        client.delete_monitor(args.id)
+        return {"id": args.id, "deleted": True}
+    return [m.model_dump() for m in client.monitors()]
 
 
 def main(argv: list[str] | None = None) -> int:

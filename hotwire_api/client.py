@@ -24,7 +24,8 @@ from hotwire_api.errors import HotwireError
 from hotwire_api.gguf_codec import encode_safetensors
 from hotwire_api.headers import KEY_HEADER
 from hotwire_api.sae_codec import read_sae_folder
-from hotwire_api.models import Completion, DeleteResult, ExtractResult, FleetView, SlotStats, VectorList, VectorMeta
+from hotwire_api.models import (Completion, DeleteResult, ExtractResult, FleetView, Monitor, MonitorList, SlotStats,
+                                VectorList, VectorMeta)
 
 if TYPE_CHECKING:
     import torch
@@ -133,6 +134,15 @@ def _extract_call(vector_id: str, positive: Sequence[Any], negative: Sequence[An
     body = {"id": vector_id, "positive": list(positive), "negative": list(negative), "layers": layers,
             "method": method, "position": position, "normalize": normalize, "replace": replace}
     return _Call("POST", "/steer/vectors/extract", json_body=body)
+
+
+def _monitor_call(monitor: Monitor | dict[str, Any], replace: bool) -> _Call:
+    body = Monitor.model_validate(monitor).model_dump()  # checked before sending
+    return _Call("POST", "/steer/monitors", {"replace": "true"} if replace else None, json_body=body)
+
+
+def _monitor_path(monitor_id: str) -> str:
+    return "/steer/monitors/" + quote(monitor_id, safe="").replace(".", "%2E")
 
 
 def _served_model(response: httpx.Response) -> str:
@@ -247,6 +257,16 @@ class HotwireClient:
         """Every replica on the server's registry (one, ``local``, without ``HOTWIRE_REGISTRY``)."""
         return FleetView.model_validate(self._send(_Call("GET", "/steer/fleet")).json())
 
+    def monitors(self) -> list[Monitor]:
+        return MonitorList.model_validate(self._send(_Call("GET", "/steer/monitors")).json()).monitors
+
+    def add_monitor(self, monitor: Monitor | dict[str, Any], replace: bool = False) -> list[Monitor]:
+        """Read ``monitor``'s probe on every chat and completions request (see docs/usage.md, "Monitors")."""
+        return MonitorList.model_validate(self._send(_monitor_call(monitor, replace)).json()).monitors
+
+    def delete_monitor(self, monitor_id: str) -> None:
+        self._send(_Call("DELETE", _monitor_path(monitor_id)))
+
     def complete(self, prompt: str | Sequence[int], max_tokens: int = 16, *, steer: Steering | None = None,
                  read: Sequence[dict[str, Any]] | None = None, tokens: str = "generated", model: str | None = None,
                  api_key: str | None = None, **params: Any) -> Completion:
@@ -335,6 +355,15 @@ class AsyncHotwireClient:
     async def fleet(self) -> FleetView:
         """Every replica on the server's registry (one, ``local``, without ``HOTWIRE_REGISTRY``)."""
         return FleetView.model_validate((await self._send(_Call("GET", "/steer/fleet"))).json())
+
+    async def monitors(self) -> list[Monitor]:
+        return MonitorList.model_validate((await self._send(_Call("GET", "/steer/monitors"))).json()).monitors
+
+    async def add_monitor(self, monitor: Monitor | dict[str, Any], replace: bool = False) -> list[Monitor]:
+        return MonitorList.model_validate((await self._send(_monitor_call(monitor, replace))).json()).monitors
+
+    async def delete_monitor(self, monitor_id: str) -> None:
+        await self._send(_Call("DELETE", _monitor_path(monitor_id)))
 
     async def complete(self, prompt: str | Sequence[int], max_tokens: int = 16, *, steer: Steering | None = None,
                        read: Sequence[dict[str, Any]] | None = None, tokens: str = "generated",

@@ -264,6 +264,32 @@ class Readout(BaseModel):
     probes: list[ProbeReadout]
 
 
+class Monitor(BaseModel):
+    """``POST /steer/monitors``: a registered vector read as a probe on every request."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    id: str = Field(pattern=f"^{VECTOR_ID_RE.pattern}$", description="the monitor's name (metrics label)")
+    probe: str = Field(pattern=f"^{VECTOR_ID_RE.pattern}$", description="the registered vector read as "
+                                "a probe (its current version when each request is admitted)")
+    layer: int = Field(ge=0, description="the layer after which the residual stream is read")
+    bias: float = Field(0.0, allow_inf_nan=False, description="added to the dot product (a linear probe)")
+    threshold: float = Field(allow_inf_nan=False, description="a score past it flags the request")
+    flag: Literal["above", "below"] = Field("above", description="flag scores at or above the threshold, "
+                                                      "or at or below it")
+    scope: Literal["prompt", "generated"] = Field(
+        "generated", description="prompt: the last prompt token's score; generated: the generated tokens' scores, "
+        "reduced")
+    reduce: Literal["max", "mean", "min"] = Field("max", description="how the generated tokens' scores "
+                                                            "make the request's (scope generated)")
+
+
+class MonitorList(BaseModel):
+    kept: str = Field(description="`file <path>` (monitors.json in the model's store folder) or `memory` (this API "
+                      "server's: the store is off)")
+    monitors: list[Monitor]
+
+
 class MonitorScore(BaseModel):
     """One monitor's verdict on one request (``hotwire_monitors`` in the response)."""
 

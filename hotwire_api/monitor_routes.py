@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 
-import pydantic
 from fastapi import Query, Request, Response
 
 from hotwire_api.audit import entry
@@ -14,19 +13,14 @@ from hotwire_api.catalog import CATALOG
 from hotwire_api.engine import HotwireEngine
 from hotwire_api.errors import HotwireError
 from hotwire_api.keys import Role
-from hotwire_api.monitors import Monitor, MonitorBook
+from hotwire_api.models import Monitor, MonitorList
+from hotwire_api.monitors import MonitorBook
 from hotwire_api.steer_router import error_doc, steer_router
 from hotwire_core.admission import Refusal, row_key
 from hotwire_core.error_codes import ErrorCode
 from hotwire_core.readout_admission import resolve_readout
 
-__all__ = ["MonitorList", "router"]
-
-
-class MonitorList(pydantic.BaseModel):
-    kept: str = pydantic.Field(description="`file <path>` (monitors.json in the model's store folder) or `memory` "
-                               "(this API server's: the store is off)")
-    monitors: list[Monitor]
+__all__ = ["router"]
 
 
 router = steer_router("The engine is not running, or cannot be read: `readout_off` (start it with "

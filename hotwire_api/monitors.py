@@ -19,15 +19,14 @@ import json
 import logging
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import pydantic
 from prometheus_client import Counter, Histogram
 
 from hotwire_api.json_file import locked, stamp, write_atomic
-from hotwire_api.models import MonitorScore
+from hotwire_api.models import Monitor, MonitorScore
 from hotwire_core.settings import Settings as CoreSettings
-from hotwire_core.spec import VECTOR_ID_RE
 from hotwire_core.vllm_glue.api_server import served_port_and_model
 
 __all__ = ["Monitor", "MonitorBook", "score_of", "skipped"]
@@ -40,26 +39,6 @@ _REQUESTS = Counter("hotwire_monitor_requests", "Requests each monitor scored, b
                     ["monitor", "flagged"])
 _SKIPPED = Counter("hotwire_monitor_skipped", "Chat and completions requests the monitors could not read, by "
                    "reason.", ["reason"])
-
-
-class Monitor(pydantic.BaseModel):
-    """``POST /steer/monitors``: a registered vector read as a probe on every request."""
-
-    model_config = pydantic.ConfigDict(extra="forbid", frozen=True)
-
-    id: str = pydantic.Field(pattern=f"^{VECTOR_ID_RE.pattern}$", description="the monitor's name (metrics label)")
-    probe: str = pydantic.Field(pattern=f"^{VECTOR_ID_RE.pattern}$", description="the registered vector read as "
-                                "a probe (its current version when each request is admitted)")
-    layer: int = pydantic.Field(ge=0, description="the layer after which the residual stream is read")
-    bias: float = pydantic.Field(0.0, allow_inf_nan=False, description="added to the dot product (a linear probe)")
-    threshold: float = pydantic.Field(allow_inf_nan=False, description="a score past it flags the request")
-    flag: Literal["above", "below"] = pydantic.Field("above", description="flag scores at or above the threshold, "
-                                                      "or at or below it")
-    scope: Literal["prompt", "generated"] = pydantic.Field(
-        "generated", description="prompt: the last prompt token's score; generated: the generated tokens' scores, "
-        "reduced")
-    reduce: Literal["max", "mean", "min"] = pydantic.Field("max", description="how the generated tokens' scores "
-                                                            "make the request's (scope generated)")
 
 
 class _MonitorsFile(pydantic.BaseModel):

@@ -270,8 +270,19 @@ def test_monitors_read_every_request_as_its_probes_read_it_and_change_nothing_el
 
     with HotwireClient(str(http.base_url)) as client:  # the client's typed answer carries the verdicts
         typed = client.complete(PROMPT, 5, temperature=0, ignore_eos=True)
+        assert [m.id for m in client.monitors()] == ["joy-max", "calm-prompt"]
+        added = client.add_monitor({"id": "joy-max", "probe": "joy", "layer": 1, "threshold": 1e9}, replace=True)
+        assert [m.threshold for m in added if m.id == "joy-max"] == [1e9]
+        assert [v.flagged for v in client.complete(PROMPT, 5, temperature=0).monitors if v.monitor == "joy-max"] \
+            == [False]
+        client.delete_monitor("calm-prompt")
     assert [(v.monitor, v.flagged) for v in typed.monitors] == [("joy-max", True), ("calm-prompt", False)]
     assert typed.monitors[0].score == pytest.approx(by_monitor["joy-max"]["score"], abs=ATOL)
+    from hotwire_api import cli
+
+    assert cli.main(["--url", str(http.base_url), "monitors", "add", "calm-prompt", "--probe", "calm", "--layer", "2",
+                     "--threshold=-1e9", "--bias", "0.5", "--flag", "below", "--scope", "prompt"]) == 0
+    assert cli.main(["monitors", "delete", "nobody", "--url", str(http.base_url)]) == 1  # 404 unknown_monitor
 
 
 def test_a_request_the_monitors_cannot_read_is_served_as_without_them(http, tiny_model, monitors):
