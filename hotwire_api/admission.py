@@ -187,6 +187,7 @@ class AdmissionMiddleware:
                 raise
             return
         finally:
+            answer.close()
             # A success that never reached the engine and delivered nothing may still generate (a background
             # /v1/responses job): its ticket stays valid for that job's request.
             TICKETS.close(ticket_id, keep=not ticket.presented and not answer.output and 200 <= answer.status < 300)

@@ -32,6 +32,7 @@ from starlette.types import Message, Receive, Scope, Send
 from hotwire_api.engine import HotwireEngine
 from hotwire_api.errors import HotwireError, in_body
 from hotwire_api.monitors import skipped
+from hotwire_api.readout_stream import StreamedReadout
 from hotwire_api.tickets import Ticket
 from hotwire_core.error_codes import ErrorCode
 from hotwire_core.errors import EngineError
@@ -64,6 +65,7 @@ class Answer:
         self.usage_wanted = usage_wanted  # a stream's usage chunk goes out (admission asks for it for a readout)
         self._generated: int | None = None  # a readout stream's completion tokens, from its usage chunk
         self._chunk: dict[str, Any] = {}  # the id, object, created and model of a readout stream's chunks
+        self._streamed: StreamedReadout | None = None  # a stream's readout token by token (readout_stream)
         self.scope, self.receive, self._send, self.path = scope, receive, send, path
         self.responses_api = path == "/v1/responses"
         self.held: list[Message] = []  # what the client has not been sent yet
@@ -85,6 +87,8 @@ class Answer:
             self.streaming = _is_event_stream(message)
             self.status = message.get("status", 200)
             self.held.append(message)
+            if self.streaming and self.reading is not None and self.reading.tokens in ("generated", "all"):
+                self._streamed = self.scope["app"].state.hotwire_streams.start(self.engine, self.reading.tag)
             return
         if message["type"] != "http.response.body":
             await self._send(message)
@@ -126,13 +130,16 @@ class Answer:
         await self._send(message)
 
     async def _readout_in_stream(self, message: Message) -> Message:
-        """A readout stream's events: its usage chunk read (and dropped when the client did not ask for usage), and
-        the readout's own chunk (``choices`` empty, ``hotwire_readout``) or its error event put before ``[DONE]``."""
-        events = []
+        """A readout stream's events: its usage chunk read (and dropped when the client did not ask for usage), the
+        values that arrived since the last chunk added to the last chunk with choices (``hotwire_readout``: ``from``
+        and ``probes``, ``readout_stream``), and the readout's own chunk (``choices`` empty, the whole
+        ``hotwire_readout``) or its error event put before ``[DONE]``."""
+        events, last_choices = [], None
         for event in message.get("body", b"").split(b"\n\n"):
             if not event.strip():
                 continue
             if event.strip() == b"data: [DONE]":
+                self.close()
                 readout = await self._readout_event() if self.reading is not None else b""
                 if readout:
                     events.append(readout)
@@ -144,8 +151,20 @@ class Answer:
                     self._chunk = {k: data[k] for k in ("id", "object", "created", "model") if k in data}
                     if not self.usage_wanted:
                         continue
+                elif isinstance(data, dict) and data.get("choices"):
+                    last_choices = (len(events), data)
             events.append(event)
+        delta = self._streamed.pop() if self._streamed is not None and last_choices is not None else None
+        if delta is not None:
+            at, data = last_choices
+            events[at] = b"data: " + json.dumps({**data, "hotwire_readout": delta}).encode()
         return {**message, "body": b"".join(event + b"\n\n" for event in events)}
+
+    def close(self) -> None:
+        """No more chunks will carry streamed values (the stream ends, or its response is replaced)."""
+        if self._streamed is not None:
+            self.scope["app"].state.hotwire_streams.stop(self.reading.tag)
+            self._streamed = None
 
     async def _readout_event(self) -> bytes:
         try:

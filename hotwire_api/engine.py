@@ -213,7 +213,11 @@ class HotwireEngine:
         """Every worker's ``hotwire_take_readouts`` answer, on every engine core (as :meth:`take_captures`)."""
         return await self._take(contract.TAKE_READOUTS, tags)
 
-    async def _take(self, method: str, tags: list[str]) -> list[dict[str, Any]]:
+    async def peek_readouts(self, since: dict[str, int]) -> list[dict[str, Any]]:
+        """Every worker's ``hotwire_peek_readouts`` answer, on every engine core: streamed readouts' values so far."""
+        return await self._take(contract.PEEK_READOUTS, since)
+
+    async def _take(self, method: str, tags: Any) -> list[dict[str, Any]]:
         try:
             if self._per_engine is not None:
                 answers = await self._per_engine(method, (tags,), slice(None), False)

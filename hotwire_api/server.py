@@ -11,6 +11,7 @@ from hotwire_api.auth import Access
 from hotwire_api.key_routes import router as key_router
 from hotwire_api.monitor_routes import router as monitor_router
 from hotwire_api.monitors import MonitorBook
+from hotwire_api.readout_stream import ReadoutStreams
 from hotwire_api.metrics import register_collector
 from hotwire_api.routes import router
 from hotwire_api.settings import Settings
@@ -25,6 +26,7 @@ def attach(app: FastAPI, settings: Settings | None = None) -> None:
     app.state.hotwire_access = Access(settings)  # a keys file that cannot be read stops the start
     app.state.hotwire_registry = registry_for(settings)
     app.state.hotwire_monitors = MonitorBook()
+    app.state.hotwire_streams = ReadoutStreams()
     app.include_router(router)
     app.include_router(key_router)
     app.include_router(monitor_router)

@@ -18,7 +18,7 @@ from typing import Any, Literal, NamedTuple, TypedDict
 
 __all__ = [
     "ADMISSION_ONLY_KEYS", "BINDING_KEY", "CAPTURE_KEY", "CATALOG", "CHECK", "ENGINE_METHODS", "EXPORT", "GRAPH_SETS", "LIST", "PREFIX",
-    "READOUT_ARGS_KEY", "REBINDS_ATTR", "REFUSALS", "REGISTER", "STATS", "TAKE_CAPTURES", "TAKE_READOUTS", "UNREGISTER", "USER_SALT_ATTR", "WORKER_INFO",
+    "PEEK_READOUTS", "READOUT_ARGS_KEY", "REBINDS_ATTR", "REFUSALS", "REGISTER", "STATS", "TAKE_CAPTURES", "TAKE_READOUTS", "UNREGISTER", "USER_SALT_ATTR", "WORKER_INFO",
     "WORKER_METHODS", "WRITES_ATTR",
     "CatalogResult", "CheckResult", "Config", "ExportResult", "Failure", "ListResult", "ModelView", "ReadoutArgs",
     "ReadoutProbe", "RefusalsResult",
@@ -45,7 +45,8 @@ WORKER_INFO = "hotwire_worker_info"
 GRAPH_SETS = "hotwire_graph_sets"
 TAKE_CAPTURES = "hotwire_take_captures"  # args: tags: list[str]; every rank answers with the layers it holds
 TAKE_READOUTS = "hotwire_take_readouts"  # args: tags: list[str]; every rank answers with the probes it reads
-WORKER_METHODS = frozenset({WORKER_INFO, GRAPH_SETS, TAKE_CAPTURES, TAKE_READOUTS})
+PEEK_READOUTS = "hotwire_peek_readouts"  # args: since: dict[tag, first generated token]; as TAKE_READOUTS, left in place
+WORKER_METHODS = frozenset({WORKER_INFO, GRAPH_SETS, TAKE_CAPTURES, TAKE_READOUTS, PEEK_READOUTS})
 
 # Riding on vLLM's objects from the engine core to the workers.
 BINDING_KEY = "hotwire.binding"  # sampling_params.extra_args: a request's per-phase bank config

@@ -17,7 +17,7 @@ import numpy as np
 from .error_codes import ErrorCode
 from .errors import EngineError
 
-__all__ = ["ReadoutLost", "readout_of"]
+__all__ = ["ReadoutLost", "generated_so_far", "readout_of"]
 
 
 class ReadoutLost(EngineError):
@@ -46,6 +46,14 @@ def _merged(answers: Sequence[dict[str, Any]], tag: str) -> tuple[dict, np.ndarr
     return first, positions, values
 
 
+def _scored(values: np.ndarray, probe: dict[str, Any]) -> dict[str, list[float]]:
+    """``score`` (dot + bias) and ``cosine`` from ``values`` ``[m, 2]`` (each token's dot product and norm)."""
+    dots, norms = values[:, 0].astype(np.float64), values[:, 1].astype(np.float64)
+    denominator = norms * probe["norm"]
+    cosine = np.divide(dots, denominator, out=np.zeros_like(dots), where=denominator > 0)
+    return {"score": (dots + probe["bias"]).tolist(), "cosine": cosine.tolist()}
+
+
 def readout_of(answers: Sequence[dict[str, Any]], tag: str, n_generated: int) -> dict[str, Any]:
     """The readout of the request read under ``tag`` that generated ``n_generated`` tokens (see the module)."""
     first, positions, values = _merged(answers, tag)
@@ -66,9 +74,32 @@ def readout_of(answers: Sequence[dict[str, Any]], tag: str, n_generated: int) ->
                 missing = int(np.arange(lo, hi)[~found][0]) if not found.all() else lo
                 raise ReadoutLost(f"the readout of this request has no value for position {missing} (probe "
                                   f"{probe['name']}): the request was aborted or preempted past what was read")
-            dots, norms = values[at, k, 0].astype(np.float64), values[at, k, 1].astype(np.float64)
-            denominator = norms * probe["norm"]
-            cosine = np.divide(dots, denominator, out=np.zeros_like(dots), where=denominator > 0)
-            entry[name] = {"score": (dots + probe["bias"]).tolist(), "cosine": cosine.tolist()}
+            entry[name] = _scored(values[at, k], probe)
         out.append(entry)
     return {"tokens": args["tokens"], "probes": out}
+
+
+def generated_so_far(answers: Sequence[dict[str, Any]], tag: str, first: int) -> list[dict[str, Any]] | None:
+    """The generated tokens' values from token ``first`` on that every rank has read (``hotwire_peek_readouts``),
+    as far as they run without a gap: per probe ``{"probe", "generated": {"score", "cosine"}}``; None when there
+    are none yet."""
+    parts = [a["readouts"][tag] for a in answers if tag in a.get("readouts", {})]
+    if not parts or any("error" in p for p in parts):
+        return None
+    probes = parts[0]["args"]["probes"]
+    start = int(parts[0]["prompt_len"]) - 1 + first
+    n = None  # tokens from start that every rank holds, in a row
+    for part in parts:
+        positions = np.frombuffer(part["positions"], np.int32)
+        run = int(np.argmin(np.append(positions == start + np.arange(len(positions)), False)))
+        n = run if n is None else min(n, run)
+    if not n:
+        return None
+    values = np.full((n, len(probes), 2), np.nan, np.float32)
+    for part in parts:
+        held = part["held"]
+        mine = np.frombuffer(part["values"], np.float32).reshape(-1, len(probes), 2)[:n]
+        values[:, held] = mine[:, held]
+    if np.isnan(values).any():
+        return None  # a probe no rank holds: the final readout says so
+    return [{"probe": probe["name"], "generated": _scored(values[:, k], probe)} for k, probe in enumerate(probes)]

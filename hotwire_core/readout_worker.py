@@ -37,6 +37,7 @@ class _Reader:
     end: float  # positions read are < end
     chunks: list[tuple[np.ndarray, np.ndarray]] = field(default_factory=list)  # (positions, values [m, probes, 2])
     taken: bool = False  # handed out before the worker heard that its request finished (``take``)
+    settled: int = 0  # positions below are computed for good (vLLM's num_computed_tokens: drafts excluded)
 
 
 @dataclass
@@ -130,6 +131,7 @@ class WorkerReadout:
                 if reader is None:
                     continue
                 first, count = int(num_computed[i]), int(num_scheduled[i])
+                reader.settled = first
                 lo, hi = max(first, reader.start), min(first + count, reader.end)
                 if hi <= lo:
                     continue
@@ -177,7 +179,8 @@ class WorkerReadout:
                 out[:, k, 1] = values[probe["layer"], :, self.k]
         return out
 
-    def _result(self, reader: _Reader) -> dict:
+    def _result(self, reader: _Reader, lo: float = 0, hi: float = float("inf")) -> dict:
+        """The values of positions ``lo <= position < hi`` read so far."""
         if reader.chunks:
             positions = np.concatenate([p for p, _ in reader.chunks])
             values = np.concatenate([v for _, v in reader.chunks])
@@ -186,7 +189,7 @@ class WorkerReadout:
         # A position computed again (a preempted request recomputes its tokens) keeps its latest value.
         order = np.argsort(positions, kind="stable")
         positions, values = positions[order], values[order]
-        latest = np.append(positions[1:] != positions[:-1], True)
+        latest = np.append(positions[1:] != positions[:-1], True) & (positions >= lo) & (positions < hi)
         held = [k for k, probe in enumerate(reader.args["probes"]) if probe["layer"] in self.layers]
         return {"args": reader.args, "prompt_len": reader.prompt_len, "held": held, "positions": np.ascontiguousarray(positions[latest]).tobytes(),
                 "values": np.ascontiguousarray(values[latest], np.float32).tobytes()}
@@ -212,4 +215,16 @@ class WorkerReadout:
         for reader in early:
             out[reader.tag] = self._result(reader)
             reader.taken = True
+        return TakeReadoutsResult(ok=True, readouts=out)
+
+    def peek(self, since: Mapping[str, int]) -> TakeReadoutsResult:
+        """A streamed readout's values so far, left in place (``hotwire_peek_readouts``): per tag, its generated
+        tokens from ``since[tag]`` on, up to the last position computed for good (not a draft a verification may
+        reject), as far as their copies have arrived: no wait on the device."""
+        self._flush(wait=False)
+        out = {}
+        for reader in self.live.values():
+            first = since.get(reader.tag)
+            if first is not None and not reader.taken:
+                out[reader.tag] = self._result(reader, reader.prompt_len - 1 + first, reader.settled)
         return TakeReadoutsResult(ok=True, readouts=out)

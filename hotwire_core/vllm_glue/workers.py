@@ -38,7 +38,13 @@ def patch_worker_base(module: Any) -> None:
         readout = steering.readout if steering is not None else None
         return readout.take(tags) if readout is not None else contract.TakeReadoutsResult(ok=True, readouts={})
 
+    def hotwire_peek_readouts(self, since: dict[str, int]) -> dict:
+        steering = getattr(self.model_runner, "hotwire", None)
+        readout = steering.readout if steering is not None else None
+        return readout.peek(since) if readout is not None else contract.TakeReadoutsResult(ok=True, readouts={})
+
     setattr(module.WorkerBase, contract.WORKER_INFO, hotwire_worker_info)
+    setattr(module.WorkerBase, contract.PEEK_READOUTS, hotwire_peek_readouts)
     setattr(module.WorkerBase, contract.TAKE_READOUTS, hotwire_take_readouts)
     setattr(module.WorkerBase, contract.TAKE_CAPTURES, hotwire_take_captures)
     setattr(module.WorkerBase, contract.GRAPH_SETS, hotwire_graph_sets)

@@ -125,6 +125,33 @@ def test_a_stream_carries_its_readout_in_a_chunk_before_done(http, tiny_model, r
     assert events[-1]["id"] == events[0]["id"]
 
 
+@pytest.mark.parametrize("route", ["/v1/completions", "/v1/chat/completions"])
+def test_a_stream_carries_its_generated_values_token_by_token(http, tiny_model, route):
+    """Chunks carry the values computed since the chunk before (``hotwire_readout``: ``from``, ``probes``), in
+    order and without a gap, the same values as the whole readout in the chunk before [DONE]."""
+    body = {"model": str(tiny_model), "max_tokens": 48, "temperature": 0, "ignore_eos": True, "stream": True,
+            "vllm_xargs": readout(("joy", 1), ("calm", 3), tokens="generated")}
+    body.update({"prompt": PROMPT} if route == "/v1/completions" else {"messages": [{"role": "user", "content": "hi"}]})
+    with http.stream("POST", route, json=body) as response:
+        assert response.status_code == 200
+        events = [json.loads(line.removeprefix("data: ")) for line in response.iter_lines()
+                  if line.startswith("data: ") and line != "data: [DONE]"]
+    whole = events[-1]["hotwire_readout"]
+    streamed = [[], []]
+    for event in events[:-1]:
+        delta = event.get("hotwire_readout")
+        if delta is None:
+            continue
+        assert event["choices"] and delta["from"] == len(streamed[0])  # in order, no gap, no repeat
+        for k, probe in enumerate(delta["probes"]):
+            assert probe["probe"] == whole["probes"][k]["probe"] and list(probe) == ["probe", "generated"]
+            streamed[k] += probe["generated"]["score"]
+    print(f"{route}: {len(streamed[0])} of 48 generated tokens' values streamed before the readout's chunk")
+    assert streamed[0], "no value arrived while the stream ran"
+    for k in (0, 1):
+        assert streamed[k] == whole["probes"][k]["generated"]["score"][:len(streamed[k])]
+
+
 @pytest.mark.parametrize("extra, status, code, field", [
     ({"n": 2}, 400, "bad_readout", "n"),
     ({"vllm_xargs": readout(("nope", 1))}, 400, "unknown_vector", "vllm_xargs.hotwire_readout.probes[0].id"),

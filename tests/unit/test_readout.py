@@ -251,3 +251,56 @@ def test_a_missing_position_is_an_error_not_a_short_answer():
     lost = {"ok": True, "readouts": {"t": {"error": "all 4 readout rows of this worker are in use"}}}
     with pytest.raises(ReadoutLost, match="rows of this worker"):
         readout_of([lost], "t", n_generated=1)
+
+
+def test_a_peek_hands_out_settled_generated_positions_and_leaves_them_in_place():
+    """``peek``: a stream's values so far, from a generated token on, only where vLLM counts the position computed
+    for good (a speculative step's drafts wait for the next step); the final take still has every value."""
+    w = _worker()
+    w.on_step([], [("a", 3, _args("ta", "generated", (1,)), [SteerItem(1, 3, 0.0, 0.0)])], {})
+    w.fill(["a"], np.array([3]), np.array([0]), 3)  # prefill: position 2 (the last prompt token) is read
+    _forward(w, [0, 1, 2] + [0] * 13)
+    assert w.peek({"ta": 0})["readouts"]["ta"]["positions"] == b""  # nothing settled yet
+    w.fill(["a"], np.array([3]), np.array([3]), 3)  # a decode step with 2 drafts: positions 3-5
+    _forward(w, [3, 4, 5] + [0] * 13)
+    peeked = w.peek({"ta": 0})["readouts"]["ta"]
+    assert np.frombuffer(peeked["positions"], np.int32).tolist() == [2]  # 3-5 are not settled until the next step
+    w.fill(["a"], np.array([2]), np.array([5]), 2)  # 2 of the 3 accepted: 5 is computed again
+    _forward(w, [5.5, 6] + [0] * 14)
+    peeked = w.peek({"ta": 1})["readouts"]["ta"]
+    assert np.frombuffer(peeked["positions"], np.int32).tolist() == [3, 4]
+    assert np.frombuffer(peeked["values"], np.float32).reshape(2, 1, 2)[:, 0, 0].tolist() == [103, 104]
+    assert w.peek({"other": 0})["readouts"] == {}
+    w.on_step(["a"], [], {})
+    whole = w.take(["ta"])["readouts"]["ta"]
+    assert np.frombuffer(whole["positions"], np.int32).tolist() == [2, 3, 4, 5, 6]
+    assert np.frombuffer(whole["values"], np.float32).reshape(5, 1, 2)[3, 0, 0] == 105.5  # the latest value
+
+
+def test_a_stream_gets_the_generated_values_every_rank_holds_without_a_gap():
+    from hotwire_core.readout_results import generated_so_far
+
+    def part(positions, held, base):
+        """One rank's answer: probes it holds read ``base + position`` at norm 1, the others NaN."""
+        values = [[[base + p, 1] if k in held else [np.nan, np.nan] for k in (0, 1)] for p in positions]
+        return _answer("t", 3, positions, values, held, tokens="generated")
+
+    # prompt length 3: generated token 1 is position 3; rank 0 holds probe 0 up to position 5, rank 1 probe 1 up to 4
+    answers = [part([3, 4, 5], [0], 100), part([3, 4], [1], 200)]
+    got = generated_so_far(answers, "t", 1)
+    assert [p["generated"]["score"] for p in got] == [[103.5, 104.5], [203.0, 204.0]]  # probe 0's bias: 0.5
+    assert got[0]["generated"]["cosine"] == [103 / 2, 104 / 2]  # norm 1 x probe norm 2
+    assert generated_so_far([part([4, 5], [0, 1], 0)], "t", 1) is None  # token 1 (position 3) not yet there
+    assert generated_so_far(answers, "other", 0) is None
+
+
+def test_a_streamed_readout_sends_what_arrived_since_the_last_chunk_once():
+    from hotwire_api.readout_stream import StreamedReadout
+
+    stream = StreamedReadout()
+    assert stream.pop() is None
+    stream.arrived = [(0, [{"probe": "p", "generated": {"score": [1.0], "cosine": [0.1]}}]),
+                      (1, [{"probe": "p", "generated": {"score": [2.0, 3.0], "cosine": [0.2, 0.3]}}])]
+    assert stream.pop() == {"from": 0, "probes": [{"probe": "p", "generated": {"score": [1.0, 2.0, 3.0],
+                                                                               "cosine": [0.1, 0.2, 0.3]}}]}
+    assert stream.pop() is None
