@@ -1,7 +1,7 @@
 """Throughput at saturation, in one run: plugin-free vLLM, hotwire serving plain traffic, hotwire serving 75 %
 steered traffic.
 
-Two ``vllm serve`` of one model start side by side: one without hotwire (``VLLM_PLUGINS=""``: no hotwire code is
+Two ``vllm serve`` of one model (three with ``--monitors``) start side by side: one without hotwire (``VLLM_PLUGINS=""``: no hotwire code is
 loaded in any of its processes) and one with it. Rounds then alternate between three configurations, the order
 rotated per round, so that drift of the machine falls on all of them alike:
 
@@ -9,6 +9,8 @@ rotated per round, so that drift of the machine falls on all of them alike:
     plain     the hotwire server, plain requests
     steered   the hotwire server, ``--steered-share`` (75 %) of the requests steered, each by one of ``--ids``
               registered vectors (a [hidden] vector at the middle layer, scale drawn per request)
+    monitored with ``--monitors N``: a third server, hotwire with ``HOTWIRE_READOUT=1`` and N monitors (probes on
+              the registered vectors at the middle layer), plain requests: each must carry N verdicts
 
 A round drives ``--clients`` streaming clients (``--workers`` processes, asyncio + httpx, one keep-alive
 connection per client) over ``/v1/completions`` and ``/v1/chat/completions`` (half each), ``max_tokens`` tokens
@@ -20,7 +22,7 @@ Any other outcome is a failure, and the run exits 1.
 Reported: per configuration the median req/s, TTFT p50 and the API server's CPU time per completed request
 (the server's main process, over the measured window: where a saturated API server spends what steering adds)
 over rounds; per round the paired ratios steered / plain and plain / vanilla, and their medians (the figures of the
-targets: ≥ 0.98 and ≥ 0.99).
+targets: ≥ 0.98 and ≥ 0.99; with monitors, monitored / plain, #39's target: ≥ 0.99).
 
     # on the GPU: a small model whose API server saturates first
     python benchmarks/bench_throughput.py --clients 128 --rounds 4 --out throughput.json
@@ -51,7 +53,7 @@ import httpx
 import numpy as np
 import psutil
 
-CONFIGS = ("vanilla", "plain", "steered")
+CONFIGS = ("vanilla", "plain", "steered", "monitored")
 PROMPTS = ("The quick brown fox jumps over", "Once upon a time in a land far", "The capital of France is",
            "In the beginning the universe was", "A short history of the printing press")  # fmt: skip
 
@@ -67,6 +69,7 @@ class Load:
     ids: tuple[str, ...]
     layer: int
     scale: float
+    monitors: int = 0  # verdicts each answer must carry (hotwire_monitors in the chunk before [DONE])
 
 
 @dataclass
@@ -99,8 +102,8 @@ def request_body(load: Load, chat: bool, vector_id: str | None, scale: float, pr
     return body
 
 
-def check_stream(status: int, receipt: str | None, lines: Sequence[str], max_tokens: int, vector_id: str | None
-                 ) -> str | None:  # fmt: skip
+def check_stream(status: int, receipt: str | None, lines: Sequence[str], max_tokens: int, vector_id: str | None,
+                 monitors: int = 0) -> str | None:  # fmt: skip
     """The failure kind of one streamed answer, or None when it is what was asked for."""
     if status != 200:
         return f"http_{status}"
@@ -111,15 +114,19 @@ def check_stream(status: int, receipt: str | None, lines: Sequence[str], max_tok
     data = [line[6:] for line in lines if line.startswith("data: ")]
     if not data or data[-1] != "[DONE]":
         return "no_done"
-    tokens = None
+    tokens, verdicts = None, None
     for chunk in data[:-1]:
         event = json.loads(chunk)
         if "error" in event:
             return "error_event"
         if event.get("usage"):
             tokens = event["usage"].get("completion_tokens")
+        if "hotwire_monitors" in event:
+            verdicts = event["hotwire_monitors"]
     if tokens != max_tokens:
         return "short" if tokens is not None else "no_usage"
+    if (verdicts is not None or monitors) and len(verdicts or ()) != monitors:
+        return "monitors_missing" if verdicts is None else "monitors_wrong"
     return None
 
 
@@ -148,7 +155,7 @@ async def _client(load: Load, seed: int, measure_from: float, until: float, tall
             end = time.monotonic()
             if end > until:
                 return  # ended after the window: neither counted nor judged
-            failure = check_stream(status, receipt, lines, load.max_tokens, vector_id)
+            failure = check_stream(status, receipt, lines, load.max_tokens, vector_id, load.monitors)
             if failure is not None:
                 tally.failures[failure] += 1
             elif end >= measure_from:
@@ -202,7 +209,7 @@ def median(values: Sequence[float]) -> float | None:
 
 def summarize(rounds: list[dict[str, Any]], seconds: float) -> dict[str, Any]:
     """Per configuration the median req/s and TTFT p50; per round and overall the paired ratios."""
-    by_config: dict[str, list[dict[str, Any]]] = {c: [r for r in rounds if r["config"] == c] for c in CONFIGS}
+    by_config = {c: [r for r in rounds if r["config"] == c] for c in CONFIGS if any(r["config"] == c for r in rounds)}
     out: dict[str, Any] = {"configs": {}, "ratios": {}}
     for config, runs in by_config.items():
         out["configs"][config] = {
@@ -213,7 +220,11 @@ def summarize(rounds: list[dict[str, Any]], seconds: float) -> dict[str, Any]:
             "api_cpu_ms_per_request_median": median([r["api_cpu_s"] * 1000 / r["completed"] for r in runs
                                                      if r.get("api_cpu_s") is not None and r["completed"]]),
         }
-    for name, (num, den) in {"steered_vs_plain": ("steered", "plain"), "plain_vs_vanilla": ("plain", "vanilla")}.items():
+    pairs = {"steered_vs_plain": ("steered", "plain"), "plain_vs_vanilla": ("plain", "vanilla"),
+             "monitored_vs_plain": ("monitored", "plain")}
+    for name, (num, den) in pairs.items():
+        if num not in by_config or den not in by_config:
+            continue
         paired = [a["completed"] / b["completed"]
                   for a, b in zip(by_config[num], by_config[den], strict=False) if b["completed"]]  # fmt: skip
         out["ratios"][name] = {"per_round": paired, "median": median(paired)}
@@ -221,9 +232,10 @@ def summarize(rounds: list[dict[str, Any]], seconds: float) -> dict[str, Any]:
 
 
 @contextlib.contextmanager
-def servers(model: Path, extra_args: Sequence[str], workdir: Path, slots: int) -> Iterator[dict[str, tuple[str, int]]]:
-    """The plugin-free and the hotwire ``vllm serve``, started together; by name, their URL and the pid of their
-    API server (the main process: one API server)."""
+def servers(model: Path, extra_args: Sequence[str], workdir: Path, slots: int,
+            monitors: int = 0) -> Iterator[dict[str, tuple[str, int]]]:
+    """The plugin-free and the hotwire ``vllm serve`` (and with ``monitors``, a hotwire one with readout on),
+    started together; by name, their URL and the pid of their API server (the main process: one API server)."""
     from hotwire_api.server_process import free_port, start_server, stop_server, vllm_serve_command, wait_until_ready
 
     import torch
@@ -237,11 +249,13 @@ def servers(model: Path, extra_args: Sequence[str], workdir: Path, slots: int) -
     procs: dict[str, Any] = {}
     urls: dict[str, str] = {}
     try:
-        for name in ("vanilla", "hotwire"):
+        for name in ("vanilla", "hotwire", *(("monitored",) if monitors else ())):
             port = free_port()
             env = {**base, "PYTHONUNBUFFERED": "1", "HOTWIRE_SLOTS": str(slots)}
             if name == "vanilla":
                 env["VLLM_PLUGINS"] = ""
+            if name == "monitored":
+                env.update(HOTWIRE_READOUT="1", HOTWIRE_READOUT_PROBES=str(max(4, monitors)))
             command = [*vllm_serve_command(str(model)), "--host", "127.0.0.1", "--port", str(port), "--seed", "0",
                        *extra_args]  # fmt: skip
             procs[name] = start_server(command, env, workdir / f"server_{name}.log")
@@ -268,6 +282,15 @@ def register_vectors(url: str, ids: Sequence[str], hidden: int, seed: int) -> No
                 raise RuntimeError(f"registering {vector_id} failed: {response.status_code} {response.text}")
 
 
+def add_monitors(url: str, ids: Sequence[str], count: int, layer: int) -> None:
+    with httpx.Client(base_url=url, timeout=60) as http:
+        for i in range(count):
+            monitor = {"id": f"m{i}", "probe": ids[i % len(ids)], "layer": layer, "threshold": 0.0}
+            response = http.post("/steer/monitors?replace=true", json=monitor)
+            if response.status_code not in (200, 201):
+                raise RuntimeError(f"adding monitor m{i} failed: {response.status_code} {response.text}")
+
+
 def model_facts(url: str) -> tuple[str, int, int]:
     """The served model's name, hidden size and number of layers (from ``/steer/slots``)."""
     with httpx.Client(base_url=url, timeout=60) as http:
@@ -291,6 +314,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--ids", type=int, default=8, help="registered vectors the steered requests use")
     parser.add_argument("--slots", type=int, default=16, help="HOTWIRE_SLOTS of the hotwire server")
     parser.add_argument("--scale", type=float, default=4.0, help="scale of a steered entry (drawn in [s, 1.5 s])")
+    parser.add_argument("--monitors", type=int, default=0, help="also run the monitored configuration with this "
+                        "many monitors (a third server, HOTWIRE_READOUT=1)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path, default=Path("throughput.json"))
     return parser.parse_args(argv)
@@ -308,9 +333,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         extra = ["--dtype", "float32", "--max-model-len", "4096", *extra]
     rounds: list[dict[str, Any]] = []
     failures: Counter = Counter()
-    with servers(args.model, extra, workdir, args.slots) as started:
+    configs = CONFIGS if args.monitors else CONFIGS[:3]
+    with servers(args.model, extra, workdir, args.slots, args.monitors) as started:
         urls = {server: url for server, (url, _) in started.items()}
-        api_server = {"vanilla": started["vanilla"][1], "plain": started["hotwire"][1], "steered": started["hotwire"][1]}
+        api_server = {"vanilla": started["vanilla"][1], "plain": started["hotwire"][1], "steered": started["hotwire"][1],
+                      **({"monitored": started["monitored"][1]} if args.monitors else {})}
         name, hidden, n_layers = model_facts(urls["hotwire"])
         ids = tuple(f"tp{i}" for i in range(args.ids))
         register_vectors(urls["hotwire"], ids, hidden, args.seed)
@@ -319,9 +346,14 @@ def main(argv: Sequence[str] | None = None) -> int:
             "plain": Load(urls["hotwire"], name, args.max_tokens, 0.0, (), n_layers // 2, args.scale),
             "steered": Load(urls["hotwire"], name, args.max_tokens, args.steered_share, ids, n_layers // 2, args.scale),
         }
+        if args.monitors:
+            register_vectors(urls["monitored"], ids, hidden, args.seed)
+            add_monitors(urls["monitored"], ids, args.monitors, n_layers // 2)
+            loads["monitored"] = Load(urls["monitored"], name, args.max_tokens, 0.0, (), n_layers // 2, args.scale,
+                                      args.monitors)
         with multiprocessing.get_context("spawn").Pool(args.workers) as pool:
             for r in range(args.rounds):
-                order = CONFIGS[r % 3:] + CONFIGS[:r % 3]
+                order = configs[r % len(configs):] + configs[:r % len(configs)]
                 for config in order:
                     tally, api_cpu_s = run_round(pool, loads[config], args.clients, args.workers,
                                                  args.seed + len(rounds), args.warmup, args.seconds, api_server[config])

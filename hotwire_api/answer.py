@@ -190,8 +190,8 @@ class Answer:
             if not isinstance(generated, int):
                 raise HotwireError(500, ErrorCode.READOUT_LOST, "the response has no token count "
                                    "(usage.completion_tokens) to cut the readout to")
-            mine, verdicts = reading.split(readout_of(await self.engine.take_readouts([reading.tag]), reading.tag,
-                                                      generated))
+            answers = await self.scope["app"].state.hotwire_takes.take(self.engine, reading.tag)
+            mine, verdicts = reading.split(readout_of(answers, reading.tag, generated))
         except (EngineError, HotwireError) as exc:
             if reading.tokens is not None:
                 raise HotwireError(exc.status, exc.code, exc.message, exc.field) from None

@@ -79,6 +79,18 @@ def authorize_readout(path: str, where: str, request: dict[str, Any]) -> None:
                            "request without it, or to one of those routes", field)
     if request.get("n", 1) not in (1, None):
         raise HotwireError(400, ErrorCode.BAD_READOUT, "a readout reads one completion: send n = 1", "n")
+    if _prompts(request) > 1:
+        raise HotwireError(400, ErrorCode.BAD_READOUT, "a readout reads one completion: send one prompt per "
+                           "request", "prompt")
+
+
+def _prompts(request: dict[str, Any]) -> int:
+    """How many prompts a completions body holds (each its own engine request): a list of strings or of token
+    lists holds several; a string or one token list, one."""
+    prompt = request.get("prompt")
+    if isinstance(prompt, list) and prompt and not all(isinstance(t, int) for t in prompt):
+        return len(prompt)
+    return 1
 
 
 def monitored(monitors: tuple[Monitor, ...], path: str, request: dict[str, Any] | None,
@@ -91,8 +103,8 @@ def monitored(monitors: tuple[Monitor, ...], path: str, request: dict[str, Any] 
         reason = "route"
     elif request is None or not isinstance(request.get("vllm_xargs", {}), dict):
         reason = "body"  # not a JSON object, or vllm_xargs not one: vLLM answers it with a 400
-    elif request.get("n", 1) not in (1, None):
-        reason = "n"
+    elif request.get("n", 1) not in (1, None) or _prompts(request) > 1:
+        reason = "n"  # several completions in one answer: its readout would be one request's
     elif beam_search:
         reason = "beam_search"
     if reason is not None:

@@ -12,6 +12,7 @@ from hotwire_api.key_routes import router as key_router
 from hotwire_api.monitor_routes import router as monitor_router
 from hotwire_api.monitors import MonitorBook
 from hotwire_api.readout_stream import ReadoutStreams
+from hotwire_api.readout_takes import ReadoutTakes
 from hotwire_api.metrics import register_collector
 from hotwire_api.routes import router
 from hotwire_api.settings import Settings
@@ -27,6 +28,7 @@ def attach(app: FastAPI, settings: Settings | None = None) -> None:
     app.state.hotwire_registry = registry_for(settings)
     app.state.hotwire_monitors = MonitorBook()
     app.state.hotwire_streams = ReadoutStreams()
+    app.state.hotwire_takes = ReadoutTakes()
     app.include_router(router)
     app.include_router(key_router)
     app.include_router(monitor_router)

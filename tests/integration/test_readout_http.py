@@ -154,6 +154,7 @@ def test_a_stream_carries_its_generated_values_token_by_token(http, tiny_model, 
 
 @pytest.mark.parametrize("extra, status, code, field", [
     ({"n": 2}, 400, "bad_readout", "n"),
+    ({"prompt": ["one prompt", "and another"]}, 400, "bad_readout", "prompt"),
     ({"vllm_xargs": readout(("nope", 1))}, 400, "unknown_vector", "vllm_xargs.hotwire_readout.probes[0].id"),
     ({"vllm_xargs": readout(("joy", 1), ("joy", 2), ("calm", 0))}, 400, "bad_readout", "vllm_xargs.hotwire_readout.probes"),
     ({"vllm_xargs": {"hotwire_readout": '{"probes": [{"id": "joy", "layer": 1}], "tokens": "most"}'}}, 400,
@@ -320,13 +321,15 @@ def test_a_request_the_monitors_cannot_read_is_served_as_without_them(http, tiny
     body = {"model": str(tiny_model), "prompt": PROMPT, "max_tokens": 3, "temperature": 0}
     two = http.post("/v1/completions", json={**body, "n": 2, "temperature": 1.0, "top_k": 1})  # (vLLM: n > 1 not greedy)
     assert two.status_code == 200 and len(two.json()["choices"]) == 2 and "hotwire_monitors" not in two.json()
+    batch = http.post("/v1/completions", json={**body, "prompt": ["one", "two"]})
+    assert batch.status_code == 200 and len(batch.json()["choices"]) == 2 and "hotwire_monitors" not in batch.json()
     # the server reads 2 probes per request: the client's own readout is served, the monitors are not
     mine = http.post("/v1/completions", json={**body, "vllm_xargs": readout(("joy", 3), tokens="prompt")})
     assert mine.status_code == 200 and "hotwire_monitors" not in mine.json()
     assert list(mine.json()["hotwire_readout"]["probes"][0]) == ["probe", "bias", "prompt"]
     responses = http.post("/v1/responses", json={"model": str(tiny_model), "input": "hello", "max_output_tokens": 2})
     assert responses.status_code == 200, responses.text
-    assert skipped("n") == before["n"] + 1 and skipped("probe_limit") == before["probe_limit"] + 1
+    assert skipped("n") == before["n"] + 2 and skipped("probe_limit") == before["probe_limit"] + 1
     assert skipped("route") == before["route"] + 1
 
     # a monitor whose probe is deleted: requests are served without monitors until it is back

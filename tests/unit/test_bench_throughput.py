@@ -10,12 +10,15 @@ sys.path.insert(0, str(BENCHMARKS))  # by name: its dataclasses need the module 
 import bench_throughput as bt  # noqa: E402
 
 
-def stream(tokens: int | None, *, done: bool = True, error: bool = False) -> list[str]:
+def stream(tokens: int | None, *, done: bool = True, error: bool = False, verdicts: int | None = None) -> list[str]:
     lines = ['data: {"choices": [{"text": "a"}]}', ""]
     if error:
         lines += ['data: {"error": {"message": "refused"}}', ""]
     if tokens is not None:
         lines += ["data: " + json.dumps({"choices": [], "usage": {"completion_tokens": tokens}}), ""]
+    if verdicts is not None:
+        monitors = [{"monitor": f"m{i}", "probe": "v@1:L1", "score": 1.0, "flagged": True} for i in range(verdicts)]
+        lines += ["data: " + json.dumps({"choices": [], "hotwire_monitors": monitors}), ""]
     return lines + (["data: [DONE]", ""] if done else [])
 
 
@@ -30,6 +33,10 @@ def test_a_stream_is_judged_by_status_receipt_end_and_token_count() -> None:
     assert bt.check_stream(200, None, stream(7), 8, None) == "short"
     assert bt.check_stream(200, None, stream(None), 8, None) == "no_usage"
     assert bt.check_stream(200, None, stream(8, error=True), 8, None) == "error_event"
+    assert bt.check_stream(200, None, stream(8, verdicts=4), 8, None, monitors=4) is None
+    assert bt.check_stream(200, None, stream(8), 8, None, monitors=4) == "monitors_missing"
+    assert bt.check_stream(200, None, stream(8, verdicts=3), 8, None, monitors=4) == "monitors_wrong"
+    assert bt.check_stream(200, None, stream(8, verdicts=2), 8, None) == "monitors_wrong"  # none expected
 
 
 def test_rounds_give_medians_and_ratios_paired_by_round() -> None:
@@ -52,3 +59,8 @@ def test_rounds_give_medians_and_ratios_paired_by_round() -> None:
     assert out["ratios"]["steered_vs_plain"]["per_round"] == [98 / 99, 190 / 200]
     assert out["ratios"]["plain_vs_vanilla"]["per_round"] == [0.99, 1.0]
     assert out["ratios"]["plain_vs_vanilla"]["median"] == (0.99 + 1.0) / 2
+    assert "monitored" not in out["configs"] and "monitored_vs_plain" not in out["ratios"]
+    rounds += [{"round": 0, "config": "monitored", "completed": 98, "steered": 0, "ttft_p50_ms": 11.0, "api_cpu_s": 0.4},
+               {"round": 1, "config": "monitored", "completed": 198, "steered": 0, "ttft_p50_ms": 11.0}]
+    out = bt.summarize(rounds, seconds=10.0)
+    assert out["ratios"]["monitored_vs_plain"]["per_round"] == [98 / 99, 198 / 200]

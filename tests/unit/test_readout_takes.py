@@ -1,0 +1,56 @@
+"""``hotwire_api.readout_takes``: requests whose responses end together take their readouts in one round trip
+(through a real vllm serve: tests/integration/test_readout_http.py)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from hotwire_api.errors import HotwireError
+from hotwire_api.readout_takes import ReadoutTakes
+
+
+class Workers:
+    """Answers ``take_readouts`` as the workers do: each tag asked for, once; counts the round trips."""
+
+    def __init__(self, fail: bool = False):
+        self.calls: list[list[str]] = []
+        self.fail = fail
+
+    async def take_readouts(self, tags: list[str]) -> list[dict]:
+        self.calls.append(sorted(tags))
+        await asyncio.sleep(0.01)
+        if self.fail:
+            raise HotwireError(503, "engine_unavailable", "the engine did not answer")
+        return [{"ok": True, "readouts": {tag: {"tag": tag} for tag in tags}}]
+
+
+def test_responses_ending_together_take_their_readouts_in_one_round_trip() -> None:
+    async def scenario():
+        takes, workers = ReadoutTakes(), Workers()
+        first = await asyncio.gather(*(takes.take(workers, f"t{i}") for i in range(8)))
+        # while one take is on its way, the responses ending meanwhile wait for the next
+        later = asyncio.ensure_future(takes.take(workers, "a"))
+        await asyncio.sleep(0.002)
+        more = await asyncio.gather(later, takes.take(workers, "b"), takes.take(workers, "c"))
+        return workers.calls, first, more
+
+    calls, first, more = asyncio.run(scenario())
+    assert calls == [[f"t{i}" for i in range(8)], ["a"], ["b", "c"]]
+    assert all("t3" in answers[0]["readouts"] for answers in first)
+
+
+def test_a_failed_take_fails_its_batch_and_a_cancelled_wait_harms_no_one() -> None:
+    async def scenario():
+        takes = ReadoutTakes()
+        with pytest.raises(HotwireError):
+            await takes.take(Workers(fail=True), "x")
+        workers = Workers()
+        left = asyncio.ensure_future(takes.take(workers, "gone"))
+        stays = asyncio.ensure_future(takes.take(workers, "stays"))
+        await asyncio.sleep(0)
+        left.cancel()
+        return await stays
+
+    assert "stays" in asyncio.run(scenario())[0]["readouts"]
