@@ -91,7 +91,7 @@ class AdmissionMiddleware:
         if body is None:  # the client left before sending the whole body
             return
         book: MonitorBook = scope["app"].state.hotwire_monitors
-        monitors = book.current() if path in STEERABLE_ROUTES else ()
+        monitors: tuple[Monitor, ...] = book.current() if path in STEERABLE_ROUTES else ()
         request = _json_object(body) if monitors or _may_name_hotwire(body) else None
         steering = _steering(request) if request is not None else None
         try:
@@ -116,6 +116,8 @@ class AdmissionMiddleware:
             if err.code in _NEVER_LENIENT or not (self.lenient and 400 <= err.status < 500):
                 await err.response()(scope, receive, send)
                 return
+            if monitors:
+                skipped("lenient")  # served as it came, without hotwire
             steering.holder.pop(SPEC_KEY, None)
             steering.holder.pop(READOUT_KEY, None)
             body = json.dumps(steering.request, separators=(",", ":")).encode()
