@@ -14,7 +14,7 @@ from hotwire_api.engine import HotwireEngine
 from hotwire_api.errors import HotwireError
 from hotwire_api.keys import Role
 from hotwire_api.models import Monitor, MonitorList
-from hotwire_api.monitors import MonitorBook
+from hotwire_api.monitors import MonitorBook, probes_of
 from hotwire_api.steer_router import error_doc, steer_router
 from hotwire_core.admission import Refusal, row_key
 from hotwire_core.error_codes import ErrorCode
@@ -43,7 +43,7 @@ async def _check(engine: HotwireEngine, monitors: list[Monitor]) -> None:
     """``monitors`` (all of them, with the new one last) can read every request: each probe is a registered vector
     with a row at its layer, and together they fit the probes and bank rows one request may use."""
     rules = await CATALOG.ready(engine)
-    value = {"probes": [{"id": m.probe, "layer": m.layer, "bias": m.bias} for m in monitors]}
+    value = probes_of(monitors)
     try:
         try:
             _, resolved = resolve_readout(value, CATALOG.lookup, rules, rules.model.readout_probes)

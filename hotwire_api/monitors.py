@@ -29,7 +29,7 @@ from hotwire_api.models import Monitor, MonitorScore
 from hotwire_core.settings import Settings as CoreSettings
 from hotwire_core.vllm_glue.api_server import served_port_and_model
 
-__all__ = ["Monitor", "MonitorBook", "score_of", "skipped"]
+__all__ = ["Monitor", "MonitorBook", "probes_of", "score_of", "skipped"]
 
 logger = logging.getLogger(__name__)
 
@@ -59,6 +59,11 @@ def score_of(monitor: Monitor, read: dict[str, Any]) -> MonitorScore | None:
     _SCORES.labels(monitor.id).observe(value)
     _REQUESTS.labels(monitor.id, "true" if flagged else "false").inc()
     return MonitorScore(monitor=monitor.id, probe=read["probe"], score=value, flagged=flagged)
+
+
+def probes_of(monitors: Sequence[Monitor]) -> dict[str, Any]:
+    """The readout that reads ``monitors``' probes (``readout_spec`` form, unpinned)."""
+    return {"probes": [{"id": m.probe, "layer": m.layer, "bias": m.bias} for m in monitors]}
 
 
 def skipped(reason: str) -> None:
@@ -110,8 +115,9 @@ class MonitorBook:
         self.state += 1
 
     def _read(self) -> list[Monitor]:
-        if self.path is None or not self.path.exists():
-            return list(self._monitors) if self.path is None else []
+        assert self.path is not None  # (in memory, the monitors are self._monitors)
+        if not self.path.exists():
+            return []
         return _MonitorsFile.model_validate_json(self.path.read_text(encoding="utf-8")).monitors
 
     def edit(self, monitor_id: str, new: Monitor | None) -> Monitor | None:

@@ -23,7 +23,7 @@ from hotwire_api.catalog import CATALOG
 from hotwire_api.engine import HotwireEngine
 from hotwire_api.errors import HotwireError, in_body
 from hotwire_api.models import MonitorScore
-from hotwire_api.monitors import Monitor, score_of, skipped
+from hotwire_api.monitors import Monitor, probes_of, score_of, skipped
 from hotwire_core.admission import Refusal
 from hotwire_core.error_codes import ErrorCode
 from hotwire_core.readout_admission import resolve_readout
@@ -166,7 +166,7 @@ async def _monitor_probes(engine: HotwireEngine, monitors: tuple[Monitor, ...], 
     await CATALOG.ready(engine)
     key = (state, CATALOG.state)
     if key not in _MONITOR_PROBES:
-        value = {"probes": [{"id": m.probe, "layer": m.layer, "bias": m.bias} for m in monitors]}
+        value = probes_of(monitors)
         try:
             _MONITOR_PROBES.clear()
             _MONITOR_PROBES[key] = (await CATALOG.decide(engine, time.monotonic(), lambda rules: _pinned(value, rules),
