@@ -7,9 +7,10 @@
 #   capture:  tests/unit/test_capture.py (the capture kernel compiled, under graph replay) and
 #             tests/integration/test_extraction.py (HOTWIRE_CAPTURE=1: extracted vectors vs transformers with hooks,
 #             the plain batchmate of an extraction vs plugin-free vLLM); V2 and V1 runner
-#   readout:  tests/unit/test_readout.py (the readout kernel compiled) and tests/integration/test_readout.py,
-#             test_readout_http.py (HOTWIRE_READOUT=1: readouts vs transformers with hooks, offline and through
-#             `vllm serve`, the plain batchmate of readouts vs plugin-free vLLM); V2 and V1 runner
+#   readout:  tests/unit/test_readout.py, test_gates.py (the readout and gated kernels compiled) and
+#             tests/integration/test_readout.py, test_readout_http.py (HOTWIRE_READOUT=1: readouts and gated steering
+#             vs transformers with hooks, offline and through `vllm serve`, the plain batchmate of readouts vs
+#             plugin-free vLLM); V2 and V1 runner
 #   async:    tests/integration/test_async_engine.py (AsyncLLM: streaming-input sessions, pause_generation, a
 #             request waiting for a bank row) and test_unsteerable_model.py (GPT-2: starts, refuses steering); V2, V1
 #   server:   tests/integration/test_server.py: real `vllm serve` with graphs on (float32 tiny model, fixed 1 GiB KV
@@ -84,7 +85,7 @@ for part in $parts; do
       ;;
     readout)
       for runner in v2 v1; do
-        launch "readout-$runner" next $runner "${pytest_cmd[@]}" -s tests/unit/test_readout.py \
+        launch "readout-$runner" next $runner "${pytest_cmd[@]}" -s tests/unit/test_readout.py tests/unit/test_gates.py \
           tests/integration/test_readout.py tests/integration/test_readout_http.py
       done
       ;;

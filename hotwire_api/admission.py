@@ -41,7 +41,7 @@ from hotwire_api.engine import HotwireEngine
 from hotwire_api.errors import HotwireError, in_body
 from hotwire_api.headers import KEY_HEADER, LENIENT_HEADER, RECEIPT_HEADER
 from hotwire_api.monitors import Monitor, MonitorBook, skipped
-from hotwire_api.reading import Reading, authorize_readout, decide_reading, monitored
+from hotwire_api.reading import Reading, authorize_gate, authorize_readout, decide_reading, monitored
 from hotwire_api.stats_cache import STATS
 from hotwire_api.tickets import TICKETS
 from hotwire_core.admission import Refusal, pinned_spec, receipt, resolve
@@ -109,8 +109,11 @@ class AdmissionMiddleware:
             engine = HotwireEngine.of(scope["app"])
             # Present, whatever its value: a spec that is not a JSON string is hotwire's 400, not vLLM's.
             decided, pinned = await _decide(engine, steering.spec) if SPEC_KEY in steering.holder else ("", None)
-            reading = await decide_reading(engine, steering.readout if reads else None, monitors, book.state) \
-                if reads or monitors else None
+            when = next((e.when for e in parse_spec(pinned) if e.when is not None), None) if pinned else None
+            if when is not None:
+                authorize_gate(path, steering.request)
+            reading = await decide_reading(engine, steering.readout if reads else None, monitors, book.state, when) \
+                if reads or monitors or when else None
         except HotwireError as err:
             STATS.count_refusal(err.code)
             if err.code in _NEVER_LENIENT or not (self.lenient and 400 <= err.status < 500):

@@ -155,7 +155,9 @@ class Answer:
                     last_choices = (len(events), data)
             events.append(event)
         delta = self._streamed.pop() if self._streamed is not None and last_choices is not None else None
-        if delta is not None:
+        if delta is not None:  # the client's probes only (the monitors' and a condition's follow them)
+            delta["probes"] = delta["probes"][: self.reading.asked]
+        if delta is not None and delta["probes"]:
             at, data = last_choices
             events[at] = b"data: " + json.dumps({**data, "hotwire_readout": delta}).encode()
         return {**message, "body": b"".join(event + b"\n\n" for event in events)}
@@ -182,8 +184,9 @@ class Answer:
 
     async def _readout_fields(self, generated: Any) -> dict[str, Any]:
         """The response's fields for the request's readout (``hotwire_core.readout_results``) over ``generated``
-        tokens: ``hotwire_readout`` where the client asked for one, ``hotwire_monitors`` where monitors read it.
-        :class:`HotwireError` when the client's readout cannot be had; without one, no fields then."""
+        tokens: ``hotwire_readout`` where the client asked for one, ``hotwire_monitors`` where monitors read it,
+        ``hotwire_gate`` where the steering is gated. :class:`HotwireError` when the client's readout or the gate's
+        receipt cannot be had; without either, no fields then."""
         reading = self.reading
         assert reading is not None
         try:
@@ -191,15 +194,18 @@ class Answer:
                 raise HotwireError(500, ErrorCode.READOUT_LOST, "the response has no token count "
                                    "(usage.completion_tokens) to cut the readout to")
             answers = await self.scope["app"].state.hotwire_takes.take(self.engine, reading.tag)
-            mine, verdicts = reading.split(readout_of(answers, reading.tag, generated))
+            readout = readout_of(answers, reading.tag, generated)
+            mine, verdicts = reading.split(readout)
         except (EngineError, HotwireError) as exc:
-            if reading.tokens is not None:
+            if reading.owed:
                 raise HotwireError(exc.status, exc.code, exc.message, exc.field) from None
             self._unmonitored("lost")
             return {}
         fields: dict[str, Any] = {} if mine is None else {"hotwire_readout": mine}
         if reading.monitors:
             fields["hotwire_monitors"] = [verdict.model_dump() for verdict in verdicts]
+        if "gate" in readout:
+            fields["hotwire_gate"] = readout["gate"]
         return fields
 
     async def _end(self) -> None:

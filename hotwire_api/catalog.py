@@ -65,7 +65,8 @@ def rules_of(answer: contract.CatalogResult) -> Rules:
     layers = frozenset(parse_layers(model["layers"])) if model.get("layers") else frozenset()
     info = ModelInfo(bool(model["steerable"]), str(model.get("reason") or ""), int(model["n_layers"]),
                      int(model["hidden_size"]), str(model["dtype"]), layers, bool(model.get("norm", True)),
-                     int(model.get("capture_rows") or 0), int(model.get("readout_probes") or 0))
+                     int(model.get("capture_rows") or 0), int(model.get("readout_probes") or 0),
+                     tuple(model.get("gates") or ()))
     return Rules(info, int(model["max_stack"]), int(answer["capacity"]), int(answer["max_rows"]),
                  bool(answer.get("layers_setting")))
 

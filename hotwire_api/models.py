@@ -83,6 +83,9 @@ class ModelSteering(_EngineResult):
                                      "(HOTWIRE_CAPTURE_ROWS); 0: capture is off (HOTWIRE_CAPTURE).")
     readout_probes: int | None = Field(None, description="Probes one request may read (HOTWIRE_READOUT_PROBES); "
                                        "0: readout is off (HOTWIRE_READOUT).")
+    gates: list[str] | None = Field(None, description="The conditions gated steering takes: token (per token) and "
+                                    "latch; none while readout is off, under pipeline parallelism (and no latch "
+                                    "under speculative decoding).")
 
 
 class SlotStats(_EngineResult):

@@ -26,10 +26,12 @@ from hotwire_api.models import MonitorScore
 from hotwire_api.monitors import Monitor, probes_of, score_of, skipped
 from hotwire_core.admission import Refusal
 from hotwire_core.error_codes import ErrorCode
+from hotwire_core.gates import condition_probe
 from hotwire_core.readout_admission import resolve_readout
 from hotwire_core.readout_spec import READOUT_KEY, Probe, ReadoutSpec
+from hotwire_core.spec import SPEC_KEY, Condition
 
-__all__ = ["READOUT_ROUTES", "Reading", "authorize_readout", "decide_reading", "monitored"]
+__all__ = ["READOUT_ROUTES", "Reading", "authorize_gate", "authorize_readout", "decide_reading", "monitored"]
 
 logger = logging.getLogger(__name__)
 
@@ -46,6 +48,12 @@ class Reading:
     asked: int  # the client's probes, first in the readout
     tokens: str | None  # the tokens the client asked for; None: the client asked for no readout
     monitors: tuple[Monitor, ...]
+    gated: bool = False  # the steering's condition is read last (``hotwire_core.gates``); its receipt is owed
+
+    @property
+    def owed(self) -> bool:
+        """Whether the response may not go out without this readout's fields (the monitors' it may)."""
+        return self.tokens is not None or self.gated
 
     def split(self, readout: dict[str, Any]) -> tuple[dict[str, Any] | None, list[MonitorScore]]:
         """The client's readout (None if it asked for none) and the monitors' verdicts, from the whole readout
@@ -84,6 +92,18 @@ def authorize_readout(path: str, where: str, request: dict[str, Any]) -> None:
                            "request", "prompt")
 
 
+def authorize_gate(path: str, request: dict[str, Any]) -> None:
+    """Gated steering's receipt (``hotwire_gate``) comes back as a readout does: for one completion of a chat or
+    completions request."""
+    field = f"vllm_xargs.{SPEC_KEY}"
+    if path not in READOUT_ROUTES:
+        raise HotwireError(400, ErrorCode.GATE_UNSUPPORTED, f"POST {path} cannot gate steering: only POST "
+                           f"{', '.join(sorted(READOUT_ROUTES))} return its receipt; drop the entries' when", field)
+    if request.get("n", 1) not in (1, None) or _prompts(request) > 1:
+        raise HotwireError(400, ErrorCode.GATE_UNSUPPORTED, "gated steering gates one completion: send n = 1 and one "
+                           "prompt per request", field)
+
+
 def _prompts(request: dict[str, Any]) -> int:
     """How many prompts a completions body holds (each its own engine request): a list of strings or of token
     lists holds several; a string or one token list, one."""
@@ -114,27 +134,30 @@ def monitored(monitors: tuple[Monitor, ...], path: str, request: dict[str, Any] 
 
 
 async def decide_reading(engine: HotwireEngine, value: Any, monitors: tuple[Monitor, ...],
-                         monitors_state: int) -> Reading | None:
-    """The readout of a request whose client asked for ``value`` (None: for none) and that ``monitors`` read, or
-    None when there is nothing to read; the client's refusal as :class:`HotwireError`."""
+                         monitors_state: int, when: Condition | None = None) -> Reading | None:
+    """The readout of a request whose client asked for ``value`` (None: for none), that ``monitors`` read and whose
+    steering is gated on ``when`` (pinned), or None when there is nothing to read; the client's refusal as
+    :class:`HotwireError`. The condition's probe goes last, as the engine core's admission expects it."""
     asked = await _client_probes(engine, value) if value is not None else None
     rules = await CATALOG.ready(engine)
+    gate = (condition_probe(when),) if when is not None else ()
     if monitors:
         probes = await _monitor_probes(engine, monitors, monitors_state)
-        if probes is not None and asked is not None and len(asked.probes) + len(probes) > rules.model.readout_probes:
+        own = len(asked.probes) if asked is not None else 0
+        if probes is not None and (asked is not None or gate) and own + len(probes) + len(gate) > rules.model.readout_probes:
             skipped("probe_limit")
             probes = None
         if probes is None:
             monitors = ()
-    if asked is None and not monitors:
+    if asked is None and not monitors and not gate:
         return None
-    tokens = asked.tokens if asked is not None else "generated"
+    tokens = "all" if gate else asked.tokens if asked is not None else "generated"
     if monitors and tokens == "prompt":
         tokens = "all"
     tag = uuid.uuid4().hex
-    spec = ReadoutSpec((*(asked.probes if asked else ()), *(probes if monitors else ())), tokens, tag)
+    spec = ReadoutSpec((*(asked.probes if asked else ()), *(probes if monitors else ()), *gate), tokens, tag)
     return Reading(json.dumps(spec.to_json(), separators=(",", ":")), tag, len(asked.probes) if asked else 0,
-                   asked.tokens if asked else None, monitors)
+                   asked.tokens if asked else None, monitors, bool(gate))
 
 
 async def _client_probes(engine: HotwireEngine, value: Any) -> ReadoutSpec:

@@ -82,6 +82,7 @@ class ModelInfo:
     norm: bool = True  # norm-relative entries supported (see steer_hook.SteerHook)
     capture_rows: int = 0  # captures at once (HOTWIRE_CAPTURE_ROWS); 0: capture is off
     readout_probes: int = 0  # probes one request may read (HOTWIRE_READOUT_PROBES); 0: readout is off
+    gates: tuple[str, ...] = ()  # the conditions gated steering may take: "token", "latch" (none: gates are off)
 
     def to_json(self, max_stack: int) -> ModelView:
         return ModelView(
@@ -95,6 +96,7 @@ class ModelInfo:
             layers=format_layers(self.layers),
             capture_rows=self.capture_rows,
             readout_probes=self.readout_probes,
+            gates=list(self.gates),
         )
 
 
@@ -148,11 +150,36 @@ def resolve(spec: Any, lookup: Lookup, rules: Rules) -> Resolved:
                     f"{list(vector.layers or [])})",
                     f"{SPEC_KEY}[{i}].layer",
                 )
+        if entry.when is not None:
+            entry = _resolve_condition(entry, f"{SPEC_KEY}[{i}].when", lookup, rules)
         resolved.append((entry, vector))
     _check_stack(resolved, rules.max_stack)
     _check_strength(resolved, model.dtype)
     check_rows(len(row_keys(resolved)), rules, SPEC_KEY)
     return resolved
+
+
+def _resolve_condition(entry: SteeringEntry, field: str, lookup: Lookup, rules: Rules) -> SteeringEntry:
+    """``entry`` with its condition's probe pinned to the version it reads (``hotwire_core.gates``)."""
+    when, model = entry.when, rules.model
+    assert when is not None
+    if not model.readout_probes:
+        raise Refusal(503, ErrorCode.READOUT_OFF, "gated steering reads its condition's probe, and readout is off on "
+                      "this server; start it with HOTWIRE_READOUT=1", field)
+    mode = "latch" if when.latch else "token"
+    if mode not in model.gates:
+        why = ("gated steering is off: the model's layers are split over pipeline-parallel ranks, which cannot see "
+               "each other's conditions") if not model.gates else ("a latched condition is off under speculative "
+               "decoding: a draft token that verification rejects could latch it; gate per token instead")
+        raise Refusal(400, ErrorCode.GATE_UNSUPPORTED, f"this server cannot gate as asked: {why}", field)
+    probe = find_version(lookup, when.vector_id, when.version, field, "probe")
+    if when.layer not in model.layers:
+        raise Refusal(400, ErrorCode.LAYER_OUT_OF_RANGE, f"layer {when.layer} cannot be read: this server hooks "
+                      f"layers {rules.steered_layers()}", f"{field}.layer")
+    if not probe.has_row(when.layer):
+        raise Refusal(400, ErrorCode.NO_ROW_FOR_LAYER, f"vector {when.vector_id!r}@{probe.version} has no row for "
+                      f"layer {when.layer} (it has {list(probe.layers or [])})", f"{field}.layer")
+    return entry.pinned(entry.version, probe.version)
 
 
 def check_rows(rows: int, rules: Rules, field: str) -> None:
@@ -264,13 +291,15 @@ def receipt(resolved: Resolved) -> str:
     parts = []
     for e, v in resolved:
         flags = "".join(f",{f}" for f, on in (("norm", e.norm), (e.phase.value + "_only", e.phase is not Phase.ALL)) if on)
+        if e.when is not None:
+            flags += f",when={e.when.describe()}"
         parts.append(f"{v.vector_id}@{v.version}:L{'+'.join(map(str, e.layers))}x{e.scale:g}{flags}")
     return ";".join(parts)
 
 
 def pinned_spec(resolved: Resolved) -> str:
     """The spec as a JSON string with every entry pinned to the version it resolved to."""
-    return canonical_spec(tuple(e.pinned(v.version) for e, v in resolved))
+    return canonical_spec(tuple(e.pinned(v.version, e.when and e.when.version) for e, v in resolved))
 
 
 def presalt(spec: Any, user_salt: str | None, prompt_len: int, lookup: Lookup) -> str | None:
@@ -283,6 +312,8 @@ def presalt(spec: Any, user_salt: str | None, prompt_len: int, lookup: Lookup) -
         entries = parse_spec(spec)
     except SpecError:
         return None
+    if any(e.when is not None for e in entries):
+        return None  # a gated request reads every prompt token: it gets a salt of its own (``gates``)
     vectors = [lookup(e.vector_id, e.version) for e in entries]
     if None in vectors:
         return None

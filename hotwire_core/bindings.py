@@ -38,6 +38,7 @@ class BoundEntry:
     scale: float  # absolute scale (0 for a norm-relative entry)
     rel: float  # norm-relative scale (0 for an absolute entry)
     phases: str  # "p", "d" or "pd"
+    gated: int = 0  # 1: steers only where the request's condition lets it (``gates``)
 
 
 @dataclass
@@ -104,7 +105,8 @@ class Bindings(Mapping[str, Binding]):
                 vectors.append(vector)
         self._load(loads, sources)
         entries = [
-            BoundEntry(row_key(v, layer), layer, 0.0 if e.norm else e.scale, e.scale if e.norm else 0.0, _PHASES[e.phase])
+            BoundEntry(row_key(v, layer), layer, 0.0 if e.norm else e.scale, e.scale if e.norm else 0.0, _PHASES[e.phase],
+                       int(e.when is not None))
             for e, v in resolved for layer in e.layers
         ]
         reads = [(row_key(v, p.layer), p.layer) for p, v in probes]
@@ -131,7 +133,7 @@ class Bindings(Mapping[str, Binding]):
         config: Config = {"p": [], "d": []}
         for e in entries:
             for phase in e.phases:
-                config[phase].append(SteerItem(e.layer, slot_of[e.key], e.scale, e.rel))
+                config[phase].append(SteerItem(e.layer, slot_of[e.key], e.scale, e.rel, e.gated))
         if reads:
             config["r"] = [SteerItem(layer, slot_of[key], 0.0, 0.0) for key, layer in reads]
         return config

@@ -20,7 +20,7 @@ __all__ = [
     "ADMISSION_ONLY_KEYS", "BINDING_KEY", "CAPTURE_KEY", "CATALOG", "CHECK", "ENGINE_METHODS", "EXPORT", "GRAPH_SETS", "LIST", "PREFIX",
     "PEEK_READOUTS", "READOUT_ARGS_KEY", "REBINDS_ATTR", "REFUSALS", "REGISTER", "STATS", "TAKE_CAPTURES", "TAKE_READOUTS", "UNREGISTER", "USER_SALT_ATTR", "WORKER_INFO",
     "WORKER_METHODS", "WRITES_ATTR",
-    "CatalogResult", "CheckResult", "Config", "ExportResult", "Failure", "ListResult", "ModelView", "ReadoutArgs",
+    "CatalogResult", "CheckResult", "Config", "ExportResult", "Failure", "GateArgs", "ListResult", "ModelView", "ReadoutArgs",
     "ReadoutProbe", "RefusalsResult",
     "RegisterResult", "SlotRow", "StatsResult", "SteerItem", "TakeCapturesResult", "TakeReadoutsResult", "UnregisterResult", "VectorMeta",
     "WorkerInfo",
@@ -61,13 +61,15 @@ ADMISSION_ONLY_KEYS = (BINDING_KEY, READOUT_ARGS_KEY)
 
 class SteerItem(NamedTuple):
     """One entry of a request's phase config, as the workers apply it: after decoder layer ``layer``, add bank row
-    ``slot`` times ``scale`` (absolute; 0 for a norm-relative entry) or times ``rel`` and the token's norm. A tuple,
-    so pickle (the scheduler output to the workers) keeps it, and msgpack would give a list that unpacks alike."""
+    ``slot`` times ``scale`` (absolute; 0 for a norm-relative entry) or times ``rel`` and the token's norm; ``gated``
+    (1): only at the tokens the request's condition lets through (``gates``). A tuple, so pickle (the scheduler
+    output to the workers) keeps it, and msgpack would give a list that unpacks alike."""
 
     layer: int
     slot: int
     scale: float
     rel: float
+    gated: int = 0
 
 
 # A request's binding (``sampling_params.extra_args[BINDING_KEY]``, ``REBINDS_ATTR``): phase "p" (its prompt) and
@@ -133,6 +135,7 @@ class WorkerInfo(TypedDict):
     max_stack: int  # HOTWIRE_MAX_STACK
     capture_rows: int  # HOTWIRE_CAPTURE_ROWS where the capture op is compiled in (HOTWIRE_CAPTURE), else 0
     readout_probes: int  # HOTWIRE_READOUT_PROBES where the readout op is compiled in (HOTWIRE_READOUT), else 0
+    gates: list[str]  # the conditions this rank can gate on: "token", "latch" (not under speculation); [] with readout off
 
 
 class ModelView(TypedDict):
@@ -149,6 +152,7 @@ class ModelView(TypedDict):
     layers: str  # the hooked layers, "0-35" (``settings.format_layers``)
     capture_rows: int  # captures at once for vector extraction (0: capture off)
     readout_probes: int  # probes one request may read (0: readout off)
+    gates: list[str]  # gated steering's conditions: "token" (per token), "latch"; []: gates are off
 
 
 class RegisterResult(TypedDict):
@@ -245,12 +249,27 @@ class ReadoutProbe(TypedDict):
     norm: float  # the probe row's L2 norm (for cosines)
 
 
-class ReadoutArgs(TypedDict):
-    """``extra_args[READOUT_ARGS_KEY]`` of an admitted readout request (``readout_admission.worker_args``)."""
+class GateArgs(TypedDict):
+    """A gated request's condition as the workers evaluate it (``gates.gate_args``) on readout probe ``probe``."""
 
+    probe: int
+    threshold: float
+    below: bool
+    cosine: bool  # the cosine rather than the dot product plus bias
+    latch: bool
+    prompt: bool  # only prompt tokens are evaluated
+
+
+class _ReadoutArgs(TypedDict):
     tag: str
     tokens: str  # "prompt", "generated" or "all"
     probes: list[ReadoutProbe]
+
+
+class ReadoutArgs(_ReadoutArgs, total=False):
+    """``extra_args[READOUT_ARGS_KEY]`` of an admitted readout request (``readout_admission.worker_args``)."""
+
+    gate: GateArgs  # a gated request's condition
 
 
 class TakeReadoutsResult(TypedDict):

@@ -18,10 +18,8 @@ from typing import Any, Callable, Collection, Iterable, Sequence
 import torch
 
 from . import contract
-from .admission import (
-    ModelInfo, Refusal, Resolved, Rules, cache_salt, check_client_fields, check_rows, pinned_spec, presalt, receipt,
-    resolve, row_sources,
-)
+from .admission import (ModelInfo, Refusal, Resolved, Rules, cache_salt, check_client_fields, check_rows, pinned_spec,
+                        presalt, receipt, resolve, row_sources)
 from .bindings import BankWrite, Binding, Bindings
 from .capture_admission import CaptureRequests
 # BINDING_KEY and USER_SALT_ATTR are re-exported: the benchmarks import them from here
@@ -32,6 +30,7 @@ from .error_codes import ErrorCode
 from .errors import EngineError
 from .handouts import Handouts
 from .registry import HostVector, RegistryError, VectorRegistry
+from .gates import condition_of, gated_reading
 from .sessions import EndedSessions, same_steering
 from .settings import Settings
 from .slots import RowKey, SlotCache, SlotsExhausted
@@ -263,9 +262,8 @@ class SteeringController:
         """Bind a new engine request to its steering, or raise :class:`Refusal` (code ``slots_exhausted`` when it
         would fit once running requests release their rows: see ``defer``).
 
-        On success the request carries the binding for the workers and a cache salt that separates its KV
-        from every other steering config (none included). A request built with that salt already (see
-        ``cache_salt_for``) keeps its block hashes."""
+        On success the request carries the binding for the workers and a cache salt that separates its KV from every
+        other steering config (none included); one built with that salt already (``cache_salt_for``) keeps its hashes."""
         requests = self.requests
         user_salt = requests.user_salt(request)
         extra = requests.extra_args(request) or {}
@@ -280,13 +278,14 @@ class SteeringController:
         spec, readout = extra.get(SPEC_KEY), extra.get(READOUT_KEY)
         if spec is None and readout is None:
             return None
-        request_id = requests.request_id(request)
-        resolved: Resolved = []
-        sources: dict[RowKey, tuple[HostVector, int]] = {}
+        request_id, resolved, sources = requests.request_id(request), [], {}
         try:
             resolved = self._resolve(spec) if spec is not None else []
             reading = (Reading.of(readout, self.registry.lookup, self.rules, self.model.readout_probes,
                                   requests.expects_more_input(request)) if readout is not None else None)
+            if (when := condition_of(resolved)) is not None:  # a gated request reads its condition
+                reading = gated_reading(reading, when, self.registry.lookup, self.rules, self.model.readout_probes,
+                                        requests.expects_more_input(request))
             sources = {**row_sources(resolved), **(reading.sources() if reading else {})}
             if reading:  # (resolve checked the steering's rows alone)
                 check_rows(len(sources), self.rules, READOUT_KEY)

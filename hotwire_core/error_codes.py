@@ -63,6 +63,7 @@ class ErrorCode(StrEnum):
     READOUT_OFF = "readout_off"
     READOUT_LOST = "readout_lost"
     READOUT_UNSUPPORTED = "readout_unsupported"
+    GATE_UNSUPPORTED = "gate_unsupported"
     UNKNOWN_MONITOR = "unknown_monitor"
     # The server itself.
     STORE_FAILED = "store_failed"

@@ -25,7 +25,7 @@ from .error_codes import ErrorCode
 from .errors import EngineError
 from .readout_results import readout_of
 from .readout_spec import READOUT_KEY, build_readout
-from .spec import SPEC_KEY, as_index, build_spec
+from .spec import SPEC_KEY, as_index, build_spec, parse_spec
 from .store import tensor_to_stored
 
 
@@ -121,22 +121,32 @@ def read(probes: Sequence[dict[str, Any]], tokens: str = "generated") -> dict[st
     return {READOUT_KEY: build_readout(list(probes), tokens)}
 
 
-def generate_with_readout(llm: Any, prompts: Any, params: Any, probes: Sequence[dict[str, Any]],
+def generate_with_readout(llm: Any, prompts: Any, params: Any, probes: Sequence[dict[str, Any]] = (),
                           tokens: str = "generated") -> list[Any]:
     """``llm.generate(prompts, params)`` reading ``probes`` (``[{"id", "layer"[, "bias"]}]``) on ``tokens``
     (``prompt``, ``generated`` or ``all``) of every request; each ``RequestOutput`` gets the readout as
     ``hotwire_readout`` (``hotwire_core.readout_results``). ``params``: one ``SamplingParams`` (its ``extra_args``
-    may steer) or one per prompt. Raises :class:`HotwireError` for a refused request or a lost readout."""
+    may steer) or one per prompt. A request whose steering is gated (``when``) also gets the gate's receipt as
+    ``hotwire_gate`` (its readout then spans all tokens); ``probes`` may then be empty. Raises
+    :class:`HotwireError` for a refused request or a lost readout."""
     prompts = [prompts] if isinstance(prompts, (str, dict)) else list(prompts)
     params = list(params) if isinstance(params, (list, tuple)) else [params] * len(prompts)
-    spec = json.loads(read(probes, tokens)[READOUT_KEY])
     tags, tagged = [], []
     for p in params:
         if getattr(p, "n", 1) != 1:
             raise ValueError("generate_with_readout reads one completion per prompt: use n=1")
+        spec = (p.extra_args or {}).get(SPEC_KEY)
+        when = next((e.when for e in parse_spec(spec) if e.when is not None), None) if spec is not None else None
+        asked = list(probes)
+        if when is not None:  # read last, over every token, as the engine evaluates it (``gates``)
+            asked.append({"id": when.vector_id, "layer": when.layer, "bias": when.bias,
+                          **({"version": when.version} if when.version else {})})
+        if not asked:
+            raise ValueError("nothing to read: name probes, or steer with a gated entry")
+        readout = json.loads(read(asked, "all" if when is not None else tokens)[READOUT_KEY])
         tag = uuid.uuid4().hex
         q = copy.copy(p)
-        q.extra_args = {**(p.extra_args or {}), READOUT_KEY: json.dumps({**spec, "tag": tag})}
+        q.extra_args = {**(p.extra_args or {}), READOUT_KEY: json.dumps({**readout, "tag": tag})}
         tags.append(tag)
         tagged.append(q)
     outputs = llm.generate(prompts, tagged, use_tqdm=False)
@@ -147,6 +157,8 @@ def generate_with_readout(llm: Any, prompts: Any, params: Any, probes: Sequence[
                                "(check_steering and the readout's ids and layers)")
         try:
             output.hotwire_readout = readout_of(answers, tag, len(output.outputs[0].token_ids))
+            if "gate" in output.hotwire_readout:
+                output.hotwire_gate = output.hotwire_readout.pop("gate")
         except EngineError as exc:
             raise HotwireError(exc.status, exc.code, exc.message, exc.field) from None
     return outputs

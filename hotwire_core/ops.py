@@ -16,8 +16,13 @@ OP_NAMESPACE = "hotwire"
 OP_NAME = "steer_"
 _SCHEMA = (
     f"{OP_NAME}(Tensor(a!) residual, Tensor? hidden, Tensor token_cfg, Tensor layer_on, Tensor cfg_slot, "
-    "Tensor cfg_scale, Tensor cfg_rel, Tensor bank, Tensor inv_norm, int layer) -> ()"
+    "Tensor cfg_scale, Tensor cfg_rel, Tensor bank, Tensor inv_norm, int layer, Tensor? cfg_gate=None, "
+    "Tensor? token_read=None, Tensor? token_pos=None, Tensor? token_hit=None, Tensor? gate_row=None) -> ()"
 )
+# Gated steering (hotwire_core.gates): gate_row's columns, per readout row; the flags' bits.
+GATE_LAYER, GATE_PROBE, GATE_FLAGS, GATE_FIRST, GATE_PROMPT_LEN = range(5)
+GATE_BELOW, GATE_LATCH, GATE_COSINE, GATE_PROMPT = 1, 2, 4, 8
+NEVER = 2**31 - 1  # GATE_FIRST of a latch that has not fired
 
 class Gate:
     """Whether the forward being run (or captured into a CUDA graph) may steer any token.
@@ -67,10 +72,19 @@ def steer_torch(
     bank: torch.Tensor,
     inv_norm: torch.Tensor,
     layer: int,
+    cfg_gate: torch.Tensor | None = None,
+    token_read: torch.Tensor | None = None,
+    token_pos: torch.Tensor | None = None,
+    token_hit: torch.Tensor | None = None,
+    gate_row: torch.Tensor | None = None,
     use_norm: bool = True,
 ) -> torch.Tensor:
     """Return the steered residual (out of place); rows whose config is 0 come back bit-identical, and so does
-    every row at a layer whose ``layer_on`` flag is 0.
+    every row at a layer whose ``layer_on`` flag is 0, and every row whose entries are all gated off.
+
+    Gates (``cfg_gate`` and the rest, or None): an entry with ``cfg_gate`` set steers a token only where its
+    request's condition (``gate_row`` of the token's readout row ``token_read``) let it through: per token, the
+    ``token_hit`` the readout op wrote at the condition's layer; latched, from the first position that held.
 
     Only branch-free, data-independent torch ops, so that Inductor can fuse this into neighbouring kernels
     and it can be captured in a CUDA graph. The loop over K unrolls on a static shape, and it avoids
@@ -86,15 +100,23 @@ def steer_torch(
         base = res32 if hidden is None else res32 + hidden.float()
         norm = torch.linalg.vector_norm(base, dim=-1, keepdim=True)  # [T, 1]
         coef = coef + cfg_rel[cfg, layer] * norm * inv_norm[slots]
+    steered = (cfg != 0) & (layer_on[layer] != 0)
+    if cfg_gate is not None:
+        active = slots != 0
+        rows = token_read[:n_tokens].long()
+        latch = (gate_row[rows, GATE_FLAGS] & GATE_LATCH) != 0
+        let_through = torch.where(latch, gate_row[rows, GATE_FIRST] <= token_pos[:n_tokens], token_hit[:n_tokens] != 0)
+        active = active & ((cfg_gate[cfg, layer] == 0) | let_through.unsqueeze(-1))
+        coef = torch.where(active, coef, torch.zeros_like(coef))
+        steered = steered & active.any(dim=1)  # a token whose entries are all gated off keeps its bits
     acc = res32
     for k in range(slots.shape[1]):
         acc = acc + coef[:, k : k + 1] * bank[slots[:, k]].float()
-    steered = (cfg != 0) & (layer_on[layer] != 0)
     return torch.where(steered.unsqueeze(-1), acc.to(residual.dtype), residual)
 
 
 # The kernels take the schema's arguments in order: (residual, hidden, token_cfg, layer_on, cfg_slot, cfg_scale,
-# cfg_rel, bank, inv_norm, layer), as documented on steer_torch.
+# cfg_rel, bank, inv_norm, layer, and the five gate tensors or None), as documented on steer_torch.
 
 
 def _steer_cpu(residual: torch.Tensor, *args: object) -> None:

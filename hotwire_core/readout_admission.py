@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Any, NoReturn
 
 from .admission import Lookup, Refusal, Rules, find_version, row_key
-from .contract import READOUT_ARGS_KEY, ReadoutArgs, ReadoutProbe
+from .contract import READOUT_ARGS_KEY, GateArgs, ReadoutArgs, ReadoutProbe
 from .error_codes import ErrorCode
 from .readout_spec import READOUT_KEY, ReadoutSpec, parse_readout
 from .slots import RowKey
@@ -71,6 +71,7 @@ class Reading:
 
     spec: ReadoutSpec
     probes: ResolvedProbes
+    gate: GateArgs | None = None  # a gated request's condition, on one of the probes (``gates.gated_reading``)
 
     @classmethod
     def of(cls, value: Any, lookup: Lookup, rules: Rules, max_probes: int, session: bool) -> Reading:
@@ -84,7 +85,10 @@ class Reading:
         return {row_key(v, p.layer): (v, p.layer) for p, v in self.probes}
 
     def worker_args(self, tag: str) -> dict[str, ReadoutArgs]:
-        return worker_args(self.spec, self.probes, tag)
+        args = worker_args(self.spec, self.probes, tag)
+        if self.gate is not None:
+            args[READOUT_ARGS_KEY]["gate"] = self.gate
+        return args
 
     def own_salt(self) -> str | None:
         """The request's own cache salt when it reads prompt tokens (see the module's docstring), else None."""

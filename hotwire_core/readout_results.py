@@ -4,7 +4,8 @@ API server, which puts it in the response.
 
 Per probe, for the tokens asked for: ``score`` (the dot product of the residual stream after the probe's layer with
 the probe's row, plus its ``bias``) and ``cosine`` (between the two; 0 where either is zero). Prompt token ``i`` is
-read at position ``i``; generated token ``j`` at the position that predicted it, ``prompt length - 1 + j``.
+read at position ``i``; generated token ``j`` at the position that predicted it, ``prompt length - 1 + j``. A gated
+request's readout carries ``gate`` (``gates.gate_of``) in place of its condition's probe.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import numpy as np
 
 from .error_codes import ErrorCode
 from .errors import EngineError
+from .gates import gate_receipt
 
 __all__ = ["ReadoutLost", "generated_so_far", "readout_of"]
 
@@ -76,7 +78,12 @@ def readout_of(answers: Sequence[dict[str, Any]], tag: str, n_generated: int) ->
                                   f"{probe['name']}): the request was aborted or preempted past what was read")
             entry[name] = _scored(values[at, k], probe)
         out.append(entry)
-    return {"tokens": args["tokens"], "probes": out}
+    result: dict[str, Any] = {"tokens": args["tokens"], "probes": out}
+    gate = gate_receipt(first, positions, values, n_generated)
+    if gate is not None:  # its probe is the condition's, not one the reader asked for
+        del out[args["gate"]["probe"]]
+        result["gate"] = gate
+    return result
 
 
 def generated_so_far(answers: Sequence[dict[str, Any]], tag: str, first: int) -> list[dict[str, Any]] | None:

@@ -21,6 +21,7 @@ import torch
 
 from .contract import ReadoutArgs, SteerItem, TakeReadoutsResult
 from .handouts import Handouts
+from .ops import GATE_BELOW, GATE_COSINE, GATE_LATCH, GATE_PROMPT, NEVER
 from .readout_op import set_output
 
 __all__ = ["WorkerReadout"]
@@ -51,12 +52,18 @@ class _Copy:
 
 class WorkerReadout:
     def __init__(self, layers: Collection[int], n_layers: int, device: torch.device, max_tokens: int,
-                 max_probes: int, rows: int, uploader: Any):
+                 max_probes: int, rows: int, uploader: Any, gates: bool = False):
+        """``gates``: allocate the buffers of gated steering (``hotwire_core.gates``), which the ops then take."""
         self.layers, self.rows, self.k = frozenset(layers), rows, max_probes
         with torch.device(device):
             self.token_read = torch.zeros(max_tokens, dtype=torch.int32)
             self.read_slot = torch.zeros(rows + 1, n_layers, max_probes, dtype=torch.int32)  # row 0: nobody reads
             self.out = torch.zeros(n_layers, max_tokens, max_probes + 1, dtype=torch.float32)
+            # Per row: its condition (ops.GATE_* columns; layer -1: none) and threshold, bias, probe's inverse norm.
+            self.gates = {"token_pos": torch.zeros(max_tokens, dtype=torch.int32),
+                          "token_hit": torch.zeros(max_tokens, dtype=torch.int32),
+                          "gate_row": torch.full((rows + 1, 8), -1, dtype=torch.int32),
+                          "gate_f": torch.zeros(rows + 1, 4, dtype=torch.float32)} if gates else None
         set_output(self.out)
         self._cuda = self.out.is_cuda
         self._uploader = uploader
@@ -67,6 +74,7 @@ class WorkerReadout:
         self._read: tuple[np.ndarray, list[tuple[_Reader, slice, np.ndarray]]] | None = None  # last forward's tokens
         self._copies: list[_Copy] = []
         self.dirty = 0  # token_read[:dirty] may be non-zero on the device
+        self._gated = 0  # live readers with a condition: token_pos is written while there are any
 
     @property
     def clean(self) -> bool:
@@ -101,11 +109,27 @@ class WorkerReadout:
                              end)
             self.live[req_id] = reader
             writes.append((reader.row, items))
+            if self.gates is not None:
+                self._write_gate(reader)
         for req_id, config in rebinds.items():
             if req_id in self.live and config.get("r"):
                 writes.append((self.live[req_id].row, config["r"]))
         if writes:
             self._write_rows(writes)
+
+    def _write_gate(self, reader: _Reader) -> None:
+        """Give a new reader's row its condition, or none (rows are reused)."""
+        ints, floats = np.full(8, -1, np.int32), np.zeros(4, np.float32)
+        gate = reader.args.get("gate")
+        if gate is not None:
+            probe = reader.args["probes"][gate["probe"]]
+            flags = sum(bit for bit, on in ((GATE_BELOW, gate["below"]), (GATE_LATCH, gate["latch"]),
+                                            (GATE_COSINE, gate["cosine"]), (GATE_PROMPT, gate["prompt"])) if on)
+            ints[:5] = (probe["layer"], gate["probe"], flags, NEVER, reader.prompt_len)
+            floats[:3] = (gate["threshold"], probe["bias"], 1.0 / max(probe["norm"], 1e-30))
+            self._gated += 1
+        self._uploader.copy_(self.gates["gate_row"][reader.row], torch.from_numpy(ints))
+        self._uploader.copy_(self.gates["gate_f"][reader.row], torch.from_numpy(floats))
 
     def _write_rows(self, writes: list[tuple[int, list[SteerItem]]]) -> None:
         table = np.zeros((len(writes), *self.read_slot.shape[1:]), np.int32)
@@ -143,6 +167,11 @@ class WorkerReadout:
                 taken += len(index)
         self._read = (np.concatenate(tokens), readers) if tokens else None
         self._uploader.copy_(self.token_read[:length], torch.from_numpy(host.copy()))
+        if self._gated and tokens:
+            positions = np.zeros(num_tokens, np.int32)
+            for (_, _, read), index in zip(readers, tokens):
+                positions[index] = read
+            self._uploader.copy_(self.gates["token_pos"][:num_tokens], torch.from_numpy(positions))
         self.dirty = num_tokens if tokens else 0
 
     def _flush(self, wait: bool) -> None:
@@ -196,6 +225,8 @@ class WorkerReadout:
 
     def _finish(self, req_id: str) -> None:
         reader = self.live.pop(req_id)
+        if "gate" in reader.args:
+            self._gated -= 1
         if not reader.taken:
             self.done.put(reader.tag, self._result(reader))
         self._free.append(reader.row)

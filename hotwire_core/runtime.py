@@ -63,12 +63,13 @@ class WorkerSteering:
         steerable: bool | None = None,
         reason: str | None = None,
         whole_stream: Collection[int] = (),
+        speculative: bool = False,
     ):
         """``layers``: the modules to hook on this rank, by global index; ``whole_stream``: those of them that return
         the whole residual stream in ``hidden_states`` (see :class:`SteerHook`). ``steerable``: whether the model has
         layers hotwire can hook (default: whether ``layers`` is non-empty; a pipeline rank that ``HOTWIRE_LAYERS``
         leaves without a hooked layer is still steerable). ``reason``: why it is not steerable, where not for want
-        of layers."""
+        of layers. ``speculative``: the engine verifies drafts (a latched gate is then refused: ``hotwire_core.gates``)."""
         self.layers, self.n_layers, self.hidden_size = layers, n_layers, hidden_size
         self.steerable = bool(layers) if steerable is None else steerable
         self.reason = reason or "no decoder layer with the (positions, hidden_states, residual) contract"
@@ -92,12 +93,18 @@ class WorkerSteering:
                 "cfg_scale": torch.zeros(n_cfg, n_layers, k, dtype=torch.float32),
                 "cfg_rel": torch.zeros(n_cfg, n_layers, k, dtype=torch.float32),
             }
+        # Gated steering rides on the readout op, which decides the condition; only the opaque op reads it in order.
+        gates = settings.readout and bool(layers) and settings.impl == "op"
+        self.gate_modes = ["token"] + ([] if speculative else ["latch"]) if gates else []
         self.readout = (WorkerReadout(layers, n_layers, device, max_tokens, settings.readout_probes, n_cfg - 1,
-                                      self._uploader) if settings.readout and layers else None)
+                                      self._uploader, gates) if settings.readout and layers else None)
+        if gates:
+            self.buffers["cfg_gate"] = torch.zeros(n_cfg, n_layers, k, dtype=torch.int32, device=device)
         if self.capture is not None:
             self.buffers["token_cap"] = self.capture.token_cap
         if self.readout is not None:
             self.buffers["token_read"], self.buffers["read_slot"] = self.readout.token_read, self.readout.read_slot
+            self.buffers.update(self.readout.gates or {})
         for index, module in layers.items():
             hook = SteerHook(self.buffers, index, settings.impl, self.target, self.norm, index in whole_stream)
             module.add_module(HOOK_NAME, hook)
@@ -129,6 +136,7 @@ class WorkerSteering:
             max_stack=self.settings.max_stack,
             capture_rows=self.capture.rows if self.capture is not None else 0,
             readout_probes=self.readout.k if self.readout is not None else 0,
+            gates=self.gate_modes,
         )
 
     # -- request lifecycle -----------------------------------------------------------------------------------
@@ -224,27 +232,33 @@ class WorkerSteering:
             self._write_rows(fresh)
 
     def _write_rows(self, fresh: list[tuple[int, list[SteerItem]]]) -> None:
-        """Write config rows ``(row, items)`` to ``cfg_slot`` / ``cfg_scale`` /
-        ``cfg_rel`` with one host-to-device copy: the row ids and the three tables travel as one int32 array
-        (the float tables as their bits), split on the device."""
-        k, n = self.settings.max_stack, len(fresh)
-        packed = np.zeros((n, 1 + 3 * self.n_layers * k), np.int32)
+        """Write config rows ``(row, items)`` to ``cfg_slot`` / ``cfg_scale`` / ``cfg_rel`` (and ``cfg_gate``, with
+        gates) with one host-to-device copy: the row ids and the tables travel as one int32 array (the float tables
+        as their bits), split on the device."""
+        k, n, n_tables = self.settings.max_stack, len(fresh), 4 if "cfg_gate" in self.buffers else 3
+        packed = np.zeros((n, 1 + n_tables * self.n_layers * k), np.int32)
         packed[:, 0] = [row for row, _ in fresh]
-        slot, scale, rel = (packed[:, 1:].reshape(n, 3, self.n_layers, k)[:, i] for i in range(3))
-        scale, rel = scale.view(np.float32), rel.view(np.float32)
+        tables = packed[:, 1:].reshape(n, n_tables, self.n_layers, k)
+        slot, scale, rel = tables[:, 0], tables[:, 1].view(np.float32), tables[:, 2].view(np.float32)
         for i, (_, items) in enumerate(fresh):
             used = [0] * self.n_layers
-            for layer, s, sc, rl in items:
+            for layer, s, sc, rl, *gated in items:  # a SteerItem, or the list msgpack makes of one
                 layer = int(layer)
                 j = used[layer]
                 slot[i, layer, j], scale[i, layer, j], rel[i, layer, j] = int(s), sc, rl
+                if gated and gated[0]:
+                    if n_tables < 4:
+                        raise ValueError("a gated entry reached a worker without gates (HOTWIRE_READOUT is off here)")
+                    tables[i, 3, layer, j] = 1
                 used[layer] += 1
         device = self._uploader.to_device(torch.from_numpy(packed))
         idx = device[:, 0].long()
-        tables = device[:, 1:].view(n, 3, self.n_layers, k)
-        self.buffers["cfg_slot"].index_copy_(0, idx, tables[:, 0])
-        self.buffers["cfg_scale"].index_copy_(0, idx, tables[:, 1].view(torch.float32))
-        self.buffers["cfg_rel"].index_copy_(0, idx, tables[:, 2].view(torch.float32))
+        on_device = device[:, 1:].view(n, n_tables, self.n_layers, k)
+        self.buffers["cfg_slot"].index_copy_(0, idx, on_device[:, 0])
+        self.buffers["cfg_scale"].index_copy_(0, idx, on_device[:, 1].view(torch.float32))
+        self.buffers["cfg_rel"].index_copy_(0, idx, on_device[:, 2].view(torch.float32))
+        if n_tables == 4:
+            self.buffers["cfg_gate"].index_copy_(0, idx, on_device[:, 3])
 
     def steers_any(self, scheduled: Collection[str]) -> bool:
         """Whether any scheduled request has a steering config (for prefill or decode) or captures: the step's

@@ -10,12 +10,20 @@ holding one entry or a list of entries::
 Entry fields: ``id`` (string), ``layer`` (int or list of ints), ``scale`` (finite float, taken as float32), optional
 ``decode_only`` / ``prefill_only`` (bool, mutually exclusive), ``norm`` (bool: the scale is relative to
 the token's residual norm, ``residual += scale * |residual| * v/|v|``) and ``version`` (int: steer with that
-version of the vector, which must be current or still retained; absent: the version current at admission).
+version of the vector, which must be current or still retained; absent: the version current at admission), ``when`` (a condition, below).
 The HTTP admission pins every entry's version this way, so the engine applies what the receipt names.
+
+``when`` gates an entry on a probe: ``{"id": "toxic", "layer": 8, "above": 0.5}`` steers a token only where the
+residual stream after layer 8 projects onto vector ``toxic``'s row (dot product plus optional ``bias``, or with
+``"cosine": true`` the cosine) above 0.5 (``below``: under). ``"latch": true`` steers from the first token that
+crossed to the end of the request; ``"tokens": "prompt"`` evaluates only prompt tokens (with ``latch`` this is
+CAST: the prompt decides whether the answer is steered). The condition's layer lies below every layer the entry
+steers, and every gated entry of a request shares one condition (``hotwire_core.gates``).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import math
@@ -37,7 +45,8 @@ VECTOR_ID_RE = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._-]{0,63}")
 MAX_ENTRIES = 64
 MAX_SPEC_CHARS = 65_536  # far above 64 entries of 64-character ids; longer specs are refused before parsing
 _CACHED_SPEC_CHARS = 1024  # specs up to this length are cached: a server sees few distinct short specs
-_ENTRY_FIELDS = {"id", "layer", "scale", "decode_only", "prefill_only", "norm", "version"}
+_ENTRY_FIELDS = {"id", "layer", "scale", "decode_only", "prefill_only", "norm", "version", "when"}
+_CONDITION_FIELDS = {"id", "layer", "above", "below", "bias", "cosine", "latch", "tokens", "version"}
 FLOAT32_MAX = 3.4028234663852886e38
 _FLOAT32_OVERFLOW = 2.0**128 - 2.0**103  # the smallest magnitude float32 rounds to inf (FLOAT32_MAX + half a step)
 
@@ -48,6 +57,43 @@ class Phase(str, Enum):
     ALL = "all"
     PREFILL = "prefill"  # prompt tokens only
     DECODE = "decode"  # generated tokens only
+
+
+@dataclass(frozen=True)
+class Condition:
+    """When a gated entry steers a token: the probe ``vector_id`` (at ``version``) read after ``layer`` crosses
+    ``threshold`` (``below``: from above). ``tokens``: ``"all"`` or ``"prompt"`` (only prompt tokens are
+    evaluated)."""
+
+    vector_id: str
+    layer: int
+    threshold: float
+    below: bool = False
+    bias: float = 0.0
+    cosine: bool = False
+    latch: bool = False
+    tokens: str = "all"
+    version: int | None = None
+
+    def pinned(self, version: int | None) -> Condition:
+        return dataclasses.replace(self, version=version)
+
+    def to_json(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"id": self.vector_id, "layer": self.layer, "below" if self.below else "above": self.threshold}
+        for name, value, default in (("bias", self.bias, 0.0), ("cosine", self.cosine, False),
+                                     ("latch", self.latch, False), ("tokens", self.tokens, "all"),
+                                     ("version", self.version, None)):
+            if value != default:
+                out[name] = value
+        return out
+
+    def describe(self) -> str:
+        """For receipts: ``toxic@3:L8>0.5`` (``cos`` for a cosine, ``,latch``, ``,prompt``)."""
+        measure = "cos" if self.cosine else ""
+        bias = f"{self.bias:+g}" if self.bias else ""
+        flags = (",latch" if self.latch else "") + (",prompt" if self.tokens == "prompt" else "")
+        return (f"{self.vector_id}@{self.version}:L{self.layer}{measure}{bias}{'<' if self.below else '>'}"
+                f"{self.threshold:g}{flags}")
 
 
 class SpecError(ValueError):
@@ -69,15 +115,17 @@ class SteeringEntry:
     phase: Phase = Phase.ALL
     norm: bool = False
     version: int | None = None  # None: the version current when the engine admits the request
+    when: Condition | None = None  # a gated entry steers only the tokens its condition lets through
 
-    def pinned(self, version: int) -> SteeringEntry:
-        """This entry bound to ``version`` of its vector."""
-        return SteeringEntry(self.vector_id, self.layers, self.scale, self.phase, self.norm, version)
+    def pinned(self, version: int | None, when_version: int | None = None) -> SteeringEntry:
+        """This entry bound to ``version`` of its vector (and its condition to ``when_version`` of its probe)."""
+        when = self.when.pinned(when_version) if self.when is not None else None
+        return dataclasses.replace(self, version=version, when=when)
 
     def steering(self) -> SteeringEntry:
-        """What the entry does, without the version that names its vector's contents (the cache salt and the
+        """What the entry does, without the versions that name its vectors' contents (the cache salt and the
         strength check use the contents themselves)."""
-        return self if self.version is None else self.pinned(None)
+        return self if self.version is None and (self.when is None or self.when.version is None) else self.pinned(None)
 
     def to_json(self) -> dict[str, Any]:
         out: dict[str, Any] = {"id": self.vector_id, "layer": list(self.layers), "scale": self.scale}
@@ -89,7 +137,49 @@ class SteeringEntry:
             out["norm"] = True
         if self.version is not None:
             out["version"] = self.version
+        if self.when is not None:
+            out["when"] = self.when.to_json()
         return out
+
+
+def _number(value: Any, field: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise SpecError(field, f"must be a finite number, got {short_repr(value)}")
+    if abs(value) >= _FLOAT32_OVERFLOW:
+        raise SpecError(field, f"{value!r} is outside float32's range")
+    return float(np.float32(value))  # compared in float32 on the GPU: the value that decides is float32's
+
+
+def _version(value: Any, field: str) -> int | None:
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+        raise SpecError(field, f"must be a positive int (a version of the vector), got {short_repr(value)}")
+    return value
+
+
+def _parse_condition(raw: Any, field: str, layers: list[int]) -> Condition:
+    if not isinstance(raw, dict):
+        raise SpecError(field, f'must be an object such as {{"id": "toxic", "layer": 8, "above": 0.5}}, got {short_repr(raw)}')
+    unknown = set(raw) - _CONDITION_FIELDS
+    if unknown:
+        raise SpecError(f"{field}.{sorted(unknown)[0][:64]}", f"unknown field; allowed: {sorted(_CONDITION_FIELDS)}")
+    vector_id, layer = raw.get("id"), raw.get("layer")
+    if not isinstance(vector_id, str) or not VECTOR_ID_RE.fullmatch(vector_id):
+        raise SpecError(f"{field}.id", f"must match {VECTOR_ID_RE.pattern}, got {short_repr(vector_id)}")
+    if isinstance(layer, bool) or not isinstance(layer, int) or layer < 0:
+        raise SpecError(f"{field}.layer", f"must be one non-negative layer index, got {short_repr(layer)}")
+    if layer >= min(layers):
+        raise SpecError(f"{field}.layer", f"must be below every layer the entry steers (lowest {min(layers)}): the "
+                        "condition is decided from the stream after its layer, before the steering it gates")
+    if ("above" in raw) == ("below" in raw):
+        raise SpecError(field, "needs exactly one of above and below (the threshold)")
+    below = "below" in raw
+    threshold = _number(raw["below" if below else "above"], f"{field}.{'below' if below else 'above'}")
+    tokens = raw.get("tokens", "all")
+    if tokens not in ("all", "prompt"):
+        raise SpecError(f"{field}.tokens", f"must be all or prompt, got {short_repr(tokens)}")
+    return Condition(vector_id, layer, threshold, below, _number(raw.get("bias", 0.0), f"{field}.bias"),
+                     _bool(raw.get("cosine", False), f"{field}.cosine"), _bool(raw.get("latch", False), f"{field}.latch"),
+                     tokens, _version(raw.get("version"), f"{field}.version"))
 
 
 def _bool(value: Any, field: str) -> bool:
@@ -145,10 +235,9 @@ def _parse_entry(raw: Any, field: str) -> SteeringEntry:
         raise SpecError(f"{field}.decode_only", "decode_only and prefill_only exclude each other")
     phase = Phase.DECODE if decode_only else Phase.PREFILL if prefill_only else Phase.ALL
     norm = _bool(raw.get("norm", False), f"{field}.norm")
-    version = raw.get("version")
-    if version is not None and (isinstance(version, bool) or not isinstance(version, int) or version < 1):
-        raise SpecError(f"{field}.version", f"must be a positive int (a version of the vector), got {short_repr(version)}")
-    return SteeringEntry(vector_id, tuple(sorted(layers)), float(scale), phase, norm, version)
+    version = _version(raw.get("version"), f"{field}.version")
+    when = _parse_condition(raw["when"], f"{field}.when", layers) if raw.get("when") is not None else None
+    return SteeringEntry(vector_id, tuple(sorted(layers)), float(scale), phase, norm, version, when)
 
 
 def short_repr(value: Any, limit: int = 80) -> str:
@@ -195,7 +284,13 @@ def _parse_spec_value(value: Any) -> tuple[SteeringEntry, ...]:
         raise SpecError(SPEC_KEY, "is an empty list; omit the field to serve unsteered")
     if len(value) > MAX_ENTRIES:
         raise SpecError(SPEC_KEY, f"has {len(value)} entries; at most {MAX_ENTRIES} are allowed")
-    return tuple(_parse_entry(raw, f"{SPEC_KEY}[{i}]") for i, raw in enumerate(value))
+    entries = tuple(_parse_entry(raw, f"{SPEC_KEY}[{i}]") for i, raw in enumerate(value))
+    conditions = [(i, e.when) for i, e in enumerate(entries) if e.when is not None]
+    for i, when in conditions[1:]:
+        if when != conditions[0][1]:
+            raise SpecError(f"{SPEC_KEY}[{i}].when", "differs from the condition of entry "
+                            f"{conditions[0][0]}: the gated entries of a request share one condition")
+    return entries
 
 
 def canonical_spec(entries: tuple[SteeringEntry, ...]) -> str:

@@ -62,6 +62,8 @@ class SteerHook(nn.Module):
         self.capture = "token_cap" in buffers
         # HOTWIRE_READOUT: the readout op after that (hotwire_core.readout_op); it reads the whole stream too.
         self.readout = "token_read" in buffers
+        # Gated steering (hotwire_core.gates): the readout op decides the conditions, the steering op reads them.
+        self.gates = "cfg_gate" in buffers
 
     def forward(self, hidden: torch.Tensor, residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
         if residual is None or self.whole_stream:  # the whole stream is in hidden
@@ -73,13 +75,19 @@ class SteerHook(nn.Module):
         args = (self.token_cfg, self.layer_on, self.cfg_slot, self.cfg_scale, self.cfg_rel, self.bank, self.inv_norm, self.layer)
         if self.impl == "inductor":
             target = ops.steer_torch(target, other, *args, use_norm=self.norm)
+        elif self.gates:
+            torch.ops.hotwire.steer_(target, other, *args, self.cfg_gate, self.token_read, self.token_pos,
+                                     self.token_hit, self.gate_row)
         else:
             torch.ops.hotwire.steer_(target, other, *args)
         if self.capture or self.readout:  # the stream is target + the other of (hidden, residual), if both come
             partner = None if residual is None or self.whole_stream else (residual if self.target == "hidden" else hidden)
             if self.capture:
                 torch.ops.hotwire.capture_(target, partner, self.token_cap, self.layer)
-            if self.readout:
+            if self.gates:
+                torch.ops.hotwire.read_(target, partner, self.token_read, self.read_slot, self.bank, self.layer,
+                                        self.token_pos, self.token_hit, self.gate_row, self.gate_f)
+            elif self.readout:
                 torch.ops.hotwire.read_(target, partner, self.token_read, self.read_slot, self.bank, self.layer)
         if residual is None or self.whole_stream:
             return target, residual

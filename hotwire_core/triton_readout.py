@@ -17,9 +17,10 @@ MAX_BLOCK_H = 1024
 
 
 @triton.jit
-def _read_kernel(target_ptr, other_ptr, token_read_ptr, read_slot_ptr, bank_ptr, out_ptr, layer, target_stride,
-                 other_stride, slot_row_stride, out_layer_stride, H: tl.constexpr, K: tl.constexpr,
-                 K_POW2: tl.constexpr, HAS_OTHER: tl.constexpr, BLOCK_H: tl.constexpr):
+def _read_kernel(target_ptr, other_ptr, token_read_ptr, read_slot_ptr, bank_ptr, out_ptr, token_pos_ptr, token_hit_ptr,
+                 gate_row_ptr, gate_f_ptr, layer, target_stride, other_stride, slot_row_stride, out_layer_stride,
+                 gate_row_stride, gate_f_stride, H: tl.constexpr, K: tl.constexpr, K_POW2: tl.constexpr,
+                 HAS_OTHER: tl.constexpr, HAS_GATES: tl.constexpr, BLOCK_H: tl.constexpr):
     token = tl.program_id(0).to(tl.int64)
     row = tl.load(token_read_ptr + token).to(tl.int64)
     if row == 0:
@@ -41,12 +42,31 @@ def _read_kernel(target_ptr, other_ptr, token_read_ptr, read_slot_ptr, bank_ptr,
                          other=0.0).to(tl.float32)
         dots += tl.sum(probes * x[None, :], axis=1)
     dst = out_ptr + layer * out_layer_stride + token * (K + 1)
+    norm = tl.sqrt(tl.sum(squares, axis=0))
     tl.store(dst + ks, dots, mask=kmask)
-    tl.store(dst + K, tl.sqrt(tl.sum(squares, axis=0)))
+    tl.store(dst + K, norm)
+    if HAS_GATES:  # the row's condition, where it is read at this layer (hotwire_core.readout_op.gate_torch)
+        gate = gate_row_ptr + row * gate_row_stride
+        if tl.load(gate) == layer:
+            flags = tl.load(gate + 2)
+            dot = tl.sum(tl.where(ks == tl.load(gate + 1), dots, 0.0), axis=0)
+            threshold = tl.load(gate_f_ptr + row * gate_f_stride)
+            if (flags & 4) != 0:
+                value = tl.where(norm > 0, dot * tl.load(gate_f_ptr + row * gate_f_stride + 2) / norm, 0.0)
+            else:
+                value = dot + tl.load(gate_f_ptr + row * gate_f_stride + 1)
+            held = tl.where((flags & 1) != 0, value < threshold, value > threshold)
+            position = tl.load(token_pos_ptr + token)
+            held = held & (((flags & 8) == 0) | (position < tl.load(gate + 4)))
+            tl.store(token_hit_ptr + token, held.to(tl.int32))
+            if held & ((flags & 2) != 0):
+                tl.atomic_min(gate + 3, position)
 
 
 def read_triton_(target: torch.Tensor, other: torch.Tensor | None, token_read: torch.Tensor, read_slot: torch.Tensor,
-                 bank: torch.Tensor, out: torch.Tensor, layer: int) -> None:
+                 bank: torch.Tensor, out: torch.Tensor, layer: int, token_pos: torch.Tensor | None = None,
+                 token_hit: torch.Tensor | None = None, gate_row: torch.Tensor | None = None,
+                 gate_f: torch.Tensor | None = None) -> None:
     """``out[layer, t] = (stream[t] . bank[read_slot[token_read[t], layer, k]] for k, |stream[t]|)`` for every token
     with a non-zero readout row."""
     n_tokens, hidden_size = target.shape
@@ -59,8 +79,13 @@ def read_triton_(target: torch.Tensor, other: torch.Tensor | None, token_read: t
     k = read_slot.shape[-1]
     block_h = min(triton.next_power_of_2(hidden_size), MAX_BLOCK_H)
     src = target if other is None else other  # any valid pointer; HAS_OTHER=False never reads it
+    gates = gate_row is not None
+    if not gates:  # any valid pointers; HAS_GATES=False never reads them
+        token_pos = token_hit = gate_row = token_read
+        gate_f = out
     _read_kernel[(n_tokens,)](
-        target, src, token_read, read_slot, bank, out, layer, target.stride(0), src.stride(0), read_slot.stride(0),
-        out.stride(0), H=hidden_size, K=k, K_POW2=triton.next_power_of_2(k), HAS_OTHER=other is not None,
-        BLOCK_H=block_h, num_warps=min(8, max(1, block_h // 256)),
+        target, src, token_read, read_slot, bank, out, token_pos, token_hit, gate_row, gate_f, layer, target.stride(0),
+        src.stride(0), read_slot.stride(0), out.stride(0), gate_row.stride(0) if gates else 0,
+        gate_f.stride(0) if gates else 0, H=hidden_size, K=k, K_POW2=triton.next_power_of_2(k),
+        HAS_OTHER=other is not None, HAS_GATES=gates, BLOCK_H=block_h, num_warps=min(8, max(1, block_h // 256)),
     )

@@ -29,14 +29,21 @@ def _steer_kernel(
     rel_ptr,
     bank_ptr,
     inv_norm_ptr,
+    cfg_gate_ptr,
+    token_read_ptr,
+    token_pos_ptr,
+    token_hit_ptr,
+    gate_row_ptr,
     layer,
     n_layers,
     res_stride,
     hid_stride,
     bank_stride,
+    gate_row_stride,
     H: tl.constexpr,
     K: tl.constexpr,
     HAS_HIDDEN: tl.constexpr,
+    HAS_GATES: tl.constexpr,
     BLOCK_H: tl.constexpr,
     PDL: tl.constexpr,
 ):
@@ -58,6 +65,22 @@ def _steer_kernel(
         used += tl.load(slot_ptr + entry0 + k)
     if used == 0:
         return
+    # Gates: the decision the readout op wrote at the condition's lower layer in this forward (read after the
+    # PDL wait: the kernel that writes it ran before this one). A token whose entries are all gated off keeps its bits.
+    let_through = 1
+    if HAS_GATES:
+        row = tl.load(token_read_ptr + token).to(tl.int64)
+        flags = tl.load(gate_row_ptr + row * gate_row_stride + 2)
+        if (flags & 2) != 0:
+            let_through = (tl.load(gate_row_ptr + row * gate_row_stride + 3) <= tl.load(token_pos_ptr + token)).to(tl.int32)
+        else:
+            let_through = (tl.load(token_hit_ptr + token) != 0).to(tl.int32)
+        if let_through == 0:
+            open_entries = 0
+            for k in tl.static_range(K):
+                open_entries += (tl.load(slot_ptr + entry0 + k) != 0) & (tl.load(cfg_gate_ptr + entry0 + k) == 0)
+            if open_entries == 0:
+                return
     res_row = res_ptr + token * res_stride
     hid_row = hid_ptr + token * hid_stride
     offs = tl.arange(0, BLOCK_H)
@@ -85,6 +108,8 @@ def _steer_kernel(
             slot = tl.load(slot_ptr + entry0 + k).to(tl.int64)
             rel = tl.load(rel_ptr + entry0 + k)
             coef = tl.load(scale_ptr + entry0 + k) + rel * norm * tl.load(inv_norm_ptr + slot)
+            if HAS_GATES:
+                coef = tl.where((let_through == 0) & (tl.load(cfg_gate_ptr + entry0 + k) != 0), 0.0, coef)
             acc += coef * tl.load(bank_ptr + slot * bank_stride + h, mask=mask, other=0.0).to(tl.float32)
         tl.store(res_row + h, acc.to(res_ptr.dtype.element_ty), mask=mask)
 
@@ -116,6 +141,11 @@ def steer_triton_(
     bank: torch.Tensor,
     inv_norm: torch.Tensor,
     layer: int,
+    cfg_gate: torch.Tensor | None = None,
+    token_read: torch.Tensor | None = None,
+    token_pos: torch.Tensor | None = None,
+    token_hit: torch.Tensor | None = None,
+    gate_row: torch.Tensor | None = None,
     pdl: bool = False,
 ) -> None:
     """Steer ``residual`` in place with the semantics of ``hotwire_core.ops.steer_torch``. ``pdl``: launch as a
@@ -126,6 +156,9 @@ def steer_triton_(
     _check_layout(residual, hidden, cfg_slot, cfg_scale, cfg_rel, bank)
     block_h = min(triton.next_power_of_2(hidden_size), MAX_BLOCK_H)
     hid = residual if hidden is None else hidden  # any valid pointer; HAS_HIDDEN=False never reads it
+    gates = cfg_gate is not None
+    if not gates:  # any valid pointers; HAS_GATES=False never reads them
+        cfg_gate = token_read = token_pos = token_hit = gate_row = token_cfg
     _steer_kernel[(n_tokens,)](
         residual,
         hid,
@@ -136,14 +169,21 @@ def steer_triton_(
         cfg_rel,
         bank,
         inv_norm,
+        cfg_gate,
+        token_read,
+        token_pos,
+        token_hit,
+        gate_row,
         layer,
         cfg_slot.shape[1],
         residual.stride(0),
         hid.stride(0),
         bank.stride(0),
+        gate_row.stride(0) if gates else 0,
         H=hidden_size,
         K=cfg_slot.shape[2],
         HAS_HIDDEN=hidden is not None,
+        HAS_GATES=gates,
         BLOCK_H=block_h,
         PDL=pdl,
         num_warps=min(8, max(1, block_h // 256)),

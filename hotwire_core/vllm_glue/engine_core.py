@@ -53,8 +53,12 @@ def model_info(results: list[contract.WorkerInfo]) -> ModelInfo:
     # Every rank captures its own layers, all with the same number of rows (a rank without layers has none).
     capture_rows = min((r.get("capture_rows", 0) for r in results if r.get("layers")), default=0)
     readout_probes = min((r.get("readout_probes", 0) for r in results if r.get("layers")), default=0)
+    # A condition is decided on the rank that hooks its layer: gates need every rank to hold every layer (no
+    # pipeline parallelism).
+    same_layers = all(set(r["layers"]) == layers for r in results)
+    gates = tuple(g for g in ("token", "latch") if same_layers and all(g in r.get("gates", ()) for r in results))
     return ModelInfo(steerable, reason, first["n_layers"], first["hidden_size"], first["dtype"], layers, norm,
-                     capture_rows, readout_probes)
+                     capture_rows, readout_probes, gates)
 
 
 def _send_refusal(engine: Any, request: Any, exc: Refusal, in_caller: bool = True) -> None:

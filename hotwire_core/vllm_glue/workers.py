@@ -22,7 +22,8 @@ def patch_worker_base(module: Any) -> None:
         if steering is None:
             return contract.WorkerInfo(steerable=False, reason="hotwire did not attach to the model", layers=[],
                                        n_layers=0, hidden_size=0, dtype="", norm=False, slots=settings().slots,
-                                       max_stack=settings().max_stack, capture_rows=0, readout_probes=0)
+                                       max_stack=settings().max_stack, capture_rows=0, readout_probes=0,
+                                       gates=[])
         return steering.info()
 
     def hotwire_graph_sets(self) -> dict:
@@ -87,6 +88,7 @@ def _attach(worker: Any) -> None:
         steerable=bool(found),
         reason=reason,
         whole_stream={index for index, layer in layers.items() if stream_in_hidden(type(layer))},
+        speculative=worker.vllm_config.speculative_config is not None,
     )
     GATE.split = _idle_graphs_possible(worker.vllm_config) and bool(layers)
     ops.PDL = pdl_possible(device)

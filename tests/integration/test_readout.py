@@ -180,3 +180,124 @@ def test_a_readout_the_engine_cannot_serve_is_refused_not_served_unread(llm, pro
     else:
         assert outputs[0].outputs[0].finish_reason == "error"
     assert slot_stats(llm)["refused"][code] == before + 1
+
+
+# -- gated steering (hotwire_core.gates): the condition read at layer 1, the steering applied above it ------------
+
+
+def gate_decisions(hf_model, token_ids, vector, bias, threshold, below, latch, prompt_len=None):
+    """Which positions the reference steers: the condition evaluated on transformers' stream at layer 1 (steering
+    above it does not change that layer), per token or latched; and the scores, to keep clear of the threshold."""
+    stream = hf_reference.layer_outputs(hf_model, token_ids, [1])[1]
+    scores = (stream @ vector.float() + bias).numpy()
+    held = scores < threshold if below else scores > threshold
+    if prompt_len is not None:
+        held[prompt_len:] = False
+    if latch:
+        first = int(np.argmax(held)) if held.any() else len(held)
+        held = np.arange(len(held)) >= first
+    return torch.from_numpy(held), scores
+
+
+def threshold_between(scores, rank):
+    """A threshold between the ``rank``-th and next score, far from both (float32 rounding must not flip one)."""
+    ordered = np.sort(scores)
+    lo, hi = ordered[rank], ordered[rank + 1]
+    assert hi - lo > 1e-2, "two scores too close to put a threshold between"
+    return float(np.float32((lo + hi) / 2))
+
+
+@pytest.mark.parametrize("latch, below", [(False, False), (True, True)])
+def test_gated_steering_equals_transformers_steering_the_tokens_the_condition_lets_through(
+        llm, hf_model, probes, prompt_ids, latch, below):
+    """Per token (above) and latched (below): the engine steers exactly the positions where the reference's
+    condition holds (latched: from the first), and its receipt names them."""
+    from hotwire_core.offline import generate_with_readout, steer
+
+    P = len(prompt_ids)
+    _, scores = gate_decisions(hf_model, prompt_ids, probes["joy"](1), 0.5, 0.0, False, False)
+    # per token: about half the prompt holds; latched: the condition first holds in the prompt's second half
+    threshold = threshold_between(scores, P // 2) if not latch else float(np.float32(
+        (np.sort(scores[: P // 2])[0] + np.sort(scores[P // 2:])[0]) / 2))
+    when = {"id": "joy", "layer": 1, "bias": 0.5, "below" if below else "above": threshold, "latch": latch}
+    params = greedy(logprobs=0, prompt_logprobs=0,
+                    extra_args=steer({"id": "deep", "layer": 3, "scale": 6.0, "when": when}))
+    (out,) = generate_with_readout(llm, [{"prompt_token_ids": prompt_ids}], params)
+    generated = list(out.outputs[0].token_ids)
+    ids = prompt_ids + generated[:-1]
+    mask, scores = gate_decisions(hf_model, ids, probes["joy"](1), 0.5, threshold, below, latch)
+    assert np.abs(scores - threshold).min() > 1e-3, "a score lies at the threshold: the decision is rounding's"
+    assert mask.any() and not mask.all(), "the condition must let some positions through and hold others back"
+    want = hf_reference.logprobs(hf_model, ids + generated[-1:], [(3, probes["deep"](3), 6.0, False)], mask.tolist() + [False])
+    plain = hf_reference.logprobs(hf_model, ids + generated[-1:])
+    got_prompt = np.array([next(iter(lp.values())).logprob for lp in out.prompt_logprobs[1:]])
+    got_generated = np.array([next(iter(lp.values())).logprob for lp in out.outputs[0].logprobs])
+    targets = torch.tensor(ids[1:] + generated[-1:])
+    expected = want[torch.arange(len(targets)), targets].numpy()
+    unsteered = plain[torch.arange(len(targets)), targets].numpy()
+    err = np.abs(np.concatenate([got_prompt, got_generated]) - expected).max()
+    moved = np.abs(expected - unsteered).max()
+    print(f"gated (latch={latch}): {int(mask.sum())} of {len(mask)} positions steered; logprobs vs transformers "
+          f"{err:.3g}, steering moved them {moved:.3g}")
+    assert err < (5e-2 if ON_GPU else 1e-4) and moved > 100 * err
+    held = np.flatnonzero(mask.numpy())
+    gate = out.hotwire_gate
+    assert gate["fired"] and gate["position"] == int(held[0]) and gate["latch"] is latch
+    if not latch:
+        assert gate["positions_held"] == len(held)
+    assert out.hotwire_readout["probes"] == []  # the condition's probe is not one the caller asked for
+
+
+def test_a_condition_that_never_holds_steers_nothing_and_says_so(llm, hf_model, probes, prompt_ids, tiny_model,
+                                                                 tmp_path):
+    """Gated off everywhere: the request's tokens and logprobs are those of vLLM without hotwire, and so are its
+    plain batchmate's."""
+    from vllm import SamplingParams
+
+    from hotwire_core.offline import generate_with_readout, steer
+
+    plain = dict(max_tokens=4, temperature=0.0, logprobs=0, prompt_logprobs=0, ignore_eos=True)
+    when = {"id": "joy", "layer": 1, "above": 1e9}
+    params = [SamplingParams(**plain, extra_args=steer({"id": "deep", "layer": [2, 3], "scale": 8.0, "when": when})),
+              SamplingParams(**plain)]
+    prompts = [{"prompt_token_ids": prompt_ids}, {"prompt_token_ids": prompt_ids[::-1]}]
+    gated = generate_with_readout(llm, prompts[:1], params[0])[0]
+    outputs = llm.generate(prompts, [params[0], params[1]], use_tqdm=False)
+    vanilla = run_vanilla(tiny_model, [[{"prompt_token_ids": p["prompt_token_ids"], "params": plain}
+                                        for p in prompts]], tmp_path)[0]
+    assert gated.hotwire_gate["fired"] is False and gated.hotwire_gate["positions_held"] == 0
+    for ours, theirs in zip([summarize(gated), *map(summarize, outputs)], [vanilla[0], *vanilla]):
+        assert ours["token_ids"] == theirs["token_ids"]
+        assert ours["logprobs"] == theirs["logprobs"] and ours["prompt_logprobs"] == theirs["prompt_logprobs"]
+
+
+def test_a_gate_the_engine_cannot_serve_is_refused(llm, probes, prompt_ids):
+    from hotwire_core.offline import HotwireError, check_steering, steer
+
+    too_many = [{"id": "joy", "layer": 1}] * 3  # HOTWIRE_READOUT_PROBES=3: no room for the condition's probe
+    cases = [
+        ({"id": "deep", "layer": 3, "scale": 1.0, "when": {"id": "nope", "layer": 1, "above": 0}}, "unknown_vector"),
+        ({"id": "deep", "layer": 3, "scale": 1.0, "when": {"id": "deep", "layer": 2, "above": 0, "version": 9}},
+         "version_gone"),
+    ]
+    for entry, code in cases:
+        with pytest.raises(HotwireError) as info:
+            check_steering(llm, steer(entry))
+        assert info.value.code == code
+    import json
+
+    from vllm import SamplingParams
+
+    from hotwire_core.offline import slot_stats
+
+    before = slot_stats(llm)["refused"].get("bad_readout", 0)
+    extra = {**steer({"id": "deep", "layer": 3, "scale": 1.0, "when": {"id": "joy", "layer": 1, "above": 0}}),
+             "hotwire_readout": json.dumps({"probes": too_many})}
+    try:
+        outputs = llm.generate([{"prompt_token_ids": prompt_ids}], SamplingParams(max_tokens=2, extra_args=extra),
+                               use_tqdm=False)
+    except ValueError as exc:
+        assert "hotwire" in str(exc)
+    else:
+        assert outputs[0].outputs[0].finish_reason == "error"
+    assert slot_stats(llm)["refused"]["bad_readout"] == before + 1

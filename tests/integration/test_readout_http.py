@@ -363,3 +363,43 @@ def test_a_monitor_that_cannot_read_every_request_is_refused(http, monitors, mon
         assert {"id": "joy-max", "layer": 2} in [{"id": m["id"], "layer": m["layer"]} for m in response.json()["monitors"]]
     assert http.delete("/steer/monitors/x").status_code == 404
     assert http.delete("/steer/monitors/x").json()["error"]["code"] == "unknown_monitor"
+
+
+def test_gated_steering_through_vllm_serve_steers_where_its_condition_holds(http, tiny_model):
+    """A condition that always holds steers as the ungated entry does, one that never holds leaves the request
+    plain; each response names what fired (a stream too, in the chunk before [DONE]), and the receipt the condition.
+    What cannot return the receipt is refused."""
+    def complete(spec, **extra):
+        xargs = {"hotwire": json.dumps(spec)} if spec else {}
+        body = {"model": str(tiny_model), "prompt": PROMPT, "max_tokens": 6, "temperature": 0, "ignore_eos": True,
+                "logprobs": 1, "return_token_ids": True, "vllm_xargs": xargs, **extra}
+        response = http.post("/v1/completions", json=body)
+        assert response.status_code == 200, response.text
+        return response
+
+    entry = {"id": "calm", "layer": 3, "scale": 6.0}
+    steered, plain = complete(entry).json(), complete(None).json()
+    always = complete({**entry, "when": {"id": "joy", "layer": 1, "above": -1e30}})
+    never = complete({**entry, "when": {"id": "joy", "layer": 1, "below": -1e30}})
+    assert always.headers["x-hotwire-receipt"] == "calm@1:L3x6,when=joy@1:L1>-1e+30"
+    assert always.json()["choices"][0]["logprobs"] == steered["choices"][0]["logprobs"]
+    assert never.json()["choices"][0]["logprobs"] == plain["choices"][0]["logprobs"]
+    assert steered["choices"][0]["token_ids"] != plain["choices"][0]["token_ids"]
+    P = len(PROMPT)
+    assert always.json()["hotwire_gate"] == {"condition": "joy@1:L1", "fired": True, "position": 0,
+                                             "positions_held": P + 5, "prompt_tokens": P, "latch": False}
+    assert never.json()["hotwire_gate"]["fired"] is False and "hotwire_readout" not in never.json()
+
+    gated = {"hotwire": json.dumps({**entry, "when": {"id": "joy", "layer": 1, "above": -1e30}})}
+    body = {"model": str(tiny_model), "prompt": PROMPT, "max_tokens": 6, "temperature": 0, "ignore_eos": True,
+            "stream": True, "vllm_xargs": gated}
+    with http.stream("POST", "/v1/completions", json=body) as response:
+        events = [json.loads(line.removeprefix("data: ")) for line in response.iter_lines()
+                  if line.startswith("data: ") and line != "data: [DONE]"]
+    assert events[-1]["choices"] == [] and events[-1]["hotwire_gate"]["positions_held"] == P + 5
+    assert not any("hotwire_readout" in e for e in events)
+    for extra, route in (({"n": 2}, "/v1/completions"), ({}, "/v1/responses")):
+        body = {"model": str(tiny_model), "max_tokens": 2, "vllm_xargs": gated, **extra,
+                **({"prompt": PROMPT} if route == "/v1/completions" else {"input": "hi"})}
+        response = http.post(route, json=body)
+        assert response.status_code == 400 and response.json()["error"]["code"] == "gate_unsupported", response.text

@@ -40,12 +40,12 @@ def test_steer_items_cross_pickle_as_themselves_and_msgpack_as_lists() -> None:
 
     import msgspec
 
-    item = contract.SteerItem(layer=2, slot=5, scale=1.5, rel=0.0)
+    item = contract.SteerItem(layer=2, slot=5, scale=1.5, rel=0.0, gated=1)
     config: contract.Config = {"p": [item], "d": []}
     assert pickle.loads(pickle.dumps(config)) == config
     assert type(pickle.loads(pickle.dumps(item))) is contract.SteerItem
-    (layer, slot, scale, rel), = msgspec.msgpack.decode(msgspec.msgpack.encode(config))["p"]
-    assert (layer, slot, scale, rel) == (2, 5, 1.5, 0.0)
+    (layer, slot, scale, rel, gated), = msgspec.msgpack.decode(msgspec.msgpack.encode(config))["p"]
+    assert (layer, slot, scale, rel, gated) == (2, 5, 1.5, 0.0, 1)
 
 
 def test_the_api_models_read_the_engine_results_field_for_field() -> None:
