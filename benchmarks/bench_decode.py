@@ -15,7 +15,7 @@ Configurations: ``vanilla`` (no plugin loaded at all: ``VLLM_PLUGINS=""``), ``op
 the 8 middle layers only: ``HOTWIRE_LAYERS``; it cannot run ``steered_all_layers``), ``op_nopdl`` (the op
 without programmatic dependent launch: ``HOTWIRE_PDL=0``), ``op_capture`` (the op with the capture op of
 ``POST /steer/vectors/extract`` compiled in: ``HOTWIRE_CAPTURE=1``, nobody capturing), ``op_readout`` (the op with
-the readout op compiled in: ``HOTWIRE_READOUT=1``; the only one that runs the modes ``read4`` and ``steered_read4``,
+the readout op compiled in: ``HOTWIRE_READOUT=1``; the only one that runs the modes ``read4``, ``steered_read4`` and ``steered_gated``,
 every request reading 4 probes at a middle layer), ``inductor`` (hotwire, torch ops fused by Inductor), ``eager`` (hotwire's op with ``enforce_eager``: no
 torch.compile, no CUDA graphs, what hook-based steering tools pay). All use vLLM's default V2 model runner; a
 ``/v1`` suffix (``vanilla/v1``, ``op/v1``) runs the V1 runner instead, compared with ``vanilla/v1``.
@@ -68,8 +68,10 @@ MODES = {
     "distinct": "every request its own vector (up to 256 distinct), one middle layer",
     "read4": "every request reads 4 probes at one middle layer, on its generated tokens (op_readout only)",
     "steered_read4": "every request steered at one middle layer and reading 4 probes there (op_readout only)",
+    "steered_gated": "every request steered at one middle layer, gated on a probe two layers below that always "
+                     "holds (per token; op_readout only): the cost of the gate against steered",
 }
-READ_MODES = ("read4", "steered_read4")
+READ_MODES = ("read4", "steered_read4", "steered_gated")
 CONFIGS = {
     "vanilla": "plain vLLM 0.25.1, no plugin loaded (VLLM_PLUGINS=\"\")",
     "op": "hotwire, opaque Triton op (HOTWIRE_IMPL=op), idle graph variants for unsteered steps (the default)",
@@ -90,7 +92,7 @@ def _extra_args(mode: str, n_layers: int, i: int) -> dict[str, str] | None:
     spec = _spec(mode.removesuffix("_read4") if mode.endswith("_read4") else mode, n_layers, i)
     if spec is not None:
         extra["hotwire"] = spec
-    if mode in READ_MODES:
+    if mode in ("read4", "steered_read4"):
         probes = [{"id": f"v{k}", "layer": n_layers // 2} for k in range(4)]
         extra["hotwire_readout"] = json.dumps({"probes": probes, "tokens": "generated"})
     return extra or None
@@ -102,6 +104,8 @@ def _spec(mode: str, n_layers: int, i: int) -> str | None:
         return None
     if mode == "steered":
         return json.dumps({"id": "v0", "layer": mid, "scale": 2.0})
+    if mode == "steered_gated":
+        return json.dumps({"id": "v0", "layer": mid, "scale": 2.0, "when": {"id": "v1", "layer": mid - 2, "above": -1e30}})
     if mode == "steered_all_layers":
         return json.dumps({"id": "v0", "layer": list(range(n_layers)), "scale": 0.5})
     if mode == "stacked":
