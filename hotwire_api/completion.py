@@ -80,4 +80,5 @@ def completion_of(response: httpx.Response) -> Completion:
     usage = data.get("usage") or {}
     return Completion(model=data["model"], text=choice["text"], finish_reason=choice.get("finish_reason"),
                       receipt=response.headers.get(RECEIPT_HEADER), readout=data.get(READOUT_KEY),
-                      monitors=data.get("hotwire_monitors"), prompt_tokens=usage.get("prompt_tokens", 0), completion_tokens=usage.get("completion_tokens", 0))
+                      monitors=data.get("hotwire_monitors"), gate=data.get("hotwire_gate"),
+                      prompt_tokens=usage.get("prompt_tokens", 0), completion_tokens=usage.get("completion_tokens", 0))

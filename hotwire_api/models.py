@@ -302,8 +302,22 @@ class MonitorScore(BaseModel):
     flagged: bool
 
 
+class GateReceipt(BaseModel):
+    """``hotwire_gate`` of a response whose steering is gated (docs/usage.md, "Gated steering")."""
+
+    condition: str = Field(description="The probe read: id@version:L<layer>.")
+    fired: bool
+    position: int | None = Field(description="The first position where the condition held (below prompt_tokens: "
+                                 "that prompt token; else the token generated position - prompt_tokens-th).")
+    positions_held: int
+    prompt_tokens: int
+    latch: bool = Field(description="Latched: every position from `position` on was steered; else those where "
+                        "the condition held.")
+
+
 class Completion(BaseModel):
-    """What ``HotwireClient.complete`` returns: one completion, its receipt, its readout and the monitors' verdicts."""
+    """What ``HotwireClient.complete`` returns: one completion, its receipt, its readout, the monitors' verdicts and
+    what its gate did."""
 
     model: str
     text: str
@@ -312,5 +326,6 @@ class Completion(BaseModel):
     readout: Readout | None = Field(description="hotwire_readout, when probes were read.")
     monitors: list[MonitorScore] | None = Field(None, description="hotwire_monitors, when the server's monitors read "
                                                 "the request.")
+    gate: GateReceipt | None = Field(None, description="hotwire_gate, when the steering is gated.")
     prompt_tokens: int
     completion_tokens: int

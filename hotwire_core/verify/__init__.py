@@ -52,6 +52,7 @@ from hotwire_core.verify.checks import (
     check_batchmates,
     check_cache_hit,
     check_decode_cost,
+    check_gates,
     check_no_cross_read,
     check_readout,
     check_steering_fires,
@@ -76,7 +77,7 @@ from hotwire_core.verify.runs import (
 # configuration's flags), __main__ (the CLI).
 __all__ = [
     "CPU_TOLERANCE", "UNTIMED_INDUCTOR", "Check", "Result", "check_batchmates", "check_cache_hit",
-    "check_decode_cost", "check_no_cross_read", "check_readout", "check_steering_fires", "check_vanilla",
+    "check_decode_cost", "check_gates", "check_no_cross_read", "check_readout", "check_steering_fires", "check_vanilla",
     "checks_a_to_c", "compare",
     "engine_kwargs", "exit_status", "format_report", "load_results", "max_abs_diff", "per_step_ms",
     "plain_batches", "plain_history", "save_results", "untimed_compilation_config",

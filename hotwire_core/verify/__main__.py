@@ -32,7 +32,8 @@ def build_parser() -> argparse.ArgumentParser:
                         help="write the plain requests' results (those --vanilla compares) to FILE as JSON")
     parser.add_argument("--readout", action="store_true",
                         help="compile the readout op in (HOTWIRE_READOUT=1) and check (f): the steering vector read "
-                             "as a probe shows exactly what steering added")
+                             "as a probe shows exactly what steering added, and (g): an entry gated on a condition that always "
+                             "holds steers as without it, one that never holds does not")
     parser.add_argument("--vanilla-job", nargs=2, metavar=("JOB", "OUT"), help=argparse.SUPPRESS)
     setup.add_arguments(parser)
     return parser

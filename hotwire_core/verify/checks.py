@@ -194,3 +194,19 @@ def check_readout(plain: Sequence[float], steered: Sequence[float], added: float
     detail = (f"{len(plain)} prompt tokens: steered minus plain score is scale x |v|^2 = {added:.5g} within "
               f"{worst:.2g} of it (relative; limit {max_error:g})")
     return Check(name, worst <= max_error, detail)
+
+
+def check_gates(gated: Sequence[Result], receipts: Sequence[dict], steered: Result, plain: Result, positions: int,
+                tolerance: float) -> Check:
+    """``gated``: the entry gated on a condition that always holds, then on one that never does; they must match the
+    ungated ``steered`` and the ``plain`` request, and their receipts name all ``positions`` and none."""
+    name = "g. gates"
+    always, never = gated
+    held = [r["positions_held"] for r in receipts]
+    off = (max_abs_diff(always.logprobs, steered.logprobs), max_abs_diff(never.logprobs, plain.logprobs))
+    ok = (always.token_ids == steered.token_ids and never.token_ids == plain.token_ids and max(off) <= tolerance
+          and held == [positions, 0] and differs(plain, steered))
+    detail = (f"gated on a condition that always holds: {off[0]:.3g} from the entry ungated; that never holds: "
+              f"{off[1]:.3g} from plain (tolerance {tolerance:g}); receipts held {held[0]} and {held[1]} of "
+              f"{positions} positions")
+    return Check(name, ok, detail)

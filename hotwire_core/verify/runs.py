@@ -178,6 +178,24 @@ def readout_check(llm: Any, ids: list[int], entry: dict, spec: dict, vector: Any
     return judge.check_readout(plain, steered, added, judge.MAX_READOUT_ERROR)
 
 
+def gate_check(llm: Any, ids: list[int], entry: dict, tolerance: float) -> Check:
+    """Check (g), with ``--readout``: the entry gated on a probe one layer below that always holds steers as the
+    entry does, and gated on one that never holds does not steer; each receipt says so
+    (:func:`checks.check_gates`)."""
+    from hotwire_core.offline import generate_with_readout, steer
+    from hotwire_core.vllm_glue.offline import summarize
+
+    when = {"id": entry["id"], "layer": entry["layer"] - 1}
+    results, receipts = [], []
+    for bound in ({"above": -1e30}, {"below": -1e30}):
+        out = generate_with_readout(llm, [{"prompt_token_ids": ids}],
+                                    params(SHORT_TOKENS, steer({**entry, "when": {**when, **bound}})))[0]
+        results.append(as_result(summarize(out)))
+        receipts.append(out.hotwire_gate)
+    steered, plain = (one(llm, ids, params(SHORT_TOKENS, extra, skip_cache=True)) for extra in (steer(entry), None))
+    return judge.check_gates(results, receipts, steered, plain, len(ids) + SHORT_TOKENS - 1, tolerance)
+
+
 def timed(llm: Any, prompts: Sequence[list[int]], max_tokens: int, steer: dict | None) -> float:
     sampling = [params(max_tokens, steer, skip_cache=True) for _ in prompts]
     start = time.perf_counter()
@@ -344,7 +362,9 @@ def run(args: argparse.Namespace, model: str, workdir: Path) -> tuple[Header, li
     if args.readout:
         started = time.monotonic()
         checks.append(readout_check(llm, x, entry, spec, vector))
-        timings.append(("readout", time.monotonic() - started))
+        if entry["layer"] > 0:
+            checks.append(gate_check(llm, short[0], entry, tolerance))
+        timings.append(("readout and gates", time.monotonic() - started))
     shutdown(llm)
 
     batches = plain_batches(short, x, y)

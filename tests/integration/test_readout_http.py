@@ -365,7 +365,7 @@ def test_a_monitor_that_cannot_read_every_request_is_refused(http, monitors, mon
     assert http.delete("/steer/monitors/x").json()["error"]["code"] == "unknown_monitor"
 
 
-def test_gated_steering_through_vllm_serve_steers_where_its_condition_holds(http, tiny_model):
+def test_gated_steering_through_vllm_serve_steers_where_its_condition_holds(http, server, tiny_model):
     """A condition that always holds steers as the ungated entry does, one that never holds leaves the request
     plain; each response names what fired (a stream too, in the chunk before [DONE]), and the receipt the condition.
     What cannot return the receipt is refused."""
@@ -403,3 +403,9 @@ def test_gated_steering_through_vllm_serve_steers_where_its_condition_holds(http
                 **({"prompt": PROMPT} if route == "/v1/completions" else {"input": "hi"})}
         response = http.post(route, json=body)
         assert response.status_code == 400 and response.json()["error"]["code"] == "gate_unsupported", response.text
+    from hotwire_api.client import HotwireClient
+
+    with HotwireClient(server.url) as client:
+        out = client.complete(PROMPT, 6, steer={**entry, "when": {"id": "joy", "layer": 1, "below": -1e30}},
+                              temperature=0, ignore_eos=True)
+    assert out.gate is not None and not out.gate.fired and out.receipt.endswith(",when=joy@1:L1<-1e+30")

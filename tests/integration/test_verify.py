@@ -1,5 +1,5 @@
-"""``python -m hotwire_core.verify`` end to end on the built-in tiny model: a real engine runs checks a-d (and f,
-with ``--readout``).
+"""``python -m hotwire_core.verify`` end to end on the built-in tiny model: a real engine runs checks a-d (and f
+and g, with ``--readout``).
 
 On the CPU there are no CUDA graphs, so check d reports one graph set; on a GPU the same run needs every rank's
 hotwire-free graphs in place after an unsteered step (``benchmarks/gpu_checks.sh matrix`` runs it there)."""
@@ -34,4 +34,7 @@ def test_verify_passes_and_reports_every_check(tmp_path, flags):
     assert expected in decode, decode
     if flags:  # check f: the steering vector read as a probe shows what steering added, at every prompt token
         assert re.search(r"^PASS  f\. readout +\d+ prompt tokens: steered minus plain score", out, re.M), out[-3000:]
-    assert re.search(rf"^result +PASS \({6 + len(flags)}/{6 + len(flags)} checks\)$", out, re.M)
+        # check g: gated on a condition that always holds it steers as ungated; on one that never holds, not at all
+        assert re.search(r"^PASS  g\. gates +gated on a condition that always holds", out, re.M), out[-3000:]
+    checks = 6 + 2 * len(flags)
+    assert re.search(rf"^result +PASS \({checks}/{checks} checks\)$", out, re.M), out[-3000:]

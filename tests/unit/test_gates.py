@@ -294,3 +294,15 @@ def test_a_gate_admission_cannot_serve_is_refused(gates, when, status, code, _no
     with pytest.raises(Refusal) as info:
         off.admit(request("off", spec=_gated()))
     assert (info.value.status, info.value.code) == (503, "readout_off")
+
+
+def test_verify_check_g_passes_only_when_the_gates_do_what_their_receipts_say():
+    from hotwire_core.verify.checks import Result, check_gates
+
+    steered, plain = Result([5, 6], [-0.5, -1.0], 0), Result([7, 8], [-0.25, -2.0], 0)
+    receipts = [{"positions_held": 9}, {"positions_held": 0}]
+    assert check_gates([steered, plain], receipts, steered, plain, 9, 1e-6).passed
+    assert not check_gates([plain, plain], receipts, steered, plain, 9, 1e-6).passed  # the open gate did not steer
+    assert not check_gates([steered, steered], receipts, steered, plain, 9, 1e-6).passed  # the shut gate steered
+    assert not check_gates([steered, plain], [{"positions_held": 8}, receipts[1]], steered, plain, 9, 1e-6).passed
+    assert not check_gates([steered, plain], receipts, plain, plain, 9, 1e-6).passed  # steering moved nothing
