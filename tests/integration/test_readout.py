@@ -207,11 +207,12 @@ def threshold_between(scores, rank):
     return float(np.float32((lo + hi) / 2))
 
 
-@pytest.mark.parametrize("latch, below", [(False, False), (True, True)])
+@pytest.mark.parametrize("latch, below, cast", [(False, False, False), (True, True, False), (True, False, True)])
 def test_gated_steering_equals_transformers_steering_the_tokens_the_condition_lets_through(
-        llm, hf_model, probes, prompt_ids, latch, below):
-    """Per token (above) and latched (below): the engine steers exactly the positions where the reference's
-    condition holds (latched: from the first), and its receipt names them."""
+        llm, hf_model, probes, prompt_ids, latch, below, cast):
+    """Per token (above), latched (below), and CAST (latched on the prompt, steering the answer: ``tokens prompt``
+    and ``decode_only``): the engine steers exactly the positions where the reference's condition holds (latched:
+    from the first), and its receipt names them."""
     from hotwire_core.offline import generate_with_readout, steer
 
     P = len(prompt_ids)
@@ -219,13 +220,17 @@ def test_gated_steering_equals_transformers_steering_the_tokens_the_condition_le
     # per token: about half the prompt holds; latched: the condition first holds in the prompt's second half
     threshold = threshold_between(scores, P // 2) if not latch else float(np.float32(
         (np.sort(scores[: P // 2])[0] + np.sort(scores[P // 2:])[0]) / 2))
-    when = {"id": "joy", "layer": 1, "bias": 0.5, "below" if below else "above": threshold, "latch": latch}
-    params = greedy(logprobs=0, prompt_logprobs=0,
-                    extra_args=steer({"id": "deep", "layer": 3, "scale": 6.0, "when": when}))
+    when = {"id": "joy", "layer": 1, "bias": 0.5, "below" if below else "above": threshold, "latch": latch,
+            **({"tokens": "prompt"} if cast else {})}
+    entry = {"id": "deep", "layer": 3, "scale": 6.0, "when": when, **({"decode_only": True} if cast else {})}
+    params = greedy(logprobs=0, prompt_logprobs=0, extra_args=steer(entry))
     (out,) = generate_with_readout(llm, [{"prompt_token_ids": prompt_ids}], params)
     generated = list(out.outputs[0].token_ids)
     ids = prompt_ids + generated[:-1]
-    mask, scores = gate_decisions(hf_model, ids, probes["joy"](1), 0.5, threshold, below, latch)
+    mask, scores = gate_decisions(hf_model, ids, probes["joy"](1), 0.5, threshold, below, latch, P if cast else None)
+    held = np.flatnonzero(mask.numpy())  # (latched: every position from the first that held)
+    if cast:  # CAST by hand: the prompt decided; only the generated tokens are steered
+        mask[:P] = False
     assert np.abs(scores - threshold).min() > 1e-3, "a score lies at the threshold: the decision is rounding's"
     assert mask.any() and not mask.all(), "the condition must let some positions through and hold others back"
     want = hf_reference.logprobs(hf_model, ids + generated[-1:], [(3, probes["deep"](3), 6.0, False)], mask.tolist() + [False])
@@ -240,7 +245,6 @@ def test_gated_steering_equals_transformers_steering_the_tokens_the_condition_le
     print(f"gated (latch={latch}): {int(mask.sum())} of {len(mask)} positions steered; logprobs vs transformers "
           f"{err:.3g}, steering moved them {moved:.3g}")
     assert err < (5e-2 if ON_GPU else 1e-4) and moved > 100 * err
-    held = np.flatnonzero(mask.numpy())
     gate = out.hotwire_gate
     assert gate["fired"] and gate["position"] == int(held[0]) and gate["latch"] is latch
     if not latch:
