@@ -66,21 +66,18 @@ def _steer_kernel(
     if used == 0:
         return
     # Gates: the decision the readout op wrote at the condition's lower layer in this forward (read after the
-    # PDL wait: the kernel that writes it ran before this one). A token whose entries are all gated off keeps its bits.
-    let_through = 1
+    # PDL wait: the kernel that wrote it ran before this one). A token whose entries are all gated off keeps its bits.
     if HAS_GATES:
-        row = tl.load(token_read_ptr + token).to(tl.int64)
-        flags = tl.load(gate_row_ptr + row * gate_row_stride + 2)
-        if (flags & 2) != 0:
-            let_through = (tl.load(gate_row_ptr + row * gate_row_stride + 3) <= tl.load(token_pos_ptr + token)).to(tl.int32)
-        else:
-            let_through = (tl.load(token_hit_ptr + token) != 0).to(tl.int32)
-        if let_through == 0:
-            open_entries = 0
-            for k in tl.static_range(K):
-                open_entries += (tl.load(slot_ptr + entry0 + k) != 0) & (tl.load(cfg_gate_ptr + entry0 + k) == 0)
-            if open_entries == 0:
-                return
+        gate = gate_row_ptr + tl.load(token_read_ptr + token).to(tl.int64) * gate_row_stride
+        latched = (tl.load(gate + 2) & 2) != 0
+        let_through = tl.where(latched, tl.load(gate + 3) <= tl.load(token_pos_ptr + token),
+                               tl.load(token_hit_ptr + token) != 0)
+        open_entries = 0
+        for k in tl.static_range(K):
+            is_open = (tl.load(slot_ptr + entry0 + k) != 0) & ((tl.load(cfg_gate_ptr + entry0 + k) == 0) | let_through)
+            open_entries += is_open.to(tl.int32)
+        if open_entries == 0:
+            return
     res_row = res_ptr + token * res_stride
     hid_row = hid_ptr + token * hid_stride
     offs = tl.arange(0, BLOCK_H)
@@ -109,7 +106,7 @@ def _steer_kernel(
             rel = tl.load(rel_ptr + entry0 + k)
             coef = tl.load(scale_ptr + entry0 + k) + rel * norm * tl.load(inv_norm_ptr + slot)
             if HAS_GATES:
-                coef = tl.where((let_through == 0) & (tl.load(cfg_gate_ptr + entry0 + k) != 0), 0.0, coef)
+                coef = tl.where((tl.load(cfg_gate_ptr + entry0 + k) != 0) & (let_through == 0), 0.0, coef)
             acc += coef * tl.load(bank_ptr + slot * bank_stride + h, mask=mask, other=0.0).to(tl.float32)
         tl.store(res_row + h, acc.to(res_ptr.dtype.element_ty), mask=mask)
 
