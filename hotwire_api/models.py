@@ -288,8 +288,8 @@ class Monitor(BaseModel):
 
 
 class MonitorList(BaseModel):
-    kept: str = Field(description="`file <path>` (monitors.json in the model's store folder) or `memory` (this API "
-                      "server's: the store is off)")
+    kept: str = Field(description="`redis` (a fleet's: every replica reads them), `file <path>` (monitors.json in "
+                      "the model's store folder) or `memory` (this API server's: the store is off)")
     monitors: list[Monitor]
 
 

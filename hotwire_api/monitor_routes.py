@@ -3,8 +3,6 @@
 
 from __future__ import annotations
 
-import asyncio
-
 from fastapi import Query, Request, Response
 
 from hotwire_api.audit import entry
@@ -36,7 +34,7 @@ def _book(request: Request) -> MonitorBook:
 
 
 def _listing(book: MonitorBook) -> MonitorList:
-    return MonitorList(kept=f"file {book.path}" if book.path else "memory", monitors=list(book.current()))
+    return MonitorList(kept=book.kept, monitors=list(book.current()))
 
 
 async def _check(engine: HotwireEngine, monitors: list[Monitor]) -> None:
@@ -90,7 +88,7 @@ async def add_monitor(body: Monitor, request: Request, response: Response,
         raise HotwireError(409, ErrorCode.EXISTS, f"a monitor named {body.id!r} exists: pass ?replace=true to replace "
                            "it, or choose another id", "id")
     await _check(HotwireEngine.of(request.app), [*others, body])
-    old = await asyncio.to_thread(book.edit, body.id, body)
+    old = await book.edit(body.id, body)
     if old is not None:
         response.status_code = 200
     await request.app.state.hotwire_registry.record(
@@ -103,7 +101,7 @@ async def add_monitor(body: Monitor, request: Request, response: Response,
                dependencies=[require(Role.ADMIN)])
 async def delete_monitor(monitor_id: str, request: Request) -> Response:
     book = _book(request)
-    if await asyncio.to_thread(book.edit, monitor_id, None) is None:
+    if await book.edit(monitor_id, None) is None:
         raise HotwireError(404, ErrorCode.UNKNOWN_MONITOR, f"no monitor named {monitor_id!r}; GET /steer/monitors "
                            "lists them", "id")
     await request.app.state.hotwire_registry.record(entry(caller_name(request), "monitor_deleted", monitor_id))

@@ -9,12 +9,14 @@ prompt; the position that predicts the first generated token), ``generated`` red
 generated token (``max``, ``mean`` or ``min``).
 
 Monitors are kept in ``monitors.json`` in the served model's store folder (``HOTWIRE_STORE``), edited under a lock
-and read again when it changes, so every API server of a host sees the same ones; with the store off (a fleet) each
-API server keeps its own in memory.
+and read again when it changes, so every API server of a host sees the same ones; in a fleet (``HOTWIRE_REGISTRY``),
+in its Redis, which every API server polls for changes (``HOTWIRE_CATALOG_REFRESH_MS``); with the store off
+elsewhere, each API server keeps its own in memory.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 from collections.abc import Sequence
@@ -24,6 +26,7 @@ from typing import Any
 import pydantic
 from prometheus_client import Counter, Histogram
 
+from hotwire_api.errors import HotwireError
 from hotwire_api.json_file import locked, stamp, write_atomic
 from hotwire_api.models import Monitor, MonitorScore
 from hotwire_core.settings import Settings as CoreSettings
@@ -72,21 +75,50 @@ def skipped(reason: str) -> None:
 
 
 class MonitorBook:
-    """The monitors (see the module docstring): a file, or this API server's memory until :meth:`start` finds
-    the store."""
+    """The monitors (see the module docstring): the fleet's, a file, or this API server's memory until
+    :meth:`start` finds where they are kept."""
 
     def __init__(self) -> None:
         self.path: Path | None = None
+        self.fleet: Any = None  # the fleet's RedisRegistry (``monitors``, ``edit_monitor``)
+        self._edits = -1  # the fleet's count of monitor edits when last read
         self._monitors: tuple[Monitor, ...] = ()
         self._stamp: tuple[int, int, int] | None = None
         self.state = 0  # changes whenever the monitors may have: what admission caches their decision under
 
+    @property
+    def kept(self) -> str:
+        return "redis" if self.fleet is not None else f"file {self.path}" if self.path else "memory"
+
     async def start(self, app: Any) -> None:
+        self.fleet = app.state.hotwire_registry.monitor_store()
+        if self.fleet is not None:
+            try:
+                await self.refresh()
+            except HotwireError as exc:  # the registry is down: the poll reads them once it answers
+                logger.error("hotwire: the fleet's monitors cannot be read yet: %s", exc.message)
+            return
         model = served_port_and_model(app)[1]
         folder = CoreSettings.from_env().store_dir(model) if model else None
         if folder is not None:
             self.path = folder / "monitors.json"
             self.current()
+
+    async def refresh(self) -> None:
+        """Read the fleet's monitors if they changed since the last read (one round trip when they did not)."""
+        edits, docs = await self.fleet.monitors()
+        if edits != self._edits:
+            self._set(sorted((Monitor.model_validate_json(doc) for doc in docs), key=lambda m: m.id), None)
+            self._edits = edits
+
+    async def run(self, interval_s: float) -> None:
+        """In a fleet, follow the other API servers' edits (a lifespan task); elsewhere nothing to do."""
+        while self.fleet is not None:
+            await asyncio.sleep(interval_s)
+            try:
+                await self.refresh()
+            except HotwireError as exc:  # the registry is down: the monitors read last stay on
+                logger.debug("hotwire: the fleet's monitors not read this time: %s", exc.message)
 
     def current(self) -> tuple[Monitor, ...]:
         """The monitors now (the file read again if it changed; one that cannot be read keeps the last good ones,
@@ -120,9 +152,16 @@ class MonitorBook:
             return []
         return _MonitorsFile.model_validate_json(self.path.read_text(encoding="utf-8")).monitors
 
-    def edit(self, monitor_id: str, new: Monitor | None) -> Monitor | None:
+    async def edit(self, monitor_id: str, new: Monitor | None) -> Monitor | None:
         """Put ``new`` in place of the monitor ``monitor_id`` (added when there is none; removed when ``new`` is
         None); returns the monitor it replaced. The caller checked ``new``."""
+        if self.fleet is not None:
+            old = await self.fleet.edit_monitor(monitor_id, new.model_dump_json() if new is not None else None)
+            await self.refresh()
+            return Monitor.model_validate_json(old) if old is not None else None
+        return await asyncio.to_thread(self._edit_here, monitor_id, new)
+
+    def _edit_here(self, monitor_id: str, new: Monitor | None) -> Monitor | None:
         if self.path is None:
             return self._apply(list(self._monitors), monitor_id, new, None)
         self.path.parent.mkdir(parents=True, exist_ok=True)

@@ -43,6 +43,7 @@ async def _background(app: Any) -> AsyncIterator[None]:
     registry: VectorRegistry = app.state.hotwire_registry
     await registry.start(app)
     await app.state.hotwire_monitors.start(app)
+    tasks.append(asyncio.create_task(app.state.hotwire_monitors.run(app.state.hotwire_settings.catalog_refresh_s)))
     try:
         yield
     finally:

@@ -64,6 +64,11 @@ class VectorRegistry(Protocol):
         """``GET /steer/fleet``: every replica on the registry and the versions each holds."""
         ...
 
+    def monitor_store(self) -> Any:
+        """Where the monitors of every replica live (``hotwire_api.monitors.MonitorBook``): the fleet's Redis
+        registry; None: this host keeps its own (the store's ``monitors.json``, else memory)."""
+        ...
+
 
 class LocalRegistry:
     """Each engine's own registry; the fleet view is this server alone (``replica: "local"``). The audit trail is
@@ -104,6 +109,9 @@ class LocalRegistry:
 
     async def status(self) -> RegistryStatus:
         return RegistryStatus(kind="local")
+
+    def monitor_store(self) -> None:
+        return None
 
     async def view(self, engine: HotwireEngine) -> FleetView:
         stats, _ = await STATS.get(engine, 0)

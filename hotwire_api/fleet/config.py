@@ -165,6 +165,15 @@ class Keys:
         return f"{self.prefix}audit"
 
     @property
+    def monitors(self) -> str:
+        """Hash: monitor id -> its JSON (``hotwire_api.monitors``); ``monitor_edits`` counts the changes."""
+        return f"{self.prefix}monitors"
+
+    @property
+    def monitor_edits(self) -> str:
+        return f"{self.prefix}monitor_edits"
+
+    @property
     def orphans(self) -> str:
         """Sorted set: sha256 -> when its blob stopped being any id's current version (replaced, deleted, or a
         registration that lost its race); the blobs the collection may delete once they are older than the grace."""

@@ -91,5 +91,9 @@ class FleetRegistry:
     async def status(self) -> RegistryStatus:
         return RegistryStatus(**await self._started().heartbeat.status())
 
+    def monitor_store(self) -> RedisRegistry:
+        """The fleet's monitors live in its Redis (``hotwire_api.monitors``)."""
+        return self._started().registry
+
     async def view(self, engine: HotwireEngine) -> FleetView:
         return FleetView.model_validate(await self._started().heartbeat.view())

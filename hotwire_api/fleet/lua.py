@@ -210,3 +210,17 @@ for i = 2, #ARGV do
 end
 return deleted
 """
+
+# KEYS: monitors (hash id -> JSON), monitor edits (counter). ARGV: id, the monitor's JSON ("": delete it).
+# Returns the JSON it replaced (nil: none); a change bumps the counter the API servers poll.
+EDIT_MONITOR = """
+local old = redis.call('HGET', KEYS[1], ARGV[1])
+if ARGV[2] == '' then
+  if not old then return nil end
+  redis.call('HDEL', KEYS[1], ARGV[1])
+else
+  redis.call('HSET', KEYS[1], ARGV[1], ARGV[2])
+end
+redis.call('INCR', KEYS[2])
+return old
+"""

@@ -1,6 +1,6 @@
 """Every Redis command hotwire sends (``redis.asyncio``): blobs and their collection, the atomic register and
 delete scripts (``lua``), the restart gate and the repair's reconcile, the current versions, the event stream,
-heartbeats. A Redis that does not answer raises :class:`Unavailable`, a 503 ``registry_unavailable`` naming the
+heartbeats, monitors. A Redis that does not answer raises :class:`Unavailable`, a 503 ``registry_unavailable`` naming the
 registry (secrets masked); a register or delete refused while the gate is closed raises :class:`Restarting`;
 what the caller does then is its business (``replica``, ``repair``). Key layout: ``config.Keys``."""
 
@@ -11,14 +11,13 @@ import json
 import logging
 import secrets
 import time
-from collections.abc import Mapping
-from dataclasses import dataclass
 from typing import Any
 
 from hotwire_api.audit import AuditEntry, Author
 from hotwire_api.errors import HotwireError
 from hotwire_api.fleet import lua
 from hotwire_api.fleet.config import FleetConfig, Keys, redacted, scrubbed
+from hotwire_api.fleet.records import Event, Gate, text as _str
 from hotwire_core.error_codes import ErrorCode
 
 __all__ = ["Event", "Gate", "RedisRegistry", "Restarting", "Unavailable"]
@@ -61,40 +60,6 @@ class Restarting(HotwireError):
 
     def headers(self) -> dict[str, str]:
         return {**super().headers(), "Retry-After": str(self.RETRY_AFTER_S)}
-
-
-@dataclass(frozen=True)
-class Gate:
-    """The restart gate (``lua.GATE``): ``open``; ``opened`` now by this look (``missing``: the live replicas it
-    opened without, at the limit); ``run_id`` of the running Redis; ``closing``, the restart or wipe in progress
-    ("" while open); ``mark``, the closing the asking replica last repaired for."""
-
-    open: bool
-    opened: bool
-    run_id: str
-    closing: str
-    mark: str
-    missing: tuple[str, ...]
-
-
-@dataclass(frozen=True)
-class Event:
-    """One entry of the stream: ``op`` is ``register`` or ``delete``."""
-
-    stream_id: str
-    op: str
-    vector_id: str
-    version: int
-    sha256: str
-
-    @classmethod
-    def parse(cls, stream_id: Any, fields: Mapping[Any, Any]) -> Event:
-        f = {_str(k): _str(v) for k, v in fields.items()}
-        return cls(_str(stream_id), f["op"], f["id"], int(f["version"]), f["sha256"])
-
-
-def _str(value: Any) -> str:
-    return value.decode() if isinstance(value, bytes) else str(value)
 
 
 def _parse_current(value: Any) -> tuple[int, str]:
@@ -143,7 +108,7 @@ class RedisRegistry:
         self._register, self._delete = script(lua.REGISTER_ONCE), script(lua.DELETE_ONCE)
         self._put_blob, self._collect, self._forget_retired = script(lua.PUT_BLOB), script(lua.COLLECT), script(lua.FORGET_RETIRED)
         self._reconcile, self._gate, self._mark = script(lua.RECONCILE), script(lua.GATE), script(lua.MARK_REPAIRED)
-        self._heartbeat = script(lua.HEARTBEAT)
+        self._heartbeat, self._edit_monitor = script(lua.HEARTBEAT), script(lua.EDIT_MONITOR)
 
     @property
     def display_url(self) -> str:
@@ -340,6 +305,20 @@ class RedisRegistry:
         entries = await self._do(self._redis.xrevrange(self.keys.audit, count=limit))
         return [AuditEntry.model_validate({_str(k): _str(v) for k, v in fields.items() if _str(v) != ""})
                 for _, fields in entries]
+
+    # -- monitors (``hotwire_api.monitors``) --------------------------------------------------------------------
+
+    async def monitors(self) -> tuple[int, list[str]]:
+        """The count of monitor edits so far, and every monitor's JSON, read together."""
+        pipe = self._redis.pipeline(transaction=True).get(self.keys.monitor_edits).hvals(self.keys.monitors)
+        edits, docs = await self._do(pipe.execute())
+        return int(edits or 0), [_str(doc) for doc in docs]
+
+    async def edit_monitor(self, monitor_id: str, doc: str | None) -> str | None:
+        """Put a monitor's JSON under its id (None: delete it); returns the JSON it replaced, if any."""
+        keys = [self.keys.monitors, self.keys.monitor_edits]
+        old = await self._do(self._edit_monitor(keys=keys, args=[monitor_id, doc or ""]))
+        return _str(old) if old is not None else None
 
     # -- the event stream --------------------------------------------------------------------------------------
 

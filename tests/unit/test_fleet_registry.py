@@ -234,6 +234,42 @@ def test_every_change_is_in_the_audit_stream_with_who_made_it(redis_server) -> N
     run(body)
 
 
+def test_monitors_are_the_fleets_every_api_server_sees_each_edit(redis_server) -> None:
+    """Monitors added, replaced and deleted through one replica's API server reach the other's (which polls the
+    registry's count of edits), each edit answered with the monitor it replaced."""
+    from types import SimpleNamespace
+
+    from hotwire_api.monitors import Monitor, MonitorBook
+
+    async def body() -> None:
+        async with started(redis_server.url, "a", "b") as (a, b):
+            books = []
+            for replica in (a, b):
+                book = MonitorBook()
+                registry = SimpleNamespace(monitor_store=lambda r=replica: r.registry)
+                await book.start(SimpleNamespace(state=SimpleNamespace(hotwire_registry=registry)))
+                books.append(book)
+            here, there = books
+            follow = [asyncio.create_task(book.run(0.02)) for book in books]
+            try:
+                assert here.kept == "redis" and here.current() == () == there.current()
+                assert await here.edit("m", Monitor(id="m", probe="joy", layer=1, threshold=2.0)) is None
+                assert [m.id for m in here.current()] == ["m"]  # at once where it was made
+                await eventually(lambda: [m.threshold for m in there.current()] == [2.0])
+                state = there.state
+                old = await there.edit("m", Monitor(id="m", probe="joy", layer=1, threshold=3.0))
+                assert old.threshold == 2.0 and there.state > state
+                await eventually(lambda: [m.threshold for m in here.current()] == [3.0])
+                await here.edit("n", Monitor(id="n", probe="joy", layer=0, threshold=0.0))
+                assert (await here.edit("m", None)).threshold == 3.0 and await here.edit("m", None) is None
+                await eventually(lambda: [m.id for m in there.current()] == ["n"])
+            finally:
+                for task in follow:
+                    task.cancel()
+
+    run(body)
+
+
 @pytest.mark.parametrize("transport", ["tls", "unix"])
 def test_rediss_and_unix_urls(tmp_path, transport: str) -> None:
     """``rediss://`` (TLS, the CA named in the URL) and ``unix://`` reach Redis as ``redis://`` does."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+from types import SimpleNamespace
 import multiprocessing
 
 import pydantic
@@ -59,7 +60,7 @@ def test_a_readout_splits_into_the_clients_part_and_the_monitors_verdicts() -> N
 def _add(path, n: int) -> None:
     book = MonitorBook()
     book.path = path
-    book.edit(f"m{n}", Monitor(id=f"m{n}", probe="v", layer=1, threshold=n))
+    asyncio.run(book.edit(f"m{n}", Monitor(id=f"m{n}", probe="v", layer=1, threshold=n)))
 
 
 def test_the_monitors_file_is_shared_by_every_api_server_and_edits_are_all_kept(tmp_path) -> None:
@@ -71,7 +72,7 @@ def test_the_monitors_file_is_shared_by_every_api_server_and_edits_are_all_kept(
         pool.starmap(_add, [(path, n) for n in range(12)])
     state = reader.state
     assert sorted(m.id for m in reader.current()) == sorted(f"m{n}" for n in range(12)) and reader.state > state
-    assert reader.edit("m3", None).threshold == 3 and reader.edit("m3", None) is None
+    assert asyncio.run(reader.edit("m3", None)).threshold == 3 and asyncio.run(reader.edit("m3", None)) is None
     assert len(reader.current()) == 11
     path.write_text("{")  # broken by hand: the last good monitors stay on
     assert len(reader.current()) == 11
@@ -79,10 +80,16 @@ def test_the_monitors_file_is_shared_by_every_api_server_and_edits_are_all_kept(
     assert [m.id for m in reader.current()] == ["z"]
 
 
+def app_with(registry) -> SimpleNamespace:
+    return SimpleNamespace(state=SimpleNamespace(hotwire_registry=registry))
+
+
 def test_without_a_store_the_monitors_live_in_memory() -> None:
+    from hotwire_api.vector_registry import LocalRegistry
+
     book = MonitorBook()
-    asyncio.run(book.start(object()))  # no served model: no store folder
-    assert book.path is None
-    book.edit("a", Monitor(id="a", probe="v", layer=1, threshold=0))
-    old = book.edit("a", Monitor(id="a", probe="v", layer=2, threshold=0))
+    asyncio.run(book.start(app_with(LocalRegistry())))  # no served model: no store folder
+    assert book.path is None and book.kept == "memory"
+    asyncio.run(book.edit("a", Monitor(id="a", probe="v", layer=1, threshold=0)))
+    old = asyncio.run(book.edit("a", Monitor(id="a", probe="v", layer=2, threshold=0)))
     assert old.layer == 1 and [m.layer for m in book.current()] == [2]
