@@ -83,10 +83,11 @@ for part in $parts; do
           tests/integration/test_extraction.py
       done
       ;;
-    readout)
+    readout)  # the unit files apart: tests/unit and tests/integration both hold a test_readout.py
+      launch readout-kernels next v2 "${pytest_cmd[@]}" -s tests/unit/test_readout.py tests/unit/test_gates.py
       for runner in v2 v1; do
-        launch "readout-$runner" next $runner "${pytest_cmd[@]}" -s tests/unit/test_readout.py tests/unit/test_gates.py \
-          tests/integration/test_readout.py tests/integration/test_readout_http.py
+        launch "readout-$runner" next $runner "${pytest_cmd[@]}" -s tests/integration/test_readout.py \
+          tests/integration/test_readout_http.py
       done
       ;;
     async)

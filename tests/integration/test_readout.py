@@ -199,12 +199,13 @@ def gate_decisions(hf_model, token_ids, vector, bias, threshold, below, latch, p
     return torch.from_numpy(held), scores
 
 
-def threshold_between(scores, rank):
-    """A threshold between the ``rank``-th and next score, far from both (float32 rounding must not flip one)."""
+def threshold_between(scores):
+    """A threshold in the widest gap between two neighbouring scores of the middle half (so that about half hold),
+    far from both: the engine's rounding (bf16 on a GPU) must not flip a decision."""
     ordered = np.sort(scores)
-    lo, hi = ordered[rank], ordered[rank + 1]
-    assert hi - lo > 1e-2, "two scores too close to put a threshold between"
-    return float(np.float32((lo + hi) / 2))
+    quarter = len(ordered) // 4
+    rank = quarter + int(np.argmax(np.diff(ordered[quarter : len(ordered) - quarter])))
+    return float(np.float32((ordered[rank] + ordered[rank + 1]) / 2))
 
 
 @pytest.mark.parametrize("latch, below, cast", [(False, False, False), (True, True, False), (True, False, True)])
@@ -218,7 +219,7 @@ def test_gated_steering_equals_transformers_steering_the_tokens_the_condition_le
     P = len(prompt_ids)
     _, scores = gate_decisions(hf_model, prompt_ids, probes["joy"](1), 0.5, 0.0, False, False)
     # per token: about half the prompt holds; latched: the condition first holds in the prompt's second half
-    threshold = threshold_between(scores, P // 2) if not latch else float(np.float32(
+    threshold = threshold_between(scores) if not latch else float(np.float32(
         (np.sort(scores[: P // 2])[0] + np.sort(scores[P // 2:])[0]) / 2))
     when = {"id": "joy", "layer": 1, "bias": 0.5, "below" if below else "above": threshold, "latch": latch,
             **({"tokens": "prompt"} if cast else {})}
@@ -231,7 +232,9 @@ def test_gated_steering_equals_transformers_steering_the_tokens_the_condition_le
     held = np.flatnonzero(mask.numpy())  # (latched: every position from the first that held)
     if cast:  # CAST by hand: the prompt decided; only the generated tokens are steered
         mask[:P] = False
-    assert np.abs(scores - threshold).min() > 1e-3, "a score lies at the threshold: the decision is rounding's"
+    margin = np.abs(scores - threshold).min()
+    assert margin > (GPU_RELATIVE * np.abs(scores).max() if ON_GPU else 1e-3), "a score lies at the threshold: " \
+        "the decision would be rounding's"
     assert mask.any() and not mask.all(), "the condition must let some positions through and hold others back"
     want = hf_reference.logprobs(hf_model, ids + generated[-1:], [(3, probes["deep"](3), 6.0, False)], mask.tolist() + [False])
     plain = hf_reference.logprobs(hf_model, ids + generated[-1:])
@@ -244,7 +247,7 @@ def test_gated_steering_equals_transformers_steering_the_tokens_the_condition_le
     moved = np.abs(expected - unsteered).max()
     print(f"gated (latch={latch}): {int(mask.sum())} of {len(mask)} positions steered; logprobs vs transformers "
           f"{err:.3g}, steering moved them {moved:.3g}")
-    assert err < (5e-2 if ON_GPU else 1e-4) and moved > 100 * err
+    assert err < (5e-2 if ON_GPU else 1e-4) and moved > (5 if ON_GPU else 100) * err
     gate = out.hotwire_gate
     assert gate["fired"] and gate["position"] == int(held[0]) and gate["latch"] is latch
     if not latch:
