@@ -4,6 +4,7 @@ engines of check e (each in a fresh interpreter with ``VLLM_PLUGINS=""``)."""
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import sys
 import time
@@ -332,7 +333,7 @@ def run(args: argparse.Namespace, model: str, workdir: Path) -> tuple[Header, li
     untimed = (args.vanilla or args.save_plain is not None) and torch.cuda.is_available()
     setup = from_args(args)
     kwargs = engine_kwargs(model, args.dtype, args.tensor_parallel_size, args.kv_cache_gib, untimed, setup)
-    llm = start_llm(**kwargs)
+    llm = start_llm(**copy.deepcopy(kwargs))  # vLLM adds its objects to a speculative_config: the vanilla job is JSON
     timings.append(("engine start", time.monotonic() - started))
     lora = setup.request_lora()
     if lora is not None:

@@ -15,7 +15,11 @@ pytestmark = pytest.mark.integration
 BUDGET_S = 300  # about 40 s on a 2-core CPU, most of it the engine start
 
 
-@pytest.mark.parametrize("flags", [[], ["--readout"]])
+NGRAM = ["--vanilla", "--runner", "v1", "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 3, '
+         '"prompt_lookup_max": 3}']
+
+
+@pytest.mark.parametrize("flags", [[], ["--readout"], NGRAM], ids=["plain", "readout", "ngram-vanilla"])
 def test_verify_passes_and_reports_every_check(tmp_path, flags):
     proc = subprocess.run(
         [sys.executable, "-m", "hotwire_core.verify", "--kv-cache-gib", "1", *flags],
@@ -32,9 +36,9 @@ def test_verify_passes_and_reports_every_check(tmp_path, flags):
     decode = re.search(r"^PASS  d\. decode cost .*$", out, re.M).group(0)
     expected = "one graph set" if "device     CPU" in out else "had their hotwire-free set in place"
     assert expected in decode, decode
-    if flags:  # check f: the steering vector read as a probe shows what steering added, at every prompt token
+    if "--readout" in flags:  # check f: the steering vector read as a probe shows what steering added, at every prompt token
         assert re.search(r"^PASS  f\. readout +\d+ prompt tokens: steered minus plain score", out, re.M), out[-3000:]
         # check g: gated on a condition that always holds it steers as ungated; on one that never holds, not at all
         assert re.search(r"^PASS  g\. gates +gated on a condition that always holds", out, re.M), out[-3000:]
-    checks = 6 + 2 * len(flags)
+    checks = 6 + 2 * ("--readout" in flags) + ("--vanilla" in flags)  # --vanilla: check e, plugin-free vLLM
     assert re.search(rf"^result +PASS \({checks}/{checks} checks\)$", out, re.M), out[-3000:]
