@@ -36,6 +36,8 @@ class _Reader:
     prompt_len: int
     start: int  # first position read
     end: float  # positions read are < end
+    layers: np.ndarray  # [K] int64: each probe's layer (0 past the last probe)
+    held: np.ndarray  # [K] bool: a probe whose layer this rank hooks
     chunks: list[tuple[np.ndarray, np.ndarray]] = field(default_factory=list)  # (positions, values [m, probes, 2])
     taken: bool = False  # handed out before the worker heard that its request finished (``take``)
     settled: int = 0  # positions below are computed for good (vLLM's num_computed_tokens: drafts excluded)
@@ -46,8 +48,9 @@ class _Copy:
     """The values one forward wrote for the read tokens, on their way to the host."""
 
     event: Any  # a CUDA event recorded after the copy (None on a CPU)
-    host: torch.Tensor  # [n_layers, m, K + 1]
-    readers: list[tuple[_Reader, slice, np.ndarray]]  # (reader, its tokens' columns in host, their positions)
+    host: torch.Tensor  # [m, K, 2]: each read token's dot products at its probes' layers, and its norm there
+    held: np.ndarray  # [m, K] bool: the values this rank holds (others become NaN)
+    readers: list[tuple[_Reader, slice, np.ndarray]]  # (reader, its tokens' rows in host, their positions)
 
 
 class WorkerReadout:
@@ -71,7 +74,7 @@ class WorkerReadout:
         self.live: dict[str, _Reader] = {}  # req_id -> its readout
         self.done = Handouts(2 * rows)  # finished ones, until taken
         self._staging = np.zeros(max_tokens, np.int32)
-        self._read: tuple[np.ndarray, list[tuple[_Reader, slice, np.ndarray]]] | None = None  # last forward's tokens
+        self._read: tuple[np.ndarray, list, np.ndarray] | None = None  # the last forward's read tokens
         self._copies: list[_Copy] = []
         self.dirty = 0  # token_read[:dirty] may be non-zero on the device
         self._gated = 0  # live readers with a condition: token_pos is written while there are any
@@ -105,8 +108,11 @@ class WorkerReadout:
                 continue
             reads_prompt = args["tokens"] in ("prompt", "all")
             end = prompt_len if args["tokens"] == "prompt" else float("inf")
+            layers = np.zeros(self.k, np.int64)
+            layers[: len(args["probes"])] = [probe["layer"] for probe in args["probes"]]
+            held = np.array([k < len(args["probes"]) and int(layers[k]) in self.layers for k in range(self.k)])
             reader = _Reader(args["tag"], self._free.pop(), args, prompt_len, 0 if reads_prompt else max(prompt_len - 1, 0),
-                             end)
+                             end, layers, held)
             self.live[req_id] = reader
             writes.append((reader.row, items))
             if self.gates is not None:
@@ -146,41 +152,62 @@ class WorkerReadout:
         length = max(num_tokens, self.dirty)
         host = self._staging[:length]
         host[:] = 0
-        tokens, readers = [], []
-        if self.live:
-            starts = np.cumsum(num_scheduled) - num_scheduled
-            taken = 0
-            for i, req_id in enumerate(req_ids):
-                reader = self.live.get(req_id)
-                if reader is None:
-                    continue
-                first, count = int(num_computed[i]), int(num_scheduled[i])
-                reader.settled = first
-                lo, hi = max(first, reader.start), min(first + count, reader.end)
-                if hi <= lo:
-                    continue
-                hi = int(hi)
-                index = np.arange(lo - first, hi - first) + int(starts[i])
-                host[index] = reader.row
-                tokens.append(index)
-                readers.append((reader, slice(taken, taken + len(index)), np.arange(lo, hi, dtype=np.int32)))
-                taken += len(index)
-        self._read = (np.concatenate(tokens), readers) if tokens else None
+        read = self._batch_reads(req_ids, num_scheduled, num_computed) if self.live else None
+        self._read = None
+        if read is not None:
+            tokens, positions, readers, layers, held, rows = read
+            host[tokens] = rows
+            # Where in ``out`` each read token's probes are (dot product, norm), for the gather in _flush.
+            _, n_tokens, width = self.out.shape
+            base = (layers * n_tokens + tokens[:, None]) * width
+            self._read = (np.stack((base + np.arange(self.k), base + self.k), axis=-1), readers, held)
         self._uploader.copy_(self.token_read[:length], torch.from_numpy(host.copy()))
-        if self._gated and tokens:
-            positions = np.zeros(num_tokens, np.int32)
-            for (_, _, read), index in zip(readers, tokens):
-                positions[index] = read
-            self._uploader.copy_(self.gates["token_pos"][:num_tokens], torch.from_numpy(positions))
-        self.dirty = num_tokens if tokens else 0
+        if self._gated and read is not None:
+            at = np.zeros(num_tokens, np.int32)
+            at[tokens] = positions
+            self._uploader.copy_(self.gates["token_pos"][:num_tokens], torch.from_numpy(at))
+        self.dirty = num_tokens if read is not None else 0
+
+    def _batch_reads(self, req_ids: Sequence[str], num_scheduled: np.ndarray, num_computed: np.ndarray) -> tuple | None:
+        """The batch's read tokens, vectorised over its requests: ``(token indices, their positions, [(reader, its
+        tokens' rows among them, their positions)], each token's probe layers [m, K] and held [m, K], its readout
+        row)``; None when none of the scheduled tokens is read."""
+        found = [self.live.get(req_id) for req_id in req_ids]
+        which = [i for i, reader in enumerate(found) if reader is not None]
+        if not which:
+            return None
+        readers = [found[i] for i in which]
+        first = np.asarray(num_computed, np.int64)[which]
+        count = np.asarray(num_scheduled, np.int64)[which]
+        offset = (np.cumsum(num_scheduled) - num_scheduled)[which]
+        for reader, settled in zip(readers, first.tolist()):
+            reader.settled = settled
+        lo = np.maximum(first, [reader.start for reader in readers])
+        hi = np.minimum(first + count, [min(reader.end, 1 << 62) for reader in readers]).astype(np.int64)
+        n = np.maximum(hi - lo, 0)
+        total = int(n.sum())
+        if not total:
+            return None
+        ends = np.cumsum(n)
+        within = np.arange(total) - np.repeat(ends - n, n)  # each read token's index among its request's reads
+        positions = (np.repeat(lo, n) + within).astype(np.int32)
+        tokens = np.repeat(offset - first, n) + positions
+        kept = np.flatnonzero(n)
+        listed = [(readers[i], slice(int(ends[i] - n[i]), int(ends[i])), positions[ends[i] - n[i]:ends[i]])
+                  for i in kept.tolist()]
+        layers = np.repeat(np.stack([readers[i].layers for i in kept]), n[kept], axis=0)
+        held = np.repeat(np.stack([readers[i].held for i in kept]), n[kept], axis=0)
+        rows = np.repeat([readers[i].row for i in kept], n[kept])
+        return tokens, positions, listed, layers, held, rows
 
     def _flush(self, wait: bool) -> None:
         """Issue the copy of the last forward's values (stream-ordered after it), then hand the values of every copy
         that has arrived (``wait``: of every copy) to their readers."""
         if self._read is not None:
-            tokens, readers = self._read
+            where, readers, held = self._read
             self._read = None
-            gathered = self.out[:, self._uploader.to_device(torch.from_numpy(tokens).long())]
+            # Only each token's probes at their layers leave the device: [m, K, 2] (dot products, norms).
+            gathered = self.out.view(-1)[self._uploader.to_device(torch.from_numpy(where))]
             if self._cuda:
                 host = torch.empty(gathered.shape, dtype=gathered.dtype, pin_memory=True)
                 host.copy_(gathered, non_blocking=True)
@@ -188,25 +215,14 @@ class WorkerReadout:
                 event.record()
             else:
                 host, event = gathered, None
-            self._copies.append(_Copy(event, host, readers))
+            self._copies.append(_Copy(event, host, held, readers))
         while self._copies and (wait or self._copies[0].event is None or self._copies[0].event.query()):
             copy = self._copies.pop(0)
             if copy.event is not None:
                 copy.event.synchronize()
-            values = copy.host.numpy()
-            for reader, columns, positions in copy.readers:
-                reader.chunks.append((positions, self._values(reader, values[:, columns])))
-
-    def _values(self, reader: _Reader, values: np.ndarray) -> np.ndarray:
-        """``[m, probes, 2]``: each probe's dot product and the stream's norm at its layer (NaN where this rank does
-        not hook the layer) from ``values`` ``[n_layers, m, K + 1]``."""
-        probes = reader.args["probes"]
-        out = np.full((values.shape[1], len(probes), 2), np.nan, np.float32)
-        for k, probe in enumerate(probes):
-            if probe["layer"] in self.layers:
-                out[:, k, 0] = values[probe["layer"], :, k]
-                out[:, k, 1] = values[probe["layer"], :, self.k]
-        return out
+            values = np.where(copy.held[..., None], copy.host.numpy(), np.float32(np.nan))
+            for reader, rows, positions in copy.readers:  # [m, probes, 2]: NaN where this rank lacks the layer
+                reader.chunks.append((positions, values[rows, : len(reader.args["probes"])]))
 
     def _result(self, reader: _Reader, lo: float = 0, hi: float = float("inf")) -> dict:
         """The values of positions ``lo <= position < hi`` read so far."""
