@@ -28,7 +28,7 @@ from .spec import SALT_PREFIX, SPEC_KEY, Phase, SpecError, SteeringEntry, canoni
 
 __all__ = [
     "DEFAULT_STRENGTH_LIMIT", "STRENGTH_LIMITS", "ModelInfo", "Refusal", "Resolved", "Rules", "StrengthLimit",
-    "VectorView", "cache_salt", "check_client_fields", "check_rows", "find_version", "pinned_spec", "presalt",
+    "VectorView", "cache_salt", "check_client_fields", "check_rows", "find_probe", "find_version", "pinned_spec", "presalt",
     "receipt", "resolve", "row_key", "row_keys", "row_sources",
 ]
 
@@ -172,14 +172,21 @@ def _resolve_condition(entry: SteeringEntry, field: str, lookup: Lookup, rules: 
                "each other's conditions") if not model.gates else ("a latched condition is off under speculative "
                "decoding: a draft token that verification rejects could latch it; gate per token instead")
         raise Refusal(400, ErrorCode.GATE_UNSUPPORTED, f"this server cannot gate as asked: {why}", field)
-    probe = find_version(lookup, when.vector_id, when.version, field, "probe")
-    if when.layer not in model.layers:
-        raise Refusal(400, ErrorCode.LAYER_OUT_OF_RANGE, f"layer {when.layer} cannot be read: this server hooks "
-                      f"layers {rules.steered_layers()}", f"{field}.layer")
-    if not probe.has_row(when.layer):
-        raise Refusal(400, ErrorCode.NO_ROW_FOR_LAYER, f"vector {when.vector_id!r}@{probe.version} has no row for "
-                      f"layer {when.layer} (it has {list(probe.layers or [])})", f"{field}.layer")
+    probe = find_probe(lookup, rules, when.vector_id, when.version, when.layer, field)
     return entry.pinned(entry.version, probe.version)
+
+
+def find_probe(lookup: Lookup, rules: Rules, vector_id: str, version: int | None, layer: int, field: str) -> VectorView:
+    """The version a probe reads (:func:`find_version`), refused when this server does not hook ``layer`` or the
+    vector has no row there; ``field``: the probe's (a readout's, or a condition's)."""
+    vector = find_version(lookup, vector_id, version, field, "probe")
+    if layer not in rules.model.layers:
+        raise Refusal(400, ErrorCode.LAYER_OUT_OF_RANGE, f"layer {layer} cannot be read: this server hooks "
+                      f"layers {rules.steered_layers()}", f"{field}.layer")
+    if not vector.has_row(layer):
+        raise Refusal(400, ErrorCode.NO_ROW_FOR_LAYER, f"vector {vector_id!r}@{vector.version} has no row for "
+                      f"layer {layer} (it has {list(vector.layers or [])})", f"{field}.layer")
+    return vector
 
 
 def check_rows(rows: int, rules: Rules, field: str) -> None:

@@ -13,7 +13,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Any, NoReturn
 
-from .admission import Lookup, Refusal, Rules, find_version, row_key
+from .admission import Lookup, Refusal, Rules, find_probe, row_key
 from .contract import READOUT_ARGS_KEY, GateArgs, ReadoutArgs, ReadoutProbe
 from .error_codes import ErrorCode
 from .readout_spec import READOUT_KEY, ReadoutSpec, parse_readout
@@ -54,14 +54,7 @@ def resolve_readout(value: Any, lookup: Lookup, rules: Rules, max_probes: int) -
     resolved: ResolvedProbes = []
     for i, probe in enumerate(spec.probes):
         field = f"{READOUT_KEY}.probes[{i}]"
-        vector = find_version(lookup, probe.vector_id, probe.version, field, "probe")
-        if probe.layer not in model.layers:
-            raise Refusal(400, ErrorCode.LAYER_OUT_OF_RANGE, f"layer {probe.layer} cannot be read: this server hooks "
-                          f"layers {rules.steered_layers()}", f"{field}.layer")
-        if not vector.has_row(probe.layer):
-            raise Refusal(400, ErrorCode.NO_ROW_FOR_LAYER, f"vector {probe.vector_id!r}@{vector.version} has no row for "
-                          f"layer {probe.layer} (it has {list(vector.layers or [])})", f"{field}.layer")
-        resolved.append((probe, vector))
+        resolved.append((probe, find_probe(lookup, rules, probe.vector_id, probe.version, probe.layer, field)))
     return spec, resolved
 
 

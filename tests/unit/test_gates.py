@@ -4,10 +4,6 @@ The engine end to end: tests/integration/test_gates.py."""
 
 from __future__ import annotations
 
-import subprocess
-import sys
-from pathlib import Path
-
 import numpy as np
 import pytest
 import torch
@@ -16,6 +12,7 @@ from hotwire_core import readout_op
 from hotwire_core.gates import gate_of, holds
 from hotwire_core.ops import GATE_BELOW, GATE_COSINE, GATE_LATCH, NEVER
 from hotwire_core.spec import SpecError, canonical_spec, parse_spec
+from triton_interpreter import check_in_interpreter
 
 # -- the spec ---------------------------------------------------------------------------------------------------
 
@@ -193,20 +190,8 @@ def test_an_ungated_server_calls_the_ops_as_before():
     torch.testing.assert_close(x[0], stream[0] + 3.0 * t["bank"][1])
 
 
-_INTERPRETER_SCRIPT = f"""
-import os, sys
-os.environ["TRITON_INTERPRET"] = "1"
-sys.path.insert(0, {str(Path(__file__).parent)!r})
-import test_gates
-test_gates.check_ops("cpu", triton=True)
-"""
-
-
 def test_the_triton_kernels_gate_as_the_reference_in_the_interpreter():
-    pytest.importorskip("triton")
-    proc = subprocess.run([sys.executable, "-c", _INTERPRETER_SCRIPT], cwd=Path(__file__).parents[2],
-                          capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
+    check_in_interpreter(__file__, 'check_ops("cpu", triton=True)')
 
 
 @pytest.mark.gpu

@@ -3,9 +3,6 @@ per-step bookkeeping, and the result a reader gets. The engine end to end: tests
 
 from __future__ import annotations
 
-import subprocess
-import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -16,6 +13,7 @@ from hotwire_core.readout_op import read_torch
 from hotwire_core.readout_results import ReadoutLost, readout_of
 from hotwire_core.readout_spec import parse_readout
 from hotwire_core.spec import SpecError
+from triton_interpreter import check_in_interpreter
 
 N_LAYERS, H, MAX_TOKENS, K = 4, 24, 16, 3
 
@@ -121,21 +119,8 @@ def check_triton_against_torch(device: str) -> None:
             triton_readout.MAX_BLOCK_H = saved
 
 
-_INTERPRETER_SCRIPT = f"""
-import os, sys
-os.environ["TRITON_INTERPRET"] = "1"
-sys.path.insert(0, {str(Path(__file__).parent)!r})
-import test_readout
-test_readout.check_triton_against_torch("cpu")
-"""
-
-
 def test_triton_kernel_in_interpreter() -> None:
-    pytest.importorskip("triton")
-
-    proc = subprocess.run([sys.executable, "-c", _INTERPRETER_SCRIPT], cwd=Path(__file__).parents[2],
-                          capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
+    check_in_interpreter(__file__, 'check_triton_against_torch("cpu")')
 
 
 @pytest.mark.gpu
