@@ -43,6 +43,7 @@ from hotwire_api.headers import KEY_HEADER, LENIENT_HEADER, RECEIPT_HEADER
 from hotwire_api.monitors import Monitor, MonitorBook, skipped
 from hotwire_api.reading import Reading, authorize_gate, authorize_readout, decide_reading, monitored
 from hotwire_api.stats_cache import STATS
+from hotwire_api.tenancy import OPERATOR, Tenancy
 from hotwire_api.tickets import TICKETS
 from hotwire_core.admission import Refusal, pinned_spec, receipt, resolve
 from hotwire_core.contract import ADMISSION_ONLY_KEYS
@@ -94,6 +95,7 @@ class AdmissionMiddleware:
         monitors: tuple[Monitor, ...] = book.current() if path in STEERABLE_ROUTES else ()
         request = _json_object(body) if monitors or _may_name_hotwire(body) else None
         steering = _steering(request) if request is not None else None
+        tenancy = OPERATOR
         try:
             if request is not None:
                 _refuse_reserved(request, steering)
@@ -104,9 +106,11 @@ class AdmissionMiddleware:
             reads = READOUT_KEY in steering.holder
             if reads:
                 authorize_readout(path, steering.where, steering.request)
-            self._authorize(scope, path, steering)
+            tenancy = self._authorize(scope, path, steering)
             await record_key_changes(scope["app"])
             engine = HotwireEngine.of(scope["app"])
+            if tenancy.tenant is not None:
+                await _name_for_engine(engine, tenancy, steering.holder)
             # Present, whatever its value: a spec that is not a JSON string is hotwire's 400, not vLLM's.
             decided, pinned = await _decide(engine, steering.spec) if SPEC_KEY in steering.holder else ("", None)
             when = next((e.when for e in parse_spec(pinned) if e.when is not None), None) if pinned else None
@@ -115,6 +119,7 @@ class AdmissionMiddleware:
             reading = await decide_reading(engine, steering.readout if reads else None, monitors, book.state, when) \
                 if reads or monitors or when else None
         except HotwireError as err:
+            err = tenancy.error(err)
             STATS.count_refusal(err.code)
             if err.code in _NEVER_LENIENT or not (self.lenient and 400 <= err.status < 500):
                 await err.response()(scope, receive, send)
@@ -127,7 +132,8 @@ class AdmissionMiddleware:
             lenient_send = _add_header(send, LENIENT_HEADER.encode(), f"{err.code}: {err.message}")
             await self.app(_with_length(scope, len(body)), _replay(body, receive), lenient_send)
             return
-        await self._serve_admitted(scope, receive, send, path, engine, steering, decided, pinned, reading)
+        await self._serve_admitted(scope, receive, send, path, engine, steering, tenancy.localize(decided), pinned,
+                                   reading, tenancy=tenancy)
 
     async def _serve_monitored(self, scope: Scope, receive: Receive, send: Send, path: str, body: bytes,
                                request: dict[str, Any] | None, monitors: tuple[Monitor, ...], state: int) -> None:
@@ -148,9 +154,9 @@ class AdmissionMiddleware:
         await self._serve_admitted(scope, receive, send, path, engine, steering, "", None, reading, required=False)
 
     @staticmethod
-    def _authorize(scope: Scope, path: str, steering: _Steering) -> None:
+    def _authorize(scope: Scope, path: str, steering: _Steering) -> Tenancy:
         """Steering is only for the routes and requests that generate with the request's parameters, and only
-        with the keys ``auth.authorize_steering`` asks for."""
+        with the keys ``auth.authorize_steering`` asks for; returns whose vectors the request may name."""
         if path not in STEERABLE_ROUTES or steering.where != "vllm_xargs":
             raise HotwireError(
                 400, ErrorCode.STEERING_UNSUPPORTED,
@@ -160,12 +166,12 @@ class AdmissionMiddleware:
         if _as_pydantic_bool(steering.request.get("use_beam_search")):
             raise HotwireError(400, ErrorCode.STEERING_UNSUPPORTED, "beam search cannot be steered: vLLM runs it with "
                                "sampling parameters of its own; drop use_beam_search or the steering", "use_beam_search")
-        authorize_steering(scope["app"], _header(scope, b"authorization"),
-                           _header(scope, KEY_HEADER.lower().encode()) or None)
+        return authorize_steering(scope["app"], _header(scope, b"authorization"),
+                                  _header(scope, KEY_HEADER.lower().encode()) or None)
 
     async def _serve_admitted(self, scope: Scope, receive: Receive, send: Send, path: str, engine: HotwireEngine,
                               steering: _Steering, decided: str, pinned: str | None, reading: Reading | None,
-                              required: bool = True) -> None:
+                              required: bool = True, tenancy: Tenancy = OPERATOR) -> None:
         ticket_id = TICKETS.issue(pinned, reading.value if reading else None)
         ticket = TICKETS.get(ticket_id)
         assert ticket is not None
@@ -182,7 +188,7 @@ class AdmissionMiddleware:
                 steering.request["stream_options"] = {**(options or {}), "include_usage": True}
         steering.holder[TICKET_KEY] = ticket_id
         body = json.dumps(steering.request, separators=(",", ":")).encode()
-        answer = Answer(engine, ticket_id, ticket, scope, receive, send, path, reading, usage_wanted, required)
+        answer = Answer(engine, ticket_id, ticket, scope, receive, send, path, reading, usage_wanted, required, tenancy)
         try:
             await self.app(_with_length(scope, len(body)), _replay(body, receive), answer.send)
         except Exception:
@@ -234,6 +240,19 @@ def _refuse_reserved(request: dict[str, Any], steering: _Steering | None) -> Non
     if steering is not None and TICKET_KEY in steering.holder:
         raise HotwireError(400, ErrorCode.RESERVED_FIELD, f"{TICKET_KEY} is set by the server, not by clients: remove it",
                            f"{steering.where}.{TICKET_KEY}")
+
+
+async def _name_for_engine(engine: HotwireEngine, tenancy: Tenancy, holder: dict[str, Any]) -> None:
+    """A tenant's spec and readout, with the names it uses made the engine's ids (``hotwire_api.tenancy``)."""
+    await CATALOG.ready(engine)
+
+    def exists(vector_id: str) -> bool:
+        return CATALOG.lookup(vector_id, None) is not None
+
+    if SPEC_KEY in holder:
+        holder[SPEC_KEY] = tenancy.spec(holder[SPEC_KEY], exists)
+    if READOUT_KEY in holder:
+        holder[READOUT_KEY] = tenancy.readout(holder[READOUT_KEY], exists)
 
 
 async def _decide(engine: HotwireEngine, spec: Any) -> tuple[str, str]:

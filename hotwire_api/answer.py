@@ -33,6 +33,7 @@ from hotwire_api.engine import HotwireEngine
 from hotwire_api.errors import HotwireError, in_body
 from hotwire_api.monitors import skipped
 from hotwire_api.readout_stream import StreamedReadout
+from hotwire_api.tenancy import OPERATOR, Tenancy
 from hotwire_api.tickets import Ticket
 from hotwire_core.error_codes import ErrorCode
 from hotwire_core.errors import EngineError
@@ -59,8 +60,9 @@ class Answer:
 
     def __init__(self, engine: HotwireEngine, ticket_id: str, ticket: Ticket, scope: Scope, receive: Receive,
                  send: Send, path: str, reading: Reading | None = None, usage_wanted: bool = True,
-                 required: bool = True):
+                 required: bool = True, tenancy: Tenancy = OPERATOR):
         self.engine, self.ticket_id, self.ticket, self.reading = engine, ticket_id, ticket, reading
+        self.tenancy = tenancy  # whose names the vectors in refusals and readouts go out under
         self.required = required  # the client asked for steering or a readout (else only the monitors read it)
         self.usage_wanted = usage_wanted  # a stream's usage chunk goes out (admission asks for it for a readout)
         self._generated: int | None = None  # a readout stream's completion tokens, from its usage chunk
@@ -159,7 +161,7 @@ class Answer:
             delta["probes"] = delta["probes"][: self.reading.asked]
         if delta is not None and delta["probes"]:
             at, data = last_choices
-            events[at] = b"data: " + json.dumps({**data, "hotwire_readout": delta}).encode()
+            events[at] = b"data: " + json.dumps({**data, "hotwire_readout": self._named(delta)}).encode()
         return {**message, "body": b"".join(event + b"\n\n" for event in events)}
 
     def close(self) -> None:
@@ -198,7 +200,7 @@ class Answer:
             mine, verdicts = reading.split(readout)
         except (EngineError, HotwireError) as exc:
             if reading.owed:
-                raise HotwireError(exc.status, exc.code, exc.message, exc.field) from None
+                raise self.tenancy.error(HotwireError(exc.status, exc.code, exc.message, exc.field)) from None
             self._unmonitored("lost")
             return {}
         fields: dict[str, Any] = {} if mine is None else {"hotwire_readout": mine}
@@ -206,7 +208,13 @@ class Answer:
             fields["hotwire_monitors"] = [verdict.model_dump() for verdict in verdicts]
         if "gate" in readout:
             fields["hotwire_gate"] = readout["gate"]
-        return fields
+        return self._named(fields)
+
+    def _named(self, fields: dict[str, Any]) -> dict[str, Any]:
+        """Readout fields with the probes and conditions in them named as the client names them."""
+        if self.tenancy.tenant is None:
+            return fields
+        return json.loads(self.tenancy.localize(json.dumps(fields)))
 
     async def _end(self) -> None:
         """A whole (non-streamed or failed) response has been produced: send it, or the refusal behind it."""
@@ -262,7 +270,7 @@ class Answer:
         except HotwireError:
             return None
         refusal = found.get(self.ticket_id)  # counted by the engine (/steer/slots refused, /metrics)
-        return None if refusal is None else in_body(refusal)
+        return None if refusal is None else self.tenancy.error(in_body(refusal))
 
     async def _refuse(self, refusal: HotwireError) -> None:
         self.held = []

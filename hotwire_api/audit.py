@@ -18,14 +18,15 @@ from typing import Literal
 
 import pydantic
 
-__all__ = ["MEMORY_ENTRIES", "AuditEntry", "AuditFile", "AuditMemory", "AuditPage", "Author", "entry"]
+__all__ = ["MEMORY_ENTRIES", "VECTOR_ACTIONS", "AuditEntry", "AuditFile", "AuditMemory", "AuditPage", "Author", "entry"]
 
 logger = logging.getLogger(__name__)
 
 MEMORY_ENTRIES = 10_000
 
+VECTOR_ACTIONS = ("register", "replace", "delete")
 Action = Literal["register", "replace", "delete", "key_added", "key_rotated", "key_revoked", "key_role_changed",
-                 "monitor_added", "monitor_replaced", "monitor_deleted"]
+                 "key_tenant_changed", "monitor_added", "monitor_replaced", "monitor_deleted"]
 
 
 @dataclass(frozen=True)

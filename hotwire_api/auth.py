@@ -26,11 +26,12 @@ from hotwire_api.errors import HotwireError
 from hotwire_api.headers import KEY_HEADER
 from hotwire_api.keys import Key, KeyRing, Role, hash_key
 from hotwire_api.settings import Settings
+from hotwire_api.tenancy import OPERATOR, Tenancy
 from hotwire_core.error_codes import ErrorCode
 from hotwire_core.vllm_glue.api_server import cli_api_keys
 
 __all__ = ["Access", "authorize_steering", "bearer_matches", "caller_name", "record_key_changes", "require",
-           "vllm_keys"]
+           "tenancy", "vllm_keys"]
 
 logger = logging.getLogger(__name__)
 
@@ -106,16 +107,22 @@ async def record_key_changes(app: Any) -> None:
             return
 
 
-def require(role: Role) -> Any:
-    """A route dependency: the caller's key must have ``role`` or above (any valid key without a keys file)."""
+def require(role: Role, operator: bool = False) -> Any:
+    """A route dependency: the caller's key must have ``role`` or above (any valid key without a keys file), and
+    with ``operator`` belong to no tenant (keys and monitors are the operator's)."""
 
     async def check(request: Request) -> None:
         access = _access(request.app)
         authorization = request.headers.get("authorization", "")
+        request.state.hotwire_tenancy = OPERATOR
         if access.ring is not None:
             key = access.caller(_bearer(authorization), role, "send 'Authorization: Bearer <key>' with a key from "
                                 "HOTWIRE_KEYS_FILE (or HOTWIRE_API_KEY)")
+            if operator and key.tenant is not None:
+                raise HotwireError(403, ErrorCode.FORBIDDEN, f"the key {key.name!r} belongs to tenant {key.tenant!r}; "
+                                   "this route is the operator's: use a key without a tenant")
             request.state.hotwire_caller = key.name
+            request.state.hotwire_tenancy = Tenancy(key.tenant)
             await record_key_changes(request.app)
             return
         keys = access.one_key(request.app)
@@ -125,6 +132,7 @@ def require(role: Role) -> Any:
         request.state.hotwire_caller = "api-key" if keys else "anonymous"
 
     check.role = role  # type: ignore[attr-defined]  # what tests read to check every route declares one
+    check.operator = operator  # type: ignore[attr-defined]
     return Depends(check)
 
 
@@ -133,9 +141,15 @@ def caller_name(request: Request) -> str:
     return request.state.hotwire_caller
 
 
-def authorize_steering(app: Any, authorization: str, hotwire_key: str | None) -> None:
+def tenancy(request: Request) -> Tenancy:
+    """Whose vectors the key that :func:`require` let in sees (``hotwire_api.tenancy``)."""
+    return request.state.hotwire_tenancy
+
+
+def authorize_steering(app: Any, authorization: str, hotwire_key: str | None) -> Tenancy:
     """A steered or reading request on an OpenAI route: vLLM's key where one is set (vLLM checks it on ``/v1``
-    only), and with a keys file a key of role ``steer`` or above (``X-Hotwire-Key``, else the bearer token)."""
+    only), and with a keys file a key of role ``steer`` or above (``X-Hotwire-Key``, else the bearer token).
+    Returns whose vectors the request may name."""
     keys = vllm_keys(app)
     if keys and not bearer_matches(authorization, keys):
         raise HotwireError(401, ErrorCode.UNAUTHORIZED, "a steered request needs vLLM's API key (--api-key or "
@@ -143,5 +157,7 @@ def authorize_steering(app: Any, authorization: str, hotwire_key: str | None) ->
     access = _access(app)
     if access.ring is not None:
         where = f"{KEY_HEADER}: <key>" if keys else f"'Authorization: Bearer <key>' (or {KEY_HEADER}: <key>)"
-        access.caller(hotwire_key or _bearer(authorization), Role.STEER,
-                      f"a steered request needs a key of role 'steer' or 'admin' from HOTWIRE_KEYS_FILE: send {where}")
+        key = access.caller(hotwire_key or _bearer(authorization), Role.STEER,
+                            f"a steered request needs a key of role 'steer' or 'admin' from HOTWIRE_KEYS_FILE: send {where}")
+        return Tenancy(key.tenant)
+    return OPERATOR

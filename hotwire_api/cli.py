@@ -10,7 +10,7 @@
     hotwire list | slots | fleet | delete ID
     hotwire monitors list | monitors add ID --probe P --layer L --threshold T [--bias B] [--flag above|below]
                      [--scope generated|prompt] [--reduce max|mean|min] [--replace] | monitors delete ID
-    hotwire keys add NAME --role read|steer|admin | keys rotate NAME | keys revoke NAME | keys list  [--file F]
+    hotwire keys add NAME --role read|steer|admin [--tenant T] | keys rotate NAME | keys revoke NAME | keys list  [--file F]
 
 Every command takes ``--url URL`` (env ``HOTWIRE_URL``, default http://localhost:8000) and ``--api-key KEY`` (env
 ``HOTWIRE_API_KEY``), before or after the command name.
@@ -171,6 +171,8 @@ def build_parser() -> argparse.ArgumentParser:
     add = actions.add_parser("add", help="add a key and print it (the file keeps only its hash)")
     add.add_argument("name")
     add.add_argument("--role", required=True, choices=[role.value for role in Role])
+    add.add_argument("--tenant", help="the tenant the key belongs to: it sees that tenant's vectors and the shared "
+                     "ones (default: none, an operator's key)")
     rotate = actions.add_parser("rotate", help="replace a key with a new one of the same role, and print it")
     rotate.add_argument("name")
     actions.add_parser("revoke", help="remove a key").add_argument("name")
@@ -182,7 +184,8 @@ def _keys(args: argparse.Namespace) -> object:
     if not args.file:
         raise ValueError("no keys file: pass --file or set HOTWIRE_KEYS_FILE")
     if args.action == "add":
-        return {"name": args.name, "role": args.role, "key": add_key(args.file, args.name, Role(args.role))}
+        key = add_key(args.file, args.name, Role(args.role), args.tenant)
+        return {"name": args.name, "role": args.role, **({"tenant": args.tenant} if args.tenant else {}), "key": key}
     if args.action == "rotate":
         return {"name": args.name, "key": rotate_key(args.file, args.name)}
     if args.action == "revoke":

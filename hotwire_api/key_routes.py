@@ -1,4 +1,4 @@
-"""``/steer/keys``: admins list, add, rotate and revoke the keys of ``HOTWIRE_KEYS_FILE`` over HTTP. Each edit is
+"""``/steer/keys``: the operator's admins (keys of no tenant) list, add, rotate and revoke the keys of ``HOTWIRE_KEYS_FILE`` over HTTP. Each edit is
 the one ``hotwire keys`` makes (``hotwire_api.keys``: under the file's lock, written atomically), takes effect on
 the next request, and goes into the audit trail under the caller's key name."""
 
@@ -17,6 +17,7 @@ from hotwire_api.errors import HotwireError
 from hotwire_api.keys import NAME_PATTERN, KeyRing, KeysFileError, Role, add_key, read_keys, revoke_key, rotate_key
 from hotwire_api.steer_router import error_doc, steer_router
 from hotwire_core.error_codes import ErrorCode
+from hotwire_core.spec import TENANT_RE
 
 __all__ = ["AddKey", "KeyInfo", "KeyList", "NewKey", "router"]
 
@@ -26,6 +27,8 @@ T = TypeVar("T")
 class KeyInfo(pydantic.BaseModel):
     name: str
     role: Role
+    tenant: str | None = pydantic.Field(default=None, description="the tenant the key belongs to; none: an "
+                                        "operator's key")
     created: str = pydantic.Field(description="when the key was made (UTC, ISO 8601)")
 
 
@@ -46,6 +49,9 @@ class AddKey(pydantic.BaseModel):
                                "the audit trail")
     role: Role = pydantic.Field(description="read: slots and fleet; steer: also vectors and steering; admin: "
                                 "everything")
+    tenant: str | None = pydantic.Field(default=None, pattern=f"^{TENANT_RE.pattern}$",
+                                        description="the tenant the key belongs to (its vectors and the shared "
+                                        "ones); none: an operator's key")
 
 
 router = steer_router("`keys_off`: the server has no HOTWIRE_KEYS_FILE; `keys_unavailable`: the file cannot be "
@@ -82,32 +88,33 @@ def _new(path: Path, name: str, secret: str) -> NewKey:
     if key is None:  # revoked by another edit in the moment since
         raise KeysFileError(f"the key {name!r} was revoked as it was made: make it again",
                             ErrorCode.UNKNOWN_KEY)
-    return NewKey(name=key.name, role=key.role, created=key.created, key=secret)
+    return NewKey(name=key.name, role=key.role, tenant=key.tenant, created=key.created, key=secret)
 
 
 @router.get("/keys", response_model=KeyList, summary="The keys of the keys file: names, roles, dates",
-            dependencies=[require(Role.ADMIN)])
+            dependencies=[require(Role.ADMIN, operator=True)])
 async def list_keys(request: Request) -> KeyList:
     ring = _ring(request)
     try:
         keys = await asyncio.to_thread(read_keys, ring.path)
     except KeysFileError as exc:
         raise HotwireError(503, ErrorCode.KEYS_UNAVAILABLE, str(exc)) from None
-    return KeyList(file=str(ring.path), keys=[KeyInfo(name=k.name, role=k.role, created=k.created) for k in keys])
+    return KeyList(file=str(ring.path), keys=[KeyInfo(name=k.name, role=k.role, tenant=k.tenant, created=k.created) for k in keys])
 
 
 @router.post("/keys", status_code=201, response_model=NewKey, summary="Add a key (shown once, in this answer)",
              responses={400: error_doc("`bad_request`: a name or role that is not one."),
                         409: error_doc("`exists`: a key has this name; rotate it, or revoke it first.")},
-             dependencies=[require(Role.ADMIN)])
+             dependencies=[require(Role.ADMIN, operator=True)])
 async def create_key(body: AddKey, request: Request) -> NewKey:
-    return await _edit(request, body.name, lambda path: _new(path, body.name, add_key(path, body.name, body.role)))
+    return await _edit(request, body.name, lambda path: _new(path, body.name,
+                                                           add_key(path, body.name, body.role, body.tenant)))
 
 
 @router.post("/keys/{name}/rotate", response_model=NewKey,
              summary="Replace a key with a new one of the same role; the old one stops working now",
              responses={404: error_doc("`unknown_key`: no key has this name.")},
-             dependencies=[require(Role.ADMIN)])
+             dependencies=[require(Role.ADMIN, operator=True)])
 async def rotate(name: str, request: Request) -> NewKey:
     return await _edit(request, name, lambda path: _new(path, name, rotate_key(path, name)))
 
@@ -116,7 +123,7 @@ async def rotate(name: str, request: Request) -> NewKey:
                responses={404: error_doc("`unknown_key`: no key has this name."),
                           409: error_doc("`last_admin`: the file's last admin key, on a server without "
                                       "HOTWIRE_API_KEY; add another admin key first.")},
-               dependencies=[require(Role.ADMIN)])
+               dependencies=[require(Role.ADMIN, operator=True)])
 async def revoke(name: str, request: Request) -> Response:
     keep = not request.app.state.hotwire_settings.api_key
     await _edit(request, name, lambda path: revoke_key(path, name, keep_an_admin=keep))

@@ -1,7 +1,8 @@
 """API keys with roles, kept in a file (``HOTWIRE_KEYS_FILE``): the file's format, the edits ``hotwire keys`` makes
 to it, and :class:`KeyRing`, which the server asks who a presented key belongs to.
 
-The file is JSON, ``{"keys": [{"name", "role", "sha256", "created"}]}``: a key's SHA-256, never the key. Keys are
+The file is JSON, ``{"keys": [{"name", "role", "tenant"?, "sha256", "created"}]}``: a key's SHA-256, never the key.
+A key with a tenant sees that tenant's vectors and the shared ones (``hotwire_api.tenancy``). Keys are
 made here (``hw_`` and 32 random bytes), so an unsalted hash is as hard to reverse as the key is to guess. Edits
 write a new file beside the old one and rename it over (mode 0600): a server reading the file never sees half of
 one. The server reads the file again whenever it changes (its size, modification time or inode), so keys are added,
@@ -26,6 +27,7 @@ import pydantic
 
 from hotwire_api.json_file import locked, stamp, write_atomic
 from hotwire_core.error_codes import ErrorCode
+from hotwire_core.spec import TENANT_RE
 
 __all__ = ["Key", "KeyRing", "KeysFileError", "Role", "add_key", "hash_key", "read_keys", "revoke_key", "rotate_key"]
 
@@ -53,6 +55,9 @@ class Key(pydantic.BaseModel):
 
     name: str = pydantic.Field(pattern=NAME_PATTERN, description="who holds the key: in logs, errors and the audit")
     role: Role
+    tenant: str | None = pydantic.Field(default=None, pattern=f"^{TENANT_RE.pattern}$",
+                                        description="the tenant whose vectors the key uses and manages; none: the "
+                                        "operator's key, which sees every tenant's and manages keys and monitors")
     sha256: str = pydantic.Field(pattern=r"^[0-9a-f]{64}$", description="the key's SHA-256, lowercase hex")
     created: str = pydantic.Field(default="", description="when the key was made (UTC, ISO 8601)")
 
@@ -108,8 +113,8 @@ def _write(path: Path, keys: list[Key]) -> None:
     write_atomic(path, json.dumps({"keys": [key.model_dump(mode="json") for key in keys]}, indent=2) + "\n")
 
 
-def _edit(path: str | os.PathLike, name: str, role: Role | None, create: bool) -> str:
-    """Give ``name`` a new key (of ``role``, or of its current one) and return it."""
+def _edit(path: str | os.PathLike, name: str, role: Role | None, create: bool, tenant: str | None = None) -> str:
+    """Give ``name`` a new key (of ``role`` and ``tenant``, or of its current ones) and return it."""
     path = Path(path)
     with locked(path):
         keys = read_keys(path) if path.exists() else []
@@ -120,18 +125,21 @@ def _edit(path: str | os.PathLike, name: str, role: Role | None, create: bool) -
             raise KeysFileError(f"no key named {name!r} in {path}", ErrorCode.UNKNOWN_KEY)
         secret = "hw_" + secrets.token_urlsafe(32)
         try:
-            new = Key(name=name, role=role or current.role, sha256=hash_key(secret),
-                      created=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))
-        except pydantic.ValidationError:
+            new = Key(name=name, role=role or current.role, tenant=tenant if create else current.tenant,
+                      sha256=hash_key(secret), created=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))
+        except pydantic.ValidationError as exc:
+            what = exc.errors()[0]["loc"][0]
             raise KeysFileError(f"key name {name!r}: 1-64 letters, digits, '_', '.' or '-', starting with a letter "
-                                "or digit", ErrorCode.BAD_REQUEST) from None
+                                "or digit" if what == "name" else f"tenant {tenant!r}: 1-32 letters, digits, '_' or '-', "
+                                "starting with a letter or digit", ErrorCode.BAD_REQUEST) from None
         _write(path, [new if key.name == name else key for key in keys] + ([new] if create else []))
     return secret
 
 
-def add_key(path: str | os.PathLike, name: str, role: Role) -> str:
-    """Add a key named ``name`` with ``role`` (creating the file if need be); returns the key, shown only now."""
-    return _edit(path, name, role, create=True)
+def add_key(path: str | os.PathLike, name: str, role: Role, tenant: str | None = None) -> str:
+    """Add a key named ``name`` with ``role``, of ``tenant`` (None: an operator's key), creating the file if need
+    be; returns the key, shown only now."""
+    return _edit(path, name, role, create=True, tenant=tenant)
 
 
 def rotate_key(path: str | os.PathLike, name: str) -> str:
@@ -149,8 +157,8 @@ def revoke_key(path: str | os.PathLike, name: str, keep_an_admin: bool = False) 
         key = next((key for key in keys if key.name == name), None)
         if key is None:
             raise KeysFileError(f"no key named {name!r} in {path}", ErrorCode.UNKNOWN_KEY)
-        admins = sum(k.role is Role.ADMIN for k in keys)
-        if keep_an_admin and key.role is Role.ADMIN and admins == 1:
+        admins = sum(k.role is Role.ADMIN and k.tenant is None for k in keys)
+        if keep_an_admin and key.role is Role.ADMIN and key.tenant is None and admins == 1:
             raise KeysFileError(f"{name!r} is the last admin key in {path}: add another admin key first (without "
                                 "one, and without HOTWIRE_API_KEY, nobody could manage keys or vectors over HTTP)",
                                 ErrorCode.LAST_ADMIN)
@@ -206,6 +214,8 @@ class KeyRing:
                     found.append(("key_rotated", name))
                 if old.role != key.role:
                     found.append(("key_role_changed", name))
+                if old.tenant != key.tenant:
+                    found.append(("key_tenant_changed", name))
         found += [("key_revoked", name) for name in before if name not in after]
         self.changes += [(action, name, self._authors.get(name, "keys file")) for action, name in found]
         self._valid = keys

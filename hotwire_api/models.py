@@ -37,6 +37,8 @@ class VectorMeta(_EngineResult):
     norms: dict[str, float] = Field(description="L2 norm of each row, keyed by layer.")
     in_flight: int = Field(0, description="Requests currently steered by this vector.")
     created_at: float = Field(description="Registration time, seconds since the epoch.")
+    tenant: str | None = Field(None, description="The tenant whose vector it is; null: a shared one (the id of a "
+                               "tenant's vector is its name for that tenant's keys, `<tenant>/<name>` for others).")
 
     @field_validator("norms", mode="before")
     @classmethod

@@ -1,5 +1,6 @@
 """``/steer/monitors``: admins add, replace and delete the probes every chat and completions request is read with
-(``hotwire_api.monitors``); any key lists them."""
+(``hotwire_api.monitors``); any key lists them. They are the operator's: a tenant's key (``hotwire_api.tenancy``) may
+not see them."""
 
 from __future__ import annotations
 
@@ -64,7 +65,7 @@ async def _check(engine: HotwireEngine, monitors: list[Monitor]) -> None:
 
 
 @router.get("/monitors", response_model=MonitorList, summary="The monitors every chat and completions request is "
-            "read with", dependencies=[require(Role.READ)])
+            "read with", dependencies=[require(Role.READ, operator=True)])
 async def list_monitors(request: Request) -> MonitorList:
     return _listing(_book(request))
 
@@ -78,7 +79,7 @@ async def list_monitors(request: Request) -> MonitorList:
                               "`layer_out_of_range`), or more monitors than one request may read (`bad_readout`, "
                               "`too_many_rows`)."),
                409: error_doc("`exists`: a monitor has this id; pass `?replace=true`.")},
-    dependencies=[require(Role.ADMIN)],
+    dependencies=[require(Role.ADMIN, operator=True)],
 )
 async def add_monitor(body: Monitor, request: Request, response: Response,
                       replace: bool = Query(False, description="Replace the monitor with this id.")) -> MonitorList:
@@ -98,7 +99,7 @@ async def add_monitor(body: Monitor, request: Request, response: Response,
 
 @router.delete("/monitors/{monitor_id}", status_code=204, response_class=Response, summary="Delete a monitor",
                responses={404: error_doc("`unknown_monitor`: no monitor has this id.")},
-               dependencies=[require(Role.ADMIN)])
+               dependencies=[require(Role.ADMIN, operator=True)])
 async def delete_monitor(monitor_id: str, request: Request) -> Response:
     book = _book(request)
     if await book.edit(monitor_id, None) is None:

@@ -11,7 +11,7 @@ from typing import Any, Literal
 from fastapi import BackgroundTasks, Query, Request, Response
 
 from hotwire_api.audit import AuditPage, Author
-from hotwire_api.auth import caller_name, require
+from hotwire_api.auth import caller_name, require, tenancy
 from hotwire_api.catalog import CATALOG
 from hotwire_api.codec import RegisterVectorJSON, VectorPayload, read_limited, too_large
 from hotwire_api.engine import HotwireEngine
@@ -23,11 +23,12 @@ from hotwire_api.gguf_codec import encode_gguf, encode_safetensors
 from hotwire_api.stats_cache import STATS
 from hotwire_api.steer_router import error_doc, steer_router
 from hotwire_api.models import DeleteResult, FleetView, SlotStats, VectorList, VectorMeta
+from hotwire_api.quotas import Quotas
 from hotwire_api.settings import Settings
 from hotwire_api.uploads import decode_upload
 from hotwire_api.vector_registry import VectorRegistry
 from hotwire_core.error_codes import ErrorCode
-from hotwire_core.spec import VECTOR_ID_RE
+from hotwire_core.spec import TENANT_RE, VECTOR_ID_RE, tenant_of
 from hotwire_core.vllm_glue import inactive_reason
 from hotwire_core.vllm_glue.api_server import served_model_type
 
@@ -102,6 +103,26 @@ def _registry(request: Request) -> VectorRegistry:
     return request.app.state.hotwire_registry
 
 
+async def _register(request: Request, engine: HotwireEngine, vector_id: str, payload: VectorPayload, replace: bool,
+                    via: str) -> tuple[bool, VectorMeta]:
+    """Register within the quotas of the id's tenant (``hotwire_api.quotas``); the answer in the caller's names."""
+    quotas: Quotas = request.app.state.hotwire_quotas
+    held = await engine.vectors() if tenant_of(vector_id) else []  # a shared vector has no quota to check
+    async with quotas.registering(vector_id, len(payload.data), held):
+        created, meta = await _registry(request).register(engine, vector_id, payload, replace,
+                                                          Author(caller_name(request), via))
+    return created, tenancy(request).meta(meta)
+
+
+_TENANT = Query(None, pattern=f"^{TENANT_RE.pattern}$", description="The tenant whose vector the id names (for "
+               "the operator's keys; a tenant's key names its own and the shared ones without it).")
+
+
+def _exists(vector_id: str) -> bool:
+    """Whether the catalog (made ready by the caller) holds ``vector_id``."""
+    return CATALOG.lookup(vector_id, None) is not None
+
+
 def _refresh_stats_later(background: BackgroundTasks, engine: HotwireEngine) -> None:
     background.add_task(STATS.refresh, engine)
 
@@ -142,12 +163,12 @@ async def register_vector(
 ) -> VectorMeta:
     settings: Settings = request.app.state.hotwire_settings
     vector_id, payload = await _read_upload(request, settings.max_upload_bytes)
+    vector_id = tenancy(request).owned(vector_id)
     engine = HotwireEngine.of(request.app)
     if payload.kind:  # a GGUF or SAE file: its misfit is named in that format's terms
         model = (await CATALOG.ready(engine)).model
         check_fits(payload, model.n_layers, model.hidden_size)
-    created, meta = await _registry(request).register(engine, vector_id, payload, replace,
-                                                      Author(caller_name(request), "upload"))
+    created, meta = await _register(request, engine, vector_id, payload, replace, "upload")
     if not created:
         response.status_code = 200
     await _refresh_catalog(engine)
@@ -176,9 +197,9 @@ async def extract_vector(body: ExtractRequest, request: Request, response: Respo
     rules = await CATALOG.ready(engine)
 
     async def register(vector_id: str, payload: VectorPayload, replace: bool) -> tuple[bool, VectorMeta]:
-        return await _registry(request).register(engine, vector_id, payload, replace,
-                                                 Author(caller_name(request), "extract"))
+        return await _register(request, engine, vector_id, payload, replace, "extract")
 
+    body = body.model_copy(update={"id": tenancy(request).owned(body.id)})
     created, result = await run_extraction(engine, body, request.app.state.hotwire_settings, rules.model, register)
     if not created:
         response.status_code = 200
@@ -193,26 +214,41 @@ async def list_vectors(request: Request, background: BackgroundTasks) -> VectorL
     engine = HotwireEngine.of(request.app)
     vectors = await engine.vectors()
     _refresh_stats_later(background, engine)
-    return VectorList(vectors=vectors)
+    return VectorList(vectors=tenancy(request).vectors(vectors))
 
 
 @router.get(
     "/vectors/{vector_id}",
     response_model=VectorMeta,
     summary="Get one steering vector",
-    responses={404: error_doc("No vector has this id.")},
+    responses={400: error_doc("`bad_request`: `tenant` is not a tenant's name."),
+               404: error_doc("No vector has this id (that the key may see).")},
     dependencies=[require(Role.STEER)],
 )
-async def get_vector(vector_id: str, request: Request, background: BackgroundTasks) -> VectorMeta:
+async def get_vector(vector_id: str, request: Request, background: BackgroundTasks,
+                     tenant: str | None = _TENANT) -> VectorMeta:
     engine = HotwireEngine.of(request.app)
-    vectors = await engine.vectors()
+    vectors = {meta.id: meta for meta in await engine.vectors()}
     _refresh_stats_later(background, engine)
-    for meta in vectors:
-        if meta.id == vector_id:
-            return meta
-    raise HotwireError(
-        404, ErrorCode.UNKNOWN_VECTOR, f"unknown steering vector {vector_id!r}; GET /steer/vectors lists them", "id"
-    )
+    view = tenancy(request)
+    meta = vectors.get(view.addressed(vector_id, tenant, vectors.__contains__) or "")
+    if meta is not None:
+        return view.meta(meta)
+    raise _unknown(vector_id)
+
+
+def _unknown(vector_id: str) -> HotwireError:
+    return HotwireError(404, ErrorCode.UNKNOWN_VECTOR, f"unknown steering vector {vector_id!r}; GET /steer/vectors "
+                        "lists them", "id")
+
+
+async def _addressed(request: Request, engine: HotwireEngine, vector_id: str, tenant: str | None) -> str:
+    """The engine's id of the vector a path names (``Tenancy.addressed``); 404 where the caller may not see it."""
+    await CATALOG.ready(engine)
+    found = tenancy(request).addressed(vector_id, tenant, _exists)
+    if found is None:
+        raise _unknown(vector_id)
+    return found
 
 
 @router.get(
@@ -236,16 +272,17 @@ async def vector_file(
         description="safetensors: the registered dtype, shape and layers; gguf: float32 direction.N tensors.",
     ),
     version: int | None = Query(None, ge=1, description="A retained version; absent: the current one."),
+    tenant: str | None = _TENANT,
 ) -> Response:
     engine = HotwireEngine.of(request.app)
-    meta, payload = await engine.export(vector_id, version)
+    meta, payload = await engine.export(await _addressed(request, engine, vector_id, tenant), version)
     if file_format == "gguf":
         model = (await CATALOG.ready(engine)).model
         raw = encode_gguf(payload, vector_id, served_model_type(engine.client), model.n_layers)
     else:
         raw = encode_safetensors(payload)
     return Response(raw, media_type="application/octet-stream", headers={
-        "Content-Disposition": f'attachment; filename="{vector_id}.{file_format}"',
+        "Content-Disposition": f'attachment; filename="{vector_id.replace("/", "~")}.{file_format}"',
         "x-hotwire-version": str(meta.version),
     })
 
@@ -257,16 +294,23 @@ async def vector_file(
     summary="Delete a steering vector",
     responses={
         202: {"model": DeleteResult, "description": "Deleted for new requests; running ones keep it until done."},
-        404: error_doc("No vector has this id."),
+        400: error_doc("`bad_request`: `tenant` is not a tenant's name."),
+        403: error_doc("`forbidden`: a tenant's key deleting a shared vector, or a key whose role may not delete."),
+        404: error_doc("No vector has this id (that the key may see)."),
         500: error_doc("`store_failed`: its stored file could not be removed; it stays registered."),
         503: error_doc("`registry_unavailable`: the fleet's registry does not answer, or Redis restarted and the "
                     "replicas are putting back what it may have lost (Retry-After); nothing was deleted."),
     },
     dependencies=[require(Role.ADMIN)],
 )
-async def delete_vector(vector_id: str, request: Request, background: BackgroundTasks) -> Response:
+async def delete_vector(vector_id: str, request: Request, background: BackgroundTasks,
+                        tenant: str | None = _TENANT) -> Response:
     engine = HotwireEngine.of(request.app)
-    in_flight = await _registry(request).unregister(engine, vector_id, Author(caller_name(request)))
+    found = await _addressed(request, engine, vector_id, tenant)
+    if tenancy(request).tenant is not None and "/" not in found:
+        raise HotwireError(403, ErrorCode.FORBIDDEN, f"{vector_id!r} is a shared vector: only the operator's keys "
+                           "(without a tenant) delete shared vectors", "id")
+    in_flight = await _registry(request).unregister(engine, found, Author(caller_name(request)))
     await _refresh_catalog(engine)
     _refresh_stats_later(background, engine)
     if in_flight > 0:
@@ -293,7 +337,7 @@ async def slots(
 ) -> SlotStats:
     stats, age_s = await STATS.get(HotwireEngine.of(request.app), max_age_ms / 1000)
     registry = await _registry(request).status()
-    return stats.model_copy(update={"age_ms": round(age_s * 1000, 1), "registry": registry})
+    return tenancy(request).slots(stats.model_copy(update={"age_ms": round(age_s * 1000, 1), "registry": registry}))
 
 
 @router.get(
@@ -304,7 +348,7 @@ async def slots(
     dependencies=[require(Role.READ)],
 )
 async def fleet(request: Request) -> FleetView:
-    return await _registry(request).view(HotwireEngine.of(request.app))
+    return tenancy(request).fleet(await _registry(request).view(HotwireEngine.of(request.app)))
 
 
 @router.get(
@@ -316,4 +360,5 @@ async def fleet(request: Request) -> FleetView:
     dependencies=[require(Role.ADMIN)],
 )
 async def audit(request: Request, limit: int = Query(100, ge=1, le=10_000, description="How many changes.")) -> AuditPage:
-    return await _registry(request).audit(limit)
+    view = tenancy(request)
+    return view.audit(await _registry(request).audit(limit if view.tenant is None else 10_000), limit)

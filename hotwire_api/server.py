@@ -16,6 +16,7 @@ from hotwire_api.readout_takes import ReadoutTakes
 from hotwire_api.metrics import register_collector
 from hotwire_api.routes import router
 from hotwire_api.settings import Settings
+from hotwire_api.quotas import Quotas
 from hotwire_api.vector_registry import registry_for
 
 
@@ -26,6 +27,7 @@ def attach(app: FastAPI, settings: Settings | None = None) -> None:
     app.state.hotwire_settings = settings
     app.state.hotwire_access = Access(settings)  # a keys file that cannot be read stops the start
     app.state.hotwire_registry = registry_for(settings)
+    app.state.hotwire_quotas = Quotas(settings)
     app.state.hotwire_monitors = MonitorBook()
     app.state.hotwire_streams = ReadoutStreams()
     app.state.hotwire_takes = ReadoutTakes()

@@ -30,6 +30,14 @@ class Settings:
                                            doc="how often the catalog asks the engine whether vectors changed"))
     extract_max_examples: int = setting(Int("HOTWIRE_EXTRACT_MAX_EXAMPLES", default=512, lo=1, hi=1 << 20,
                                             doc="examples per extraction, positive and negative together"))
+    tenant_vectors: int = setting(Int("HOTWIRE_TENANT_VECTORS", default=256, lo=1, hi=1 << 20,
+                                      doc="vectors one tenant may hold registered (keys with a tenant)"))
+    tenant_bytes: int = setting(Float("HOTWIRE_TENANT_MB", default=256.0, lo_open=True,
+                                      to=lambda mb: int(mb * 1024 * 1024),
+                                      doc="megabytes of vectors one tenant may hold registered"))
+    tenant_per_minute: int = setting(Int("HOTWIRE_TENANT_REGISTRATIONS_PER_MIN", default=60, lo=1, hi=1 << 20,
+                                         doc="registrations (uploads and extractions) one tenant may make per minute "
+                                             "on one API server"))
     extract_max_tokens: int = setting(Int("HOTWIRE_EXTRACT_MAX_TOKENS", default=4096, lo=1, hi=1 << 24,
                                           doc="tokens per extraction example"))
 

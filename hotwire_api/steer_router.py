@@ -19,7 +19,8 @@ __all__ = ["HotwireRoute", "error_doc", "steer_router"]
 
 class HotwireRoute(APIRoute):
     """Renders :class:`HotwireError` and request-validation failures as hotwire error bodies, whichever
-    exception handlers the host app has."""
+    exception handlers the host app has; a tenant's key gets the vectors in a message named as it names them
+    (``hotwire_api.tenancy``)."""
 
     def get_route_handler(self) -> Callable[[Request], Coroutine[Any, Any, Response]]:
         handler = super().get_route_handler()
@@ -28,7 +29,8 @@ class HotwireRoute(APIRoute):
             try:
                 return await handler(request)
             except HotwireError as err:
-                return err.response()
+                tenancy = getattr(request.state, "hotwire_tenancy", None)  # set once the caller's key is known
+                return (tenancy.error(err) if tenancy is not None else err).response()
             except RequestValidationError as exc:
                 first = exc.errors()[0]
                 field = ".".join(str(part) for part in first["loc"][1:]) or None

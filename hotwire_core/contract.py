@@ -118,6 +118,7 @@ class VectorMeta(TypedDict):
     norms: dict[str, float]  # each row's L2 norm by str(layer) ("*" for a [hidden] vector)
     in_flight: int  # requests steered by it now
     created_at: float  # seconds since the epoch
+    tenant: str | None  # the tenant whose namespace holds it (spec.tenant_of); None: a shared vector
 
 
 class WorkerInfo(TypedDict):

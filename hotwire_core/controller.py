@@ -66,7 +66,7 @@ class SteeringController:
         self.registry = VectorRegistry(model.n_layers, model.hidden_size, model.dtype, settings.retain_s)
         self.rules = Rules(model, settings.max_stack, settings.slots, settings.rows_per_request(len(model.layers)),
                            settings.layers is not None)
-        self.slots = SlotCache(settings.slots)
+        self.slots = SlotCache(settings.slots, settings.rows_per_tenant(len(model.layers)))
         self.bindings = Bindings(self.registry, self.slots, requests)
         self.captures = CaptureRequests(model.capture_rows, requests)
         self.refused: Counter[str] = Counter()
@@ -213,10 +213,10 @@ class SteeringController:
             entries = self._resolve(spec)
             keys = row_sources(entries).keys()
             if slots:
-                self.deferred.wait_turn(None)
-                needed, available = self.slots.missing(keys), self.slots.available(keys)
-                if needed > available:
-                    raise Refusal(429, ErrorCode.SLOTS_EXHAUSTED, str(SlotsExhausted(needed, available, self.slots.capacity)))
+                self.deferred.wait_turn(None, keys)
+                needed, shortage = self.slots.missing(keys), self.slots.shortage(keys)
+                if shortage is not None:
+                    raise Refusal(429, ErrorCode.SLOTS_EXHAUSTED, str(shortage))
         except Refusal as exc:
             return exc.to_result()
         return contract.CheckResult(ok=True, receipt=receipt(entries), spec=pinned_spec(entries), new_rows=needed)
@@ -289,7 +289,7 @@ class SteeringController:
             sources = {**row_sources(resolved), **(reading.sources() if reading else {})}
             if reading:  # (resolve checked the steering's rows alone)
                 check_rows(len(sources), self.rules, READOUT_KEY)
-            self.deferred.wait_turn(request_id)  # first come, first served
+            self.deferred.wait_turn(request_id, sources.keys())  # first come, first served
             try:
                 slot_of, loads = self.slots.acquire(sources.keys())
             except SlotsExhausted as exc:

@@ -1,6 +1,9 @@
 """Requests held in the engine core until their bank rows can be pinned (see docs/architecture.md, "the slot
-model"): first come, first served, each keeping the vector versions it resolved while it waits, and refused
-(503 ``slots_busy``) once it has waited ``HOTWIRE_MAX_WAIT_S``."""
+model"): first come, first served within a lane, each keeping the vector versions it resolved while it waits, and
+refused (503 ``slots_busy``; 429 ``quota_exceeded`` when its tenant's share of the bank held it) once it has waited
+``HOTWIRE_MAX_WAIT_S``. A request steering with a tenant's vectors waits in that tenant's lane, any other in the
+shared one: a tenant whose requests wait for its share of the bank (``SlotCache.tenant_rows``) holds up only its
+own."""
 
 from __future__ import annotations
 
@@ -13,8 +16,8 @@ from .bindings import Bindings
 from .engine_requests import EngineRequests
 from .error_codes import ErrorCode
 from .registry import HostVector
-from .slots import RowKey
-from .spec import SPEC_KEY
+from .slots import RowKey, TenantFull
+from .spec import SPEC_KEY, tenant_of
 
 __all__ = ["DeferredRequests"]
 
@@ -24,6 +27,12 @@ class _Held(NamedTuple):
     vectors: list[HostVector]  # the versions it resolved, referenced while it waits
     rows: set[RowKey]
     since: float  # time.monotonic() when it began to wait
+    lane: str
+
+
+def lane_of(rows: Collection[RowKey]) -> str:
+    """The tenant whose vectors a request pins ("" for none: the shared lane)."""
+    return min((t for t in (tenant_of(key.vector_id) for key in rows) if t), default="")
 
 
 class DeferredRequests:
@@ -46,16 +55,21 @@ class DeferredRequests:
     def __iter__(self) -> Iterator[str]:
         return iter(self._held)
 
-    def wait_turn(self, request_id: str | None) -> None:
+    def wait_turn(self, request_id: str | None, rows: Collection[RowKey]) -> None:
         """Raise a ``slots_exhausted`` :class:`Refusal` (the request waits) while steered requests that came
-        earlier wait for rows: a preempted one waiting to pin its rows again, or held ones (``request_id``: a held
-        request, which is not behind itself). Even a request that only shares rows pinned already waits: it would
-        keep those rows pinned, and a stream of such requests could keep an earlier one waiting for ever."""
+        earlier wait for rows: a preempted one waiting to pin its rows again, or held ones in the lane of a request
+        pinning ``rows`` (``request_id``: a held request, which is not behind itself). Even a request that only
+        shares rows pinned already waits: it would keep those rows pinned, and a stream of such requests could keep
+        an earlier one waiting for ever."""
         if self._bindings.waiting_to_resume:
             raise Refusal(429, ErrorCode.SLOTS_EXHAUSTED, "a preempted steered request is waiting for bank rows; this one waits behind it")
-        if self._held and request_id not in self._held:
+        if request_id in self._held:  # admit_ready tries a lane's held requests in order
+            return
+        lane = lane_of(rows)
+        ahead = sum(1 for held in self._held.values() if held.lane == lane)
+        if ahead:
             raise Refusal(429, ErrorCode.SLOTS_EXHAUSTED, "steered requests that came earlier are waiting for bank rows "
-                          f"({len(self._held)} held); this one waits behind them")  # fmt: skip
+                          f"({ahead} held); this one waits behind them")  # fmt: skip
 
     def hold(self, request: Any, resolved: Resolved, rows: Collection[RowKey] = ()) -> None:
         """Hold ``request`` with the versions it resolved to: its spec (if it steers) is pinned to them and each is
@@ -66,7 +80,8 @@ class DeferredRequests:
             self._bindings.registry.acquire(vector)
         if resolved:
             self._requests.set_extra(request, SPEC_KEY, pinned_spec(resolved))
-        held = _Held(request, vectors, row_keys(resolved) | set(rows), time.monotonic())
+        keys = row_keys(resolved) | set(rows)
+        held = _Held(request, vectors, keys, time.monotonic(), lane_of(keys))
         self._held[self._requests.request_id(request)] = held
         self.deferrals += 1
 
@@ -79,21 +94,23 @@ class DeferredRequests:
         return held.request
 
     def admit_ready(self, admit: Callable[[Any], object], on_refused: Callable[[Any, Refusal], None]) -> list[Any]:
-        """Admit held requests in arrival order with ``admit`` until one still has to wait (it raises a
-        ``slots_exhausted`` :class:`Refusal`), so later small requests cannot starve an earlier large one. One that
-        has waited ``max_wait_s`` is refused with 503 ``slots_busy`` instead (the oldest first: the deadlines come
-        in arrival order), and so is one refused for another reason; each is let go and reported to
-        ``on_refused``. Returns the admitted ones."""
-        admitted = []
-        while self._held:
-            request_id, held = next(iter(self._held.items()))
+        """Admit held requests in arrival order with ``admit``; in each lane, until one still has to wait (it raises
+        a ``slots_exhausted`` :class:`Refusal`), so later small requests cannot starve an earlier large one. One
+        that has waited ``max_wait_s`` is refused instead (the oldest first: the deadlines come in arrival order),
+        and so is one refused for another reason; each is let go and reported to ``on_refused``. Returns the
+        admitted ones."""
+        admitted, waiting = [], set()
+        for request_id, held in list(self._held.items()):
+            if held.lane in waiting:
+                continue
             try:
                 admit(held.request)
             except Refusal as exc:
                 if exc.code == ErrorCode.SLOTS_EXHAUSTED:
                     waited = time.monotonic() - held.since
                     if waited < self.max_wait_s:
-                        break
+                        waiting.add(held.lane)
+                        continue
                     exc = self._gave_up(held, waited)
                     self._refused[exc.code] += 1
                 self.take(request_id)
@@ -107,6 +124,14 @@ class DeferredRequests:
         """The refusal of a request that waited too long: why it waited, and what holds the bank."""
         slots = self._bindings.slots
         needed, available = slots.missing(held.rows), slots.available(held.rows)
+        full = slots.shortage(held.rows)
+        if isinstance(full, TenantFull):
+            return Refusal(
+                429, ErrorCode.QUOTA_EXCEEDED,
+                f"this steered request waited {waited:.1f} s (HOTWIRE_MAX_WAIT_S={self.max_wait_s:g}) for its tenant's "
+                f"share of the bank: {full}. Retry when fewer of the tenant's requests run, or steer with fewer "
+                "vectors; the operator can raise HOTWIRE_TENANT_ROWS",
+            )
         if needed > available:
             why = f"it needs {needed} more bank rows and only {available} can be freed now"
         else:

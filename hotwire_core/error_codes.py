@@ -49,6 +49,8 @@ class ErrorCode(StrEnum):
     # The bank of steering rows.
     SLOTS_EXHAUSTED = "slots_exhausted"
     SLOTS_BUSY = "slots_busy"
+    # A tenant's quotas (HOTWIRE_TENANT_*, hotwire_api.tenancy).
+    QUOTA_EXCEEDED = "quota_exceeded"
     # Vector extraction (POST /steer/vectors/extract) and the captures it runs.
     BAD_CAPTURE = "bad_capture"
     CAPTURE_WITH_STEERING = "capture_with_steering"

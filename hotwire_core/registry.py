@@ -25,6 +25,7 @@ import torch
 
 from .contract import VectorMeta
 from .error_codes import ErrorCode
+from .spec import tenant_of
 from .errors import EngineError
 from .spec import VECTOR_ID_RE, short_repr
 from .vector_bits import ITEMSIZE, as_bits, as_float32, non_finite
@@ -89,6 +90,7 @@ class HostVector:
             norms=self.norms(),
             in_flight=self.refs,
             created_at=self.created_at,
+            tenant=tenant_of(self.vector_id) or None,
         )
 
 

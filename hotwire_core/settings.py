@@ -60,6 +60,9 @@ class Settings:
     retain_s: int = setting(RETAIN_S)
     max_rows: int | None = setting(Int("HOTWIRE_MAX_ROWS", lo=1, hi=1 << 16,
                                        doc="bank rows one request may pin (unset: see rows_per_request)"))
+    tenant_rows: int | None = setting(Int("HOTWIRE_TENANT_ROWS", lo=1, hi=1 << 16,
+                                          doc="bank rows one tenant's vectors may pin at once (unset: see "
+                                              "rows_per_tenant)"))
     max_wait_s: int = setting(Int("HOTWIRE_MAX_WAIT_S", default=30, lo=0, hi=86_400,
                                   doc="seconds a request may wait for bank rows before it is refused"))
     capture: bool = setting(Flag("HOTWIRE_CAPTURE", default=False,
@@ -88,6 +91,13 @@ class Settings:
         if self.max_rows is not None:
             return self.max_rows
         return min(self.slots, max(self.slots // 4, steerable_layers, 1))
+
+    def rows_per_tenant(self, steerable_layers: int) -> int:
+        """The bank rows one tenant's vectors may pin at once: ``HOTWIRE_TENANT_ROWS``, by default half the bank, so
+        that a tenant flooding distinct vectors leaves the other half to the rest; never fewer than one request
+        may pin (a request that fits the bank fits its tenant's share)."""
+        rows = self.tenant_rows if self.tenant_rows is not None else self.slots // 2
+        return min(self.slots, max(rows, self.rows_per_request(steerable_layers)))
 
     def compile_fingerprint(self) -> str:
         """Everything that changes the compiled graph: mixed into vLLM's compile-cache key."""

@@ -7,9 +7,11 @@ Slot 0 of the bank is the all-zero "no steer" row and is never handed out, so sl
 from __future__ import annotations
 
 import time
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from dataclasses import dataclass
 from typing import Collection, NamedTuple
+
+from .spec import tenant_of
 
 
 class RowKey(NamedTuple):
@@ -27,6 +29,20 @@ class SlotsExhausted(Exception):
         self.needed, self.available, self.capacity = needed, available, capacity
 
 
+class TenantFull(SlotsExhausted):
+    """Pinning would take a tenant's vectors past their share of the bank (``SlotCache.tenant_rows``)."""
+
+    def __init__(self, tenant: str, pinned: int, needed: int, limit: int, capacity: int):
+        Exception.__init__(
+            self,
+            f"tenant {tenant!r}'s vectors hold {pinned} of the {limit} bank rows a tenant may pin at once "
+            f"(HOTWIRE_TENANT_ROWS) and this request would pin {needed} more; it waits until the tenant's running "
+            "requests finish",
+        )
+        self.tenant, self.pinned, self.limit = tenant, pinned, limit
+        self.needed, self.available, self.capacity = needed, max(0, limit - pinned), capacity
+
+
 @dataclass
 class _Row:
     key: RowKey
@@ -35,12 +51,16 @@ class _Row:
 
 
 class SlotCache:
-    """LRU cache of bank rows with pins. ``acquire`` is all-or-nothing."""
+    """LRU cache of bank rows with pins. ``acquire`` is all-or-nothing. The rows of one tenant's vectors
+    (``spec.tenant_of``) pinned at once are at most ``tenant_rows``: a tenant flooding distinct vectors leaves the
+    rest of the bank to the others. Shared vectors are no tenant's."""
 
-    def __init__(self, capacity: int):
+    def __init__(self, capacity: int, tenant_rows: int | None = None):
         if capacity < 1:
             raise ValueError(f"capacity must be >= 1, got {capacity}")
         self.capacity = capacity
+        self.tenant_rows = capacity if tenant_rows is None else tenant_rows
+        self._pinned_by: Counter[str] = Counter()  # tenant -> rows of its vectors pinned
         self._slot_of: dict[RowKey, int] = {}
         self._rows: dict[int, _Row] = {}
         self._free: list[int] = list(range(capacity, 0, -1))  # pop() hands out 1, 2, ...
@@ -61,11 +81,30 @@ class SlotCache:
         """Rows some request pins."""
         return len(self._rows) - len(self._unpinned)
 
-    def acquire(self, keys: Collection[RowKey]) -> tuple[dict[RowKey, int], list[tuple[int, RowKey]]]:
-        """Pin ``keys``; returns ``(slot of each key, [(slot, key) rows that must be loaded])``."""
+    def pinned_by(self, tenant: str) -> int:
+        return self._pinned_by[tenant]
+
+    def over_share(self, keys: Collection[RowKey]) -> TenantFull | None:
+        """Why pinning ``keys`` would take a tenant past ``tenant_rows``; None when it would not."""
+        new = Counter(tenant_of(key.vector_id) for key in keys
+                      if (slot := self._slot_of.get(key)) is None or self._rows[slot].refcount == 0)
+        for tenant, needed in sorted(new.items()):
+            if tenant and self._pinned_by[tenant] + needed > self.tenant_rows:
+                return TenantFull(tenant, self._pinned_by[tenant], needed, self.tenant_rows, self.capacity)
+        return None
+
+    def shortage(self, keys: Collection[RowKey]) -> SlotsExhausted | None:
+        """Why ``keys`` cannot all be pinned now (the bank, or their tenant's share of it); None when they can."""
         needed, available = self.missing(keys), self.available(keys)
         if needed > available:
-            raise SlotsExhausted(needed, available, self.capacity)
+            return SlotsExhausted(needed, available, self.capacity)
+        return self.over_share(keys)
+
+    def acquire(self, keys: Collection[RowKey]) -> tuple[dict[RowKey, int], list[tuple[int, RowKey]]]:
+        """Pin ``keys``; returns ``(slot of each key, [(slot, key) rows that must be loaded])``."""
+        shortage = self.shortage(keys)
+        if shortage is not None:
+            raise shortage
         now = time.time()
         slots: dict[RowKey, int] = {}
         loads: list[tuple[int, RowKey]] = []
@@ -80,6 +119,7 @@ class SlotCache:
             row = self._rows[slot]
             if row.refcount == 0:
                 self._unpinned.pop(slot, None)
+                self._pinned_by[tenant_of(key.vector_id)] += 1
             row.refcount += 1
             row.last_use = now
             slots[key] = slot
@@ -102,6 +142,7 @@ class SlotCache:
             row.last_use = now
             if row.refcount == 0:
                 self._unpinned[slot] = None
+                self._pinned_by[tenant_of(key.vector_id)] -= 1
 
     def drop(self, vector_id: str, version: int) -> None:
         """Free the unpinned rows of a version that no request can name again."""

@@ -40,8 +40,11 @@ SPEC_KEY = "hotwire"
 TICKET_KEY = "hotwire_ticket"  # extra_args key the HTTP admission gives a request: the engine keeps its refusal by it
 SALT_PREFIX = "hotwire:"  # steered requests' cache salts; a user cache_salt may not start with it (it could forge one)
 # Use with fullmatch. The first character is no dot or dash: ids name store files (".", ".." and hidden files) and
-# CLI arguments.
-VECTOR_ID_RE = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._-]{0,63}")
+# CLI arguments. A tenant's vectors are ``<tenant>/<name>`` (hotwire_api.tenancy); the engine only counts their bank
+# rows by tenant (slots.SlotCache), so a slash is the one character an id and a tenant's name may not hold.
+TENANT_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_-]{0,31}")
+NAME_RE = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._-]{0,63}")
+VECTOR_ID_RE = re.compile(rf"(?:{TENANT_RE.pattern}/)?{NAME_RE.pattern}")
 MAX_ENTRIES = 64
 MAX_SPEC_CHARS = 65_536  # far above 64 entries of 64-character ids; longer specs are refused before parsing
 _CACHED_SPEC_CHARS = 1024  # specs up to this length are cached: a server sees few distinct short specs
@@ -49,6 +52,12 @@ _ENTRY_FIELDS = {"id", "layer", "scale", "decode_only", "prefill_only", "norm", 
 _CONDITION_FIELDS = {"id", "layer", "above", "below", "bias", "cosine", "latch", "tokens", "version"}
 FLOAT32_MAX = 3.4028234663852886e38
 _FLOAT32_OVERFLOW = 2.0**128 - 2.0**103  # the smallest magnitude float32 rounds to inf (FLOAT32_MAX + half a step)
+
+
+def tenant_of(vector_id: str) -> str:
+    """The tenant whose namespace holds ``vector_id``; "" for the shared namespace."""
+    tenant, slash, _ = vector_id.partition("/")
+    return tenant if slash else ""
 
 
 class Phase(str, Enum):

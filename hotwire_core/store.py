@@ -138,10 +138,14 @@ class VectorStore:
         # The version first: should the file then fail, versions.json is ahead of the files, never behind them.
         self.note_versions({vector.vector_id: vector.version})
         data = save({"rows": rows}, metadata=meta)  # bytes: a failed write is an OSError like every other here
-        _write_atomically(self.root / f"{vector.vector_id}.safetensors", lambda tmp: Path(tmp).write_bytes(data))
+        _write_atomically(self._path(vector.vector_id), lambda tmp: Path(tmp).write_bytes(data))
 
     def delete(self, vector_id: str) -> None:
-        (self.root / f"{vector_id}.safetensors").unlink(missing_ok=True)
+        self._path(vector_id).unlink(missing_ok=True)
+
+    def _path(self, vector_id: str) -> Path:
+        # A tenant's id holds a slash; "~" is in no id, and load() reads the id from the file's metadata.
+        return self.root / f"{vector_id.replace('/', '~')}.safetensors"
 
     def load(self) -> list[StoredVector]:
         out = []

@@ -80,7 +80,7 @@ export HOTWIRE_STORE="${HOTWIRE_STORE:-off}"
 # 90-185, speculative draft 95-150, speculative eagle 90-120, family bit identity 280, model families 115-135, bit
 # identity 90-140, request features 75-125, quantized 80-160, chunked prefill 40-80, soak 70, data parallel 35-100,
 # vector formats 65-105, vision language 65-190, parallel 160-505 (505 beside five other engines), readout 90-150,
-# readout over HTTP 40-70, roles 50-60, ...); a file of APART waits while another of APART runs.
+# readout over HTTP 40-70, roles 50-60, tenants 50-70, ...); a file of APART waits while another of APART runs.
 LONGEST_FIRST=(
     tests/integration/test_compose.py tests/integration/test_model_matrix.py tests/integration/test_server.py
     tests/integration/test_fleet.py tests/integration/test_parallel.py tests/unit tests/integration/test_lora.py
@@ -93,6 +93,7 @@ LONGEST_FIRST=(
     tests/integration/test_vector_formats.py tests/integration/test_vision_language.py
     tests/integration/test_async_engine.py tests/integration/test_verify.py tests/integration/test_engine.py
     tests/integration/test_demo.py tests/integration/test_readout_http.py tests/integration/test_roles.py
+    tests/integration/test_tenants.py
     tests/integration/test_unsteerable_model.py
 )
 # One at a time: the files whose tests act on requests while they run (a stream must still be running when the

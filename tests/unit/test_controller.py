@@ -56,7 +56,8 @@ def ctrl(slots=8, max_stack=2, store=None, preload=None, steerable=True, layers=
 
 def ctrl_env(monkeypatch, **env: str) -> SteeringController:
     """A controller with its settings read from ``env`` (and defaults), as the engine core reads them."""
-    for name in ("HOTWIRE_SLOTS", "HOTWIRE_MAX_ROWS", "HOTWIRE_MAX_WAIT_S", "HOTWIRE_VECTORS", "HOTWIRE_LAYERS"):
+    for name in ("HOTWIRE_SLOTS", "HOTWIRE_MAX_ROWS", "HOTWIRE_MAX_WAIT_S", "HOTWIRE_VECTORS", "HOTWIRE_LAYERS",
+                 "HOTWIRE_TENANT_ROWS"):
         monkeypatch.delenv(name, raising=False)
     for name, value in {"HOTWIRE_STORE": "off", **env}.items():
         monkeypatch.setenv(name, value)
@@ -943,7 +944,8 @@ def test_unregister_unknown(c):
 def test_register_results(c):
     out = c.register("new", raw(vec(HIDDEN)), "float32", [HIDDEN])
     assert out["ok"] and out["created"] is True and out["vector"]["id"] == "new"
-    assert set(out["vector"]) == {"id", "version", "sha256", "dtype", "shape", "layers", "norms", "in_flight", "created_at"}
+    assert set(out["vector"]) == {"id", "version", "sha256", "dtype", "shape", "layers", "norms", "in_flight", "created_at",
+                                  "tenant"}
     dup = c.register("new", raw(vec(HIDDEN)), "float32", [HIDDEN])
     assert (dup["ok"], dup["status"], dup["code"]) == (False, 409, "exists")
     bad = c.register("x", b"\0" * 3, "float32", [HIDDEN])
@@ -1679,3 +1681,46 @@ def test_a_client_cannot_send_what_only_admission_sets(c, key):
     assert (info.value.code, info.value.field) == ("reserved_field", key)
     with pytest.raises(Refusal):
         c.admit(request("g", spec={"id": "a", "layer": 1, "scale": 1.0}, extra={key: forged[key]}))
+
+
+# ---- tenants' share of the bank (HOTWIRE_TENANT_ROWS) ----------------------------------------------------------
+
+
+def test_a_tenant_flooding_distinct_vectors_never_makes_another_tenants_requests_wait(monkeypatch, clock):
+    """A tenant's vectors pin at most HOTWIRE_TENANT_ROWS rows; its requests past that wait in its own lane, while
+    another tenant's and shared requests are admitted at once, and the oldest of its own goes first."""
+    c = ctrl_env(monkeypatch, HOTWIRE_SLOTS="16", HOTWIRE_TENANT_ROWS="4", HOTWIRE_MAX_WAIT_S="5")
+    assert c.slots.tenant_rows == 4
+    for k in range(6):
+        register(c, f"flood/v{k}", vec(N_LAYERS, HIDDEN, seed=k))
+    register(c, "calm/c", vec(N_LAYERS, HIDDEN, seed=10))
+    register(c, "s", vec(N_LAYERS, HIDDEN, seed=11))
+    reported = refusals_reported(c)
+    for k in range(2):  # two rows each: the tenant's share is full
+        admit(c, f"f{k}", {"id": f"flood/v{k}", "layer": [0, 1], "scale": 1})
+    assert c.slots.pinned_by("flood") == 4
+    assert "HOTWIRE_TENANT_ROWS" in c.check(json.dumps({"id": "flood/v2", "layer": 0, "scale": 1}))["error"]
+    f2 = waiting(c, "f2", {"id": "flood/v2", "layer": [0, 1], "scale": 1})
+    f3 = waiting(c, "f3", {"id": "flood/v3", "layer": 0, "scale": 1})  # one row would fit: it waits behind f2
+    assert list(c.deferred) == ["f2", "f3"]
+    # the bank has 12 free rows: the other tenant and the shared vectors are not held up by the flood's lane
+    admit(c, "calm", {"id": "calm/c", "layer": [0, 1, 2, 3], "scale": 1})
+    admit(c, "shared", {"id": "s", "layer": [0, 1], "scale": 1})
+    assert c.slots.pinned_by("calm") == 4 and c.slots.pinned_by("") == 2
+    c.release("f0")
+    assert c.admit_deferred() == [f2] and list(c.deferred) == ["f3"]  # the oldest of the lane first
+    clock.now += 5
+    assert c.admit_deferred() == [] and not c.deferred
+    ((req, exc),) = reported
+    assert req is f3 and (exc.status, exc.code) == (429, "quota_exceeded")
+    for text in ("waited 5.0 s", "tenant 'flood'", "4 of the 4 bank rows", "HOTWIRE_TENANT_ROWS"):
+        assert text in exc.message, exc.message
+    for rid in ("f1", "f2", "calm", "shared"):
+        c.release(rid)
+    assert c.slots.pinned_by("flood") == c.slots.pinned_by("calm") == c.stats()["pinned"] == 0
+
+
+def test_a_tenants_share_is_never_below_what_one_request_may_pin(monkeypatch):
+    c = ctrl_env(monkeypatch, HOTWIRE_SLOTS="16", HOTWIRE_TENANT_ROWS="1")
+    assert c.slots.tenant_rows == c.rules.max_rows == 4  # a request that fits the bank fits its tenant's share
+    assert ctrl_env(monkeypatch, HOTWIRE_SLOTS="16").slots.tenant_rows == 8  # by default, half the bank

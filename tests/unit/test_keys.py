@@ -113,11 +113,11 @@ def test_the_cli_edits_the_file_and_prints_the_key_once(tmp_path, capsys, monkey
     assert cli.main(["keys", "add", "ops", "--role", "admin"]) == 0
     added = json.loads(capsys.readouterr().out)
     assert added["name"] == "ops" and added["role"] == "admin" and KeyRing(path).identify(added["key"]).name == "ops"
-    assert cli.main(["keys", "--file", str(path), "add", "app", "--role", "steer"]) == 0
-    capsys.readouterr()
+    assert cli.main(["keys", "--file", str(path), "add", "app", "--role", "steer", "--tenant", "acme"]) == 0
+    assert json.loads(capsys.readouterr().out)["tenant"] == "acme"
     assert cli.main(["keys", "list"]) == 0
     listed = json.loads(capsys.readouterr().out)
-    assert [(k["name"], k["role"]) for k in listed] == [("ops", "admin"), ("app", "steer")]
+    assert [(k["name"], k["role"], k["tenant"]) for k in listed] == [("ops", "admin", None), ("app", "steer", "acme")]
     assert all("sha256" not in k and "key" not in k for k in listed)
     assert cli.main(["keys", "rotate", "ops"]) == 0
     rotated = json.loads(capsys.readouterr().out)["key"]

@@ -157,7 +157,7 @@ def test_bad_dtype(r, dtype):
     assert (err.status, err.code, err.field) == (400, "bad_dtype", "dtype")
 
 
-@pytest.mark.parametrize("bad", ["", "a b", "x" * 65, "a/b", None, 3])
+@pytest.mark.parametrize("bad", ["", "a b", "x" * 65, "a/b/c", None, 3])
 def test_bad_id(r, bad):
     err = reg_error(r.register, bad, raw(vec(HIDDEN)), "float32", [HIDDEN], None, False)
     assert (err.status, err.code, err.field) == (400, "bad_id", "id")

@@ -114,6 +114,18 @@ def test_delete(tmp_path):
     assert [s.vector_id for s in st.load()] == ["b"]
 
 
+def test_a_tenants_vectors_are_files_beside_the_shared_ones(tmp_path):
+    r = VectorRegistry(N_LAYERS, HIDDEN)
+    st = VectorStore(tmp_path)
+    for vector_id in ("calm", "acme/calm", "beta/calm"):
+        st.save(r.register(vector_id, raw(vec(HIDDEN)), "float32", [HIDDEN], None, False))
+    assert sorted(p.name for p in tmp_path.glob("*.safetensors")) == [
+        "acme~calm.safetensors", "beta~calm.safetensors", "calm.safetensors"]
+    assert sorted(s.vector_id for s in st.load()) == ["acme/calm", "beta/calm", "calm"]
+    st.delete("acme/calm")
+    assert sorted(s.vector_id for s in st.load()) == ["beta/calm", "calm"]
+
+
 def test_corrupt_files_skipped(tmp_path, caplog):
     r = VectorRegistry(N_LAYERS, HIDDEN)
     st = VectorStore(tmp_path)

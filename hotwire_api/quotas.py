@@ -1,0 +1,81 @@
+"""A tenant's quotas on what it registers (``hotwire_api.tenancy``): the vectors and bytes it holds registered
+(``HOTWIRE_TENANT_VECTORS``, ``HOTWIRE_TENANT_MB``) and its registrations per minute
+(``HOTWIRE_TENANT_REGISTRATIONS_PER_MIN``); past one, 429 ``quota_exceeded``. The bank rows a tenant's requests pin
+at once are the engine's to limit (``HOTWIRE_TENANT_ROWS``, ``hotwire_core.slots``). The operator's keys, and
+shared vectors, have no quota.
+
+One API server checks its tenants' registrations one at a time, against the registry as its engine holds it.
+Replicas of a fleet count registrations per minute each on their own, and two replicas registering for one tenant
+at the same moment may each pass the last free place.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import math
+import time
+from collections import defaultdict, deque
+from collections.abc import AsyncIterator
+
+from hotwire_api.errors import HotwireError
+from hotwire_api.models import VectorMeta
+from hotwire_api.settings import Settings
+from hotwire_core.error_codes import ErrorCode
+from hotwire_core.spec import tenant_of
+
+__all__ = ["Quotas", "size_of"]
+
+_ITEM_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
+_WINDOW_S = 60.0
+
+
+def size_of(dtype: str, shape: tuple[int, ...] | list[int]) -> int:
+    """Bytes a vector of ``dtype`` and ``shape`` holds."""
+    return math.prod(shape) * _ITEM_BYTES.get(dtype, 4)
+
+
+class Quotas:
+    """Every tenant's registrations on this API server."""
+
+    def __init__(self, settings: Settings):
+        self.vectors, self.bytes, self.per_minute = settings.tenant_vectors, settings.tenant_bytes, settings.tenant_per_minute
+        self._recent: defaultdict[str, deque[float]] = defaultdict(deque)  # tenant -> times of its registrations
+        self._locks: defaultdict[str, asyncio.Lock] = defaultdict(asyncio.Lock)
+
+    @contextlib.asynccontextmanager
+    async def registering(self, vector_id: str, nbytes: int, held: list[VectorMeta]) -> AsyncIterator[None]:
+        """Around the registration of ``nbytes`` as ``vector_id``, the engine holding ``held`` (every current
+        vector): raise 429 ``quota_exceeded`` if it would take the id's tenant past a quota. Registrations of one
+        tenant go through one at a time; a failed one does not count."""
+        tenant = tenant_of(vector_id)
+        if not tenant:
+            yield
+            return
+        async with self._locks[tenant]:
+            self._check(tenant, vector_id, nbytes, held)
+            yield
+            self._recent[tenant].append(time.monotonic())
+
+    def _check(self, tenant: str, vector_id: str, nbytes: int, held: list[VectorMeta]) -> None:
+        recent = self._recent[tenant]
+        now = time.monotonic()
+        while recent and recent[0] <= now - _WINDOW_S:
+            recent.popleft()
+        if len(recent) >= self.per_minute:
+            raise _exceeded(f"tenant {tenant!r} made {len(recent)} registrations in the last minute, its quota "
+                            f"(HOTWIRE_TENANT_REGISTRATIONS_PER_MIN={self.per_minute}); retry in "
+                            f"{recent[0] + _WINDOW_S - now:.0f} s")
+        own = [m for m in held if tenant_of(m.id) == tenant and m.id != vector_id]  # a replaced one makes way
+        if len(own) + 1 > self.vectors:
+            raise _exceeded(f"tenant {tenant!r} holds {len(own)} vectors, its quota (HOTWIRE_TENANT_VECTORS="
+                            f"{self.vectors}); delete one first, or ask the operator to raise it")
+        used = sum(size_of(m.dtype, m.shape) for m in own)
+        if used + nbytes > self.bytes:
+            raise _exceeded(f"tenant {tenant!r} holds {used:,} bytes of vectors and this one has {nbytes:,}: more "
+                            f"than its quota of {self.bytes:,} (HOTWIRE_TENANT_MB); delete some first, or ask the "
+                            "operator to raise it")
+
+
+def _exceeded(message: str) -> HotwireError:
+    return HotwireError(429, ErrorCode.QUOTA_EXCEEDED, message)

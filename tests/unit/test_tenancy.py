@@ -1,0 +1,162 @@
+"""Tenants: how a tenant's key names vectors (``hotwire_api.tenancy``), its quotas (``hotwire_api.quotas``) and keys
+with a tenant (``hotwire_api.keys``). Against a real ``vllm serve``: tests/integration/test_tenants.py; the bank's
+share per tenant: tests/unit/test_controller.py."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import pytest
+
+from hotwire_api.errors import HotwireError
+from hotwire_api.keys import KeyRing, KeysFileError, Role, add_key, read_keys, revoke_key, rotate_key
+from hotwire_api.models import VectorMeta
+from hotwire_api.quotas import Quotas
+from hotwire_api.settings import Settings
+from hotwire_api.tenancy import OPERATOR, Tenancy
+from hotwire_core.readout_spec import parse_readout
+from hotwire_core.spec import VECTOR_ID_RE, parse_spec, tenant_of
+
+ACME = Tenancy("acme")
+HELD = {"acme/calm", "calm", "pub", "beta/calm", "beta/secret"}
+
+
+def exists(vector_id: str) -> bool:
+    return vector_id in HELD
+
+
+def test_ids_hold_at_most_one_tenant() -> None:
+    assert tenant_of("acme/calm") == "acme" and tenant_of("calm") == ""
+    for good in ("calm", "acme/calm", "a-b_c/x.y"):
+        assert VECTOR_ID_RE.fullmatch(good)
+    for bad in ("a/b/c", "/calm", "acme/", "a.b/calm", "-a/calm", "acme/.x"):
+        assert not VECTOR_ID_RE.fullmatch(bad), bad
+
+
+def test_a_tenant_names_its_own_vectors_first_then_the_shared_ones() -> None:
+    assert ACME.named("calm", exists) == "acme/calm"  # its own shadows the shared calm
+    assert ACME.named("pub", exists) == "pub"
+    assert ACME.named("secret", exists) == "acme/secret"  # beta's: unknown to acme, as any unknown name
+    assert ACME.named("nothing", exists) == "acme/nothing"
+    assert OPERATOR.named("beta/secret", exists) == "beta/secret"
+    for other in ("beta/secret", "beta/nothing"):  # refused alike, whether or not it exists
+        with pytest.raises(HotwireError) as info:
+            ACME.named(other, exists)
+        assert (info.value.status, info.value.code) == (400, "bad_id")
+        assert info.value.message == f"a tenant's vector is named by [A-Za-z0-9_][A-Za-z0-9._-]{{0,63}} (its tenant is the key's), got {other!r}"
+
+
+def test_paths_reach_another_tenants_vector_only_with_the_operators_key() -> None:
+    assert OPERATOR.addressed("calm", "beta", exists) == "beta/calm"
+    assert OPERATOR.addressed("calm", None, exists) == "calm"
+    assert ACME.addressed("calm", None, exists) == ACME.addressed("calm", "acme", exists) == "acme/calm"
+    assert ACME.addressed("calm", "beta", exists) is None and ACME.addressed("nothing", "beta", exists) is None
+
+
+def test_a_tenants_spec_and_readout_are_renamed_for_the_engine() -> None:
+    spec = json.dumps([{"id": "calm", "layer": 1, "scale": 2.0},
+                       {"id": "pub", "layer": [2, 3], "scale": -1.0, "when": {"id": "calm", "layer": 0, "above": 0.5}}])
+    entries = parse_spec(ACME.spec(spec, exists))
+    assert [e.vector_id for e in entries] == ["acme/calm", "pub"] and entries[1].when.vector_id == "acme/calm"
+    assert entries[1].layers == (2, 3) and entries[1].scale == -1.0 and entries[1].when.threshold == 0.5
+    readout = json.dumps({"probes": [{"id": "calm", "layer": 1, "bias": 0.5}, {"id": "pub", "layer": 2}],
+                          "tokens": "all"})
+    read = parse_readout(ACME.readout(readout, exists), 8)
+    assert [(p.vector_id, p.layer, p.bias) for p in read.probes] == [("acme/calm", 1, 0.5), ("pub", 2, 0.0)]
+    assert read.tokens == "all"
+    for left in ({"id": "calm"}, "{not json", json.dumps({"id": "calm"})):  # for admission to refuse as it does
+        assert ACME.spec(left, exists) == left and ACME.readout(left, exists) == left
+    assert OPERATOR.spec(spec, exists) is spec
+
+
+def test_what_a_tenant_gets_back_is_in_its_names() -> None:
+    assert ACME.localize("acme/calm@2:L1x4;pub@1:L2x-1,when=acme/calm@2:L0>0.5") == \
+        "calm@2:L1x4;pub@1:L2x-1,when=calm@2:L0>0.5"
+    assert ACME.localize("unknown steering vector 'acme/nothing'") == "unknown steering vector 'nothing'"
+    assert ACME.localize("xacme/calm") == "xacme/calm"  # another name that ends like the prefix is left alone
+    assert OPERATOR.localize("acme/calm") == "acme/calm"
+    metas = [_meta(i) for i in ("acme/calm", "calm", "beta/calm")]
+    assert [(m.id, m.tenant) for m in ACME.vectors(metas)] == [("calm", "acme"), ("calm", None)]
+    assert [(m.id, m.tenant) for m in OPERATOR.vectors(metas)] == [("acme/calm", "acme"), ("calm", None),
+                                                                     ("beta/calm", "beta")]
+
+
+def _meta(vector_id: str, rows: int = 1) -> VectorMeta:
+    return VectorMeta(id=vector_id, version=1, sha256="0" * 64, dtype="float32", shape=[rows, 256], layers=None,
+                      norms={}, created_at=0.0)
+
+
+def _register(quotas: Quotas, vector_id: str, nbytes: int, held: list[VectorMeta]) -> None:
+    async def register() -> None:
+        async with quotas.registering(vector_id, nbytes, held):
+            pass
+
+    asyncio.run(register())
+
+
+def test_quotas_refuse_past_a_tenants_vectors_bytes_and_rate(monkeypatch) -> None:
+    quotas = Quotas(Settings(tenant_vectors=2, tenant_bytes=4096, tenant_per_minute=3))
+    held = [_meta("acme/a"), _meta("acme/b"), _meta("beta/a", rows=3)]
+    with pytest.raises(HotwireError) as info:
+        _register(quotas, "acme/c", 1024, held)
+    assert (info.value.status, info.value.code) == (429, "quota_exceeded")
+    assert "holds 2 vectors" in info.value.message and "HOTWIRE_TENANT_VECTORS=2" in info.value.message
+    _register(quotas, "acme/a", 1024, held)  # a replacement takes the place of the version it replaces
+    with pytest.raises(HotwireError) as info:
+        _register(quotas, "beta/b", 2048, held)  # 3,072 held + 2,048 > 4,096
+    assert info.value.code == "quota_exceeded" and "HOTWIRE_TENANT_MB" in info.value.message
+    _register(quotas, "calm", 1 << 30, held)  # shared vectors have no quota
+    _register(quotas, "acme/a", 1024, held)
+    clock = [1000.0]
+    monkeypatch.setattr("hotwire_api.quotas.time.monotonic", lambda: clock[0])
+    quotas = Quotas(Settings(tenant_per_minute=2))
+    _register(quotas, "acme/a", 1, [])
+    clock[0] += 30
+    _register(quotas, "acme/a", 1, [])
+    with pytest.raises(HotwireError) as info:
+        _register(quotas, "acme/a", 1, [])
+    assert "2 registrations in the last minute" in info.value.message and "retry in 30 s" in info.value.message
+    _register(quotas, "beta/a", 1, [])  # another tenant's count is its own
+    clock[0] += 30.5
+    _register(quotas, "acme/a", 1, [])  # the first one is a minute old
+
+
+def test_a_registration_that_fails_is_not_counted() -> None:
+    quotas = Quotas(Settings(tenant_per_minute=1))
+
+    async def refused() -> None:
+        async with quotas.registering("acme/a", 1, []):
+            raise RuntimeError("the engine refused it")
+
+    with pytest.raises(RuntimeError):
+        asyncio.run(refused())
+    _register(quotas, "acme/a", 1, [])
+
+
+def test_keys_carry_a_tenant_through_every_edit(tmp_path) -> None:
+    path = tmp_path / "keys.json"
+    add_key(path, "ops", Role.ADMIN)
+    acme = add_key(path, "acme-admin", Role.ADMIN, "acme")
+    ring = KeyRing(path)
+    assert ring.identify(acme).tenant == "acme"
+    rotated = rotate_key(path, "acme-admin")
+    assert ring.identify(rotated).tenant == "acme" and ring.identify(acme) is None
+    with pytest.raises(KeysFileError) as info:
+        add_key(path, "x", Role.STEER, "no/slash")
+    assert info.value.code == "bad_request" and "tenant 'no/slash'" in str(info.value)
+    # a tenant's admin key is not the operator's: the last operator admin still may not go
+    with pytest.raises(KeysFileError) as info:
+        revoke_key(path, "ops", keep_an_admin=True)
+    assert info.value.code == "last_admin"
+    revoke_key(path, "acme-admin", keep_an_admin=True)
+    text = json.loads(path.read_text())
+    text["keys"].append({**text["keys"][0], "name": "moved", "sha256": "1" * 64})
+    path.write_text(json.dumps(text))
+    ring.refresh()
+    text["keys"][-1]["tenant"] = "beta"
+    path.write_text(json.dumps(text, indent=1))
+    ring.refresh()
+    changes = [c[:2] for c in ring.changes]
+    assert ("key_added", "moved") in changes and changes[-1] == ("key_tenant_changed", "moved")
+    assert [k.tenant for k in read_keys(path)] == [None, "beta"]
