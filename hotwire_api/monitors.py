@@ -91,7 +91,7 @@ class MonitorBook:
         return "redis" if self.fleet is not None else f"file {self.path}" if self.path else "memory"
 
     async def start(self, app: Any) -> None:
-        self.fleet = app.state.hotwire_registry.monitor_store()
+        self.fleet = app.state.hotwire_registry.fleet_store()
         if self.fleet is not None:
             try:
                 await self.refresh()

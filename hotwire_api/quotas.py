@@ -4,9 +4,9 @@
 at once are the engine's to limit (``HOTWIRE_TENANT_ROWS``, ``hotwire_core.slots``). The operator's keys, and
 shared vectors, have no quota.
 
-One API server checks its tenants' registrations one at a time, against the registry as its engine holds it.
-Replicas of a fleet count registrations per minute each on their own, and two replicas registering for one tenant
-at the same moment may each pass the last free place.
+One API server checks a tenant's registrations one at a time, against the registry as its engine holds it. In a
+fleet (``HOTWIRE_REGISTRY``) the registrations per minute are counted in its Redis, for every replica together; two
+replicas registering for one tenant at the same moment may each pass the last free place for a vector or its bytes.
 """
 
 from __future__ import annotations
@@ -15,8 +15,10 @@ import asyncio
 import contextlib
 import math
 import time
+import uuid
 from collections import defaultdict, deque
 from collections.abc import AsyncIterator
+from typing import Any
 
 from hotwire_api.errors import HotwireError
 from hotwire_api.models import VectorMeta
@@ -27,7 +29,7 @@ from hotwire_core.spec import tenant_of
 __all__ = ["Quotas", "size_of"]
 
 _ITEM_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
-_WINDOW_S = 60.0
+WINDOW_S = 60.0
 
 
 def size_of(dtype: str, shape: tuple[int, ...] | list[int]) -> int:
@@ -36,36 +38,60 @@ def size_of(dtype: str, shape: tuple[int, ...] | list[int]) -> int:
 
 
 class Quotas:
-    """Every tenant's registrations on this API server."""
+    """Every tenant's registrations through this API server."""
 
     def __init__(self, settings: Settings):
         self.vectors, self.bytes, self.per_minute = settings.tenant_vectors, settings.tenant_bytes, settings.tenant_per_minute
-        self._recent: defaultdict[str, deque[float]] = defaultdict(deque)  # tenant -> times of its registrations
+        self._recent: defaultdict[str, deque[float]] = defaultdict(deque)  # tenant -> when it registered (no fleet)
         self._locks: defaultdict[str, asyncio.Lock] = defaultdict(asyncio.Lock)
 
     @contextlib.asynccontextmanager
-    async def registering(self, vector_id: str, nbytes: int, held: list[VectorMeta]) -> AsyncIterator[None]:
+    async def registering(self, vector_id: str, nbytes: int, held: list[VectorMeta],
+                          fleet: Any = None) -> AsyncIterator[None]:
         """Around the registration of ``nbytes`` as ``vector_id``, the engine holding ``held`` (every current
-        vector): raise 429 ``quota_exceeded`` if it would take the id's tenant past a quota. Registrations of one
-        tenant go through one at a time; a failed one does not count."""
+        vector): raise 429 ``quota_exceeded`` if it would take the id's tenant past a quota. ``fleet``: the fleet's
+        Redis registry (``VectorRegistry.fleet_store``), which counts the registrations per minute; None: this
+        server counts them. A registration that fails is not counted."""
         tenant = tenant_of(vector_id)
         if not tenant:
             yield
             return
         async with self._locks[tenant]:
-            self._check(tenant, vector_id, nbytes, held)
-            yield
-            self._recent[tenant].append(time.monotonic())
+            self._check_held(tenant, vector_id, nbytes, held)
+            give_back = await self._count(tenant, fleet)
+            try:
+                yield
+            except BaseException:
+                await give_back()
+                raise
 
-    def _check(self, tenant: str, vector_id: str, nbytes: int, held: list[VectorMeta]) -> None:
-        recent = self._recent[tenant]
-        now = time.monotonic()
-        while recent and recent[0] <= now - _WINDOW_S:
+    async def _count(self, tenant: str, fleet: Any) -> Any:
+        """Count one registration of ``tenant`` (or raise); returns how to take it back."""
+        if fleet is not None:
+            token = uuid.uuid4().hex
+            full = await fleet.take_registration(tenant, time.time(), WINDOW_S, self.per_minute, token)
+            if full is not None:
+                raise self._too_many(tenant, *full, time.time())
+            return lambda: fleet.give_back_registration(tenant, token)
+        recent, now = self._recent[tenant], time.monotonic()
+        while recent and recent[0] <= now - WINDOW_S:
             recent.popleft()
         if len(recent) >= self.per_minute:
-            raise _exceeded(f"tenant {tenant!r} made {len(recent)} registrations in the last minute, its quota "
-                            f"(HOTWIRE_TENANT_REGISTRATIONS_PER_MIN={self.per_minute}); retry in "
-                            f"{recent[0] + _WINDOW_S - now:.0f} s")
+            raise self._too_many(tenant, len(recent), recent[0], now)
+        recent.append(now)
+
+        async def give_back() -> None:
+            if now in recent:  # (not yet a minute old)
+                recent.remove(now)
+
+        return give_back
+
+    def _too_many(self, tenant: str, count: int, oldest: float, now: float) -> HotwireError:
+        return _exceeded(f"tenant {tenant!r} made {count} registrations in the last minute, its quota "
+                         f"(HOTWIRE_TENANT_REGISTRATIONS_PER_MIN={self.per_minute}); retry in "
+                         f"{max(0.0, oldest + WINDOW_S - now):.0f} s")
+
+    def _check_held(self, tenant: str, vector_id: str, nbytes: int, held: list[VectorMeta]) -> None:
         own = [m for m in held if tenant_of(m.id) == tenant and m.id != vector_id]  # a replaced one makes way
         if len(own) + 1 > self.vectors:
             raise _exceeded(f"tenant {tenant!r} holds {len(own)} vectors, its quota (HOTWIRE_TENANT_VECTORS="

@@ -108,7 +108,7 @@ async def _register(request: Request, engine: HotwireEngine, vector_id: str, pay
     """Register within the quotas of the id's tenant (``hotwire_api.quotas``); the answer in the caller's names."""
     quotas: Quotas = request.app.state.hotwire_quotas
     held = await engine.vectors() if tenant_of(vector_id) else []  # a shared vector has no quota to check
-    async with quotas.registering(vector_id, len(payload.data), held):
+    async with quotas.registering(vector_id, len(payload.data), held, _registry(request).fleet_store()):
         created, meta = await _registry(request).register(engine, vector_id, payload, replace,
                                                           Author(caller_name(request), via))
     return created, tenancy(request).meta(meta)

@@ -64,9 +64,10 @@ class VectorRegistry(Protocol):
         """``GET /steer/fleet``: every replica on the registry and the versions each holds."""
         ...
 
-    def monitor_store(self) -> Any:
-        """Where the monitors of every replica live (``hotwire_api.monitors.MonitorBook``): the fleet's Redis
-        registry; None: this host keeps its own (the store's ``monitors.json``, else memory)."""
+    def fleet_store(self) -> Any:
+        """Where what every replica shares beside the vectors lives (the monitors, ``hotwire_api.monitors``; the
+        tenants' registrations per minute, ``hotwire_api.quotas``): the fleet's Redis registry; None: this host
+        keeps its own."""
         ...
 
 
@@ -110,7 +111,7 @@ class LocalRegistry:
     async def status(self) -> RegistryStatus:
         return RegistryStatus(kind="local")
 
-    def monitor_store(self) -> None:
+    def fleet_store(self) -> None:
         return None
 
     async def view(self, engine: HotwireEngine) -> FleetView:

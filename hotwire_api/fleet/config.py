@@ -173,6 +173,10 @@ class Keys:
     def monitor_edits(self) -> str:
         return f"{self.prefix}monitor_edits"
 
+    def registrations(self, tenant: str) -> str:
+        """Sorted set: a tenant's registrations of the last minute, for its quota (``hotwire_api.quotas``)."""
+        return f"{self.prefix}registrations:{tenant}"
+
     @property
     def orphans(self) -> str:
         """Sorted set: sha256 -> when its blob stopped being any id's current version (replaced, deleted, or a

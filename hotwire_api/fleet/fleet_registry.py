@@ -91,8 +91,8 @@ class FleetRegistry:
     async def status(self) -> RegistryStatus:
         return RegistryStatus(**await self._started().heartbeat.status())
 
-    def monitor_store(self) -> RedisRegistry:
-        """The fleet's monitors live in its Redis (``hotwire_api.monitors``)."""
+    def fleet_store(self) -> RedisRegistry:
+        """The fleet's monitors and tenants' registration counts live in its Redis."""
         return self._started().registry
 
     async def view(self, engine: HotwireEngine) -> FleetView:

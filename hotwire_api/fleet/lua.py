@@ -10,7 +10,7 @@ read the run id themselves: a client's word cannot be trusted, as an old snapsho
 from __future__ import annotations
 
 __all__ = ["COLLECT", "DELETE_ONCE", "FORGET_RETIRED", "GATE", "HEARTBEAT", "MARK_REPAIRED", "PUT_BLOB",
-           "RECONCILE", "REFUSED", "REGISTER_ONCE"]
+           "RECONCILE", "REFUSED", "REGISTER_ONCE", "TAKE_REGISTRATION"]
 
 REFUSED = 503  # a register's or delete's answer while the gate is closed: nothing was changed
 
@@ -223,4 +223,18 @@ else
 end
 redis.call('INCR', KEYS[2])
 return old
+"""
+
+# KEYS: a tenant's registrations (sorted set: a token per registration, scored by when). ARGV: now (seconds),
+# window (seconds), limit, token. Those older than the window go; with `limit` left, returns {count, the oldest's
+# time} and adds nothing; else adds the token and returns {-1, "0"} (``hotwire_api.quotas``).
+TAKE_REGISTRATION = """
+redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', tonumber(ARGV[1]) - tonumber(ARGV[2]))
+local n = redis.call('ZCARD', KEYS[1])
+if n >= tonumber(ARGV[3]) then
+  return {n, redis.call('ZRANGE', KEYS[1], 0, 0, 'WITHSCORES')[2]}
+end
+redis.call('ZADD', KEYS[1], ARGV[1], ARGV[4])
+redis.call('PEXPIRE', KEYS[1], math.ceil(tonumber(ARGV[2]) * 1000) + 1000)
+return {-1, '0'}
 """

@@ -109,6 +109,7 @@ class RedisRegistry:
         self._put_blob, self._collect, self._forget_retired = script(lua.PUT_BLOB), script(lua.COLLECT), script(lua.FORGET_RETIRED)
         self._reconcile, self._gate, self._mark = script(lua.RECONCILE), script(lua.GATE), script(lua.MARK_REPAIRED)
         self._heartbeat, self._edit_monitor = script(lua.HEARTBEAT), script(lua.EDIT_MONITOR)
+        self._take_registration = script(lua.TAKE_REGISTRATION)
 
     @property
     def display_url(self) -> str:
@@ -319,6 +320,19 @@ class RedisRegistry:
         keys = [self.keys.monitors, self.keys.monitor_edits]
         old = await self._do(self._edit_monitor(keys=keys, args=[monitor_id, doc or ""]))
         return _str(old) if old is not None else None
+
+    # -- tenants' registrations per minute (``hotwire_api.quotas``) ----------------------------------------------
+
+    async def take_registration(self, tenant: str, now: float, window_s: float, limit: int,
+                                token: str) -> tuple[int, float] | None:
+        """Count a registration of ``tenant`` as ``token``; with ``limit`` in the window already, (their count,
+        the oldest one's time) instead."""
+        count, oldest = await self._do(self._take_registration(keys=[self.keys.registrations(tenant)],
+                                                               args=[repr(now), repr(window_s), limit, token]))
+        return None if int(count) < 0 else (int(count), float(oldest))
+
+    async def give_back_registration(self, tenant: str, token: str) -> None:
+        await self._do(self._redis.zrem(self.keys.registrations(tenant), token))
 
     # -- the event stream --------------------------------------------------------------------------------------
 

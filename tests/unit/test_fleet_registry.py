@@ -246,7 +246,7 @@ def test_monitors_are_the_fleets_every_api_server_sees_each_edit(redis_server) -
             books = []
             for replica in (a, b):
                 book = MonitorBook()
-                registry = SimpleNamespace(monitor_store=lambda r=replica: r.registry)
+                registry = SimpleNamespace(fleet_store=lambda r=replica: r.registry)
                 await book.start(SimpleNamespace(state=SimpleNamespace(hotwire_registry=registry)))
                 books.append(book)
             here, there = books
@@ -267,6 +267,41 @@ def test_monitors_are_the_fleets_every_api_server_sees_each_edit(redis_server) -
                 for task in follow:
                     task.cancel()
 
+    run(body)
+
+
+def test_a_tenants_registrations_per_minute_are_counted_for_the_whole_fleet(redis_server, monkeypatch) -> None:
+    """Two replicas' API servers share one count per tenant in Redis: the quota holds across them, a failed
+    registration gives its place back, another tenant's count is its own, and a place frees a minute later."""
+    from hotwire_api.quotas import WINDOW_S, Quotas
+    from hotwire_api.settings import Settings
+
+    clock = [time.time()]
+
+    async def register(quotas: Quotas, node: Node, vector_id: str, fail: bool = False) -> None:
+        async with quotas.registering(vector_id, 1, [], node.registry):
+            if fail:
+                raise RuntimeError("the engine refused it")
+
+    async def body() -> None:
+        async with started(redis_server.url, "a", "b") as (a, b):
+            here, there = Quotas(Settings(tenant_per_minute=3)), Quotas(Settings(tenant_per_minute=3))
+            await register(here, a, "acme/x")
+            await register(there, b, "acme/y")
+            with pytest.raises(RuntimeError):
+                await register(here, a, "acme/z", fail=True)
+            await register(there, b, "acme/z")
+            for quotas, node in ((here, a), (there, b)):
+                with pytest.raises(HotwireError) as info:
+                    await register(quotas, node, "acme/w")
+                assert info.value.code == "quota_exceeded" and "made 3 registrations" in info.value.message
+            await register(here, a, "beta/x")
+            clock[0] += WINDOW_S + 1
+            await register(there, b, "acme/w")
+
+    from types import SimpleNamespace
+
+    monkeypatch.setattr("hotwire_api.quotas.time", SimpleNamespace(time=lambda: clock[0], monotonic=time.monotonic))
     run(body)
 
 
