@@ -37,7 +37,7 @@ class Settings:
                                       doc="megabytes of vectors one tenant may hold registered"))
     tenant_per_minute: int = setting(Int("HOTWIRE_TENANT_REGISTRATIONS_PER_MIN", default=60, lo=1, hi=1 << 20,
                                          doc="registrations (uploads and extractions) one tenant may make per minute "
-                                             "on one API server"))
+                                             "(in a fleet, on every replica together)"))
     extract_max_tokens: int = setting(Int("HOTWIRE_EXTRACT_MAX_TOKENS", default=4096, lo=1, hi=1 << 24,
                                           doc="tokens per extraction example"))
 
