@@ -14,6 +14,7 @@ every route (``/invocations`` is not guarded by vLLM) whatever hotwire's keys ar
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import logging
 import os
@@ -23,6 +24,7 @@ from fastapi import Depends, Request
 
 from hotwire_api.audit import entry
 from hotwire_api.errors import HotwireError
+from hotwire_api.fleet.key_ring import FleetKeys
 from hotwire_api.headers import KEY_HEADER
 from hotwire_api.keys import Key, KeyRing, Role, hash_key
 from hotwire_api.settings import Settings
@@ -59,15 +61,27 @@ def bearer_matches(authorization: str, keys: list[str]) -> bool:
 
 
 class Access:
-    """The app's keys: a :class:`KeyRing` with a keys file, else the one-key setting (read per request, since
-    vLLM's keys live in its app state)."""
+    """The app's keys: a :class:`KeyRing` with a keys file, :class:`FleetKeys` with the fleet's, else the one-key
+    setting (read per request, since vLLM's keys live in its app state)."""
 
     def __init__(self, settings: Settings):
         self.api_key = settings.api_key
         extra = ()
         if settings.api_key:
             extra = (Key(name="HOTWIRE_API_KEY", role=Role.ADMIN, sha256=hash_key(settings.api_key)),)
-        self.ring = KeyRing(settings.keys_file, extra) if settings.keys_file else None
+        if settings.fleet_keys and (settings.keys_file or not settings.registry_url):
+            raise ValueError("HOTWIRE_FLEET_KEYS=1 keeps the keys in the fleet's Redis: it needs HOTWIRE_REGISTRY, and "
+                             "HOTWIRE_KEYS_FILE unset (copy a file's keys over with hotwire keys --fleet add)")
+        self.ring: KeyRing | FleetKeys | None = FleetKeys(extra) if settings.fleet_keys else \
+            KeyRing(settings.keys_file, extra) if settings.keys_file else None
+
+    async def start(self, app: Any) -> list[asyncio.Task[None]]:
+        """In the app's lifespan, once the vector registry started: a fleet's keys are read, then followed."""
+        if not isinstance(self.ring, FleetKeys):
+            return []
+        registry = app.state.hotwire_registry
+        await self.ring.start(registry.fleet_store(), registry.replica_name())
+        return [asyncio.create_task(self.ring.run(app.state.hotwire_settings.catalog_refresh_s))]
 
     def one_key(self, app: Any) -> list[str]:
         return [self.api_key] if self.api_key else vllm_keys(app)

@@ -10,7 +10,7 @@
     hotwire list | slots | fleet | delete ID
     hotwire monitors list | monitors add ID --probe P --layer L --threshold T [--bias B] [--flag above|below]
                      [--scope generated|prompt] [--reduce max|mean|min] [--replace] | monitors delete ID
-    hotwire keys add NAME --role read|steer|admin [--tenant T] | keys rotate NAME | keys revoke NAME | keys list  [--file F]
+    hotwire keys [--fleet MODEL] add NAME --role read|steer|admin [--tenant T] | keys rotate NAME | keys revoke NAME | keys list  [--file F]
 
 Every command takes ``--url URL`` (env ``HOTWIRE_URL``, default http://localhost:8000) and ``--api-key KEY`` (env
 ``HOTWIRE_API_KEY``), before or after the command name.
@@ -22,14 +22,16 @@ suffix unless given). ``extract`` reads contrastive examples from a JSONL file, 
 ``positive`` and/or ``negative`` (a prompt string or a list of chat messages; a line with both is a pair, as ``pca``
 needs), and has the server compute and register the vector. ``complete`` sends one steered and/or read completion
 (``POST /v1/completions``; ``--vllm-key``: vLLM's key where it is not ``--api-key``, which then goes in
-``X-Hotwire-Key``). ``keys`` edits a keys file (``--file``, env ``HOTWIRE_KEYS_FILE``; no server needed): ``add`` and
-``rotate`` print the new key, the only time it is shown. Results print as JSON; errors print to stderr (exit 1 for
+``X-Hotwire-Key``). ``keys`` edits a keys file (``--file``, env ``HOTWIRE_KEYS_FILE``; no server needed), or with
+``--fleet MODEL`` the fleet's keys in the Redis of ``HOTWIRE_REGISTRY``: ``add`` and ``rotate`` print the new key, the
+only time it is shown. Results print as JSON; errors print to stderr (exit 1 for
 a refusal, an unreachable server or an answer this client cannot read; 2 for local errors such as a bad file).
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import os
 import sys
@@ -41,6 +43,9 @@ from hotwire_api.client import DEFAULT_URL, HotwireClient
 from hotwire_api.codec import parse_layer_list
 from hotwire_api.completion import parse_probe, parse_steering
 from hotwire_api.errors import HotwireError
+from hotwire_api.fleet.config import FleetConfig, Keys, registry_url
+from hotwire_api.fleet.key_ring import FleetKeys
+from hotwire_api.fleet.redis_registry import RedisRegistry
 from hotwire_api.keys import Role, add_key, read_keys, revoke_key, rotate_key
 from hotwire_api.settings import API_KEY
 
@@ -167,6 +172,8 @@ def build_parser() -> argparse.ArgumentParser:
     keys = commands.add_parser("keys", help="add, rotate, revoke or list the keys of a keys file (HOTWIRE_KEYS_FILE)")
     keys.add_argument("--file", default=os.environ.get("HOTWIRE_KEYS_FILE"),
                       help="the keys file (default: HOTWIRE_KEYS_FILE)")
+    keys.add_argument("--fleet", metavar="MODEL", help="edit the fleet's keys (HOTWIRE_FLEET_KEYS) of the served model "
+                      "MODEL in the Redis of HOTWIRE_REGISTRY, instead of a file")
     actions = keys.add_subparsers(dest="action", required=True)
     add = actions.add_parser("add", help="add a key and print it (the file keeps only its hash)")
     add.add_argument("name")
@@ -181,6 +188,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _keys(args: argparse.Namespace) -> object:
+    if args.fleet:
+        return asyncio.run(_fleet_keys(args))
     if not args.file:
         raise ValueError("no keys file: pass --file or set HOTWIRE_KEYS_FILE")
     if args.action == "add":
@@ -192,6 +201,28 @@ def _keys(args: argparse.Namespace) -> object:
         revoke_key(args.file, args.name)
         return {"name": args.name, "revoked": True}
     return [key.model_dump(mode="json", exclude={"sha256"}) for key in read_keys(args.file)]
+
+
+async def _fleet_keys(args: argparse.Namespace) -> object:
+    """``hotwire keys --fleet MODEL``: the edit made in the fleet's Redis, recorded as the CLI's."""
+    url = registry_url(os.environ.get("HOTWIRE_REGISTRY", ""))
+    if url is None:
+        raise ValueError("--fleet edits the keys in the fleet's Redis: set HOTWIRE_REGISTRY to its URL")
+    registry = RedisRegistry(FleetConfig.from_env(url), Keys.for_model(args.fleet))
+    ring = FleetKeys(replica="cli")
+    try:
+        ring.fleet = registry
+        if args.action == "add":
+            key = await ring.add(args.name, Role(args.role), args.tenant, "cli")
+            return {"name": args.name, "role": args.role, **({"tenant": args.tenant} if args.tenant else {}), "key": key}
+        if args.action == "rotate":
+            return {"name": args.name, "key": await ring.rotate(args.name, "cli")}
+        if args.action == "revoke":
+            await ring.revoke(args.name, False, "cli")
+            return {"name": args.name, "revoked": True}
+        return [key.model_dump(mode="json", exclude={"sha256"}) for key in await ring.keys()]
+    finally:
+        await registry.close()
 
 
 def _run(client: HotwireClient, args: argparse.Namespace) -> object:

@@ -1,12 +1,12 @@
-"""``/steer/keys``: the operator's admins (keys of no tenant) list, add, rotate and revoke the keys of ``HOTWIRE_KEYS_FILE`` over HTTP. Each edit is
-the one ``hotwire keys`` makes (``hotwire_api.keys``: under the file's lock, written atomically), takes effect on
-the next request, and goes into the audit trail under the caller's key name."""
+"""``/steer/keys``: the operator's admins (keys of no tenant) list, add, rotate and revoke keys over HTTP: those of
+``HOTWIRE_KEYS_FILE`` (``hotwire_api.keys``: the edits ``hotwire keys`` makes, under the file's lock, written
+atomically) or a fleet's (``HOTWIRE_FLEET_KEYS``, ``hotwire_api.fleet.key_ring``). Each edit takes effect on the
+next request (in a fleet, on the other replicas once they poll) and goes into the audit trail under the caller's
+key name."""
 
 from __future__ import annotations
 
-import asyncio
-from collections.abc import Callable
-from pathlib import Path
+from collections.abc import Awaitable, Callable
 from typing import TypeVar
 
 import pydantic
@@ -14,7 +14,8 @@ from fastapi import Request, Response
 
 from hotwire_api.auth import caller_name, record_key_changes, require
 from hotwire_api.errors import HotwireError
-from hotwire_api.keys import NAME_PATTERN, KeyRing, KeysFileError, Role, add_key, read_keys, revoke_key, rotate_key
+from hotwire_api.fleet.key_ring import FleetKeys
+from hotwire_api.keys import NAME_PATTERN, KeyRing, KeysFileError, Role
 from hotwire_api.steer_router import error_doc, steer_router
 from hotwire_core.error_codes import ErrorCode
 from hotwire_core.spec import TENANT_RE
@@ -33,7 +34,8 @@ class KeyInfo(pydantic.BaseModel):
 
 
 class KeyList(pydantic.BaseModel):
-    file: str = pydantic.Field(description="the keys file (HOTWIRE_KEYS_FILE)")
+    file: str = pydantic.Field(description="where the keys are kept: the keys file (HOTWIRE_KEYS_FILE), or `redis` "
+                               "(HOTWIRE_FLEET_KEYS)")
     keys: list[KeyInfo] = pydantic.Field(description="its keys, without their hashes (HOTWIRE_API_KEY, an admin key "
                                          "too where set, is not among them)")
 
@@ -61,20 +63,19 @@ _STATUS = {ErrorCode.EXISTS: 409, ErrorCode.UNKNOWN_KEY: 404, ErrorCode.BAD_REQU
            ErrorCode.KEYS_UNAVAILABLE: 503}
 
 
-def _ring(request: Request) -> KeyRing:
+def _ring(request: Request) -> KeyRing | FleetKeys:
     ring = request.app.state.hotwire_access.ring
     if ring is None:
         raise HotwireError(503, ErrorCode.KEYS_OFF, "this server has no keys file: start it with HOTWIRE_KEYS_FILE "
-                           "(hotwire keys add NAME --role admin --file F makes one) to manage keys over HTTP")
+                           "(hotwire keys add NAME --role admin --file F makes one), or HOTWIRE_FLEET_KEYS=1 in a "
+                           "fleet, to manage keys over HTTP")
     return ring
 
 
-async def _edit(request: Request, name: str, edit: Callable[[Path], T]) -> T:
-    """Make ``edit`` to the keys file (off the event loop: it locks and syncs the file) in the caller's name."""
-    ring = _ring(request)
+async def _edit(request: Request, name: str, edit: Callable[[KeyRing | FleetKeys], Awaitable[T]]) -> T:
+    """Make ``edit`` to the keys in the caller's name."""
     try:
-        with ring.editing(name, caller_name(request)):
-            result = await asyncio.to_thread(edit, ring.path)
+        result = await edit(_ring(request))
     except KeysFileError as exc:
         field = None if exc.code is ErrorCode.KEYS_UNAVAILABLE else "name"
         raise HotwireError(_STATUS[exc.code], exc.code, str(exc), field) from None
@@ -82,9 +83,9 @@ async def _edit(request: Request, name: str, edit: Callable[[Path], T]) -> T:
     return result
 
 
-def _new(path: Path, name: str, secret: str) -> NewKey:
-    """``name``'s key as the edit that made ``secret`` wrote it (read under no lock: only its date may have moved)."""
-    key = next((key for key in read_keys(path) if key.name == name), None)
+async def _new(ring: KeyRing | FleetKeys, name: str, secret: str) -> NewKey:
+    """``name``'s key as the edit that made ``secret`` wrote it (read again: only its date may have moved)."""
+    key = next((key for key in await ring.keys() if key.name == name), None)
     if key is None:  # revoked by another edit in the moment since
         raise KeysFileError(f"the key {name!r} was revoked as it was made: make it again",
                             ErrorCode.UNKNOWN_KEY)
@@ -96,10 +97,11 @@ def _new(path: Path, name: str, secret: str) -> NewKey:
 async def list_keys(request: Request) -> KeyList:
     ring = _ring(request)
     try:
-        keys = await asyncio.to_thread(read_keys, ring.path)
+        keys = await ring.keys()
     except KeysFileError as exc:
         raise HotwireError(503, ErrorCode.KEYS_UNAVAILABLE, str(exc)) from None
-    return KeyList(file=str(ring.path), keys=[KeyInfo(name=k.name, role=k.role, tenant=k.tenant, created=k.created) for k in keys])
+    return KeyList(file=ring.kept, keys=[KeyInfo(name=k.name, role=k.role, tenant=k.tenant, created=k.created)
+                                         for k in keys])
 
 
 @router.post("/keys", status_code=201, response_model=NewKey, summary="Add a key (shown once, in this answer)",
@@ -107,8 +109,12 @@ async def list_keys(request: Request) -> KeyList:
                         409: error_doc("`exists`: a key has this name; rotate it, or revoke it first.")},
              dependencies=[require(Role.ADMIN, operator=True)])
 async def create_key(body: AddKey, request: Request) -> NewKey:
-    return await _edit(request, body.name, lambda path: _new(path, body.name,
-                                                           add_key(path, body.name, body.role, body.tenant)))
+    who = caller_name(request)
+
+    async def add(ring: KeyRing | FleetKeys) -> NewKey:
+        return await _new(ring, body.name, await ring.add(body.name, body.role, body.tenant, who))
+
+    return await _edit(request, body.name, add)
 
 
 @router.post("/keys/{name}/rotate", response_model=NewKey,
@@ -116,15 +122,20 @@ async def create_key(body: AddKey, request: Request) -> NewKey:
              responses={404: error_doc("`unknown_key`: no key has this name.")},
              dependencies=[require(Role.ADMIN, operator=True)])
 async def rotate(name: str, request: Request) -> NewKey:
-    return await _edit(request, name, lambda path: _new(path, name, rotate_key(path, name)))
+    who = caller_name(request)
+
+    async def rotate_it(ring: KeyRing | FleetKeys) -> NewKey:
+        return await _new(ring, name, await ring.rotate(name, who))
+
+    return await _edit(request, name, rotate_it)
 
 
 @router.delete("/keys/{name}", status_code=204, response_class=Response, summary="Revoke a key: it stops working now",
                responses={404: error_doc("`unknown_key`: no key has this name."),
-                          409: error_doc("`last_admin`: the file's last admin key, on a server without "
+                          409: error_doc("`last_admin`: the last operator admin key, on a server without "
                                       "HOTWIRE_API_KEY; add another admin key first.")},
                dependencies=[require(Role.ADMIN, operator=True)])
 async def revoke(name: str, request: Request) -> Response:
-    keep = not request.app.state.hotwire_settings.api_key
-    await _edit(request, name, lambda path: revoke_key(path, name, keep_an_admin=keep))
+    keep, who = not request.app.state.hotwire_settings.api_key, caller_name(request)
+    await _edit(request, name, lambda ring: ring.revoke(name, keep, who))
     return Response(status_code=204)

@@ -11,6 +11,7 @@ rotated and revoked without a restart.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import hashlib
 import hmac
@@ -29,7 +30,8 @@ from hotwire_api.json_file import locked, stamp, write_atomic
 from hotwire_core.error_codes import ErrorCode
 from hotwire_core.spec import TENANT_RE
 
-__all__ = ["Key", "KeyRing", "KeysFileError", "Role", "add_key", "hash_key", "read_keys", "revoke_key", "rotate_key"]
+__all__ = ["Key", "KeyRing", "KeysFileError", "Role", "add_key", "find_key", "hash_key", "is_operator_admin", "made_key",
+           "read_keys", "revoke_key", "rotate_key"]
 
 NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$"
 
@@ -123,17 +125,41 @@ def _edit(path: str | os.PathLike, name: str, role: Role | None, create: bool, t
             raise KeysFileError(f"a key named {name!r} is in {path} already: rotate it, or revoke it first", ErrorCode.EXISTS)
         if not create and current is None:
             raise KeysFileError(f"no key named {name!r} in {path}", ErrorCode.UNKNOWN_KEY)
-        secret = "hw_" + secrets.token_urlsafe(32)
-        try:
-            new = Key(name=name, role=role or current.role, tenant=tenant if create else current.tenant,
-                      sha256=hash_key(secret), created=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))
-        except pydantic.ValidationError as exc:
-            what = exc.errors()[0]["loc"][0]
-            raise KeysFileError(f"key name {name!r}: 1-64 letters, digits, '_', '.' or '-', starting with a letter "
-                                "or digit" if what == "name" else f"tenant {tenant!r}: 1-32 letters, digits, '_' or '-', "
-                                "starting with a letter or digit", ErrorCode.BAD_REQUEST) from None
+        secret, new = made_key(name, role or current.role, tenant if create else current.tenant)
         _write(path, [new if key.name == name else key for key in keys] + ([new] if create else []))
     return secret
+
+
+def made_key(name: str, role: Role, tenant: str | None) -> tuple[str, Key]:
+    """A new key for ``name`` of ``role`` and ``tenant``: the key itself and its entry; ``bad_request`` for a name
+    or tenant that is not one."""
+    secret = "hw_" + secrets.token_urlsafe(32)
+    try:
+        return secret, Key(name=name, role=role, tenant=tenant, sha256=hash_key(secret),
+                           created=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))
+    except pydantic.ValidationError as exc:
+        what = exc.errors()[0]["loc"][0]
+        raise KeysFileError(f"key name {name!r}: 1-64 letters, digits, '_', '.' or '-', starting with a letter or "
+                            "digit" if what == "name" else f"tenant {tenant!r}: 1-32 letters, digits, '_' or '-', "
+                            "starting with a letter or digit", ErrorCode.BAD_REQUEST) from None
+
+
+def is_operator_admin(key: Key) -> bool:
+    """An admin key of no tenant: what manages keys; the last one may not be revoked over HTTP."""
+    return key.role is Role.ADMIN and key.tenant is None
+
+
+def find_key(secret: str | None, keys: tuple[Key, ...]) -> Key | None:
+    """The key of ``keys`` that ``secret`` is, if any: its hash is compared with every key's in constant time,
+    without an early exit, so the time taken does not say which key matched or how many there are before it."""
+    if not secret:
+        return None
+    digest = hash_key(secret).encode()
+    found = None
+    for key in keys:
+        if hmac.compare_digest(digest, key.sha256.encode()):
+            found = key
+    return found
 
 
 def add_key(path: str | os.PathLike, name: str, role: Role, tenant: str | None = None) -> str:
@@ -157,8 +183,7 @@ def revoke_key(path: str | os.PathLike, name: str, keep_an_admin: bool = False) 
         key = next((key for key in keys if key.name == name), None)
         if key is None:
             raise KeysFileError(f"no key named {name!r} in {path}", ErrorCode.UNKNOWN_KEY)
-        admins = sum(k.role is Role.ADMIN and k.tenant is None for k in keys)
-        if keep_an_admin and key.role is Role.ADMIN and key.tenant is None and admins == 1:
+        if keep_an_admin and is_operator_admin(key) and sum(map(is_operator_admin, keys)) == 1:
             raise KeysFileError(f"{name!r} is the last admin key in {path}: add another admin key first (without "
                                 "one, and without HOTWIRE_API_KEY, nobody could manage keys or vectors over HTTP)",
                                 ErrorCode.LAST_ADMIN)
@@ -239,14 +264,27 @@ class KeyRing:
         return self._state.error
 
     def identify(self, secret: str | None) -> Key | None:
-        """The key ``secret`` is, if any: its hash is compared with every key's in constant time, without an early
-        exit, so the time taken does not say which key matched or how many there are before it."""
+        """The key ``secret`` is, if any (:func:`find_key`)."""
         self.refresh()
-        if not secret:
-            return None
-        digest = hash_key(secret).encode()
-        found = None
-        for key in (*self.extra, *self._state.keys):
-            if hmac.compare_digest(digest, key.sha256.encode()):
-                found = key
-        return found
+        return find_key(secret, (*self.extra, *self._state.keys))
+
+    # The edits of /steer/keys (``hotwire_api.key_routes``), the same for the fleet's keys (``fleet.key_ring``).
+
+    @property
+    def kept(self) -> str:
+        return str(self.path)
+
+    async def keys(self) -> list[Key]:
+        return await asyncio.to_thread(read_keys, self.path)
+
+    async def add(self, name: str, role: Role, tenant: str | None, who: str) -> str:
+        with self.editing(name, who):
+            return await asyncio.to_thread(add_key, self.path, name, role, tenant)
+
+    async def rotate(self, name: str, who: str) -> str:
+        with self.editing(name, who):
+            return await asyncio.to_thread(rotate_key, self.path, name)
+
+    async def revoke(self, name: str, keep_an_admin: bool, who: str) -> None:
+        with self.editing(name, who):
+            await asyncio.to_thread(revoke_key, self.path, name, keep_an_admin)

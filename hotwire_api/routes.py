@@ -43,6 +43,7 @@ async def _background(app: Any) -> AsyncIterator[None]:
     tasks = [asyncio.create_task(STATS.run(app)), asyncio.create_task(CATALOG.run(app, app.state.hotwire_settings.catalog_refresh_s))]
     registry: VectorRegistry = app.state.hotwire_registry
     await registry.start(app)
+    tasks += await app.state.hotwire_access.start(app)
     await app.state.hotwire_monitors.start(app)
     tasks.append(asyncio.create_task(app.state.hotwire_monitors.run(app.state.hotwire_settings.catalog_refresh_s)))
     try:

@@ -24,6 +24,9 @@ class Settings:
     api_key: str | None = setting(API_KEY)
     keys_file: str | None = setting(Text("HOTWIRE_KEYS_FILE", doc="API keys with roles (read, steer, admin) for "
                                          "/steer/* and steering, read again when it changes; hotwire keys edits it"))
+    fleet_keys: bool = setting(Flag("HOTWIRE_FLEET_KEYS", default=False,
+                                    doc="keep the API keys with roles in the fleet's Redis (HOTWIRE_REGISTRY) instead "
+                                        "of a keys file: one set of keys for every replica"))
     registry_url: str | None = setting(REGISTRY, repr=False)  # may hold a password
     catalog_refresh_s: float = setting(Int("HOTWIRE_CATALOG_REFRESH_MS", default=200, lo=10, hi=3_600_000,
                                            to=lambda ms: ms / 1000,

@@ -64,6 +64,10 @@ class VectorRegistry(Protocol):
         """``GET /steer/fleet``: every replica on the registry and the versions each holds."""
         ...
 
+    def replica_name(self) -> str:
+        """This replica's name in the audit trail and the fleet view."""
+        ...
+
     def fleet_store(self) -> Any:
         """Where what every replica shares beside the vectors lives (the monitors, ``hotwire_api.monitors``; the
         tenants' registrations per minute, ``hotwire_api.quotas``): the fleet's Redis registry; None: this host
@@ -113,6 +117,9 @@ class LocalRegistry:
 
     def fleet_store(self) -> None:
         return None
+
+    def replica_name(self) -> str:
+        return "local"
 
     async def view(self, engine: HotwireEngine) -> FleetView:
         stats, _ = await STATS.get(engine, 0)

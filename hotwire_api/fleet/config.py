@@ -173,6 +173,16 @@ class Keys:
     def monitor_edits(self) -> str:
         return f"{self.prefix}monitor_edits"
 
+    @property
+    def api_keys(self) -> str:
+        """Hash: key name -> its entry's JSON (``HOTWIRE_FLEET_KEYS``, ``fleet.key_ring``); ``api_key_edits``
+        counts the changes."""
+        return f"{self.prefix}api_keys"
+
+    @property
+    def api_key_edits(self) -> str:
+        return f"{self.prefix}api_key_edits"
+
     def registrations(self, tenant: str) -> str:
         """Sorted set: a tenant's registrations of the last minute, for its quota (``hotwire_api.quotas``)."""
         return f"{self.prefix}registrations:{tenant}"

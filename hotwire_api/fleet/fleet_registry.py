@@ -91,6 +91,9 @@ class FleetRegistry:
     async def status(self) -> RegistryStatus:
         return RegistryStatus(**await self._started().heartbeat.status())
 
+    def replica_name(self) -> str:
+        return self._started().replica_id
+
     def fleet_store(self) -> RedisRegistry:
         """The fleet's monitors and tenants' registration counts live in its Redis."""
         return self._started().registry

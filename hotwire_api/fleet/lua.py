@@ -10,7 +10,7 @@ read the run id themselves: a client's word cannot be trusted, as an old snapsho
 from __future__ import annotations
 
 __all__ = ["COLLECT", "DELETE_ONCE", "FORGET_RETIRED", "GATE", "HEARTBEAT", "MARK_REPAIRED", "PUT_BLOB",
-           "RECONCILE", "REFUSED", "REGISTER_ONCE", "TAKE_REGISTRATION"]
+           "EDIT_KEY", "RECONCILE", "REFUSED", "REGISTER_ONCE", "TAKE_REGISTRATION"]
 
 REFUSED = 503  # a register's or delete's answer while the gate is closed: nothing was changed
 
@@ -237,4 +237,41 @@ end
 redis.call('ZADD', KEYS[1], ARGV[1], ARGV[4])
 redis.call('PEXPIRE', KEYS[1], math.ceil(tonumber(ARGV[2]) * 1000) + 1000)
 return {-1, '0'}
+"""
+
+# KEYS: api_keys (hash: name -> the key's JSON, ``hotwire_api.keys.Key``), api_key_edits, audit. ARGV: op ("add",
+# "rotate", "revoke"), name, the new entry's JSON (add, rotate), keep_an_admin (1|0), who, at, replica. Returns 200
+# once made, 409 a name taken (add), 404 no such key (rotate, revoke), 423 the last operator admin key (revoke with
+# keep_an_admin). A rotation keeps the entry's role and tenant. The audit stream gets the change in the same step.
+EDIT_KEY = """
+local old = redis.call('HGET', KEYS[1], ARGV[2])
+local op, action = ARGV[1], 'key_added'
+if op == 'add' and old then return 409 end
+if op ~= 'add' and not old then return 404 end
+local function operator_admin(doc)
+  local key = cjson.decode(doc)
+  return key.role == 'admin' and (key.tenant == nil or key.tenant == cjson.null)
+end
+if op == 'revoke' then
+  if ARGV[4] == '1' and operator_admin(old) then
+    local admins = 0
+    for _, doc in ipairs(redis.call('HVALS', KEYS[1])) do
+      if operator_admin(doc) then admins = admins + 1 end
+    end
+    if admins == 1 then return 423 end
+  end
+  redis.call('HDEL', KEYS[1], ARGV[2])
+  action = 'key_revoked'
+else
+  local new = ARGV[3]
+  if op == 'rotate' then
+    local key, made = cjson.decode(old), cjson.decode(ARGV[3])
+    key.sha256, key.created = made.sha256, made.created
+    new, action = cjson.encode(key), 'key_rotated'
+  end
+  redis.call('HSET', KEYS[1], ARGV[2], new)
+end
+redis.call('INCR', KEYS[2])
+redis.call('XADD', KEYS[3], '*', 'at', ARGV[6], 'who', ARGV[5], 'action', action, 'id', ARGV[2], 'replica', ARGV[7])
+return 200
 """

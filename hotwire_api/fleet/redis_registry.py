@@ -109,7 +109,7 @@ class RedisRegistry:
         self._put_blob, self._collect, self._forget_retired = script(lua.PUT_BLOB), script(lua.COLLECT), script(lua.FORGET_RETIRED)
         self._reconcile, self._gate, self._mark = script(lua.RECONCILE), script(lua.GATE), script(lua.MARK_REPAIRED)
         self._heartbeat, self._edit_monitor = script(lua.HEARTBEAT), script(lua.EDIT_MONITOR)
-        self._take_registration = script(lua.TAKE_REGISTRATION)
+        self._take_registration, self._edit_key = script(lua.TAKE_REGISTRATION), script(lua.EDIT_KEY)
 
     @property
     def display_url(self) -> str:
@@ -320,6 +320,20 @@ class RedisRegistry:
         keys = [self.keys.monitors, self.keys.monitor_edits]
         old = await self._do(self._edit_monitor(keys=keys, args=[monitor_id, doc or ""]))
         return _str(old) if old is not None else None
+
+    # -- the fleet's API keys (``fleet.key_ring``) ---------------------------------------------------------------
+
+    async def api_keys(self) -> tuple[int, list[str]]:
+        """The count of key edits so far, and every key's entry (JSON), read together."""
+        pipe = self._redis.pipeline(transaction=True).get(self.keys.api_key_edits).hvals(self.keys.api_keys)
+        edits, docs = await self._do(pipe.execute())
+        return int(edits or 0), [_str(doc) for doc in docs]
+
+    async def edit_key(self, op: str, name: str, doc: str, keep_an_admin: bool, who: str, replica: str) -> int:
+        """One key edit and its audit entry (``lua.EDIT_KEY``); returns the script's status."""
+        keys = [self.keys.api_keys, self.keys.api_key_edits, self.keys.audit]
+        args = [op, name, doc, int(keep_an_admin), who, repr(time.time()), replica]
+        return int(await self._do(self._edit_key(keys=keys, args=args)))
 
     # -- tenants' registrations per minute (``hotwire_api.quotas``) ----------------------------------------------
 

@@ -4,12 +4,16 @@ steers, reads and gates with its own vectors and the shared ones by their plain 
 those names; it never sees, uses, replaces or deletes the other's, and naming the other's vector answers exactly as
 naming a vector nobody has; its quotas refuse with 429 ``quota_exceeded``. The operator sees every namespace.
 
-One server for the module (``HOTWIRE_READOUT=1`` for the readout and gate receipts).
+One server for most of the module (``HOTWIRE_READOUT=1`` for the readout and gate receipts), and one on a real
+redis-server with the fleet's keys (``HOTWIRE_FLEET_KEYS=1``).
 """
 
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 from collections.abc import Iterator
 
 import httpx
@@ -18,6 +22,7 @@ import pytest
 import torch
 
 from hotwire_api.keys import Role, add_key
+from redis_fixture import RedisServer
 from server_fixture import VllmServer
 
 pytestmark = pytest.mark.integration
@@ -228,3 +233,50 @@ def test_quotas_refuse_a_tenant_past_its_vectors_bytes_and_rate(http, secret, ve
     response = http.post("/steer/vectors?replace=true", json={"id": "v0", "layers": rows(40)}, headers=admin)
     assert "registrations in the last minute" in refused(response, 429, "quota_exceeded")
     assert response.headers["Retry-After"]
+
+
+@pytest.fixture(scope="module")
+def fleet_server(tiny_model, tmp_path_factory) -> Iterator[tuple[VllmServer, RedisServer, str]]:
+    """A replica keeping its keys in the fleet's Redis (HOTWIRE_FLEET_KEYS=1), its operator key made with the CLI
+    before it starts."""
+    redis = RedisServer(tmp_path_factory.mktemp("redis"))
+    redis.start()
+    env = {"HOTWIRE_REGISTRY": redis.url, "HOTWIRE_FLEET_KEYS": "1", "HOTWIRE_STORE": "off",
+           "HOTWIRE_TENANT_REGISTRATIONS_PER_MIN": "2", "HOTWIRE_CATALOG_REFRESH_MS": "50"}
+    made = subprocess.run([sys.executable, "-m", "hotwire_api.cli", "keys", "--fleet", str(tiny_model), "add", "ops",
+                           "--role", "admin"], env={**os.environ, "HOTWIRE_REGISTRY": redis.url},
+                          capture_output=True, text=True, check=True)
+    srv = VllmServer(tiny_model, tmp_path_factory.mktemp("vllm-serve-fleet"), env, SERVER_ARGS)
+    srv.start()
+    yield srv, redis, json.loads(made.stdout)["key"]
+    srv.stop()
+    redis.stop()
+
+
+def test_a_fleets_keys_tenants_quotas_and_audit_live_in_its_redis(fleet_server, tiny_model) -> None:
+    srv, redis, ops_key = fleet_server
+    ops = {"Authorization": f"Bearer {ops_key}"}
+    with httpx.Client(base_url=srv.url, timeout=120) as http:
+        made = http.post("/steer/keys", json={"name": "acme-admin", "role": "admin", "tenant": "acme"}, headers=ops)
+        assert made.status_code == 201 and made.json()["tenant"] == "acme", made.text
+        acme = {"Authorization": f"Bearer {made.json()['key']}"}
+        assert http.get("/steer/keys", headers=ops).json()["file"] == "redis"
+        assert "operator" in refused(http.get("/steer/keys", headers=acme), 403, "forbidden")
+        for k in range(2):
+            assert http.post("/steer/vectors", json={"id": f"v{k}", "layers": rows(k)}, headers=acme).status_code == 201
+        message = refused(http.post("/steer/vectors", json={"id": "v2", "layers": rows(2)}, headers=acme), 429,
+                          "quota_exceeded")
+        assert "made 2 registrations in the last minute" in message
+        body = {"model": str(tiny_model), "prompt": PROMPT, "max_tokens": 2, "temperature": 0,
+                "vllm_xargs": {"hotwire": json.dumps({"id": "v1", "layer": 1, "scale": 1.0})}}
+        steered = http.post("/v1/completions", json=body, headers=acme)
+        assert steered.status_code == 200 and steered.headers[RECEIPT] == "v1@1:L1x1", steered.text
+        listed = {v["id"] for v in http.get("/steer/vectors", headers=ops).json()["vectors"]}
+        assert listed == {"acme/v0", "acme/v1"}
+        trail = [(e["who"], e["action"], e["id"]) for e in
+                 reversed(http.get("/steer/audit", headers=ops).json()["entries"])]
+        assert trail == [("cli", "key_added", "ops"), ("ops", "key_added", "acme-admin"),
+                         ("acme-admin", "register", "acme/v0"), ("acme-admin", "register", "acme/v1")]
+        assert http.delete("/steer/keys/acme-admin", headers=ops).status_code == 204
+        refused(http.get("/steer/vectors", headers=acme), 401, "unauthorized")
+        assert "last operator admin" in refused(http.delete("/steer/keys/ops", headers=ops), 409, "last_admin")

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
@@ -303,6 +304,54 @@ def test_a_tenants_registrations_per_minute_are_counted_for_the_whole_fleet(redi
 
     monkeypatch.setattr("hotwire_api.quotas.time", SimpleNamespace(time=lambda: clock[0], monotonic=time.monotonic))
     run(body)
+
+
+def test_the_fleets_keys_open_every_replica_and_each_edit_is_audited(redis_server, monkeypatch, capsys) -> None:
+    """HOTWIRE_FLEET_KEYS: a key added with ``hotwire keys --fleet`` or through one replica opens the other once it
+    polls; a rotation keeps the role and tenant; the last operator admin key may not be revoked over HTTP; each
+    edit is in the fleet's audit stream with who made it and where."""
+    from hotwire_api import cli
+    from hotwire_api.fleet.key_ring import FleetKeys
+    from hotwire_api.keys import KeysFileError, Role
+
+    monkeypatch.setenv("HOTWIRE_REGISTRY", redis_server.url)
+    assert cli.main(["keys", "--fleet", "org/model", "add", "ops", "--role", "admin"]) == 0
+    ops = json.loads(capsys.readouterr().out)["key"]
+
+    async def body() -> None:
+        async with started(redis_server.url, "a", "b") as (a, b):
+            here, there = FleetKeys(), FleetKeys()
+            await here.start(a.registry, "a")
+            await there.start(b.registry, "b")
+            assert here.error is None and here.identify(ops).role is Role.ADMIN and here.identify("hw_x") is None
+            follow = [asyncio.create_task(ring.run(0.02)) for ring in (here, there)]
+            try:
+                app = await here.add("acme-app", Role.STEER, "acme", "ops")
+                assert here.identify(app).tenant == "acme"  # at once where it was made
+                await eventually(lambda: there.identify(app) is not None)
+                rotated = await there.rotate("acme-app", "ops")
+                key = there.identify(rotated)
+                assert (key.role, key.tenant) == (Role.STEER, "acme") and there.identify(app) is None
+                await eventually(lambda: here.identify(app) is None and here.identify(rotated) is not None)
+                for edit, code in ((here.add("acme-app", Role.READ, None, "ops"), "exists"),
+                                   (here.rotate("nobody", "ops"), "unknown_key"),
+                                   (here.revoke("ops", True, "ops"), "last_admin")):
+                    with pytest.raises(KeysFileError) as info:
+                        await edit
+                    assert info.value.code == code
+                await here.revoke("acme-app", True, "ops")
+                await eventually(lambda: there.identify(rotated) is None)
+                assert [k.name for k in await there.keys()] == ["ops"]
+            finally:
+                for task in follow:
+                    task.cancel()
+            trail = [(e.who, e.action, e.id, e.replica) for e in reversed(await a.registry.audit(10))]
+            assert trail == [("cli", "key_added", "ops", "cli"), ("ops", "key_added", "acme-app", "a"),
+                             ("ops", "key_rotated", "acme-app", "b"), ("ops", "key_revoked", "acme-app", "a")]
+
+    run(body)
+    assert cli.main(["keys", "--fleet", "org/model", "list"]) == 0
+    assert [(k["name"], k["role"]) for k in json.loads(capsys.readouterr().out)] == [("ops", "admin")]
 
 
 @pytest.mark.parametrize("transport", ["tls", "unix"])

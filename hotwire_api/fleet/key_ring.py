@@ -1,0 +1,91 @@
+"""A fleet's API keys (``HOTWIRE_FLEET_KEYS=1``): kept in its Redis (``api_keys``, a key's entry as the keys file
+holds it: ``hotwire_api.keys.Key``), so one key with its role and tenant opens every replica, and an edit through any
+replica (or ``hotwire keys --fleet``) reaches all of them. Each edit and its audit entry are one script
+(``lua.EDIT_KEY``). Every API server polls the count of edits every ``HOTWIRE_CATALOG_REFRESH_MS`` and reads the keys
+again when it moved; until it has read them once, or while Redis does not answer at the start, only
+``HOTWIRE_API_KEY`` opens hotwire (503 ``keys_unavailable``); keys read once stay on while Redis is away."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Any
+
+from hotwire_api.errors import HotwireError
+from hotwire_api.keys import Key, KeysFileError, Role, find_key, made_key
+from hotwire_core.error_codes import ErrorCode
+
+__all__ = ["FleetKeys"]
+
+logger = logging.getLogger(__name__)
+
+_REFUSED = {409: ("a key named {name!r} is in the fleet's keys already: rotate it, or revoke it first", ErrorCode.EXISTS),
+            404: ("no key named {name!r} in the fleet's keys", ErrorCode.UNKNOWN_KEY),
+            423: ("{name!r} is the fleet's last operator admin key: add another admin key first (without one, and "
+                  "without HOTWIRE_API_KEY, nobody could manage keys or vectors over HTTP)", ErrorCode.LAST_ADMIN)}
+
+
+class FleetKeys:
+    """The keys in the fleet's Redis and ``extra`` (``HOTWIRE_API_KEY``), as ``hotwire_api.keys.KeyRing`` offers
+    them: ``identify``, ``error`` and the edits of ``/steer/keys``. ``changes`` stays empty: the script that makes
+    an edit writes its audit entry."""
+
+    kept = "redis"
+
+    def __init__(self, extra: tuple[Key, ...] = (), replica: str = "local"):
+        self.extra, self.replica = extra, replica
+        self.fleet: Any = None  # the fleet's RedisRegistry, once the app started
+        self.changes: list[tuple[str, str, str]] = []
+        self._keys: tuple[Key, ...] = ()
+        self._edits = -1
+        self.error: str | None = "the fleet's keys (HOTWIRE_FLEET_KEYS) are not read yet: the registry does not answer"
+
+    async def start(self, fleet: Any, replica: str) -> None:
+        self.fleet, self.replica = fleet, replica
+        try:
+            await self.refresh()
+        except HotwireError as exc:  # the poll reads them once the registry answers
+            logger.error("hotwire: the fleet's keys cannot be read yet: %s", exc.message)
+
+    async def refresh(self) -> None:
+        """Read the keys again if they changed since the last read (one round trip when they did not)."""
+        edits, docs = await self.fleet.api_keys()
+        if edits != self._edits:
+            self._keys = tuple(sorted((Key.model_validate_json(doc) for doc in docs), key=lambda k: k.name))
+            self._edits, self.error = edits, None
+
+    async def run(self, interval_s: float) -> None:
+        """Follow the edits made through other replicas (a lifespan task)."""
+        while True:
+            await asyncio.sleep(interval_s)
+            try:
+                await self.refresh()
+            except HotwireError as exc:  # the keys read last stay on
+                logger.debug("hotwire: the fleet's keys not read this time: %s", exc.message)
+
+    def identify(self, secret: str | None) -> Key | None:
+        return find_key(secret, (*self.extra, *self._keys))
+
+    async def keys(self) -> list[Key]:
+        await self.refresh()
+        return list(self._keys)
+
+    async def add(self, name: str, role: Role, tenant: str | None, who: str) -> str:
+        secret, key = made_key(name, role, tenant)
+        await self._edit("add", name, key.model_dump_json(), False, who)
+        return secret
+
+    async def rotate(self, name: str, who: str) -> str:
+        secret, key = made_key(name, Role.READ, None)  # the script keeps the entry's role and tenant
+        await self._edit("rotate", name, key.model_dump_json(), False, who)
+        return secret
+
+    async def revoke(self, name: str, keep_an_admin: bool, who: str) -> None:
+        await self._edit("revoke", name, "", keep_an_admin, who)
+
+    async def _edit(self, op: str, name: str, doc: str, keep_an_admin: bool, who: str) -> None:
+        status = await self.fleet.edit_key(op, name, doc, keep_an_admin, who, self.replica)
+        if status in _REFUSED:
+            message, code = _REFUSED[status]
+            raise KeysFileError(message.format(name=name), code)
+        await self.refresh()  # in force here at once
