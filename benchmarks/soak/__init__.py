@@ -66,6 +66,8 @@ Run it (from the repository root)::
     python -m benchmarks.soak --url http://127.0.0.1:8000 --model /models/qwen3-8b --clients 64
     # the replicas of a fleet (one Redis registry), each addressed directly
     python -m benchmarks.soak --url http://10.0.0.1:8000 --url http://10.0.0.2:8000 --model /models/qwen3-8b
+    # four tenants with the same ids, and one flooding distinct vectors (soak.tenants; --url: an operator --api-key)
+    python -m benchmarks.soak --tenants 4 --flood --slots 64 --clients 16 --duration 60 --out tenants.json
     # a bigger model on a GPU, extra server arguments passed through
     python -m benchmarks.soak --model /models/qwen3-8b --server-arg=--max-num-seqs=128 --clients 128
 """
@@ -73,4 +75,5 @@ Run it (from the repository root)::
 # One job a module, each importing only those above it:
 #   steering (entries sent, receipts read) -> markers (the book, choosing markers) -> responses (reading answers)
 #   -> verdicts (judging them) -> plan (config, draws, request bodies) -> clients (sending) -> calibration
-#   -> churn (vector changes) -> control_plane (poller, drain) -> report -> run (one soak) -> server -> cli
+#   -> churn (vector changes) -> control_plane (poller, drain) -> report -> run (one soak) -> tenants (several
+#   tenants' soaks at once) -> server -> cli

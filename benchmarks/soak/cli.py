@@ -12,6 +12,7 @@ import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 
+from hotwire_api.keys import Role, add_key
 from hotwire_api.server_process import ServerExited
 
 from . import __doc__ as ABOUT
@@ -20,6 +21,7 @@ from .plan import SoakConfig
 from .report import examples_text, table
 from .run import run_soak
 from .server import log_tail, own_server
+from .tenants import run_tenant_soak, tenants_table
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
@@ -54,7 +56,14 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--keep-vectors", action="store_true", help="leave the soak's vectors registered")
     parser.add_argument("--out", type=Path, default=Path("soak.json"))
     parser.add_argument("--no-fail-exit", action="store_true", help="exit 0 whatever the failure counts")
+    parser.add_argument("--tenants", type=int, default=0, help="that many tenants, each with every id and its own "
+                        "key (soak.tenants; a server of the soak's own gets a keys file)")
+    parser.add_argument("--flood", action="store_true", help="with --tenants: one more tenant flooding distinct vectors")
     args = parser.parse_args(argv)
+    if args.flood and not args.tenants:
+        parser.error("--flood needs --tenants")
+    if args.tenants and args.urls and len(args.urls) > 1:
+        parser.error("--tenants runs on one server")
     if args.urls and not args.model:
         parser.error("--url needs --model: the markers come from the served model's LM head weights")
     if args.pool < 2 and args.churned:
@@ -80,17 +89,28 @@ def main(argv: Sequence[str] | None = None) -> int:
     log: Path | None = None
     try:
         with contextlib.ExitStack() as stack:
-            urls = args.urls
+            urls, env = args.urls, {}
+            if not urls and config.tenants:  # an operator key to make the tenants' keys with
+                env = {"HOTWIRE_KEYS_FILE": str(workdir / "keys.json"), "HOTWIRE_TENANT_REGISTRATIONS_PER_MIN": "1000000"}
+                config.api_key = add_key(workdir / "keys.json", "soak-operator", Role.ADMIN)
             if not urls:
-                server = stack.enter_context(own_server(args.model, args.slots, args.server_arg, workdir, built))
+                server = stack.enter_context(own_server(args.model, args.slots, args.server_arg, workdir, built, env))
                 urls, log = [server.url], server.log
-            result = asyncio.run(run_soak(config, urls, args.model))
+            if config.tenants:
+                result = asyncio.run(run_tenant_soak(config, urls[0], args.model))
+            else:
+                result = asyncio.run(run_soak(config, urls, args.model))
     except (CalibrationError, ServerExited) as exc:
         print(f"soak: {type(exc).__name__}: {exc}\n{log_tail(log or workdir / 'server.log')}", file=sys.stderr)
         return 2
     result["server_log"] = str(log) if log else None
     args.out.write_text(json.dumps(result, indent=1))
-    print(table(result))
+    print(tenants_table(result) if config.tenants else table(result))
+    if config.tenants:
+        for tenant, part in result["tenants"].items():
+            if part["failed"]:
+                print(f"soak: {tenant}'s failures (examples):\n{examples_text(part)}")
+        return 1 if result["failed"] and not args.no_fail_exit else 0
     if result["failed"]:
         print("soak: failures (examples):\n" + examples_text(result))
         if log is not None:

@@ -43,6 +43,8 @@ class SoakConfig:
     api_key: str | None = None
     id_prefix: str = "soak"
     keep_vectors: bool = False
+    tenants: int = 0  # > 0: that many tenants, each with every id (soak.tenants)
+    flood: bool = False  # with tenants: one more flooding distinct vectors
 
 
 @dataclass

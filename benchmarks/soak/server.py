@@ -21,10 +21,10 @@ class OwnServer:
 
 
 @contextlib.contextmanager
-def own_server(model_dir: Path, slots: int, extra_args: Sequence[str], workdir: Path, built: bool
-               ) -> Iterator[OwnServer]:  # fmt: skip
+def own_server(model_dir: Path, slots: int, extra_args: Sequence[str], workdir: Path, built: bool,
+               extra_env: dict[str, str] | None = None) -> Iterator[OwnServer]:  # fmt: skip
     """``vllm serve`` with hotwire on a free port in its own process group, with the CPU environment of
-    scripts/test.sh (values already in the environment win) and ``HOTWIRE_SLOTS``; stopped on exit."""
+    scripts/test.sh (values already in the environment win), ``HOTWIRE_SLOTS`` and ``extra_env``; stopped on exit."""
     import torch
 
     from hotwire_api.server_process import free_port, start_server, stop_server, vllm_serve_command, wait_until_ready
@@ -33,7 +33,7 @@ def own_server(model_dir: Path, slots: int, extra_args: Sequence[str], workdir: 
     env = {**SERVER_ENV, **os.environ}
     if not torch.cuda.is_available():
         env = with_cpu_env(env)
-    env.update(HOTWIRE_SLOTS=str(slots), PYTHONUNBUFFERED="1")
+    env.update(HOTWIRE_SLOTS=str(slots), PYTHONUNBUFFERED="1", **(extra_env or {}))
     defaults = ["--dtype", "float32", "--max-model-len", "4096"] if built else []
     if not torch.cuda.is_available():
         defaults.append("--enforce-eager")  # short engine starts on the CPU

@@ -230,6 +230,19 @@ def test_wrong_vector_foreign_marker_or_unsteered():
     assert verdict(observation(Spec("plain"), route="responses", text="xxDDDD"))[0] == "wrong_vector"
 
 
+def test_a_tenants_book_names_its_own_ids_plainly_and_judges_another_tenants_marker_wrong():
+    from soak.tenants import tenant_book
+
+    combined = MarkerBook(dict(TEXTS), {"t0/s": [10], "t1/s": [20], "t0/c": [21], "t1/c": [30]})
+    mine = tenant_book(combined, "t0")
+    assert mine.pools == {"s": [10], "t1/s": [20], "c": [21], "t1/c": [30]} and mine.owner[20] == "t1/s"
+    mine.record("s", 1, 10)
+    assert verdict(observation(single("s"), "s@1:L3x100", [10] * N), mine)[0] == "ok"
+    leak = classify(observation(single("s"), "s@1:L3x100", [20] * N), mine, N)  # t1's s in t0's response
+    assert (leak.kind, leak.reason) == ("wrong_vector", "all: another id's marker") and "t1/s" in leak.detail
+    assert verdict(observation(Spec("plain"), None, [30] * N), mine) == ("wrong_vector", "plain request shows a marker")
+
+
 def test_phase_leaks():
     decode = observation(single("c", phase="decode"), "c@1:L3x100,decode_only", [20] * N)
     assert verdict(decode) == ("wrong_phase", "decode_only steered the other phase too")

@@ -1,0 +1,179 @@
+"""A soak of several tenants on one server (``--tenants N``): each tenant ``t0``, ``t1``, ... gets an admin key of
+its own (made over ``/steer/keys`` with the operator's ``--api-key``), registers the same ids as every other tenant
+(``soak-s00`` is ``t0/soak-s00`` to the engine, ``t1/soak-s00`` to the next) with markers of its own, and runs the
+soak's clients and churn with them, all tenants at once. Each tenant's responses are judged against its own book,
+which also knows the other tenants' markers (as ``t1/soak-s00`` and so on): a response showing another tenant's
+marker is a ``wrong_vector`` named after that tenant's id (a cross-tenant leak). With ``--flood``, one more tenant
+registers distinct vectors as fast as the server takes them and steers one request with each, then deletes it
+(its refusals, 429 ``quota_exceeded`` among them, are counted, not failures): the other tenants' latencies beside
+it are what its fair share protects."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import itertools
+import time
+from collections import Counter
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import httpx
+import numpy as np
+
+from .calibration import calibrate, read_model, served_model, single_token_texts, steerable_layers
+from .churn import Churn, delete_all, register_all
+from .clients import Clock, http_client
+from .control_plane import Poller, drain_all
+from .markers import MarkerBook, unit, vector_body
+from .plan import Plan, SoakConfig, soak_ids
+from .report import report
+from .run import traffic
+
+__all__ = ["Flood", "run_tenant_soak", "tenant_book", "tenant_names", "tenants_table"]
+
+FLOOD = "flood"
+
+
+def tenant_names(config: SoakConfig) -> list[str]:
+    return [f"t{k}" for k in range(config.tenants)]
+
+
+def tenant_book(combined: MarkerBook, tenant: str) -> MarkerBook:
+    """``tenant``'s book: its own ids by their plain names, the other tenants' by their full ids."""
+    prefix = f"{tenant}/"
+    return MarkerBook(combined.text, {i.removeprefix(prefix): pool for i, pool in combined.pools.items()})
+
+
+async def make_keys(url: str, config: SoakConfig, tenants: Sequence[str]) -> dict[str, str]:
+    """An admin key for each tenant, made with the operator's key (``soak-<tenant>``, replacing one left over)."""
+    keys = {}
+    async with http_client(url, config) as http:
+        for tenant in tenants:
+            name = f"soak-{tenant}"
+            await http.delete(f"/steer/keys/{name}")
+            made = await http.post("/steer/keys", json={"name": name, "role": "admin", "tenant": tenant})
+            if made.status_code != 201:
+                raise RuntimeError(f"the operator key cannot make {name} ({made.status_code}): {made.text[:300]} "
+                                   "(--tenants needs a server with HOTWIRE_KEYS_FILE and --api-key an operator admin key)")
+            keys[tenant] = made.json()["key"]
+    return keys
+
+
+async def revoke_keys(url: str, config: SoakConfig, tenants: Sequence[str]) -> None:
+    async with http_client(url, config) as http:
+        for tenant in tenants:
+            await http.delete(f"/steer/keys/soak-{tenant}")
+
+
+@dataclasses.dataclass
+class Flood:
+    """What the flooding tenant did."""
+
+    registered: int = 0
+    steered: int = 0
+    refused: Counter[str] = dataclasses.field(default_factory=Counter)
+
+    async def run(self, url: str, config: SoakConfig, plan: Plan, rows: np.ndarray, until: float, clock: Clock) -> None:
+        """Register a new id, steer one request with it, delete it; again until ``until``."""
+        rng = np.random.default_rng(config.seed + 7)
+        async with http_client(url, config) as http:
+            for i in itertools.count():
+                if clock.now() >= until:
+                    return
+                vector_id = f"{config.id_prefix}-flood-{i}"
+                made = await http.post("/steer/vectors", json=vector_body(vector_id, unit(rows[rng.integers(len(rows))])))
+                if made.status_code != 201:
+                    self.refused[f"register {made.status_code} {_code(made)}"] += 1
+                    await asyncio.sleep(0.05)
+                    continue
+                self.registered += 1
+                spec = f'{{"id": "{vector_id}", "layer": {plan.layer}, "scale": {plan.strength}}}'
+                body = {"model": plan.model, "prompt": "flood", "max_tokens": 2, "temperature": 0,
+                        "vllm_xargs": {"hotwire": spec}}
+                steered = await http.post("/v1/completions", json=body)
+                if steered.status_code == 200:
+                    self.steered += 1
+                else:
+                    self.refused[f"steer {steered.status_code} {_code(steered)}"] += 1
+                await http.delete(f"/steer/vectors/{vector_id}")
+
+
+def _code(response: httpx.Response) -> str:
+    try:
+        return str(response.json()["error"]["code"])
+    except (ValueError, KeyError, TypeError):
+        return "?"
+
+
+async def run_tenant_soak(config: SoakConfig, url: str, model_dir: Path) -> dict[str, Any]:
+    """The soak of ``config.tenants`` tenants (and a flooding one with ``config.flood``) on the server at ``url``;
+    returns every tenant's report (``report.report``) with their failures summed in ``failed``."""
+    facts = read_model(model_dir)
+    texts = single_token_texts(model_dir, facts.unembedding.shape[0])
+    static, churned = soak_ids(config)
+    tenants = tenant_names(config)
+    async with http_client(url, config) as http:
+        model = await served_model(http)
+        layers = steerable_layers(((await http.get("/steer/slots")).json().get("model") or {}).get("layers", ""))
+    layer = facts.n_layers - 1
+    assert layer in layers, f"the server does not steer layer {layer}"
+    plan = Plan(model, layer, config.strength or 0.0, static, churned, config)
+    pools = {f"{t}/{i}": 1 for t in tenants for i in static} | {f"{t}/{i}": config.pool for t in tenants for i in churned}
+    combined, calibration = await calibrate(url, plan, facts, texts, pools)
+    keys = await make_keys(url, config, [*tenants, *([FLOOD] if config.flood else [])])
+    clock = Clock()
+    each = {}
+    for k, tenant in enumerate(tenants):
+        own = dataclasses.replace(config, api_key=keys[tenant], clients=max(1, config.clients // len(tenants)),
+                                  seed=config.seed * 100 + k)
+        book = tenant_book(combined, tenant)
+        await register_all([url], own, book, facts.unembedding, static + churned, clock)
+        each[tenant] = (own, Plan(model, layer, plan.strength, static, churned, own), book, Churn(), [])
+    flood = Flood()
+    poller = Poller(url, config)
+    began = clock.now()
+    until = began + config.duration
+    poller.start()
+    try:
+        jobs = [traffic([url], p, book, facts.unembedding, churn, clock, until, out) for _, p, book, churn, out in each.values()]
+        if config.flood:
+            flooding = dataclasses.replace(config, api_key=keys[FLOOD])
+            jobs.append(flood.run(url, flooding, dataclasses.replace(plan, config=flooding), facts.unembedding, until,
+                                  clock))
+        await asyncio.gather(*jobs)
+    finally:
+        elapsed = clock.now() - began
+        poller.halt.set()
+        poller.join(timeout=35)
+    drained = await drain_all([url], config)
+    for own, *_ in each.values():
+        if not config.keep_vectors:
+            await delete_all(url, own, static + churned)
+    await revoke_keys(url, config, [*tenants, *([FLOOD] if config.flood else [])])
+    reports = {t: report(own, [url], p, calibration, book, out, churn, poller, drained, elapsed)
+               for t, (own, p, book, churn, out) in each.items()}
+    return {"tenants": reports, "failed": sum(r["failed"] for r in reports.values()), "elapsed_s": round(elapsed, 2),
+            "flood": {"registered": flood.registered, "steered": flood.steered, "refused": dict(flood.refused),
+                      "registrations_per_s": round(flood.registered / elapsed, 2) if elapsed else None} if config.flood else None,
+            "config": dataclasses.asdict(config) | {"api_key": bool(config.api_key)}, "at": time.time()}
+
+
+def tenants_table(result: dict[str, Any]) -> str:
+    """One line per tenant: requests, failures by kind, latency p50/p99 of plain and steered requests."""
+    lines = [f"soak: {len(result['tenants'])} tenants for {result['elapsed_s']} s, failed {result['failed']}"]
+    for tenant, r in result["tenants"].items():
+        failures = ", ".join(f"{k} {v}" for k, v in r["failures"].items() if v) or "none"
+        lat = r["latency_ms"]
+        lines.append(f"  {tenant}: {r['requests']['total']} requests, ok {r['requests']['ok']}, refused_expected "
+                     f"{r['requests']['refused_expected']}, failures: {failures}; total ms p50/p99 plain "
+                     f"{lat['plain']['total']['p50']}/{lat['plain']['total']['p99']}, steered "
+                     f"{lat['steered']['total']['p50']}/{lat['steered']['total']['p99']}; churn "
+                     f"{r['churn']['replaced']} replaced, {r['churn']['deleted']} deleted")
+    if result["flood"]:
+        f = result["flood"]
+        lines.append(f"  flood: {f['registered']} distinct vectors registered ({f['registrations_per_s']}/s), "
+                     f"{f['steered']} steered requests, refused {f['refused'] or 'none'}")
+    return "\n".join(lines)
+
