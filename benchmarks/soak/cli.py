@@ -92,6 +92,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             urls, env = args.urls, {}
             if not urls and config.tenants:  # an operator key to make the tenants' keys with
                 env = {"HOTWIRE_KEYS_FILE": str(workdir / "keys.json"), "HOTWIRE_TENANT_REGISTRATIONS_PER_MIN": "1000000"}
+                (workdir / "keys.json").unlink(missing_ok=True)  # the soak's own: a fresh one each run
                 config.api_key = add_key(workdir / "keys.json", "soak-operator", Role.ADMIN)
             if not urls:
                 server = stack.enter_context(own_server(args.model, args.slots, args.server_arg, workdir, built, env))
