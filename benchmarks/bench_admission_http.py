@@ -10,6 +10,8 @@ the ASGI interface:
     plain               through admission, no steering
     steered, repeated   one spec string again and again (the decision cache hits)
     steered, distinct   a scale drawn per request (every spec string new: parsed and decided anew)
+    operator key        steered, repeated, on an app with a keys file: the operator's key
+    tenant key          the same with a tenant's key, naming the tenant's vector by its plain name
 
     python benchmarks/bench_admission_http.py --requests 5000 [--profile]
 """
@@ -23,6 +25,7 @@ import json
 import pstats
 import random
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -34,6 +37,7 @@ import test_api_routes as harness  # noqa: E402  (the unit tests' app and engine
 from fastapi.testclient import TestClient  # noqa: E402
 
 from hotwire_api.admission import AdmissionMiddleware  # noqa: E402
+from hotwire_api.keys import Role, add_key  # noqa: E402
 from hotwire_api.settings import Settings  # noqa: E402
 
 ANSWER = b'{"choices": [{"text": "x"}], "usage": {"completion_tokens": 1}}'
@@ -51,7 +55,7 @@ async def route(scope: dict[str, Any], receive: Any, send: Any) -> None:
     await send({"type": "http.response.body", "body": ANSWER})
 
 
-async def one(app: Any, target: Any, body: bytes) -> None:
+async def one(app: Any, target: Any, body: bytes, key: str | None = None) -> None:
     sent = False
 
     async def receive() -> dict[str, Any]:
@@ -68,7 +72,8 @@ async def one(app: Any, target: Any, body: bytes) -> None:
 
     scope = {"type": "http", "method": "POST", "path": "/v1/chat/completions", "raw_path": b"/v1/chat/completions",
              "root_path": "", "query_string": b"", "app": app,
-             "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]}
+             "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
+                         *([(b"authorization", f"Bearer {key}".encode())] if key else [])]}
     await target(scope, receive, send)
     assert out[0]["status"] == 200, out
 
@@ -83,10 +88,23 @@ def bodies(kind: str, n: int) -> list[bytes]:
             for _ in range(n)]
 
 
-async def timed(app: Any, target: Any, batch: list[bytes]) -> float:
+def _keyed_app() -> tuple[Any, dict[str, str]]:
+    """An app with a keys file: an operator's admin key, which registers the shared ``happy``, and a tenant's admin
+    key (tenant ``acme``), which registers its own ``happy``."""
+    path = Path(tempfile.mkdtemp(prefix="hotwire-bench-")) / "keys.json"
+    keys = {"operator": add_key(path, "ops", Role.ADMIN), "tenant": add_key(path, "acme", Role.ADMIN, "acme")}
+    app = harness._openai_app(harness.FakeEngine(), Settings(keys_file=str(path)))
+    client = TestClient(app)
+    for key in keys.values():
+        client.headers["Authorization"] = f"Bearer {key}"
+        assert harness._upload(client, "happy", harness._vector()).status_code == 201
+    return app, keys
+
+
+async def timed(app: Any, target: Any, batch: list[bytes], key: str | None = None) -> float:
     start = time.process_time()
     for body in batch:
-        await one(app, target, body)
+        await one(app, target, body, key)
     return (time.process_time() - start) / len(batch) * 1e6
 
 
@@ -98,14 +116,18 @@ async def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     app = harness._openai_app(harness.FakeEngine(), Settings())
     assert harness._upload(TestClient(app), "happy", harness._vector()).status_code == 201
+    keyed, keys = _keyed_app()
     admission = AdmissionMiddleware(route)
-    cases = {"bare": (route, "plain"), "plain": (admission, "plain"), "steered, repeated": (admission, "repeated"),
-             "steered, distinct": (admission, "distinct")}
-    for target, kind in cases.values():
-        await timed(app, target, bodies(kind, 200))  # warm up
+    cases = {"bare": (app, route, "plain", None), "plain": (app, admission, "plain", None),
+             "steered, repeated": (app, admission, "repeated", None),
+             "steered, distinct": (app, admission, "distinct", None),
+             "operator key": (keyed, admission, "repeated", keys["operator"]),
+             "tenant key": (keyed, admission, "repeated", keys["tenant"])}
+    for where, target, kind, key in cases.values():
+        await timed(where, target, bodies(kind, 200), key)  # warm up
     for r in range(args.rounds):
-        figures = [f"{name} {await timed(app, target, bodies(kind, args.requests)):.1f} us"
-                   for name, (target, kind) in cases.items()]
+        figures = [f"{name} {await timed(where, target, bodies(kind, args.requests), key):.1f} us"
+                   for name, (where, target, kind, key) in cases.items()]
         print(f"round {r}: " + ", ".join(figures), flush=True)
     if args.profile:
         profile = cProfile.Profile()

@@ -249,10 +249,23 @@ async def _name_for_engine(engine: HotwireEngine, tenancy: Tenancy, holder: dict
     def exists(vector_id: str) -> bool:
         return CATALOG.lookup(vector_id, None) is not None
 
-    if SPEC_KEY in holder:
-        holder[SPEC_KEY] = tenancy.spec(holder[SPEC_KEY], exists)
-    if READOUT_KEY in holder:
-        holder[READOUT_KEY] = tenancy.readout(holder[READOUT_KEY], exists)
+    for field, rename in ((SPEC_KEY, tenancy.spec), (READOUT_KEY, tenancy.readout)):
+        value = holder.get(field)
+        if value is None:
+            continue
+        key = (tenancy.tenant, field, value, CATALOG.state) if isinstance(value, str) and len(value) <= _CACHED_SPEC_CHARS else None
+        renamed = _RENAMED.get(key) if key else None
+        if renamed is None:
+            renamed = rename(value, exists)
+            if key:  # (as the catalog is now: no await since)
+                if len(_RENAMED) >= _DECIDED_KEPT:
+                    _RENAMED.clear()
+                _RENAMED[key] = renamed
+        holder[field] = renamed
+
+
+# A tenant's specs and readouts renamed for the engine, by (tenant, field, string, catalog state), as _DECIDED.
+_RENAMED: dict[tuple[str | None, str, str, int], Any] = {}
 
 
 async def _decide(engine: HotwireEngine, spec: Any) -> tuple[str, str]:
