@@ -98,6 +98,8 @@ class SlotStats(_EngineResult):
     pinned: int
     free: int
     evictions: int
+    tenant_rows: int = Field(0, description="Bank rows one tenant's vectors may pin at once in each engine core "
+                             "(HOTWIRE_TENANT_ROWS).")
     refused: dict[str, int] = Field(
         description="Requests the engine refused at admission, by reason (HTTP refusals: /metrics hotwire_refusals_total)."
     )
@@ -331,3 +333,21 @@ class Completion(BaseModel):
     gate: GateReceipt | None = Field(None, description="hotwire_gate, when the steering is gated.")
     prompt_tokens: int
     completion_tokens: int
+
+
+class TenantUsage(BaseModel):
+    """What one tenant holds and uses now, beside its quotas (docs/security.md, "Tenants")."""
+
+    tenant: str
+    vectors: int = Field(description="Vectors it holds registered (HOTWIRE_TENANT_VECTORS at most).")
+    bytes: int = Field(description="Their bytes (HOTWIRE_TENANT_MB at most).")
+    registrations_last_minute: int = Field(description="Its registrations in the last 60 s "
+                                           "(HOTWIRE_TENANT_REGISTRATIONS_PER_MIN at most; in a fleet, on every replica).")
+    pinned_rows: int = Field(description="Bank rows its vectors' running requests pin now, summed over engine cores.")
+    limits: dict[str, int] = Field(description="Its quotas: vectors, bytes, registrations_per_minute, and rows (pinned "
+                                   "at once in each engine core).")
+
+
+class UsageList(BaseModel):
+    tenants: list[TenantUsage] = Field(description="A tenant's key: its own; the operator's: every tenant that holds "
+                                       "a vector or pins a row.")

@@ -86,6 +86,13 @@ class Quotas:
 
         return give_back
 
+    async def recent(self, tenant: str, fleet: Any = None) -> int:
+        """``tenant``'s registrations in the last minute (``fleet``: counted in its Redis)."""
+        if fleet is not None:
+            return await fleet.registrations_since(tenant, time.time() - WINDOW_S)
+        now = time.monotonic()
+        return sum(1 for at in self._recent[tenant] if at > now - WINDOW_S)
+
     def _too_many(self, tenant: str, count: int, oldest: float, now: float) -> HotwireError:
         return _exceeded(f"tenant {tenant!r} made {count} registrations in the last minute, its quota "
                          f"(HOTWIRE_TENANT_REGISTRATIONS_PER_MIN={self.per_minute}); retry in "

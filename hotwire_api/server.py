@@ -17,6 +17,7 @@ from hotwire_api.metrics import register_collector
 from hotwire_api.routes import router
 from hotwire_api.settings import Settings
 from hotwire_api.quotas import Quotas
+from hotwire_api.usage_routes import router as usage_router
 from hotwire_api.vector_registry import registry_for
 
 
@@ -34,5 +35,6 @@ def attach(app: FastAPI, settings: Settings | None = None) -> None:
     app.include_router(router)
     app.include_router(key_router)
     app.include_router(monitor_router)
+    app.include_router(usage_router)
     app.add_middleware(AdmissionMiddleware, lenient=settings.lenient)
     register_collector()

@@ -220,6 +220,7 @@ class StatsResult(TypedDict):
     pinned: int
     free: int
     evictions: int
+    tenant_rows: int  # bank rows one tenant's vectors may pin at once (HOTWIRE_TENANT_ROWS)
     rows: list[SlotRow]
     refused: dict[str, int]
     steered_requests: int

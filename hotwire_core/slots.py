@@ -171,5 +171,6 @@ class SlotCache:
             "pinned": self.pinned,
             "free": len(self._free),
             "evictions": self.evictions,
+            "tenant_rows": self.tenant_rows,
             "rows": rows,
         }

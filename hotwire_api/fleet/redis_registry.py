@@ -339,14 +339,16 @@ class RedisRegistry:
 
     async def take_registration(self, tenant: str, now: float, window_s: float, limit: int,
                                 token: str) -> tuple[int, float] | None:
-        """Count a registration of ``tenant`` as ``token``; with ``limit`` in the window already, (their count,
-        the oldest one's time) instead."""
+        """Count ``tenant``'s registration ``token``; with ``limit`` in the window, (their count, the oldest's time)."""
         count, oldest = await self._do(self._take_registration(keys=[self.keys.registrations(tenant)],
                                                                args=[repr(now), repr(window_s), limit, token]))
         return None if int(count) < 0 else (int(count), float(oldest))
 
     async def give_back_registration(self, tenant: str, token: str) -> None:
         await self._do(self._redis.zrem(self.keys.registrations(tenant), token))
+
+    async def registrations_since(self, tenant: str, since: float) -> int:
+        return int(await self._do(self._redis.zcount(self.keys.registrations(tenant), f"({since!r}", "+inf")))
 
     # -- the event stream --------------------------------------------------------------------------------------
 

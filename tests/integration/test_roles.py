@@ -91,6 +91,7 @@ def test_every_role_on_every_route(server, keys) -> None:
         ("GET", "/steer/slots", None, Role.READ, 200),
         ("GET", "/steer/fleet", None, Role.READ, 200),
         ("GET", "/steer/vectors", None, Role.STEER, 200),
+        ("GET", "/steer/usage", None, Role.STEER, 200),
         ("GET", "/steer/vectors/base", None, Role.STEER, 200),
         ("GET", "/steer/vectors/base/file", None, Role.STEER, 200),
         ("POST", "/steer/vectors", upload, Role.ADMIN, 201),

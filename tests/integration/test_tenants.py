@@ -234,6 +234,13 @@ def test_quotas_refuse_a_tenant_past_its_vectors_bytes_and_rate(http, secret, ve
     assert "registrations in the last minute" in refused(response, 429, "quota_exceeded")
     assert response.headers["Retry-After"]
 
+    (mine,) = http.get("/steer/usage", headers=key("acme-app", secret)).json()["tenants"]
+    assert (mine["tenant"], mine["vectors"], mine["bytes"], mine["registrations_last_minute"]) == ("acme", 4, 5 * 1024, 8)
+    assert mine["limits"] == {"vectors": 4, "bytes": 8388, "registrations_per_minute": 8, "rows": mine["limits"]["rows"]}
+    assert mine["limits"]["rows"] >= 1
+    every = {u["tenant"]: u for u in http.get("/steer/usage", headers=key("ops", secret)).json()["tenants"]}
+    assert set(every) == {"acme", "beta"} and every["beta"]["bytes"] == 8192 and every["acme"] == mine
+
 
 @pytest.fixture(scope="module")
 def fleet_server(tiny_model, tmp_path_factory) -> Iterator[tuple[VllmServer, RedisServer, str]]:
@@ -277,6 +284,8 @@ def test_a_fleets_keys_tenants_quotas_and_audit_live_in_its_redis(fleet_server, 
                  reversed(http.get("/steer/audit", headers=ops).json()["entries"])]
         assert trail == [("cli", "key_added", "ops"), ("ops", "key_added", "acme-admin"),
                          ("acme-admin", "register", "acme/v0"), ("acme-admin", "register", "acme/v1")]
+        (usage,) = http.get("/steer/usage", headers=acme).json()["tenants"]
+        assert (usage["vectors"], usage["registrations_last_minute"]) == (2, 2)  # counted in Redis
         assert http.delete("/steer/keys/acme-admin", headers=ops).status_code == 204
         refused(http.get("/steer/vectors", headers=acme), 401, "unauthorized")
         assert "last operator admin" in refused(http.delete("/steer/keys/ops", headers=ops), 409, "last_admin")
