@@ -18,6 +18,7 @@ from hotwire_api.steer_router import error_doc, steer_router
 from hotwire_core.admission import Refusal, row_key
 from hotwire_core.error_codes import ErrorCode
 from hotwire_core.readout_admission import resolve_readout
+from hotwire_core.spec import tenant_of
 
 __all__ = ["router"]
 
@@ -74,7 +75,7 @@ async def list_monitors(request: Request) -> MonitorList:
     "/monitors", status_code=201, response_model=MonitorList,
     summary="Add (or replace) a monitor: a probe read on every chat and completions request, scored per request",
     responses={200: {"model": MonitorList, "description": "Replaced a monitor (`?replace=true`)."},
-               400: error_doc("A monitor that is not one (`bad_request`), a probe that is not registered "
+               400: error_doc("A monitor that is not one, or whose probe is a tenant's (`bad_request`), a probe that is not registered "
                               "(`unknown_vector`) or has no row at the layer (`no_row_for_layer`, "
                               "`layer_out_of_range`), or more monitors than one request may read (`bad_readout`, "
                               "`too_many_rows`)."),
@@ -83,6 +84,9 @@ async def list_monitors(request: Request) -> MonitorList:
 )
 async def add_monitor(body: Monitor, request: Request, response: Response,
                       replace: bool = Query(False, description="Replace the monitor with this id.")) -> MonitorList:
+    if tenant_of(body.probe):  # its name would go out in every tenant's responses, its rows pin that tenant's share
+        raise HotwireError(400, ErrorCode.BAD_REQUEST, f"a monitor reads every tenant's requests: its probe must be a "
+                           f"shared vector, not {body.probe!r} of tenant {tenant_of(body.probe)!r}", "probe")
     book = _book(request)
     others = [m for m in book.current() if m.id != body.id]
     if len(others) < len(book.current()) and not replace:

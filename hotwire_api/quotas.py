@@ -1,11 +1,11 @@
 """A tenant's quotas on what it registers (``hotwire_api.tenancy``): the vectors and bytes it holds registered
 (``HOTWIRE_TENANT_VECTORS``, ``HOTWIRE_TENANT_MB``) and its registrations per minute
 (``HOTWIRE_TENANT_REGISTRATIONS_PER_MIN``); past one, 429 ``quota_exceeded``. The bank rows a tenant's requests pin
-at once are the engine's to limit (``HOTWIRE_TENANT_ROWS``, ``hotwire_core.slots``). The operator's keys, and
-shared vectors, have no quota.
+at once are the engine's to limit (``HOTWIRE_TENANT_ROWS``, ``hotwire_core.slots``). A quota is the namespace's,
+whichever key registers into it; shared vectors have none.
 
-One API server checks a tenant's registrations one at a time, against the registry as its engine holds it. In a
-fleet (``HOTWIRE_REGISTRY``) the registrations per minute are counted in its Redis, for every replica together; two
+One API server checks a tenant's registrations one at a time, each against the registry as its engine holds it once
+the one before is done (an extraction is checked before its captures too). In a fleet (``HOTWIRE_REGISTRY``) the registrations per minute are counted in its Redis, for every replica together; two
 replicas registering for one tenant at the same moment may each pass the last free place for a vector or its bytes.
 """
 
@@ -17,7 +17,7 @@ import math
 import time
 import uuid
 from collections import defaultdict, deque
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 from hotwire_api.errors import HotwireError
@@ -28,6 +28,7 @@ from hotwire_core.spec import tenant_of
 
 __all__ = ["Quotas", "size_of"]
 
+Held = Callable[[], Awaitable[list[VectorMeta]]]  # every current vector, asked for when needed
 _ITEM_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
 WINDOW_S = 60.0
 
@@ -46,18 +47,17 @@ class Quotas:
         self._locks: defaultdict[str, asyncio.Lock] = defaultdict(asyncio.Lock)
 
     @contextlib.asynccontextmanager
-    async def registering(self, vector_id: str, nbytes: int, held: list[VectorMeta],
-                          fleet: Any = None) -> AsyncIterator[None]:
-        """Around the registration of ``nbytes`` as ``vector_id``, the engine holding ``held`` (every current
-        vector): raise 429 ``quota_exceeded`` if it would take the id's tenant past a quota. ``fleet``: the fleet's
-        Redis registry (``VectorRegistry.fleet_store``), which counts the registrations per minute; None: this
-        server counts them. A registration that fails is not counted."""
+    async def registering(self, vector_id: str, nbytes: int, held: Held, fleet: Any = None) -> AsyncIterator[None]:
+        """Around the registration of ``nbytes`` as ``vector_id``: raise 429 ``quota_exceeded`` if it would take the
+        id's tenant past a quota. ``held``: every current vector, asked for once the tenant's registrations before
+        this one are done. ``fleet``: the fleet's Redis registry (``VectorRegistry.fleet_store``), which counts the
+        registrations per minute; None: this server counts them. A registration that fails is not counted."""
         tenant = tenant_of(vector_id)
         if not tenant:
             yield
             return
         async with self._locks[tenant]:
-            self._check_held(tenant, vector_id, nbytes, held)
+            self._check_held(tenant, vector_id, nbytes, await held())
             give_back = await self._count(tenant, fleet)
             try:
                 yield
@@ -85,6 +85,17 @@ class Quotas:
                 recent.remove(now)
 
         return give_back
+
+    async def admissible(self, vector_id: str, held: Held, fleet: Any = None) -> None:
+        """Raise 429 ``quota_exceeded`` now if registering ``vector_id`` would take its tenant past its vectors or
+        its registrations per minute (before an extraction's captures: its bytes are checked when it registers)."""
+        tenant = tenant_of(vector_id)
+        if tenant:
+            self._check_held(tenant, vector_id, 0, await held())
+            count = await self.recent(tenant, fleet)
+            if count >= self.per_minute:
+                raise _exceeded(f"tenant {tenant!r} made {count} registrations in the last minute, its quota "
+                                f"(HOTWIRE_TENANT_REGISTRATIONS_PER_MIN={self.per_minute}); retry within a minute")
 
     async def recent(self, tenant: str, fleet: Any = None) -> int:
         """``tenant``'s registrations in the last minute (``fleet``: counted in its Redis)."""

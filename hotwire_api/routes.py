@@ -28,7 +28,7 @@ from hotwire_api.settings import Settings
 from hotwire_api.uploads import decode_upload
 from hotwire_api.vector_registry import VectorRegistry
 from hotwire_core.error_codes import ErrorCode
-from hotwire_core.spec import TENANT_RE, VECTOR_ID_RE, tenant_of
+from hotwire_core.spec import TENANT_RE, VECTOR_ID_RE
 from hotwire_core.vllm_glue import inactive_reason
 from hotwire_core.vllm_glue.api_server import served_model_type
 
@@ -108,8 +108,7 @@ async def _register(request: Request, engine: HotwireEngine, vector_id: str, pay
                     via: str) -> tuple[bool, VectorMeta]:
     """Register within the quotas of the id's tenant (``hotwire_api.quotas``); the answer in the caller's names."""
     quotas: Quotas = request.app.state.hotwire_quotas
-    held = await engine.vectors() if tenant_of(vector_id) else []  # a shared vector has no quota to check
-    async with quotas.registering(vector_id, len(payload.data), held, _registry(request).fleet_store()):
+    async with quotas.registering(vector_id, len(payload.data), engine.vectors, _registry(request).fleet_store()):
         created, meta = await _registry(request).register(engine, vector_id, payload, replace,
                                                           Author(caller_name(request), via))
     return created, tenancy(request).meta(meta)
@@ -201,6 +200,8 @@ async def extract_vector(body: ExtractRequest, request: Request, response: Respo
         return await _register(request, engine, vector_id, payload, replace, "extract")
 
     body = body.model_copy(update={"id": tenancy(request).owned(body.id)})
+    quotas: Quotas = request.app.state.hotwire_quotas
+    await quotas.admissible(body.id, engine.vectors, _registry(request).fleet_store())  # before the captures
     created, result = await run_extraction(engine, body, request.app.state.hotwire_settings, rules.model, register)
     if not created:
         response.status_code = 200
@@ -336,9 +337,12 @@ async def slots(
         "then never waits on the engine. 0 (the default): fresh numbers.",
     ),
 ) -> SlotStats:
-    stats, age_s = await STATS.get(HotwireEngine.of(request.app), max_age_ms / 1000)
+    engine = HotwireEngine.of(request.app)
+    stats, age_s = await STATS.get(engine, max_age_ms / 1000)
     registry = await _registry(request).status()
-    return tenancy(request).slots(stats.model_copy(update={"age_ms": round(age_s * 1000, 1), "registry": registry}))
+    stats = stats.model_copy(update={"age_ms": round(age_s * 1000, 1), "registry": registry})
+    view = tenancy(request)
+    return stats if view.tenant is None else view.slots(stats, len(view.vectors(await engine.vectors())))
 
 
 @router.get(

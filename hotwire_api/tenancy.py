@@ -20,7 +20,7 @@ from typing import Any
 
 from hotwire_api.audit import VECTOR_ACTIONS, AuditPage
 from hotwire_api.errors import HotwireError
-from hotwire_api.models import FleetView, SlotStats, VectorMeta
+from hotwire_api.models import FleetView, RegistryStatus, ReplicaState, SlotStats, VectorMeta
 from hotwire_core.error_codes import ErrorCode
 from hotwire_core.readout_spec import parse_readout
 from hotwire_core.spec import NAME_RE, SpecError, canonical_spec, parse_spec, tenant_of
@@ -123,22 +123,30 @@ class Tenancy:
     def vectors(self, metas: list[VectorMeta]) -> list[VectorMeta]:
         return [self.meta(m) for m in metas if self.sees(m.id)]
 
-    def slots(self, stats: SlotStats) -> SlotStats:
-        """The bank's rows of vectors this caller sees (its totals are the bank's)."""
+    def slots(self, stats: SlotStats, visible: int) -> SlotStats:
+        """The bank's rows of vectors this caller sees and ``visible``, the count of vectors it sees; nothing that
+        moves when another tenant registers (the registry's event position). The bank's totals are the bank's."""
         if self.tenant is None:
             return stats
         rows = [row.model_copy(update={"id": self.shown(row.id)}) for row in stats.rows if self.sees(row.id)]
-        return stats.model_copy(update={"rows": rows})
+        return stats.model_copy(update={"rows": rows, "vectors": visible,
+                                        "registry": stats.registry and self._registry(stats.registry)})
 
     def fleet(self, view: FleetView) -> FleetView:
         if self.tenant is None:
             return view
-        replicas = [r.model_copy(update={
+        declared = set(ReplicaState.model_fields)  # a heartbeat's other fields (event positions) are left out
+        replicas = [ReplicaState.model_validate(r.model_dump(include=declared) | {
             "vectors": [v.model_copy(update={"id": self.shown(v.id)}) for v in r.vectors if self.sees(v.id)],
             "pinned_rows": [p.model_copy(update={"id": self.shown(p.id)}) for p in r.pinned_rows if self.sees(p.id)],
         }) for r in view.replicas]
         vectors = [v.model_copy(update={"id": self.shown(v.id)}) for v in view.vectors if self.sees(v.id)]
-        return view.model_copy(update={"replicas": replicas, "vectors": vectors})
+        return view.model_copy(update={"replicas": replicas, "vectors": vectors,
+                                       "registry": self._registry(view.registry)})
+
+    @staticmethod
+    def _registry(status: RegistryStatus) -> RegistryStatus:
+        return status.model_copy(update={"position": None, "events_applied": 0, "seeded": 0})
 
     def audit(self, page: AuditPage, limit: int) -> AuditPage:
         """A tenant's admins read the changes to its own vectors; the operator's, every change."""

@@ -1,9 +1,9 @@
 """Requests held in the engine core until their bank rows can be pinned (see docs/architecture.md, "the slot
-model"): first come, first served within a lane, each keeping the vector versions it resolved while it waits, and
-refused (503 ``slots_busy``; 429 ``quota_exceeded`` when its tenant's share of the bank held it) once it has waited
-``HOTWIRE_MAX_WAIT_S``. A request steering with a tenant's vectors waits in that tenant's lane, any other in the
-shared one: a tenant whose requests wait for its share of the bank (``SlotCache.tenant_rows``) holds up only its
-own."""
+model"): first come, first served, each keeping the vector versions it resolved while it waits, and refused (503
+``slots_busy``; 429 ``quota_exceeded`` when its tenant's share of the bank held it) once it has waited
+``HOTWIRE_MAX_WAIT_S``. A request steering with a tenant's vectors is in that tenant's lane, any other in the shared
+one; one that waits only for its tenant's share of the bank (``SlotCache.tenant_rows``) holds up only its own lane,
+so a tenant flooding distinct vectors never holds up the others."""
 
 from __future__ import annotations
 
@@ -57,19 +57,24 @@ class DeferredRequests:
 
     def wait_turn(self, request_id: str | None, rows: Collection[RowKey]) -> None:
         """Raise a ``slots_exhausted`` :class:`Refusal` (the request waits) while steered requests that came
-        earlier wait for rows: a preempted one waiting to pin its rows again, or held ones in the lane of a request
-        pinning ``rows`` (``request_id``: a held request, which is not behind itself). Even a request that only
-        shares rows pinned already waits: it would keep those rows pinned, and a stream of such requests could keep
-        an earlier one waiting for ever."""
-        if self._bindings.waiting_to_resume:
-            raise Refusal(429, ErrorCode.SLOTS_EXHAUSTED, "a preempted steered request is waiting for bank rows; this one waits behind it")
-        if request_id in self._held:  # admit_ready tries a lane's held requests in order
-            return
+        earlier wait for rows it would compete for (:meth:`_blocks`): a preempted one waiting to pin its rows again,
+        or held ones (``request_id``: a held request, which is not behind itself). Even a request that only shares
+        rows pinned already waits: it would keep those rows pinned, and a stream of such requests could keep an
+        earlier one waiting for ever."""
         lane = lane_of(rows)
-        ahead = sum(1 for held in self._held.values() if held.lane == lane)
+        if any(self._blocks(self._bindings[rid].keys, lane) for rid in self._bindings.waiting_to_resume):
+            raise Refusal(429, ErrorCode.SLOTS_EXHAUSTED, "a preempted steered request is waiting for bank rows; this one waits behind it")
+        if request_id in self._held:  # admit_ready tries the held requests in order
+            return
+        ahead = sum(1 for held in self._held.values() if self._blocks(held.rows, lane))
         if ahead:
             raise Refusal(429, ErrorCode.SLOTS_EXHAUSTED, "steered requests that came earlier are waiting for bank rows "
                           f"({ahead} held); this one waits behind them")  # fmt: skip
+
+    def _blocks(self, waiting: Collection[RowKey], lane: str) -> bool:
+        """Whether a request waiting to pin ``waiting`` holds up one in ``lane``: one that waits only for its tenant's
+        share of the bank holds up only its own lane; one that waits for the bank, every lane."""
+        return lane_of(waiting) == lane or not isinstance(self._bindings.slots.shortage(waiting), TenantFull)
 
     def hold(self, request: Any, resolved: Resolved, rows: Collection[RowKey] = ()) -> None:
         """Hold ``request`` with the versions it resolved to: its spec (if it steers) is pinned to them and each is
@@ -94,11 +99,11 @@ class DeferredRequests:
         return held.request
 
     def admit_ready(self, admit: Callable[[Any], object], on_refused: Callable[[Any, Refusal], None]) -> list[Any]:
-        """Admit held requests in arrival order with ``admit``; in each lane, until one still has to wait (it raises
-        a ``slots_exhausted`` :class:`Refusal`), so later small requests cannot starve an earlier large one. One
-        that has waited ``max_wait_s`` is refused instead (the oldest first: the deadlines come in arrival order),
-        and so is one refused for another reason; each is let go and reported to ``on_refused``. Returns the
-        admitted ones."""
+        """Admit held requests in arrival order with ``admit`` until one still has to wait (it raises a
+        ``slots_exhausted`` :class:`Refusal`), so later small requests cannot starve an earlier large one; one that
+        waits only for its tenant's share holds up only the later ones of its lane. One that has waited
+        ``max_wait_s`` is refused instead (the oldest first: the deadlines come in arrival order), and so is one
+        refused for another reason; each is let go and reported to ``on_refused``. Returns the admitted ones."""
         admitted, waiting = [], set()
         for request_id, held in list(self._held.items()):
             if held.lane in waiting:
@@ -109,7 +114,9 @@ class DeferredRequests:
                 if exc.code == ErrorCode.SLOTS_EXHAUSTED:
                     waited = time.monotonic() - held.since
                     if waited < self.max_wait_s:
-                        waiting.add(held.lane)
+                        if not isinstance(self._bindings.slots.shortage(held.rows), TenantFull):
+                            break  # it waits for the bank: every later one waits behind it
+                        waiting.add(held.lane)  # for its tenant's share: the later ones of its lane
                         continue
                     exc = self._gave_up(held, waited)
                     self._refused[exc.code] += 1

@@ -3,13 +3,17 @@ holds it: ``hotwire_api.keys.Key``), so one key with its role and tenant opens e
 replica (or ``hotwire keys --fleet``) reaches all of them. Each edit and its audit entry are one script
 (``lua.EDIT_KEY``). Every API server polls the count of edits every ``HOTWIRE_CATALOG_REFRESH_MS`` and reads the keys
 again when it moved; until it has read them once, or while Redis does not answer at the start, only
-``HOTWIRE_API_KEY`` opens hotwire (503 ``keys_unavailable``); keys read once stay on while Redis is away."""
+``HOTWIRE_API_KEY`` opens hotwire (503 ``keys_unavailable``); keys read once stay on while Redis is away. The keys are
+not behind the registry's restart gate: a Redis restored from an older snapshot brings back the keys it held then,
+revoked ones included (revoke them again; docs/security.md)."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
 from typing import Any
+
+import pydantic
 
 from hotwire_api.errors import HotwireError
 from hotwire_api.keys import Key, KeysFileError, Role, find_key, made_key
@@ -51,7 +55,14 @@ class FleetKeys:
         """Read the keys again if they changed since the last read (one round trip when they did not)."""
         edits, docs = await self.fleet.api_keys()
         if edits != self._edits:
-            self._keys = tuple(sorted((Key.model_validate_json(doc) for doc in docs), key=lambda k: k.name))
+            keys = []
+            for doc in docs:
+                try:
+                    keys.append(Key.model_validate_json(doc))
+                except pydantic.ValidationError as exc:  # written by hand into Redis: it opens nothing, the rest apply
+                    logger.error("hotwire: a key in the fleet's Redis is not valid and opens nothing (%s): %.200s",
+                                 exc.errors()[0]["msg"], doc)
+            self._keys = tuple(sorted(keys, key=lambda k: k.name))
             self._edits, self.error = edits, None
 
     async def run(self, interval_s: float) -> None:

@@ -205,6 +205,15 @@ def test_readouts_gates_slots_and_the_fleet_view_are_in_the_tenants_names(http, 
             for who in ("acme-view", "ops")}
     assert "beta/secret" in seen["ops"] and "acme/calm" in seen["ops"]
     assert "calm" in seen["acme-view"] and not any("/" in i or i == "secret" for i in seen["acme-view"])
+    before = http.get("/steer/slots", headers=key("acme-view", secret)).json()
+    assert before["vectors"] == 3 and before["registry"]["position"] is None  # acme's calm, the shared calm and pub
+    made = http.post("/steer/vectors", json={"id": "hidden", "layers": rows(50)}, headers=key("beta-admin", secret))
+    assert made.status_code == 201
+    assert http.get("/steer/slots", headers=key("acme-view", secret)).json()["vectors"] == 3  # beta's is no news
+    assert http.delete("/steer/vectors/hidden", headers=key("beta-admin", secret)).status_code == 204
+    monitor = {"id": "m", "probe": "acme/calm", "layer": 1, "threshold": 1.0}
+    assert "shared vector" in refused(http.post("/steer/monitors", json=monitor, headers=key("ops", secret)), 400,
+                                      "bad_request")
     fleet = http.get("/steer/fleet", headers=key("acme-view", secret)).json()
     assert {v["id"] for v in fleet["vectors"]} == {"calm", "pub"}
     assert not any("/" in v["id"] for r in fleet["replicas"] for v in r["vectors"] + r["pinned_rows"])

@@ -1725,3 +1725,38 @@ def test_a_tenants_share_is_never_below_what_one_request_may_pin(monkeypatch):
     c = ctrl_env(monkeypatch, HOTWIRE_SLOTS="16", HOTWIRE_TENANT_ROWS="1")
     assert c.slots.tenant_rows == c.rules.max_rows == 4  # a request that fits the bank fits its tenant's share
     assert ctrl_env(monkeypatch, HOTWIRE_SLOTS="16").slots.tenant_rows == 8  # by default, half the bank
+
+
+def test_a_preempted_request_waiting_for_its_tenants_share_holds_up_only_its_tenant(monkeypatch):
+    c = ctrl_env(monkeypatch, HOTWIRE_SLOTS="16", HOTWIRE_TENANT_ROWS="4")
+    for vid, seed in (("acme/x", 1), ("acme/y", 2), ("beta/z", 3), ("s", 4)):
+        register(c, vid, vec(N_LAYERS, HIDDEN, seed=seed))
+    _, a1 = admit(c, "a1", {"id": "acme/x", "layer": [0, 1, 2, 3], "scale": 1})
+    c.suspend("a1")
+    admit(c, "a2", {"id": "acme/y", "layer": [0, 1, 2, 3], "scale": 1})  # acme's share, while a1 is preempted
+    assert c.resume(a1) is False  # 12 rows free, but not for acme
+    admit(c, "b", {"id": "beta/z", "layer": [0, 1], "scale": 1})  # other tenants and shared vectors go on
+    admit(c, "s", {"id": "s", "layer": 0, "scale": 1})
+    assert refusal(c, {"id": "acme/y", "layer": 0, "scale": 2}, rid="a3").code == "slots_exhausted"  # behind a1
+    c.release("a2")
+    assert c.resume(a1) is True
+
+
+def test_a_request_waiting_for_the_bank_holds_up_every_tenant():
+    """One that waits for bank rows (not its tenant's share) keeps first come, first served across tenants: the
+    others' newcomers cannot keep it waiting for ever."""
+    c = ctrl(slots=8)  # each tenant's share: 4
+    for vid, seed in (("acme/x", 1), ("beta/y", 2), ("beta/z", 3), ("s", 4)):
+        register(c, vid, vec(N_LAYERS, HIDDEN, seed=seed))
+    admit(c, "b1", {"id": "beta/y", "layer": [0, 1, 2, 3], "scale": 1})
+    admit(c, "s1", {"id": "s", "layer": [0, 1, 2], "scale": 1})  # 1 row left
+    big = request("big", {"id": "acme/x", "layer": [0, 1, 2, 3], "scale": 1})
+    with pytest.raises(WaitForRows) as info:
+        c.admit(big)
+    assert "only 1 of 8 can be freed" in info.value.message  # the bank, not acme's share
+    c.defer(big, info.value.resolved)
+    with pytest.raises(WaitForRows) as info:  # fits the free row, but would keep big waiting
+        c.admit(request("late", {"id": "s", "layer": 3, "scale": 1}))
+    assert "waits behind them" in info.value.message
+    c.release("b1")
+    assert c.admit_deferred() == [big]

@@ -279,8 +279,11 @@ def test_a_tenants_registrations_per_minute_are_counted_for_the_whole_fleet(redi
 
     clock = [time.time()]
 
+    async def nothing() -> list:
+        return []
+
     async def register(quotas: Quotas, node: Node, vector_id: str, fail: bool = False) -> None:
-        async with quotas.registering(vector_id, 1, [], node.registry):
+        async with quotas.registering(vector_id, 1, nothing, node.registry):
             if fail:
                 raise RuntimeError("the engine refused it")
 
@@ -350,6 +353,27 @@ def test_the_fleets_keys_open_every_replica_and_each_edit_is_audited(redis_serve
                              ("ops", "key_rotated", "acme-app", "b"), ("ops", "key_revoked", "acme-app", "a")]
 
     run(body)
+    assert cli.main(["keys", "--fleet", "org/model", "list"]) == 0
+    assert [(k["name"], k["role"]) for k in json.loads(capsys.readouterr().out)] == [("ops", "admin")]
+
+    async def a_bad_entry() -> None:  # written into Redis by hand: it opens nothing, and the others still change
+        import redis.asyncio as aioredis
+
+        async with started(redis_server.url, "a") as (a,):
+            ring = FleetKeys()
+            await ring.start(a.registry, "a")
+            raw = aioredis.from_url(redis_server.url)
+            try:
+                await raw.hset(a.registry.keys.api_keys, "broken", '{"name": "broken", "role": "root"}')
+                await raw.incr(a.registry.keys.api_key_edits)
+            finally:
+                await raw.aclose()
+            app = await ring.add("app", Role.STEER, None, "ops")
+            assert ring.identify(app).name == "app" and ring.identify(ops).name == "ops" and ring.error is None
+            await ring.revoke("app", True, "ops")
+            assert ring.identify(app) is None
+
+    run(a_bad_entry)
     assert cli.main(["keys", "--fleet", "org/model", "list"]) == 0
     assert [(k["name"], k["role"]) for k in json.loads(capsys.readouterr().out)] == [("ops", "admin")]
 

@@ -88,8 +88,11 @@ def _meta(vector_id: str, rows: int = 1) -> VectorMeta:
 
 
 def _register(quotas: Quotas, vector_id: str, nbytes: int, held: list[VectorMeta]) -> None:
+    async def vectors() -> list[VectorMeta]:
+        return held
+
     async def register() -> None:
-        async with quotas.registering(vector_id, nbytes, held):
+        async with quotas.registering(vector_id, nbytes, vectors):
             pass
 
     asyncio.run(register())
@@ -122,11 +125,15 @@ def test_quotas_refuse_past_a_tenants_vectors_bytes_and_rate(monkeypatch) -> Non
     _register(quotas, "acme/a", 1, [])  # the first one is a minute old
 
 
+async def _none() -> list[VectorMeta]:
+    return []
+
+
 def test_a_registration_that_fails_is_not_counted() -> None:
     quotas = Quotas(Settings(tenant_per_minute=1))
 
     async def refused() -> None:
-        async with quotas.registering("acme/a", 1, []):
+        async with quotas.registering("acme/a", 1, _none):
             raise RuntimeError("the engine refused it")
 
     with pytest.raises(RuntimeError):
@@ -160,3 +167,37 @@ def test_keys_carry_a_tenant_through_every_edit(tmp_path) -> None:
     changes = [c[:2] for c in ring.changes]
     assert ("key_added", "moved") in changes and changes[-1] == ("key_tenant_changed", "moved")
     assert [k.tenant for k in read_keys(path)] == [None, "beta"]
+
+
+def test_registrations_of_one_tenant_at_once_each_see_the_one_before() -> None:
+    """The vectors held are read inside the tenant's turn: 5 registrations sent at once by a tenant one vector
+    short of its quota make 1 vector, not 5."""
+    quotas = Quotas(Settings(tenant_vectors=3))
+    held = [_meta("acme/a"), _meta("acme/b")]
+
+    async def vectors() -> list[VectorMeta]:
+        await asyncio.sleep(0)  # an engine round trip
+        return list(held)
+
+    async def register(k: int) -> str:
+        try:
+            async with quotas.registering(f"acme/n{k}", 1024, vectors):
+                await asyncio.sleep(0.01)
+                held.append(_meta(f"acme/n{k}"))
+            return "ok"
+        except HotwireError as exc:
+            return exc.code
+
+    async def burst() -> list[str]:
+        return await asyncio.gather(*(register(k) for k in range(5)))
+
+    assert sorted(asyncio.run(burst())) == ["ok"] + ["quota_exceeded"] * 4
+
+    async def admissible(vector_id: str) -> None:
+        await quotas.admissible(vector_id, vectors)
+
+    with pytest.raises(HotwireError) as info:  # an extraction is refused before its captures
+        asyncio.run(admissible("acme/n9"))
+    assert info.value.code == "quota_exceeded"
+    asyncio.run(admissible("acme/a"))  # a replacement
+    asyncio.run(admissible("calm"))
