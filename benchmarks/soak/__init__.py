@@ -67,7 +67,7 @@ Run it (from the repository root)::
     # the replicas of a fleet (one Redis registry), each addressed directly
     python -m benchmarks.soak --url http://10.0.0.1:8000 --url http://10.0.0.2:8000 --model /models/qwen3-8b
     # four tenants with the same ids, and one flooding distinct vectors (soak.tenants; --url: an operator --api-key)
-    python -m benchmarks.soak --tenants 4 --flood --slots 64 --clients 16 --duration 60 --out tenants.json
+    python -m benchmarks.soak --tenants 4 --flood --tenant-rows 16 --slots 64 --clients 16 --duration 60 --out t.json
     # a bigger model on a GPU, extra server arguments passed through
     python -m benchmarks.soak --model /models/qwen3-8b --server-arg=--max-num-seqs=128 --clients 128
 """

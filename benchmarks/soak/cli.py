@@ -59,6 +59,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--tenants", type=int, default=0, help="that many tenants, each with every id and its own "
                         "key (soak.tenants; a server of the soak's own gets a keys file)")
     parser.add_argument("--flood", action="store_true", help="with --tenants: one more tenant flooding distinct vectors")
+    parser.add_argument("--tenant-rows", type=int, help="HOTWIRE_TENANT_ROWS of a server the soak starts")
     args = parser.parse_args(argv)
     if args.flood and not args.tenants:
         parser.error("--flood needs --tenants")
@@ -91,7 +92,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         with contextlib.ExitStack() as stack:
             urls, env = args.urls, {}
             if not urls and config.tenants:  # an operator key to make the tenants' keys with
-                env = {"HOTWIRE_KEYS_FILE": str(workdir / "keys.json"), "HOTWIRE_TENANT_REGISTRATIONS_PER_MIN": "1000000"}
+                env = {"HOTWIRE_KEYS_FILE": str(workdir / "keys.json"), "HOTWIRE_TENANT_REGISTRATIONS_PER_MIN": "1000000",
+                       **({"HOTWIRE_TENANT_ROWS": str(args.tenant_rows)} if args.tenant_rows else {})}
                 (workdir / "keys.json").unlink(missing_ok=True)  # the soak's own: a fresh one each run
                 config.api_key = add_key(workdir / "keys.json", "soak-operator", Role.ADMIN)
             if not urls:

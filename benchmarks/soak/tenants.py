@@ -4,9 +4,10 @@ its own (made over ``/steer/keys`` with the operator's ``--api-key``), registers
 soak's clients and churn with them, all tenants at once. Each tenant's responses are judged against its own book,
 which also knows the other tenants' markers (as ``t1/soak-s00`` and so on): a response showing another tenant's
 marker is a ``wrong_vector`` named after that tenant's id (a cross-tenant leak). With ``--flood``, one more tenant
-registers distinct vectors as fast as the server takes them and steers one request with each, then deletes it
-(its refusals, 429 ``quota_exceeded`` among them, are counted, not failures): the other tenants' latencies beside
-it are what its fair share protects."""
+registers distinct vectors as fast as the server takes them, from FLOOD_WORKERS loops at once, and steers one request
+with each, then deletes it (its refusals, 429 ``quota_exceeded`` among them, are counted, not failures): past its
+share of the bank (``--tenant-rows`` for a server of the soak's own) its requests wait in its own lane, and the other
+tenants' latencies beside it are what that share protects."""
 
 from __future__ import annotations
 
@@ -34,6 +35,7 @@ from .run import traffic
 __all__ = ["Flood", "run_tenant_soak", "tenant_book", "tenant_names", "tenants_table"]
 
 FLOOD = "flood"
+FLOOD_WORKERS = 24
 
 
 def tenant_names(config: SoakConfig) -> list[str]:
@@ -74,15 +76,30 @@ class Flood:
     registered: int = 0
     steered: int = 0
     refused: Counter[str] = dataclasses.field(default_factory=Counter)
+    most_pinned: int = 0  # the most bank rows its vectors pinned at once, as GET /steer/usage said
+    share: int = 0  # its share (HOTWIRE_TENANT_ROWS)
 
     async def run(self, url: str, config: SoakConfig, plan: Plan, rows: np.ndarray, until: float, clock: Clock) -> None:
-        """Register a new id, steer one request with it, delete it; again until ``until``."""
-        rng = np.random.default_rng(config.seed + 7)
+        """``FLOOD_WORKERS`` loops at once, each: register a new id, steer one request with it, delete it; again
+        until ``until``. Together they pin more rows than a tenant's share once it is below FLOOD_WORKERS."""
+        await asyncio.gather(*(self._worker(k, url, config, plan, rows, until, clock) for k in range(FLOOD_WORKERS)),
+                             self._watch(url, config, until, clock))
+
+    async def _watch(self, url: str, config: SoakConfig, until: float, clock: Clock) -> None:
+        async with http_client(url, config) as http:
+            while clock.now() < until:
+                (usage,) = (await http.get("/steer/usage")).json()["tenants"]
+                self.most_pinned, self.share = max(self.most_pinned, usage["pinned_rows"]), usage["limits"]["rows"]
+                await asyncio.sleep(0.1)
+
+    async def _worker(self, k: int, url: str, config: SoakConfig, plan: Plan, rows: np.ndarray, until: float,
+                      clock: Clock) -> None:  # fmt: skip
+        rng = np.random.default_rng(config.seed * 1000 + k)
         async with http_client(url, config) as http:
             for i in itertools.count():
                 if clock.now() >= until:
                     return
-                vector_id = f"{config.id_prefix}-flood-{i}"
+                vector_id = f"{config.id_prefix}-flood-{k}-{i}"
                 made = await http.post("/steer/vectors", json=vector_body(vector_id, unit(rows[rng.integers(len(rows))])))
                 if made.status_code != 201:
                     self.refused[f"register {made.status_code} {_code(made)}"] += 1
@@ -90,7 +107,7 @@ class Flood:
                     continue
                 self.registered += 1
                 spec = f'{{"id": "{vector_id}", "layer": {plan.layer}, "scale": {plan.strength}}}'
-                body = {"model": plan.model, "prompt": "flood", "max_tokens": 2, "temperature": 0,
+                body = {"model": plan.model, "prompt": "flood", "max_tokens": config.max_tokens, "temperature": 0,
                         "vllm_xargs": {"hotwire": spec}}
                 steered = await http.post("/v1/completions", json=body)
                 if steered.status_code == 200:
@@ -156,6 +173,7 @@ async def run_tenant_soak(config: SoakConfig, url: str, model_dir: Path) -> dict
                for t, (own, p, book, churn, out) in each.items()}
     return {"tenants": reports, "failed": sum(r["failed"] for r in reports.values()), "elapsed_s": round(elapsed, 2),
             "flood": {"registered": flood.registered, "steered": flood.steered, "refused": dict(flood.refused),
+                      "most_pinned_rows": flood.most_pinned, "share_rows": flood.share,
                       "registrations_per_s": round(flood.registered / elapsed, 2) if elapsed else None} if config.flood else None,
             "config": dataclasses.asdict(config) | {"api_key": bool(config.api_key)}, "at": time.time()}
 
@@ -174,6 +192,7 @@ def tenants_table(result: dict[str, Any]) -> str:
     if result["flood"]:
         f = result["flood"]
         lines.append(f"  flood: {f['registered']} distinct vectors registered ({f['registrations_per_s']}/s), "
-                     f"{f['steered']} steered requests, refused {f['refused'] or 'none'}")
+                     f"{f['steered']} steered requests, refused {f['refused'] or 'none'}; at most {f['most_pinned_rows']} "
+                     f"rows pinned at once, its share {f['share_rows']}")
     return "\n".join(lines)
 
