@@ -1,7 +1,9 @@
 #!/bin/bash
 # On the device (after `source .gpu/env.sh`): the load targets of hotwire, one after the other on one GPU.
-#   bash benchmarks/gpu_load.sh [soak] [throughput] [prefill]     (default: all three, in that order)
+#   bash benchmarks/gpu_load.sh [soak] [throughput] [prefill] [tenants]   (default: the first three, in that order)
 # soak: python3 -m benchmarks.soak, SOAK_CLIENTS (256) clients for SOAK_DURATION (600) s, 16 slots, churn.
+# tenants: the soak with 4 tenants (#40), SOAK_CLIENTS clients for TENANT_DURATION (240) s, 64 slots, a tenant's
+#   share 16 rows; once without and once with a tenant flooding distinct vectors (compare the others' p99).
 # throughput: benchmarks/bench_throughput.py, plugin-free vLLM vs hotwire plain vs hotwire 75 % steered,
 #   THROUGHPUT_CLIENTS (128) streaming clients, THROUGHPUT_ROUNDS (3) rotated rounds of 20 s.
 # prefill: benchmarks/bench_prefill.py, Qwen3-4B shape, 8192-token prompts, PREFILL_ROUNDS (16).
@@ -27,10 +29,17 @@ for step in "${steps[@]}"; do
       python3 benchmarks/bench_throughput.py --clients "${THROUGHPUT_CLIENTS:-128}" --rounds "${THROUGHPUT_ROUNDS:-3}" \
         --seconds 20 --warmup 5 --server-arg=--max-num-seqs=256 --server-arg=--gpu-memory-utilization=0.4 \
         --workdir /tmp/throughput-gpu --out "$out/throughput_gpu.json" 2>&1 | tee "$out/throughput_gpu.txt" | tail -30 ;;
+    tenants)
+      for flood in "" --flood; do
+        name=tenants${flood:+_flood}
+        python3 -m benchmarks.soak --tenants 4 $flood --tenant-rows 16 --slots 64 --clients "${SOAK_CLIENTS:-256}" \
+          --ids 12 --churned 4 --pool 2 --duration "${TENANT_DURATION:-240}" --server-arg=--max-num-seqs=256 \
+          --workdir "/tmp/$name-gpu" --out "$out/${name}_gpu.json" 2>&1 | tee "$out/${name}_gpu.txt" | tail -12
+      done ;;
     prefill)
       python3 benchmarks/bench_prefill.py --shape qwen3-4b --prompt-len 8192 --rounds "${PREFILL_ROUNDS:-16}" \
         --out "$out/bench_prefill_4b_8k.json" 2>&1 | tee "$out/bench_prefill.txt" | tail -6 ;;
-    *) echo "unknown step $step (soak, throughput, prefill)"; false ;;
+    *) echo "unknown step $step (soak, throughput, prefill, tenants)"; false ;;
   esac
   echo "=== $step: exit ${PIPESTATUS[0]} $(date -u +%FT%TZ)"
 done
