@@ -448,7 +448,7 @@ def _chunked(raw: bytes) -> Iterator[bytes]:
 BAD_REGISTRATIONS = {
     # name: (request kwargs, status, code, field)
     "bad-id-json": ({"json": json_body("bad id!", vec(1))}, 400, "bad_id", "id"),
-    "bad-id-form": (multipart("a/b", save_numpy({"v": vec(1)})), 400, "bad_id", "id"),
+    "bad-id-form": (multipart("a/b/c", save_numpy({"v": vec(1)})), 400, "bad_id", "id"),
     "id-too-long": ({"json": json_body("x" * 65, vec(1))}, 400, "bad_id", "id"),
     "missing-id": ({"json": {"data": b64(vec(1)), "dtype": "float32", "shape": [HIDDEN]}}, 400, "bad_id", "id"),
     "hidden-255": ({"json": json_body("keep", vec(1, (255,)))}, 400, "bad_shape", "shape"),
