@@ -25,6 +25,7 @@ from .contract import Config, SteerItem, WorkerInfo
 from .config_rows import ConfigRows
 from .settings import Settings
 from .steer_hook import HOOK_NAME, SteerHook
+from .stream_read import READER_NAME, StreamReader
 from .uploader import Uploader
 
 __all__ = ["CONFIG_ROWS_PER_BATCH_SLOT", "Step", "WorkerSteering"]
@@ -64,12 +65,15 @@ class WorkerSteering:
         reason: str | None = None,
         whole_stream: Collection[int] = (),
         speculative: bool = False,
+        read_points: Mapping[int, nn.Module] | None = None,
     ):
         """``layers``: the modules to hook on this rank, by global index; ``whole_stream``: those of them that return
         the whole residual stream in ``hidden_states`` (see :class:`SteerHook`). ``steerable``: whether the model has
         layers hotwire can hook (default: whether ``layers`` is non-empty; a pipeline rank that ``HOTWIRE_LAYERS``
         leaves without a hooked layer is still steerable). ``reason``: why it is not steerable, where not for want
-        of layers. ``speculative``: the engine verifies drafts (a latched gate is then refused: ``hotwire_core.gates``)."""
+        of layers. ``speculative``: the engine verifies drafts (a latched gate is then refused: ``hotwire_core.gates``).
+        ``read_points``: for a hooked layer, the norm whose ``residual`` output is the stream after it, where capture
+        and readout read it (:mod:`hotwire_core.stream_read`); the others are read at their output."""
         self.layers, self.n_layers, self.hidden_size = layers, n_layers, hidden_size
         self.steerable = bool(layers) if steerable is None else steerable
         self.reason = reason or "no decoder layer with the (positions, hidden_states, residual) contract"
@@ -105,8 +109,14 @@ class WorkerSteering:
         if self.readout is not None:
             self.buffers["token_read"], self.buffers["read_slot"] = self.readout.token_read, self.readout.read_slot
             self.buffers.update(self.readout.gates or {})
+        reads = self.capture is not None or self.readout is not None
         for index, module in layers.items():
-            hook = SteerHook(self.buffers, index, settings.impl, self.target, self.norm, index in whole_stream)
+            reader = StreamReader(self.buffers, index) if reads else None
+            point = (read_points or {}).get(index) if reads else None
+            if point is not None:
+                point.add_module(READER_NAME, reader)
+            hook = SteerHook(self.buffers, index, settings.impl, self.target, self.norm, index in whole_stream,
+                             reader if point is None else None)
             module.add_module(HOOK_NAME, hook)
         self.config_rows = ConfigRows(n_cfg, n_layers)
         self._line_of: dict[str, int] = {}  # steered req_id -> its line in _lines

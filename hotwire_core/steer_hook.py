@@ -9,6 +9,7 @@ from torch import nn
 
 from . import ops
 from .settings import format_layers
+from .stream_read import StreamReader
 
 __all__ = ["HOOK_NAME", "SteerHook", "select_layers"]
 
@@ -51,19 +52,16 @@ class SteerHook(nn.Module):
     """
 
     def __init__(self, buffers: dict[str, torch.Tensor], layer: int, impl: str, target: str, norm: bool,
-                 whole_stream: bool = False):
+                 whole_stream: bool = False, reader: StreamReader | None = None):
         super().__init__()
         for name, tensor in buffers.items():
             self.register_buffer(name, tensor, persistent=False)
         self.layer, self.impl, self.target, self.norm = layer, impl, target, norm
         self.whole_stream = whole_stream
-        # HOTWIRE_CAPTURE: the capture op after the steering (hotwire_core.capture). It reads the whole stream,
-        # residual included, which costs plain tokens bit-identity in bf16 graphs as norm mode does.
-        self.capture = "token_cap" in buffers
-        # HOTWIRE_READOUT: the readout op after that (hotwire_core.readout_op); it reads the whole stream too.
-        self.readout = "token_read" in buffers
         # Gated steering (hotwire_core.gates): the readout op decides the conditions, the steering op reads them.
         self.gates = "cfg_gate" in buffers
+        # Capture and readout at the layer's output, where no norm downstream stores the stream (stream_read).
+        self.reader = reader
 
     def forward(self, hidden: torch.Tensor, residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
         if residual is None or self.whole_stream:  # the whole stream is in hidden
@@ -80,15 +78,12 @@ class SteerHook(nn.Module):
                                      self.token_hit, self.gate_row)
         else:
             torch.ops.hotwire.steer_(target, other, *args)
-        if self.capture or self.readout:  # the stream is target + the other of (hidden, residual), if both come
-            partner = None if residual is None or self.whole_stream else (residual if self.target == "hidden" else hidden)
-            if self.capture:
-                torch.ops.hotwire.capture_(target, partner, self.token_cap, self.layer)
-            if self.gates:
-                torch.ops.hotwire.read_(target, partner, self.token_read, self.read_slot, self.bank, self.layer,
-                                        self.token_pos, self.token_hit, self.gate_row, self.gate_f)
-            elif self.readout:
-                torch.ops.hotwire.read_(target, partner, self.token_read, self.read_slot, self.bank, self.layer)
+        if self.reader is not None:  # the stream is target + the other of (hidden, residual), if both come
+            if residual is None or self.whole_stream:
+                partner = None
+            else:  # residual read as a float32 copy, so that Inductor need not store it rounded (stream_read)
+                partner = residual.float() if self.target == "hidden" else hidden
+            self.reader(target, partner)
         if residual is None or self.whole_stream:
             return target, residual
         return (target, residual) if self.target == "hidden" else (hidden, target)

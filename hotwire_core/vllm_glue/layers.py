@@ -13,10 +13,15 @@ import inspect
 from torch import nn
 
 from ..steer_hook import HOOK_NAME
+from ..stream_read import READER_NAME
 
-__all__ = ["find_decoder_layers", "is_steerable_layer", "stream_in_hidden", "why_not_steerable", "wrap_layer_class"]
+__all__ = ["find_decoder_layers", "is_steerable_layer", "read_points", "stream_in_hidden", "why_not_steerable",
+           "wrap_layer_class", "wrap_norm_class"]
 
 _LAYER_ARGS = ["positions", "hidden_states", "residual"]
+# How a layer hands the stream of the one before it to its first norm (Llama, Qwen2/3, Qwen3-MoE, Mistral, Gemma 3,
+# ...): the ``residual`` that call returns is that stream.
+_LAYER_NORM_CALL = "self.input_layernorm(hidden_states, residual)"
 # The signature, but a return value that is not (hidden_states, residual | None): HunYuan adds its KV states.
 UNSUPPORTED_LAYERS = frozenset({"HunYuanDecoderLayer"})
 # The signature, but the whole stream in ``hidden_states``: these begin with ``residual = hidden_states`` and end
@@ -82,6 +87,50 @@ def wrap_layer_class(cls: type) -> None:
         out = original(self, positions, hidden_states, residual, *args, **kwargs)
         hook = self._modules.get(HOOK_NAME)
         return out if hook is None else hook(*out)
+
+    forward.__doc__ = original.__doc__
+    cls._hotwire_wrapped = original
+    cls.forward = forward
+
+
+def _calls(cls: type, call: str) -> bool:
+    """Whether the source of ``cls.forward`` (before hotwire wrapped it) makes ``call``."""
+    forward = cls.__dict__.get("_hotwire_wrapped") or getattr(cls, "forward", None)
+    try:
+        return call in inspect.getsource(forward)
+    except (OSError, TypeError):
+        return False
+
+
+def read_points(found: dict[int, nn.Module]) -> dict[int, nn.Module]:
+    """For each layer of ``found`` whose stream the graph stores anyway as the ``residual`` output of the next layer's
+    ``input_layernorm``, that norm (see :mod:`hotwire_core.stream_read`). A layer missing here (the last of the model
+    or of a pipeline stage; the whole stream in ``hidden_states``; a next layer that calls its norm otherwise) is read
+    at its output."""
+    points: dict[int, nn.Module] = {}
+    for index, layer in found.items():
+        following = found.get(index + 1)
+        if stream_in_hidden(type(layer)) or following is None or not _calls(type(following), _LAYER_NORM_CALL):
+            continue
+        norm = getattr(following, "input_layernorm", None)
+        if isinstance(norm, nn.Module):
+            points[index] = norm
+    return points
+
+
+def wrap_norm_class(cls: type) -> None:
+    """Patch a norm class's ``forward`` once so that instances carrying a reader (a submodule named ``READER_NAME``,
+    a ``StreamReader``) hand it the ``residual`` they return when called with one."""
+    if "_hotwire_wrapped" in cls.__dict__:
+        return
+    original = cls.forward
+
+    def forward(self, *args, **kwargs):
+        out = original(self, *args, **kwargs)
+        reader = self._modules.get(READER_NAME)
+        if reader is not None and isinstance(out, tuple):
+            reader(out[1])
+        return out
 
     forward.__doc__ = original.__doc__
     cls._hotwire_wrapped = original

@@ -56,7 +56,8 @@ def _attach(worker: Any) -> None:
 
     from ..runtime import WorkerSteering
     from ..steer_hook import select_layers
-    from .layers import find_decoder_layers, stream_in_hidden, why_not_steerable, wrap_layer_class
+    from .layers import (find_decoder_layers, read_points, stream_in_hidden, why_not_steerable, wrap_layer_class,
+                         wrap_norm_class)
 
     runner = worker.model_runner
     model = runner.get_model()
@@ -75,6 +76,9 @@ def _attach(worker: Any) -> None:
     device = torch.device(worker.device) if hasattr(worker, "device") else torch.device("cpu")
     for layer in layers.values():
         wrap_layer_class(type(layer))  # its forward calls the hook WorkerSteering adds
+    points = read_points(found) if settings().capture or settings().readout else {}
+    for norm in points.values():
+        wrap_norm_class(type(norm))  # its forward calls the reader WorkerSteering adds (stream_read)
     runner.hotwire = WorkerSteering(
         layers,
         n_layers,
@@ -89,6 +93,7 @@ def _attach(worker: Any) -> None:
         reason=reason,
         whole_stream={index for index, layer in layers.items() if stream_in_hidden(type(layer))},
         speculative=worker.vllm_config.speculative_config is not None,
+        read_points={index: norm for index, norm in points.items() if index in layers},
     )
     GATE.split = _idle_graphs_possible(worker.vllm_config) and bool(layers)
     ops.PDL = pdl_possible(device)

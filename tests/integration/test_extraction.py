@@ -138,15 +138,7 @@ def test_plain_batchmate_is_identical_to_vllm_without_hotwire(llm, token_ids, ti
     (vanilla,), = run_vanilla(tiny_model, [[{"prompt_token_ids": plain_ids, "params": plain}]], tmp_path)
     ours = summarize(outputs[-1])
     assert ours["token_ids"] == vanilla["token_ids"]
-    if ON_GPU:
-        # bf16 graphs: the capture op reads `residual`, so Inductor stores it rounded to bf16 in a step that
-        # captures (docs/architecture.md, "Capture"; H200: 0.006-0.008 in a logprob); steps without capture or
-        # steering replay the idle graphs. The bound is test_engine's for HOTWIRE_NORM=1, the same rounding.
-        diff = max(abs(a - b) for a, b in zip(ours["logprobs"] + ours["prompt_logprobs"][1:],
-                                              vanilla["logprobs"] + vanilla["prompt_logprobs"][1:]))
-        print(f"plain batchmate of an extraction vs vLLM without hotwire (bf16, graphs): {diff:.3g}")
-        assert diff < 2e-2, "the batchmate moved by more than bf16 rounding"
-        return
+    # bf16 graphs on a GPU too: the capture op reads no value Inductor would otherwise keep unstored (stream_read)
     assert ours["logprobs"] == vanilla["logprobs"], "the batchmate's logprobs differ from vLLM without hotwire"
     assert ours["prompt_logprobs"] == vanilla["prompt_logprobs"]
 

@@ -75,7 +75,7 @@ def check(entry, part, streams, vector, layer, positions, bias=0.0):
     tolerance = GPU_RELATIVE * np.abs(score).max() if ON_GPU else ATOL
     print(f"{entry['probe']} {part}: readout vs transformers + hooks: {err:.3g} (largest {np.abs(score).max():.3g}, "
           f"tolerance {tolerance:.3g})")
-    assert err < tolerance
+    assert err < tolerance, (got_score.tolist(), score.tolist())
     assert np.abs(got_cosine - cosine).max() < (GPU_RELATIVE if ON_GPU else ATOL)
     assert np.abs(score).max() > 20 * tolerance  # the check is not one of zeros
 
@@ -199,6 +199,19 @@ def gate_decisions(hf_model, token_ids, vector, bias, threshold, below, latch, p
     return torch.from_numpy(held), scores
 
 
+def latched_threshold(scores, below):
+    """A threshold that a latched condition first crosses at a position after the first, as far as can be from every
+    score up to that crossing (later ones do not change a latched decision)."""
+    best = (0.0, None)
+    for first in range(1, len(scores)):
+        before = scores[:first]
+        gap = before.min() - scores[first] if below else scores[first] - before.max()
+        if gap > best[0]:
+            best = (gap, float(np.float32(scores[first] + (gap / 2 if below else -gap / 2))))
+    assert best[1] is not None, "no position crosses a threshold the earlier ones stay clear of: choose another prompt"
+    return best[1]
+
+
 def threshold_between(scores):
     """A threshold in the widest gap between two neighbouring scores of the middle half (so that about half hold),
     far from both: the engine's rounding (bf16 on a GPU) must not flip a decision."""
@@ -218,9 +231,8 @@ def test_gated_steering_equals_transformers_steering_the_tokens_the_condition_le
 
     P = len(prompt_ids)
     _, scores = gate_decisions(hf_model, prompt_ids, probes["joy"](1), 0.5, 0.0, False, False)
-    # per token: about half the prompt holds; latched: the condition first holds in the prompt's second half
-    threshold = threshold_between(scores) if not latch else float(np.float32(
-        (np.sort(scores[: P // 2])[0] + np.sort(scores[P // 2:])[0]) / 2))
+    # per token: about half the prompt holds; latched: the condition first holds after the first prompt token
+    threshold = latched_threshold(scores, below) if latch else threshold_between(scores)
     when = {"id": "joy", "layer": 1, "bias": 0.5, "below" if below else "above": threshold, "latch": latch,
             **({"tokens": "prompt"} if cast else {})}
     entry = {"id": "deep", "layer": 3, "scale": 6.0, "when": when, **({"decode_only": True} if cast else {})}
@@ -232,7 +244,8 @@ def test_gated_steering_equals_transformers_steering_the_tokens_the_condition_le
     held = np.flatnonzero(mask.numpy())  # (latched: every position from the first that held)
     if cast:  # CAST by hand: the prompt decided; only the generated tokens are steered
         mask[:P] = False
-    margin = np.abs(scores - threshold).min()
+    decisive = scores[: held[0] + 1] if latch else scores  # latched: nothing after the first crossing decides
+    margin = np.abs(decisive - threshold).min()
     assert margin > (GPU_RELATIVE * np.abs(scores).max() if ON_GPU else 1e-3), "a score lies at the threshold: " \
         "the decision would be rounding's"
     assert mask.any() and not mask.all(), "the condition must let some positions through and hold others back"

@@ -19,6 +19,10 @@ pytestmark = pytest.mark.integration
 
 HIDDEN, LAYERS = 256, 4
 ATOL = 2e-3
+# float32 on a GPU too, but its kernels sum in other orders than transformers' on the CPU: 4e-3 seen (2026-12-05),
+# over ATOL; there the bound is 1% of the largest score (test_readout's is 2% for bf16)
+ON_GPU = torch.cuda.is_available()
+GPU_RELATIVE = 1e-2
 SERVER_ARGS = [] if torch.cuda.is_available() else ["--enforce-eager"]
 PROMPT = [11, 42, 7, 99, 3, 250, 17, 64, 5]
 
@@ -61,8 +65,10 @@ def check(entry: dict, part: str, stream: torch.Tensor, vector: list[float]) -> 
     v = torch.tensor(vector)
     dots = stream @ v
     err = np.abs(np.array(entry[part]["score"]) - dots.numpy()).max()
-    print(f"{entry['probe']} {part}: readout through vllm serve vs transformers + hooks: {err:.3g}")
-    assert len(entry[part]["score"]) == len(stream) and err < ATOL
+    tolerance = max(ATOL, GPU_RELATIVE * dots.abs().max().item()) if ON_GPU else ATOL
+    print(f"{entry['probe']} {part}: readout through vllm serve vs transformers + hooks: {err:.3g} "
+          f"(largest {dots.abs().max().item():.3g}, tolerance {tolerance:.3g})")
+    assert len(entry[part]["score"]) == len(stream) and err < tolerance
     cosine = dots / (stream.norm(dim=-1) * v.norm())
     assert np.abs(np.array(entry[part]["cosine"]) - cosine.numpy()).max() < ATOL
 

@@ -117,3 +117,84 @@ def test_a_model_without_the_contract_says_which_layers_it_has():
     assert why_not_steerable(model) == ("no decoder layer with the (positions, hidden_states, residual) contract: "
                                         "MambaDecoderLayer.forward(hidden_states, residual)")
     assert why_not_steerable(torch.nn.Linear(2, 2)).endswith("contract")
+
+
+class Norm(torch.nn.Module):
+    def forward(self, x, residual=None):
+        if residual is None:
+            return x * 2
+        residual = x + residual
+        return residual * 2, residual
+
+
+class QwenStyleDecoderLayer(torch.nn.Module):
+    """Calls its first norm the way vLLM's Llama-family layers do, so its ``residual`` is the previous layer's stream."""
+
+    def __init__(self):
+        super().__init__()
+        self.input_layernorm = Norm()
+
+    def forward(self, positions, hidden_states, residual):
+        if residual is None:
+            residual, hidden_states = hidden_states, self.input_layernorm(hidden_states)
+        else:
+            hidden_states, residual = self.input_layernorm(hidden_states, residual)
+        return hidden_states + 1, residual
+
+
+class Recorder(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.seen = []
+
+    def forward(self, stream, partner=None):
+        self.seen.append((stream.clone(), None if partner is None else partner.clone()))
+
+
+def test_the_llama_family_hands_the_stream_to_the_next_layers_norm_in_the_installed_vllm():
+    """read_points relies on this call in vLLM's own sources (the stream is its ``residual`` output)."""
+    from hotwire_core.vllm_glue.layers import _LAYER_NORM_CALL, _calls
+    from vllm.model_executor.models import gemma3, llama, qwen2, qwen3, qwen3_moe
+
+    for cls in (llama.LlamaDecoderLayer, qwen2.Qwen2DecoderLayer, qwen3.Qwen3DecoderLayer,
+                qwen3_moe.Qwen3MoeDecoderLayer, gemma3.Gemma3DecoderLayer):
+        assert _calls(cls, _LAYER_NORM_CALL), cls.__name__
+
+
+def test_the_stream_is_read_at_the_next_norm_and_the_last_layer_at_its_output_upcast():
+    """Each layer but the last is read where the next one's norm returns it; the last at its output, residual as a
+    float32 copy; a whole-stream layer at its output, hidden alone (stream_read)."""
+    from hotwire_core.steer_hook import HOOK_NAME, SteerHook
+    from hotwire_core.stream_read import READER_NAME
+    from hotwire_core.vllm_glue.layers import read_points, wrap_norm_class
+
+    model = torch.nn.Module()
+    model.layers = torch.nn.ModuleList([QwenStyleDecoderLayer() for _ in range(3)] + [PhiMoEDecoderLayer()])
+    found, n_layers = find_decoder_layers(model)
+    points = read_points(found)
+    assert points == {0: found[1].input_layernorm, 1: found[2].input_layernorm}  # 2: next is whole-stream; 3: last
+    readers = {index: Recorder() for index in found}
+    buffers = {"token_cfg": torch.zeros(4, dtype=torch.int32), "layer_on": torch.zeros(4, dtype=torch.int32),
+               "cfg_slot": torch.zeros(1, 4, 1, dtype=torch.int32), "cfg_scale": torch.zeros(1, 4, 1),
+               "cfg_rel": torch.zeros(1, 4, 1), "bank": torch.zeros(1, HIDDEN), "inv_norm": torch.zeros(1)}
+    for index, layer in found.items():
+        wrap_layer_class(type(layer))
+        point = points.get(index)
+        if point is not None:
+            wrap_norm_class(type(point))
+            point.add_module(READER_NAME, readers[index])
+        layer.add_module(HOOK_NAME, SteerHook(buffers, index, "op", "hidden", False, index == 3,
+                                              None if point is not None else readers[index]))
+    hidden = torch.arange(2 * HIDDEN, dtype=torch.bfloat16).reshape(2, HIDDEN) / 7
+    outputs, residual = [], None
+    for layer in model.layers:
+        hidden, residual = layer(None, hidden, residual)
+        outputs.append((hidden, residual))
+    for index in (0, 1):  # the next norm's residual: the sum, in the model dtype
+        ((stream, partner),) = readers[index].seen
+        assert partner is None and torch.equal(stream, outputs[index][0] + outputs[index][1])
+    ((stream, partner),) = readers[2].seen
+    assert torch.equal(stream, outputs[2][0]) and partner.dtype == torch.float32
+    assert torch.equal(partner, outputs[2][1].float())
+    ((stream, partner),) = readers[3].seen
+    assert partner is None and torch.equal(stream, outputs[3][0])
