@@ -66,13 +66,13 @@ class Settings:
     max_wait_s: int = setting(Int("HOTWIRE_MAX_WAIT_S", default=30, lo=0, hi=86_400,
                                   doc="seconds a request may wait for bank rows before it is refused"))
     capture: bool = setting(Flag("HOTWIRE_CAPTURE", default=False,
-                                 doc="compile the capture op in (vector extraction); it reads the residual stream, "
-                                     "so like HOTWIRE_NORM it is opt-in (see steer_hook.SteerHook)"))
+                                 doc="compile the capture op in (vector extraction); it reads the residual stream "
+                                     "(see stream_read), so it is opt-in"))
     capture_rows: int = setting(Int("HOTWIRE_CAPTURE_ROWS", default=32, lo=1, hi=4096,
                                     doc="captures (extraction examples) running at once per engine core"))
     readout: bool = setting(Flag("HOTWIRE_READOUT", default=False,
                                  doc="compile the readout op in (probe projections per token); it reads the "
-                                     "residual stream, so like HOTWIRE_NORM it is opt-in (see steer_hook.SteerHook)"))
+                                     "residual stream (see stream_read), so it is opt-in"))
     readout_probes: int = setting(Int("HOTWIRE_READOUT_PROBES", default=4, lo=1, hi=32,
                                       doc="probes one request may read (the readout buffers' width)"))
 
