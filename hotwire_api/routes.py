@@ -28,7 +28,7 @@ from hotwire_api.settings import Settings
 from hotwire_api.uploads import decode_upload
 from hotwire_api.vector_registry import VectorRegistry
 from hotwire_core.error_codes import ErrorCode
-from hotwire_core.spec import TENANT_RE, VECTOR_ID_RE
+from hotwire_core.spec import TENANT_RE, VECTOR_ID_RE, tenant_of
 from hotwire_core.vllm_glue import inactive_reason
 from hotwire_core.vllm_glue.api_server import served_model_type
 
@@ -284,7 +284,7 @@ async def vector_file(
     else:
         raw = encode_safetensors(payload)
     return Response(raw, media_type="application/octet-stream", headers={
-        "Content-Disposition": f'attachment; filename="{vector_id.replace("/", "~")}.{file_format}"',
+        "Content-Disposition": f'attachment; filename="{vector_id}.{file_format}"',
         "x-hotwire-version": str(meta.version),
     })
 
@@ -309,7 +309,7 @@ async def delete_vector(vector_id: str, request: Request, background: Background
                         tenant: str | None = _TENANT) -> Response:
     engine = HotwireEngine.of(request.app)
     found = await _addressed(request, engine, vector_id, tenant)
-    if tenancy(request).tenant is not None and "/" not in found:
+    if tenancy(request).tenant is not None and not tenant_of(found):
         raise HotwireError(403, ErrorCode.FORBIDDEN, f"{vector_id!r} is a shared vector: only the operator's keys "
                            "(without a tenant) delete shared vectors", "id")
     in_flight = await _registry(request).unregister(engine, found, Author(caller_name(request)))
