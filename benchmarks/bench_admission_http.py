@@ -12,8 +12,10 @@ the ASGI interface:
     steered, distinct   a scale drawn per request (every spec string new: parsed and decided anew)
     operator key        steered, repeated, on an app with a keys file: the operator's key
     tenant key          the same with a tenant's key, naming the tenant's vector by its plain name
+    plain, streamed     plain, the stand-in answering as vLLM streams a chat completion: ``--chunks`` SSE events
+    steered, streamed   steered, repeated, streamed the same way (what an admitted stream costs per event)
 
-    python benchmarks/bench_admission_http.py --requests 5000 [--profile]
+    python benchmarks/bench_admission_http.py --requests 5000 [--chunks 32] [--profile]
 """
 
 from __future__ import annotations
@@ -53,6 +55,32 @@ async def route(scope: dict[str, Any], receive: Any, send: Any) -> None:
     harness._to_engine(body)
     await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"application/json")]})
     await send({"type": "http.response.body", "body": ANSWER})
+
+
+CHUNK = (b'data: {"id":"chatcmpl-0","object":"chat.completion.chunk","created":0,"model":"m","choices":[{"index":0,'
+         b'"delta":{"content":" word"},"logprobs":null,"finish_reason":null}]}\n\n')
+ROLE = (b'data: {"id":"chatcmpl-0","object":"chat.completion.chunk","created":0,"model":"m","choices":[{"index":0,'
+        b'"delta":{"role":"assistant","content":""},"logprobs":null,"finish_reason":null}]}\n\n')
+
+
+def streaming_route(chunks: int) -> Any:
+    """The stand-in, answering with vLLM's shape of a streamed chat completion: the role event, ``chunks`` events
+    of one token each, ``[DONE]``."""
+    async def stream(scope: dict[str, Any], receive: Any, send: Any) -> None:
+        body = b""
+        while True:
+            message = await receive()
+            body += message.get("body", b"")
+            if not message.get("more_body"):
+                break
+        harness._to_engine(body)
+        await send({"type": "http.response.start", "status": 200,
+                    "headers": [(b"content-type", b"text/event-stream; charset=utf-8")]})
+        for event in [ROLE, *[CHUNK] * chunks, b"data: [DONE]\n\n"]:
+            await send({"type": "http.response.body", "body": event, "more_body": True})
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+    return stream
 
 
 async def one(app: Any, target: Any, body: bytes, key: str | None = None) -> None:
@@ -112,17 +140,21 @@ async def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--requests", type=int, default=5000)
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--chunks", type=int, default=32, help="token events of a streamed answer")
     parser.add_argument("--profile", action="store_true", help="cProfile the distinct-spec requests afterwards")
     args = parser.parse_args(argv)
     app = harness._openai_app(harness.FakeEngine(), Settings())
     assert harness._upload(TestClient(app), "happy", harness._vector()).status_code == 201
     keyed, keys = _keyed_app()
     admission = AdmissionMiddleware(route)
+    streamed = AdmissionMiddleware(streaming_route(args.chunks))
     cases = {"bare": (app, route, "plain", None), "plain": (app, admission, "plain", None),
              "steered, repeated": (app, admission, "repeated", None),
              "steered, distinct": (app, admission, "distinct", None),
              "operator key": (keyed, admission, "repeated", keys["operator"]),
-             "tenant key": (keyed, admission, "repeated", keys["tenant"])}
+             "tenant key": (keyed, admission, "repeated", keys["tenant"]),
+             "plain, streamed": (app, streamed, "plain", None),
+             "steered, streamed": (app, streamed, "repeated", None)}
     for where, target, kind, key in cases.values():
         await timed(where, target, bodies(kind, 200), key)  # warm up
     for r in range(args.rounds):

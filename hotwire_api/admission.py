@@ -34,7 +34,7 @@ from typing import Any
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from hotwire_api.answer import Answer
+from hotwire_api.answer import Answer, header_value
 from hotwire_api.auth import authorize_steering, record_key_changes
 from hotwire_api.catalog import CATALOG
 from hotwire_api.engine import HotwireEngine
@@ -175,9 +175,9 @@ class AdmissionMiddleware:
         ticket_id = TICKETS.issue(pinned, reading.value if reading else None)
         ticket = TICKETS.get(ticket_id)
         assert ticket is not None
+        receipt = None if pinned is None else (RECEIPT_HEADER.encode(), header_value(decided))
         if pinned is not None:
             steering.holder[SPEC_KEY] = pinned
-            send = _add_header(send, RECEIPT_HEADER.encode(), decided)
         usage_wanted = True
         if reading is not None:
             steering.holder[READOUT_KEY] = reading.value
@@ -188,7 +188,8 @@ class AdmissionMiddleware:
                 steering.request["stream_options"] = {**(options or {}), "include_usage": True}
         steering.holder[TICKET_KEY] = ticket_id
         body = json.dumps(steering.request, separators=(",", ":")).encode()
-        answer = Answer(engine, ticket_id, ticket, scope, receive, send, path, reading, usage_wanted, required, tenancy)
+        answer = Answer(engine, ticket_id, ticket, scope, receive, send, path, reading, usage_wanted, required, tenancy,
+                        receipt)
         try:
             await self.app(_with_length(scope, len(body)), _replay(body, receive), answer.send)
         except Exception:
@@ -387,8 +388,7 @@ def _with_length(scope: Scope, length: int) -> Scope:
 
 
 def _add_header(send: Send, name: bytes, value: str) -> Send:
-    # Header values must be printable ASCII on one line; engine messages and receipts are not trusted to be.
-    encoded = "".join(c if " " <= c <= "~" else "?" for c in value)[:512].encode()
+    encoded = header_value(value)
 
     async def send_with_header(message: Message) -> None:
         # Only on success: a request vLLM itself rejects was never steered.

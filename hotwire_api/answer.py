@@ -40,7 +40,7 @@ from hotwire_core.errors import EngineError
 from hotwire_core.readout_results import readout_of
 from hotwire_core.spec import SPEC_KEY
 
-__all__ = ["Answer"]
+__all__ = ["Answer", "header_value"]
 
 if TYPE_CHECKING:
     from hotwire_api.reading import Reading
@@ -60,9 +60,10 @@ class Answer:
 
     def __init__(self, engine: HotwireEngine, ticket_id: str, ticket: Ticket, scope: Scope, receive: Receive,
                  send: Send, path: str, reading: Reading | None = None, usage_wanted: bool = True,
-                 required: bool = True, tenancy: Tenancy = OPERATOR):
+                 required: bool = True, tenancy: Tenancy = OPERATOR, receipt: tuple[bytes, bytes] | None = None):
         self.engine, self.ticket_id, self.ticket, self.reading = engine, ticket_id, ticket, reading
         self.tenancy = tenancy  # whose names the vectors in refusals and readouts go out under
+        self.receipt = receipt  # the steering receipt header, added to a response that is not an error
         self.required = required  # the client asked for steering or a readout (else only the monitors read it)
         self.usage_wanted = usage_wanted  # a stream's usage chunk goes out (admission asks for it for a readout)
         self._generated: int | None = None  # a readout stream's completion tokens, from its usage chunk
@@ -77,6 +78,8 @@ class Answer:
         self.output = False  # whether the response delivered generated output
         self.explained = False
         self.replaced = False  # the refusal went out instead: the rest of vLLM's answer is dropped
+        # A stream's events go out as they come once it is under way: nothing held, no readout to cut or add
+        self._passing = False
 
     @property
     def failed(self) -> bool:
@@ -96,6 +99,9 @@ class Answer:
             await self._send(message)
             return
         if self.streaming and not self.failed:
+            if self._passing and self.output and not _is_error_event(message.get("body", b"")):
+                await self._send(message)  # what _stream_body does with such an event, without its checks
+                return
             await self._stream_body(message)
             return
         self.held.append(message)
@@ -258,8 +264,11 @@ class Answer:
     async def _flush(self) -> None:
         held, self.held = self.held, []
         for message in held:
+            if message["type"] == "http.response.start" and self.receipt and message.get("status", 200) < 400:
+                message = {**message, "headers": [*message.get("headers", []), self.receipt]}  # only if steered
             await self._send(message)
         self.started = True
+        self._passing = self.reading is None and self.usage_wanted and not self.replaced
 
     async def _refusal(self) -> HotwireError | None:
         if self.explained:
@@ -305,6 +314,12 @@ class Answer:
             await self._flush()
 
 
+def header_value(value: str) -> bytes:
+    """``value`` as a header value: printable ASCII on one line (engine messages and receipts are not trusted to be),
+    at most 512 characters."""
+    return "".join(c if " " <= c <= "~" else "?" for c in value)[:512].encode()
+
+
 def _is_event_stream(start: Message) -> bool:
     for name, value in start.get("headers", []):
         if name.lower() == b"content-type":
@@ -326,6 +341,8 @@ def _event_data(events: bytes) -> list[Any]:
 
 def _is_error_event(events: bytes) -> bool:
     """vLLM's error events: chat and completions ``data: {"error": {...}}``, responses ``"type": "error"``."""
+    if b"error" not in events:  # most events of a stream: no JSON to parse
+        return False
     return any(isinstance(d, dict) and ("error" in d and "choices" not in d or d.get("type") == "error")
                for d in _event_data(events))
 

@@ -1231,3 +1231,30 @@ def test_with_a_fleet_registry_the_routes_never_fall_back_to_the_local_one(engin
     _error(_upload(client, "happy", _vector()), 503, "registry_unavailable")
     _error(client.delete("/steer/vectors/happy"), 503, "registry_unavailable")
     assert "hotwire_register" not in engine.methods() and "hotwire_unregister" not in engine.methods()
+
+
+def test_a_steered_stream_under_way_passes_its_events_as_they_come(engine: FakeEngine) -> None:
+    """After the first output, events go out untouched (the word "error" in generated text is not an error event);
+    a refusal after many of them still ends the stream as an error event."""
+    app = _openai_app(engine, Settings())
+    text = [b'data: {"choices": [{"index": 0, "text": " error %d"}]}\n\n' % i for i in range(5)]
+
+    async def stream(request: Request) -> StreamingResponse:
+        ticket = _ticket(await request.body())
+
+        async def chunks():
+            for chunk in text:
+                yield chunk
+            _refuse_in_engine(engine)(ticket)
+            yield _VLLM_STREAM_ERROR
+            yield b"data: [DONE]\n\n"
+
+        return StreamingResponse(chunks(), media_type="text/event-stream")
+
+    app.router.routes = [r for r in app.router.routes if getattr(r, "path", "") != "/v1/completions"]
+    app.add_api_route("/v1/completions", stream, methods=["POST"])
+    client = TestClient(app)
+    _upload(client, "happy", _vector())
+    *passed, error, done = _stream_events(client, _spec())
+    assert passed == text and done == b"data: [DONE]\n\n"
+    assert json.loads(error.removeprefix(b"data: "))["error"]["type"] == "version_gone"
