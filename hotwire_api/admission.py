@@ -246,10 +246,6 @@ def _refuse_reserved(request: dict[str, Any], steering: _Steering | None) -> Non
 async def _name_for_engine(engine: HotwireEngine, tenancy: Tenancy, holder: dict[str, Any]) -> None:
     """A tenant's spec and readout, with the names it uses made the engine's ids (``hotwire_api.tenancy``)."""
     await CATALOG.ready(engine)
-
-    def exists(vector_id: str) -> bool:
-        return CATALOG.lookup(vector_id, None) is not None
-
     for field, rename in ((SPEC_KEY, tenancy.spec), (READOUT_KEY, tenancy.readout)):
         value = holder.get(field)
         if value is None:
@@ -257,7 +253,7 @@ async def _name_for_engine(engine: HotwireEngine, tenancy: Tenancy, holder: dict
         key = (tenancy.tenant, field, value, CATALOG.state) if isinstance(value, str) and len(value) <= _CACHED_SPEC_CHARS else None
         renamed = _RENAMED.get(key) if key else None
         if renamed is None:
-            renamed = rename(value, exists)
+            renamed = rename(value, CATALOG.holds)
             if key:  # (as the catalog is now: no await since)
                 if len(_RENAMED) >= _DECIDED_KEPT:
                     _RENAMED.clear()

@@ -92,6 +92,10 @@ class Catalog:
         vector = self.vectors.get(vector_id)
         return vector if vector is not None and version in (None, vector.version) else None
 
+    def holds(self, vector_id: str) -> bool:
+        """Whether the copy (made ready by the caller) holds ``vector_id``, at any version."""
+        return vector_id in self.vectors
+
     async def refresh(self, engine: HotwireEngine, not_before: float = -math.inf) -> None:
         """Bring the copy up to date with an answer the engine gave at or after ``not_before``
         (``time.monotonic()``); concurrent callers share one round trip. Raises :class:`HotwireError` when the

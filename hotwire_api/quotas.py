@@ -94,8 +94,7 @@ class Quotas:
             self._check_held(tenant, vector_id, 0, await held())
             count = await self.recent(tenant, fleet)
             if count >= self.per_minute:
-                raise _exceeded(f"tenant {tenant!r} made {count} registrations in the last minute, its quota "
-                                f"(HOTWIRE_TENANT_REGISTRATIONS_PER_MIN={self.per_minute}); retry within a minute")
+                raise self._too_many(tenant, count)
 
     async def recent(self, tenant: str, fleet: Any = None) -> int:
         """``tenant``'s registrations in the last minute (``fleet``: counted in its Redis)."""
@@ -104,10 +103,11 @@ class Quotas:
         now = time.monotonic()
         return sum(1 for at in self._recent[tenant] if at > now - WINDOW_S)
 
-    def _too_many(self, tenant: str, count: int, oldest: float, now: float) -> HotwireError:
+    def _too_many(self, tenant: str, count: int, oldest: float | None = None, now: float = 0.0) -> HotwireError:
+        """``oldest``: when the oldest registration in the window was made (None: unknown)."""
+        retry = "within a minute" if oldest is None else f"in {max(0.0, oldest + WINDOW_S - now):.0f} s"
         return _exceeded(f"tenant {tenant!r} made {count} registrations in the last minute, its quota "
-                         f"(HOTWIRE_TENANT_REGISTRATIONS_PER_MIN={self.per_minute}); retry in "
-                         f"{max(0.0, oldest + WINDOW_S - now):.0f} s")
+                         f"(HOTWIRE_TENANT_REGISTRATIONS_PER_MIN={self.per_minute}); retry {retry}")
 
     def _check_held(self, tenant: str, vector_id: str, nbytes: int, held: list[VectorMeta]) -> None:
         own = [m for m in held if tenant_of(m.id) == tenant and m.id != vector_id]  # a replaced one makes way

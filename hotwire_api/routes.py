@@ -118,11 +118,6 @@ _TENANT = Query(None, pattern=f"^{TENANT_RE.pattern}$", description="The tenant 
                "the operator's keys; a tenant's key names its own and the shared ones without it).")
 
 
-def _exists(vector_id: str) -> bool:
-    """Whether the catalog (made ready by the caller) holds ``vector_id``."""
-    return CATALOG.lookup(vector_id, None) is not None
-
-
 def _refresh_stats_later(background: BackgroundTasks, engine: HotwireEngine) -> None:
     background.add_task(STATS.refresh, engine)
 
@@ -247,7 +242,7 @@ def _unknown(vector_id: str) -> HotwireError:
 async def _addressed(request: Request, engine: HotwireEngine, vector_id: str, tenant: str | None) -> str:
     """The engine's id of the vector a path names (``Tenancy.addressed``); 404 where the caller may not see it."""
     await CATALOG.ready(engine)
-    found = tenancy(request).addressed(vector_id, tenant, _exists)
+    found = tenancy(request).addressed(vector_id, tenant, CATALOG.holds)
     if found is None:
         raise _unknown(vector_id)
     return found
@@ -342,7 +337,9 @@ async def slots(
     registry = await _registry(request).status()
     stats = stats.model_copy(update={"age_ms": round(age_s * 1000, 1), "registry": registry})
     view = tenancy(request)
-    return stats if view.tenant is None else view.slots(stats, len(view.vectors(await engine.vectors())))
+    if view.tenant is None:
+        return stats
+    return view.slots(stats, sum(map(view.sees, (await CATALOG.ready(engine)).vectors)))
 
 
 @router.get(
