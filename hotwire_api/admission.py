@@ -49,7 +49,8 @@ from hotwire_core.admission import Refusal, pinned_spec, receipt, resolve
 from hotwire_core.contract import ADMISSION_ONLY_KEYS
 from hotwire_core.error_codes import ErrorCode
 from hotwire_core.readout_spec import READOUT_KEY
-from hotwire_core.spec import SALT_PREFIX, SPEC_KEY, TICKET_KEY, SpecError, parse_spec
+from hotwire_core.gates import condition_of
+from hotwire_core.spec import SALT_PREFIX, SPEC_KEY, TICKET_KEY, Condition, SpecError, parse_spec
 
 __all__ = ["AdmissionMiddleware", "STEERABLE_ROUTES"]
 
@@ -112,8 +113,7 @@ class AdmissionMiddleware:
             if tenancy.tenant is not None:
                 await _name_for_engine(engine, tenancy, steering.holder)
             # Present, whatever its value: a spec that is not a JSON string is hotwire's 400, not vLLM's.
-            decided, pinned = await _decide(engine, steering.spec) if SPEC_KEY in steering.holder else ("", None)
-            when = next((e.when for e in parse_spec(pinned) if e.when is not None), None) if pinned else None
+            decided, pinned, when = await _decide(engine, steering.spec) if SPEC_KEY in steering.holder else ("", None, None)
             if when is not None:
                 authorize_gate(path, steering.request)
             reading = await decide_reading(engine, steering.readout if reads else None, monitors, book.state, when) \
@@ -265,7 +265,7 @@ async def _name_for_engine(engine: HotwireEngine, tenancy: Tenancy, holder: dict
 _RENAMED: dict[tuple[str | None, str, str, int], Any] = {}
 
 
-async def _decide(engine: HotwireEngine, spec: Any) -> tuple[str, str]:
+async def _decide(engine: HotwireEngine, spec: Any) -> tuple[str, str, Condition | None]:
     """The receipt and the pinned spec of an admitted request, or its refusal (:class:`HotwireError`, with the
     field named as in the request body)."""
     if not isinstance(spec, str):
@@ -283,7 +283,8 @@ async def _decide(engine: HotwireEngine, spec: Any) -> tuple[str, str]:
             raise Refusal(400, ErrorCode.BAD_SPEC, str(exc), exc.field) from None
         if any(e.version is not None and CATALOG.lookup(e.vector_id, e.version) is None for e in entries):
             # A version the catalog does not hold as current may be retained in the engine: it decides.
-            return await engine.check(spec)
+            decided, pinned = await engine.check(spec)
+            return decided, pinned, next((e.when for e in parse_spec(pinned) if e.when is not None), None)
         await CATALOG.ready(engine)  # (a catalog of another engine is started afresh: a new state)
         hit = _DECIDED.get((spec, CATALOG.state))
         if hit is not None:
@@ -292,7 +293,7 @@ async def _decide(engine: HotwireEngine, spec: Any) -> tuple[str, str]:
                                         (ErrorCode.UNKNOWN_VECTOR,))
     except (Refusal, HotwireError) as exc:
         raise in_body(exc) from None
-    decided = receipt(resolved), pinned_spec(resolved)
+    decided = receipt(resolved), pinned_spec(resolved), condition_of(resolved)
     if len(spec) <= _CACHED_SPEC_CHARS:  # (resolved against the catalog as it is now: no await since)
         if len(_DECIDED) >= _DECIDED_KEPT:
             _DECIDED.clear()
@@ -304,7 +305,7 @@ async def _decide(engine: HotwireEngine, spec: Any) -> tuple[str, str]:
 # over and over, and deciding one anew (resolve, the strength bound, receipt and pinned spec) was most of the host
 # time admission adds to a steered request. A change of the catalog starts afresh; only admitted short specs are
 # kept (a client chooses the keys), at most _DECIDED_KEPT of them.
-_DECIDED: dict[tuple[str, int], tuple[str, str]] = {}
+_DECIDED: dict[tuple[str, int], tuple[str, str, Condition | None]] = {}
 _DECIDED_KEPT = 1024
 _CACHED_SPEC_CHARS = 1024
 

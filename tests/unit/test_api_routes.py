@@ -1203,7 +1203,7 @@ def test_an_unknown_id_is_looked_up_in_a_catalog_answer_given_after_the_request_
         await asyncio.sleep(0.01)
         SlowCatalog.release.set()
         await early
-        receipt, _ = await decided
+        receipt, _, _ = await decided
         return receipt
 
     assert asyncio.run(scenario()) == "late@1:L1x4"

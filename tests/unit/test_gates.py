@@ -291,3 +291,23 @@ def test_verify_check_g_passes_only_when_the_gates_do_what_their_receipts_say():
     assert not check_gates([steered, steered], receipts, steered, plain, 9, 1e-6).passed  # the shut gate steered
     assert not check_gates([steered, plain], [{"positions_held": 8}, receipts[1]], steered, plain, 9, 1e-6).passed
     assert not check_gates([steered, plain], receipts, plain, plain, 9, 1e-6).passed  # steering moved nothing
+
+
+def test_a_decided_condition_is_the_one_its_pinned_spec_carries(_none_hash):
+    """The API server keeps a decided spec's condition (``admission._decide``) instead of parsing the pinned spec
+    again: the two must be one condition, the probe's version pinned."""
+    import dataclasses
+    import json
+
+    from test_controller import reader
+
+    from hotwire_core.admission import pinned_spec
+    from hotwire_core.gates import condition_of
+    from hotwire_core.spec import parse_spec
+
+    c = reader(readout_probes=2)
+    c.rules = dataclasses.replace(c.rules, model=dataclasses.replace(c.rules.model, gates=("token", "latch")))
+    resolved = c._resolve(json.dumps([_gated({"latch": True, "cosine": True}), {"id": "a", "layer": 2, "scale": 1.0}]))
+    kept = condition_of(resolved)
+    assert kept is not None and kept.version is not None
+    assert kept == next(e.when for e in parse_spec(pinned_spec(resolved)) if e.when is not None)
