@@ -339,7 +339,8 @@ async def slots(
     view = tenancy(request)
     if view.tenant is None:
         return stats
-    return view.slots(stats, sum(map(view.sees, (await CATALOG.ready(engine)).vectors)))
+    await CATALOG.ready(engine)
+    return view.slots(stats, sum(map(view.sees, CATALOG.vectors)))
 
 
 @router.get(
