@@ -45,7 +45,8 @@ from hotwire_api.settings import Settings  # noqa: E402
 ANSWER = b'{"choices": [{"text": "x"}], "usage": {"completion_tokens": 1}}'
 
 
-async def route(scope: dict[str, Any], receive: Any, send: Any) -> None:
+async def _to_engine(receive: Any) -> None:
+    """Read the request's body and pass it through the engine client's ticket guard, as vLLM's route would."""
     body = b""
     while True:
         message = await receive()
@@ -53,6 +54,10 @@ async def route(scope: dict[str, Any], receive: Any, send: Any) -> None:
         if not message.get("more_body"):
             break
     harness._to_engine(body)
+
+
+async def route(scope: dict[str, Any], receive: Any, send: Any) -> None:
+    await _to_engine(receive)
     await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"application/json")]})
     await send({"type": "http.response.body", "body": ANSWER})
 
@@ -67,13 +72,7 @@ def streaming_route(chunks: int) -> Any:
     """The stand-in, answering with vLLM's shape of a streamed chat completion: the role event, ``chunks`` events
     of one token each, ``[DONE]``."""
     async def stream(scope: dict[str, Any], receive: Any, send: Any) -> None:
-        body = b""
-        while True:
-            message = await receive()
-            body += message.get("body", b"")
-            if not message.get("more_body"):
-                break
-        harness._to_engine(body)
+        await _to_engine(receive)
         await send({"type": "http.response.start", "status": 200,
                     "headers": [(b"content-type", b"text/event-stream; charset=utf-8")]})
         for event in [ROLE, *[CHUNK] * chunks, b"data: [DONE]\n\n"]:
