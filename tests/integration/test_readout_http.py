@@ -19,8 +19,8 @@ pytestmark = pytest.mark.integration
 
 HIDDEN, LAYERS = 256, 4
 ATOL = 2e-3
-# float32 on a GPU too, but its kernels sum in other orders than transformers' on the CPU: 4e-3 seen (2026-12-05),
-# over ATOL; there the bound is 1% of the largest score (test_readout's is 2% for bf16)
+# float32 on a GPU too, but its kernels sum in other orders than transformers' on the CPU, beyond ATOL: there the
+# bound is 1% of the largest score (test_readout's is 2% for bf16)
 ON_GPU = torch.cuda.is_available()
 GPU_RELATIVE = 1e-2
 SERVER_ARGS = [] if torch.cuda.is_available() else ["--enforce-eager"]
