@@ -34,7 +34,7 @@ from typing import Any
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from hotwire_api.answer import Answer, header_value
+from hotwire_api.answer import Answer, header_value, with_header
 from hotwire_api.auth import authorize_steering, record_key_changes
 from hotwire_api.catalog import CATALOG
 from hotwire_api.engine import HotwireEngine
@@ -385,12 +385,9 @@ def _with_length(scope: Scope, length: int) -> Scope:
 
 
 def _add_header(send: Send, name: bytes, value: str) -> Send:
-    encoded = header_value(value)
+    header = (name, header_value(value))
 
     async def send_with_header(message: Message) -> None:
-        # Only on success: a request vLLM itself rejects was never steered.
-        if message["type"] == "http.response.start" and message.get("status", 200) < 400:
-            message = {**message, "headers": [*message.get("headers", []), (name, encoded)]}
-        await send(message)
+        await send(with_header(message, header))
 
     return send_with_header

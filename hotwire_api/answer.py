@@ -40,7 +40,7 @@ from hotwire_core.errors import EngineError
 from hotwire_core.readout_results import readout_of
 from hotwire_core.spec import SPEC_KEY
 
-__all__ = ["Answer", "header_value"]
+__all__ = ["Answer", "header_value", "with_header"]
 
 if TYPE_CHECKING:
     from hotwire_api.reading import Reading
@@ -264,9 +264,7 @@ class Answer:
     async def _flush(self) -> None:
         held, self.held = self.held, []
         for message in held:
-            if message["type"] == "http.response.start" and self.receipt and message.get("status", 200) < 400:
-                message = {**message, "headers": [*message.get("headers", []), self.receipt]}  # only if steered
-            await self._send(message)
+            await self._send(with_header(message, self.receipt) if self.receipt else message)
         self.started = True
         self._passing = self.reading is None and self.usage_wanted and not self.replaced
 
@@ -312,6 +310,14 @@ class Answer:
         """After the app returned: what is still held goes out (a stream the app left without a last body part)."""
         if self.held:
             await self._flush()
+
+
+def with_header(message: Message, header: tuple[bytes, bytes]) -> Message:
+    """``message`` with ``header`` added if it starts a successful response: a request vLLM itself refused was
+    neither steered nor served leniently."""
+    if message["type"] == "http.response.start" and message.get("status", 200) < 400:
+        return {**message, "headers": [*message.get("headers", []), header]}
+    return message
 
 
 def header_value(value: str) -> bytes:

@@ -85,11 +85,10 @@ def authorize_readout(path: str, where: str, request: dict[str, Any]) -> None:
         raise HotwireError(400, ErrorCode.READOUT_UNSUPPORTED, f"POST {path} cannot return a readout: only "
                            f"vllm_xargs.{READOUT_KEY} of POST {', '.join(sorted(READOUT_ROUTES))} is read; send the "
                            "request without it, or to one of those routes", field)
-    if request.get("n", 1) not in (1, None):
-        raise HotwireError(400, ErrorCode.BAD_READOUT, "a readout reads one completion: send n = 1", "n")
-    if _prompts(request) > 1:
-        raise HotwireError(400, ErrorCode.BAD_READOUT, "a readout reads one completion: send one prompt per "
-                           "request", "prompt")
+    many = _many_completions(request)
+    if many is not None:
+        raise HotwireError(400, ErrorCode.BAD_READOUT, "a readout reads one completion: send n = 1 and one prompt "
+                           "per request", many)
 
 
 def authorize_gate(path: str, request: dict[str, Any]) -> None:
@@ -99,18 +98,20 @@ def authorize_gate(path: str, request: dict[str, Any]) -> None:
     if path not in READOUT_ROUTES:
         raise HotwireError(400, ErrorCode.GATE_UNSUPPORTED, f"POST {path} cannot gate steering: only POST "
                            f"{', '.join(sorted(READOUT_ROUTES))} return its receipt; drop the entries' when", field)
-    if request.get("n", 1) not in (1, None) or _prompts(request) > 1:
+    if _many_completions(request) is not None:
         raise HotwireError(400, ErrorCode.GATE_UNSUPPORTED, "gated steering gates one completion: send n = 1 and one "
                            "prompt per request", field)
 
 
-def _prompts(request: dict[str, Any]) -> int:
-    """How many prompts a completions body holds (each its own engine request): a list of strings or of token
-    lists holds several; a string or one token list, one."""
+def _many_completions(request: dict[str, Any]) -> str | None:
+    """The field by which a body asks for more than one completion (``n``, or a completions ``prompt`` that is a
+    list of strings or of token lists: each its own engine request), or None."""
+    if request.get("n", 1) not in (1, None):
+        return "n"
     prompt = request.get("prompt")
-    if isinstance(prompt, list) and prompt and not all(isinstance(t, int) for t in prompt):
-        return len(prompt)
-    return 1
+    if isinstance(prompt, list) and len(prompt) > 1 and not all(isinstance(t, int) for t in prompt):
+        return "prompt"
+    return None
 
 
 def monitored(monitors: tuple[Monitor, ...], path: str, request: dict[str, Any] | None,
@@ -123,7 +124,7 @@ def monitored(monitors: tuple[Monitor, ...], path: str, request: dict[str, Any] 
         reason = "route"
     elif request is None or not isinstance(request.get("vllm_xargs", {}), dict):
         reason = "body"  # not a JSON object, or vllm_xargs not one: vLLM answers it with a 400
-    elif request.get("n", 1) not in (1, None) or _prompts(request) > 1:
+    elif _many_completions(request) is not None:
         reason = "n"  # several completions in one answer: its readout would be one request's
     elif beam_search:
         reason = "beam_search"
