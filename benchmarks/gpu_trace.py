@@ -87,7 +87,21 @@ def summarize(events: list[dict]) -> dict[str, Any]:
         "period_us": statistics.median(b[0]["ts"] - a[0]["ts"] for a, b in zip(replays, replays[1:])) if n > 1 else None,
         "busy": _busy_time(clipped) / (end - start),
         "by_name": {name: {"count": c / n, "us": us / n} for name, (c, us) in sorted(names.items())},
+        # Where the host's time goes over the same window, per replay: CUDA runtime calls (a synchronize here is
+        # a step that waited for the GPU) and the torch ops the host ran outside the graph (nested ones counted
+        # in their callers too).
+        "runtime_us": _host_time(events, "cuda_runtime", start, end, n),
+        "cpu_op_us": _host_time(events, "cpu_op", start, end, n),
     }
+
+
+def _host_time(events: list[dict], category: str, start: float, end: float, replays: int, top: int = 12) -> dict:
+    """The ``top`` names of ``category`` events in ``[start, end)`` by summed duration, in µs per replay."""
+    total: dict[str, float] = defaultdict(float)
+    for e in events:
+        if e.get("cat") == category and start <= e.get("ts", -1) < end:
+            total[e["name"]] += e.get("dur", 0.0)
+    return {name: round(us / replays, 1) for name, us in sorted(total.items(), key=lambda kv: -kv[1])[:top]}
 
 
 def kernel_diff(base: dict[str, Any], other: dict[str, Any], min_us: float = 0.5) -> list[dict]:

@@ -46,6 +46,15 @@ def test_summary_per_replay_and_busy_window():
     assert gpu_trace.summarize([_kernel("eager", 7, 0, 1)]) == {"replays": 0}
 
 
+def test_host_time_in_the_window_per_replay():
+    sync = {"ph": "X", "cat": "cuda_runtime", "name": "cudaEventSynchronize", "ts": 90, "dur": 40}
+    ops = [{"ph": "X", "cat": "cpu_op", "name": "aten::index", "ts": t, "dur": 6} for t in (20, 120, 400)]
+    s = gpu_trace.summarize(_trace() + [sync, *ops])
+    # Window 10..180, two replays: the launch at 100 and the sync; the op at 400 is outside.
+    assert s["runtime_us"] == {"cudaEventSynchronize": 20.0, "cudaGraphLaunch": 2.5}
+    assert s["cpu_op_us"] == {"aten::index": 6.0}
+
+
 def test_kernel_diff_names_what_differs():
     base, steered = gpu_trace.summarize(_trace()), gpu_trace.summarize(_trace(steer_us=2.0))
     assert gpu_trace.kernel_diff(base, base) == []
