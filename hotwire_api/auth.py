@@ -123,7 +123,7 @@ async def record_key_changes(app: Any) -> None:
 
 def require(role: Role, operator: bool = False) -> Any:
     """A route dependency: the caller's key must have ``role`` or above (any valid key without a keys file), and
-    with ``operator`` belong to no tenant (keys and monitors are the operator's)."""
+    with ``operator`` belong to no tenant (monitors are the operator's)."""
 
     async def check(request: Request) -> None:
         access = _access(request.app)

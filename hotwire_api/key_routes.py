@@ -1,8 +1,9 @@
-"""``/steer/keys``: the operator's admins (keys of no tenant) list, add, rotate and revoke keys over HTTP: those of
-``HOTWIRE_KEYS_FILE`` (``hotwire_api.keys``: the edits ``hotwire keys`` makes, under the file's lock, written
-atomically) or a fleet's (``HOTWIRE_FLEET_KEYS``, ``hotwire_api.fleet.key_ring``). Each edit takes effect on the
-next request (in a fleet, on the other replicas once they poll) and goes into the audit trail under the caller's
-key name."""
+"""``/steer/keys``: admins list, add, rotate and revoke keys over HTTP: those of ``HOTWIRE_KEYS_FILE``
+(``hotwire_api.keys``: the edits ``hotwire keys`` makes, under the file's lock, written atomically) or a fleet's
+(``HOTWIRE_FLEET_KEYS``, ``hotwire_api.fleet.key_ring``). The operator's admins (keys of no tenant) manage every key;
+a tenant's admins only their tenant's, and another tenant's key is to them as a name nobody has. Each edit takes
+effect on the next request (in a fleet, on the other replicas once they poll) and goes into the audit trail under
+the caller's key name."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from typing import TypeVar
 import pydantic
 from fastapi import Request, Response
 
-from hotwire_api.auth import caller_name, record_key_changes, require
+from hotwire_api.auth import caller_name, record_key_changes, require, tenancy
 from hotwire_api.errors import HotwireError
 from hotwire_api.fleet.key_ring import FleetKeys
 from hotwire_api.keys import NAME_PATTERN, KeyRing, KeysFileError, Role
@@ -72,6 +73,11 @@ def _ring(request: Request) -> KeyRing | FleetKeys:
     return ring
 
 
+def _tenant(request: Request) -> str | None:
+    """The caller's tenant: the only one whose keys it manages (None: the operator's, every key)."""
+    return tenancy(request).tenant
+
+
 async def _edit(request: Request, name: str, edit: Callable[[KeyRing | FleetKeys], Awaitable[T]]) -> T:
     """Make ``edit`` to the keys in the caller's name."""
     try:
@@ -93,26 +99,33 @@ async def _new(ring: KeyRing | FleetKeys, name: str, secret: str) -> NewKey:
 
 
 @router.get("/keys", response_model=KeyList, summary="The keys of the keys file: names, roles, dates",
-            dependencies=[require(Role.ADMIN, operator=True)])
+            dependencies=[require(Role.ADMIN)])
 async def list_keys(request: Request) -> KeyList:
-    ring = _ring(request)
+    ring, tenant = _ring(request), _tenant(request)
     try:
         keys = await ring.keys()
     except KeysFileError as exc:
         raise HotwireError(503, ErrorCode.KEYS_UNAVAILABLE, str(exc)) from None
-    return KeyList(file=ring.kept, keys=[KeyInfo(name=k.name, role=k.role, tenant=k.tenant, created=k.created)
-                                         for k in keys])
+    return KeyList(file="the keys file" if tenant and ring.kept != "redis" else ring.kept,
+                   keys=[KeyInfo(name=k.name, role=k.role, tenant=k.tenant, created=k.created)
+                         for k in keys if tenant is None or k.tenant == tenant])
 
 
 @router.post("/keys", status_code=201, response_model=NewKey, summary="Add a key (shown once, in this answer)",
              responses={400: error_doc("`bad_request`: a name or role that is not one."),
+                        403: error_doc("`forbidden`: a tenant's admin asked for a key of another tenant or of "
+                                       "the operator."),
                         409: error_doc("`exists`: a key has this name; rotate it, or revoke it first.")},
-             dependencies=[require(Role.ADMIN, operator=True)])
+             dependencies=[require(Role.ADMIN)])
 async def create_key(body: AddKey, request: Request) -> NewKey:
-    who = caller_name(request)
+    who, tenant = caller_name(request), _tenant(request) or body.tenant
+    if tenant != body.tenant and body.tenant is not None:
+        raise HotwireError(403, ErrorCode.FORBIDDEN, f"the key {who!r} belongs to tenant {tenant!r} and makes keys of "
+                           f"that tenant only: leave out tenant, or ask the operator for a key of {body.tenant!r}",
+                           "tenant")
 
     async def add(ring: KeyRing | FleetKeys) -> NewKey:
-        return await _new(ring, body.name, await ring.add(body.name, body.role, body.tenant, who))
+        return await _new(ring, body.name, await ring.add(body.name, body.role, tenant, who))
 
     return await _edit(request, body.name, add)
 
@@ -120,12 +133,12 @@ async def create_key(body: AddKey, request: Request) -> NewKey:
 @router.post("/keys/{name}/rotate", response_model=NewKey,
              summary="Replace a key with a new one of the same role; the old one stops working now",
              responses={404: error_doc("`unknown_key`: no key has this name.")},
-             dependencies=[require(Role.ADMIN, operator=True)])
+             dependencies=[require(Role.ADMIN)])
 async def rotate(name: str, request: Request) -> NewKey:
-    who = caller_name(request)
+    who, tenant = caller_name(request), _tenant(request)
 
     async def rotate_it(ring: KeyRing | FleetKeys) -> NewKey:
-        return await _new(ring, name, await ring.rotate(name, who))
+        return await _new(ring, name, await ring.rotate(name, who, tenant))
 
     return await _edit(request, name, rotate_it)
 
@@ -134,8 +147,8 @@ async def rotate(name: str, request: Request) -> NewKey:
                responses={404: error_doc("`unknown_key`: no key has this name."),
                           409: error_doc("`last_admin`: the last operator admin key, on a server without "
                                       "HOTWIRE_API_KEY; add another admin key first.")},
-               dependencies=[require(Role.ADMIN, operator=True)])
+               dependencies=[require(Role.ADMIN)])
 async def revoke(name: str, request: Request) -> Response:
-    keep, who = not request.app.state.hotwire_settings.api_key, caller_name(request)
-    await _edit(request, name, lambda ring: ring.revoke(name, keep, who))
+    keep, who, tenant = not request.app.state.hotwire_settings.api_key, caller_name(request), _tenant(request)
+    await _edit(request, name, lambda ring: ring.revoke(name, keep, who, tenant))
     return Response(status_code=204)

@@ -59,7 +59,7 @@ class Key(pydantic.BaseModel):
     role: Role
     tenant: str | None = pydantic.Field(default=None, pattern=f"^{TENANT_RE.pattern}$",
                                         description="the tenant whose vectors the key uses and manages; none: the "
-                                        "operator's key, which sees every tenant's and manages keys and monitors")
+                                        "operator's key, which sees every tenant's and manages every key and the monitors")
     sha256: str = pydantic.Field(pattern=r"^[0-9a-f]{64}$", description="the key's SHA-256, lowercase hex")
     created: str = pydantic.Field(default="", description="when the key was made (UTC, ISO 8601)")
 
@@ -115,7 +115,8 @@ def _write(path: Path, keys: list[Key]) -> None:
     write_atomic(path, json.dumps({"keys": [key.model_dump(mode="json") for key in keys]}, indent=2) + "\n")
 
 
-def _edit(path: str | os.PathLike, name: str, role: Role | None, create: bool, tenant: str | None = None) -> str:
+def _edit(path: str | os.PathLike, name: str, role: Role | None, create: bool, tenant: str | None = None,
+          within: str | None = None) -> str:
     """Give ``name`` a new key (of ``role`` and ``tenant``, or of its current ones) and return it."""
     path = Path(path)
     with locked(path):
@@ -123,11 +124,20 @@ def _edit(path: str | os.PathLike, name: str, role: Role | None, create: bool, t
         current = next((key for key in keys if key.name == name), None)
         if create and current is not None:
             raise KeysFileError(f"a key named {name!r} is in {path} already: rotate it, or revoke it first", ErrorCode.EXISTS)
-        if not create and current is None:
-            raise KeysFileError(f"no key named {name!r} in {path}", ErrorCode.UNKNOWN_KEY)
+        if not create:
+            current = _named(keys, name, path, within)
         secret, new = made_key(name, role or current.role, tenant if create else current.tenant)
         _write(path, [new if key.name == name else key for key in keys] + ([new] if create else []))
     return secret
+
+
+def _named(keys: list[Key], name: str, path: Path, within: str | None) -> Key:
+    """The key named ``name``; with ``within``, only if it is that tenant's: a tenant's admin is told of another's
+    key exactly what it is told of a name nobody has."""
+    key = next((key for key in keys if key.name == name), None)
+    if key is None or (within is not None and key.tenant != within):
+        raise KeysFileError(f"no key named {name!r} in {'the keys file' if within else path}", ErrorCode.UNKNOWN_KEY)
+    return key
 
 
 def made_key(name: str, role: Role, tenant: str | None) -> tuple[str, Key]:
@@ -145,7 +155,7 @@ def made_key(name: str, role: Role, tenant: str | None) -> tuple[str, Key]:
 
 
 def is_operator_admin(key: Key) -> bool:
-    """An admin key of no tenant: what manages keys; the last one may not be revoked over HTTP."""
+    """An admin key of no tenant: what manages every key; the last one may not be revoked over HTTP."""
     return key.role is Role.ADMIN and key.tenant is None
 
 
@@ -168,21 +178,20 @@ def add_key(path: str | os.PathLike, name: str, role: Role, tenant: str | None =
     return _edit(path, name, role, create=True, tenant=tenant)
 
 
-def rotate_key(path: str | os.PathLike, name: str) -> str:
+def rotate_key(path: str | os.PathLike, name: str, within: str | None = None) -> str:
     """Replace ``name``'s key with a new one of the same role: the old one stops working once the server reads the
     file (on its next request). For a rotation without a moment in which neither works, add a second key, move the
-    clients to it, then revoke the first."""
-    return _edit(path, name, None, create=False)
+    clients to it, then revoke the first. ``within``: only a key of this tenant (another's is unknown)."""
+    return _edit(path, name, None, create=False, within=within)
 
 
-def revoke_key(path: str | os.PathLike, name: str, keep_an_admin: bool = False) -> None:
-    """Remove ``name``'s key; with ``keep_an_admin``, refuse to remove the file's last admin key."""
+def revoke_key(path: str | os.PathLike, name: str, keep_an_admin: bool = False, within: str | None = None) -> None:
+    """Remove ``name``'s key; with ``keep_an_admin``, refuse to remove the file's last admin key. ``within``: only a
+    key of this tenant (another's is unknown)."""
     path = Path(path)
     with locked(path):
         keys = read_keys(path)
-        key = next((key for key in keys if key.name == name), None)
-        if key is None:
-            raise KeysFileError(f"no key named {name!r} in {path}", ErrorCode.UNKNOWN_KEY)
+        key = _named(keys, name, path, within)
         if keep_an_admin and is_operator_admin(key) and sum(map(is_operator_admin, keys)) == 1:
             raise KeysFileError(f"{name!r} is the last admin key in {path}: add another admin key first (without "
                                 "one, and without HOTWIRE_API_KEY, nobody could manage keys or vectors over HTTP)",
@@ -281,10 +290,10 @@ class KeyRing:
         with self.editing(name, who):
             return await asyncio.to_thread(add_key, self.path, name, role, tenant)
 
-    async def rotate(self, name: str, who: str) -> str:
+    async def rotate(self, name: str, who: str, within: str | None = None) -> str:
         with self.editing(name, who):
-            return await asyncio.to_thread(rotate_key, self.path, name)
+            return await asyncio.to_thread(rotate_key, self.path, name, within)
 
-    async def revoke(self, name: str, keep_an_admin: bool, who: str) -> None:
+    async def revoke(self, name: str, keep_an_admin: bool, who: str, within: str | None = None) -> None:
         with self.editing(name, who):
-            await asyncio.to_thread(revoke_key, self.path, name, keep_an_admin)
+            await asyncio.to_thread(revoke_key, self.path, name, keep_an_admin, within)

@@ -86,16 +86,16 @@ class FleetKeys:
         await self._edit("add", name, key.model_dump_json(), False, who)
         return secret
 
-    async def rotate(self, name: str, who: str) -> str:
+    async def rotate(self, name: str, who: str, within: str | None = None) -> str:
         secret, key = made_key(name, Role.READ, None)  # the script keeps the entry's role and tenant
-        await self._edit("rotate", name, key.model_dump_json(), False, who)
+        await self._edit("rotate", name, key.model_dump_json(), False, who, within)
         return secret
 
-    async def revoke(self, name: str, keep_an_admin: bool, who: str) -> None:
-        await self._edit("revoke", name, "", keep_an_admin, who)
+    async def revoke(self, name: str, keep_an_admin: bool, who: str, within: str | None = None) -> None:
+        await self._edit("revoke", name, "", keep_an_admin, who, within)
 
-    async def _edit(self, op: str, name: str, doc: str, keep_an_admin: bool, who: str) -> None:
-        status = await self.fleet.edit_key(op, name, doc, keep_an_admin, who, self.replica)
+    async def _edit(self, op: str, name: str, doc: str, keep_an_admin: bool, who: str, within: str | None = None) -> None:
+        status = await self.fleet.edit_key(op, name, doc, keep_an_admin, who, self.replica, within)
         if status in _REFUSED:
             message, code = _REFUSED[status]
             raise KeysFileError(message.format(name=name), code)

@@ -240,14 +240,16 @@ return {-1, '0'}
 """
 
 # KEYS: api_keys (hash: name -> the key's JSON, ``hotwire_api.keys.Key``), api_key_edits, audit. ARGV: op ("add",
-# "rotate", "revoke"), name, the new entry's JSON (add, rotate), keep_an_admin (1|0), who, at, replica. Returns 200
-# once made, 409 a name taken (add), 404 no such key (rotate, revoke), 423 the last operator admin key (revoke with
-# keep_an_admin). A rotation keeps the entry's role and tenant. The audit stream gets the change in the same step.
+# "rotate", "revoke"), name, the new entry's JSON (add, rotate), keep_an_admin (1|0), who, at, replica, within (a
+# tenant: only its keys; "": any). Returns 200 once made, 409 a name taken (add), 404 no such key, or not within's
+# (rotate, revoke), 423 the last operator admin key (revoke with keep_an_admin). A rotation keeps the entry's role
+# and tenant. The audit stream gets the change in the same step.
 EDIT_KEY = """
 local old = redis.call('HGET', KEYS[1], ARGV[2])
 local op, action = ARGV[1], 'key_added'
 if op == 'add' and old then return 409 end
 if op ~= 'add' and not old then return 404 end
+if op ~= 'add' and ARGV[8] ~= '' and cjson.decode(old).tenant ~= ARGV[8] then return 404 end
 local function operator_admin(doc)
   local key = cjson.decode(doc)
   return key.role == 'admin' and (key.tenant == nil or key.tenant == cjson.null)

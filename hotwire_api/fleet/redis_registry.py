@@ -329,11 +329,11 @@ class RedisRegistry:
         edits, docs = await self._do(pipe.execute())
         return int(edits or 0), [_str(doc) for doc in docs]
 
-    async def edit_key(self, op: str, name: str, doc: str, keep_an_admin: bool, who: str, replica: str) -> int:
-        """One key edit and its audit entry (``lua.EDIT_KEY``); returns the script's status."""
-        keys = [self.keys.api_keys, self.keys.api_key_edits, self.keys.audit]
-        args = [op, name, doc, int(keep_an_admin), who, repr(time.time()), replica]
-        return int(await self._do(self._edit_key(keys=keys, args=args)))
+    async def edit_key(self, op: str, name: str, doc: str, keep_an_admin: bool, who: str, replica: str,
+                       within: str | None = None) -> int:
+        """One key edit and its audit entry (``lua.EDIT_KEY``; ``within``: a tenant's keys only); the script's status."""
+        args = [op, name, doc, int(keep_an_admin), who, repr(time.time()), replica, within or ""]
+        return int(await self._do(self._edit_key(keys=[self.keys.api_keys, self.keys.api_key_edits, self.keys.audit], args=args)))
 
     # -- tenants' registrations per minute (``hotwire_api.quotas``) ----------------------------------------------
 

@@ -93,3 +93,35 @@ def test_without_a_keys_file_key_management_is_off() -> None:
     assert _code(refused, 503) == "keys_off" and "HOTWIRE_KEYS_FILE" in refused.json()["error"]["message"]
     assert _code(client.post("/steer/keys", json={"name": "x", "role": "read"}, headers=_bearer("root-key")),
                  503) == "keys_off"
+
+
+def test_a_tenants_admin_manages_its_tenants_keys_only(keys) -> None:
+    path, secret = keys
+    acme = _bearer(add_key(path, "acme-admin", Role.ADMIN, "acme"))
+    beta_secret = add_key(path, "beta-app", Role.STEER, "beta")
+    client = _app(Settings(keys_file=str(path)))
+    listed = client.get("/steer/keys", headers=acme).json()
+    assert [k["name"] for k in listed["keys"]] == ["acme-admin"] and str(path) not in json.dumps(listed)
+
+    made = client.post("/steer/keys", json={"name": "acme-app", "role": "steer"}, headers=acme)
+    assert made.status_code == 201 and made.json()["tenant"] == "acme"  # a tenant's admin makes its tenant's keys
+    assert client.post("/steer/keys", json={"name": "acme-2", "role": "read", "tenant": "acme"},
+                       headers=acme).status_code == 201
+    refused = client.post("/steer/keys", json={"name": "x", "role": "admin", "tenant": "beta"}, headers=acme)
+    assert _code(refused, 403) == "forbidden"
+    assert client.post("/steer/keys/acme-app/rotate", headers=acme).status_code == 200
+    assert client.delete("/steer/keys/acme-2", headers=acme).status_code == 204
+
+    # another tenant's key and the operator's answer as a name nobody has, and stay as they were
+    unknown = client.delete("/steer/keys/nobody", headers=acme).json()["error"]
+    for name in ("beta-app", "ops"):
+        for response in (client.post(f"/steer/keys/{name}/rotate", headers=acme),
+                         client.delete(f"/steer/keys/{name}", headers=acme)):
+            error = response.json()["error"]
+            assert response.status_code == 404 and error["code"] == "unknown_key"
+            assert error["message"] == unknown["message"].replace("nobody", name)
+    assert client.get("/steer/slots", headers=_bearer(beta_secret)).status_code != 401
+    assert {k.name: k.tenant for k in read_keys(path)} == {"ops": None, "app": None, "acme-admin": "acme",
+                                                           "beta-app": "beta", "acme-app": "acme"}
+    everyone = [(e["who"], e["action"], e["id"]) for e in client.get("/steer/audit", headers=_bearer(secret["ops"])).json()["entries"]]
+    assert ("acme-admin", "key_revoked", "acme-2") in everyone
