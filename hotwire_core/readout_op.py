@@ -4,7 +4,7 @@ Right after the steering op (and the capture op, where compiled in), at the same
 layer, it projects the residual stream of each token that has a readout row (``token_read[t] != 0``) onto that
 row's probes for the layer (``read_slot[row, layer, k]``: bank slots; slot 0 is the bank's all-zero row) and writes
 ``out[layer, t, k]`` (the dot products, float32) and ``out[layer, t, K]`` (the stream's L2 norm, for cosines).
-Tokens without a row are not written. Like ``steer_`` it does nothing while ``ops.GATE`` is closed, so a step in
+Tokens without a row, or whose row has no probe at this layer, are not written. Like ``steer_`` it does nothing while ``ops.GATE`` is closed, so a step in
 which nobody steers, captures or reads still replays the hotwire-free idle graphs.
 
 The output buffer (``[n_layers, max_tokens, K + 1]`` float32) is not an argument: it is set once per worker
@@ -69,6 +69,7 @@ def _read_cpu(target: torch.Tensor, other: torch.Tensor | None, token_read: torc
     if GATE.open and _OUT is not None:
         rows = token_read[: target.shape[0]]
         picked = rows.nonzero().squeeze(1)
+        picked = picked[read_slot[rows[picked].long(), layer].any(-1)]  # rows with a probe at this layer
         if picked.numel():
             values = read_torch(target[picked], None if other is None else other[picked], rows[picked], read_slot,
                                 bank, layer)

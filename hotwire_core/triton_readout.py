@@ -1,8 +1,8 @@
 """Triton kernel behind the CUDA implementation of ``torch.ops.hotwire.read_`` (``hotwire_core.readout_op``).
 
 One program per token: a token without a readout row returns after one int32 load, so a step in which nobody
-reads (but something is steered: the gate is open) pays about what ``steer_`` pays at a switched-off layer. A read
-token loads its stream row (``target + other``, in float32) block by block, accumulates its dot product with each
+reads (but something is steered: the gate is open) pays about what ``steer_`` pays at a switched-off layer; a token
+whose row has no probe at this layer returns after loading its K slots. A read token loads its stream row (``target + other``, in float32) block by block, accumulates its dot product with each
 of its row's ``K`` probes and its squared norm, and writes ``K + 1`` floats. The launcher reads only shapes and
 strides, so it is safe to capture in a CUDA graph once compiled. Imported on the op's first CUDA call.
 """
@@ -28,6 +28,8 @@ def _read_kernel(target_ptr, other_ptr, token_read_ptr, read_slot_ptr, bank_ptr,
     ks = tl.arange(0, K_POW2)
     kmask = ks < K
     slots = tl.load(read_slot_ptr + row * slot_row_stride + layer * K + ks, mask=kmask, other=0).to(tl.int64)
+    if tl.max(slots, axis=0) == 0:  # no probe of this row at this layer (its condition's layer has its probe)
+        return
     offs = tl.arange(0, BLOCK_H)
     dots = tl.zeros([K_POW2], dtype=tl.float32)
     squares = tl.zeros([BLOCK_H], dtype=tl.float32)

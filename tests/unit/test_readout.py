@@ -74,6 +74,7 @@ def test_the_cpu_kernel_writes_the_read_tokens_only():
         rows = torch.zeros(MAX_TOKENS, dtype=torch.int32)
         rows[:4] = torch.tensor([0, 1, 2, 0], dtype=torch.int32)
         torch.ops.hotwire.read_(x, r, rows, read_slot, bank, 1)
+        torch.ops.hotwire.read_(x, r, rows, read_slot, bank, 3)  # no row has a probe at layer 3: nothing written
         stream = x + r
         torch.testing.assert_close(out[1, 1, 0], stream[1] @ bank[3])
         torch.testing.assert_close(out[1, 2, 2], stream[2] @ bank[3])
@@ -111,9 +112,13 @@ def check_triton_against_torch(device: str) -> None:
             picked = rows[:n].nonzero().squeeze(1)
             want[1, picked] = read_torch(target[picked], None if other is None else other[picked], rows[picked],
                                          read_slot, bank, 1)
+            ones = [0, 3]  # row 1 reads layer 2, row 2 does not
+            want[2, ones] = read_torch(target[ones], None if other is None else other[ones], rows[ones], read_slot,
+                                       bank, 2)
             got = torch.full((N_LAYERS, MAX_TOKENS, K + 1), -7.0, device=device)
-            triton_readout.read_triton_(target.to(device), None if other is None else other.to(device),
-                                        rows.to(device), read_slot.to(device), bank.to(device), got, 1)
+            for layer in (1, 2):
+                triton_readout.read_triton_(target.to(device), None if other is None else other.to(device),
+                                            rows.to(device), read_slot.to(device), bank.to(device), got, layer)
             torch.testing.assert_close(got.cpu(), want, atol=1e-4, rtol=1e-4)
         finally:
             triton_readout.MAX_BLOCK_H = saved
