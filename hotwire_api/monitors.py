@@ -9,7 +9,8 @@ prompt; the position that predicts the first generated token), ``generated`` red
 generated token (``max``, ``mean`` or ``min``).
 
 Monitors are kept in ``monitors.json`` in the served model's store folder (``HOTWIRE_STORE``), edited under a lock
-and read again when it changes, so every API server of a host sees the same ones; in a fleet (``HOTWIRE_REGISTRY``),
+and read again when it changes (looked at no more often than every ``FILE_LOOK_S``: it is on every request's path),
+so every API server of a host sees the same ones; in a fleet (``HOTWIRE_REGISTRY``),
 in its Redis, which every API server polls for changes (``HOTWIRE_CATALOG_REFRESH_MS``); with the store off
 elsewhere, each API server keeps its own in memory.
 """
@@ -19,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -74,6 +76,9 @@ def skipped(reason: str) -> None:
     _SKIPPED.labels(reason).inc()
 
 
+FILE_LOOK_S = 0.05  # another API server's edit of the file is in force here within this
+
+
 class MonitorBook:
     """The monitors (see the module docstring): the fleet's, a file, or this API server's memory until
     :meth:`start` finds where they are kept."""
@@ -84,6 +89,7 @@ class MonitorBook:
         self._edits = -1  # the fleet's count of monitor edits when last read
         self._monitors: tuple[Monitor, ...] = ()
         self._stamp: tuple[int, int, int] | None = None
+        self._look_at = 0.0  # when the file is next looked at
         self.state = 0  # changes whenever the monitors may have: what admission caches their decision under
 
     @property
@@ -123,8 +129,9 @@ class MonitorBook:
     def current(self) -> tuple[Monitor, ...]:
         """The monitors now (the file read again if it changed; one that cannot be read keeps the last good ones,
         with an error in the log)."""
-        if self.path is None:
+        if self.path is None or time.monotonic() < self._look_at:
             return self._monitors
+        self._look_at = time.monotonic() + FILE_LOOK_S
         try:
             now = stamp(self.path)
         except FileNotFoundError:
@@ -167,6 +174,7 @@ class MonitorBook:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         with locked(self.path):
             old = self._apply(self._read(), monitor_id, new, self.path)
+        self._look_at = 0.0  # in force here at once
         self.current()
         return old
 

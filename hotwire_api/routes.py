@@ -21,7 +21,7 @@ from hotwire_api.forms import check_fits
 from hotwire_api.keys import Role
 from hotwire_api.gguf_codec import encode_gguf, encode_safetensors
 from hotwire_api.stats_cache import STATS
-from hotwire_api.steer_router import error_doc, steer_router
+from hotwire_api.steer_router import error_doc, routes_last, steer_router
 from hotwire_api.models import DeleteResult, FleetView, SlotStats, VectorList, VectorMeta
 from hotwire_api.quotas import Quotas
 from hotwire_api.settings import Settings
@@ -37,6 +37,7 @@ from hotwire_core.vllm_glue.api_server import served_model_type
 async def _background(app: Any) -> AsyncIterator[None]:
     """Lifespan: keep the slot statistics and the catalog fresh and the vector registry started while ``app`` runs
     (on a vLLM hotwire supports: elsewhere every answer is the 503 of :meth:`HotwireEngine.of`)."""
+    routes_last(app)
     if inactive_reason() is not None:
         yield
         return

@@ -14,7 +14,7 @@ from hotwire_api.errors import HotwireError
 from hotwire_api.models import ErrorBody
 from hotwire_core.error_codes import ErrorCode
 
-__all__ = ["HotwireRoute", "error_doc", "steer_router"]
+__all__ = ["HotwireRoute", "error_doc", "routes_last", "steer_router"]
 
 
 class HotwireRoute(APIRoute):
@@ -62,3 +62,11 @@ def steer_router(unavailable: str, **kwargs: Any) -> APIRouter:
         },
         **kwargs,
     )
+
+
+def routes_last(app: Any) -> None:
+    """Move hotwire's routes behind the host app's (once the host has added its own: at startup). Starlette tries
+    routes in order, and vLLM's HTTP metrics scan them again for every request: an OpenAI request then need not
+    try every ``/steer`` route first."""
+    routes = app.router.routes
+    routes[:] = [r for r in routes if not isinstance(r, HotwireRoute)] + [r for r in routes if isinstance(r, HotwireRoute)]

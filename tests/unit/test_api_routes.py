@@ -499,6 +499,16 @@ def test_lifespan_refreshes_stats_in_the_background(app: FastAPI, engine: FakeEn
     assert STATS.snapshot is not None
 
 
+def test_at_startup_the_hosts_routes_come_before_hotwires(app: FastAPI) -> None:
+    """The host added its OpenAI routes after attach: once started, they are tried first, /steer still answers."""
+    paths = lambda: [getattr(route, "path", "") for route in app.router.routes]  # noqa: E731
+    assert paths().index("/v1/completions") > paths().index("/steer/slots")
+    with TestClient(app) as client:
+        steer = [i for i, path in enumerate(paths()) if path.startswith("/steer/")]
+        assert paths().index("/v1/completions") < min(steer) and steer == list(range(min(steer), len(paths())))
+        assert client.get("/steer/slots").status_code == 200
+
+
 # ---- auth -------------------------------------------------------------------------------------------------
 
 

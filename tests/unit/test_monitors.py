@@ -7,10 +7,12 @@ import asyncio
 import json
 from types import SimpleNamespace
 import multiprocessing
+import time
 
 import pydantic
 import pytest
 
+from hotwire_api import monitors
 from hotwire_api.monitors import Monitor, MonitorBook, score_of
 from hotwire_api.reading import Reading
 
@@ -63,7 +65,8 @@ def _add(path, n: int) -> None:
     asyncio.run(book.edit(f"m{n}", Monitor(id=f"m{n}", probe="v", layer=1, threshold=n)))
 
 
-def test_the_monitors_file_is_shared_by_every_api_server_and_edits_are_all_kept(tmp_path) -> None:
+def test_the_monitors_file_is_shared_by_every_api_server_and_edits_are_all_kept(tmp_path, monkeypatch) -> None:
+    monkeypatch.setattr(monitors, "FILE_LOOK_S", 1.0)
     path = tmp_path / "monitors.json"
     reader = MonitorBook()
     reader.path = path
@@ -75,8 +78,11 @@ def test_the_monitors_file_is_shared_by_every_api_server_and_edits_are_all_kept(
     assert asyncio.run(reader.edit("m3", None)).threshold == 3 and asyncio.run(reader.edit("m3", None)) is None
     assert len(reader.current()) == 11
     path.write_text("{")  # broken by hand: the last good monitors stay on
+    time.sleep(monitors.FILE_LOOK_S)
     assert len(reader.current()) == 11
     path.write_text(json.dumps({"monitors": [{"id": "z", "probe": "v", "layer": 0, "threshold": 1}]}))
+    assert len(reader.current()) == 11  # the file was looked at a moment ago: not again yet
+    time.sleep(monitors.FILE_LOOK_S)
     assert [m.id for m in reader.current()] == ["z"]
 
 
