@@ -22,7 +22,12 @@ Any other outcome is a failure, and the run exits 1.
 Reported: per configuration the median req/s, TTFT p50 and the API server's CPU time per completed request
 (the server's main process, over the measured window: where a saturated API server spends what steering adds)
 over rounds; per round the paired ratios steered / plain and plain / vanilla, and their medians (the figures of the
-targets: ≥ 0.98 and ≥ 0.99; with monitors, monitored / plain, #39's target: ≥ 0.99).
+targets: ≥ 0.98 and ≥ 0.99; with monitors, monitored / plain, #39's target: ≥ 0.99); per round the busiest client
+process's CPU over its wall time (near 100%: the clients, not the server, were the limit).
+
+Every server's API server runs on one core of its own (``--api-core``, by default the last where there are 8 or
+more), the client processes on the others: only one server is loaded at a time, so each configuration's API server
+finds the same core, and the engines' and clients' placement cannot favour one of them.
 
     # on the GPU: a small model whose API server saturates first
     python benchmarks/bench_throughput.py --clients 128 --rounds 4 --out throughput.json
@@ -80,12 +85,14 @@ class Tally:
     failures: Counter = field(default_factory=Counter)
     ttft_s: list[float] = field(default_factory=list)
     steered: int = 0
+    busy: list[float] = field(default_factory=list)  # per client process: its CPU time over the round's wall time
 
     def merge(self, other: Tally) -> None:
         self.completed += other.completed
         self.failures.update(other.failures)
         self.ttft_s.extend(other.ttft_s)
         self.steered += other.steered
+        self.busy.extend(other.busy)
 
 
 def request_body(load: Load, chat: bool, vector_id: str | None, scale: float, prompt: str) -> dict[str, Any]:
@@ -175,8 +182,21 @@ def _worker(load: Load, clients: int, seed: int, start_at: float, warmup: float,
         await asyncio.gather(*(_client(load, seed * 1000 + i, measure_from, measure_from + seconds, tally)
                                for i in range(clients)))  # fmt: skip
 
+    cpu, wall = time.process_time(), time.monotonic()
     asyncio.run(run())
+    tally.busy.append((time.process_time() - cpu) / (time.monotonic() - wall))
     return tally
+
+
+def _keep_off(core: int | None) -> None:
+    """Pool initializer: a client process runs on every core but ``core`` (the API servers')."""
+    if core is not None:
+        psutil.Process().cpu_affinity([c for c in psutil.Process().cpu_affinity() if c != core])
+
+
+def _pin(pid: int, core: int) -> None:
+    """Put the API server ``pid`` (the main process, every thread of it) on ``core``."""
+    psutil.Process(pid).cpu_affinity([core])
 
 
 def run_round(pool: Any, load: Load, clients: int, workers: int, seed: int, warmup: float, seconds: float,
@@ -316,6 +336,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--scale", type=float, default=4.0, help="scale of a steered entry (drawn in [s, 1.5 s])")
     parser.add_argument("--monitors", type=int, default=0, help="also run the monitored configuration with this "
                         "many monitors (a third server, HOTWIRE_READOUT=1)")
+    parser.add_argument("--api-core", type=int, default=None,
+                        help="run every server's API server on this core and the clients off it, so that each "
+                        "configuration's API server has the same core to itself (default: the last core, where "
+                        "there are at least 8; -1: no pinning)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path, default=Path("throughput.json"))
     return parser.parse_args(argv)
@@ -338,6 +362,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         urls = {server: url for server, (url, _) in started.items()}
         api_server = {"vanilla": started["vanilla"][1], "plain": started["hotwire"][1], "steered": started["hotwire"][1],
                       **({"monitored": started["monitored"][1]} if args.monitors else {})}
+        cores = psutil.Process().cpu_affinity()
+        core = args.api_core if args.api_core is not None else (cores[-1] if len(cores) >= 8 else -1)
+        core = None if core < 0 else core
+        if core is not None:
+            for _, pid in started.values():
+                _pin(pid, core)
+            print(f"throughput: the API servers run on core {core}, the clients off it", flush=True)
         name, hidden, n_layers = model_facts(urls["hotwire"])
         ids = tuple(f"tp{i}" for i in range(args.ids))
         register_vectors(urls["hotwire"], ids, hidden, args.seed)
@@ -351,7 +382,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             add_monitors(urls["monitored"], ids, args.monitors, n_layers // 2)
             loads["monitored"] = Load(urls["monitored"], name, args.max_tokens, 0.0, (), n_layers // 2, args.scale,
                                       args.monitors)
-        with multiprocessing.get_context("spawn").Pool(args.workers) as pool:
+        with multiprocessing.get_context("spawn").Pool(args.workers, _keep_off, (core,)) as pool:
             for r in range(args.rounds):
                 order = configs[r % len(configs):] + configs[:r % len(configs)]
                 for config in order:
@@ -361,13 +392,15 @@ def main(argv: Sequence[str] | None = None) -> int:
                     ttft = median(tally.ttft_s)
                     rounds.append({"round": r, "config": config, "completed": tally.completed, "steered": tally.steered,
                                    "ttft_p50_ms": None if ttft is None else ttft * 1000, "api_cpu_s": api_cpu_s,
+                                   "client_busy_max": max(tally.busy, default=None),
                                    "failures": dict(tally.failures)})  # fmt: skip
                     per_request = api_cpu_s * 1000 / tally.completed if api_cpu_s is not None and tally.completed else None
                     print(f"throughput: round {r} {config:8s} {tally.completed / args.seconds:8.2f} req/s"
                           f"  TTFT p50 {rounds[-1]['ttft_p50_ms'] or float('nan'):7.1f} ms"
                           f"  API server CPU {per_request or float('nan'):.3f} ms/request"
+                          f"  busiest client process {max(tally.busy, default=float('nan')):.0%}"
                           f"  failures {dict(tally.failures) or 0}", flush=True)  # fmt: skip
-    result = {"command": sys.argv, "args": {k: str(v) for k, v in vars(args).items()}, "model": name,
+    result = {"command": sys.argv, "args": {k: str(v) for k, v in vars(args).items()}, "api_core": core, "model": name,
               "hidden": hidden, "n_layers": n_layers, "rounds": rounds, "failures": dict(failures),
               **summarize(rounds, args.seconds)}  # fmt: skip
     with contextlib.suppress(Exception):
