@@ -1,6 +1,7 @@
 """A tenant's quotas on what it registers (``hotwire_api.tenancy``): the vectors and bytes it holds registered
 (``HOTWIRE_TENANT_VECTORS``, ``HOTWIRE_TENANT_MB``) and its registrations per minute
-(``HOTWIRE_TENANT_REGISTRATIONS_PER_MIN``); past one, 429 ``quota_exceeded``. The bank rows a tenant's requests pin
+(``HOTWIRE_TENANT_REGISTRATIONS_PER_MIN``), or its own where ``HOTWIRE_TENANT_LIMITS`` names it; past one, 429
+``quota_exceeded``. The bank rows a tenant's requests pin
 at once are the engine's to limit (``HOTWIRE_TENANT_ROWS``, ``hotwire_core.slots``). A quota is the namespace's,
 whichever key registers into it; shared vectors have none.
 
@@ -43,6 +44,7 @@ class Quotas:
 
     def __init__(self, settings: Settings):
         self.vectors, self.bytes, self.per_minute = settings.tenant_vectors, settings.tenant_bytes, settings.tenant_per_minute
+        self._own = dict(settings.tenant_limits or {})
         self._recent: defaultdict[str, deque[float]] = defaultdict(deque)  # tenant -> when it registered (no fleet)
         self._locks: defaultdict[str, asyncio.Lock] = defaultdict(asyncio.Lock)
 
@@ -65,18 +67,27 @@ class Quotas:
                 await give_back()
                 raise
 
+    def limits(self, tenant: str) -> tuple[int, int, int]:
+        """``tenant``'s ``(vectors, bytes, registrations per minute)``: its own where it has them, else everyone's."""
+        own = self._own.get(tenant)
+        if own is None:
+            return self.vectors, self.bytes, self.per_minute
+        return (own.vectors or self.vectors, int(own.mb * 1024 * 1024) if own.mb is not None else self.bytes,
+                own.registrations_per_min or self.per_minute)
+
     async def _count(self, tenant: str, fleet: Any) -> Any:
         """Count one registration of ``tenant`` (or raise); returns how to take it back."""
+        per_minute = self.limits(tenant)[2]
         if fleet is not None:
             token = uuid.uuid4().hex
-            full = await fleet.take_registration(tenant, time.time(), WINDOW_S, self.per_minute, token)
+            full = await fleet.take_registration(tenant, time.time(), WINDOW_S, per_minute, token)
             if full is not None:
                 raise self._too_many(tenant, *full, time.time())
             return lambda: fleet.give_back_registration(tenant, token)
         recent, now = self._recent[tenant], time.monotonic()
         while recent and recent[0] <= now - WINDOW_S:
             recent.popleft()
-        if len(recent) >= self.per_minute:
+        if len(recent) >= per_minute:
             raise self._too_many(tenant, len(recent), recent[0], now)
         recent.append(now)
 
@@ -93,7 +104,7 @@ class Quotas:
         if tenant:
             self._check_held(tenant, vector_id, 0, await held())
             count = await self.recent(tenant, fleet)
-            if count >= self.per_minute:
+            if count >= self.limits(tenant)[2]:
                 raise self._too_many(tenant, count)
 
     async def recent(self, tenant: str, fleet: Any = None) -> int:
@@ -107,18 +118,26 @@ class Quotas:
         """``oldest``: when the oldest registration in the window was made (None: unknown)."""
         retry = "within a minute" if oldest is None else f"in {max(0.0, oldest + WINDOW_S - now):.0f} s"
         return _exceeded(f"tenant {tenant!r} made {count} registrations in the last minute, its quota "
-                         f"(HOTWIRE_TENANT_REGISTRATIONS_PER_MIN={self.per_minute}); retry {retry}")
+                         f"({self._source(tenant, 'registrations_per_min', 'HOTWIRE_TENANT_REGISTRATIONS_PER_MIN')}="
+                         f"{self.limits(tenant)[2]}); retry {retry}")
+
+    def _source(self, tenant: str, field: str, variable: str) -> str:
+        """Where ``tenant``'s limit ``field`` comes from: its own in HOTWIRE_TENANT_LIMITS, or ``variable``."""
+        own = self._own.get(tenant)
+        return f"HOTWIRE_TENANT_LIMITS.{tenant}.{field}" if own is not None and getattr(own, field) is not None else variable
 
     def _check_held(self, tenant: str, vector_id: str, nbytes: int, held: list[VectorMeta]) -> None:
         own = [m for m in held if tenant_of(m.id) == tenant and m.id != vector_id]  # a replaced one makes way
-        if len(own) + 1 > self.vectors:
-            raise _exceeded(f"tenant {tenant!r} holds {len(own)} vectors, its quota (HOTWIRE_TENANT_VECTORS="
-                            f"{self.vectors}); delete one first, or ask the operator to raise it")
+        vectors, nbytes_allowed, _ = self.limits(tenant)
+        if len(own) + 1 > vectors:
+            raise _exceeded(f"tenant {tenant!r} holds {len(own)} vectors, its quota ("
+                            f"{self._source(tenant, 'vectors', 'HOTWIRE_TENANT_VECTORS')}={vectors}); delete one "
+                            "first, or ask the operator to raise it")
         used = sum(size_of(m.dtype, m.shape) for m in own)
-        if used + nbytes > self.bytes:
+        if used + nbytes > nbytes_allowed:
             raise _exceeded(f"tenant {tenant!r} holds {used:,} bytes of vectors and this one has {nbytes:,}: more "
-                            f"than its quota of {self.bytes:,} (HOTWIRE_TENANT_MB); delete some first, or ask the "
-                            "operator to raise it")
+                            f"than its quota of {nbytes_allowed:,} ({self._source(tenant, 'mb', 'HOTWIRE_TENANT_MB')}); "
+                            "delete some first, or ask the operator to raise it")
 
 
 def _exceeded(message: str) -> HotwireError:

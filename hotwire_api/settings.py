@@ -9,6 +9,7 @@ from dataclasses import dataclass
 
 from hotwire_api.fleet.config import REGISTRY
 from hotwire_core.env import Flag, Float, Int, Text, load, setting
+from hotwire_core.tenant_limits import TENANT_LIMITS, TenantLimits
 
 DEFAULT_MAX_UPLOAD_MB = 64.0
 API_KEY = Text("HOTWIRE_API_KEY", doc="guards /steer/* in place of vLLM's --api-key")  # the CLI's default too
@@ -41,6 +42,7 @@ class Settings:
     tenant_per_minute: int = setting(Int("HOTWIRE_TENANT_REGISTRATIONS_PER_MIN", default=60, lo=1, hi=1 << 20,
                                          doc="registrations (uploads and extractions) one tenant may make per minute "
                                              "(in a fleet, on every replica together)"))
+    tenant_limits: Mapping[str, TenantLimits] | None = setting(TENANT_LIMITS)
     extract_max_tokens: int = setting(Int("HOTWIRE_EXTRACT_MAX_TOKENS", default=4096, lo=1, hi=1 << 24,
                                           doc="tokens per extraction example"))
 

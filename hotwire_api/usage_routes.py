@@ -1,8 +1,10 @@
 """``GET /steer/usage``: what each tenant holds and uses now beside its quotas (``hotwire_api.quotas``, the bank's
-``HOTWIRE_TENANT_ROWS``): a tenant's key reads its own, the operator's every tenant's."""
+``HOTWIRE_TENANT_ROWS``, and a tenant's own in ``HOTWIRE_TENANT_LIMITS``): a tenant's key reads its own, the
+operator's every tenant's."""
 
 from __future__ import annotations
 
+import functools
 from collections import Counter
 
 from fastapi import Request
@@ -14,12 +16,20 @@ from hotwire_api.models import TenantUsage, UsageList
 from hotwire_api.quotas import Quotas, size_of
 from hotwire_api.stats_cache import STATS
 from hotwire_api.steer_router import steer_router
+from hotwire_core.settings import Settings as CoreSettings, parse_layers
 from hotwire_core.spec import tenant_of
 
 __all__ = ["router"]
 
 router = steer_router("The engine is not running, or cannot be steered; `registry_unavailable` in a fleet whose "
                       "Redis does not answer.")
+
+
+@functools.cache
+def _core_settings() -> CoreSettings:
+    """The engine's settings as this process's environment gives them (the engine core's is the same): a tenant's
+    own bank share."""
+    return CoreSettings.from_env()
 
 
 @router.get("/usage", response_model=UsageList, summary="Each tenant's vectors, registrations and pinned rows, "
@@ -37,8 +47,14 @@ async def usage(request: Request) -> UsageList:
     tenants = [caller] if caller is not None else sorted(t for t in {*held, *pinned} if t)
     quotas: Quotas = request.app.state.hotwire_quotas
     fleet = request.app.state.hotwire_registry.fleet_store()
-    limits = {"vectors": quotas.vectors, "bytes": quotas.bytes, "registrations_per_minute": quotas.per_minute,
-              "rows": stats.tenant_rows}
+    settings = _core_settings()
+    steerable = len(parse_layers(stats.model.layers)) if stats.model.layers else 0  # what the engine hooks
+
+    def limits(tenant: str) -> dict[str, int]:
+        vectors, nbytes, per_minute = quotas.limits(tenant)
+        rows = settings.rows_per_tenant(steerable, tenant) if tenant in (settings.tenant_limits or {}) else stats.tenant_rows
+        return {"vectors": vectors, "bytes": nbytes, "registrations_per_minute": per_minute, "rows": rows}
+
     return UsageList(tenants=[TenantUsage(tenant=t, vectors=held[t], bytes=size[t], pinned_rows=pinned[t],
-                                          registrations_last_minute=await quotas.recent(t, fleet), limits=limits)
+                                          registrations_last_minute=await quotas.recent(t, fleet), limits=limits(t))
                               for t in tenants])

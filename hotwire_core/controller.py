@@ -66,7 +66,8 @@ class SteeringController:
         self.registry = VectorRegistry(model.n_layers, model.hidden_size, model.dtype, settings.retain_s)
         self.rules = Rules(model, settings.max_stack, settings.slots, settings.rows_per_request(len(model.layers)),
                            settings.layers is not None)
-        self.slots = SlotCache(settings.slots, settings.rows_per_tenant(len(model.layers)))
+        self.slots = SlotCache(settings.slots, settings.rows_per_tenant(len(model.layers)),
+                               settings.tenant_shares(len(model.layers)))
         self.bindings = Bindings(self.registry, self.slots, requests)
         self.captures = CaptureRequests(model.capture_rows, requests)
         self.refused: Counter[str] = Counter()

@@ -11,6 +11,7 @@ from pathlib import Path
 
 from . import __version__
 from .env import Choice, Flag, Int, Layers, Text, load, parse_layers, setting
+from .tenant_limits import TENANT_LIMITS, TenantLimits
 
 __all__ = ["RETAIN_S", "Settings", "default_store_root", "format_layers", "middle_layer", "parse_layers"]
 
@@ -63,6 +64,7 @@ class Settings:
     tenant_rows: int | None = setting(Int("HOTWIRE_TENANT_ROWS", lo=1, hi=1 << 16,
                                           doc="bank rows one tenant's vectors may pin at once (unset: see "
                                               "rows_per_tenant)"))
+    tenant_limits: Mapping[str, TenantLimits] | None = setting(TENANT_LIMITS)
     max_wait_s: int = setting(Int("HOTWIRE_MAX_WAIT_S", default=30, lo=0, hi=86_400,
                                   doc="seconds a request may wait for bank rows before it is refused"))
     capture: bool = setting(Flag("HOTWIRE_CAPTURE", default=False,
@@ -92,12 +94,20 @@ class Settings:
             return self.max_rows
         return min(self.slots, max(self.slots // 4, steerable_layers, 1))
 
-    def rows_per_tenant(self, steerable_layers: int) -> int:
-        """The bank rows one tenant's vectors may pin at once: ``HOTWIRE_TENANT_ROWS``, by default half the bank, so
-        that a tenant flooding distinct vectors leaves the other half to the rest; never fewer than one request
-        may pin (a request that fits the bank fits its tenant's share)."""
-        rows = self.tenant_rows if self.tenant_rows is not None else self.slots // 2
+    def rows_per_tenant(self, steerable_layers: int, tenant: str | None = None) -> int:
+        """The bank rows one tenant's vectors may pin at once: its own ``rows`` in ``HOTWIRE_TENANT_LIMITS``, else
+        ``HOTWIRE_TENANT_ROWS``, by default half the bank, so that a tenant flooding distinct vectors leaves the
+        other half to the rest; never fewer than one request may pin (a request that fits the bank fits its
+        tenant's share)."""
+        own = (self.tenant_limits or {}).get(tenant) if tenant else None
+        rows = (own.rows if own is not None and own.rows is not None else self.tenant_rows if self.tenant_rows
+                is not None else self.slots // 2)
         return min(self.slots, max(rows, self.rows_per_request(steerable_layers)))
+
+    def tenant_shares(self, steerable_layers: int) -> dict[str, int]:
+        """The named tenants' own shares of the bank (:meth:`rows_per_tenant`), where they set one."""
+        return {tenant: self.rows_per_tenant(steerable_layers, tenant)
+                for tenant, own in (self.tenant_limits or {}).items() if own.rows is not None}
 
     def compile_fingerprint(self) -> str:
         """Everything that changes the compiled graph: mixed into vLLM's compile-cache key."""

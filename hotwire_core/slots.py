@@ -30,14 +30,14 @@ class SlotsExhausted(Exception):
 
 
 class TenantFull(SlotsExhausted):
-    """Pinning would take a tenant's vectors past their share of the bank (``SlotCache.tenant_rows``)."""
+    """Pinning would take a tenant's vectors past their share of the bank (``SlotCache.shares``, ``tenant_rows``)."""
 
     def __init__(self, tenant: str, pinned: int, needed: int, limit: int, capacity: int):
         Exception.__init__(
             self,
-            f"tenant {tenant!r}'s vectors hold {pinned} of the {limit} bank rows a tenant may pin at once "
-            f"(HOTWIRE_TENANT_ROWS) and this request would pin {needed} more; it waits until the tenant's running "
-            "requests finish",
+            f"tenant {tenant!r}'s vectors hold {pinned} of the {limit} bank rows it may pin at once "
+            f"(HOTWIRE_TENANT_ROWS, or its rows in HOTWIRE_TENANT_LIMITS) and this request would pin {needed} more; "
+            "it waits until the tenant's running requests finish",
         )
         self.tenant, self.pinned, self.limit = tenant, pinned, limit
         self.needed, self.available, self.capacity = needed, max(0, limit - pinned), capacity
@@ -52,14 +52,16 @@ class _Row:
 
 class SlotCache:
     """LRU cache of bank rows with pins. ``acquire`` is all-or-nothing. The rows of one tenant's vectors
-    (``spec.tenant_of``) pinned at once are at most ``tenant_rows``: a tenant flooding distinct vectors leaves the
-    rest of the bank to the others. Shared vectors are no tenant's."""
+    (``spec.tenant_of``) pinned at once are at most its share: ``shares`` for the tenants named there, else
+    ``tenant_rows``. A tenant flooding distinct vectors leaves the rest of the bank to the others. Shared vectors
+    are no tenant's."""
 
-    def __init__(self, capacity: int, tenant_rows: int | None = None):
+    def __init__(self, capacity: int, tenant_rows: int | None = None, shares: dict[str, int] | None = None):
         if capacity < 1:
             raise ValueError(f"capacity must be >= 1, got {capacity}")
         self.capacity = capacity
         self.tenant_rows = capacity if tenant_rows is None else tenant_rows
+        self.shares = dict(shares or {})
         self._pinned_by: Counter[str] = Counter()  # tenant -> rows of its vectors pinned
         self._slot_of: dict[RowKey, int] = {}
         self._rows: dict[int, _Row] = {}
@@ -85,12 +87,13 @@ class SlotCache:
         return self._pinned_by[tenant]
 
     def over_share(self, keys: Collection[RowKey]) -> TenantFull | None:
-        """Why pinning ``keys`` would take a tenant past ``tenant_rows``; None when it would not."""
+        """Why pinning ``keys`` would take a tenant past its share; None when it would not."""
         new = Counter(tenant_of(key.vector_id) for key in keys
                       if (slot := self._slot_of.get(key)) is None or self._rows[slot].refcount == 0)
         for tenant, needed in sorted(new.items()):
-            if tenant and self._pinned_by[tenant] + needed > self.tenant_rows:
-                return TenantFull(tenant, self._pinned_by[tenant], needed, self.tenant_rows, self.capacity)
+            share = self.shares.get(tenant, self.tenant_rows)
+            if tenant and self._pinned_by[tenant] + needed > share:
+                return TenantFull(tenant, self._pinned_by[tenant], needed, share, self.capacity)
         return None
 
     def shortage(self, keys: Collection[RowKey]) -> SlotsExhausted | None:

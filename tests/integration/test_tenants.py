@@ -45,7 +45,7 @@ def secret(tmp_path_factory) -> dict[str, str]:
 def server(tiny_model, secret, tmp_path_factory) -> Iterator[VllmServer]:
     env = {"HOTWIRE_KEYS_FILE": secret["file"], "HOTWIRE_STORE": str(tmp_path_factory.mktemp("store")),
            "HOTWIRE_READOUT": "1", "HOTWIRE_TENANT_VECTORS": "4", "HOTWIRE_TENANT_MB": "0.008",
-           "HOTWIRE_TENANT_REGISTRATIONS_PER_MIN": "8"}
+           "HOTWIRE_TENANT_REGISTRATIONS_PER_MIN": "8", "HOTWIRE_TENANT_LIMITS": '{"beta": {"vectors": 5, "rows": 1}}'}
     srv = VllmServer(tiny_model, tmp_path_factory.mktemp("vllm-serve"), env, SERVER_ARGS)
     srv.start()
     yield srv
@@ -299,6 +299,8 @@ def test_quotas_refuse_a_tenant_past_its_vectors_bytes_and_rate(http, secret, ve
     assert mine["limits"]["rows"] >= 1
     every = {u["tenant"]: u for u in http.get("/steer/usage", headers=key("ops", secret)).json()["tenants"]}
     assert set(every) == {"acme", "beta"} and every["beta"]["bytes"] == 8192 and every["acme"] == mine
+    beta = every["beta"]["limits"]  # beta's own (HOTWIRE_TENANT_LIMITS): 5 vectors, its bank share at its floor
+    assert beta["vectors"] == 5 and beta["bytes"] == 8388 and beta["rows"] < mine["limits"]["rows"]
 
 
 @pytest.fixture(scope="module")

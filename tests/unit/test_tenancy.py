@@ -16,6 +16,9 @@ from hotwire_api.quotas import Quotas
 from hotwire_api.settings import Settings
 from hotwire_api.tenancy import OPERATOR, Tenancy
 from hotwire_core.readout_spec import parse_readout
+from hotwire_core.settings import Settings as CoreSettings
+from hotwire_core.slots import RowKey, SlotCache
+from hotwire_core.tenant_limits import parse_tenant_limits
 from hotwire_core.spec import VECTOR_ID_RE, parse_spec, tenant_of
 
 ACME = Tenancy("acme")
@@ -201,3 +204,47 @@ def test_registrations_of_one_tenant_at_once_each_see_the_one_before() -> None:
     assert info.value.code == "quota_exceeded"
     asyncio.run(admissible("acme/a"))  # a replacement
     asyncio.run(admissible("calm"))
+
+
+def test_a_named_tenants_own_limits_replace_everyones() -> None:
+    limits = parse_tenant_limits('{"acme": {"vectors": 3, "mb": 0.00390625, "registrations_per_min": 1}}')
+    quotas = Quotas(Settings(tenant_vectors=2, tenant_bytes=1 << 20, tenant_per_minute=5, tenant_limits=limits))
+    assert quotas.limits("acme") == (3, 4096, 1) and quotas.limits("beta") == (2, 1 << 20, 5)
+    held = [_meta("acme/a"), _meta("acme/b"), _meta("beta/a"), _meta("beta/b")]
+    _register(quotas, "acme/c", 1024, held)  # a third vector: acme's own quota
+    with pytest.raises(HotwireError) as info:
+        _register(quotas, "beta/c", 1024, held)  # everyone's
+    assert "HOTWIRE_TENANT_VECTORS=2" in info.value.message
+    with pytest.raises(HotwireError) as info:
+        _register(quotas, "acme/c", 1024, held)  # its second registration this minute
+    assert "HOTWIRE_TENANT_LIMITS.acme.registrations_per_min=1" in info.value.message
+    quotas = Quotas(Settings(tenant_limits=limits))
+    with pytest.raises(HotwireError) as info:
+        _register(quotas, "acme/c", 3000, held)  # 2,048 held + 3,000 > 4,096
+    assert "HOTWIRE_TENANT_LIMITS.acme.mb" in info.value.message
+
+
+@pytest.mark.parametrize("raw, says", [
+    ("{", "not JSON"), ("[]", "JSON object"), ('{"a/b": {"rows": 1}}', "not a tenant name"),
+    ('{"acme": {}}', "one or more of"), ('{"acme": {"slots": 1}}', "'slots' is not a limit"),
+    ('{"acme": {"rows": 0}}', "above 0"), ('{"acme": {"vectors": 1.5}}', "whole number"),
+    ('{"acme": {"mb": true}}', "number"), ('{"acme": {"rows": 70000}}', "at most 65536"),
+])
+def test_bad_tenant_limits_stop_the_start_with_the_reason(raw, says) -> None:
+    with pytest.raises(ValueError, match="HOTWIRE_TENANT_LIMITS") as info:
+        CoreSettings.from_env({"HOTWIRE_TENANT_LIMITS": raw})
+    assert says in str(info.value)
+
+
+def test_a_named_tenants_share_of_the_bank() -> None:
+    settings = CoreSettings.from_env({"HOTWIRE_SLOTS": "16", "HOTWIRE_TENANT_LIMITS": '{"acme": {"rows": 12}, '
+                                      '"beta": {"rows": 1}, "gamma": {"vectors": 9}}'})
+    assert settings.rows_per_tenant(2) == 8 and settings.rows_per_tenant(2, "acme") == 12
+    assert settings.rows_per_tenant(2, "beta") == 4  # never less than one request may pin (a quarter of the bank)
+    assert settings.tenant_shares(2) == {"acme": 12, "beta": 4}
+    slots = SlotCache(16, settings.rows_per_tenant(2), settings.tenant_shares(2))
+    slots.acquire([RowKey(f"acme/v{i}", 1, 0) for i in range(12)])  # past everyone's 8: acme's own 12
+    full = slots.over_share([RowKey("acme/w", 1, 0)])
+    assert full is not None and full.limit == 12 and "HOTWIRE_TENANT_LIMITS" in str(full)
+    slots.acquire([RowKey(f"beta/v{i}", 1, 0) for i in range(4)])
+    assert slots.over_share([RowKey("beta/w", 1, 0)]).limit == 4
