@@ -84,7 +84,11 @@ async def _edit(request: Request, name: str, edit: Callable[[KeyRing | FleetKeys
         result = await edit(_ring(request))
     except KeysFileError as exc:
         field = None if exc.code is ErrorCode.KEYS_UNAVAILABLE else "name"
-        raise HotwireError(_STATUS[exc.code], exc.code, str(exc), field) from None
+        message = str(exc)
+        if exc.code is ErrorCode.EXISTS and _tenant(request) is not None:
+            # Key names are one namespace: say no more than that this one is taken (not where, not whose).
+            message = f"a key named {name!r} exists: choose another name (key names are one namespace for every tenant)"
+        raise HotwireError(_STATUS[exc.code], exc.code, message, field) from None
     await record_key_changes(request.app)
     return result
 
@@ -113,8 +117,8 @@ async def list_keys(request: Request) -> KeyList:
 
 @router.post("/keys", status_code=201, response_model=NewKey, summary="Add a key (shown once, in this answer)",
              responses={400: error_doc("`bad_request`: a name or role that is not one."),
-                        403: error_doc("`forbidden`: a tenant's admin asked for a key of another tenant or of "
-                                       "the operator."),
+                        403: error_doc("`forbidden`: a tenant's admin asked for a key of another tenant (a "
+                                       "body without a tenant makes one of the caller's)."),
                         409: error_doc("`exists`: a key has this name; rotate it, or revoke it first.")},
              dependencies=[require(Role.ADMIN)])
 async def create_key(body: AddKey, request: Request) -> NewKey:

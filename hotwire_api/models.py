@@ -98,6 +98,9 @@ class SlotStats(_EngineResult):
     pinned: int
     free: int
     evictions: int
+    tenant_shares: dict[str, int] = Field(default_factory=dict, description="The bank rows the tenants named in "
+                                          "HOTWIRE_TENANT_LIMITS may pin at once in each engine core, where they "
+                                          "have their own (a tenant's key sees its own only).")
     tenant_rows: int = Field(0, description="Bank rows one tenant's vectors may pin at once in each engine core "
                              "(HOTWIRE_TENANT_ROWS).")
     refused: dict[str, int] = Field(
@@ -339,10 +342,11 @@ class TenantUsage(BaseModel):
     """What one tenant holds and uses now, beside its quotas (docs/security.md, "Tenants")."""
 
     tenant: str
-    vectors: int = Field(description="Vectors it holds registered (HOTWIRE_TENANT_VECTORS at most).")
-    bytes: int = Field(description="Their bytes (HOTWIRE_TENANT_MB at most).")
-    registrations_last_minute: int = Field(description="Its registrations in the last 60 s "
-                                           "(HOTWIRE_TENANT_REGISTRATIONS_PER_MIN at most; in a fleet, on every replica).")
+    vectors: int = Field(description="Vectors it holds registered (at most limits.vectors: HOTWIRE_TENANT_VECTORS, "
+                         "or its own in HOTWIRE_TENANT_LIMITS).")
+    bytes: int = Field(description="Their bytes (at most limits.bytes: HOTWIRE_TENANT_MB, or its own).")
+    registrations_last_minute: int = Field(description="Its registrations in the last 60 s (at most "
+                                           "limits.registrations_per_minute; in a fleet, on every replica).")
     pinned_rows: int = Field(description="Bank rows its vectors' running requests pin now, summed over engine cores.")
     limits: dict[str, int] = Field(description="Its quotas: vectors, bytes, registrations_per_minute, and rows (pinned "
                                    "at once in each engine core).")

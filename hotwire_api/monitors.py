@@ -10,9 +10,9 @@ generated token (``max``, ``mean`` or ``min``).
 
 Monitors are kept in ``monitors.json`` in the served model's store folder (``HOTWIRE_STORE``), edited under a lock
 and read again when it changes (looked at no more often than every ``FILE_LOOK_S``: it is on every request's path),
-so every API server of a host sees the same ones; in a fleet (``HOTWIRE_REGISTRY``),
-in its Redis, which every API server polls for changes (``HOTWIRE_CATALOG_REFRESH_MS``); with the store off
-elsewhere, each API server keeps its own in memory.
+so every API server of a host sees the same ones; in a fleet (``HOTWIRE_REGISTRY``), in its Redis, which every API
+server polls for changes (``HOTWIRE_CATALOG_REFRESH_MS``); with the store off elsewhere, each API server keeps its
+own in memory.
 """
 
 from __future__ import annotations
@@ -166,17 +166,17 @@ class MonitorBook:
             old = await self.fleet.edit_monitor(monitor_id, new.model_dump_json() if new is not None else None)
             await self.refresh()
             return Monitor.model_validate_json(old) if old is not None else None
-        return await asyncio.to_thread(self._edit_here, monitor_id, new)
+        old = await asyncio.to_thread(self._edit_here, monitor_id, new)
+        self._look_at = 0.0  # the file as this edit left it, in force here at once (on the loop: current()'s thread)
+        self.current()
+        return old
 
     def _edit_here(self, monitor_id: str, new: Monitor | None) -> Monitor | None:
         if self.path is None:
             return self._apply(list(self._monitors), monitor_id, new, None)
         self.path.parent.mkdir(parents=True, exist_ok=True)
         with locked(self.path):
-            old = self._apply(self._read(), monitor_id, new, self.path)
-        self._look_at = 0.0  # in force here at once
-        self.current()
-        return old
+            return self._apply(self._read(), monitor_id, new, self.path)
 
     def _apply(self, monitors: list[Monitor], monitor_id: str, new: Monitor | None, path: Path | None) -> Monitor | None:
         old = next((m for m in monitors if m.id == monitor_id), None)

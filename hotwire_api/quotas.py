@@ -72,7 +72,7 @@ class Quotas:
         own = self._own.get(tenant)
         if own is None:
             return self.vectors, self.bytes, self.per_minute
-        return (own.vectors or self.vectors, int(own.mb * 1024 * 1024) if own.mb is not None else self.bytes,
+        return (own.vectors or self.vectors, own.bytes if own.bytes is not None else self.bytes,
                 own.registrations_per_min or self.per_minute)
 
     async def _count(self, tenant: str, fleet: Any) -> Any:

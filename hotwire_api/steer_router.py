@@ -9,6 +9,7 @@ from typing import Any
 from fastapi import APIRouter, Request, Response
 from fastapi.exceptions import RequestValidationError
 from fastapi.routing import APIRoute
+from starlette.routing import Mount
 
 from hotwire_api.errors import HotwireError
 from hotwire_api.models import ErrorBody
@@ -65,8 +66,16 @@ def steer_router(unavailable: str, **kwargs: Any) -> APIRouter:
 
 
 def routes_last(app: Any) -> None:
-    """Move hotwire's routes behind the host app's (once the host has added its own: at startup). Starlette tries
-    routes in order, and vLLM's HTTP metrics scan them again for every request: an OpenAI request then need not
-    try every ``/steer`` route first."""
-    routes = app.router.routes
-    routes[:] = [r for r in routes if not isinstance(r, HotwireRoute)] + [r for r in routes if isinstance(r, HotwireRoute)]
+    """Move hotwire's routes behind the host app's (once the host has added its own: at startup), but ahead of a
+    catch-all (a mount at the root, a path that starts with a parameter) that would take ``/steer`` too. Starlette
+    tries routes in order, and vLLM's HTTP metrics scan them again for every request: an OpenAI request then need
+    not try every ``/steer`` route first."""
+    ours = [r for r in app.router.routes if isinstance(r, HotwireRoute)]
+    theirs = [r for r in app.router.routes if not isinstance(r, HotwireRoute)]
+    at = next((i for i, r in enumerate(theirs) if _takes_everything(r)), len(theirs))
+    app.router.routes[:] = theirs[:at] + ours + theirs[at:]
+
+
+def _takes_everything(route: Any) -> bool:
+    path = getattr(route, "path", None)
+    return path is not None and (path in ("", "/") and isinstance(route, Mount) or path.startswith("/{"))

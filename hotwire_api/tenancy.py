@@ -129,7 +129,8 @@ class Tenancy:
         if self.tenant is None:
             return stats
         rows = [row.model_copy(update={"id": self.shown(row.id)}) for row in stats.rows if self.sees(row.id)]
-        return stats.model_copy(update={"rows": rows, "vectors": visible,
+        shares = {t: n for t, n in stats.tenant_shares.items() if t == self.tenant}
+        return stats.model_copy(update={"rows": rows, "vectors": visible, "tenant_shares": shares,
                                         "registry": stats.registry and self._registry(stats.registry)})
 
     def fleet(self, view: FleetView) -> FleetView:

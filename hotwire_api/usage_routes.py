@@ -4,7 +4,6 @@ operator's every tenant's."""
 
 from __future__ import annotations
 
-import functools
 from collections import Counter
 
 from fastapi import Request
@@ -16,20 +15,12 @@ from hotwire_api.models import TenantUsage, UsageList
 from hotwire_api.quotas import Quotas, size_of
 from hotwire_api.stats_cache import STATS
 from hotwire_api.steer_router import steer_router
-from hotwire_core.settings import Settings as CoreSettings, parse_layers
 from hotwire_core.spec import tenant_of
 
 __all__ = ["router"]
 
 router = steer_router("The engine is not running, or cannot be steered; `registry_unavailable` in a fleet whose "
                       "Redis does not answer.")
-
-
-@functools.cache
-def _core_settings() -> CoreSettings:
-    """The engine's settings as this process's environment gives them (the engine core's is the same): a tenant's
-    own bank share."""
-    return CoreSettings.from_env()
 
 
 @router.get("/usage", response_model=UsageList, summary="Each tenant's vectors, registrations and pinned rows, "
@@ -47,13 +38,11 @@ async def usage(request: Request) -> UsageList:
     tenants = [caller] if caller is not None else sorted(t for t in {*held, *pinned} if t)
     quotas: Quotas = request.app.state.hotwire_quotas
     fleet = request.app.state.hotwire_registry.fleet_store()
-    settings = _core_settings()
-    steerable = len(parse_layers(stats.model.layers)) if stats.model.layers else 0  # what the engine hooks
 
     def limits(tenant: str) -> dict[str, int]:
         vectors, nbytes, per_minute = quotas.limits(tenant)
-        rows = settings.rows_per_tenant(steerable, tenant) if tenant in (settings.tenant_limits or {}) else stats.tenant_rows
-        return {"vectors": vectors, "bytes": nbytes, "registrations_per_minute": per_minute, "rows": rows}
+        return {"vectors": vectors, "bytes": nbytes, "registrations_per_minute": per_minute,
+                "rows": stats.tenant_shares.get(tenant, stats.tenant_rows)}
 
     return UsageList(tenants=[TenantUsage(tenant=t, vectors=held[t], bytes=size[t], pinned_rows=pinned[t],
                                           registrations_last_minute=await quotas.recent(t, fleet), limits=limits(t))

@@ -221,6 +221,7 @@ class StatsResult(TypedDict):
     free: int
     evictions: int
     tenant_rows: int  # bank rows one tenant's vectors may pin at once (HOTWIRE_TENANT_ROWS)
+    tenant_shares: dict[str, int]  # the named tenants' own shares (HOTWIRE_TENANT_LIMITS rows)
     rows: list[SlotRow]
     refused: dict[str, int]
     steered_requests: int

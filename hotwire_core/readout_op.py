@@ -4,8 +4,9 @@ Right after the steering op (and the capture op, where compiled in), at the same
 layer, it projects the residual stream of each token that has a readout row (``token_read[t] != 0``) onto that
 row's probes for the layer (``read_slot[row, layer, k]``: bank slots; slot 0 is the bank's all-zero row) and writes
 ``out[layer, t, k]`` (the dot products, float32) and ``out[layer, t, K]`` (the stream's L2 norm, for cosines).
-Tokens without a row, or whose row has no probe at this layer, are not written. Like ``steer_`` it does nothing while ``ops.GATE`` is closed, so a step in
-which nobody steers, captures or reads still replays the hotwire-free idle graphs.
+Tokens without a row, or whose row has no probe at this layer, are not written. Like ``steer_`` it does nothing
+while ``ops.GATE`` is closed, so a step in which nobody steers, captures or reads still replays the hotwire-free
+idle graphs.
 
 The output buffer (``[n_layers, max_tokens, K + 1]`` float32) is not an argument: it is set once per worker
 (:func:`set_output`) before compile and graph capture, as the capture op's accumulator is. The schema names

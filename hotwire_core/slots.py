@@ -32,12 +32,11 @@ class SlotsExhausted(Exception):
 class TenantFull(SlotsExhausted):
     """Pinning would take a tenant's vectors past their share of the bank (``SlotCache.shares``, ``tenant_rows``)."""
 
-    def __init__(self, tenant: str, pinned: int, needed: int, limit: int, capacity: int):
+    def __init__(self, tenant: str, pinned: int, needed: int, limit: int, capacity: int, source: str):
         Exception.__init__(
             self,
-            f"tenant {tenant!r}'s vectors hold {pinned} of the {limit} bank rows it may pin at once "
-            f"(HOTWIRE_TENANT_ROWS, or its rows in HOTWIRE_TENANT_LIMITS) and this request would pin {needed} more; "
-            "it waits until the tenant's running requests finish",
+            f"tenant {tenant!r}'s vectors hold {pinned} of the {limit} bank rows it may pin at once ({source}) and "
+            f"this request would pin {needed} more; it waits until the tenant's running requests finish",
         )
         self.tenant, self.pinned, self.limit = tenant, pinned, limit
         self.needed, self.available, self.capacity = needed, max(0, limit - pinned), capacity
@@ -93,7 +92,9 @@ class SlotCache:
         for tenant, needed in sorted(new.items()):
             share = self.shares.get(tenant, self.tenant_rows)
             if tenant and self._pinned_by[tenant] + needed > share:
-                return TenantFull(tenant, self._pinned_by[tenant], needed, share, self.capacity)
+                source = ("its rows in HOTWIRE_TENANT_LIMITS" if tenant in self.shares else "HOTWIRE_TENANT_ROWS")
+                return TenantFull(tenant, self._pinned_by[tenant], needed, share, self.capacity,
+                                  f"{source}, never below HOTWIRE_MAX_ROWS")
         return None
 
     def shortage(self, keys: Collection[RowKey]) -> SlotsExhausted | None:
@@ -175,5 +176,6 @@ class SlotCache:
             "free": len(self._free),
             "evictions": self.evictions,
             "tenant_rows": self.tenant_rows,
+            "tenant_shares": dict(self.shares),
             "rows": rows,
         }

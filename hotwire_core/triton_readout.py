@@ -2,8 +2,9 @@
 
 One program per token: a token without a readout row returns after one int32 load, so a step in which nobody
 reads (but something is steered: the gate is open) pays about what ``steer_`` pays at a switched-off layer; a token
-whose row has no probe at this layer returns after loading its K slots. A read token loads its stream row (``target + other``, in float32) block by block, accumulates its dot product with each
-of its row's ``K`` probes and its squared norm, and writes ``K + 1`` floats. The launcher reads only shapes and
+whose row has no probe at this layer returns after loading its K slots. A read token loads its stream row
+(``target + other``, in float32) block by block, accumulates its dot product with each of its row's ``K`` probes
+and its squared norm, and writes ``K + 1`` floats. The launcher reads only shapes and
 strides, so it is safe to capture in a CUDA graph once compiled. Imported on the op's first CUDA call.
 """
 

@@ -331,6 +331,12 @@ def test_a_fleets_keys_tenants_quotas_and_audit_live_in_its_redis(fleet_server, 
         assert http.get("/steer/keys", headers=ops).json()["file"] == "redis"
         assert [k["name"] for k in http.get("/steer/keys", headers=acme).json()["keys"]] == ["acme-admin"]
         assert refused(http.delete("/steer/keys/ops", headers=acme), 404, "unknown_key")  # not acme's: unknown
+        assert http.post("/steer/keys", json={"name": "beta-app", "role": "steer", "tenant": "beta"},
+                         headers=ops).status_code == 201
+        for response in (http.post("/steer/keys/beta-app/rotate", headers=acme), http.delete("/steer/keys/beta-app",
+                                                                                             headers=acme)):
+            assert refused(response, 404, "unknown_key")  # another tenant's key, in the fleet's script
+        assert [k["name"] for k in http.get("/steer/keys", headers=acme).json()["keys"]] == ["acme-admin"]
         for k in range(2):
             assert http.post("/steer/vectors", json={"id": f"v{k}", "layers": rows(k)}, headers=acme).status_code == 201
         message = refused(http.post("/steer/vectors", json={"id": "v2", "layers": rows(2)}, headers=acme), 429,
@@ -344,7 +350,7 @@ def test_a_fleets_keys_tenants_quotas_and_audit_live_in_its_redis(fleet_server, 
         assert listed == {"acme/v0", "acme/v1"}
         trail = [(e["who"], e["action"], e["id"]) for e in
                  reversed(http.get("/steer/audit", headers=ops).json()["entries"])]
-        assert trail == [("cli", "key_added", "ops"), ("ops", "key_added", "acme-admin"),
+        assert trail == [("cli", "key_added", "ops"), ("ops", "key_added", "acme-admin"), ("ops", "key_added", "beta-app"),
                          ("acme-admin", "register", "acme/v0"), ("acme-admin", "register", "acme/v1")]
         (usage,) = http.get("/steer/usage", headers=acme).json()["tenants"]
         assert (usage["vectors"], usage["registrations_last_minute"]) == (2, 2)  # counted in Redis

@@ -509,6 +509,20 @@ def test_at_startup_the_hosts_routes_come_before_hotwires(app: FastAPI) -> None:
         assert client.get("/steer/slots").status_code == 200
 
 
+def test_hotwires_routes_stay_ahead_of_a_catch_all(app: FastAPI) -> None:
+    from starlette.routing import Mount
+
+    from hotwire_api.steer_router import routes_last
+
+    app.router.routes.append(Mount("/", app=FastAPI()))  # a host serving files at its root
+    app.add_api_route("/{anything:path}", lambda: {}, methods=["GET"])
+    routes_last(app)
+    paths = [getattr(route, "path", "") for route in app.router.routes]
+    steer = [i for i, path in enumerate(paths) if path.startswith("/steer/")]
+    assert paths.index("/v1/completions") < min(steer) and max(steer) < paths.index("")  # before the root mount
+    assert TestClient(app).get("/steer/slots").status_code == 200
+
+
 # ---- auth -------------------------------------------------------------------------------------------------
 
 

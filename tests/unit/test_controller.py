@@ -1021,8 +1021,8 @@ def test_stats_shape(c):
     s = c.stats()
     assert set(s) == {"ok", "capacity", "used", "pinned", "free", "evictions", "refused", "steered_requests",
                       "vectors", "rows", "model", "deferred", "deferrals", "suspended", "resumptions", "capturing",
-                      "tenant_rows"}
-    assert s["capturing"] == 0 and s["tenant_rows"] == 4  # half the bank of 8
+                      "tenant_rows", "tenant_shares"}
+    assert s["capturing"] == 0 and s["tenant_rows"] == 4 and s["tenant_shares"] == {}  # half the bank of 8
     assert s["ok"] is True
     assert (s["capacity"], s["used"], s["pinned"], s["free"], s["evictions"]) == (8, 2, 2, 6, 0)
     assert s["refused"] == {"unknown_vector": 1}

@@ -109,6 +109,8 @@ def test_a_tenants_admin_manages_its_tenants_keys_only(keys) -> None:
                        headers=acme).status_code == 201
     refused = client.post("/steer/keys", json={"name": "x", "role": "admin", "tenant": "beta"}, headers=acme)
     assert _code(refused, 403) == "forbidden"
+    taken = client.post("/steer/keys", json={"name": "beta-app", "role": "read"}, headers=acme)  # beta's name
+    assert _code(taken, 409) == "exists" and str(path) not in taken.text and "rotate" not in taken.text
     assert client.post("/steer/keys/acme-app/rotate", headers=acme).status_code == 200
     assert client.delete("/steer/keys/acme-2", headers=acme).status_code == 204
 

@@ -227,8 +227,10 @@ def test_a_named_tenants_own_limits_replace_everyones() -> None:
 @pytest.mark.parametrize("raw, says", [
     ("{", "not JSON"), ("[]", "JSON object"), ('{"a/b": {"rows": 1}}', "not a tenant name"),
     ('{"acme": {}}', "one or more of"), ('{"acme": {"slots": 1}}', "'slots' is not a limit"),
-    ('{"acme": {"rows": 0}}', "above 0"), ('{"acme": {"vectors": 1.5}}', "whole number"),
-    ('{"acme": {"mb": true}}', "number"), ('{"acme": {"rows": 70000}}', "at most 65536"),
+    ('{"acme": {"rows": 0}}', "from 1 to"), ('{"acme": {"vectors": 1.5}}', "whole number"),
+    ('{"acme": {"rows": Infinity}}', "whole number"), ('{"acme": {"mb": NaN}}', "number"),
+    ('{"acme": {"rows": 1}, "acme": {"rows": 2}}', "'acme' twice"),
+    ('{"acme": {"mb": true}}', "number"), ('{"acme": {"rows": 70000}}', "from 1 to 65536"),
 ])
 def test_bad_tenant_limits_stop_the_start_with_the_reason(raw, says) -> None:
     with pytest.raises(ValueError, match="HOTWIRE_TENANT_LIMITS") as info:
