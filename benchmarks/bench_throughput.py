@@ -182,9 +182,10 @@ def _worker(load: Load, clients: int, seed: int, start_at: float, warmup: float,
         await asyncio.gather(*(_client(load, seed * 1000 + i, measure_from, measure_from + seconds, tally)
                                for i in range(clients)))  # fmt: skip
 
-    cpu, wall = time.process_time(), time.monotonic()
+    cpu = time.process_time()
     asyncio.run(run())
-    tally.busy.append((time.process_time() - cpu) / (time.monotonic() - wall))
+    # (the clients' own work before start_at is negligible: the busy share is over the round's traffic)
+    tally.busy.append((time.process_time() - cpu) / max(1e-9, time.monotonic() - start_at))
     return tally
 
 
@@ -195,8 +196,11 @@ def _keep_off(core: int | None) -> None:
 
 
 def _pin(pid: int, core: int) -> None:
-    """Put the API server ``pid`` (the main process, every thread of it) on ``core``."""
-    psutil.Process(pid).cpu_affinity([core])
+    """Put the API server ``pid`` (every thread it has now; threads started later inherit their starter's) on
+    ``core``."""
+    for thread in psutil.Process(pid).threads():
+        with contextlib.suppress(ProcessLookupError):  # a thread that ended meanwhile
+            os.sched_setaffinity(thread.id, [core])
 
 
 def run_round(pool: Any, load: Load, clients: int, workers: int, seed: int, warmup: float, seconds: float,
