@@ -1,8 +1,8 @@
 """A tenant's quotas on what it registers (``hotwire_api.tenancy``): the vectors and bytes it holds registered
 (``HOTWIRE_TENANT_VECTORS``, ``HOTWIRE_TENANT_MB``) and its registrations per minute
 (``HOTWIRE_TENANT_REGISTRATIONS_PER_MIN``), or its own where ``HOTWIRE_TENANT_LIMITS`` names it; past one, 429
-``quota_exceeded``. The bank rows a tenant's requests pin
-at once are the engine's to limit (``HOTWIRE_TENANT_ROWS``, ``hotwire_core.slots``). A quota is the namespace's,
+``quota_exceeded``. The bank rows a tenant's requests pin at once are the engine's to limit
+(``HOTWIRE_TENANT_ROWS``, ``hotwire_core.slots``). A quota is the namespace's,
 whichever key registers into it; shared vectors have none.
 
 One API server checks a tenant's registrations one at a time, each against the registry as its engine holds it once
@@ -43,7 +43,11 @@ class Quotas:
     """Every tenant's registrations through this API server."""
 
     def __init__(self, settings: Settings):
-        self.vectors, self.bytes, self.per_minute = settings.tenant_vectors, settings.tenant_bytes, settings.tenant_per_minute
+        # Each limit: everyone's value, the variable that sets it, and its name in HOTWIRE_TENANT_LIMITS.
+        self._everyones = {"vectors": (settings.tenant_vectors, "HOTWIRE_TENANT_VECTORS", "vectors"),
+                           "bytes": (settings.tenant_bytes, "HOTWIRE_TENANT_MB", "mb"),
+                           "registrations_per_min": (settings.tenant_per_minute, "HOTWIRE_TENANT_REGISTRATIONS_PER_MIN",
+                                                     "registrations_per_min")}
         self._own = dict(settings.tenant_limits or {})
         self._recent: defaultdict[str, deque[float]] = defaultdict(deque)  # tenant -> when it registered (no fleet)
         self._locks: defaultdict[str, asyncio.Lock] = defaultdict(asyncio.Lock)
@@ -69,15 +73,17 @@ class Quotas:
 
     def limits(self, tenant: str) -> tuple[int, int, int]:
         """``tenant``'s ``(vectors, bytes, registrations per minute)``: its own where it has them, else everyone's."""
-        own = self._own.get(tenant)
-        if own is None:
-            return self.vectors, self.bytes, self.per_minute
-        return (own.vectors or self.vectors, own.bytes if own.bytes is not None else self.bytes,
-                own.registrations_per_min or self.per_minute)
+        return tuple(self._limit(tenant, name)[0] for name in self._everyones)  # type: ignore[return-value]
+
+    def _limit(self, tenant: str, name: str) -> tuple[int, str]:
+        """``tenant``'s limit ``name`` and where it is set: its own in HOTWIRE_TENANT_LIMITS, else everyone's."""
+        value, variable, own_name = self._everyones[name]
+        own = getattr(self._own.get(tenant), name, None)
+        return (value, variable) if own is None else (own, f"HOTWIRE_TENANT_LIMITS.{tenant}.{own_name}")
 
     async def _count(self, tenant: str, fleet: Any) -> Any:
         """Count one registration of ``tenant`` (or raise); returns how to take it back."""
-        per_minute = self.limits(tenant)[2]
+        per_minute = self._limit(tenant, "registrations_per_min")[0]
         if fleet is not None:
             token = uuid.uuid4().hex
             full = await fleet.take_registration(tenant, time.time(), WINDOW_S, per_minute, token)
@@ -104,7 +110,7 @@ class Quotas:
         if tenant:
             self._check_held(tenant, vector_id, 0, await held())
             count = await self.recent(tenant, fleet)
-            if count >= self.limits(tenant)[2]:
+            if count >= self._limit(tenant, "registrations_per_min")[0]:
                 raise self._too_many(tenant, count)
 
     async def recent(self, tenant: str, fleet: Any = None) -> int:
@@ -117,27 +123,22 @@ class Quotas:
     def _too_many(self, tenant: str, count: int, oldest: float | None = None, now: float = 0.0) -> HotwireError:
         """``oldest``: when the oldest registration in the window was made (None: unknown)."""
         retry = "within a minute" if oldest is None else f"in {max(0.0, oldest + WINDOW_S - now):.0f} s"
+        per_minute, source = self._limit(tenant, "registrations_per_min")
         return _exceeded(f"tenant {tenant!r} made {count} registrations in the last minute, its quota "
-                         f"({self._source(tenant, 'registrations_per_min', 'HOTWIRE_TENANT_REGISTRATIONS_PER_MIN')}="
-                         f"{self.limits(tenant)[2]}); retry {retry}")
-
-    def _source(self, tenant: str, field: str, variable: str) -> str:
-        """Where ``tenant``'s limit ``field`` comes from: its own in HOTWIRE_TENANT_LIMITS, or ``variable``."""
-        own = self._own.get(tenant)
-        return f"HOTWIRE_TENANT_LIMITS.{tenant}.{field}" if own is not None and getattr(own, field) is not None else variable
+                         f"({source}={per_minute}); retry {retry}")
 
     def _check_held(self, tenant: str, vector_id: str, nbytes: int, held: list[VectorMeta]) -> None:
         own = [m for m in held if tenant_of(m.id) == tenant and m.id != vector_id]  # a replaced one makes way
-        vectors, nbytes_allowed, _ = self.limits(tenant)
+        vectors, source = self._limit(tenant, "vectors")
         if len(own) + 1 > vectors:
-            raise _exceeded(f"tenant {tenant!r} holds {len(own)} vectors, its quota ("
-                            f"{self._source(tenant, 'vectors', 'HOTWIRE_TENANT_VECTORS')}={vectors}); delete one "
+            raise _exceeded(f"tenant {tenant!r} holds {len(own)} vectors, its quota ({source}={vectors}); delete one "
                             "first, or ask the operator to raise it")
         used = sum(size_of(m.dtype, m.shape) for m in own)
-        if used + nbytes > nbytes_allowed:
+        allowed, source = self._limit(tenant, "bytes")
+        if used + nbytes > allowed:
             raise _exceeded(f"tenant {tenant!r} holds {used:,} bytes of vectors and this one has {nbytes:,}: more "
-                            f"than its quota of {nbytes_allowed:,} ({self._source(tenant, 'mb', 'HOTWIRE_TENANT_MB')}); "
-                            "delete some first, or ask the operator to raise it")
+                            f"than its quota of {allowed:,} ({source}); delete some first, or ask the operator to "
+                            "raise it")
 
 
 def _exceeded(message: str) -> HotwireError:

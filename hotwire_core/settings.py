@@ -99,9 +99,9 @@ class Settings:
         ``HOTWIRE_TENANT_ROWS``, by default half the bank, so that a tenant flooding distinct vectors leaves the
         other half to the rest; never fewer than one request may pin (a request that fits the bank fits its
         tenant's share)."""
-        own = (self.tenant_limits or {}).get(tenant) if tenant else None
-        rows = (own.rows if own is not None and own.rows is not None else self.tenant_rows if self.tenant_rows
-                is not None else self.slots // 2)
+        rows = getattr((self.tenant_limits or {}).get(tenant), "rows", None) if tenant else None
+        if rows is None:
+            rows = self.tenant_rows if self.tenant_rows is not None else self.slots // 2
         return min(self.slots, max(rows, self.rows_per_request(steerable_layers)))
 
     def tenant_shares(self, steerable_layers: int) -> dict[str, int]:

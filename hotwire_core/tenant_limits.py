@@ -2,8 +2,8 @@
 limits it overrides, e.g. ``{"acme": {"vectors": 1024, "mb": 512, "registrations_per_min": 600, "rows": 64}}``.
 Read by the engine core (``rows``: the bank rows its vectors may pin at once, ``slots.SlotCache``, which reports the
 shares in its stats) and by the API server (the rest: ``hotwire_api.quotas``); a limit a tenant does not name is
-everyone's (``HOTWIRE_TENANT_ROWS``,
-``HOTWIRE_TENANT_VECTORS``, ``HOTWIRE_TENANT_MB``, ``HOTWIRE_TENANT_REGISTRATIONS_PER_MIN``)."""
+everyone's (``HOTWIRE_TENANT_ROWS``, ``HOTWIRE_TENANT_VECTORS``, ``HOTWIRE_TENANT_MB``,
+``HOTWIRE_TENANT_REGISTRATIONS_PER_MIN``)."""
 
 from __future__ import annotations
 
