@@ -5,15 +5,18 @@
 (``HOTWIRE_TENANT_ROWS``, ``hotwire_core.slots``). A quota is the namespace's,
 whichever key registers into it; shared vectors have none.
 
-One API server checks a tenant's registrations one at a time, each against the registry as its engine holds it once
-the one before is done (an extraction is checked before its captures too). In a fleet (``HOTWIRE_REGISTRY``) the registrations per minute are counted in its Redis, for every replica together; two
-replicas registering for one tenant at the same moment may each pass the last free place for a vector or its bytes.
+A tenant's registrations are checked and made one at a time, each against the registry as its engine holds it once
+the one before is done (an extraction is checked before its captures too). In a fleet (``HOTWIRE_REGISTRY``) that
+holds for every replica together: a registration takes the tenant's turn in Redis, waits until this replica's
+engine holds every version of the tenant's ids that Redis calls current (another replica's registration reaches it
+through the follower a few ms later), and the registrations per minute are counted in Redis.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import math
 import time
 import uuid
@@ -29,9 +32,14 @@ from hotwire_core.spec import tenant_of
 
 __all__ = ["Quotas", "size_of"]
 
+logger = logging.getLogger(__name__)
+
 Held = Callable[[], Awaitable[list[VectorMeta]]]  # every current vector, asked for when needed
 _ITEM_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
 WINDOW_S = 60.0
+TURN_WAIT_S = 10.0  # how long a registration waits for another API server's turn on the same tenant
+TURN_TTL_S = 60.0  # a turn outlives a registration; it frees itself should its API server stop while holding it
+CATCH_UP_S = 5.0  # how long a registration waits for this replica's engine to hold the fleet's versions
 
 
 def size_of(dtype: str, shape: tuple[int, ...] | list[int]) -> int:
@@ -62,8 +70,8 @@ class Quotas:
         if not tenant:
             yield
             return
-        async with self._locks[tenant]:
-            self._check_held(tenant, vector_id, nbytes, await held())
+        async with self._locks[tenant], _fleet_turn(tenant, fleet):
+            self._check_held(tenant, vector_id, nbytes, await (held() if fleet is None else _fleet_held(tenant, held, fleet)))
             give_back = await self._count(tenant, fleet)
             try:
                 yield
@@ -139,6 +147,45 @@ class Quotas:
             raise _exceeded(f"tenant {tenant!r} holds {used:,} bytes of vectors and this one has {nbytes:,}: more "
                             f"than its quota of {allowed:,} ({source}); delete some first, or ask the operator to "
                             "raise it")
+
+
+@contextlib.asynccontextmanager
+async def _fleet_turn(tenant: str, fleet: Any) -> AsyncIterator[None]:
+    """``tenant``'s registration turn across the fleet (nothing to take without one)."""
+    if fleet is None:
+        yield
+        return
+    token, deadline, pause = uuid.uuid4().hex, time.monotonic() + TURN_WAIT_S, 0.005
+    while not await fleet.take_turn(tenant, token, TURN_TTL_S):
+        if time.monotonic() > deadline:
+            raise HotwireError(503, ErrorCode.REGISTRY_UNAVAILABLE, f"another API server of the fleet has been "
+                               f"registering for tenant {tenant!r} for over {TURN_WAIT_S:.0f} s; retry shortly")
+        await asyncio.sleep(pause)
+        pause = min(2 * pause, 0.1)
+    try:
+        yield
+    finally:
+        try:
+            await fleet.end_turn(tenant, token)
+        except HotwireError as exc:  # the turn frees itself after TURN_TTL_S
+            logger.warning("hotwire: tenant %r's registration turn not ended in the registry: %s", tenant, exc.message)
+
+
+async def _fleet_held(tenant: str, held: Held, fleet: Any) -> list[VectorMeta]:
+    """Every current vector, once this replica's engine holds each version of ``tenant``'s ids that the fleet's
+    Redis calls current (ids it still holds that Redis deleted count against the tenant: refused, never over)."""
+    deadline = time.monotonic() + CATCH_UP_S
+    while True:
+        wanted = [(i, version) for i, (version, _) in (await fleet.current()).items() if tenant_of(i) == tenant]
+        vectors = await held()
+        have = {m.id: m.version for m in vectors}
+        if all(have.get(i, -1) >= version for i, version in wanted):
+            return vectors
+        if time.monotonic() > deadline:
+            raise HotwireError(503, ErrorCode.REGISTRY_UNAVAILABLE, f"this replica's engine has not applied the "
+                               f"fleet's latest changes to tenant {tenant!r}'s vectors within {CATCH_UP_S:.0f} s, so "
+                               "its quotas cannot be checked here; retry shortly")
+        await asyncio.sleep(0.01)
 
 
 def _exceeded(message: str) -> HotwireError:

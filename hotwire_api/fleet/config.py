@@ -187,6 +187,11 @@ class Keys:
         """Sorted set: a tenant's registrations of the last minute, for its quota (``hotwire_api.quotas``)."""
         return f"{self.prefix}registrations:{tenant}"
 
+    def turn(self, tenant: str) -> str:
+        """String with a TTL: the token of the API server whose registration for ``tenant`` is being checked against
+        its quotas and made, one at a time across the fleet (``hotwire_api.quotas``)."""
+        return f"{self.prefix}turn:{tenant}"
+
     @property
     def orphans(self) -> str:
         """Sorted set: sha256 -> when its blob stopped being any id's current version (replaced, deleted, or a

@@ -10,7 +10,7 @@ read the run id themselves: a client's word cannot be trusted, as an old snapsho
 from __future__ import annotations
 
 __all__ = ["COLLECT", "DELETE_ONCE", "FORGET_RETIRED", "GATE", "HEARTBEAT", "MARK_REPAIRED", "PUT_BLOB",
-           "EDIT_KEY", "RECONCILE", "REFUSED", "REGISTER_ONCE", "TAKE_REGISTRATION"]
+           "EDIT_KEY", "END_TURN", "RECONCILE", "REFUSED", "REGISTER_ONCE", "TAKE_REGISTRATION"]
 
 REFUSED = 503  # a register's or delete's answer while the gate is closed: nothing was changed
 
@@ -237,6 +237,13 @@ end
 redis.call('ZADD', KEYS[1], ARGV[1], ARGV[4])
 redis.call('PEXPIRE', KEYS[1], math.ceil(tonumber(ARGV[2]) * 1000) + 1000)
 return {-1, '0'}
+"""
+
+# KEYS: a tenant's turn. ARGV: the token that took it. Ends the turn only if that token still holds it (one whose
+# turn ran out and went to another API server must not end the other's).
+END_TURN = """
+if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end
+return 0
 """
 
 # KEYS: api_keys (hash: name -> the key's JSON, ``hotwire_api.keys.Key``), api_key_edits, audit. ARGV: op ("add",

@@ -110,6 +110,7 @@ class RedisRegistry:
         self._reconcile, self._gate, self._mark = script(lua.RECONCILE), script(lua.GATE), script(lua.MARK_REPAIRED)
         self._heartbeat, self._edit_monitor = script(lua.HEARTBEAT), script(lua.EDIT_MONITOR)
         self._take_registration, self._edit_key = script(lua.TAKE_REGISTRATION), script(lua.EDIT_KEY)
+        self._end_turn = script(lua.END_TURN)
 
     @property
     def display_url(self) -> str:
@@ -349,6 +350,14 @@ class RedisRegistry:
 
     async def registrations_since(self, tenant: str, since: float) -> int:
         return int(await self._do(self._redis.zcount(self.keys.registrations(tenant), f"({since!r}", "+inf")))
+
+    async def take_turn(self, tenant: str, token: str, ttl_s: float) -> bool:
+        """Take ``tenant``'s registration turn for the fleet under ``token`` for at most ``ttl_s`` (a replica that
+        stops holding it frees it then); False while another API server holds it."""
+        return bool(await self._do(self._redis.set(self.keys.turn(tenant), token, nx=True, px=int(ttl_s * 1000))))
+
+    async def end_turn(self, tenant: str, token: str) -> None:
+        await self._do(self._end_turn(keys=[self.keys.turn(tenant)], args=[token]))
 
     # -- the event stream --------------------------------------------------------------------------------------
 

@@ -309,6 +309,49 @@ def test_a_tenants_registrations_per_minute_are_counted_for_the_whole_fleet(redi
     run(body)
 
 
+def test_a_tenants_last_free_place_goes_to_one_replica_only(redis_server, monkeypatch) -> None:
+    """Two replicas registering for one tenant at the same moment with one place left: one gets it, the other is
+    refused 429 (each checks in its turn, against the versions the fleet's Redis calls current). A turn another API
+    server holds past the wait, and an engine that has not caught up with the fleet, are 503s that say so."""
+    from hotwire_api import quotas as quotas_module
+    from hotwire_api.quotas import Quotas
+    from hotwire_api.settings import Settings as ApiSettings
+
+    async def register(quotas: Quotas, node: Node, vector_id: str, seed: int) -> None:
+        async with quotas.registering(vector_id, 4 * HIDDEN, node.engine.vectors, node.registry):
+            await node.replica.changes.register(node.engine, vector_id, vector(seed), False, Author("t", "test"))
+
+    async def body() -> None:
+        async with started(redis_server.url, "a", "b") as (a, b):
+            here, there = Quotas(ApiSettings(tenant_vectors=2)), Quotas(ApiSettings(tenant_vectors=2))
+            await register(here, a, "acme/x", 1)
+            results = await asyncio.gather(register(here, a, "acme/y", 2), register(there, b, "acme/z", 3),
+                                           return_exceptions=True)
+            refused = [r for r in results if isinstance(r, HotwireError)]
+            assert results.count(None) == 1 and len(refused) == 1, results
+            assert refused[0].code == "quota_exceeded" and "holds 2 vectors" in refused[0].message
+            assert len([i for i in await a.registry.current() if i.startswith("acme/")]) == 2
+
+            monkeypatch.setattr(quotas_module, "TURN_WAIT_S", 0.3)
+            assert await a.registry.take_turn("beta", "another API server", 60)
+            with pytest.raises(HotwireError) as info:
+                await register(here, a, "beta/x", 4)
+            assert info.value.code == "registry_unavailable" and "registering for tenant 'beta'" in info.value.message
+            await a.registry.end_turn("beta", "not its token")  # only the token that took a turn ends it
+            assert not await b.registry.take_turn("beta", "a third", 60)
+            await a.registry.end_turn("beta", "another API server")
+            await register(there, b, "beta/x", 4)
+
+            monkeypatch.setattr(quotas_module, "CATCH_UP_S", 0.3)
+            await a.registry._redis.hset(a.registry.keys.current, "beta/ghost", "7:" + "0" * 64)
+            with pytest.raises(HotwireError) as info:
+                await register(here, a, "beta/y", 5)
+            assert info.value.code == "registry_unavailable" and "has not applied" in info.value.message
+            assert await a.registry.take_turn("beta", "free again", 1)  # the refused registration ended its turn
+
+    run(body)
+
+
 def test_the_fleets_keys_open_every_replica_and_each_edit_is_audited(redis_server, monkeypatch, capsys) -> None:
     """HOTWIRE_FLEET_KEYS: a key added with ``hotwire keys --fleet`` or through one replica opens the other once it
     polls; a rotation keeps the role and tenant; the last operator admin key may not be revoked over HTTP; each
