@@ -209,7 +209,7 @@ async def _fleet_keys(args: argparse.Namespace) -> object:
     if url is None:
         raise ValueError("--fleet edits the keys in the fleet's Redis: set HOTWIRE_REGISTRY to its URL")
     registry = RedisRegistry(FleetConfig.from_env(url), Keys.for_model(args.fleet))
-    ring = FleetKeys(replica="cli")
+    ring = FleetKeys(replica="cli", gated=False)  # it may make a new Redis's first key
     try:
         ring.fleet = registry
         if args.action == "add":

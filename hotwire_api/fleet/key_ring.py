@@ -3,9 +3,12 @@ holds it: ``hotwire_api.keys.Key``), so one key with its role and tenant opens e
 replica (or ``hotwire keys --fleet``) reaches all of them. Each edit and its audit entry are one script
 (``lua.EDIT_KEY``). Every API server polls the count of edits every ``HOTWIRE_CATALOG_REFRESH_MS`` and reads the keys
 again when it moved; until it has read them once, or while Redis does not answer at the start, only
-``HOTWIRE_API_KEY`` opens hotwire (503 ``keys_unavailable``); keys read once stay on while Redis is away. The keys are
-not behind the registry's restart gate: a Redis restored from an older snapshot brings back the keys it held then,
-revoked ones included (revoke them again; docs/security.md)."""
+``HOTWIRE_API_KEY`` opens hotwire (503 ``keys_unavailable``); keys read once stay on while Redis is away.
+
+The keys are behind the registry's restart gate (``repair``): a Redis that restarted from older data, or lost it,
+holds the keys of fewer edits than an API server has read. While the gate is closed, that API server keeps its keys
+and puts them back (``lua.RESTORE_KEYS``: the one that read the most edits wins), and edits over HTTP wait for the
+gate (503). An API server that reads such keys only after the gate opened takes them as they are."""
 
 from __future__ import annotations
 
@@ -23,7 +26,9 @@ __all__ = ["FleetKeys"]
 
 logger = logging.getLogger(__name__)
 
-_REFUSED = {409: ("a key named {name!r} is in the fleet's keys already: rotate it, or revoke it first", ErrorCode.EXISTS),
+_REFUSED = {503: ("the fleet's Redis restarted or lost its data and the replicas are putting back what they hold: "
+                  "retry the edit of {name!r} in a few seconds", ErrorCode.KEYS_UNAVAILABLE),
+            409: ("a key named {name!r} is in the fleet's keys already: rotate it, or revoke it first", ErrorCode.EXISTS),
             404: ("no key named {name!r} in the fleet's keys", ErrorCode.UNKNOWN_KEY),
             423: ("{name!r} is the fleet's last operator admin key: add another admin key first (without one, and "
                   "without HOTWIRE_API_KEY, nobody could manage keys or vectors over HTTP)", ErrorCode.LAST_ADMIN)}
@@ -36,11 +41,13 @@ class FleetKeys:
 
     kept = "redis"
 
-    def __init__(self, extra: tuple[Key, ...] = (), replica: str = "local"):
-        self.extra, self.replica = extra, replica
+    def __init__(self, extra: tuple[Key, ...] = (), replica: str = "local", gated: bool = True):
+        """``gated``: edits wait for the registry's restart gate (an API server's; the CLI's do not)."""
+        self.extra, self.replica, self.gated = extra, replica, gated
         self.fleet: Any = None  # the fleet's RedisRegistry, once the app started
         self.changes: list[tuple[str, str, str]] = []
         self._keys: tuple[Key, ...] = ()
+        self._entries: list[tuple[str, str]] = []  # (name, JSON) of the keys read, to put back after a loss
         self._edits = -1
         self.error: str | None = "the fleet's keys (HOTWIRE_FLEET_KEYS) are not read yet: the registry does not answer"
 
@@ -54,16 +61,23 @@ class FleetKeys:
     async def refresh(self) -> None:
         """Read the keys again if they changed since the last read (one round trip when they did not)."""
         edits, docs = await self.fleet.api_keys()
+        if edits < self._edits:  # Redis lost edits read here: put them back while the gate lets us, else take its keys
+            if await self.fleet.restore_keys(self._edits, self._entries):
+                logger.warning("hotwire: the fleet's Redis came back with the keys of %d edits; put back the %d keys "
+                               "of the %d edits this API server had read", edits, len(self._entries), self._edits)
+                return
+            edits, docs = await self.fleet.api_keys()
         if edits != self._edits:
-            keys = []
+            keys, entries = [], []
             for doc in docs:
                 try:
                     keys.append(Key.model_validate_json(doc))
+                    entries.append((keys[-1].name, doc))
                 except pydantic.ValidationError as exc:  # written by hand into Redis: it opens nothing, the rest apply
                     logger.error("hotwire: a key in the fleet's Redis is not valid and opens nothing (%s): %.200s",
                                  exc.errors()[0]["msg"], doc)
             self._keys = tuple(sorted(keys, key=lambda k: k.name))
-            self._edits, self.error = edits, None
+            self._entries, self._edits, self.error = entries, edits, None
 
     async def run(self, interval_s: float) -> None:
         """Follow the edits made through other replicas (a lifespan task)."""
@@ -95,7 +109,7 @@ class FleetKeys:
         await self._edit("revoke", name, "", keep_an_admin, who, within)
 
     async def _edit(self, op: str, name: str, doc: str, keep_an_admin: bool, who: str, within: str | None = None) -> None:
-        status = await self.fleet.edit_key(op, name, doc, keep_an_admin, who, self.replica, within)
+        status = await self.fleet.edit_key(op, name, doc, keep_an_admin, who, self.replica, within, self.gated)
         if status in _REFUSED:
             message, code = _REFUSED[status]
             raise KeysFileError(message.format(name=name), code)

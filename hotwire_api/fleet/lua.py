@@ -10,7 +10,7 @@ read the run id themselves: a client's word cannot be trusted, as an old snapsho
 from __future__ import annotations
 
 __all__ = ["COLLECT", "DELETE_ONCE", "FORGET_RETIRED", "GATE", "HEARTBEAT", "MARK_REPAIRED", "PUT_BLOB",
-           "EDIT_KEY", "END_TURN", "RECONCILE", "REFUSED", "REGISTER_ONCE", "TAKE_REGISTRATION"]
+           "EDIT_KEY", "END_TURN", "RECONCILE", "REFUSED", "REGISTER_ONCE", "RESTORE_KEYS", "TAKE_REGISTRATION"]
 
 REFUSED = 503  # a register's or delete's answer while the gate is closed: nothing was changed
 
@@ -246,12 +246,15 @@ if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) 
 return 0
 """
 
-# KEYS: api_keys (hash: name -> the key's JSON, ``hotwire_api.keys.Key``), api_key_edits, audit. ARGV: op ("add",
-# "rotate", "revoke"), name, the new entry's JSON (add, rotate), keep_an_admin (1|0), who, at, replica, within (a
-# tenant: only its keys; "": any). Returns 200 once made, 409 a name taken (add), 404 no such key, or not within's
-# (rotate, revoke), 423 the last operator admin key (revoke with keep_an_admin). A rotation keeps the entry's role
-# and tenant. The audit stream gets the change in the same step.
-EDIT_KEY = """
+# KEYS: api_keys (hash: name -> the key's JSON, ``hotwire_api.keys.Key``), api_key_edits, audit, boot. ARGV: op
+# ("add", "rotate", "revoke"), name, the new entry's JSON (add, rotate), keep_an_admin (1|0), who, at, replica,
+# within (a tenant: only its keys; "": any), gated (1: refused while the restart gate is closed, as an API server's
+# edits are; the CLI's are not, so that it can make a new Redis's first key). Returns 200 once made, 409 a name taken
+# (add), 404 no such key, or not within's (rotate, revoke), 423 the last operator admin key (revoke with
+# keep_an_admin), 503 the gate closed. A rotation keeps the entry's role and tenant. The audit stream gets the change
+# in the same step.
+EDIT_KEY = _HELPERS + """
+if ARGV[9] == '1' and redis.call('GET', KEYS[4]) ~= run_id() then return 503 end
 local old = redis.call('HGET', KEYS[1], ARGV[2])
 local op, action = ARGV[1], 'key_added'
 if op == 'add' and old then return 409 end
@@ -283,4 +286,17 @@ end
 redis.call('INCR', KEYS[2])
 redis.call('XADD', KEYS[3], '*', 'at', ARGV[6], 'who', ARGV[5], 'action', action, 'id', ARGV[2], 'replica', ARGV[7])
 return 200
+"""
+
+# KEYS: api_keys, api_key_edits, boot. ARGV: the count of key edits an API server read its keys at, then each key's
+# name and entry (JSON). While the restart gate is closed (``boot``: Redis restarted or lost its data) and Redis
+# holds the keys of fewer edits, replaces them with these (``fleet.key_ring``): the API server that read the most
+# edits wins, whatever the order. Returns 1 if it replaced them, else 0.
+RESTORE_KEYS = _HELPERS + """
+if redis.call('GET', KEYS[3]) == run_id() then return 0 end
+if tonumber(redis.call('GET', KEYS[2]) or '0') >= tonumber(ARGV[1]) then return 0 end
+redis.call('DEL', KEYS[1])
+for i = 2, #ARGV, 2 do redis.call('HSET', KEYS[1], ARGV[i], ARGV[i + 1]) end
+redis.call('SET', KEYS[2], ARGV[1])
+return 1
 """

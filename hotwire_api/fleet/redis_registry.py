@@ -110,7 +110,7 @@ class RedisRegistry:
         self._reconcile, self._gate, self._mark = script(lua.RECONCILE), script(lua.GATE), script(lua.MARK_REPAIRED)
         self._heartbeat, self._edit_monitor = script(lua.HEARTBEAT), script(lua.EDIT_MONITOR)
         self._take_registration, self._edit_key = script(lua.TAKE_REGISTRATION), script(lua.EDIT_KEY)
-        self._end_turn = script(lua.END_TURN)
+        self._end_turn, self._restore_keys = script(lua.END_TURN), script(lua.RESTORE_KEYS)
 
     @property
     def display_url(self) -> str:
@@ -331,10 +331,22 @@ class RedisRegistry:
         return int(edits or 0), [_str(doc) for doc in docs]
 
     async def edit_key(self, op: str, name: str, doc: str, keep_an_admin: bool, who: str, replica: str,
-                       within: str | None = None) -> int:
-        """One key edit and its audit entry (``lua.EDIT_KEY``; ``within``: a tenant's keys only); the script's status."""
-        args = [op, name, doc, int(keep_an_admin), who, repr(time.time()), replica, within or ""]
-        return int(await self._do(self._edit_key(keys=[self.keys.api_keys, self.keys.api_key_edits, self.keys.audit], args=args)))
+                       within: str | None = None, gated: bool = True) -> int:
+        """One key edit and its audit entry (``lua.EDIT_KEY``; ``within``: a tenant's keys only; ``gated``: while
+        the restart gate is closed, waits for it as a register does, then refused); the script's status."""
+        args = [op, name, doc, int(keep_an_admin), who, repr(time.time()), replica, within or "", int(gated)]
+        keys = [self.keys.api_keys, self.keys.api_key_edits, self.keys.audit, self.keys.boot]
+        status = int(await self._do(self._edit_key(keys=keys, args=args)))
+        if status == lua.REFUSED and await self._gate_opens():
+            status = int(await self._do(self._edit_key(keys=keys, args=args)))
+        return status
+
+    async def restore_keys(self, edits: int, entries: list[tuple[str, str]]) -> bool:
+        """While the restart gate is closed, put back the keys an API server read at ``edits`` edits (name, entry)
+        over those of fewer edits that Redis came back with (``lua.RESTORE_KEYS``); whether it did."""
+        args = [edits, *(part for entry in entries for part in entry)]
+        keys = [self.keys.api_keys, self.keys.api_key_edits, self.keys.boot]
+        return bool(await self._do(self._restore_keys(keys=keys, args=args)))
 
     # -- tenants' registrations per minute (``hotwire_api.quotas``) ----------------------------------------------
 
