@@ -8,6 +8,10 @@ controller: ``readout_admission``) gets a row when the worker first sees it. The
 gathered and copied to pinned host memory by a copy issued at the next step's fill, before the forward that
 could overwrite them, and read once that copy is done: the hot path never waits on the device. Only when a result
 is handed out (``take``, a finish) does the host wait for copies still under way.
+
+A step's host work is done for the whole batch at once, with no work per request: each reader's row indexes arrays
+of what ``fill`` needs (first position read, end, probe layers), and the values that arrive land in a buffer of the
+last ``DEPTH`` values per row, which joins the row's list of chunks when it is full or read.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ from .readout_op import set_output
 
 __all__ = ["WorkerReadout"]
 
+DEPTH = 32  # values a row's buffer holds before they join its chunks
 
 
 @dataclass
@@ -34,13 +39,8 @@ class _Reader:
     row: int
     args: ReadoutArgs
     prompt_len: int
-    start: int  # first position read
-    end: float  # positions read are < end
-    layers: np.ndarray  # [K] int64: each probe's layer (0 past the last probe)
-    held: np.ndarray  # [K] bool: a probe whose layer this rank hooks
-    chunks: list[tuple[np.ndarray, np.ndarray]] = field(default_factory=list)  # (positions, values [m, probes, 2])
+    chunks: list[tuple[np.ndarray, np.ndarray]] = field(default_factory=list)  # (positions, values [m, K, 2])
     taken: bool = False  # handed out before the worker heard that its request finished (``take``)
-    settled: int = 0  # positions below are computed for good (vLLM's num_computed_tokens: drafts excluded)
 
 
 @dataclass
@@ -50,7 +50,9 @@ class _Copy:
     event: Any  # a CUDA event recorded after the copy (None on a CPU)
     host: torch.Tensor  # [m, K, 2]: each read token's dot products at its probes' layers, and its norm there
     held: np.ndarray  # [m, K] bool: the values this rank holds (others become NaN)
-    readers: list[tuple[_Reader, slice, np.ndarray]]  # (reader, its tokens' rows in host, their positions)
+    rows: np.ndarray  # [m]: each read token's readout row (a request's tokens together, in order)
+    positions: np.ndarray  # [m]: each one's position in its request
+    within: np.ndarray  # [m]: each one's index among its request's tokens in the step
 
 
 class WorkerReadout:
@@ -72,6 +74,15 @@ class WorkerReadout:
         self._uploader = uploader
         self._free = list(range(rows, 0, -1))
         self.live: dict[str, _Reader] = {}  # req_id -> its readout
+        self._row_of: dict[str, int] = {}  # req_id -> its reader's row
+        self._reader_at: list[_Reader | None] = [None] * (rows + 1)
+        # Per row: first position read, positions read are below end, each probe's layer (0 past the last probe),
+        # whether this rank hooks it, positions below settled are computed for good (num_computed_tokens).
+        self._start, self._end, self._settled = (np.zeros(rows + 1, np.int64) for _ in range(3))
+        self._layers, self._held = np.zeros((rows + 1, max_probes), np.int64), np.zeros((rows + 1, max_probes), bool)
+        self._buf_pos = np.zeros((rows + 1, DEPTH), np.int32)
+        self._buf_val = np.zeros((rows + 1, DEPTH, max_probes, 2), np.float32)
+        self._fill = np.zeros(rows + 1, np.int64)  # values in each row's buffer
         self.done = Handouts(2 * rows)  # finished ones, until taken
         self._staging = np.zeros(max_tokens, np.int32)
         self._read: tuple[np.ndarray, list, np.ndarray] | None = None  # the last forward's read tokens
@@ -106,14 +117,15 @@ class WorkerReadout:
             if not self._free:  # as many rows as config rows: this should not happen
                 self.done.put(args["tag"], {"error": f"all {self.rows} readout rows of this worker are in use"})
                 continue
-            reads_prompt = args["tokens"] in ("prompt", "all")
-            end = prompt_len if args["tokens"] == "prompt" else float("inf")
-            layers = np.zeros(self.k, np.int64)
-            layers[: len(args["probes"])] = [probe["layer"] for probe in args["probes"]]
-            held = np.array([k < len(args["probes"]) and int(layers[k]) in self.layers for k in range(self.k)])
-            reader = _Reader(args["tag"], self._free.pop(), args, prompt_len, 0 if reads_prompt else max(prompt_len - 1, 0),
-                             end, layers, held)
-            self.live[req_id] = reader
+            reader = _Reader(args["tag"], self._free.pop(), args, prompt_len)
+            row, probes = reader.row, [probe["layer"] for probe in args["probes"]]
+            self._start[row] = 0 if args["tokens"] in ("prompt", "all") else max(prompt_len - 1, 0)
+            self._end[row] = prompt_len if args["tokens"] == "prompt" else 1 << 62
+            self._layers[row], self._held[row] = 0, False
+            self._layers[row, : len(probes)] = probes
+            self._held[row, : len(probes)] = [layer in self.layers for layer in probes]
+            self._settled[row] = self._fill[row] = 0
+            self.live[req_id], self._row_of[req_id], self._reader_at[row] = reader, row, reader
             writes.append((reader.row, items))
             if self.gates is not None:
                 self._write_gate(reader)
@@ -155,12 +167,13 @@ class WorkerReadout:
         read = self._batch_reads(req_ids, num_scheduled, num_computed) if self.live else None
         self._read = None
         if read is not None:
-            tokens, positions, readers, layers, held, rows = read
+            tokens, positions, rows, within = read
             host[tokens] = rows
             # Where in ``out`` each read token's probes are (dot product, norm), for the gather in _flush.
             _, n_tokens, width = self.out.shape
-            base = (layers * n_tokens + tokens[:, None]) * width
-            self._read = (np.stack((base + np.arange(self.k), base + self.k), axis=-1), readers, held)
+            base = (self._layers[rows] * n_tokens + tokens[:, None]) * width
+            self._read = (np.stack((base + np.arange(self.k), base + self.k), axis=-1), self._held[rows], rows,
+                          positions, within)
         self._uploader.copy_(self.token_read[:length], torch.from_numpy(host.copy()))
         if self._gated and read is not None:
             at = np.zeros(num_tokens, np.int32)
@@ -169,42 +182,32 @@ class WorkerReadout:
         self.dirty = num_tokens if read is not None else 0
 
     def _batch_reads(self, req_ids: Sequence[str], num_scheduled: np.ndarray, num_computed: np.ndarray) -> tuple | None:
-        """The batch's read tokens, vectorised over its requests: ``(token indices, their positions, [(reader, its
-        tokens' rows among them, their positions)], each token's probe layers [m, K] and held [m, K], its readout
-        row)``; None when none of the scheduled tokens is read."""
-        found = [self.live.get(req_id) for req_id in req_ids]
-        which = [i for i, reader in enumerate(found) if reader is not None]
-        if not which:
+        """The batch's read tokens, vectorised over its requests: ``(token indices, their positions, their readout
+        rows, their indices among their request's tokens in the step)``; None when none of them is read."""
+        found = np.array([self._row_of.get(req_id, 0) for req_id in req_ids], np.int64)
+        which = np.flatnonzero(found)
+        if not which.size:
             return None
-        readers = [found[i] for i in which]
+        rows = found[which]
         first = np.asarray(num_computed, np.int64)[which]
         count = np.asarray(num_scheduled, np.int64)[which]
         offset = (np.cumsum(num_scheduled) - num_scheduled)[which]
-        for reader, settled in zip(readers, first.tolist()):
-            reader.settled = settled
-        lo = np.maximum(first, [reader.start for reader in readers])
-        hi = np.minimum(first + count, [min(reader.end, 1 << 62) for reader in readers]).astype(np.int64)
-        n = np.maximum(hi - lo, 0)
+        self._settled[rows] = first
+        lo = np.maximum(first, self._start[rows])
+        n = np.maximum(np.minimum(first + count, self._end[rows]) - lo, 0)
         total = int(n.sum())
         if not total:
             return None
         ends = np.cumsum(n)
         within = np.arange(total) - np.repeat(ends - n, n)  # each read token's index among its request's reads
         positions = (np.repeat(lo, n) + within).astype(np.int32)
-        tokens = np.repeat(offset - first, n) + positions
-        kept = np.flatnonzero(n)
-        listed = [(readers[i], slice(int(ends[i] - n[i]), int(ends[i])), positions[ends[i] - n[i]:ends[i]])
-                  for i in kept.tolist()]
-        layers = np.repeat(np.stack([readers[i].layers for i in kept]), n[kept], axis=0)
-        held = np.repeat(np.stack([readers[i].held for i in kept]), n[kept], axis=0)
-        rows = np.repeat([readers[i].row for i in kept], n[kept])
-        return tokens, positions, listed, layers, held, rows
+        return np.repeat(offset - first, n) + positions, positions, np.repeat(rows, n), within
 
     def _flush(self, wait: bool) -> None:
         """Issue the copy of the last forward's values (stream-ordered after it), then hand the values of every copy
         that has arrived (``wait``: of every copy) to their readers."""
         if self._read is not None:
-            where, readers, held = self._read
+            where, held, rows, positions, within = self._read
             self._read = None
             # Only each token's probes at their layers leave the device: [m, K, 2] (dot products, norms).
             gathered = self.out.view(-1)[self._uploader.to_device(torch.from_numpy(where))]
@@ -215,22 +218,48 @@ class WorkerReadout:
                 event.record()
             else:
                 host, event = gathered, None
-            self._copies.append(_Copy(event, host, held, readers))
+            self._copies.append(_Copy(event, host, held, rows, positions, within))
         while self._copies and (wait or self._copies[0].event is None or self._copies[0].event.query()):
             copy = self._copies.pop(0)
             if copy.event is not None:
                 copy.event.synchronize()
-            values = np.where(copy.held[..., None], copy.host.numpy(), np.float32(np.nan))
-            for reader, rows, positions in copy.readers:  # [m, probes, 2]: NaN where this rank lacks the layer
-                reader.chunks.append((positions, values[rows, : len(reader.args["probes"])]))
+            # [m, K, 2]: NaN where this rank lacks the layer
+            self._store(copy.rows, copy.positions, copy.within, np.where(copy.held[..., None], copy.host.numpy(), np.float32(np.nan)))
+
+    def _store(self, rows: np.ndarray, positions: np.ndarray, within: np.ndarray, values: np.ndarray) -> None:
+        """Put one forward's values in their rows' buffers, a full buffer first joining its row's chunks (and a
+        request's tokens more than a buffer holds, a prompt's, straight to its chunks)."""
+        counts = np.bincount(rows, minlength=len(self._fill))
+        keep = None
+        for row in np.flatnonzero(self._fill + counts > DEPTH).tolist():
+            self._spill(row)
+            if counts[row] > DEPTH:
+                mine = rows == row
+                self._reader_at[row].chunks.append((positions[mine], values[mine]))
+                keep = ~mine if keep is None else keep & ~mine
+        if keep is not None:
+            rows, positions, within, values = rows[keep], positions[keep], within[keep], values[keep]
+            counts = np.bincount(rows, minlength=len(self._fill))
+        slots = self._fill[rows] + within
+        self._buf_pos[rows, slots], self._buf_val[rows, slots] = positions, values
+        self._fill += counts
+
+    def _spill(self, row: int) -> None:
+        """Move the row's buffer to its reader's chunks."""
+        fill = int(self._fill[row])
+        if fill:
+            self._reader_at[row].chunks.append((self._buf_pos[row, :fill].copy(), self._buf_val[row, :fill].copy()))
+            self._fill[row] = 0
 
     def _result(self, reader: _Reader, lo: float = 0, hi: float = float("inf")) -> dict:
         """The values of positions ``lo <= position < hi`` read so far."""
+        self._spill(reader.row)
         if reader.chunks:
             positions = np.concatenate([p for p, _ in reader.chunks])
             values = np.concatenate([v for _, v in reader.chunks])
         else:
-            positions, values = np.zeros(0, np.int32), np.zeros((0, len(reader.args["probes"]), 2), np.float32)
+            positions, values = np.zeros(0, np.int32), np.zeros((0, self.k, 2), np.float32)
+        values = values[:, : len(reader.args["probes"])]
         # A position computed again (a preempted request recomputes its tokens) keeps its latest value.
         order = np.argsort(positions, kind="stable")
         positions, values = positions[order], values[order]
@@ -241,10 +270,12 @@ class WorkerReadout:
 
     def _finish(self, req_id: str) -> None:
         reader = self.live.pop(req_id)
+        del self._row_of[req_id]
         if "gate" in reader.args:
             self._gated -= 1
         if not reader.taken:
             self.done.put(reader.tag, self._result(reader))
+        self._reader_at[reader.row] = None
         self._free.append(reader.row)
 
     def take(self, tags: Iterable[str]) -> TakeReadoutsResult:
@@ -273,5 +304,5 @@ class WorkerReadout:
         for reader in self.live.values():
             first = since.get(reader.tag)
             if first is not None and not reader.taken:
-                out[reader.tag] = self._result(reader, reader.prompt_len - 1 + first, reader.settled)
+                out[reader.tag] = self._result(reader, reader.prompt_len - 1 + first, int(self._settled[reader.row]))
         return TakeReadoutsResult(ok=True, readouts=out)
