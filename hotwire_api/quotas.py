@@ -64,8 +64,9 @@ class Quotas:
     async def registering(self, vector_id: str, nbytes: int, held: Held, fleet: Any = None) -> AsyncIterator[None]:
         """Around the registration of ``nbytes`` as ``vector_id``: raise 429 ``quota_exceeded`` if it would take the
         id's tenant past a quota. ``held``: every current vector, asked for once the tenant's registrations before
-        this one are done. ``fleet``: the fleet's Redis registry (``VectorRegistry.fleet_store``), which counts the
-        registrations per minute; None: this server counts them. A registration that fails is not counted."""
+        this one are done. ``fleet``: the fleet's Redis registry (``VectorRegistry.fleet_store``), which holds the
+        tenant's turn and counts its registrations per minute; None: this server alone. A registration that fails
+        is not counted."""
         tenant = tenant_of(vector_id)
         if not tenant:
             yield

@@ -275,7 +275,7 @@ class WorkerReadout:
             self._gated -= 1
         if not reader.taken:
             self.done.put(reader.tag, self._result(reader))
-        self._reader_at[reader.row] = None
+        self._reader_at[reader.row], self._fill[reader.row] = None, 0
         self._free.append(reader.row)
 
     def take(self, tags: Iterable[str]) -> TakeReadoutsResult:
