@@ -20,9 +20,8 @@ import time
 from pathlib import Path
 
 import httpx
-import psutil
 
-from benchmarks.bench_throughput import model_facts, servers
+from benchmarks.bench_throughput import _cpu_s, model_facts, servers
 
 
 async def send(url: str, model: str, count: int, concurrency: int, max_tokens: int, stream: bool) -> None:
@@ -50,11 +49,9 @@ def cpu_ms_per_request(pid: int, url: str, model: str, count: int, concurrency: 
                        stream: bool) -> float:
     """The API server's CPU milliseconds per request over ``count`` requests (after a short warm-up)."""
     asyncio.run(send(url, model, 2 * concurrency, concurrency, max_tokens, stream))
-    process = psutil.Process(pid)
-    before = process.cpu_times()
+    before = _cpu_s(pid)
     asyncio.run(send(url, model, count, concurrency, max_tokens, stream))
-    after = process.cpu_times()
-    return (after.user + after.system - before.user - before.system) * 1000 / count
+    return (_cpu_s(pid) - before) * 1000 / count
 
 
 def main() -> None:

@@ -49,7 +49,6 @@ class _Copy:
 
     event: Any  # a CUDA event recorded after the copy (None on a CPU)
     host: torch.Tensor  # [m, K, 2]: each read token's dot products at its probes' layers, and its norm there
-    held: np.ndarray  # [m, K] bool: the values this rank holds (others become NaN)
     rows: np.ndarray  # [m]: each read token's readout row (a request's tokens together, in order)
     positions: np.ndarray  # [m]: each one's position in its request
     within: np.ndarray  # [m]: each one's index among its request's tokens in the step
@@ -85,7 +84,7 @@ class WorkerReadout:
         self._fill = np.zeros(rows + 1, np.int64)  # values in each row's buffer
         self.done = Handouts(2 * rows)  # finished ones, until taken
         self._staging = np.zeros(max_tokens, np.int32)
-        self._read: tuple[np.ndarray, list, np.ndarray] | None = None  # the last forward's read tokens
+        self._read: tuple[np.ndarray, ...] | None = None  # the last forward's read tokens (fill's gather, rows, ...)
         self._copies: list[_Copy] = []
         self.dirty = 0  # token_read[:dirty] may be non-zero on the device
         self._gated = 0  # live readers with a condition: token_pos is written while there are any
@@ -172,8 +171,7 @@ class WorkerReadout:
             # Where in ``out`` each read token's probes are (dot product, norm), for the gather in _flush.
             _, n_tokens, width = self.out.shape
             base = (self._layers[rows] * n_tokens + tokens[:, None]) * width
-            self._read = (np.stack((base + np.arange(self.k), base + self.k), axis=-1), self._held[rows], rows,
-                          positions, within)
+            self._read = (np.stack((base + np.arange(self.k), base + self.k), axis=-1), rows, positions, within)
         self._uploader.copy_(self.token_read[:length], torch.from_numpy(host.copy()))
         if self._gated and read is not None:
             at = np.zeros(num_tokens, np.int32)
@@ -207,7 +205,7 @@ class WorkerReadout:
         """Issue the copy of the last forward's values (stream-ordered after it), then hand the values of every copy
         that has arrived (``wait``: of every copy) to their readers."""
         if self._read is not None:
-            where, held, rows, positions, within = self._read
+            where, rows, positions, within = self._read
             self._read = None
             # Only each token's probes at their layers leave the device: [m, K, 2] (dot products, norms).
             gathered = self.out.view(-1)[self._uploader.to_device(torch.from_numpy(where))]
@@ -218,13 +216,14 @@ class WorkerReadout:
                 event.record()
             else:
                 host, event = gathered, None
-            self._copies.append(_Copy(event, host, held, rows, positions, within))
+            self._copies.append(_Copy(event, host, rows, positions, within))
         while self._copies and (wait or self._copies[0].event is None or self._copies[0].event.query()):
             copy = self._copies.pop(0)
             if copy.event is not None:
                 copy.event.synchronize()
-            # [m, K, 2]: NaN where this rank lacks the layer
-            self._store(copy.rows, copy.positions, copy.within, np.where(copy.held[..., None], copy.host.numpy(), np.float32(np.nan)))
+            # [m, K, 2]: NaN where this rank lacks the layer (a row's probes stay as they are until it is freed)
+            held = self._held[copy.rows][..., None]
+            self._store(copy.rows, copy.positions, copy.within, np.where(held, copy.host.numpy(), np.float32(np.nan)))
 
     def _store(self, rows: np.ndarray, positions: np.ndarray, within: np.ndarray, values: np.ndarray) -> None:
         """Put one forward's values in their rows' buffers, a full buffer first joining its row's chunks (and a

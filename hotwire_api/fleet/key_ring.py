@@ -47,7 +47,6 @@ class FleetKeys:
         self.fleet: Any = None  # the fleet's RedisRegistry, once the app started
         self.changes: list[tuple[str, str, str]] = []
         self._keys: tuple[Key, ...] = ()
-        self._entries: list[tuple[str, str]] = []  # (name, JSON) of the keys read, to put back after a loss
         self._edits = -1
         self.error: str | None = "the fleet's keys (HOTWIRE_FLEET_KEYS) are not read yet: the registry does not answer"
 
@@ -62,22 +61,21 @@ class FleetKeys:
         """Read the keys again if they changed since the last read (one round trip when they did not)."""
         edits, docs = await self.fleet.api_keys()
         if edits < self._edits:  # Redis lost edits read here: put them back while the gate lets us, else take its keys
-            if await self.fleet.restore_keys(self._edits, self._entries):
+            if await self.fleet.restore_keys(self._edits, [(key.name, key.model_dump_json()) for key in self._keys]):
                 logger.warning("hotwire: the fleet's Redis came back with the keys of %d edits; put back the %d keys "
-                               "of the %d edits this API server had read", edits, len(self._entries), self._edits)
+                               "of the %d edits this API server had read", edits, len(self._keys), self._edits)
                 return
             edits, docs = await self.fleet.api_keys()
         if edits != self._edits:
-            keys, entries = [], []
+            keys = []
             for doc in docs:
                 try:
                     keys.append(Key.model_validate_json(doc))
-                    entries.append((keys[-1].name, doc))
                 except pydantic.ValidationError as exc:  # written by hand into Redis: it opens nothing, the rest apply
                     logger.error("hotwire: a key in the fleet's Redis is not valid and opens nothing (%s): %.200s",
                                  exc.errors()[0]["msg"], doc)
             self._keys = tuple(sorted(keys, key=lambda k: k.name))
-            self._entries, self._edits, self.error = entries, edits, None
+            self._edits, self.error = edits, None
 
     async def run(self, interval_s: float) -> None:
         """Follow the edits made through other replicas (a lifespan task)."""

@@ -1,8 +1,9 @@
 """Every Redis command hotwire sends (``redis.asyncio``): blobs and their collection, the atomic register and
 delete scripts (``lua``), the restart gate and the repair's reconcile, the current versions, the event stream,
-heartbeats, monitors; the fleet's API keys and tenants' registrations come from ``access_commands``. A Redis that does not answer raises :class:`Unavailable`, a 503 ``registry_unavailable`` naming the
-registry (secrets masked); a register or delete refused while the gate is closed raises :class:`Restarting`;
-what the caller does then is its business (``replica``, ``repair``). Key layout: ``config.Keys``."""
+heartbeats, monitors; the fleet's API keys and tenants' registrations come from ``access_commands``. A Redis that
+does not answer raises :class:`Unavailable`, a 503 ``registry_unavailable`` naming the registry (secrets masked); a
+register or delete refused while the gate is closed raises :class:`Restarting`; what the caller does then is its
+business (``replica``, ``repair``). Key layout: ``config.Keys``."""
 
 from __future__ import annotations
 
