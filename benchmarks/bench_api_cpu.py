@@ -3,8 +3,10 @@
 Both ``vllm serve`` of ``bench_throughput.servers`` start (the tiny Qwen3, float32); each round sends every server
 the same requests (``--concurrency`` at a time over ``/v1/completions``: non-streamed 1-token completions, then
 streamed ``--max-tokens`` ones), the servers' order alternating per round, and reads the API server's (the main
-process's) CPU time around each batch. What hotwire's API-server code costs a request that asks nothing of it,
-apart from how a saturated server shares its core (``bench_throughput.py``):
+process's) CPU time and the engine's steps (vLLM's ``/metrics``) around each batch. What hotwire's API-server code
+costs a request that asks nothing of it, apart from how a saturated server shares its core (``bench_throughput.py``).
+A streamed request's CPU follows the engine's steps per request (each step's outputs are one message to the API
+server), which the engine's batching sets, not the plugin: the two are reported side by side.
 
     python -m benchmarks.bench_api_cpu --rounds 3 --out api_cpu.json
 """
@@ -21,7 +23,7 @@ from pathlib import Path
 
 import httpx
 
-from benchmarks.bench_throughput import _cpu_s, model_facts, servers
+from benchmarks.bench_throughput import _cpu_s, engine_counts, model_facts, servers
 
 
 async def send(url: str, model: str, count: int, concurrency: int, max_tokens: int, stream: bool) -> None:
@@ -46,12 +48,15 @@ async def send(url: str, model: str, count: int, concurrency: int, max_tokens: i
 
 
 def cpu_ms_per_request(pid: int, url: str, model: str, count: int, concurrency: int, max_tokens: int,
-                       stream: bool) -> float:
-    """The API server's CPU milliseconds per request over ``count`` requests (after a short warm-up)."""
+                       stream: bool) -> tuple[float, float | None]:
+    """The API server's CPU milliseconds per request over ``count`` requests (after a short warm-up), and the
+    engine's steps per request meanwhile (each step's outputs are one message to the API server)."""
     asyncio.run(send(url, model, 2 * concurrency, concurrency, max_tokens, stream))
-    before = _cpu_s(pid)
+    before, counts = _cpu_s(pid), engine_counts(url)
     asyncio.run(send(url, model, count, concurrency, max_tokens, stream))
-    return (_cpu_s(pid) - before) * 1000 / count
+    cpu_s, counts_after = _cpu_s(pid) - before, engine_counts(url)
+    steps = None if counts is None or counts_after is None else (counts_after["steps"] - counts["steps"]) / count
+    return cpu_s * 1000 / count, steps
 
 
 def main() -> None:
@@ -77,17 +82,24 @@ def main() -> None:
                 for server in ("vanilla", "hotwire") if r % 2 == 0 else ("hotwire", "vanilla"):
                     url, pid = started[server]
                     start = time.monotonic()
-                    ms = cpu_ms_per_request(pid, url, name, count, args.concurrency, max_tokens, stream)
+                    ms, steps = cpu_ms_per_request(pid, url, name, count, args.concurrency, max_tokens, stream)
                     rows.append({"kind": kind, "round": r, "server": server, "api_cpu_ms_per_request": ms,
-                                 "requests": count, "wall_s": time.monotonic() - start})
-                    print(f"api_cpu: {kind:8s} round {r} {server:8s} {ms:.3f} ms per request", flush=True)
+                                 "engine_steps_per_request": steps, "requests": count,
+                                 "wall_s": time.monotonic() - start})
+                    print(f"api_cpu: {kind:8s} round {r} {server:8s} {ms:.3f} ms per request, "
+                          f"{steps or float('nan'):.2f} engine steps per request", flush=True)
     medians = {f"{kind}/{server}": statistics.median(row["api_cpu_ms_per_request"] for row in rows
                                                      if row["kind"] == kind and row["server"] == server)
                for kind in kinds for server in ("vanilla", "hotwire")}
+    steps = {key: statistics.median(s) if (s := [row["engine_steps_per_request"] for row in rows
+                                                    if f"{row['kind']}/{row['server']}" == key
+                                                    and row["engine_steps_per_request"] is not None]) else None
+             for key in medians}
     args.out.write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()}, "rows": rows,
-                                    "medians": medians}, indent=1))
+                                    "medians": medians, "engine_steps_per_request_medians": steps}, indent=1))
     for key, ms in medians.items():
-        print(f"api_cpu: median {key}: {ms:.3f} ms per request", flush=True)
+        print(f"api_cpu: median {key}: {ms:.3f} ms per request, {steps[key] or float('nan'):.2f} engine steps "
+              "per request", flush=True)
 
 
 if __name__ == "__main__":

@@ -21,7 +21,8 @@ Any other outcome is a failure, and the run exits 1.
 
 Reported: per configuration the median req/s, TTFT p50 and the API server's CPU time per completed request
 (the server's main process, over the measured window: where a saturated API server spends what steering adds)
-over rounds; per round the paired ratios steered / plain and plain / vanilla, and their medians (the figures of the
+and the engine's steps per completed request and generated tokens per step (vLLM's ``/metrics``: each step's
+outputs reach the API server as one message, so fewer requests per step cost it more CPU per request) over rounds; per round the paired ratios steered / plain and plain / vanilla, and their medians (the figures of the
 targets: ≥ 0.98 and ≥ 0.99; with monitors, monitored / plain, #39's target: ≥ 0.99); per round the busiest client
 process's CPU over its wall time (near 100%: the clients, not the server, were the limit).
 
@@ -204,13 +205,17 @@ def _pin(pid: int, core: int) -> None:
 
 
 def run_round(pool: Any, load: Load, clients: int, workers: int, seed: int, warmup: float, seconds: float,
-              api_server_pid: int) -> tuple[Tally, float | None]:
-    """The round's tally, and the CPU seconds the API server (``api_server_pid``) spent in its measured window."""
+              api_server_pid: int) -> tuple[Tally, float | None, dict[str, float] | None]:
+    """The round's tally, the CPU seconds the API server (``api_server_pid``) spent in its measured window, and the
+    engine's steps and generated tokens in that window (``engine_counts``; None where /metrics did not answer)."""
     start_at = time.monotonic() + 2.0  # every worker's clients start together
     shares = [clients // workers + (i < clients % workers) for i in range(workers)]
-    cpu: list[float] = []
-    timers = [threading.Timer(start_at + warmup + at - time.monotonic(), lambda: cpu.append(_cpu_s(api_server_pid)))
-              for at in (0.0, seconds)]
+    marks: list[tuple[float, dict[str, float] | None]] = []
+
+    def mark() -> None:
+        marks.append((_cpu_s(api_server_pid), engine_counts(load.url)))
+
+    timers = [threading.Timer(start_at + warmup + at - time.monotonic(), mark) for at in (0.0, seconds)]
     for timer in timers:
         timer.start()
     results = pool.starmap(_worker, [(load, n, seed * 100 + i, start_at, warmup, seconds) for i, n in enumerate(shares)])
@@ -219,7 +224,37 @@ def run_round(pool: Any, load: Load, clients: int, workers: int, seed: int, warm
     total = Tally()
     for tally in results:
         total.merge(tally)
-    return total, (cpu[1] - cpu[0] if len(cpu) == 2 else None)
+    if len(marks) != 2:
+        return total, None, None
+    (cpu0, counts0), (cpu1, counts1) = marks
+    engine = None if counts0 is None or counts1 is None else {k: counts1[k] - counts0[k] for k in counts0}
+    return total, cpu1 - cpu0, engine
+
+
+ENGINE_COUNTERS = {"vllm:iteration_tokens_total_count": "steps", "vllm:generation_tokens_total": "generated_tokens"}
+
+
+def engine_counts(url: str) -> dict[str, float] | None:
+    """The engine's steps and generated tokens so far, from vLLM's own ``/metrics`` (summed over its engines): how
+    many output messages the API server had to take per request, which its CPU per request follows (a step's
+    outputs reach it as one message). None where /metrics does not answer."""
+    try:
+        text = httpx.get(f"{url}/metrics", timeout=10).text
+    except httpx.HTTPError:
+        return None
+    return parse_engine_counts(text)
+
+
+def parse_engine_counts(text: str) -> dict[str, float]:
+    """``ENGINE_COUNTERS`` from a Prometheus exposition, each summed over its labels."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    counts = dict.fromkeys(ENGINE_COUNTERS.values(), 0.0)
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name in ENGINE_COUNTERS:
+                counts[ENGINE_COUNTERS[sample.name]] += sample.value
+    return counts
 
 
 def _cpu_s(pid: int) -> float:
@@ -229,6 +264,16 @@ def _cpu_s(pid: int) -> float:
 
 def median(values: Sequence[float]) -> float | None:
     return statistics.median(values) if values else None
+
+
+def _steps_per_request(run: dict[str, Any]) -> float | None:
+    engine = run.get("engine")
+    return engine["steps"] / run["completed"] if engine and run["completed"] else None
+
+
+def _tokens_per_step(run: dict[str, Any]) -> float | None:
+    engine = run.get("engine")
+    return engine["generated_tokens"] / engine["steps"] if engine and engine["steps"] else None
 
 
 def summarize(rounds: list[dict[str, Any]], seconds: float) -> dict[str, Any]:
@@ -243,6 +288,8 @@ def summarize(rounds: list[dict[str, Any]], seconds: float) -> dict[str, Any]:
             "steered_share": median([r["steered"] / r["completed"] for r in runs if r["completed"]]),
             "api_cpu_ms_per_request_median": median([r["api_cpu_s"] * 1000 / r["completed"] for r in runs
                                                      if r.get("api_cpu_s") is not None and r["completed"]]),
+            "engine_steps_per_request_median": median([x for x in map(_steps_per_request, runs) if x is not None]),
+            "generated_tokens_per_step_median": median([x for x in map(_tokens_per_step, runs) if x is not None]),
         }
     pairs = {"steered_vs_plain": ("steered", "plain"), "plain_vs_vanilla": ("plain", "vanilla"),
              "monitored_vs_plain": ("monitored", "plain")}
@@ -390,18 +437,21 @@ def main(argv: Sequence[str] | None = None) -> int:
             for r in range(args.rounds):
                 order = configs[r % len(configs):] + configs[:r % len(configs)]
                 for config in order:
-                    tally, api_cpu_s = run_round(pool, loads[config], args.clients, args.workers,
-                                                 args.seed + len(rounds), args.warmup, args.seconds, api_server[config])
+                    tally, api_cpu_s, engine = run_round(pool, loads[config], args.clients, args.workers,
+                                                         args.seed + len(rounds), args.warmup, args.seconds,
+                                                         api_server[config])
                     failures.update({f"{config}:{k}": v for k, v in tally.failures.items()})
                     ttft = median(tally.ttft_s)
                     rounds.append({"round": r, "config": config, "completed": tally.completed, "steered": tally.steered,
                                    "ttft_p50_ms": None if ttft is None else ttft * 1000, "api_cpu_s": api_cpu_s,
+                                   "engine": engine,
                                    "client_busy_max": max(tally.busy, default=None),
                                    "failures": dict(tally.failures)})  # fmt: skip
                     per_request = api_cpu_s * 1000 / tally.completed if api_cpu_s is not None and tally.completed else None
                     print(f"throughput: round {r} {config:8s} {tally.completed / args.seconds:8.2f} req/s"
                           f"  TTFT p50 {rounds[-1]['ttft_p50_ms'] or float('nan'):7.1f} ms"
                           f"  API server CPU {per_request or float('nan'):.3f} ms/request"
+                          f"  engine steps {_steps_per_request(rounds[-1]) or float('nan'):.2f}/request"
                           f"  busiest client process {max(tally.busy, default=float('nan')):.0%}"
                           f"  failures {dict(tally.failures) or 0}", flush=True)  # fmt: skip
     result = {"command": sys.argv, "args": {k: str(v) for k, v in vars(args).items()}, "api_core": core, "model": name,

@@ -169,19 +169,6 @@ def by_id(http: httpx.Client) -> dict[str, dict]:
     return {v["id"]: v for v in http.get("/steer/vectors").json()["vectors"]}
 
 
-def vllm_counter(server: VllmServer, name: str) -> float:
-    """One of vLLM's own counters on /metrics, summed over its labels."""
-    from prometheus_client.parser import text_string_to_metric_families
-
-    text = httpx.get(server.url + "/metrics", timeout=30).text
-    return sum(
-        sample.value
-        for family in text_string_to_metric_families(text)
-        for sample in family.samples
-        if sample.name == f"{name}_total"
-    )
-
-
 def sse_events(text: str) -> list[dict]:
     return [json.loads(line[6:]) for line in text.splitlines() if line.startswith("data: ") and line != "data: [DONE]"]
 
@@ -939,6 +926,23 @@ def test_metrics_series(server, http, model, keep):
     while scrape(server)[("hotwire_steered_requests_total", ())] != stats["steered_requests"] + 1:
         assert time.monotonic() < deadline, "the metrics snapshot was not refreshed in the background"
         time.sleep(0.5)
+
+
+def test_the_engine_steps_and_tokens_the_throughput_bench_reads(server, http, model):
+    """``bench_throughput`` divides the engine's steps by the requests served (each step's outputs are one message
+    to the API server); a request of 4 tokens is 4 tokens and, alone, 1 to 4 steps on vLLM's /metrics."""
+    from benchmarks.bench_throughput import engine_counts
+
+    wait_idle(http)
+    before = engine_counts(server.url)
+    assert before is not None and before["steps"] > 0
+    body = completion_body(model, max_tokens=4, ignore_eos=True)
+    assert http.post("/v1/completions", json=body).status_code == 200
+    deadline = time.monotonic() + 10
+    while (after := engine_counts(server.url))["generated_tokens"] != before["generated_tokens"] + 4:
+        assert time.monotonic() < deadline, (before, after)
+        time.sleep(0.2)
+    assert 1 <= after["steps"] - before["steps"] <= 4, (before, after)
 
 
 # -- Python client, CLI, healthcheck ---------------------------------------------------------------------------

@@ -64,3 +64,35 @@ def test_rounds_give_medians_and_ratios_paired_by_round() -> None:
                {"round": 1, "config": "monitored", "completed": 198, "steered": 0, "ttft_p50_ms": 11.0}]
     out = bt.summarize(rounds, seconds=10.0)
     assert out["ratios"]["monitored_vs_plain"]["per_round"] == [98 / 99, 198 / 200]
+
+
+def test_engine_counts_sum_steps_and_tokens_over_engines_and_skip_the_rest() -> None:
+    text = """# HELP vllm:iteration_tokens_total Histogram of number of tokens per engine_step.
+# TYPE vllm:iteration_tokens_total histogram
+vllm:iteration_tokens_total_bucket{engine="0",le="1.0",model_name="m"} 3.0
+vllm:iteration_tokens_total_bucket{engine="0",le="+Inf",model_name="m"} 40.0
+vllm:iteration_tokens_total_count{engine="0",model_name="m"} 40.0
+vllm:iteration_tokens_total_sum{engine="0",model_name="m"} 900.0
+vllm:iteration_tokens_total_count{engine="1",model_name="m"} 2.0
+vllm:iteration_tokens_total_sum{engine="1",model_name="m"} 7.0
+# HELP vllm:generation_tokens_total Number of generation tokens processed.
+# TYPE vllm:generation_tokens_total counter
+vllm:generation_tokens_total{engine="0",model_name="m"} 640.0
+vllm:generation_tokens_total{engine="1",model_name="m"} 6.0
+vllm:prompt_tokens_total{engine="0",model_name="m"} 300.0
+"""
+    assert bt.parse_engine_counts(text) == {"steps": 42.0, "generated_tokens": 646.0}
+    assert bt.parse_engine_counts("") == {"steps": 0.0, "generated_tokens": 0.0}
+
+
+def test_rounds_give_engine_steps_per_request_and_tokens_per_step() -> None:
+    rounds = [
+        {"round": 0, "config": "vanilla", "completed": 100, "steered": 0, "ttft_p50_ms": 10.0,
+         "engine": {"steps": 400.0, "generated_tokens": 3200.0}},
+        {"round": 1, "config": "vanilla", "completed": 50, "steered": 0, "ttft_p50_ms": 10.0,
+         "engine": {"steps": 400.0, "generated_tokens": 1600.0}},
+        {"round": 2, "config": "vanilla", "completed": 50, "steered": 0, "ttft_p50_ms": 10.0, "engine": None},
+    ]
+    figures = bt.summarize(rounds, seconds=10.0)["configs"]["vanilla"]
+    assert figures["engine_steps_per_request_median"] == (4.0 + 8.0) / 2  # the round without /metrics left out
+    assert figures["generated_tokens_per_step_median"] == (8.0 + 4.0) / 2
