@@ -59,6 +59,26 @@ def cpu_ms_per_request(pid: int, url: str, model: str, count: int, concurrency: 
     return cpu_s * 1000 / count, steps
 
 
+def at_equal_steps(rows: list[dict]) -> dict[str, float] | None:
+    """Least squares over ``rows`` (one kind of request, both servers): CPU per request = base + per_step * engine
+    steps per request + hotwire * [the hotwire server]. ``hotwire`` (with its standard error) is what the plugin
+    costs a request at the same batching, which the raw medians mix with how each server's engine happened to batch.
+    None with fewer than four rows that have steps."""
+    import numpy as np
+
+    rows = [row for row in rows if row.get("engine_steps_per_request") is not None]
+    if len(rows) < 4:
+        return None
+    x = np.array([[1.0, row["engine_steps_per_request"], row["server"] == "hotwire"] for row in rows])
+    y = np.array([row["api_cpu_ms_per_request"] for row in rows])
+    coef, *_ = np.linalg.lstsq(x, y, rcond=None)
+    residual = y - x @ coef
+    variance = float(residual @ residual) / (len(rows) - 3)
+    se = np.sqrt(np.diag(variance * np.linalg.pinv(x.T @ x)))
+    return {"base_ms": float(coef[0]), "per_step_ms": float(coef[1]), "hotwire_ms": float(coef[2]),
+            "hotwire_se_ms": float(se[2])}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rounds", type=int, default=3)
@@ -95,11 +115,18 @@ def main() -> None:
                                                     if f"{row['kind']}/{row['server']}" == key
                                                     and row["engine_steps_per_request"] is not None]) else None
              for key in medians}
+    fits = {kind: at_equal_steps([row for row in rows if row["kind"] == kind]) for kind in kinds}
     args.out.write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()}, "rows": rows,
-                                    "medians": medians, "engine_steps_per_request_medians": steps}, indent=1))
+                                    "medians": medians, "engine_steps_per_request_medians": steps,
+                                    "at_equal_steps": fits}, indent=1))
     for key, ms in medians.items():
         print(f"api_cpu: median {key}: {ms:.3f} ms per request, {steps[key] or float('nan'):.2f} engine steps "
               "per request", flush=True)
+    for kind, fit in fits.items():
+        if fit is not None:
+            print(f"api_cpu: {kind}: at equal engine steps hotwire adds {fit['hotwire_ms']:+.3f} ms per request "
+                  f"(standard error {fit['hotwire_se_ms']:.3f}); each step per request costs {fit['per_step_ms']:.3f} ms",
+                  flush=True)
 
 
 if __name__ == "__main__":
