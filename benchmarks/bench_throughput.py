@@ -21,8 +21,10 @@ Any other outcome is a failure, and the run exits 1.
 
 Reported: per configuration the median req/s, TTFT p50 and the API server's CPU time per completed request
 (the server's main process, over the measured window: where a saturated API server spends what steering adds)
-and the engine's steps per completed request and generated tokens per step (vLLM's ``/metrics``: each step's
-outputs reach the API server as one message, so fewer requests per step cost it more CPU per request) over rounds; per round the paired ratios steered / plain and plain / vanilla, and their medians (the figures of the
+and, from vLLM's ``/metrics``, the engine's steps per completed request and generated tokens per step (each step's
+outputs reach the API server as one message, so fewer requests per step cost it more CPU per request), its mean TTFT
+from the engine client's ``add_request`` (the client's TTFT less this: time in the API server before the engine) and
+its mean queue time in the scheduler, over rounds; per round the paired ratios steered / plain and plain / vanilla, and their medians (the figures of the
 targets: ≥ 0.98 and ≥ 0.99; with monitors, monitored / plain, #39's target: ≥ 0.99); per round the busiest client
 process's CPU over its wall time (near 100%: the clients, not the server, were the limit).
 
@@ -231,7 +233,16 @@ def run_round(pool: Any, load: Load, clients: int, workers: int, seed: int, warm
     return total, cpu1 - cpu0, engine
 
 
-ENGINE_COUNTERS = {"vllm:iteration_tokens_total_count": "steps", "vllm:generation_tokens_total": "generated_tokens"}
+ENGINE_COUNTERS = {
+    "vllm:iteration_tokens_total_count": "steps",
+    "vllm:generation_tokens_total": "generated_tokens",
+    # from the engine client's add_request to the first token: the client's TTFT less this is the time a request
+    # spent in the API server before it reached the engine (HTTP, admission, the event loop's queue)
+    "vllm:time_to_first_token_seconds_sum": "engine_ttft_s",
+    "vllm:time_to_first_token_seconds_count": "first_tokens",
+    "vllm:request_queue_time_seconds_sum": "queued_s",  # waiting in the engine's scheduler
+    "vllm:request_queue_time_seconds_count": "queued",
+}
 
 
 def engine_counts(url: str) -> dict[str, float] | None:
@@ -276,6 +287,11 @@ def _tokens_per_step(run: dict[str, Any]) -> float | None:
     return engine["generated_tokens"] / engine["steps"] if engine and engine["steps"] else None
 
 
+def _mean_ms(run: dict[str, Any], total: str, count: str) -> float | None:
+    engine = run.get("engine")
+    return engine[total] * 1000 / engine[count] if engine and engine.get(count) else None
+
+
 def summarize(rounds: list[dict[str, Any]], seconds: float) -> dict[str, Any]:
     """Per configuration the median req/s and TTFT p50; per round and overall the paired ratios."""
     by_config = {c: [r for r in rounds if r["config"] == c] for c in CONFIGS if any(r["config"] == c for r in rounds)}
@@ -290,6 +306,9 @@ def summarize(rounds: list[dict[str, Any]], seconds: float) -> dict[str, Any]:
                                                      if r.get("api_cpu_s") is not None and r["completed"]]),
             "engine_steps_per_request_median": median([x for x in map(_steps_per_request, runs) if x is not None]),
             "generated_tokens_per_step_median": median([x for x in map(_tokens_per_step, runs) if x is not None]),
+            "engine_ttft_ms_median": median([x for r in runs if (x := _mean_ms(r, "engine_ttft_s", "first_tokens"))
+                                             is not None]),
+            "engine_queue_ms_median": median([x for r in runs if (x := _mean_ms(r, "queued_s", "queued")) is not None]),
         }
     pairs = {"steered_vs_plain": ("steered", "plain"), "plain_vs_vanilla": ("plain", "vanilla"),
              "monitored_vs_plain": ("monitored", "plain")}
@@ -452,6 +471,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                           f"  TTFT p50 {rounds[-1]['ttft_p50_ms'] or float('nan'):7.1f} ms"
                           f"  API server CPU {per_request or float('nan'):.3f} ms/request"
                           f"  engine steps {_steps_per_request(rounds[-1]) or float('nan'):.2f}/request"
+                          f"  engine TTFT {_mean_ms(rounds[-1], 'engine_ttft_s', 'first_tokens') or float('nan'):.1f} ms"
+                          f" (queued {_mean_ms(rounds[-1], 'queued_s', 'queued') or float('nan'):.1f})"
                           f"  busiest client process {max(tally.busy, default=float('nan')):.0%}"
                           f"  failures {dict(tally.failures) or 0}", flush=True)  # fmt: skip
     result = {"command": sys.argv, "args": {k: str(v) for k, v in vars(args).items()}, "api_core": core, "model": name,

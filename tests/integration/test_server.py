@@ -930,12 +930,13 @@ def test_metrics_series(server, http, model, keep):
 
 def test_the_engine_steps_and_tokens_the_throughput_bench_reads(server, http, model):
     """``bench_throughput`` divides the engine's steps by the requests served (each step's outputs are one message
-    to the API server); a request of 4 tokens is 4 tokens and, alone, 1 to 4 steps on vLLM's /metrics."""
+    to the API server) and reads the engine's TTFT and queue time: a request of 4 tokens is 4 tokens, alone 1 to 4
+    steps, one first token and one queued request on vLLM's /metrics."""
     from benchmarks.bench_throughput import engine_counts
 
     wait_idle(http)
     before = engine_counts(server.url)
-    assert before is not None and before["steps"] > 0
+    assert before is not None
     body = completion_body(model, max_tokens=4, ignore_eos=True)
     assert http.post("/v1/completions", json=body).status_code == 200
     deadline = time.monotonic() + 10
@@ -943,6 +944,8 @@ def test_the_engine_steps_and_tokens_the_throughput_bench_reads(server, http, mo
         assert time.monotonic() < deadline, (before, after)
         time.sleep(0.2)
     assert 1 <= after["steps"] - before["steps"] <= 4, (before, after)
+    assert after["first_tokens"] == before["first_tokens"] + 1 and after["engine_ttft_s"] > before["engine_ttft_s"]
+    assert after["queued"] == before["queued"] + 1
 
 
 # -- Python client, CLI, healthcheck ---------------------------------------------------------------------------

@@ -80,19 +80,32 @@ vllm:iteration_tokens_total_sum{engine="1",model_name="m"} 7.0
 vllm:generation_tokens_total{engine="0",model_name="m"} 640.0
 vllm:generation_tokens_total{engine="1",model_name="m"} 6.0
 vllm:prompt_tokens_total{engine="0",model_name="m"} 300.0
+# HELP vllm:time_to_first_token_seconds Histogram of time to first token in seconds.
+# TYPE vllm:time_to_first_token_seconds histogram
+vllm:time_to_first_token_seconds_count{engine="0",model_name="m"} 20.0
+vllm:time_to_first_token_seconds_sum{engine="0",model_name="m"} 1.5
+# HELP vllm:request_queue_time_seconds Histogram of time spent in WAITING phase for request.
+# TYPE vllm:request_queue_time_seconds histogram
+vllm:request_queue_time_seconds_count{engine="0",model_name="m"} 20.0
+vllm:request_queue_time_seconds_sum{engine="0",model_name="m"} 0.25
 """
-    assert bt.parse_engine_counts(text) == {"steps": 42.0, "generated_tokens": 646.0}
-    assert bt.parse_engine_counts("") == {"steps": 0.0, "generated_tokens": 0.0}
+    assert bt.parse_engine_counts(text) == {"steps": 42.0, "generated_tokens": 646.0, "engine_ttft_s": 1.5,
+                                            "first_tokens": 20.0, "queued_s": 0.25, "queued": 20.0}
+    assert set(bt.parse_engine_counts("").values()) == {0.0}
 
 
 def test_rounds_give_engine_steps_per_request_and_tokens_per_step() -> None:
     rounds = [
         {"round": 0, "config": "vanilla", "completed": 100, "steered": 0, "ttft_p50_ms": 10.0,
-         "engine": {"steps": 400.0, "generated_tokens": 3200.0}},
+         "engine": {"steps": 400.0, "generated_tokens": 3200.0, "engine_ttft_s": 2.0, "first_tokens": 100.0,
+                    "queued_s": 0.5, "queued": 100.0}},
         {"round": 1, "config": "vanilla", "completed": 50, "steered": 0, "ttft_p50_ms": 10.0,
-         "engine": {"steps": 400.0, "generated_tokens": 1600.0}},
+         "engine": {"steps": 400.0, "generated_tokens": 1600.0, "engine_ttft_s": 2.0, "first_tokens": 50.0,
+                    "queued_s": 0.0, "queued": 0.0}},
         {"round": 2, "config": "vanilla", "completed": 50, "steered": 0, "ttft_p50_ms": 10.0, "engine": None},
     ]
     figures = bt.summarize(rounds, seconds=10.0)["configs"]["vanilla"]
     assert figures["engine_steps_per_request_median"] == (4.0 + 8.0) / 2  # the round without /metrics left out
     assert figures["generated_tokens_per_step_median"] == (8.0 + 4.0) / 2
+    assert figures["engine_ttft_ms_median"] == (20.0 + 40.0) / 2
+    assert figures["engine_queue_ms_median"] == 5.0  # a round in which nothing was queued has no figure
