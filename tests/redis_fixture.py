@@ -11,6 +11,7 @@ fixture's own liveness check uses it."""
 from __future__ import annotations
 
 import os
+import random
 import shutil
 import signal
 import socket
@@ -19,7 +20,25 @@ import tempfile
 import time
 from pathlib import Path
 
-from hotwire_api.server_process import free_port
+
+
+def port_below_ephemeral_range() -> int:
+    """A free port below the kernel's ephemeral range. The server is restarted on its port, and while it is down
+    the replicas keep connecting to it: a connection may be given that very port as its own local port (it then
+    connects to itself) and hold it, and the restarted server fails with "Address already in use". No local port
+    is ever taken from below the ephemeral range."""
+    ranges = Path("/proc/sys/net/ipv4/ip_local_port_range")
+    low = int(ranges.read_text().split()[0]) if ranges.exists() else 32768
+    pick = random.Random(os.getpid() ^ time.monotonic_ns())
+    for _ in range(200):
+        port = pick.randrange(max(1024, low - 12000), low)
+        with socket.socket() as sock:
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        return port
+    raise RuntimeError(f"no free port found below {low}")
 
 
 class RedisServer:
@@ -31,8 +50,8 @@ class RedisServer:
         self.exe, self.workdir, self.appendonly, self.password = exe, workdir, appendonly, password
         assert transport in ("tcp", "tls", "unix"), transport
         self.transport = transport
-        self.port = free_port()
-        self.tls_port = free_port() if transport == "tls" else None
+        self.port = port_below_ephemeral_range()
+        self.tls_port = port_below_ephemeral_range() if transport == "tls" else None
         self.proc: subprocess.Popen | None = None
         self.starts = 0
         shm = Path("/dev/shm")
