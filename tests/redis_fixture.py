@@ -23,10 +23,10 @@ from pathlib import Path
 
 
 def port_below_ephemeral_range() -> int:
-    """A free port below the kernel's ephemeral range. The server is restarted on its port, and while it is down
-    the replicas keep connecting to it: a connection may be given that very port as its own local port (it then
-    connects to itself) and hold it, and the restarted server fails with "Address already in use". No local port
-    is ever taken from below the ephemeral range."""
+    """A free port below the kernel's ephemeral range. The server is restarted on its port; while it is down, any
+    outgoing connection on the machine may be given that port as its local port (one from a replica reconnecting
+    to it then connects to itself) and hold it, and the restarted server fails with "Address already in use". Local
+    ports are never taken from below the ephemeral range."""
     ranges = Path("/proc/sys/net/ipv4/ip_local_port_range")
     low = int(ranges.read_text().split()[0]) if ranges.exists() else 32768
     pick = random.Random(os.getpid() ^ time.monotonic_ns())
