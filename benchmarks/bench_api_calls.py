@@ -24,27 +24,12 @@ from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
 
-import httpx
-
+from benchmarks.bench_api_cpu import send
 from benchmarks.bench_throughput import model_facts, register_vectors, servers
 
 PROBE = Path(__file__).parent / "api_calls_probe"
 HOTWIRE_CODE = ("/hotwire_api/", "/hotwire_core/")
 CONFIGS = (("vanilla", False), ("hotwire", False), ("hotwire", True))
-
-
-async def send(url: str, model: str, count: int, max_tokens: int, steer: str | None) -> None:
-    """``count`` streamed completions, one at a time; each must answer 200 and end with ``[DONE]``."""
-    body = {"model": model, "prompt": "The quick brown fox jumps over", "max_tokens": max_tokens, "ignore_eos": True,
-            "temperature": 0, "stream": True}
-    if steer is not None:
-        body["vllm_xargs"] = {"hotwire": steer}
-    async with httpx.AsyncClient(base_url=url, timeout=120) as http:
-        for _ in range(count):
-            async with http.stream("POST", "/v1/completions", json=body) as answer:
-                lines = [line async for line in answer.aiter_lines()]
-            if answer.status_code != 200 or "data: [DONE]" not in lines:
-                raise RuntimeError(f"HTTP {answer.status_code}, stream without [DONE]: {lines[:3]}")
 
 
 def counted(pid: int, out: Path, run: Callable[[], None]) -> Counter:
@@ -98,8 +83,8 @@ def main() -> None:
             url, pid = started[server]
             config = f"{server}/{'steered' if steered else 'plain'}"
             spec = steer if steered else None
-            asyncio.run(send(url, name, 5, args.max_tokens, spec))  # warm: first requests import and cache
-            counts[config] = counted(pid, out, lambda: asyncio.run(send(url, name, args.requests, args.max_tokens, spec)))
+            asyncio.run(send(url, name, 5, 1, args.max_tokens, True, spec))  # warm: first requests import and cache
+            counts[config] = counted(pid, out, lambda: asyncio.run(send(url, name, args.requests, 1, args.max_tokens, True, spec)))
     base = counts["vanilla/plain"]
     for config, calls in counts.items():
         per = args.requests

@@ -26,11 +26,15 @@ import httpx
 from benchmarks.bench_throughput import _cpu_s, engine_counts, model_facts, servers
 
 
-async def send(url: str, model: str, count: int, concurrency: int, max_tokens: int, stream: bool) -> None:
-    """``count`` completions, ``concurrency`` at a time; each must answer 200 (streamed: to ``[DONE]``)."""
+async def send(url: str, model: str, count: int, concurrency: int, max_tokens: int, stream: bool,
+               steer: str | None = None) -> None:
+    """``count`` completions, ``concurrency`` at a time, steered by the spec ``steer`` where given; each must answer
+    200 (streamed: to ``[DONE]``)."""
     gate = asyncio.Semaphore(concurrency)
     body = {"model": model, "prompt": "The quick brown fox jumps over", "max_tokens": max_tokens, "ignore_eos": True,
             "temperature": 0, "stream": stream}
+    if steer is not None:
+        body["vllm_xargs"] = {"hotwire": steer}
     async with httpx.AsyncClient(base_url=url, timeout=120, limits=httpx.Limits(max_connections=concurrency)) as http:
         async def one() -> None:
             async with gate:

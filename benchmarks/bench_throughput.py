@@ -24,9 +24,10 @@ Reported: per configuration the median req/s, TTFT p50 and the API server's CPU 
 and, from vLLM's ``/metrics``, the engine's steps per completed request and generated tokens per step (each step's
 outputs reach the API server as one message, so fewer requests per step cost it more CPU per request), its mean TTFT
 from the engine client's ``add_request`` (the client's TTFT less this: time in the API server before the engine) and
-its mean queue time in the scheduler, over rounds; per round the paired ratios steered / plain and plain / vanilla, and their medians (the figures of the
-targets: ≥ 0.98 and ≥ 0.99; with monitors, monitored / plain, #39's target: ≥ 0.99); per round the busiest client
-process's CPU over its wall time (near 100%: the clients, not the server, were the limit).
+its mean queue time in the scheduler, over rounds; per round the paired ratios steered / plain and plain / vanilla,
+and their medians (the figures of the targets: ≥ 0.98 and ≥ 0.99; with monitors, monitored / plain, #39's target:
+≥ 0.99); per round the busiest client process's CPU over its wall time (near 100%: the clients, not the server, were
+the limit).
 
 Every server's API server runs on one core of its own (``--api-core``, by default the last where there are 8 or
 more), the client processes on the others: only one server is loaded at a time, so each configuration's API server
@@ -209,7 +210,7 @@ def _pin(pid: int, core: int) -> None:
 def run_round(pool: Any, load: Load, clients: int, workers: int, seed: int, warmup: float, seconds: float,
               api_server_pid: int) -> tuple[Tally, float | None, dict[str, float] | None]:
     """The round's tally, the CPU seconds the API server (``api_server_pid``) spent in its measured window, and the
-    engine's steps and generated tokens in that window (``engine_counts``; None where /metrics did not answer)."""
+    engine's ``ENGINE_COUNTERS`` over that window (``engine_counts``; None where /metrics did not answer)."""
     start_at = time.monotonic() + 2.0  # every worker's clients start together
     shares = [clients // workers + (i < clients % workers) for i in range(workers)]
     marks: list[tuple[float, dict[str, float] | None]] = []
@@ -246,9 +247,9 @@ ENGINE_COUNTERS = {
 
 
 def engine_counts(url: str) -> dict[str, float] | None:
-    """The engine's steps and generated tokens so far, from vLLM's own ``/metrics`` (summed over its engines): how
-    many output messages the API server had to take per request, which its CPU per request follows (a step's
-    outputs reach it as one message). None where /metrics does not answer."""
+    """The engine's ``ENGINE_COUNTERS`` so far, from vLLM's own ``/metrics`` (summed over its engines): its steps
+    (a step's outputs reach the API server as one message, which its CPU per request follows), generated tokens,
+    time to first token and queue time. None where /metrics does not answer."""
     try:
         text = httpx.get(f"{url}/metrics", timeout=10).text
     except httpx.HTTPError:
