@@ -24,6 +24,7 @@ from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
 
+from benchmarks.api_profile import where
 from benchmarks.bench_api_cpu import send
 from benchmarks.bench_throughput import model_facts, register_vectors, servers
 
@@ -46,15 +47,6 @@ def counted(pid: int, out: Path, run: Callable[[], None]) -> Counter:
         time.sleep(0.2)
     time.sleep(0.5)  # written whole (one json.dump), but give the writer its close
     return Counter({(path, name): n for path, name, n in json.loads((out / f"{pid}.json").read_text())})
-
-
-def where(path: str) -> str:
-    """A function's file as a reader finds it: from its package on (site-packages), relative to this project, or
-    as Python names it (the standard library's full path, ``<built-in>``, ``<frozen ...>``)."""
-    if "site-packages/" in path:
-        return path.split("site-packages/", 1)[1]
-    project = str(Path(__file__).resolve().parent.parent) + os.sep
-    return path.removeprefix(project)
 
 
 def main() -> None:

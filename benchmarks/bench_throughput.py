@@ -27,14 +27,16 @@ from the engine client's ``add_request`` (the client's TTFT less this: time in t
 its mean queue time in the scheduler, over rounds; per round the paired ratios steered / plain and plain / vanilla,
 and their medians (the figures of the targets: ≥ 0.98 and ≥ 0.99; with monitors, monitored / plain, #39's target:
 ≥ 0.99); per round the busiest client process's CPU over its wall time (near 100%: the clients, not the server, were
-the limit).
+the limit). With ``--profile``, py-spy samples the API server over each measured window (``api_profile.py``), and
+the report adds its sampled CPU per request by function, plain against plugin-free and steered against plain: where
+the extra time goes.
 
 Every server's API server runs on one core of its own (``--api-core``, by default the last where there are 8 or
 more), the client processes on the others: only one server is loaded at a time, so each configuration's API server
 finds the same core, and the engines' and clients' placement cannot favour one of them.
 
     # on the GPU: a small model whose API server saturates first
-    python benchmarks/bench_throughput.py --clients 128 --rounds 4 --out throughput.json
+    python -m benchmarks.bench_throughput --clients 128 --rounds 4 --out throughput.json
 """
 
 from __future__ import annotations
@@ -61,6 +63,8 @@ from typing import Any
 import httpx
 import numpy as np
 import psutil
+
+from benchmarks.api_profile import Recording, compare
 
 CONFIGS = ("vanilla", "plain", "steered", "monitored")
 PROMPTS = ("The quick brown fox jumps over", "Once upon a time in a land far", "The capital of France is",
@@ -208,14 +212,20 @@ def _pin(pid: int, core: int) -> None:
 
 
 def run_round(pool: Any, load: Load, clients: int, workers: int, seed: int, warmup: float, seconds: float,
-              api_server_pid: int) -> tuple[Tally, float | None, dict[str, float] | None]:
-    """The round's tally, the CPU seconds the API server (``api_server_pid``) spent in its measured window, and the
-    engine's ``ENGINE_COUNTERS`` over that window (``engine_counts``; None where /metrics did not answer)."""
+              api_server_pid: int, profile: Path | None = None,
+              core: int | None = None) -> tuple[Tally, float | None, dict[str, float] | None, Counter | None]:
+    """The round's tally, the CPU seconds the API server (``api_server_pid``) spent in its measured window, the
+    engine's ``ENGINE_COUNTERS`` over that window (``engine_counts``; None where /metrics did not answer) and, with
+    ``profile`` (a file for py-spy's output), the API server's stacks sampled over the window (py-spy kept off
+    ``core``, the API server's)."""
     start_at = time.monotonic() + 2.0  # every worker's clients start together
     shares = [clients // workers + (i < clients % workers) for i in range(workers)]
     marks: list[tuple[float, dict[str, float] | None]] = []
+    recordings: list[Recording] = []
 
     def mark() -> None:
+        if profile is not None and not marks:
+            recordings.append(Recording(api_server_pid, seconds, profile, PROFILE_RATE_HZ, core))
         marks.append((_cpu_s(api_server_pid), engine_counts(load.url)))
 
     timers = [threading.Timer(start_at + warmup + at - time.monotonic(), mark) for at in (0.0, seconds)]
@@ -227,12 +237,16 @@ def run_round(pool: Any, load: Load, clients: int, workers: int, seed: int, warm
     total = Tally()
     for tally in results:
         total.merge(tally)
+    stacks = recordings[0].stacks() if recordings else None
     if len(marks) != 2:
-        return total, None, None
+        return total, None, None, stacks
     (cpu0, counts0), (cpu1, counts1) = marks
     engine = None if counts0 is None or counts1 is None else {k: counts1[k] - counts0[k] for k in counts0}
-    return total, cpu1 - cpu0, engine
+    return total, cpu1 - cpu0, engine, stacks
 
+
+PROFILE_RATE_HZ = 250  # py-spy's samples per second: 5,000 in a 20 s window
+PROFILE_PAIRS = (("plain", "vanilla"), ("steered", "plain"), ("monitored", "plain"))
 
 ENGINE_COUNTERS = {
     "vllm:iteration_tokens_total_count": "steps",
@@ -411,6 +425,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                         help="run every server's API server on this core and the clients off it, so that each "
                         "configuration's API server has the same core to itself (default: the last core, where "
                         "there are at least 8; -1: no pinning)")
+    parser.add_argument("--profile", action="store_true",
+                        help="sample each API server's stacks over every measured window with py-spy and report its CPU "
+                        "per request by function, each configuration against its baseline (profile in the report)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path, default=Path("throughput.json"))
     return parser.parse_args(argv)
@@ -428,6 +445,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         extra = ["--dtype", "float32", "--max-model-len", "4096", *extra]
     rounds: list[dict[str, Any]] = []
     failures: Counter = Counter()
+    profiles: dict[str, list[tuple[Counter, int, float | None]]] = {}
     configs = CONFIGS if args.monitors else CONFIGS[:3]
     with servers(args.model, extra, workdir, args.slots, args.monitors) as started:
         urls = {server: url for server, (url, _) in started.items()}
@@ -457,9 +475,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             for r in range(args.rounds):
                 order = configs[r % len(configs):] + configs[:r % len(configs)]
                 for config in order:
-                    tally, api_cpu_s, engine = run_round(pool, loads[config], args.clients, args.workers,
-                                                         args.seed + len(rounds), args.warmup, args.seconds,
-                                                         api_server[config])
+                    samples = workdir / f"profile_round{r}_{config}.txt" if args.profile else None
+                    tally, api_cpu_s, engine, stacks = run_round(pool, loads[config], args.clients, args.workers,
+                                                                 args.seed + len(rounds), args.warmup, args.seconds,
+                                                                 api_server[config], samples, core)
+                    if stacks is not None:
+                        profiles.setdefault(config, []).append((stacks, tally.completed, api_cpu_s))
                     failures.update({f"{config}:{k}": v for k, v in tally.failures.items()})
                     ttft = median(tally.ttft_s)
                     rounds.append({"round": r, "config": config, "completed": tally.completed, "steered": tally.steered,
@@ -479,6 +500,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     result = {"command": sys.argv, "args": {k: str(v) for k, v in vars(args).items()}, "api_core": core, "model": name,
               "hidden": hidden, "n_layers": n_layers, "rounds": rounds, "failures": dict(failures),
               **summarize(rounds, args.seconds)}  # fmt: skip
+    if profiles:
+        result["profile"] = compare(profiles, PROFILE_RATE_HZ, PROFILE_PAIRS)
     with contextlib.suppress(Exception):
         import torch
 
@@ -494,6 +517,14 @@ def main(argv: Sequence[str] | None = None) -> int:
               "ms/request")  # fmt: skip
     for ratio, figures in result["ratios"].items():
         print(f"throughput: {ratio}: median {figures['median']}, per round {figures['per_round']}")
+    for config, figures in result.get("profile", {}).get("configs", {}).items():
+        print(f"profile: {config:8s} {figures['ms_per_request']:.3f} ms of sampled CPU per request, "
+              f"{figures['sampled_of_measured'] or float('nan'):.0%} of the measured CPU")
+    for pair, entry in result.get("profile", {}).get("differences", {}).items():
+        print(f"profile: {pair}: {entry['ms_per_request']:+.3f} ms of sampled CPU per request; most apart:")
+        for kind in ("inclusive", "self"):
+            for row in entry[kind][:10]:
+                print(f"profile:   {kind:9s} {row['difference']:+.3f} ms  {row['function']}")
     print(f"throughput: failures {dict(failures) or 0}; report {args.out}")
     return 1 if failures else 0
 

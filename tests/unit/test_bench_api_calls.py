@@ -9,7 +9,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-from benchmarks.bench_api_calls import PROBE, where
+from benchmarks.api_profile import where
+from benchmarks.bench_api_calls import PROBE
 
 _CHILD = """
 import os, signal, time

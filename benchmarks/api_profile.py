@@ -1,0 +1,134 @@
+"""Where a saturated API server spends its CPU, by function: py-spy samples the server's Python threads over a
+measured window (``bench_throughput.py --profile``), and the samples become milliseconds of CPU per completed request,
+so that two configurations (plugin-free vLLM and hotwire; plain and steered) compare function by function.
+
+py-spy reads the process from outside (no code in the server, no slowdown of its own beyond the reads) and by
+default counts only threads that are running, not waiting: a sample is CPU time. ``--function`` folds a function's
+lines into one frame.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from collections import Counter
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+
+__all__ = ["Recording", "compare", "parse_raw", "per_function", "py_spy", "where"]
+
+Stack = tuple[str, ...]  # outermost frame first, each "function (file)"
+
+
+def py_spy() -> str:
+    """The py-spy executable: beside this Python's, else on PATH."""
+    beside = Path(sys.executable).with_name("py-spy")
+    found = str(beside) if beside.exists() else shutil.which("py-spy")
+    if found is None:
+        raise RuntimeError("profiling needs py-spy: pip install -r requirements/test.txt (or pip install py-spy)")
+    return found
+
+
+class Recording:
+    """``py-spy record`` of process ``pid`` for ``seconds`` at ``rate`` samples per second into ``out``, started now
+    (off ``core``, the API server's, where given); :meth:`stacks` waits for it and reads the samples."""
+
+    def __init__(self, pid: int, seconds: float, out: Path, rate: int = 250, core: int | None = None):
+        self.out, self.rate = out, rate
+        command = [py_spy(), "record", "--pid", str(pid), "--duration", str(max(1, round(seconds))), "--rate", str(rate),
+                   "--format", "raw", "--function", "--nonblocking", "--output", str(out)]  # fmt: skip
+        self._proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        if core is not None:
+            os.sched_setaffinity(self._proc.pid, [c for c in os.sched_getaffinity(0) if c != core] or [core])
+
+    def stacks(self, timeout: float = 60.0) -> Counter[Stack]:
+        output, _ = self._proc.communicate(timeout=timeout)
+        if self._proc.returncode != 0 or not self.out.exists():
+            raise RuntimeError(f"py-spy exited {self._proc.returncode}: {output.strip()[-500:]}")
+        return parse_raw(self.out.read_text())
+
+
+def parse_raw(text: str) -> Counter[Stack]:
+    """py-spy's ``--format raw`` (one line per stack: frames joined by ``;``, outermost first, then a space and the
+    count) as counts by stack."""
+    stacks: Counter[Stack] = Counter()
+    for line in text.splitlines():
+        frames, _, count = line.rpartition(" ")
+        if frames and count.isdigit():
+            stacks[tuple(_short(frame) for frame in frames.split(";"))] += int(count)
+    return stacks
+
+
+def _short(frame: str) -> str:
+    """``function (path:line)`` as ``function (path as where() gives it)``: the line (the function's first) is
+    left out, and the path is the same on every machine."""
+    name, _, place = frame.partition(" (")
+    return f"{name} ({where(place.rstrip(')').rsplit(':', 1)[0])})"
+
+
+def where(path: str) -> str:
+    """A function's file as a reader finds it: from its package on (site-packages), relative to this project, or
+    as Python names it (the standard library's full path, ``<built-in>``, ``<frozen ...>``)."""
+    if "site-packages/" in path:
+        return path.split("site-packages/", 1)[1]
+    project = str(Path(__file__).resolve().parent.parent) + os.sep
+    return path.removeprefix(project)
+
+
+def per_function(stacks: Mapping[Stack, int]) -> tuple[Counter[str], Counter[str]]:
+    """Samples by function: ``self`` (the function was the innermost frame) and ``inclusive`` (it was anywhere on
+    the stack; a recursive function counts once per sample)."""
+    own: Counter[str] = Counter()
+    inclusive: Counter[str] = Counter()
+    for stack, count in stacks.items():
+        own[stack[-1]] += count
+        for function in set(stack):
+            inclusive[function] += count
+    return own, inclusive
+
+
+def compare(runs: Mapping[str, Iterable[tuple[Counter[Stack], int, float | None]]], rate: int,
+            pairs: Iterable[tuple[str, str]], top: int = 25) -> dict:
+    """Per configuration (``runs``: its rounds' samples, completed requests and the API server's CPU seconds measured
+    over the same window, None where unknown) the sampled CPU in ms per completed request, in all and by function,
+    and how much of the measured CPU the samples account for (py-spy misses what it cannot sample in time: near 1
+    the figures hold); for each (configuration, baseline) pair the functions whose ms per request differ most, self
+    and inclusive. The inclusive list leaves out the frames under nearly every sample (the event loop, the server's
+    entry point): they differ by the total."""
+    figures: dict[str, dict] = {}
+    for config, rounds in runs.items():
+        total: Counter[Stack] = Counter()
+        completed, measured_s = 0, 0.0
+        for stacks, done, cpu_s in rounds:
+            total.update(stacks)
+            completed += done
+            measured_s = measured_s + cpu_s if cpu_s is not None and measured_s is not None else None
+        own, inclusive = per_function(total)
+        scale = 1000.0 / rate / max(completed, 1)
+        samples = sum(total.values())
+        figures[config] = {"completed": completed, "samples": samples, "ms_per_request": samples * scale,
+                           "sampled_of_measured": samples / rate / measured_s if measured_s else None,
+                           "self": {f: n * scale for f, n in own.items()},
+                           "inclusive": {f: n * scale for f, n in inclusive.items()}}  # fmt: skip
+    differences = {}
+    for config, base in pairs:
+        if config not in figures or base not in figures:
+            continue
+        entry = {"ms_per_request": figures[config]["ms_per_request"] - figures[base]["ms_per_request"]}
+        for kind in ("self", "inclusive"):
+            ours, theirs = figures[config][kind], figures[base][kind]
+            functions = set(ours) | set(theirs)
+            if kind == "inclusive":
+                functions = {f for f in functions if ours.get(f, 0.0) < 0.9 * figures[config]["ms_per_request"]
+                             and theirs.get(f, 0.0) < 0.9 * figures[base]["ms_per_request"]}  # fmt: skip
+            ranked = sorted(functions, key=lambda f: -abs(ours.get(f, 0.0) - theirs.get(f, 0.0)))
+            entry[kind] = [{"function": f, config: ours.get(f, 0.0), base: theirs.get(f, 0.0),
+                            "difference": ours.get(f, 0.0) - theirs.get(f, 0.0)} for f in ranked[:top]]  # fmt: skip
+        differences[f"{config}-{base}"] = entry
+    for config in figures:  # the full tables are for the JSON reader; keep the top of each
+        for kind in ("self", "inclusive"):
+            table = figures[config][kind]
+            figures[config][kind] = dict(sorted(table.items(), key=lambda item: -item[1])[: top * 4])
+    return {"rate_hz": rate, "configs": figures, "differences": differences}
