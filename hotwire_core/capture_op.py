@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import torch
 
+from . import ops
 from .ops import GATE, define_op
 
 OP_NAME = "capture_"
@@ -49,7 +50,7 @@ def _capture_cuda(target: torch.Tensor, other: torch.Tensor | None, token_cap: t
     if GATE.open and _ACC is not None:
         from hotwire_core.triton_capture import capture_triton_
 
-        capture_triton_(target, other, token_cap, _ACC, layer)
+        capture_triton_(target, other, token_cap, _ACC, layer, pdl=ops.PDL)
 
 
 def register_capture_op() -> None:

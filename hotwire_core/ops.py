@@ -53,11 +53,12 @@ class Gate:
 
 GATE = Gate()
 
-# Launch the CUDA kernel as a programmatic dependent launch (set once per worker: HOTWIRE_PDL on an NVIDIA GPU of
-# compute capability 9.0 or later). The kernel then starts while the layer's last kernel drains and waits for it
-# on the device, instead of paying the launch gap between two dependent graph nodes (benchmarks/bench_op_graph.py).
-# It reads token_cfg and layer_on before that wait: they must only ever be written by copies issued before the
-# forward, never by a kernel inside it.
+# Launch the CUDA kernels (steer_, read_, capture_) as programmatic dependent launches (set once per worker:
+# HOTWIRE_PDL on an NVIDIA GPU of compute capability 9.0 or later). A kernel then starts while the one before it
+# drains and waits for it on the device, instead of paying the launch gap between two dependent graph nodes
+# (benchmarks/bench_op_graph.py). They read token_cfg and layer_on (read_: token_read, read_slot; capture_:
+# token_cap) before that wait: those must only ever be written by copies issued before the forward, never by a
+# kernel inside it.
 PDL = False
 
 

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import torch
 
+from . import ops
 from .ops import (GATE, GATE_BELOW, GATE_COSINE, GATE_FIRST, GATE_FLAGS, GATE_LATCH, GATE_LAYER, GATE_PROBE,
                   GATE_PROMPT, GATE_PROMPT_LEN, define_op)
 
@@ -88,7 +89,7 @@ def _read_cuda(target: torch.Tensor, other: torch.Tensor | None, token_read: tor
     if GATE.open and _OUT is not None:
         from hotwire_core.triton_readout import read_triton_
 
-        read_triton_(target, other, token_read, read_slot, bank, _OUT, layer, *gates)
+        read_triton_(target, other, token_read, read_slot, bank, _OUT, layer, *gates, pdl=ops.PDL)
 
 
 def register_readout_op() -> None:

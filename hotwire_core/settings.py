@@ -57,7 +57,7 @@ class Settings:
     layers: frozenset[int] | None = setting(Layers("HOTWIRE_LAYERS",
                                                    doc="the only layers hooked (unset: all); fewer, cheaper steps"))
     pdl: bool = setting(Flag("HOTWIRE_PDL", default=True,
-                             doc="programmatic dependent launch of the op's kernel where the GPU has it (ops.PDL)"))
+                             doc="programmatic dependent launch of hotwire's kernels where the GPU has it (ops.PDL)"))
     retain_s: int = setting(RETAIN_S)
     max_rows: int | None = setting(Int("HOTWIRE_MAX_ROWS", lo=1, hi=1 << 16,
                                        doc="bank rows one request may pin (unset: see rows_per_request)"))

@@ -1,7 +1,8 @@
 """Triton kernel behind the CUDA implementation of ``torch.ops.hotwire.capture_`` (``hotwire_core.capture_op``).
 
 One program per token: a token without a capture row returns after one int32 load, so a step in which nobody
-captures (but something is steered: the gate is open) pays about what ``steer_`` pays at a switched-off layer. A
+captures (but something is steered: the gate is open) pays about what ``steer_`` pays at a switched-off layer.
+Launched, like ``steer_``, as a programmatic dependent launch where the GPU has it (``ops.PDL``). A
 captured token adds its stream row (``target + other``, in float32) into its accumulator row with atomic adds:
 ``mean`` captures sum many tokens into one row, in an order the GPU picks. The launcher reads only shapes and
 strides, so it is safe to capture in a CUDA graph once compiled. Imported on the op's first CUDA call.
@@ -12,15 +13,20 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_wait
 
 MAX_BLOCK_H = 4096
 
 
 @triton.jit
 def _capture_kernel(target_ptr, other_ptr, token_cap_ptr, acc_ptr, layer, target_stride, other_stride, acc_layer_stride,
-                    H: tl.constexpr, HAS_OTHER: tl.constexpr, BLOCK_H: tl.constexpr):
+                    H: tl.constexpr, HAS_OTHER: tl.constexpr, BLOCK_H: tl.constexpr, PDL: tl.constexpr):
     token = tl.program_id(0).to(tl.int64)
-    row = tl.load(token_cap_ptr + token).to(tl.int64)
+    row = tl.load(token_cap_ptr + token).to(tl.int64)  # written only by copies issued before the forward
+    if PDL:
+        # A programmatic dependent of the kernel that wrote the stream: wait for it before reading the stream or
+        # returning (the kernels after this one must see its writes too).
+        gdc_wait()
     if row == 0:
         return
     offs = tl.arange(0, BLOCK_H)
@@ -35,8 +41,9 @@ def _capture_kernel(target_ptr, other_ptr, token_cap_ptr, acc_ptr, layer, target
 
 
 def capture_triton_(target: torch.Tensor, other: torch.Tensor | None, token_cap: torch.Tensor, acc: torch.Tensor,
-                    layer: int) -> None:
-    """``acc[layer, token_cap[t]] += target[t] (+ other[t])`` for every token with a non-zero row."""
+                    layer: int, pdl: bool = False) -> None:
+    """``acc[layer, token_cap[t]] += target[t] (+ other[t])`` for every token with a non-zero row. ``pdl``: launch as
+    a programmatic dependent launch (Hopper and later)."""
     n_tokens, hidden_size = target.shape
     if n_tokens == 0:
         return
@@ -47,5 +54,6 @@ def capture_triton_(target: torch.Tensor, other: torch.Tensor | None, token_cap:
     src = target if other is None else other  # any valid pointer; HAS_OTHER=False never reads it
     _capture_kernel[(n_tokens,)](
         target, src, token_cap, acc, layer, target.stride(0), src.stride(0), acc.stride(0),
-        H=hidden_size, HAS_OTHER=other is not None, BLOCK_H=block_h, num_warps=min(8, max(1, block_h // 256)),
+        H=hidden_size, HAS_OTHER=other is not None, BLOCK_H=block_h, PDL=pdl, num_warps=min(8, max(1, block_h // 256)),
+        launch_pdl=pdl,
     )

@@ -1,10 +1,11 @@
 """Triton kernel behind the CUDA implementation of ``torch.ops.hotwire.read_`` (``hotwire_core.readout_op``).
 
-One program per token: a token without a readout row returns after one int32 load, so a step in which nobody
-reads (but something is steered: the gate is open) pays about what ``steer_`` pays at a switched-off layer; a token
-whose row has no probe at this layer returns after loading its K slots. A read token loads its stream row
-(``target + other``, in float32) block by block, accumulates its dot product with each of its row's ``K`` probes
-and its squared norm, and writes ``K + 1`` floats. The launcher reads only shapes and
+One program per token: a token without a readout row, or whose row has no probe at this layer, returns after
+loading its row and K slots, so a step in which nobody reads (but something is steered: the gate is open) pays about
+what ``steer_`` pays at a switched-off layer. Launched, like ``steer_``, as a programmatic dependent launch where
+the GPU has it (``ops.PDL``): it starts while the kernel before it drains and loads its row and slots meanwhile. A
+read token loads its stream row (``target + other``, in float32) block by block, accumulates its dot product with
+each of its row's ``K`` probes and its squared norm, and writes ``K + 1`` floats. The launcher reads only shapes and
 strides, so it is safe to capture in a CUDA graph once compiled. Imported on the op's first CUDA call.
 """
 
@@ -13,6 +14,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_wait
 
 MAX_BLOCK_H = 1024
 
@@ -21,15 +23,19 @@ MAX_BLOCK_H = 1024
 def _read_kernel(target_ptr, other_ptr, token_read_ptr, read_slot_ptr, bank_ptr, out_ptr, token_pos_ptr, token_hit_ptr,
                  gate_row_ptr, gate_f_ptr, layer, target_stride, other_stride, slot_row_stride, out_layer_stride,
                  gate_row_stride, gate_f_stride, H: tl.constexpr, K: tl.constexpr, K_POW2: tl.constexpr,
-                 HAS_OTHER: tl.constexpr, HAS_GATES: tl.constexpr, BLOCK_H: tl.constexpr):
+                 HAS_OTHER: tl.constexpr, HAS_GATES: tl.constexpr, BLOCK_H: tl.constexpr, PDL: tl.constexpr):
     token = tl.program_id(0).to(tl.int64)
+    # token_read and read_slot are written only by copies issued before the forward: safe to load before the wait.
     row = tl.load(token_read_ptr + token).to(tl.int64)
-    if row == 0:
-        return
     ks = tl.arange(0, K_POW2)
     kmask = ks < K
-    slots = tl.load(read_slot_ptr + row * slot_row_stride + layer * K + ks, mask=kmask, other=0).to(tl.int64)
-    if tl.max(slots, axis=0) == 0:  # no probe of this row at this layer (its condition's layer has its probe)
+    slots = tl.load(read_slot_ptr + row * slot_row_stride + layer * K + ks, mask=kmask & (row != 0),
+                    other=0).to(tl.int64)
+    if PDL:
+        # A programmatic dependent of the kernel that wrote the stream: wait for it before reading the stream, the
+        # gate rows or returning (the kernels after this one must see its writes too).
+        gdc_wait()
+    if tl.max(slots, axis=0) == 0:  # no readout row, or none of its probes at this layer (its condition's has one)
         return
     offs = tl.arange(0, BLOCK_H)
     dots = tl.zeros([K_POW2], dtype=tl.float32)
@@ -69,9 +75,9 @@ def _read_kernel(target_ptr, other_ptr, token_read_ptr, read_slot_ptr, bank_ptr,
 def read_triton_(target: torch.Tensor, other: torch.Tensor | None, token_read: torch.Tensor, read_slot: torch.Tensor,
                  bank: torch.Tensor, out: torch.Tensor, layer: int, token_pos: torch.Tensor | None = None,
                  token_hit: torch.Tensor | None = None, gate_row: torch.Tensor | None = None,
-                 gate_f: torch.Tensor | None = None) -> None:
+                 gate_f: torch.Tensor | None = None, pdl: bool = False) -> None:
     """``out[layer, t] = (stream[t] . bank[read_slot[token_read[t], layer, k]] for k, |stream[t]|)`` for every token
-    with a non-zero readout row."""
+    with a non-zero readout row. ``pdl``: launch as a programmatic dependent launch (Hopper and later)."""
     n_tokens, hidden_size = target.shape
     if n_tokens == 0:
         return
@@ -90,5 +96,6 @@ def read_triton_(target: torch.Tensor, other: torch.Tensor | None, token_read: t
         target, src, token_read, read_slot, bank, out, token_pos, token_hit, gate_row, gate_f, layer, target.stride(0),
         src.stride(0), read_slot.stride(0), out.stride(0), gate_row.stride(0) if gates else 0,
         gate_f.stride(0) if gates else 0, H=hidden_size, K=k, K_POW2=triton.next_power_of_2(k),
-        HAS_OTHER=other is not None, HAS_GATES=gates, BLOCK_H=block_h, num_warps=min(8, max(1, block_h // 256)),
+        HAS_OTHER=other is not None, HAS_GATES=gates, BLOCK_H=block_h, PDL=pdl,
+        num_warps=min(8, max(1, block_h // 256)), launch_pdl=pdl,
     )

@@ -98,7 +98,7 @@ def _attach(worker: Any) -> None:
     GATE.split = _idle_graphs_possible(worker.vllm_config) and bool(layers)
     ops.PDL = pdl_possible(device)
     if layers and settings().impl == "op" and device.type == "cuda":
-        logger.info("hotwire: steering kernel launched %s", "as a programmatic dependent launch" if ops.PDL else "plainly")
+        logger.info("hotwire: kernels launched %s", "as programmatic dependent launches" if ops.PDL else "plainly")
 
 
 def unsupported_setup(vllm_config: Any) -> str | None:

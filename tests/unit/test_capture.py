@@ -158,10 +158,11 @@ def test_capture_op_adds_only_rows_with_a_capture(n):
 # -- the CUDA kernel: in Triton's interpreter on the CPU, compiled on a GPU --------------------------------------
 
 
-def check_triton_against_torch(device: str) -> None:
+def check_triton_against_torch(device: str, pdl: bool = False) -> None:
     """``capture_triton_`` adds what ``capture_torch`` adds: with and without a partner, bf16 and float32 streams,
     several tokens into one row (a ``mean`` capture), and a hidden size spanning several blocks. On ``cpu`` it runs
-    in Triton's interpreter (the caller sets ``TRITON_INTERPRET``); on ``cuda`` compiled."""
+    in Triton's interpreter (the caller sets ``TRITON_INTERPRET``); on ``cuda`` compiled (``pdl``: as a programmatic
+    dependent launch)."""
     from hotwire_core import triton_capture
 
     g = torch.Generator().manual_seed(0)
@@ -180,7 +181,7 @@ def check_triton_against_torch(device: str) -> None:
             capture_torch(target, other, cap, want, 1)
             want[:, 0] = 0  # row 0 is never read: the kernel skips its tokens
             triton_capture.capture_triton_(target.to(device), None if other is None else other.to(device),
-                                           cap.to(device), got, 1)
+                                           cap.to(device), got, 1, pdl=pdl)
             got = got.cpu()
             torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
             assert got[1, 2].abs().sum() > 0
@@ -231,22 +232,26 @@ def test_the_cpu_kernel_adds_the_captured_tokens_only():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_triton_kernel_on_the_gpu_and_under_graph_replay() -> None:
+@pytest.mark.parametrize("pdl", [False, True])
+def test_triton_kernel_on_the_gpu_and_under_graph_replay(pdl: bool) -> None:
     """The kernel compiled for the GPU adds what the torch kernel adds, at a model's width, and a captured CUDA graph
-    replays it on the buffers' contents at replay time (new streams, new rows), not those of capture."""
+    replays it on the buffers' contents at replay time (new streams, new rows), not those of capture; launched
+    plainly and as a programmatic dependent launch."""
     from hotwire_core import triton_capture
 
-    check_triton_against_torch("cuda")
+    if pdl and torch.cuda.get_device_capability() < (9, 0):
+        pytest.skip("programmatic dependent launch needs compute capability 9.0")
+    check_triton_against_torch("cuda", pdl=pdl)
     g = torch.Generator().manual_seed(1)
     n, hidden = 64, 2560
     target = torch.zeros(n, hidden, dtype=torch.bfloat16, device="cuda")
     other = torch.zeros_like(target)
     cap = torch.zeros(MAX_TOKENS * 4, dtype=torch.int32, device="cuda")
     acc = torch.zeros(N_LAYERS, 3, hidden, device="cuda")
-    triton_capture.capture_triton_(target, other, cap, acc, 1)  # compiles before capture
+    triton_capture.capture_triton_(target, other, cap, acc, 1, pdl=pdl)  # compiles before capture
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        triton_capture.capture_triton_(target, other, cap, acc, 1)
+        triton_capture.capture_triton_(target, other, cap, acc, 1, pdl=pdl)
     t, o = torch.randn(n, hidden, generator=g).bfloat16(), torch.randn(n, hidden, generator=g).bfloat16()
     rows = torch.zeros(MAX_TOKENS * 4, dtype=torch.int32)
     rows[:n] = torch.randint(0, 3, (n,), generator=g, dtype=torch.int32)

@@ -133,8 +133,9 @@ def make_case(seed: int = 0):
     return stream, tensors, reference
 
 
-def run_ops(stream, t, device: str, triton: bool):
-    """read_ at the condition's layer, then steer_ at the steered one; returns (steered stream, hit, first, out)."""
+def run_ops(stream, t, device: str, triton: bool, pdl: bool = False):
+    """read_ at the condition's layer, then steer_ at the steered one (``pdl``: each launched as a programmatic
+    dependent of the kernel before it); returns (steered stream, hit, first, out)."""
     t = {k: v.to(device) for k, v in t.items()}
     stream = stream.to(device)
     out = torch.zeros(N_LAYERS, MAX_TOKENS, K_READ + 1, device=device)
@@ -146,8 +147,8 @@ def run_ops(stream, t, device: str, triton: bool):
         from hotwire_core.triton_readout import read_triton_
         from hotwire_core.triton_steer import steer_triton_
 
-        read_triton_(stream, None, t["token_read"], t["read_slot"], t["bank"], out, COND_LAYER, *gates_read)
-        steer_triton_(stream, None, *steer_args, *gates_steer)
+        read_triton_(stream, None, t["token_read"], t["read_slot"], t["bank"], out, COND_LAYER, *gates_read, pdl=pdl)
+        steer_triton_(stream, None, *steer_args, *gates_steer, pdl=pdl)
     else:
         saved = readout_op._OUT
         readout_op.set_output(out)
@@ -159,10 +160,10 @@ def run_ops(stream, t, device: str, triton: bool):
     return stream.cpu(), t["token_hit"].cpu(), t["gate_row"][:, 3].cpu(), out.cpu()
 
 
-def check_ops(device: str, triton: bool) -> None:
+def check_ops(device: str, triton: bool, pdl: bool = False) -> None:
     stream, tensors, ref = make_case()
     plain_before = stream[11:13].clone()
-    steered, hit, first, out = run_ops(stream.clone(), tensors, device, triton)
+    steered, hit, first, out = run_ops(stream.clone(), tensors, device, triton, pdl)
     assert ref["held_a"].any() and not ref["held_a"].all(), "the case must let some tokens through and stop others"
     assert ref["first_b"] == 11, "the latch must fire inside the step, after its first token"
     assert hit[:5].tolist() == ref["held_a"].astype(int).tolist()
@@ -196,8 +197,11 @@ def test_the_triton_kernels_gate_as_the_reference_in_the_interpreter():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_the_triton_kernels_gate_as_the_reference_on_a_gpu():
-    check_ops("cuda", triton=True)
+@pytest.mark.parametrize("pdl", [False, True])
+def test_the_triton_kernels_gate_as_the_reference_on_a_gpu(pdl: bool):
+    if pdl and torch.cuda.get_device_capability() < (9, 0):
+        pytest.skip("programmatic dependent launch needs compute capability 9.0")
+    check_ops("cuda", triton=True, pdl=pdl)
 
 
 # -- the receipt ------------------------------------------------------------------------------------------------

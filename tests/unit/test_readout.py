@@ -90,9 +90,10 @@ def test_the_cpu_kernel_writes_the_read_tokens_only():
         readout_op.set_output(saved)
 
 
-def check_triton_against_torch(device: str) -> None:
+def check_triton_against_torch(device: str, pdl: bool = False) -> None:
     """``read_triton_`` writes what ``read_torch`` computes for read tokens and leaves the others: with and without a
-    partner, bf16 and float32 streams, a hidden size spanning several blocks, and K not a power of two."""
+    partner, bf16 and float32 streams, a hidden size spanning several blocks, and K not a power of two. ``pdl``:
+    launched as a programmatic dependent launch (CUDA, compute capability 9.0+)."""
     from hotwire_core import triton_readout
 
     g = torch.Generator().manual_seed(1)
@@ -118,7 +119,8 @@ def check_triton_against_torch(device: str) -> None:
             got = torch.full((N_LAYERS, MAX_TOKENS, K + 1), -7.0, device=device)
             for layer in (1, 2):
                 triton_readout.read_triton_(target.to(device), None if other is None else other.to(device),
-                                            rows.to(device), read_slot.to(device), bank.to(device), got, layer)
+                                            rows.to(device), read_slot.to(device), bank.to(device), got, layer,
+                                            pdl=pdl)
             torch.testing.assert_close(got.cpu(), want, atol=1e-4, rtol=1e-4)
         finally:
             triton_readout.MAX_BLOCK_H = saved
@@ -130,8 +132,11 @@ def test_triton_kernel_in_interpreter() -> None:
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_triton_kernel_compiled_on_a_gpu() -> None:
-    check_triton_against_torch("cuda")
+@pytest.mark.parametrize("pdl", [False, True])
+def test_triton_kernel_compiled_on_a_gpu(pdl: bool) -> None:
+    if pdl and torch.cuda.get_device_capability() < (9, 0):
+        pytest.skip("programmatic dependent launch needs compute capability 9.0")
+    check_triton_against_torch("cuda", pdl=pdl)
 
 
 # -- the worker -------------------------------------------------------------------------------------------------
