@@ -1,6 +1,7 @@
-"""Where a saturated API server spends its CPU, by function: py-spy samples the server's Python threads over a
-measured window (``bench_throughput.py --profile``), and the samples become milliseconds of CPU per completed request,
-so that two configurations (plugin-free vLLM and hotwire; plain and steered) compare function by function.
+"""Where a saturated server's processes spend their CPU: py-spy samples a process's Python threads over a measured
+window (``bench_throughput.py --profile``: the API server and the engine core), and the samples become milliseconds
+of CPU per completed request, by package and by function, so that two configurations (plugin-free vLLM and
+hotwire; plain and steered) compare package by package and function by function.
 
 py-spy reads the process from outside (no code in the server, no slowdown of its own beyond the reads) and by
 default counts only threads that are running, not waiting: a sample is CPU time. ``--function`` folds a function's
@@ -17,7 +18,7 @@ from collections import Counter
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 
-__all__ = ["Recording", "compare", "parse_raw", "per_function", "py_spy", "where"]
+__all__ = ["Recording", "by_package", "compare", "package", "parse_raw", "per_function", "py_spy", "where"]
 
 Stack = tuple[str, ...]  # outermost frame first, each "function (file)"
 
@@ -77,6 +78,25 @@ def where(path: str) -> str:
     return path.removeprefix(project)
 
 
+def package(frame: str) -> str | None:
+    """The package of a frame's file (``vllm``, ``hotwire_api``, ``starlette``, ...); None for the standard library
+    and the interpreter's own frames."""
+    path = frame.rpartition(" (")[2].rstrip(")")
+    first = path.split("/", 1)[0]
+    if path.startswith(("/", "<")) or first.removesuffix(".py") in sys.stdlib_module_names:
+        return None
+    return first
+
+
+def by_package(stacks: Mapping[Stack, int]) -> Counter[str]:
+    """Samples by the package whose code ran: that of the innermost frame outside the standard library, which ran
+    or called what ran (``json.dumps`` called by hotwire counts as hotwire's); "stdlib" when none is on the stack."""
+    counts: Counter[str] = Counter()
+    for stack, count in stacks.items():
+        counts[next((p for p in map(package, reversed(stack)) if p is not None), "stdlib")] += count
+    return counts
+
+
 def per_function(stacks: Mapping[Stack, int]) -> tuple[Counter[str], Counter[str]]:
     """Samples by function: ``self`` (the function was the innermost frame) and ``inclusive`` (it was anywhere on
     the stack; a recursive function counts once per sample)."""
@@ -93,9 +113,10 @@ def compare(runs: Mapping[str, Iterable[tuple[Counter[Stack], int, float | None]
             pairs: Iterable[tuple[str, str]], top: int = 25) -> dict:
     """Per configuration (``runs``: its rounds' samples, completed requests and the API server's CPU seconds measured
     over the same window, None where unknown) the sampled CPU in ms per completed request, in all and by function,
-    and how much of the measured CPU the samples account for (py-spy misses what it cannot sample in time: near 1
-    the figures hold); for each (configuration, baseline) pair the functions whose ms per request differ most, self
-    and inclusive. The inclusive list leaves out the frames under nearly every sample (the event loop, the server's
+    by package (:func:`by_package`) and by function, and how much of the measured CPU the samples account for (py-spy
+    samples Python threads only: threads without a Python frame, such as ZeroMQ's, are the rest); for each
+    (configuration, baseline) pair the packages and functions whose ms per request differ most (``name``), self and
+    inclusive. The inclusive list leaves out the frames under nearly every sample (the event loop, the server's
     entry point): they differ by the total."""
     figures: dict[str, dict] = {}
     for config, rounds in runs.items():
@@ -110,6 +131,7 @@ def compare(runs: Mapping[str, Iterable[tuple[Counter[Stack], int, float | None]
         samples = sum(total.values())
         figures[config] = {"completed": completed, "samples": samples, "ms_per_request": samples * scale,
                            "sampled_of_measured": samples / rate / measured_s if measured_s else None,
+                           "by_package": {p: n * scale for p, n in by_package(total).most_common()},
                            "self": {f: n * scale for f, n in own.items()},
                            "inclusive": {f: n * scale for f, n in inclusive.items()}}  # fmt: skip
     differences = {}
@@ -117,14 +139,14 @@ def compare(runs: Mapping[str, Iterable[tuple[Counter[Stack], int, float | None]
         if config not in figures or base not in figures:
             continue
         entry = {"ms_per_request": figures[config]["ms_per_request"] - figures[base]["ms_per_request"]}
-        for kind in ("self", "inclusive"):
+        for kind in ("by_package", "self", "inclusive"):
             ours, theirs = figures[config][kind], figures[base][kind]
             functions = set(ours) | set(theirs)
             if kind == "inclusive":
                 functions = {f for f in functions if ours.get(f, 0.0) < 0.9 * figures[config]["ms_per_request"]
                              and theirs.get(f, 0.0) < 0.9 * figures[base]["ms_per_request"]}  # fmt: skip
             ranked = sorted(functions, key=lambda f: -abs(ours.get(f, 0.0) - theirs.get(f, 0.0)))
-            entry[kind] = [{"function": f, config: ours.get(f, 0.0), base: theirs.get(f, 0.0),
+            entry[kind] = [{"name": f, config: ours.get(f, 0.0), base: theirs.get(f, 0.0),
                             "difference": ours.get(f, 0.0) - theirs.get(f, 0.0)} for f in ranked[:top]]  # fmt: skip
         differences[f"{config}-{base}"] = entry
     for config in figures:  # the full tables are for the JSON reader; keep the top of each

@@ -28,8 +28,9 @@ its mean queue time in the scheduler, over rounds; per round the paired ratios s
 and their medians (the figures of the targets: ≥ 0.98 and ≥ 0.99; with monitors, monitored / plain, #39's target:
 ≥ 0.99); per round the busiest client process's CPU over its wall time (near 100%: the clients, not the server, were
 the limit). With ``--profile``, py-spy samples the API server over each measured window (``api_profile.py``), and
-the report adds its sampled CPU per request by function, plain against plugin-free and steered against plain: where
-the extra time goes.
+the report adds its sampled CPU per request by package and by function, plain against plugin-free and steered
+against plain: where the extra time goes; the same for the engine core process (one rank on a GPU: vLLM runs the
+model runner's host side there too; its CPU backend runs that in a worker process, not sampled).
 
 Every server's API server runs on one core of its own (``--api-core``, by default the last where there are 8 or
 more), the client processes on the others: only one server is loaded at a time, so each configuration's API server
@@ -212,21 +213,24 @@ def _pin(pid: int, core: int) -> None:
 
 
 def run_round(pool: Any, load: Load, clients: int, workers: int, seed: int, warmup: float, seconds: float,
-              api_server_pid: int, profile: Path | None = None,
-              core: int | None = None) -> tuple[Tally, float | None, dict[str, float] | None, Counter | None]:
+              api_server_pid: int, profiled: dict[str, tuple[int, Path]] | None = None, core: int | None = None
+              ) -> tuple[Tally, float | None, dict[str, float] | None, dict[str, tuple[Counter, float]]]:
     """The round's tally, the CPU seconds the API server (``api_server_pid``) spent in its measured window, the
-    engine's ``ENGINE_COUNTERS`` over that window (``engine_counts``; None where /metrics did not answer) and, with
-    ``profile`` (a file for py-spy's output), the API server's stacks sampled over the window (py-spy kept off
-    ``core``, the API server's)."""
+    engine's ``ENGINE_COUNTERS`` over that window (``engine_counts``; None where /metrics did not answer) and, for
+    each process of ``profiled`` (by name, its pid and a file for py-spy's output), its stacks sampled over the
+    window and its CPU seconds there (py-spy kept off ``core``, the API server's)."""
     start_at = time.monotonic() + 2.0  # every worker's clients start together
     shares = [clients // workers + (i < clients % workers) for i in range(workers)]
-    marks: list[tuple[float, dict[str, float] | None]] = []
-    recordings: list[Recording] = []
+    profiled = profiled or {}
+    marks: list[tuple[float, dict[str, float] | None, dict[str, float]]] = []
+    recordings: dict[str, Recording] = {}
 
     def mark() -> None:
-        if profile is not None and not marks:
-            recordings.append(Recording(api_server_pid, seconds, profile, PROFILE_RATE_HZ, core))
-        marks.append((_cpu_s(api_server_pid), engine_counts(load.url)))
+        if not marks:
+            recordings.update({name: Recording(pid, seconds, out, PROFILE_RATE_HZ, core)
+                               for name, (pid, out) in profiled.items()})  # fmt: skip
+        marks.append((_cpu_s(api_server_pid), engine_counts(load.url),
+                      {name: _cpu_s(pid) for name, (pid, _) in profiled.items()}))
 
     timers = [threading.Timer(start_at + warmup + at - time.monotonic(), mark) for at in (0.0, seconds)]
     for timer in timers:
@@ -237,12 +241,22 @@ def run_round(pool: Any, load: Load, clients: int, workers: int, seed: int, warm
     total = Tally()
     for tally in results:
         total.merge(tally)
-    stacks = recordings[0].stacks() if recordings else None
+    stacks = {name: recording.stacks() for name, recording in recordings.items()}
     if len(marks) != 2:
-        return total, None, None, stacks
-    (cpu0, counts0), (cpu1, counts1) = marks
+        return total, None, None, {}
+    (cpu0, counts0, each0), (cpu1, counts1, each1) = marks
     engine = None if counts0 is None or counts1 is None else {k: counts1[k] - counts0[k] for k in counts0}
-    return total, cpu1 - cpu0, engine, stacks
+    return total, cpu1 - cpu0, engine, {name: (stacks[name], each1[name] - each0[name]) for name in stacks}
+
+
+def engine_core_pid(api_server_pid: int) -> int | None:
+    """The engine core process a ``vllm serve`` runs (with one GPU, its model runner too): the API server's child
+    titled ``VLLM::EngineCore`` (vLLM names it when setproctitle is installed), else its busiest spawned child."""
+    children = [c for c in psutil.Process(api_server_pid).children(recursive=True)
+                if "resource_tracker" not in " ".join(c.cmdline())]  # fmt: skip
+    titled = [c for c in children if "EngineCore" in " ".join(c.cmdline())]
+    found = titled or sorted(children, key=lambda c: -sum(c.cpu_times()[:2]))
+    return found[0].pid if found else None
 
 
 PROFILE_RATE_HZ = 250  # py-spy's samples per second: 5,000 in a 20 s window
@@ -445,7 +459,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         extra = ["--dtype", "float32", "--max-model-len", "4096", *extra]
     rounds: list[dict[str, Any]] = []
     failures: Counter = Counter()
-    profiles: dict[str, list[tuple[Counter, int, float | None]]] = {}
+    profiles: dict[str, dict[str, list[tuple[Counter, int, float]]]] = {}  # process -> config -> rounds
     configs = CONFIGS if args.monitors else CONFIGS[:3]
     with servers(args.model, extra, workdir, args.slots, args.monitors) as started:
         urls = {server: url for server, (url, _) in started.items()}
@@ -458,6 +472,14 @@ def main(argv: Sequence[str] | None = None) -> int:
             for _, pid in started.values():
                 _pin(pid, core)
             print(f"throughput: the API servers run on core {core}, the clients off it", flush=True)
+        profiled_pids: dict[str, dict[str, int]] = {}  # process -> config -> pid
+        if args.profile:
+            profiled_pids["api_server"] = api_server
+            engines = {config: engine_core_pid(pid) for config, pid in api_server.items()}
+            if all(engines.values()):
+                profiled_pids["engine_core"] = engines
+            else:
+                print("throughput: no engine core process found: only the API servers are profiled", flush=True)
         name, hidden, n_layers = model_facts(urls["hotwire"])
         ids = tuple(f"tp{i}" for i in range(args.ids))
         register_vectors(urls["hotwire"], ids, hidden, args.seed)
@@ -475,12 +497,13 @@ def main(argv: Sequence[str] | None = None) -> int:
             for r in range(args.rounds):
                 order = configs[r % len(configs):] + configs[:r % len(configs)]
                 for config in order:
-                    samples = workdir / f"profile_round{r}_{config}.txt" if args.profile else None
-                    tally, api_cpu_s, engine, stacks = run_round(pool, loads[config], args.clients, args.workers,
-                                                                 args.seed + len(rounds), args.warmup, args.seconds,
-                                                                 api_server[config], samples, core)
-                    if stacks is not None:
-                        profiles.setdefault(config, []).append((stacks, tally.completed, api_cpu_s))
+                    profiled = {process: (pids[config], workdir / f"profile_round{r}_{config}_{process}.txt")
+                                for process, pids in profiled_pids.items()}  # fmt: skip
+                    tally, api_cpu_s, engine, samples = run_round(pool, loads[config], args.clients, args.workers,
+                                                                  args.seed + len(rounds), args.warmup, args.seconds,
+                                                                  api_server[config], profiled, core)
+                    for process, (stacks, cpu_s) in samples.items():
+                        profiles.setdefault(process, {}).setdefault(config, []).append((stacks, tally.completed, cpu_s))
                     failures.update({f"{config}:{k}": v for k, v in tally.failures.items()})
                     ttft = median(tally.ttft_s)
                     rounds.append({"round": r, "config": config, "completed": tally.completed, "steered": tally.steered,
@@ -501,7 +524,7 @@ def main(argv: Sequence[str] | None = None) -> int:
               "hidden": hidden, "n_layers": n_layers, "rounds": rounds, "failures": dict(failures),
               **summarize(rounds, args.seconds)}  # fmt: skip
     if profiles:
-        result["profile"] = compare(profiles, PROFILE_RATE_HZ, PROFILE_PAIRS)
+        result["profile"] = {process: compare(runs, PROFILE_RATE_HZ, PROFILE_PAIRS) for process, runs in profiles.items()}
     with contextlib.suppress(Exception):
         import torch
 
@@ -517,14 +540,16 @@ def main(argv: Sequence[str] | None = None) -> int:
               "ms/request")  # fmt: skip
     for ratio, figures in result["ratios"].items():
         print(f"throughput: {ratio}: median {figures['median']}, per round {figures['per_round']}")
-    for config, figures in result.get("profile", {}).get("configs", {}).items():
-        print(f"profile: {config:8s} {figures['ms_per_request']:.3f} ms of sampled CPU per request, "
-              f"{figures['sampled_of_measured'] or float('nan'):.0%} of the measured CPU")
-    for pair, entry in result.get("profile", {}).get("differences", {}).items():
-        print(f"profile: {pair}: {entry['ms_per_request']:+.3f} ms of sampled CPU per request; most apart:")
-        for kind in ("inclusive", "self"):
-            for row in entry[kind][:10]:
-                print(f"profile:   {kind:9s} {row['difference']:+.3f} ms  {row['function']}")
+    for process, report in result.get("profile", {}).items():
+        for config, figures in report["configs"].items():
+            packages = ", ".join(f"{p} {ms:.3f}" for p, ms in list(figures["by_package"].items())[:8])
+            print(f"profile: {process} {config:8s} {figures['ms_per_request']:.3f} ms of sampled CPU per request "
+                  f"({figures['sampled_of_measured'] or float('nan'):.0%} of the measured CPU); by package: {packages}")
+        for pair, entry in report["differences"].items():
+            print(f"profile: {process} {pair}: {entry['ms_per_request']:+.3f} ms of sampled CPU per request; most apart:")
+            for kind in ("by_package", "inclusive", "self"):
+                for row in entry[kind][:8]:
+                    print(f"profile:   {kind:10s} {row['difference']:+.3f} ms  {row['name']}")
     print(f"throughput: failures {dict(failures) or 0}; report {args.out}")
     return 1 if failures else 0
 

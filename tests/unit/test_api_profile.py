@@ -9,7 +9,7 @@ import time
 from collections import Counter
 from pathlib import Path
 
-from benchmarks.api_profile import Recording, compare, parse_raw, per_function, where
+from benchmarks.api_profile import Recording, by_package, compare, package, parse_raw, per_function, where
 
 _BUSY = """
 import time
@@ -69,7 +69,18 @@ def test_samples_become_ms_per_request_and_the_pair_lists_what_differs_most() ->
     assert report["configs"]["plain"]["sampled_of_measured"] is None  # a round without a measurement
     difference = report["differences"]["plain-vanilla"]
     assert difference["ms_per_request"] == 5.0
-    assert difference["self"][0] == {"function": "hotwire", "plain": 5.0, "vanilla": 0.0, "difference": 5.0}
+    assert difference["self"][0] == {"name": "hotwire", "plain": 5.0, "vanilla": 0.0, "difference": 5.0}
     # "loop" is under every sample, "vllm_work" under every plugin-free one: left out of the inclusive list
-    assert {row["function"]: row["difference"] for row in difference["inclusive"]} == {"hotwire": 5.0}
+    assert {row["name"]: row["difference"] for row in difference["inclusive"]} == {"hotwire": 5.0}
+    assert difference["by_package"][0] == {"name": "hotwire", "plain": 5.0, "vanilla": 0.0, "difference": 5.0}
     assert "steered-plain" not in report["differences"]  # no steered rounds: no comparison
+
+
+def test_a_sample_belongs_to_the_package_whose_code_ran_or_called_the_standard_library() -> None:
+    assert package("ServeSubcommand.cmd (vllm/entrypoints/cli/serve.py)") == "vllm"
+    assert package("_decide (hotwire_api/admission.py)") == "hotwire_api"
+    assert package("dumps (json/__init__.py)") is None and package("Runner.run (asyncio/runners.py)") is None
+    assert package("_run_code (<frozen runpy>)") is None and package("f (/usr/lib/python3.12/x.py)") is None
+    loop, admission, dumps = "run (uvloop/__init__.py)", "_decide (hotwire_api/admission.py)", "dumps (json/__init__.py)"
+    stacks = Counter({(loop, admission, dumps): 3, (loop, admission): 1, (loop,): 2, ("Runner.run (asyncio/runners.py)",): 4})
+    assert by_package(stacks) == Counter({"hotwire_api": 4, "uvloop": 2, "stdlib": 4})
