@@ -65,7 +65,7 @@ import httpx
 import numpy as np
 import psutil
 
-from benchmarks.api_profile import Recording, compare
+from benchmarks.api_profile import Recording, compare, py_spy
 
 CONFIGS = ("vanilla", "plain", "steered", "monitored")
 PROMPTS = ("The quick brown fox jumps over", "Once upon a time in a land far", "The capital of France is",
@@ -440,8 +440,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                         "configuration's API server has the same core to itself (default: the last core, where "
                         "there are at least 8; -1: no pinning)")
     parser.add_argument("--profile", action="store_true",
-                        help="sample each API server's stacks over every measured window with py-spy and report its CPU "
-                        "per request by function, each configuration against its baseline (profile in the report)")
+                        help="sample each server's API server and engine core with py-spy over every measured window "
+                        "and report their CPU per request by package and function, each configuration against its "
+                        "baseline (profile in the report; py-spy beside this Python or on PATH)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path, default=Path("throughput.json"))
     return parser.parse_args(argv)
@@ -457,6 +458,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         args.model = build_model(workdir / "tiny", "tiny", weights=True)
         extra = ["--dtype", "float32", "--max-model-len", "4096", *extra]
+    if args.profile:
+        py_spy()  # missing: say so now, not after the servers started (a round's sampler starts in a timer thread)
     rounds: list[dict[str, Any]] = []
     failures: Counter = Counter()
     profiles: dict[str, dict[str, list[tuple[Counter, int, float]]]] = {}  # process -> config -> rounds
