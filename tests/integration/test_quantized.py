@@ -53,6 +53,8 @@ def served(request, checkpoints, tmp_path_factory):
     overrides, kind, gpu_only = CONFIGS[request.param]
     if gpu_only and not ON_GPU:
         pytest.skip(f"{request.param} runs on the GPU (benchmarks/gpu_checks.sh quantized)")
+    if kind == "gptq" and not ON_GPU and not _cpu_build_has_wna16():
+        pytest.skip("vLLM's CPU build for this processor (AVX2, no AVX-512) has no 4-bit GPTQ kernel (cpu_gemm_wna16)")
     served_dir, reference_dir = checkpoints[kind]
     kwargs = {**engine_kwargs(), **overrides}
     llm = LLM(str(served_dir), **kwargs)
@@ -61,6 +63,14 @@ def served(request, checkpoints, tmp_path_factory):
     ids = AutoTokenizer.from_pretrained(str(served_dir))(PROMPT).input_ids
     yield request.param, llm, {"model": str(served_dir), **kwargs}, reference_dir, ids, vector
     llm.llm_engine.engine_core.shutdown()
+
+
+def _cpu_build_has_wna16() -> bool:
+    """Whether the vLLM CPU kernels loaded on this processor include CPUWNA16's GEMM: vLLM 0.25.1 loads its
+    AVX-512 build where the CPU has AVX-512, else its AVX2 build, which lacks it."""
+    import vllm._custom_ops  # noqa: F401  (loads the kernels for this processor)
+
+    return hasattr(torch.ops._C, "cpu_gemm_wna16")
 
 
 def _steer() -> dict:
