@@ -19,7 +19,7 @@ import pytest
 import torch
 
 import hf_reference
-from engine_results import engine_kwargs, run_batches, run_in_subprocess
+from engine_results import engine_kwargs, run_batches, run_in_subprocess, vllm_batch_variance
 from lora_adapter import RANK, build_lora_adapter, load_merged
 from server_fixture import VllmServer
 
@@ -203,9 +203,12 @@ def test_a_mixed_batch_gives_each_request_its_own_reference(mixed, prompts, vect
                        f"{prompt} ({weights} weights, {'steered' if steered else 'plain'}) in a mixed batch")
 
 
-def test_plain_and_adapter_only_requests_are_bit_identical_to_vllm_without_hotwire(mixed, vanilla):
+def test_plain_and_adapter_only_requests_are_bit_identical_to_vllm_without_hotwire(mixed, vanilla, tiny_model,
+                                                                                 tmp_path):
     """In the mixed batch (steered batchmates: the steering op runs) and in a batch with nothing steered (the op is
     switched off), against a plugin-free engine with the same adapter and the same batches."""
+    if reason := vllm_batch_variance(tiny_model, tmp_path):
+        pytest.skip(reason)
     assert mixed[2][0]["prompt_logprobs"], "the prompt logprobs were not compared"
     for batch, positions in ((0, (1, 3)), (1, (0, 1)), (2, (0,))):
         for i in positions:
