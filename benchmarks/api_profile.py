@@ -111,21 +111,20 @@ def per_function(stacks: Mapping[Stack, int]) -> tuple[Counter[str], Counter[str
 
 def compare(runs: Mapping[str, Iterable[tuple[Counter[Stack], int, float | None]]], rate: int,
             pairs: Iterable[tuple[str, str]], top: int = 25) -> dict:
-    """Per configuration (``runs``: its rounds' samples, completed requests and the API server's CPU seconds measured
-    over the same window, None where unknown) the sampled CPU in ms per completed request, in all and by function,
-    by package (:func:`by_package`) and by function, and how much of the measured CPU the samples account for (py-spy
+    """Per configuration (``runs``: its rounds' samples, completed requests and the sampled process's CPU seconds
+    measured over the same window, None where unknown) the sampled CPU in ms per completed request, in all, by
+    package (:func:`by_package`) and by function, and how much of the measured CPU the samples account for (py-spy
     samples Python threads only: threads without a Python frame, such as ZeroMQ's, are the rest); for each
     (configuration, baseline) pair the packages and functions whose ms per request differ most (``name``), self and
     inclusive. The inclusive list leaves out the frames under nearly every sample (the event loop, the server's
     entry point): they differ by the total."""
     figures: dict[str, dict] = {}
     for config, rounds in runs.items():
-        total: Counter[Stack] = Counter()
-        completed, measured_s = 0, 0.0
-        for stacks, done, cpu_s in rounds:
-            total.update(stacks)
-            completed += done
-            measured_s = measured_s + cpu_s if cpu_s is not None and measured_s is not None else None
+        rounds = list(rounds)
+        total: Counter[Stack] = sum((stacks for stacks, _, _ in rounds), Counter())
+        completed = sum(done for _, done, _ in rounds)
+        cpu = [cpu_s for _, _, cpu_s in rounds]
+        measured_s = None if None in cpu else sum(cpu)
         own, inclusive = per_function(total)
         scale = 1000.0 / rate / max(completed, 1)
         samples = sum(total.values())
