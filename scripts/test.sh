@@ -245,7 +245,11 @@ else
         fi
     done
 fi
-echo "scripts/test.sh: pytest exited $rc after $((SECONDS - start))s"
+# The processor decides which of vLLM's CPU kernels ran (AVX2 or AVX-512): GPTQ and the tolerance of the
+# comparisons with plugin-free vLLM depend on it (tests/engine_results.py).
+avx512=$(grep -qw avx512f /proc/cpuinfo 2>/dev/null && echo yes || echo no)
+echo "scripts/test.sh: pytest exited $rc after $((SECONDS - start))s on $cores cores of" \
+    "$(grep -m1 'model name' /proc/cpuinfo 2>/dev/null | cut -d: -f2 | xargs) (AVX-512: $avx512)"
 if [[ $rc -eq 5 ]]; then
     echo "scripts/test.sh: FAILED: pytest collected no tests" >&2
 fi

@@ -19,7 +19,7 @@ import pytest
 import torch
 
 import hf_reference
-from engine_results import engine_kwargs, run_batches, run_in_subprocess, vllm_batch_variance
+from engine_results import assert_same_result, engine_kwargs, run_batches, run_in_subprocess
 from lora_adapter import RANK, build_lora_adapter, load_merged
 from server_fixture import VllmServer
 
@@ -203,18 +203,15 @@ def test_a_mixed_batch_gives_each_request_its_own_reference(mixed, prompts, vect
                        f"{prompt} ({weights} weights, {'steered' if steered else 'plain'}) in a mixed batch")
 
 
-def test_plain_and_adapter_only_requests_are_bit_identical_to_vllm_without_hotwire(mixed, vanilla, tiny_model,
-                                                                                 tmp_path):
+def test_plain_and_adapter_only_requests_are_bit_identical_to_vllm_without_hotwire(mixed, vanilla):
     """In the mixed batch (steered batchmates: the steering op runs) and in a batch with nothing steered (the op is
-    switched off), against a plugin-free engine with the same adapter and the same batches."""
-    if reason := vllm_batch_variance(tiny_model, tmp_path):
-        pytest.skip(reason)
+    switched off), against a plugin-free engine with the same adapter and the same batches (on vLLM's AVX2 CPU
+    kernels within their run-to-run variation: ``assert_same_result``)."""
     assert mixed[2][0]["prompt_logprobs"], "the prompt logprobs were not compared"
     for batch, positions in ((0, (1, 3)), (1, (0, 1)), (2, (0,))):
         for i in positions:
-            for key in ("token_ids", "logprobs", "prompt_logprobs"):
-                assert mixed[batch][i][key] == vanilla[batch][i][key], \
-                    f"batch {batch}, request {i}: {key} differ from vLLM without hotwire"
+            assert_same_result(mixed[batch][i], vanilla[batch][i],
+                               f"batch {batch}, request {i} against vLLM without hotwire")
     # the steered requests of the mixed batch were steered (against their unsteered runs in the vanilla engine)
     for i in (0, 2):
         assert mixed[0][i]["logprobs"] != vanilla[0][i]["logprobs"], f"request {i} was not steered"
