@@ -1,12 +1,12 @@
 """LoRA adapters and steering together, on a real vLLM engine with ``enable_lora`` (CPU, float32).
 
-The adapter is peft's own on-disk format (``tests/lora_adapter.py``), with random non-zero A and B on attention
-and MLP projections. The reference for a request with the adapter is transformers with the adapter merged into the
-weights (peft's ``merge_and_unload``), plus a hook adding ``scale * v`` after the steered layers
-(``hf_reference``); unsteered requests, with the adapter or without, are compared bit for bit with a plugin-free
-engine that serves the same adapter. vLLM's CPU backend runs LoRA engines eagerly (``CpuPlatform`` sets
-compilation mode NONE when LoRA is on). The first test serves the adapter with ``vllm serve --lora-modules`` and
-steers it through the OpenAI route; the others use an in-process engine.
+The adapter is peft's own on-disk format (``tests/lora_adapter.py``), with random non-zero A and B on attention and
+MLP projections. The reference for a request with the adapter is transformers with the adapter merged into the
+weights (peft's ``merge_and_unload``), plus a hook adding ``scale * v`` after the steered layers (``hf_reference``);
+unsteered requests, with the adapter or without, are compared bit for bit with a plugin-free engine that serves the
+same adapter (within 1e-5 on vLLM's AVX2 CPU build: ``engine_results.assert_same_result``). vLLM's CPU backend runs
+LoRA engines eagerly (``CpuPlatform`` sets compilation mode NONE when LoRA is on). The first test serves the adapter
+with ``vllm serve --lora-modules`` and steers it through the OpenAI route; the others use an in-process engine.
 """
 
 from __future__ import annotations
