@@ -119,15 +119,18 @@ class RedisServer:
             cmd += ["--requirepass", self.password]
         cmd += self._transport_args()
         deadline = time.monotonic() + timeout
-        self.proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+        def spawn() -> subprocess.Popen:
+            return subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+        self.proc = spawn()
         while not self._answers():
             if self.proc.poll() is not None:
                 log = (self.workdir / f"redis-{self.starts}.log").read_text()
                 if "Address already in use" in log and time.monotonic() < deadline:
                     # a socket of the killed server still closing (seen in CI, not reproduced): wait it out
                     time.sleep(0.5)
-                    self.proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                                                 stderr=subprocess.DEVNULL)
+                    self.proc = spawn()
                     continue
                 raise RuntimeError(f"redis-server exited with {self.proc.returncode}: {log[-2000:]}\n"
                                    f"on port {self.port}: {_holders(self.port)}")
