@@ -11,6 +11,10 @@ rotated per round, so that drift of the machine falls on all of them alike:
               registered vectors (a [hidden] vector at the middle layer, scale drawn per request)
     monitored with ``--monitors N``: a third server, hotwire with ``HOTWIRE_READOUT=1`` and N monitors (probes on
               the registered vectors at the middle layer), plain requests: each must carry N verdicts
+    salted    with ``--salted``: the plugin-free server, ``--steered-share`` of the requests with a ``cache_salt`` of
+              their own and no steering. A steered request's prompt is hashed with a salt of its vector and scale
+              (its KV differs from a plain one's), and the scale drawn per request makes every salt new: salted /
+              vanilla is what those prefix-cache misses cost vLLM itself, the floor under steered / plain
 
 A round drives ``--clients`` streaming clients (``--workers`` processes, asyncio + httpx, one keep-alive
 connection per client) over ``/v1/completions`` and ``/v1/chat/completions`` (half each), ``max_tokens`` tokens
@@ -67,7 +71,7 @@ import psutil
 
 from benchmarks.api_profile import Recording, compare, py_spy
 
-CONFIGS = ("vanilla", "plain", "steered", "monitored")
+CONFIGS = ("vanilla", "plain", "steered", "monitored", "salted")
 PROMPTS = ("The quick brown fox jumps over", "Once upon a time in a land far", "The capital of France is",
            "In the beginning the universe was", "A short history of the printing press")  # fmt: skip
 
@@ -84,6 +88,7 @@ class Load:
     layer: int
     scale: float
     monitors: int = 0  # verdicts each answer must carry (hotwire_monitors in the chunk before [DONE])
+    salted_share: float = 0.0  # requests sent with a cache_salt of their own (plain ones)
 
 
 @dataclass
@@ -104,7 +109,8 @@ class Tally:
         self.busy.extend(other.busy)
 
 
-def request_body(load: Load, chat: bool, vector_id: str | None, scale: float, prompt: str) -> dict[str, Any]:
+def request_body(load: Load, chat: bool, vector_id: str | None, scale: float, prompt: str,
+                 salt: str | None = None) -> dict[str, Any]:
     body: dict[str, Any] = {
         "model": load.model, "max_tokens": load.max_tokens, "ignore_eos": True, "temperature": 0, "stream": True,
         "stream_options": {"include_usage": True},
@@ -113,6 +119,8 @@ def request_body(load: Load, chat: bool, vector_id: str | None, scale: float, pr
         body["messages"] = [{"role": "user", "content": prompt}]
     else:
         body["prompt"] = prompt
+    if salt is not None:
+        body["cache_salt"] = salt
     if vector_id is not None:
         body["vllm_xargs"] = {"hotwire": json.dumps({"id": vector_id, "layer": load.layer, "scale": scale})}
     return body
@@ -154,7 +162,9 @@ async def _client(load: Load, seed: int, measure_from: float, until: float, tall
             chat = rng.random() < 0.5
             steered = bool(load.ids) and rng.random() < load.steered_share
             vector_id = rng.choice(load.ids) if steered else None
-            body = request_body(load, chat, vector_id, load.scale * (1 + 0.5 * rng.random()), rng.choice(PROMPTS))
+            salt = f"salt-{seed}-{rng.random()}" if rng.random() < load.salted_share else None
+            body = request_body(load, chat, vector_id, load.scale * (1 + 0.5 * rng.random()), rng.choice(PROMPTS),
+                                salt)
             path = "/v1/chat/completions" if chat else "/v1/completions"
             start, first, lines = time.monotonic(), None, []
             try:
@@ -260,7 +270,7 @@ def engine_core_pid(api_server_pid: int) -> int | None:
 
 
 PROFILE_RATE_HZ = 250  # py-spy's samples per second: 5,000 in a 20 s window
-PROFILE_PAIRS = (("plain", "vanilla"), ("steered", "plain"), ("monitored", "plain"))
+PROFILE_PAIRS = (("plain", "vanilla"), ("steered", "plain"), ("monitored", "plain"), ("salted", "vanilla"))
 
 ENGINE_COUNTERS = {
     "vllm:iteration_tokens_total_count": "steps",
@@ -340,7 +350,7 @@ def summarize(rounds: list[dict[str, Any]], seconds: float) -> dict[str, Any]:
             "engine_queue_ms_median": median([x for r in runs if (x := _mean_ms(r, "queued_s", "queued")) is not None]),
         }
     pairs = {"steered_vs_plain": ("steered", "plain"), "plain_vs_vanilla": ("plain", "vanilla"),
-             "monitored_vs_plain": ("monitored", "plain")}
+             "monitored_vs_plain": ("monitored", "plain"), "salted_vs_vanilla": ("salted", "vanilla")}
     for name, (num, den) in pairs.items():
         if num not in by_config or den not in by_config:
             continue
@@ -435,6 +445,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--scale", type=float, default=4.0, help="scale of a steered entry (drawn in [s, 1.5 s])")
     parser.add_argument("--monitors", type=int, default=0, help="also run the monitored configuration with this "
                         "many monitors (a third server, HOTWIRE_READOUT=1)")
+    parser.add_argument("--salted", action="store_true",
+                        help="also run the salted configuration: the plugin-free server with --steered-share of the "
+                        "requests salted for the prefix cache, as a new steering scale salts them")
     parser.add_argument("--api-core", type=int, default=None,
                         help="run every server's API server on this core and the clients off it, so that each "
                         "configuration's API server has the same core to itself (default: the last core, where "
@@ -463,11 +476,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     rounds: list[dict[str, Any]] = []
     failures: Counter = Counter()
     profiles: dict[str, dict[str, list[tuple[Counter, int, float]]]] = {}  # process -> config -> rounds
-    configs = CONFIGS if args.monitors else CONFIGS[:3]
+    configs = (*CONFIGS[:3], *(("monitored",) if args.monitors else ()), *(("salted",) if args.salted else ()))
     with servers(args.model, extra, workdir, args.slots, args.monitors) as started:
         urls = {server: url for server, (url, _) in started.items()}
         api_server = {"vanilla": started["vanilla"][1], "plain": started["hotwire"][1], "steered": started["hotwire"][1],
-                      **({"monitored": started["monitored"][1]} if args.monitors else {})}
+                      **({"monitored": started["monitored"][1]} if args.monitors else {}),
+                      **({"salted": started["vanilla"][1]} if args.salted else {})}
         cores = psutil.Process().cpu_affinity()
         core = args.api_core if args.api_core is not None else (cores[-1] if len(cores) >= 8 else -1)
         core = None if core < 0 else core
@@ -491,6 +505,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             "plain": Load(urls["hotwire"], name, args.max_tokens, 0.0, (), n_layers // 2, args.scale),
             "steered": Load(urls["hotwire"], name, args.max_tokens, args.steered_share, ids, n_layers // 2, args.scale),
         }
+        if args.salted:
+            loads["salted"] = Load(urls["vanilla"], name, args.max_tokens, 0.0, (), n_layers // 2, args.scale,
+                                   salted_share=args.steered_share)
         if args.monitors:
             register_vectors(urls["monitored"], ids, hidden, args.seed)
             add_monitors(urls["monitored"], ids, args.monitors, n_layers // 2)

@@ -64,6 +64,19 @@ def test_rounds_give_medians_and_ratios_paired_by_round() -> None:
                {"round": 1, "config": "monitored", "completed": 198, "steered": 0, "ttft_p50_ms": 11.0}]
     out = bt.summarize(rounds, seconds=10.0)
     assert out["ratios"]["monitored_vs_plain"]["per_round"] == [98 / 99, 198 / 200]
+    assert "salted_vs_vanilla" not in out["ratios"]
+    rounds += [{"round": 0, "config": "salted", "completed": 90, "steered": 0, "ttft_p50_ms": 11.0},
+               {"round": 1, "config": "salted", "completed": 180, "steered": 0, "ttft_p50_ms": 11.0}]
+    out = bt.summarize(rounds, seconds=10.0)
+    assert out["ratios"]["salted_vs_vanilla"]["per_round"] == [0.9, 0.9]
+
+
+def test_a_salted_request_carries_a_cache_salt_and_no_steering() -> None:
+    load = bt.Load("http://x", "m", 8, 0.0, (), 2, 4.0, salted_share=0.75)
+    body = bt.request_body(load, False, None, 4.0, "p", "salt-1")
+    assert body["cache_salt"] == "salt-1" and "vllm_xargs" not in body
+    steered = bt.request_body(load, True, "v1", 4.5, "p")
+    assert "cache_salt" not in steered and json.loads(steered["vllm_xargs"]["hotwire"])["scale"] == 4.5
 
 
 def test_engine_counts_sum_steps_and_tokens_over_engines_and_skip_the_rest() -> None:
