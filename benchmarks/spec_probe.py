@@ -1,6 +1,7 @@
 """Which part of a plain request's result moves under EAGLE speculation, and whether hotwire moves it: the tiny
 Qwen3 (random weights) with the one-layer EAGLE head of ``tests/integration/test_speculative_eagle.py``, plain
-requests only, in five fresh engines at once (the tests' engine arguments: bf16 and graphs on a GPU):
+requests only, in five fresh engines (the tests' engine arguments: bf16 and graphs on a GPU, where they run at once;
+float32 on the CPU, one after the other):
 
     vanilla          plugin-free, no speculation
     vanilla-eagle    plugin-free, EAGLE
@@ -39,6 +40,9 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=Path("spec_probe.json"))
     args = parser.parse_args()
 
+    import os
+
+    import torch
     from transformers import AutoTokenizer
 
     from engine_results import engine_kwargs
@@ -61,7 +65,11 @@ def main() -> None:
         "readout-eagle": ({**base, **eagle}, False, {"HOTWIRE_READOUT": "1"}),
         "hotwire": (base, False, {}),
     }
-    with ThreadPoolExecutor(len(engines)) as pool:
+    if not torch.cuda.is_available():
+        from hotwire_core.cpu_env import with_cpu_env
+
+        os.environ.update(with_cpu_env(os.environ))
+    with ThreadPoolExecutor(len(engines) if torch.cuda.is_available() else 1) as pool:
         futures = {name: pool.submit(run_engine, kwargs, batches, work, plugin_free=free, env=env, tag=name)
                    for name, (kwargs, free, env) in engines.items()}  # fmt: skip
         results = {name: future.result() for name, future in futures.items()}

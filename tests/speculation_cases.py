@@ -187,8 +187,10 @@ def test_plain_requests_are_bit_identical_to_a_plugin_free_engine_with_the_same_
     ours = engine["results"]
     pairs = [(ours[PLAIN][0], vanilla[0][0]), (ours[PLAIN_B][0], vanilla[1][0])]
     for got, want in pairs:
-        for key in ("token_ids", "logprobs", "prompt_logprobs"):
-            assert got[key] == want[key], f"plain request {key} differ from vLLM without hotwire"
+        assert got["token_ids"] == want["token_ids"], "plain request tokens differ from vLLM without hotwire"
+        for key in ("logprobs", "prompt_logprobs"):
+            diff = max_diff(got[key], want[key])
+            assert got[key] == want[key], f"plain request {key} differ from vLLM without hotwire by {diff}"
     # Beside steered batchmates (whose drafts, and so the batch's shape, differ from plain ones'): tokens equal,
     # logprobs to float32 rounding.
     for n in (0, 3):
@@ -219,6 +221,9 @@ def test_readouts_under_speculation_equal_transformers_hooks(engine, tiny_model,
                                  [{"id": "v", "layer": 2}], tokens="all")
     drafted, accepted = (after - was for after, was in zip(draft_counts(llm), before))
     hf_model = hf_reference.load(tiny_model)
+    # float32 on the CPU: within 1e-5 of the largest score. On a GPU the engine runs bf16 against transformers'
+    # float32, so a score's error scales with |stream| |probe| (test_readout.py's bound: 2% of that product).
+    on_gpu = torch.cuda.is_available()
     worst = 0.0
     for (key, steered), out in zip(cases, outs):
         steering = [(layer, v, ENTRY["scale"]) for layer in ENTRY["layer"]] if steered else []
@@ -230,8 +235,9 @@ def test_readouts_under_speculation_equal_transformers_hooks(engine, tiny_model,
             want = (rows @ v).numpy()
             got = np.array(probe[part]["score"])
             assert got.shape == want.shape, (key, steered, part)
-            worst = max(worst, float(np.abs(got - want).max() / np.abs(want).max()))
-    print(f"readout under speculation vs transformers + hooks: {worst:.2e} of the largest score; drafted {drafted}, "
-          f"accepted {accepted}")
-    assert worst < (0.02 if torch.cuda.is_available() else 1e-5)
+            scale = (rows.norm(dim=-1) * v.norm()).max() if on_gpu else np.abs(want).max()
+            worst = max(worst, float(np.abs(got - want).max() / scale))
+    print(f"readout under speculation vs transformers + hooks: {worst:.2e} of the largest "
+          f"{'|stream| |probe|' if on_gpu else 'score'}; drafted {drafted}, accepted {accepted}")
+    assert worst < (0.02 if on_gpu else 1e-5)
     assert 0 < accepted < drafted  # verification kept drafts past the first token, and rejected some
