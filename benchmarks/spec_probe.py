@@ -6,7 +6,7 @@ float32 on the CPU, one after the other):
     vanilla          plugin-free, no speculation
     vanilla-eagle    plugin-free, EAGLE
     hotwire-eagle    hotwire, EAGLE
-    readout-eagle    hotwire with HOTWIRE_READOUT=1 (as the tests' engine), EAGLE
+    readout-eagle    hotwire with HOTWIRE_READOUT=1 and a vector registered (as the tests' engine), EAGLE
     hotwire          hotwire, no speculation
 
 and prints, for each pair against ``vanilla-eagle`` and ``vanilla``, the largest difference in the sampled tokens'
@@ -27,7 +27,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT / "tests"), str(ROOT / "tests" / "integration")]
 
-PROMPTS = ("steering vectors nudge the residual stream " * 4, "The quick brown fox jumps over the lazy dog. The quick")
+# tests/speculation_cases.py's prompts
+PROMPTS = (" ".join(["steering vectors nudge the residual stream"] * 4),
+           "The quick brown fox jumps over the lazy dog. The quick brown fox")
 
 
 def max_diff(a: list, b: list) -> float:
@@ -58,20 +60,22 @@ def main() -> None:
     batches = [[{"prompt_token_ids": tok(p).input_ids, "params": params}] for p in PROMPTS]
     eagle = {"speculative_config": {"method": "eagle", "model": str(head), "num_speculative_tokens": 3}}
     base = {"model": str(model), **engine_kwargs()}
-    engines = {  # name: (engine arguments, plugin-free, environment)
-        "vanilla": (base, True, {}),
-        "vanilla-eagle": ({**base, **eagle}, True, {}),
-        "hotwire-eagle": ({**base, **eagle}, False, {}),
-        "readout-eagle": ({**base, **eagle}, False, {"HOTWIRE_READOUT": "1"}),
-        "hotwire": (base, False, {}),
+    vector = {"v": torch.randn(256, generator=torch.Generator().manual_seed(11)).tolist()}  # (speculation_cases')
+    engines = {  # name: (engine arguments, plugin-free, environment, vectors registered)
+        "vanilla": (base, True, {}, None),
+        "vanilla-eagle": ({**base, **eagle}, True, {}, None),
+        "hotwire-eagle": ({**base, **eagle}, False, {}, None),
+        "readout-eagle": ({**base, **eagle}, False, {"HOTWIRE_READOUT": "1"}, vector),
+        "hotwire": (base, False, {}, None),
     }
     if not torch.cuda.is_available():
         from hotwire_core.cpu_env import with_cpu_env
 
         os.environ.update(with_cpu_env(os.environ))
     with ThreadPoolExecutor(len(engines) if torch.cuda.is_available() else 1) as pool:
-        futures = {name: pool.submit(run_engine, kwargs, batches, work, plugin_free=free, env=env, tag=name)
-                   for name, (kwargs, free, env) in engines.items()}  # fmt: skip
+        futures = {name: pool.submit(run_engine, kwargs, batches, work, plugin_free=free, env=env, tag=name,
+                                     vectors=vectors)
+                   for name, (kwargs, free, env, vectors) in engines.items()}  # fmt: skip
         results = {name: future.result() for name, future in futures.items()}
     rows = []
     for reference in ("vanilla-eagle", "vanilla"):

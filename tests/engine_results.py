@@ -12,7 +12,8 @@ from typing import Any
 from hotwire_core.verify.plugin_free import run_batches, run_engine
 from hotwire_core.vllm_glue.offline import summarize
 
-__all__ = ["assert_same_result", "engine_kwargs", "run_batches", "run_in_subprocess", "run_vanilla", "summarize"]
+__all__ = ["assert_same_result", "engine_kwargs", "max_diff", "run_batches", "run_in_subprocess", "run_vanilla",
+           "same_on_repeat", "same_with_cache_hit", "summarize"]
 
 
 def engine_kwargs() -> dict[str, Any]:
@@ -50,6 +51,33 @@ def run_in_subprocess(
 
 def run_vanilla(model_dir: Path, batches: list[list[dict]], workdir: Path) -> list[list[dict]]:
     return run_in_subprocess(model_dir, batches, workdir)
+
+
+def max_diff(a: list, b: list) -> float:
+    """The largest difference between two lists of logprobs of equal length (positions without one skipped)."""
+    assert len(a) == len(b), (len(a), len(b))
+    return max((abs(x - y) for x, y in zip(a, b) if x is not None and y is not None), default=0.0)
+
+
+# vLLM's CPU backend is not bit-reproducible between two runs of one request in one engine either (2 of 7 repeats
+# of a batch differed by ~5e-7 on an earlier development VM): repeats compare to float32 rounding on every CPU.
+CPU_REPEAT_TOLERANCE = 1e-5
+
+
+def same_on_repeat(a: list, b: list) -> bool:
+    """Two runs of one request in one engine agree: bit for bit on a GPU, within ``CPU_REPEAT_TOLERANCE`` on a CPU."""
+    import torch
+
+    return a == b if torch.cuda.is_available() else max_diff(a, b) < CPU_REPEAT_TOLERANCE
+
+
+def same_with_cache_hit(hit: list, full: list) -> bool:
+    """A request that read part of its prompt from the prefix cache agrees with the same request computed whole. It
+    computes only the rest: on a GPU other GEMM shapes round differently (seen: 4e-6), exactly as in vLLM without
+    hotwire, so within 1e-3 there; within ``CPU_REPEAT_TOLERANCE`` on a CPU."""
+    import torch
+
+    return max_diff(hit, full) < (1e-3 if torch.cuda.is_available() else CPU_REPEAT_TOLERANCE)
 
 
 # vLLM's AVX2 CPU kernels are not reproducible: plugin-free vLLM gave one request logprobs 4.8e-7 apart between two

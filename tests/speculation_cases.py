@@ -20,7 +20,7 @@ import json
 import pytest
 import torch
 
-from engine_results import engine_kwargs, run_batches, run_in_subprocess
+from engine_results import engine_kwargs, max_diff, run_batches, run_in_subprocess
 
 __all__ = [
     "batches", "engine", "prompts", "unspeculated", "vector",
@@ -118,11 +118,6 @@ def draft_counts(llm) -> tuple[int, int]:
     """vLLM's counters of draft tokens proposed and accepted so far."""
     values = {m.name: getattr(m, "value", None) for m in llm.get_metrics()}
     return tuple(int(values.get(f"vllm:spec_decode_num_{name}_tokens") or 0) for name in ("draft", "accepted"))
-
-
-def max_diff(a: list, b: list) -> float:
-    assert len(a) == len(b)
-    return max((abs(x - y) for x, y in zip(a, b) if x is not None and y is not None), default=0.0)
 
 
 def lp_diff(a: dict, b: dict) -> float:
