@@ -112,7 +112,8 @@ APART=(
 # suite, which stays under 40 minutes on two cores; run them before a change to what they cover lands.
 CONFIGS=(
     tests/integration/test_parallel.py tests/integration/test_family_bit_identity.py
-    tests/integration/test_model_families.py tests/integration/test_speculative_draft.py
+    tests/integration/test_model_families.py tests/integration/test_model_matrix.py
+    tests/integration/test_speculative_draft.py
     tests/integration/test_speculative_eagle.py tests/integration/test_vision_language.py
 )
 

@@ -1304,19 +1304,19 @@ def check_test_script_fails_when_pytest_fails_or_finds_nothing(fake: FakeRun) ->
 LANE_FILES = (  # a suite in the scratch repo: two unit files, three files of LONGEST_FIRST (two of APART), two
     # others, two of CONFIGS (one of APART)
     "tests/unit/test_a.py", "tests/unit/test_b.py", "tests/integration/test_server.py",
-    "tests/integration/test_fleet.py", "tests/integration/test_model_matrix.py", "tests/integration/test_x.py",
+    "tests/integration/test_fleet.py", "tests/integration/test_lora.py", "tests/integration/test_x.py",
     "tests/integration/test_y.py", "tests/integration/test_parallel.py", "tests/integration/test_speculative_eagle.py",
 )
 LANE_RUNS = [  # the pytest runs of the CI suite in LONGEST_FIRST's order: the unit files in one run, every other alone
-    "tests/integration/test_model_matrix.py",
     "tests/integration/test_server.py",
     "tests/integration/test_fleet.py",
     "tests/unit/test_a.py tests/unit/test_b.py",
+    "tests/integration/test_lora.py",
     "tests/integration/test_x.py",
     "tests/integration/test_y.py",
 ]
 CONFIG_RUNS = ["tests/integration/test_parallel.py", "tests/integration/test_speculative_eagle.py"]  # two of CONFIGS
-ALL_RUNS = [*LANE_RUNS[:3], CONFIG_RUNS[0], LANE_RUNS[3], CONFIG_RUNS[1], *LANE_RUNS[4:]]
+ALL_RUNS = [*LANE_RUNS[:2], CONFIG_RUNS[0], *LANE_RUNS[2:4], CONFIG_RUNS[1], *LANE_RUNS[4:]]
 
 
 def _lane_runs(fake: FakeRun) -> list[str]:
