@@ -32,10 +32,6 @@ PROMPTS = (" ".join(["steering vectors nudge the residual stream"] * 4),
            "The quick brown fox jumps over the lazy dog. The quick brown fox")
 
 
-def max_diff(a: list, b: list) -> float:
-    return max((abs(x - y) for x, y in zip(a, b) if x is not None and y is not None), default=0.0)
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--token", type=int, default=5, help="the token the EAGLE head always proposes")
@@ -47,7 +43,7 @@ def main() -> None:
     import torch
     from transformers import AutoTokenizer
 
-    from engine_results import engine_kwargs
+    from engine_results import engine_kwargs, max_diff
     from hotwire_core.tiny_model import build_model
     from hotwire_core.verify.plugin_free import run_engine
     from test_speculative_eagle import build_eagle_head
