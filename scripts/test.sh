@@ -64,9 +64,6 @@ export VLLM_DISABLE_COMPILE_CACHE=1
 # One OpenMP thread per engine, not bound to a core: vLLM's default binding on two cores pins every engine to core 0,
 # so two lanes would share one core (one thread either way: the same numerics).
 export VLLM_CPU_OMP_THREADS_BIND="${VLLM_CPU_OMP_THREADS_BIND:-nobind}"
-# A step that compiles a new shape while other lanes hold both cores can outlast vLLM's 300 s RPC deadline, and the
-# engine dies (seen once: test_fleet's soak beside the unit lane, a replica's sample_tokens timed out).
-export VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS="${VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS:-1200}"
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
 export TMPDIR="$run_dir/tmp"
 export VLLM_CACHE_ROOT="$run_dir/vllm-cache"

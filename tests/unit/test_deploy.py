@@ -1280,7 +1280,6 @@ def check_test_script_sets_the_cpu_env_and_passes_args(fake: FakeRun) -> None:
         "VLLM_NO_USAGE_STATS": "1",
         "VLLM_DISABLE_COMPILE_CACHE": "1",
         "VLLM_CPU_OMP_THREADS_BIND": "nobind",  # two lanes on two cores, not both pinned to core 0
-        "VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS": "1200",  # a step compiling on busy cores may outlast 300 s
         "OMP_NUM_THREADS": "1",
         "HOTWIRE_STORE": "off",
     }.items():
