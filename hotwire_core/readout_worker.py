@@ -50,7 +50,7 @@ class _Copy:
     event: Any  # a CUDA event recorded after the copy (None on a CPU)
     host: torch.Tensor  # [m, K, 2]: each read token's dot products at its probes' layers, and its norm there
     rows: np.ndarray  # [m]: each read token's readout row (a request's tokens together, in order)
-    positions: np.ndarray  # [m]: each one's position in its request
+    positions: np.ndarray | torch.Tensor  # [m]: each one's position in its request (a tensor: copied from the device)
     within: np.ndarray  # [m]: each one's index among its request's tokens in the step
 
 
@@ -156,32 +156,43 @@ class WorkerReadout:
         idx = self._uploader.to_device(torch.tensor([row for row, _ in writes], dtype=torch.long))
         self.read_slot.index_copy_(0, idx, self._uploader.to_device(torch.from_numpy(table)))
 
-    def fill(self, req_ids: Sequence[str], num_scheduled: np.ndarray, num_computed: np.ndarray, num_tokens: int) -> None:
+    def fill(self, req_ids: Sequence[str], num_scheduled: np.ndarray, num_computed: np.ndarray, num_tokens: int,
+             device_positions: torch.Tensor | None = None) -> None:
         """Send the last forward's values on their way out, then write ``token_read`` for this batch (laid out
-        request by request in ``req_ids`` order)."""
+        request by request in ``req_ids`` order). ``device_positions``: the batch's true positions where
+        ``num_computed`` may count rejected drafts (``Steering.fill``): which tokens are read still follows from
+        ``num_computed`` (every token of a decoding request is), their positions come from the device."""
         self._flush(wait=False)
         length = max(num_tokens, self.dirty)
         host = self._staging[:length]
         host[:] = 0
-        read = self._batch_reads(req_ids, num_scheduled, num_computed) if self.live else None
+        read = self._batch_reads(req_ids, num_scheduled, num_computed, device_positions is None) if self.live else None
         self._read = None
         if read is not None:
             tokens, positions, rows, within = read
             host[tokens] = rows
+            if device_positions is not None:
+                positions = device_positions[self._uploader.to_device(torch.from_numpy(tokens))].to(torch.int32)
             # Where in ``out`` each read token's probes are (dot product, norm), for the gather in _flush.
             _, n_tokens, width = self.out.shape
             base = (self._layers[rows] * n_tokens + tokens[:, None]) * width
             self._read = (np.stack((base + np.arange(self.k), base + self.k), axis=-1), rows, positions, within)
         self._uploader.copy_(self.token_read[:length], torch.from_numpy(host.copy()))
         if self._gated and read is not None:
-            at = np.zeros(num_tokens, np.int32)
-            at[tokens] = positions
-            self._uploader.copy_(self.gates["token_pos"][:num_tokens], torch.from_numpy(at))
+            if device_positions is not None:
+                self.gates["token_pos"][:num_tokens].copy_(device_positions[:num_tokens])
+            else:
+                at = np.zeros(num_tokens, np.int32)
+                at[tokens] = positions
+                self._uploader.copy_(self.gates["token_pos"][:num_tokens], torch.from_numpy(at))
         self.dirty = num_tokens if read is not None else 0
 
-    def _batch_reads(self, req_ids: Sequence[str], num_scheduled: np.ndarray, num_computed: np.ndarray) -> tuple | None:
+    def _batch_reads(self, req_ids: Sequence[str], num_scheduled: np.ndarray, num_computed: np.ndarray,
+                     settles: bool = True) -> tuple | None:
         """The batch's read tokens, vectorised over its requests: ``(token indices, their positions, their readout
-        rows, their indices among their request's tokens in the step)``; None when none of them is read."""
+        rows, their indices among their request's tokens in the step)``; None when none of them is read.
+        ``settles``: ``num_computed`` is exact, and so where each row's settled positions end (else ``_store`` sets
+        that from the positions that arrive)."""
         found = np.array([self._row_of.get(req_id, 0) for req_id in req_ids], np.int64)
         which = np.flatnonzero(found)
         if not which.size:
@@ -190,7 +201,8 @@ class WorkerReadout:
         first = np.asarray(num_computed, np.int64)[which]
         count = np.asarray(num_scheduled, np.int64)[which]
         offset = (np.cumsum(num_scheduled) - num_scheduled)[which]
-        self._settled[rows] = first
+        if settles:
+            self._settled[rows] = first
         lo = np.maximum(first, self._start[rows])
         n = np.maximum(np.minimum(first + count, self._end[rows]) - lo, 0)
         total = int(n.sum())
@@ -212,6 +224,9 @@ class WorkerReadout:
             if self._cuda:
                 host = torch.empty(gathered.shape, dtype=gathered.dtype, pin_memory=True)
                 host.copy_(gathered, non_blocking=True)
+                if isinstance(positions, torch.Tensor):
+                    positions = torch.empty(positions.shape, dtype=positions.dtype, pin_memory=True).copy_(
+                        positions, non_blocking=True)
                 event = torch.cuda.Event()
                 event.record()
             else:
@@ -223,7 +238,14 @@ class WorkerReadout:
                 copy.event.synchronize()
             # [m, K, 2]: NaN where this rank lacks the layer (a row's probes stay as they are until it is freed)
             held = self._held[copy.rows][..., None]
-            self._store(copy.rows, copy.positions, copy.within, np.where(held, copy.host.numpy(), np.float32(np.nan)))
+            positions = copy.positions
+            if isinstance(positions, torch.Tensor):
+                positions = positions.numpy()
+                # Settled: below a row's first position in that forward (no draft before it can be rejected any more).
+                first = np.full(len(self._settled), np.iinfo(np.int64).max)
+                np.minimum.at(first, copy.rows, positions)
+                self._settled[np.unique(copy.rows)] = first[np.unique(copy.rows)]
+            self._store(copy.rows, positions, copy.within, np.where(held, copy.host.numpy(), np.float32(np.nan)))
 
     def _store(self, rows: np.ndarray, positions: np.ndarray, within: np.ndarray, values: np.ndarray) -> None:
         """Put one forward's values in their rows' buffers, a full buffer first joining its row's chunks (and a

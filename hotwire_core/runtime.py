@@ -305,9 +305,14 @@ class WorkerSteering:
         return (not self._line_of and not self._dirty and (self.capture is None or self.capture.clean)
                 and (self.readout is None or self.readout.clean))
 
-    def fill(self, req_ids: Sequence[str], num_scheduled: np.ndarray, num_computed: np.ndarray, num_tokens: int) -> None:
+    def fill(self, req_ids: Sequence[str], num_scheduled: np.ndarray, num_computed: np.ndarray, num_tokens: int,
+             positions: torch.Tensor | None = None) -> None:
         """Write ``token_cfg`` for a batch laid out request by request in ``req_ids`` order; ``num_tokens`` is the
         sum of ``num_scheduled`` (both runners have it at hand; summing it here was about 40% of a steady step's fill).
+        ``positions``: the tokens' positions on the device where ``num_computed`` may count drafts the last step
+        rejected (asynchronous scheduling with speculation; ``vllm_glue.speculation``): readouts and gates take
+        theirs from it. Steering needs only which tokens are past the prompt, which such a count never misplaces
+        (a request drafts only once its prompt is computed).
 
         A token at position ``p`` of a request with prompt length ``P`` uses the prefill config when ``p < P``
         and the decode config otherwise. Steps with no steered request leave a clean buffer untouched."""
@@ -316,7 +321,7 @@ class WorkerSteering:
             capture.fill(req_ids, num_scheduled, num_computed, num_tokens)
         readout = self.readout
         if readout is not None and not readout.clean:
-            readout.fill(req_ids, num_scheduled, num_computed, num_tokens)
+            readout.fill(req_ids, num_scheduled, num_computed, num_tokens, positions)
         if not self._line_of and not self._dirty:
             return
         rows = self._batch_rows(req_ids)

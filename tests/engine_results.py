@@ -12,8 +12,8 @@ from typing import Any
 from hotwire_core.verify.plugin_free import run_batches, run_engine
 from hotwire_core.vllm_glue.offline import summarize
 
-__all__ = ["assert_same_result", "engine_kwargs", "max_diff", "run_batches", "run_in_subprocess", "run_vanilla",
-           "same_on_repeat", "same_with_cache_hit", "summarize"]
+__all__ = ["CPU_REPEAT_TOLERANCE", "assert_same_result", "engine_kwargs", "max_diff", "run_batches", "run_in_subprocess",
+           "run_vanilla", "same_on_repeat", "same_with_cache_hit", "summarize"]
 
 
 def engine_kwargs() -> dict[str, Any]:

@@ -20,7 +20,7 @@ import json
 import pytest
 import torch
 
-from engine_results import engine_kwargs, max_diff, run_batches, run_in_subprocess
+from engine_results import CPU_REPEAT_TOLERANCE, engine_kwargs, max_diff, run_batches, run_in_subprocess
 
 __all__ = [
     "batches", "engine", "prompts", "unspeculated", "vector",
@@ -174,24 +174,35 @@ def test_decode_only_and_prefill_only_split_at_the_prompt(engine):
 
 
 def test_plain_requests_are_bit_identical_to_a_plugin_free_engine_with_the_same_speculation(
-    engine, speculative_config, tiny_model, prompts, tmp_path
+    engine, unspeculated, speculative_config, tiny_model, prompts, tmp_path
 ):
+    """Tokens and logprobs as plugin-free vLLM's with the same speculation. Prompt logprobs as computed without
+    speculation: under CUDA graphs vLLM 0.25.1 computes them after a drafter that runs a model may have overwritten
+    the target's hidden states (vLLM #53488), which hotwire keeps for them (``vllm_glue.speculation``); how far
+    plugin-free vLLM's are from those values is printed, not judged."""
     a, b = prompts["a"], prompts["b"]
     vanilla = run_in_subprocess(tiny_model, [[req(a)], [req(b)], [req(b), req(a), req(b), req(a)]], tmp_path,
                                 overrides={"speculative_config": speculative_config})
     ours = engine["results"]
-    pairs = [(ours[PLAIN][0], vanilla[0][0]), (ours[PLAIN_B][0], vanilla[1][0])]
-    for got, want in pairs:
+    bound = 0.0 if torch.cuda.is_available() else CPU_REPEAT_TOLERANCE  # two engines: the CPU's rounding
+    for n, i in enumerate((PLAIN, PLAIN_B)):
+        got, want, alone = ours[i][0], vanilla[n][0], unspeculated[i][0]
         assert got["token_ids"] == want["token_ids"], "plain request tokens differ from vLLM without hotwire"
-        for key in ("logprobs", "prompt_logprobs"):
-            diff = max_diff(got[key], want[key])
-            assert got[key] == want[key], f"plain request {key} differ from vLLM without hotwire by {diff}"
+        diff = max_diff(got["logprobs"], want["logprobs"])
+        assert got["logprobs"] == want["logprobs"], f"plain request logprobs differ from vLLM without hotwire by {diff}"
+        diff = max_diff(got["prompt_logprobs"], alone["prompt_logprobs"])
+        assert diff <= bound, f"plain request prompt logprobs differ from those without speculation by {diff}"
+        theirs = max_diff(want["prompt_logprobs"], alone["prompt_logprobs"])
+        print(f"{speculative_config['method']}: prompt logprobs from those without speculation: plugin-free vLLM's "
+              f"{theirs:.2e}, hotwire's {diff:.2e}")
     # Beside steered batchmates (whose drafts, and so the batch's shape, differ from plain ones'): tokens equal,
-    # logprobs to float32 rounding.
+    # logprobs to float32 rounding; prompt logprobs as in the same batch without speculation.
     for n in (0, 3):
         got, want = ours[MIXED][n], vanilla[2][n]
         assert got["token_ids"] == want["token_ids"]
-        assert lp_diff(got, want) < 1e-5, f"plain batchmate {n} moved by {lp_diff(got, want)}"
+        diff = max(max_diff(got["logprobs"], want["logprobs"]),
+                   max_diff(got["prompt_logprobs"], unspeculated[MIXED][n]["prompt_logprobs"]))
+        assert diff < 1e-5, f"plain batchmate {n} moved by {diff}"
 
 
 def test_readouts_under_speculation_equal_transformers_hooks(engine, tiny_model, prompts, vector):
@@ -219,7 +230,7 @@ def test_readouts_under_speculation_equal_transformers_hooks(engine, tiny_model,
     # float32 on the CPU: within 1e-5 of the largest score. On a GPU the engine runs bf16 against transformers'
     # float32, so a score's error scales with |stream| |probe| (test_readout.py's bound: 2% of that product).
     on_gpu = torch.cuda.is_available()
-    worst = 0.0
+    worst, where = 0.0, None
     for (key, steered), out in zip(cases, outs):
         steering = [(layer, v, ENTRY["scale"]) for layer in ENTRY["layer"]] if steered else []
         prompt, generated = prompts[key], list(out.outputs[0].token_ids)
@@ -231,8 +242,10 @@ def test_readouts_under_speculation_equal_transformers_hooks(engine, tiny_model,
             got = np.array(probe[part]["score"])
             assert got.shape == want.shape, (key, steered, part)
             scale = (rows.norm(dim=-1) * v.norm()).max() if on_gpu else np.abs(want).max()
-            worst = max(worst, float(np.abs(got - want).max() / scale))
+            apart = float(np.abs(got - want).max() / scale)
+            if apart > worst:
+                worst, where = apart, f"prompt {key}, {'steered' if steered else 'plain'}, {part} tokens"
     print(f"readout under speculation vs transformers + hooks: {worst:.2e} of the largest "
           f"{'|stream| |probe|' if on_gpu else 'score'}; drafted {drafted}, accepted {accepted}")
-    assert worst < (0.02 if on_gpu else 1e-5)
+    assert worst < (0.02 if on_gpu else 1e-5), f"readouts {worst:.2e} from transformers' (where: {where})"
     assert 0 < accepted < drafted  # verification kept drafts past the first token, and rejected some

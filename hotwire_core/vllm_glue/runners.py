@@ -13,6 +13,7 @@ from ..runtime import Step
 from .graphs import capture_both_variants, set_gate
 from .patching import wrap
 from .requests import extra_args, prompt_length
+from .speculation import device_positions, keep_hidden_states_for_prompt_logprobs
 
 __all__ = ["patch_v1_runner", "patch_v2_runner", "step_of", "unhooked_runner"]
 
@@ -80,7 +81,9 @@ def patch_v1_runner(module: Any) -> None:
                 batch = self.input_batch
                 n = batch.num_reqs
                 qsl = self.query_start_loc.np[: n + 1]
-                steering.fill(batch.req_ids[:n], qsl[1:] - qsl[:-1], batch.num_computed_tokens_cpu[:n], int(qsl[n]))
+                n_tokens = int(qsl[n])
+                steering.fill(batch.req_ids[:n], qsl[1:] - qsl[:-1], batch.num_computed_tokens_cpu[:n], n_tokens,
+                              device_positions(self, n_tokens))
             return original(self, *args, **kwargs)
 
         return _model_forward
@@ -88,6 +91,7 @@ def patch_v1_runner(module: Any) -> None:
     wrap(cls, "execute_model", make_execute)
     wrap(cls, "_model_forward", make_forward)
     wrap(cls, "_warmup_and_capture", capture_both_variants)
+    keep_hidden_states_for_prompt_logprobs(cls)
     setattr(cls, _STEP_HOOKS, ("execute_model", "_model_forward"))
 
 

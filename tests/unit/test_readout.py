@@ -272,6 +272,32 @@ def test_a_peek_hands_out_settled_generated_positions_and_leaves_them_in_place()
     assert np.frombuffer(whole["values"], np.float32).reshape(5, 1, 2)[3, 0, 0] == 105.5  # the latest value
 
 
+def test_positions_from_the_device_replace_counts_that_assume_every_draft_was_accepted():
+    """Asynchronous scheduling with speculation: the host's count for the step after a verification assumes all its
+    drafts were accepted (6 here, where 2 of 3 were: 5), vLLM's device positions are right. The values, what a peek
+    counts as settled and a gate's positions follow the device's."""
+    from hotwire_core.readout_worker import WorkerReadout
+
+    w = WorkerReadout([0, 1, 2, 3], N_LAYERS, torch.device("cpu"), MAX_TOKENS, K, 4, _HostUploader(), gates=True)
+    args = {**_args("ta", "generated", (1,)), "gate": {"probe": 0, "below": False, "latch": True, "cosine": False,
+                                                        "prompt": False, "threshold": 0.0}}  # fmt: skip
+    w.on_step([], [("a", 3, args, [SteerItem(1, 3, 0.0, 0.0)])], {})
+    w.fill(["a"], np.array([3]), np.array([0]), 3, torch.arange(3))  # prefill: exact counts
+    _forward(w, [0, 1, 2] + [0] * 13)
+    w.fill(["a"], np.array([3]), np.array([3]), 3, torch.arange(3, 6))  # the last sampled token and 2 drafts
+    _forward(w, [3, 4, 5] + [0] * 13)
+    w.fill(["a"], np.array([2]), np.array([6]), 2, torch.tensor([5, 6]))  # the host counts 6, the device knows 5
+    assert w.gates["token_pos"][:2].tolist() == [5, 6]
+    _forward(w, [5.5, 6] + [0] * 14)
+    peeked = w.peek({"ta": 0})["readouts"]["ta"]
+    assert np.frombuffer(peeked["positions"], np.int32).tolist() == [2, 3, 4]  # 5 and 6: this step's, not settled
+    w.fill(["a"], np.array([1]), np.array([7]), 1, torch.tensor([7]))
+    w.on_step(["a"], [], {})
+    whole = w.take(["ta"])["readouts"]["ta"]
+    assert np.frombuffer(whole["positions"], np.int32).tolist() == [2, 3, 4, 5, 6, 7]
+    assert np.frombuffer(whole["values"], np.float32).reshape(6, 1, 2)[3, 0, 0] == 105.5  # the latest value
+
+
 def test_a_stream_gets_the_generated_values_every_rank_holds_without_a_gap():
     from hotwire_core.readout_results import generated_so_far
 
