@@ -13,7 +13,7 @@ from ..runtime import Step
 from .graphs import capture_both_variants, set_gate
 from .patching import wrap
 from .requests import extra_args, prompt_length
-from .speculation import device_positions, keep_hidden_states_for_prompt_logprobs
+from .speculation import device_positions, keep_hidden_states_for_prompt_logprobs, v2_device_positions
 
 __all__ = ["patch_v1_runner", "patch_v2_runner", "step_of", "unhooked_runner"]
 
@@ -119,7 +119,8 @@ def patch_v2_runner(module: Any) -> None:
             batch = original(self, scheduler_output, *args, **kwargs)
             steering = getattr(self, "hotwire", None)
             if steering is not None:
-                steering.fill(batch.req_ids, batch.num_scheduled_tokens, batch.num_computed_tokens_np, batch.num_tokens)
+                steering.fill(batch.req_ids, batch.num_scheduled_tokens, batch.num_computed_tokens_np, batch.num_tokens,
+                              v2_device_positions(self, batch))
             return batch
 
         return prepare_inputs

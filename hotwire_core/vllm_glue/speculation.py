@@ -1,16 +1,16 @@
-"""V1 speculative decoding with a drafter that runs a model (EAGLE, MTP, a draft model): two places where the
-runner's host view of a step is not what its forward computed.
+"""Speculative decoding: two places where the runner's host view of a step is not what its forward computed.
 
-- **Prompt logprobs** (vLLM #53488, open in 0.25.1): such a drafter runs before the runner computes prompt logprobs
-  from the target's ``hidden_states``, and under CUDA graphs that tensor is a graph output in the pool every graph
-  shares: the drafter's graphs can overwrite it, so prompt logprobs come from the drafter's activations. Where they
-  do depends on the pool's layout, which hotwire's second (idle) graph set changes, so a plugin-free engine's values
-  and hotwire's were wrong in different ways. Here the target's hidden states of a step in which a request still
+- **Prompt logprobs** (V1, vLLM #53488, open in 0.25.1): a drafter that runs a model (EAGLE, MTP, a draft model)
+  runs before the runner computes prompt logprobs from the target's ``hidden_states``, and under CUDA graphs that
+  tensor is a graph output in the pool every graph shares: the drafter's graphs can overwrite it, so prompt logprobs
+  come from the drafter's activations. Where they do depends on the pool's layout, which hotwire's second (idle)
+  graph set changes, so a plugin-free engine's values and hotwire's were wrong in different ways. Here the target's hidden states of a step in which a request still
   needs prompt logprobs are copied before the drafter runs and used instead (the fix of vLLM PR #53520): prompt
   logprobs equal those computed without speculation.
-- **Positions** (:func:`device_positions`): with asynchronous scheduling the host's ``num_computed_tokens`` assume
-  the last step's drafts were all accepted; vLLM corrects them on the device before the forward and on the host only
-  after it. A step's true positions are then only on the device.
+- **Positions** (:func:`device_positions`, :func:`v2_device_positions`): with asynchronous scheduling and
+  speculation the host's ``num_computed_tokens`` assume the last step's drafts were all accepted; vLLM corrects them
+  on the device before the forward (V1 on the host only after it, V2 not at all). A step's true positions are then
+  only on the device.
 """
 
 from __future__ import annotations
@@ -19,18 +19,26 @@ from typing import Any
 
 from .patching import wrap
 
-__all__ = ["device_positions", "keep_hidden_states_for_prompt_logprobs"]
+__all__ = ["device_positions", "keep_hidden_states_for_prompt_logprobs", "v2_device_positions"]
 
 _KEPT = "_hotwire_target_hidden_states"  # on the runner, within one sample_tokens call
 
 
 def device_positions(runner: Any, n_tokens: int) -> Any:
-    """The step's token positions on the device when the host's counts may be ahead of them (asynchronous
+    """V1: the step's token positions on the device when the host's counts may be ahead of them (asynchronous
     scheduling with speculation), else None: the host's are right."""
     if not getattr(runner, "use_async_spec_decode", False):
         return None
     positions = runner.positions
     return getattr(positions, "gpu", positions)[:n_tokens]
+
+
+def v2_device_positions(runner: Any, batch: Any) -> Any:
+    """V2 (the ``InputBatch`` its ``prepare_inputs`` returns): the host holds the scheduler's counts, an upper bound
+    under speculation ("CPU upper bound on seq_lens" in vLLM 0.26's runner), the device the true positions."""
+    if getattr(runner, "speculator", None) is None:
+        return None
+    return batch.positions[: batch.num_tokens]
 
 
 def keep_hidden_states_for_prompt_logprobs(cls: type) -> None:
