@@ -4,9 +4,9 @@
   runs before the runner computes prompt logprobs from the target's ``hidden_states``, and under CUDA graphs that
   tensor is a graph output in the pool every graph shares: the drafter's graphs can overwrite it, so prompt logprobs
   come from the drafter's activations. Where they do depends on the pool's layout, which hotwire's second (idle)
-  graph set changes, so a plugin-free engine's values and hotwire's were wrong in different ways. Here the target's hidden states of a step in which a request still
-  needs prompt logprobs are copied before the drafter runs and used instead (the fix of vLLM PR #53520): prompt
-  logprobs equal those computed without speculation.
+  graph set changes, so a plugin-free engine's values and hotwire's were wrong in different ways. Here the target's
+  hidden states of a step in which a request still needs prompt logprobs are copied before the drafter runs and used
+  instead (the fix of vLLM PR #53520): prompt logprobs equal those computed without speculation.
 - **Positions** (:func:`device_positions`, :func:`v2_device_positions`): with asynchronous scheduling and
   speculation the host's ``num_computed_tokens`` assume the last step's drafts were all accepted; vLLM corrects them
   on the device before the forward (V1 on the host only after it, V2 not at all). A step's true positions are then
