@@ -35,8 +35,9 @@ def device_positions(runner: Any, n_tokens: int) -> Any:
 
 def v2_device_positions(runner: Any, batch: Any) -> Any:
     """V2 (the ``InputBatch`` its ``prepare_inputs`` returns): the host holds the scheduler's counts, an upper bound
-    under speculation ("CPU upper bound on seq_lens" in vLLM 0.26's runner), the device the true positions."""
-    if getattr(runner, "speculator", None) is None:
+    under speculation ("CPU upper bound on seq_lens" in vLLM 0.26's runner), the device the true positions. Judged
+    by the configuration, not by ``runner.speculator``, which a pipeline rank without the drafter leaves None."""
+    if getattr(runner, "speculative_config", None) is None:
         return None
     return batch.positions[: batch.num_tokens]
 
