@@ -30,7 +30,9 @@ outputs reach the API server as one message, so fewer requests per step cost it 
 from the engine client's ``add_request`` (the client's TTFT less this: time in the API server before the engine) and
 its mean queue time in the scheduler, over rounds; per round the paired ratios steered / plain and plain / vanilla,
 and their medians (the figures of the targets: ≥ 0.98 and ≥ 0.99; with monitors, monitored / plain, #39's target:
-≥ 0.99); per round the busiest client process's CPU over its wall time (near 100%: the clients, not the server, were
+≥ 0.99) with a distribution-free 95% interval of each median (``median_interval``: single rounds have spread ±15%,
+so a target is met with confidence only where the interval's low end reaches it; 3 rounds give a 75% interval, 6
+a 97% one); per round the busiest client process's CPU over its wall time (near 100%: the clients, not the server, were
 the limit). With ``--profile``, py-spy samples the API server over each measured window (``api_profile.py``), and
 the report adds its sampled CPU per request by package and by function, plain against plugin-free and steered
 against plain: where the extra time goes; the same for the engine core process (one rank on a GPU: vLLM runs the
@@ -51,6 +53,7 @@ import asyncio
 import base64
 import contextlib
 import json
+import math
 import multiprocessing
 import os
 import random
@@ -316,6 +319,25 @@ def median(values: Sequence[float]) -> float | None:
     return statistics.median(values) if values else None
 
 
+def median_interval(values: Sequence[float], level: float = 0.95) -> dict[str, float] | None:
+    """A distribution-free interval for the median of ``values`` (independent rounds): the order statistics
+    ``[x_(k), x_(n+1-k)]`` with the largest ``k`` whose coverage, ``1 - 2 P(Binomial(n, 1/2) < k)``, is at least
+    ``level``; when even ``[min, max]`` covers less (3 rounds: 75%), that interval with its coverage. A target is met
+    with that confidence only if the interval's low end reaches it."""
+    n = len(values)
+    if n < 2:
+        return None
+    x = sorted(values)
+
+    def coverage(k: int) -> float:
+        return 1 - 2 * sum(math.comb(n, i) for i in range(k)) / 2**n
+
+    k = 1
+    while k + 1 <= n + 1 - (k + 1) and coverage(k + 1) >= level:
+        k += 1
+    return {"low": x[k - 1], "high": x[n - k], "coverage": coverage(k)}
+
+
 def _steps_per_request(run: dict[str, Any]) -> float | None:
     engine = run.get("engine")
     return engine["steps"] / run["completed"] if engine and run["completed"] else None
@@ -356,7 +378,7 @@ def summarize(rounds: list[dict[str, Any]], seconds: float) -> dict[str, Any]:
             continue
         paired = [a["completed"] / b["completed"]
                   for a, b in zip(by_config[num], by_config[den], strict=False) if b["completed"]]  # fmt: skip
-        out["ratios"][name] = {"per_round": paired, "median": median(paired)}
+        out["ratios"][name] = {"per_round": paired, "median": median(paired), "interval": median_interval(paired)}
     return out
 
 
@@ -559,7 +581,10 @@ def main(argv: Sequence[str] | None = None) -> int:
               f"{figures['ttft_p50_ms_median']} ms, API server CPU {figures['api_cpu_ms_per_request_median']} "
               "ms/request")  # fmt: skip
     for ratio, figures in result["ratios"].items():
-        print(f"throughput: {ratio}: median {figures['median']}, per round {figures['per_round']}")
+        interval = figures["interval"]
+        spread = (f", {interval['coverage']:.0%} interval of the median {interval['low']:.3f}-{interval['high']:.3f}"
+                  if interval else "")
+        print(f"throughput: {ratio}: median {figures['median']}{spread}, per round {figures['per_round']}")
     for process, report in result.get("profile", {}).items():
         for config, figures in report["configs"].items():
             packages = ", ".join(f"{p} {ms:.3f}" for p, ms in list(figures["by_package"].items())[:8])

@@ -5,7 +5,8 @@
 # tenants: the soak with 4 tenants (#40), SOAK_CLIENTS clients for TENANT_DURATION (240) s, 64 slots, a tenant's
 #   share 16 rows; once without and once with a tenant flooding distinct vectors (compare the others' p99).
 # throughput: benchmarks/bench_throughput.py, plugin-free vLLM vs hotwire plain vs hotwire 75 % steered,
-#   THROUGHPUT_CLIENTS (128) streaming clients, THROUGHPUT_ROUNDS (3) rotated rounds of 20 s; THROUGHPUT_PROFILE=1
+#   THROUGHPUT_CLIENTS (128) streaming clients, THROUGHPUT_ROUNDS (6: a 97% interval of each median ratio) rotated
+#   rounds of THROUGHPUT_SECONDS (10) s; THROUGHPUT_PROFILE=1
 #   adds --profile (py-spy on PATH: its binary from the development venv, carried in .gpu/py/bin); THROUGHPUT_SALTED=1
 #   adds --salted (plugin-free vLLM with 75 % of the requests salted for the prefix cache: the floor of steered / plain).
 # prefill: benchmarks/bench_prefill.py, Qwen3-4B shape, 8192-token prompts, PREFILL_ROUNDS (16).
@@ -28,9 +29,9 @@ for step in "${steps[@]}"; do
         --server-arg=--max-num-seqs=256 --workdir /tmp/soak-gpu --out "$out/soak_gpu.json" 2>&1 \
         | tee "$out/soak_gpu.txt" | tail -60 ;;
     throughput)
-      python3 -m benchmarks.bench_throughput --clients "${THROUGHPUT_CLIENTS:-128}" --rounds "${THROUGHPUT_ROUNDS:-3}" \
+      python3 -m benchmarks.bench_throughput --clients "${THROUGHPUT_CLIENTS:-128}" --rounds "${THROUGHPUT_ROUNDS:-6}" \
         ${THROUGHPUT_PROFILE:+--profile} ${THROUGHPUT_SALTED:+--salted} \
-        --seconds 20 --warmup 5 --server-arg=--max-num-seqs=256 --server-arg=--kv-cache-memory-bytes=8589934592 \
+        --seconds "${THROUGHPUT_SECONDS:-10}" --warmup 5 --server-arg=--max-num-seqs=256 --server-arg=--kv-cache-memory-bytes=8589934592 \
         --workdir /tmp/throughput-gpu --out "$out/throughput_gpu.json" 2>&1 | tee "$out/throughput_gpu.txt" | tail -30 ;;
     tenants)
       for flood in "" --flood; do

@@ -39,6 +39,17 @@ def test_a_stream_is_judged_by_status_receipt_end_and_token_count() -> None:
     assert bt.check_stream(200, None, stream(8, verdicts=2), 8, None) == "monitors_wrong"  # none expected
 
 
+def test_the_interval_of_a_median_is_the_widest_order_statistics_reaching_the_level() -> None:
+    assert bt.median_interval([1.0]) is None
+    three = bt.median_interval([0.9, 1.1, 1.0])
+    assert (three["low"], three["high"], three["coverage"]) == (0.9, 1.1, 0.75)  # min-max: 1 - 2/8
+    six = bt.median_interval([0.97, 0.99, 1.0, 0.98, 1.02, 1.01])
+    assert (six["low"], six["high"]) == (0.97, 1.02) and six["coverage"] == 1 - 2 / 64
+    nine = bt.median_interval([float(v) for v in range(9)])  # k = 2: 1 - 2 (1 + 9) / 512 = 0.961 >= 0.95
+    assert (nine["low"], nine["high"]) == (1.0, 7.0) and abs(nine["coverage"] - (1 - 20 / 512)) < 1e-12
+    assert bt.median_interval([float(v) for v in range(9)], level=0.97)["low"] == 0.0  # k = 2 covers too little
+
+
 def test_rounds_give_medians_and_ratios_paired_by_round() -> None:
     rounds = [
         {"round": 0, "config": "vanilla", "completed": 100, "steered": 0, "ttft_p50_ms": 10.0},
@@ -59,6 +70,7 @@ def test_rounds_give_medians_and_ratios_paired_by_round() -> None:
     assert out["ratios"]["steered_vs_plain"]["per_round"] == [98 / 99, 190 / 200]
     assert out["ratios"]["plain_vs_vanilla"]["per_round"] == [0.99, 1.0]
     assert out["ratios"]["plain_vs_vanilla"]["median"] == (0.99 + 1.0) / 2
+    assert out["ratios"]["plain_vs_vanilla"]["interval"] == {"low": 0.99, "high": 1.0, "coverage": 0.5}
     assert "monitored" not in out["configs"] and "monitored_vs_plain" not in out["ratios"]
     rounds += [{"round": 0, "config": "monitored", "completed": 98, "steered": 0, "ttft_p50_ms": 11.0, "api_cpu_s": 0.4},
                {"round": 1, "config": "monitored", "completed": 198, "steered": 0, "ttft_p50_ms": 11.0}]
