@@ -18,6 +18,7 @@ version strings; the version gate (:func:`inactive_reason`) keeps hotwire out of
 | :mod:`.runners` | V1 ``GPUModelRunner.execute_model`` / ``_model_forward`` (0.25.1-0.33), V2 ``execute_model`` / ``prepare_inputs``, ``SchedulerOutput`` | request lifecycle (a step's changes as the worker's ``Step``), gate, per-token fill; a runner without them is unsteerable |
 | :mod:`.speculation` | V1 ``sample_tokens`` / ``propose_draft_token_ids`` / ``_get_prompt_logprobs_dict``, ``use_async_spec_decode``, ``positions`` | prompt logprobs from the target's hidden states kept before a model drafter runs (vLLM #53488); true positions under asynchronous speculation |
 | :mod:`.graphs` | V1 ``_warmup_and_capture``, ``CUDAGraphWrapper``, V2 ``ModelCudaGraphManager.capture`` / ``CudaGraphManager.run_fullgraph`` | idle and steered graph variants |
+| :mod:`.shm_broadcast` | ``MessageQueue.ReadTimeoutWithWarnings.timeout_ms`` (releases without ``SHM_READER_RECHECK_INTERVAL_MS``) | a worker waiting for its next command looks at the ring every 5 s: a dropped notification no longer parks it (vLLM PR #45224's fix) |
 | :mod:`.api_server` | the API server's process names and app builder, ``AsyncLLM.add_request``, the data-parallel client, ``app.state`` | where hotwire's control plane attaches and guards what reaches the engine (the callbacks are hotwire_api's) |
 | :mod:`.offline` | ``LLM``, ``SamplingParams``, ``LoRARequest``, ``RequestOutput``, ``LLMEngine``'s configs | the self-test (``hotwire_core.verify``) and the plugin-free runner |
 | :mod:`.cli` | ``vllm.entrypoints.cli.main`` | the ``vllm`` command of ``hotwire_api.vllm_cli`` |
@@ -37,6 +38,7 @@ from .graphs import patch_cuda_graph_wrapper, patch_v2_cudagraphs
 from .patching import PatchOnImport
 from .runners import patch_v1_runner, patch_v2_runner
 from .scheduler import patch_scheduler
+from .shm_broadcast import patch_shm_broadcast
 from .versions import SUPPORTED_VLLM, inactive_reason, unsupported_version
 from .workers import patch_worker, patch_worker_base
 
@@ -54,6 +56,7 @@ PATCHES: dict[str, Callable[[Any], None]] = {
     "vllm.v1.worker.gpu.model_runner": patch_v2_runner,
     "vllm.compilation.cuda_graph": patch_cuda_graph_wrapper,
     "vllm.v1.worker.gpu.cudagraph_utils": patch_v2_cudagraphs,
+    "vllm.distributed.device_communicators.shm_broadcast": patch_shm_broadcast,
 }
 
 _INSTALLED = False
