@@ -54,6 +54,11 @@ class _Copy:
     within: np.ndarray  # [m]: each one's index among its request's tokens in the step
 
 
+def _to_pinned(device: torch.Tensor) -> torch.Tensor:
+    """A copy of ``device`` in pinned host memory, issued on the stream (read it once the copy's event is done)."""
+    return torch.empty(device.shape, dtype=device.dtype, pin_memory=True).copy_(device, non_blocking=True)
+
+
 class WorkerReadout:
     def __init__(self, layers: Collection[int], n_layers: int, device: torch.device, max_tokens: int,
                  max_probes: int, rows: int, uploader: Any, gates: bool = False):
@@ -222,11 +227,9 @@ class WorkerReadout:
             # Only each token's probes at their layers leave the device: [m, K, 2] (dot products, norms).
             gathered = self.out.view(-1)[self._uploader.to_device(torch.from_numpy(where))]
             if self._cuda:
-                host = torch.empty(gathered.shape, dtype=gathered.dtype, pin_memory=True)
-                host.copy_(gathered, non_blocking=True)
+                host = _to_pinned(gathered)
                 if isinstance(positions, torch.Tensor):
-                    positions = torch.empty(positions.shape, dtype=positions.dtype, pin_memory=True).copy_(
-                        positions, non_blocking=True)
+                    positions = _to_pinned(positions)
                 event = torch.cuda.Event()
                 event.record()
             else:
@@ -242,9 +245,8 @@ class WorkerReadout:
             if isinstance(positions, torch.Tensor):
                 positions = positions.numpy()
                 # Settled: below a row's first position in that forward (no draft before it can be rejected any more).
-                first = np.full(len(self._settled), np.iinfo(np.int64).max)
-                np.minimum.at(first, copy.rows, positions)
-                self._settled[np.unique(copy.rows)] = first[np.unique(copy.rows)]
+                first = copy.within == 0
+                self._settled[copy.rows[first]] = positions[first]
             self._store(copy.rows, positions, copy.within, np.where(held, copy.host.numpy(), np.float32(np.nan)))
 
     def _store(self, rows: np.ndarray, positions: np.ndarray, within: np.ndarray, values: np.ndarray) -> None:
