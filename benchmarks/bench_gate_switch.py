@@ -23,7 +23,7 @@ from vllm.config import CUDAGraphMode
 from vllm.forward_context import BatchDescriptor
 
 from hotwire_core.vllm_glue import graphs
-from hotwire_core.ops import GATE
+from hotwire_core.ops import ALL, GATE, IDLE
 
 
 def captured_wrappers(n_wrappers: int, n_entries: int) -> list[cuda_graph.CUDAGraphWrapper]:
@@ -38,7 +38,7 @@ def captured_wrappers(n_wrappers: int, n_entries: int) -> list[cuda_graph.CUDAGr
         wrappers.append(w)
     descs = [BatchDescriptor(num_tokens=8 * (i + 1)) for i in range(n_entries)]
     for variant in ("idle", "steered"):
-        with graphs.gate_closed() if variant == "idle" else contextlib.nullcontext():
+        with graphs.capturing(IDLE) if variant == "idle" else contextlib.nullcontext():
             for w in wrappers:
                 for desc in descs:
                     w.concrete_cudagraph_entries[desc] = SimpleNamespace(cudagraph=variant)
@@ -47,8 +47,8 @@ def captured_wrappers(n_wrappers: int, n_entries: int) -> list[cuda_graph.CUDAGr
 
 def per_move_us(number: int) -> float:
     def close_and_open() -> None:
-        GATE.open = False
-        GATE.open = True
+        GATE.kinds = IDLE
+        GATE.kinds = ALL
 
     return statistics.median(timeit.repeat(close_and_open, number=number, repeat=5)) / number / 2 * 1e6
 

@@ -1,7 +1,7 @@
 """Host time hotwire's worker adds to one decode step (no GPU needed; the per-step work is NumPy on the host).
 
 Per step, a worker runs ``WorkerSteering.on_step`` (new and finished requests, read from the scheduler output by
-``vllm_glue.runners.step_of``), ``steers_any`` (the step's graph variant) and ``fill`` (``token_cfg``). This times
+``vllm_glue.runners.step_of``), ``step_kinds`` (the step's graph variant) and ``fill`` (``token_cfg``). This times
 the three on a decode batch of B requests, on a CPU device (the device copies then are host copies too), in four
 modes:
 
@@ -74,7 +74,7 @@ def decode_step(batch: int, mode: str, shape: str, capture: bool = False) -> Cal
             w.on_step(step_of(SimpleNamespace(scheduled_new_reqs=[request(n)]), (finished,)))
         else:
             w.on_step(step_of(no_news, ()))
-        w.steers_any(ids)
+        w.step_kinds(ids)
         w.fill(ids, scheduled, computed, tokens)
 
     step()

@@ -119,7 +119,7 @@ def instrument() -> tuple[list[HookTimer], list[str]]:
 # a median near the second means it rebuilds every step, i.e. ``fill`` never reaches its steady path. The uploader's
 # ``to_device`` (pinned host copy, host-to-device copy, event) runs once per table written: its calls per step count
 # the uploads.
-PARTS = {"WorkerSteering": ("on_step", "steers_any", "fill", "_batch_rows"),
+PARTS = {"WorkerSteering": ("on_step", "step_kinds", "fill", "_batch_rows"),
          "Uploader": ("to_device", "copy_", "_stage", "_record")}
 
 

@@ -2,8 +2,8 @@
 
 Right after the steering op, at the same point of every hooked decoder layer, it adds the residual stream of each
 token that has a capture row (``token_cap[t] != 0``) into that row's float32 accumulator for the layer. Row 0 is
-"no capture". Like ``steer_`` it does nothing while ``ops.GATE`` is closed, so a step with nothing steered and
-nothing captured still replays the hotwire-free idle graphs.
+"no capture". It does nothing unless ``ops.GATE`` has CAPTURE on, so a step in which nobody captures replays graphs
+without it (see ``ops.graph_variants``).
 
 The accumulator (``[n_layers, rows + 1, hidden]`` float32) is not an argument: it is set once per worker
 (:func:`set_accumulator`) before compile and graph capture, and never reallocated, the way vLLM's attention reaches
@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 
 from . import ops
-from .ops import GATE, define_op
+from .ops import CAPTURE, GATE, define_op
 
 OP_NAME = "capture_"
 _SCHEMA = f"{OP_NAME}(Tensor(a!) target, Tensor? other, Tensor token_cap, int layer) -> ()"
@@ -39,7 +39,7 @@ def capture_torch(target: torch.Tensor, other: torch.Tensor | None, token_cap: t
 
 def _capture_cpu(target: torch.Tensor, other: torch.Tensor | None, token_cap: torch.Tensor, layer: int) -> None:
     """On the CPU the op runs as Python every step (no graphs): only the captured tokens cost anything."""
-    if GATE.open and _ACC is not None:
+    if GATE.kinds & CAPTURE and _ACC is not None:
         rows = token_cap[: target.shape[0]]
         picked = rows.nonzero().squeeze(1)
         if picked.numel():
@@ -47,7 +47,7 @@ def _capture_cpu(target: torch.Tensor, other: torch.Tensor | None, token_cap: to
 
 
 def _capture_cuda(target: torch.Tensor, other: torch.Tensor | None, token_cap: torch.Tensor, layer: int) -> None:
-    if GATE.open and _ACC is not None:
+    if GATE.kinds & CAPTURE and _ACC is not None:
         from hotwire_core.triton_capture import capture_triton_
 
         capture_triton_(target, other, token_cap, _ACC, layer, pdl=ops.PDL)

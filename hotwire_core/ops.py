@@ -24,31 +24,66 @@ GATE_LAYER, GATE_PROBE, GATE_FLAGS, GATE_FIRST, GATE_PROMPT_LEN = range(5)
 GATE_BELOW, GATE_LATCH, GATE_COSINE, GATE_PROMPT = 1, 2, 4, 8
 NEVER = 2**31 - 1  # GATE_FIRST of a latch that has not fired
 
-class Gate:
-    """Whether the forward being run (or captured into a CUDA graph) may steer any token.
+IDLE, STEER, READ, CAPTURE = 0, 1, 2, 4  # which of hotwire's ops a forward launches (Gate.kinds): a mask
+ALL = STEER | READ | CAPTURE
 
-    ``split`` is set once a model is hooked with idle graphs on (``HOTWIRE_IDLE_GRAPHS``); the runner then sets
-    ``open`` before every forward: closed when no scheduled request is steered. A closed gate makes the op a
-    no-op that launches nothing, so a graph captured while closed holds no hotwire node at all, i.e. it is
-    vLLM's own graph; ``vllm_glue`` captures every graph in both variants and, through ``on_change``, puts the
-    set the gate names in place when the gate opens or closes (not on every graph replay).
+
+def graph_variants(read: bool, capture: bool) -> tuple[int, ...]:
+    """The masks every CUDA graph is captured for, cheapest first, ``ALL`` last: idle (no hotwire node at all:
+    vLLM's own graph) and ``ALL`` always; steering alone where another op is compiled in, so a steered step does
+    not launch it at every layer; reading alone and with steering where the read op is compiled in (monitors read
+    in every step, steered or not). Capturing for extraction is rare: its steps replay ``ALL``."""
+    variants = [IDLE]
+    if read or capture:
+        variants.append(STEER)
+    if read:
+        variants.append(READ)
+    if read and capture:
+        variants.append(STEER | READ)
+    return (*variants, ALL)
+
+
+def kinds_name(kinds: int) -> str:
+    """``"idle"``, ``"all"``, or the ops a mask launches joined by ``+`` (``"steer+read"``)."""
+    if kinds == ALL:
+        return "all"
+    names = ((STEER, "steer"), (READ, "read"), (CAPTURE, "capture"))
+    return "+".join(name for bit, name in names if kinds & bit) or "idle"
+
+
+class Gate:
+    """Which of hotwire's ops the forward being run (or captured into a CUDA graph) launches: ``kinds``, a mask
+    of STEER, READ and CAPTURE; an op whose kind is off is a no-op that launches nothing.
+
+    ``split`` is set once a model is hooked with idle graphs on (``HOTWIRE_IDLE_GRAPHS``), and ``variants``
+    (:func:`graph_variants`) to the masks ``vllm_glue`` captures every graph for. The runner then sets ``kinds``
+    before every forward to the first variant that covers what the step needs (``covering``), and through
+    ``on_change`` the glue puts that variant's graph set in place when it changes (not on every graph replay).
     """
 
     def __init__(self) -> None:
         self.split = False
-        self._open = True
-        self.on_change: Callable[[bool], None] | None = None
+        self.variants: tuple[int, ...] = (IDLE, ALL)
+        self._kinds = ALL
+        self.on_change: Callable[[int], None] | None = None
+
+    def configure(self, split: bool, read: bool, capture: bool) -> None:
+        self.split, self.variants = split, graph_variants(read, capture) if split else (ALL,)
+
+    def covering(self, needed: int) -> int:
+        """The cheapest captured variant that launches every op in ``needed``."""
+        return next(v for v in self.variants if v & needed == needed)
 
     @property
-    def open(self) -> bool:
-        return self._open
+    def kinds(self) -> int:
+        return self._kinds
 
-    @open.setter
-    def open(self, value: bool) -> None:
-        if value != self._open:
+    @kinds.setter
+    def kinds(self, value: int) -> None:
+        if value != self._kinds:
             if self.on_change is not None:
                 self.on_change(value)  # first: if it fails, the gate keeps its state and the next set retries
-            self._open = value
+            self._kinds = value
 
 
 GATE = Gate()
@@ -122,13 +157,13 @@ def steer_torch(
 
 def _steer_cpu(residual: torch.Tensor, *args: object) -> None:
     """CPU kernel: unsteered rows are rewritten with their own bits, which leaves them unchanged."""
-    if GATE.open:
+    if GATE.kinds & STEER:
         residual.copy_(steer_torch(residual, *args))
 
 
 def _steer_cuda(*args: object) -> None:
     """CUDA kernel: the Triton launcher, imported here so CPU-only processes never import Triton."""
-    if GATE.open:
+    if GATE.kinds & STEER:
         from hotwire_core.triton_steer import steer_triton_
 
         steer_triton_(*args, pdl=PDL)

@@ -4,9 +4,8 @@ Right after the steering op (and the capture op, where compiled in), at the same
 layer, it projects the residual stream of each token that has a readout row (``token_read[t] != 0``) onto that
 row's probes for the layer (``read_slot[row, layer, k]``: bank slots; slot 0 is the bank's all-zero row) and writes
 ``out[layer, t, k]`` (the dot products, float32) and ``out[layer, t, K]`` (the stream's L2 norm, for cosines).
-Tokens without a row, or whose row has no probe at this layer, are not written. Like ``steer_`` it does nothing
-while ``ops.GATE`` is closed, so a step in which nobody steers, captures or reads still replays the hotwire-free
-idle graphs.
+Tokens without a row, or whose row has no probe at this layer, are not written. It does nothing unless
+``ops.GATE`` has READ on, so a step in which nobody reads replays graphs without it (see ``ops.graph_variants``).
 
 The output buffer (``[n_layers, max_tokens, K + 1]`` float32) is not an argument: it is set once per worker
 (:func:`set_output`) before compile and graph capture, as the capture op's accumulator is. The schema names
@@ -24,7 +23,7 @@ import torch
 
 from . import ops
 from .ops import (GATE, GATE_BELOW, GATE_COSINE, GATE_FIRST, GATE_FLAGS, GATE_LATCH, GATE_LAYER, GATE_PROBE,
-                  GATE_PROMPT, GATE_PROMPT_LEN, define_op)
+                  GATE_PROMPT, GATE_PROMPT_LEN, READ, define_op)
 
 OP_NAME = "read_"
 _SCHEMA = (f"{OP_NAME}(Tensor(a!) target, Tensor? other, Tensor token_read, Tensor read_slot, Tensor bank, int layer, "
@@ -68,7 +67,7 @@ def _read_cpu(target: torch.Tensor, other: torch.Tensor | None, token_read: torc
               token_hit: torch.Tensor | None = None, gate_row: torch.Tensor | None = None,
               gate_f: torch.Tensor | None = None) -> None:
     """On the CPU the op runs as Python every step (no graphs): only the read tokens cost anything."""
-    if GATE.open and _OUT is not None:
+    if GATE.kinds & READ and _OUT is not None:
         rows = token_read[: target.shape[0]]
         picked = rows.nonzero().squeeze(1)
         picked = picked[read_slot[rows[picked].long(), layer].any(-1)]  # rows with a probe at this layer
@@ -86,7 +85,7 @@ def _read_cpu(target: torch.Tensor, other: torch.Tensor | None, token_read: torc
 
 def _read_cuda(target: torch.Tensor, other: torch.Tensor | None, token_read: torch.Tensor, read_slot: torch.Tensor,
                bank: torch.Tensor, layer: int, *gates: torch.Tensor | None) -> None:
-    if GATE.open and _OUT is not None:
+    if GATE.kinds & READ and _OUT is not None:
         from hotwire_core.triton_readout import read_triton_
 
         read_triton_(target, other, token_read, read_slot, bank, _OUT, layer, *gates, pdl=ops.PDL)

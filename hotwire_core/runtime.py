@@ -23,6 +23,7 @@ from .capture import WorkerCapture  # its capture_op registers torch.ops.hotwire
 from .readout_worker import WorkerReadout  # its readout_op registers torch.ops.hotwire.read_
 from .contract import Config, SteerItem, WorkerInfo
 from .config_rows import ConfigRows
+from .ops import CAPTURE, IDLE, READ, STEER
 from .settings import Settings
 from .steer_hook import HOOK_NAME, SteerHook
 from .stream_read import READER_NAME, StreamReader
@@ -270,21 +271,21 @@ class WorkerSteering:
         if n_tables == 4:
             self.buffers["cfg_gate"].index_copy_(0, idx, on_device[:, 3])
 
-    def steers_any(self, scheduled: Collection[str]) -> bool:
-        """Whether any scheduled request has a steering config (for prefill or decode) or captures: the step's
-        ``ops.GATE``."""
+    def step_kinds(self, scheduled: Collection[str]) -> int:
+        """Which of hotwire's ops the scheduled requests need (``ops.STEER``, ``READ``, ``CAPTURE``): a steering
+        config (for prefill or decode), a readout or gate, a capture. ``ops.GATE`` covers it for the step."""
+        kinds = IDLE
         capture = self.capture  # attribute checks first: this runs every step, and nobody captures in most
         if capture is not None and capture.live and capture.scheduled(scheduled):
-            return True
+            kinds |= CAPTURE
         readout = self.readout
         if readout is not None and readout.live and readout.scheduled(scheduled):
-            return True
+            kinds |= READ
         steered = self._line_of
-        if not steered:
-            return False
-        if len(steered) <= len(scheduled):
-            return any(req_id in scheduled for req_id in steered)
-        return any(req_id in steered for req_id in scheduled)
+        if steered and (any(req_id in scheduled for req_id in steered) if len(steered) <= len(scheduled)
+                        else any(req_id in steered for req_id in scheduled)):
+            kinds |= STEER
+        return kinds
 
     # -- per-step fill ---------------------------------------------------------------------------------------
 

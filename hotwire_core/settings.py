@@ -53,7 +53,8 @@ class Settings:
     norm: bool = setting(Flag("HOTWIRE_NORM", default=False,
                               doc="allow norm-relative entries at tensor parallel 1 (see steer_hook.SteerHook)"))
     idle_graphs: bool = setting(Flag("HOTWIRE_IDLE_GRAPHS", default=True,
-                                     doc="capture hotwire-free CUDA graphs for unsteered steps (ops.Gate)"))
+                                     doc="capture a CUDA graph set per mix of hotwire ops, hotwire-free for "
+                                         "unsteered steps (ops.graph_variants)"))
     layers: frozenset[int] | None = setting(Layers("HOTWIRE_LAYERS",
                                                    doc="the only layers hooked (unset: all); fewer, cheaper steps"))
     pdl: bool = setting(Flag("HOTWIRE_PDL", default=True,

@@ -8,9 +8,9 @@ from collections.abc import Iterable
 from typing import Any
 
 from .. import contract
-from ..ops import GATE
+from ..ops import GATE, IDLE
 from ..runtime import Step
-from .graphs import capture_both_variants, set_gate
+from .graphs import capture_variants, set_gate
 from .patching import wrap
 from .requests import extra_args, prompt_length
 from .speculation import device_positions, keep_hidden_states_for_prompt_logprobs, v2_device_positions
@@ -90,7 +90,7 @@ def patch_v1_runner(module: Any) -> None:
 
     wrap(cls, "execute_model", make_execute)
     wrap(cls, "_model_forward", make_forward)
-    wrap(cls, "_warmup_and_capture", capture_both_variants)
+    wrap(cls, "_warmup_and_capture", capture_variants)
     keep_hidden_states_for_prompt_logprobs(cls)
     setattr(cls, _STEP_HOOKS, ("execute_model", "_model_forward"))
 
@@ -109,7 +109,7 @@ def patch_v2_runner(module: Any) -> None:
                 steering.on_step(step_of(scheduler_output, removed))
                 set_gate(steering, scheduler_output)
             elif steering is not None and GATE.split:
-                GATE.open = False  # a dummy step: every token is padding
+                GATE.kinds = IDLE  # a dummy step: every token is padding
             return original(self, scheduler_output, *args, **kwargs)
 
         return execute_model

@@ -95,7 +95,9 @@ def _attach(worker: Any) -> None:
         speculative=worker.vllm_config.speculative_config is not None,
         read_points={index: norm for index, norm in points.items() if index in layers},
     )
-    GATE.split = _idle_graphs_possible(worker.vllm_config) and bool(layers)
+    steering = runner.hotwire
+    GATE.configure(_idle_graphs_possible(worker.vllm_config) and bool(layers), read=steering.readout is not None,
+                   capture=steering.capture is not None)
     ops.PDL = pdl_possible(device)
     if layers and settings().impl == "op" and device.type == "cuda":
         logger.info("hotwire: kernels launched %s", "as programmatic dependent launches" if ops.PDL else "plainly")
@@ -120,7 +122,7 @@ def pdl_possible(device: Any) -> bool:
 
 
 def _idle_graphs_possible(vllm_config: Any) -> bool:
-    """Idle graph variants need the opaque op (traced torch ops cannot be switched off) and vLLM's own
+    """Graph variants need the opaque op (traced torch ops cannot be switched off) and vLLM's own
     ``CUDAGraphWrapper``: the breakable wrapper keeps graphs of its own, and would replay an idle capture for a
     steered step (micro-batching: see unsupported_setup)."""
     return (

@@ -119,6 +119,39 @@ def test_readout_of_a_steered_request_reads_the_steered_stream(llm, hf_model, pr
         check(entry, "generated", streams, probes[name](layer), layer, slice(P - 1, P - 1 + G))
 
 
+def test_each_step_replays_the_graph_variant_of_the_ops_it_needs_and_steering_stays_exact(llm, hf_model, probes,
+                                                                                          prompt_ids):
+    """With the read op compiled in, a step that only steers replays graphs without it (``ops.graph_variants``),
+    one that only reads graphs without the steering op, one that does both the full set; steering in the
+    steering-only graphs equals transformers with the hook (on the GPU these are separately captured graphs)."""
+    from hotwire_core import contract
+    from hotwire_core.offline import generate_with_readout, steer
+
+    def kinds() -> str:
+        sets = llm.collective_rpc(contract.GRAPH_SETS)[0]
+        assert sets["variants"] == ["idle", "steer", "read", "all"], sets
+        return sets["kinds"]
+
+    params = greedy(logprobs=0, prompt_logprobs=0, extra_args=steer({"id": "deep", "layer": 3, "scale": 6.0}))
+    (out,) = llm.generate([{"prompt_token_ids": prompt_ids}], params, use_tqdm=False)
+    assert kinds() == "steer"
+    generated = list(out.outputs[0].token_ids)
+    ids = prompt_ids + generated
+    want = hf_reference.logprobs(hf_model, ids, [(3, probes["deep"](3), 6.0, False)])
+    plain = hf_reference.logprobs(hf_model, ids)
+    got = np.array([next(iter(lp.values())).logprob for lp in [*out.prompt_logprobs[1:], *out.outputs[0].logprobs]])
+    targets = torch.tensor(ids[1:])
+    expected = want[torch.arange(len(targets)), targets].numpy()
+    err = np.abs(got - expected).max()
+    moved = np.abs(expected - plain[torch.arange(len(targets)), targets].numpy()).max()
+    print(f"steered in the steering-only graphs: logprobs vs transformers {err:.3g}, steering moved them {moved:.3g}")
+    assert err < (5e-2 if ON_GPU else 1e-4) and moved > (5 if ON_GPU else 100) * err
+    generate_with_readout(llm, [{"prompt_token_ids": prompt_ids}], greedy(), [{"id": "joy", "layer": 1}])
+    assert kinds() == "read"
+    generate_with_readout(llm, [{"prompt_token_ids": prompt_ids}], params, [{"id": "joy", "layer": 1}])
+    assert kinds() == "all"
+
+
 def test_generated_readout_keeps_the_prefix_cache_and_prompt_readout_does_not_need_it(llm, hf_model, probes):
     """A long prompt twice: the second run's prompt blocks come from the prefix cache. A ``generated`` readout is
     still exact (the last prompt token is always computed); a ``prompt`` readout computes every prompt token (a

@@ -41,7 +41,7 @@ def test_admission_modes_hash_as_named(monkeypatch):
 
 
 def test_gate_switch_moves_every_wrapper_between_its_two_sets():
-    from hotwire_core.ops import GATE
+    from hotwire_core.ops import ALL, GATE, IDLE
 
     wrappers = bench_gate_switch.captured_wrappers(3, 2)
     try:
@@ -49,10 +49,10 @@ def test_gate_switch_moves_every_wrapper_between_its_two_sets():
             return {entry.cudagraph for w in wrappers for entry in w.concrete_cudagraph_entries.values()}
 
         assert variants() == {"steered"}
-        GATE.open = False
+        GATE.kinds = IDLE
         assert variants() == {"idle"}
         assert bench_gate_switch.per_move_us(10) > 0 and variants() == {"steered"}
     finally:
         for w in wrappers:
             bench_gate_switch.cuda_graph.CUDAGraphWrapper._all_instances.discard(w)
-        GATE.split, GATE.open = False, True
+        GATE.split, GATE.kinds = False, ALL

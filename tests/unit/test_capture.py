@@ -208,7 +208,7 @@ def test_triton_kernel_in_interpreter() -> None:
 
 def test_the_cpu_kernel_adds_the_captured_tokens_only():
     from hotwire_core import capture_op
-    from hotwire_core.ops import GATE
+    from hotwire_core.ops import ALL, GATE, IDLE, READ, STEER
 
     acc = torch.zeros(N_LAYERS, 3, H)
     saved = capture_op._ACC
@@ -222,11 +222,12 @@ def test_the_cpu_kernel_adds_the_captured_tokens_only():
         torch.ops.hotwire.capture_(x, r, cap, 1)
         torch.testing.assert_close(acc[1, 2], (x + r)[[1, 3]].sum(0))
         assert not acc[1, :2].any() and not acc[[0, 2, 3]].any()  # row 0 collects nothing on the CPU
-        GATE.open = False
-        torch.ops.hotwire.capture_(x, r, cap, 1)  # a closed gate: nothing
-        torch.testing.assert_close(acc[1, 2], (x + r)[[1, 3]].sum(0))
+        for kinds in (IDLE, STEER | READ):  # a gate without CAPTURE: nothing
+            GATE.kinds = kinds
+            torch.ops.hotwire.capture_(x, r, cap, 1)
+            torch.testing.assert_close(acc[1, 2], (x + r)[[1, 3]].sum(0))
     finally:
-        GATE.open = True
+        GATE.kinds = ALL
         capture_op.set_accumulator(saved)
 
 

@@ -1,4 +1,4 @@
-"""Idle graph variants (``ops.GATE`` + ``vllm_glue``): which graph set vLLM's own wrapper and V2 manager replay.
+"""Graph variants (``ops.GATE`` + ``vllm_glue``): which graph set vLLM's own wrapper and V2 manager replay.
 
 CUDA graphs cannot be captured on the CPU, so these drive the real ``CUDAGraphWrapper.__call__`` (runtime mode
 NONE, which runs the wrapped callable and captures nothing) and the real ``CudaGraphManager.run_fullgraph`` with
@@ -20,14 +20,16 @@ from vllm.forward_context import BatchDescriptor, set_forward_context  # noqa: E
 from vllm.v1.worker.gpu import cudagraph_utils  # noqa: E402
 
 from hotwire_core.vllm_glue import graphs, patching, runners, workers  # noqa: E402
-from hotwire_core.ops import GATE  # noqa: E402
+from hotwire_core.ops import ALL, GATE, IDLE, READ, STEER  # noqa: E402
 
 
 @pytest.fixture(autouse=True)
 def split_gate():
-    GATE.split, GATE.open = True, True
+    GATE.configure(True, read=False, capture=False)
+    GATE.kinds = ALL
     yield
-    GATE.split, GATE.open = False, True
+    GATE.configure(False, read=False, capture=False)
+    GATE.kinds = ALL
 
 
 class Wrapper(cuda_graph.CUDAGraphWrapper):
@@ -52,13 +54,18 @@ def entry(name: str) -> SimpleNamespace:
     return SimpleNamespace(cudagraph=name)
 
 
-def captured(gate_open: bool) -> Wrapper:
-    """A wrapper with DESC captured in both variants (idle first, as hotwire's capture hook does)."""
+NAMES = {IDLE: "idle graph", ALL: "steered graph", STEER: "steer graph", READ: "read graph",
+         STEER | READ: "steer+read graph"}
+
+
+def captured(kinds: int) -> Wrapper:
+    """A wrapper with DESC captured in every variant (ALL last, as hotwire's capture hook does)."""
     w = Wrapper()
-    with graphs.gate_closed():
-        w.concrete_cudagraph_entries[DESC] = entry("idle graph")
+    for variant in GATE.variants[:-1]:
+        with graphs.capturing(variant):
+            w.concrete_cudagraph_entries[DESC] = entry(NAMES[variant])
     w.concrete_cudagraph_entries[DESC] = entry("steered graph")
-    GATE.open = gate_open
+    GATE.kinds = kinds
     return w
 
 
@@ -68,12 +75,22 @@ def graph(w: Wrapper, desc: BatchDescriptor = DESC) -> str:
 
 
 def test_the_gate_puts_each_wrappers_set_in_place_when_it_moves():
-    w = captured(gate_open=True)
+    w = captured(ALL)
     assert graph(w) == "steered graph"
-    GATE.open = False
+    GATE.kinds = IDLE
     assert graph(w) == "idle graph"
-    GATE.open = True
+    GATE.kinds = ALL
     assert graph(w) == "steered graph"
+
+
+def test_with_read_and_capture_compiled_in_each_variant_replays_its_own_graphs():
+    """Steering alone, reading alone and both get graphs without the ops they do not need; capturing gets ALL's."""
+    GATE.configure(True, read=True, capture=True)
+    w = captured(ALL)
+    for needed, replayed in ((STEER, "steer graph"), (READ, "read graph"), (STEER | READ, "steer+read graph"),
+                             (IDLE, "idle graph"), (ALL, "steered graph"), (STEER | 4, "steered graph")):
+        GATE.kinds = GATE.covering(needed)
+        assert graph(w) == replayed, needed
 
 
 def test_a_replay_runs_vllms_own_call_unwrapped():
@@ -82,76 +99,76 @@ def test_a_replay_runs_vllms_own_call_unwrapped():
 
 
 def test_closed_gate_falls_back_to_a_steered_only_graph_never_the_reverse():
-    w = captured(gate_open=True)
+    w = captured(ALL)
     w.concrete_cudagraph_entries[OTHER] = entry("steered graph, captured outside hotwire's capture hook")
-    GATE.open = False
+    GATE.kinds = IDLE
     assert graph(w, OTHER).startswith("steered graph")  # a steered graph serves an unsteered step
     assert graph(w) == "idle graph"
-    GATE.open = True
-    w._hotwire_sets.idle[BatchDescriptor(num_tokens=32)] = entry("idle graph only")
+    GATE.kinds = ALL
+    w._hotwire_sets.own[IDLE][BatchDescriptor(num_tokens=32)] = entry("idle graph only")
     assert BatchDescriptor(num_tokens=32) not in w.concrete_cudagraph_entries  # never an idle graph when steering
 
 
 def test_capturing_closed_fills_the_bare_idle_set_even_if_the_gate_was_closed_already():
     """V2's dummy steps close the gate before capture. A wrapper then serves unsteered steps from its idle set
     completed with steered-only graphs; what a capture adds must still land in the bare idle set."""
-    w = captured(gate_open=True)
+    w = captured(ALL)
     w.concrete_cudagraph_entries[OTHER] = entry("steered graph only")
-    GATE.open = False
+    GATE.kinds = IDLE
     new = BatchDescriptor(num_tokens=32)
-    with graphs.gate_closed():
+    with graphs.capturing(IDLE):
         w.concrete_cudagraph_entries[new] = entry("new idle graph")
     w.concrete_cudagraph_entries[new] = entry("new steered graph")
     assert graph(w, new) == "new steered graph"
-    GATE.open = False
+    GATE.kinds = IDLE
     assert graph(w, new) == "new idle graph" and graph(w, OTHER) == "steered graph only"
 
 
 def test_gate_not_split_leaves_the_wrapper_alone():
-    GATE.split, GATE.open = False, True
+    GATE.split = False
     w = Wrapper()
     steered = w.concrete_cudagraph_entries
-    steering = SimpleNamespace(steers_any=lambda scheduled: False)
+    steering = SimpleNamespace(step_kinds=lambda scheduled: IDLE)
     graphs.set_gate(steering, SimpleNamespace(num_scheduled_tokens={"plain": 1}))
     assert w.concrete_cudagraph_entries is steered and "_hotwire_sets" not in w.__dict__
 
 
 def test_a_replaced_entries_dict_starts_both_sets_over():
     """vLLM drops a wrapper's graphs by assigning a new dict (elastic EP): the idle set must go too."""
-    w = captured(gate_open=True)
+    w = captured(ALL)
     fresh = w.concrete_cudagraph_entries = {}
-    GATE.open = False
-    assert w.concrete_cudagraph_entries == {} and w._hotwire_sets.steered is fresh
-    GATE.open = True
+    GATE.kinds = IDLE
+    assert w.concrete_cudagraph_entries == {} and w._hotwire_sets.full is fresh
+    GATE.kinds = ALL
     assert w.concrete_cudagraph_entries is fresh
 
 
-def test_clear_graphs_clears_both_sets():
-    w = captured(gate_open=False)
+def test_clear_graphs_clears_every_set():
+    w = captured(IDLE)
     w.clear_graphs()
-    assert w._hotwire_sets.idle == {} and w._hotwire_sets.steered == {} and w.concrete_cudagraph_entries == {}
-    with graphs.gate_closed():  # captured again, with the same batch shapes
+    assert w._hotwire_sets.own[IDLE] == {} and w._hotwire_sets.full == {} and w.concrete_cudagraph_entries == {}
+    with graphs.capturing(IDLE):  # captured again, with the same batch shapes
         w.concrete_cudagraph_entries[DESC] = entry("new idle graph")
     w.concrete_cudagraph_entries[DESC] = entry("new steered graph")
-    GATE.open = False
+    GATE.kinds = IDLE
     assert graph(w) == "new idle graph"
 
 
 def counts() -> dict:
-    counts = dict.fromkeys(("holders", "serving_idle", "idle_graphs", "steered_graphs"), 0)
-    graphs.GRAPH_SETS.count_into(counts)
-    return counts
+    return graphs.graph_set_counts(runner=None)
 
 
 def test_graph_set_counts():
     before = counts()
-    w = captured(gate_open=True)
+    w = captured(ALL)
     w.concrete_cudagraph_entries[OTHER] = entry("steered only")
     Wrapper().concrete_cudagraph_entries[DESC] = entry("no idle variant: not counted")
     after = counts()
     assert after["holders"] - before["holders"] == 1 and after["serving_idle"] == 0
-    assert (after["idle_graphs"] - before["idle_graphs"], after["steered_graphs"] - before["steered_graphs"]) == (1, 2)
-    GATE.open = False
+    added = {name: n - before["graphs"].get(name, 0) for name, n in after["graphs"].items()}
+    assert added == {"idle": 1, "all": 2}
+    assert (after["variants"], after["kinds"]) == (["idle", "all"], "all")
+    GATE.kinds = IDLE
     closed = counts()
     assert closed["serving_idle"] == closed["holders"] >= 1
     del w
@@ -160,30 +177,30 @@ def test_graph_set_counts():
 def test_a_wrapper_made_during_a_closed_capture_keeps_its_idle_graphs_apart():
     """After elastic EP resets vLLM's compiled graphs, vLLM compiles (and makes new wrappers) inside the first,
     closed, capture pass: what such a wrapper captures there is idle and must not become its steered set."""
-    with graphs.gate_closed():
+    with graphs.capturing(IDLE):
         w = Wrapper()
         w.concrete_cudagraph_entries[DESC] = entry("idle graph")
     assert w.concrete_cudagraph_entries == {}  # the steered pass finds nothing and captures its own
     w.concrete_cudagraph_entries[DESC] = entry("steered graph")
-    GATE.open = False
+    GATE.kinds = IDLE
     assert graph(w) == "idle graph"
 
 
 def test_a_failed_switch_leaves_the_gate_as_it_was():
-    w = captured(gate_open=True)
+    w = captured(ALL)
     switch = GATE.on_change
 
-    def failing(gate_open):
+    def failing(kinds):
         raise RuntimeError("switch failed")
 
     GATE.on_change = failing
     try:
         with pytest.raises(RuntimeError):
-            GATE.open = False
+            GATE.kinds = IDLE
     finally:
         GATE.on_change = switch
-    assert GATE.open is True and graph(w) == "steered graph"
-    GATE.open = False  # the next move goes through
+    assert GATE.kinds == ALL and graph(w) == "steered graph"
+    GATE.kinds = IDLE  # the next move goes through
     assert graph(w) == "idle graph"
 
 
@@ -202,10 +219,10 @@ class Manager(cudagraph_utils.CudaGraphManager):
 
     def __init__(self):
         self.graphs = {}
-        self.gates_seen: list[bool] = []
+        self.gates_seen: list[int] = []
 
     def capture(self, desc):
-        self.gates_seen.append(GATE.open)
+        self.gates_seen.append(GATE.kinds)
         self.graphs[desc] = Graph()
         return {desc: "attention state"}
 
@@ -221,18 +238,22 @@ graphs.patch_v2_cudagraphs(SimpleNamespace(CudaGraphManager=Manager, ModelCudaGr
 FULL = cudagraph_utils.BatchExecutionDescriptor(cg_mode=CUDAGraphMode.FULL, num_tokens=8, num_reqs=8)
 
 
-def test_v2_captures_idle_then_steered_and_replays_by_gate():
+def test_v2_captures_every_variant_then_all_and_replays_by_gate():
+    GATE.configure(True, read=True, capture=False)
     m = ModelManager()
     assert m.capture(FULL) == {FULL: "attention state"}
-    assert m.gates_seen == [False, True] and GATE.open
-    idle, steered = m._hotwire_idle_graphs[FULL], m.graphs[FULL]
-    assert idle is not steered
+    assert m.gates_seen == [IDLE, STEER, READ, ALL] and GATE.kinds == ALL
+    idle, steer, steered = (m._hotwire_variant_graphs[IDLE][FULL], m._hotwire_variant_graphs[STEER][FULL],
+                            m.graphs[FULL])
+    assert len({id(idle), id(steer), id(steered)}) == 3
     m.run_fullgraph(FULL)
-    assert (idle.replays, steered.replays) == (0, 1)
-    GATE.open = False
+    assert (idle.replays, steer.replays, steered.replays) == (0, 0, 1)
+    GATE.kinds = IDLE
     m.run_fullgraph(FULL)
-    assert (idle.replays, steered.replays) == (1, 1)
-    assert m.graphs[FULL] is steered  # the steered set is back in place after an idle replay
+    GATE.kinds = STEER
+    m.run_fullgraph(FULL)
+    assert (idle.replays, steer.replays, steered.replays) == (1, 1, 1)
+    assert m.graphs[FULL] is steered  # ALL's set is back in place after another variant's replay
 
 
 @pytest.mark.parametrize("split", [False, True], ids=["not-split", "speculator"])
@@ -241,8 +262,8 @@ def test_v2_captures_once_without_split_and_for_speculators(split):
     GATE.split = split
     m = ModelManager() if not split else Manager()
     m.capture(FULL)
-    assert m.gates_seen == [True] and not hasattr(m, "_hotwire_idle_graphs")
-    GATE.open = False
+    assert m.gates_seen == [ALL] and not hasattr(m, "_hotwire_variant_graphs")
+    GATE.kinds = IDLE
     m.run_fullgraph(FULL)
     assert m.graphs[FULL].replays == 1
 
@@ -250,10 +271,10 @@ def test_v2_captures_once_without_split_and_for_speculators(split):
 @pytest.mark.skipif(not hasattr(cudagraph_utils, "_extrapolate_full_graph_memory"),
                     reason="this vLLM's V2 runner does not profile CUDA-graph memory (0.29+ does)")
 @pytest.mark.parametrize("split", [True, False], ids=["split", "not-split"])
-def test_v2_graph_memory_profile_counts_both_graph_sets(split):
+def test_v2_graph_memory_profile_counts_every_graph_set(split):
     """vLLM 0.29+ sizes the KV cache after estimating V2's FULL-graph memory from the largest graphs' captures:
-    the first capture's cost plus the second's for every further graph. hotwire's capture samples both variants,
-    so there are twice as many graphs to count."""
+    the first capture's cost plus the second's for every further graph. hotwire's capture samples every variant,
+    so there are that many times as many graphs to count (here two: idle and ALL)."""
     module = SimpleNamespace(CudaGraphManager=Manager, ModelCudaGraphManager=ModelManager,
                              _extrapolate_full_graph_memory=cudagraph_utils._extrapolate_full_graph_memory)
     graphs.patch_v2_cudagraphs(module)
@@ -265,14 +286,18 @@ def test_v2_graph_memory_profile_counts_both_graph_sets(split):
     assert module._extrapolate_full_graph_memory(samples, graphs_per_set) == expected
 
 
-def test_v1_capture_hook_runs_idle_then_steered():
+def test_v1_capture_hook_runs_every_variant_then_all():
     seen = []
-    capture = graphs.capture_both_variants(lambda runner, desc: seen.append((desc, GATE.open)) or "done")
-    assert capture(None, "d") == "done" and seen == [("d", False), ("d", True)] and GATE.open
+    capture = graphs.capture_variants(lambda runner, desc: seen.append((desc, GATE.kinds)) or "done")
+    assert capture(None, "d") == "done" and seen == [("d", IDLE), ("d", ALL)] and GATE.kinds == ALL
+    GATE.configure(True, read=False, capture=True)
+    seen.clear()
+    capture(None, "d")
+    assert seen == [("d", IDLE), ("d", STEER), ("d", ALL)]
     GATE.split = False
     seen.clear()
     capture(None, "d")
-    assert seen == [("d", True)]
+    assert seen == [("d", ALL)]
 
 
 def test_gate_follows_the_scheduled_requests():
@@ -288,14 +313,14 @@ def test_gate_follows_the_scheduled_requests():
                               sampling_params=SimpleNamespace(extra_args={BINDING_KEY: {"p": [], "d": [(1, 1, 1.0, 0.0)]}}))
     steering.on_step(runners.step_of(SimpleNamespace(scheduled_new_reqs=[steered]), set()))
     graphs.set_gate(steering, SimpleNamespace(num_scheduled_tokens={"plain": 1}))
-    assert GATE.open is False
+    assert GATE.kinds == IDLE
     graphs.set_gate(steering, SimpleNamespace(num_scheduled_tokens={"plain": 1, "s": 1}))
-    assert GATE.open is True
+    assert GATE.kinds == ALL  # steering alone: the full set, when nothing else is compiled in
     graphs.set_gate(steering, SimpleNamespace(num_scheduled_tokens={}))  # frees finished requests only
-    assert GATE.open is True
+    assert GATE.kinds == ALL
     GATE.split = False  # one graph set: the gate stays open whatever runs
     graphs.set_gate(steering, SimpleNamespace(num_scheduled_tokens={"plain": 1}))
-    assert GATE.open is True
+    assert GATE.kinds == ALL
 
 
 @pytest.mark.parametrize(

@@ -282,16 +282,17 @@ def test_op_on_cpu_mutates_in_place(with_hidden: bool, dtype: torch.dtype) -> No
     assert_matches_reference(residual, a)
 
 
-def test_closed_gate_makes_the_op_a_no_op() -> None:
-    """A closed gate (no steered request this step) launches nothing, even where token_cfg says steer."""
+def test_a_gate_without_steer_makes_the_op_a_no_op() -> None:
+    """A gate without STEER (no steered request this step) launches nothing, even where token_cfg says steer."""
     a = make_case(13, torch.float32)
     residual = a.residual.clone()
     try:
-        ops.GATE.open = False
-        torch.ops.hotwire.steer_(*a._replace(residual=residual))
-        assert same_bits(residual, a.residual)
+        for kinds in (ops.IDLE, ops.READ | ops.CAPTURE):
+            ops.GATE.kinds = kinds
+            torch.ops.hotwire.steer_(*a._replace(residual=residual))
+            assert same_bits(residual, a.residual)
     finally:
-        ops.GATE.open = True
+        ops.GATE.kinds = ops.ALL
     torch.ops.hotwire.steer_(*a._replace(residual=residual))
     assert same_bits(residual, steer_torch(*a))
     assert not same_bits(residual, a.residual)

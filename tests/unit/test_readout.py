@@ -62,7 +62,7 @@ def _tables(g):
 
 def test_the_cpu_kernel_writes_the_read_tokens_only():
     from hotwire_core import readout_op
-    from hotwire_core.ops import GATE
+    from hotwire_core.ops import ALL, CAPTURE, GATE, IDLE, STEER
 
     g = torch.Generator().manual_seed(0)
     bank, read_slot = _tables(g)
@@ -82,11 +82,12 @@ def test_the_cpu_kernel_writes_the_read_tokens_only():
         torch.testing.assert_close(out[1, 1, K], stream[1].norm())
         assert out[1, 1, 1] == 0  # probe 1 of row 1 reads layer 2, not 1
         assert (out[1, [0, 3]] == -7).all() and (out[[0, 2, 3]] == -7).all()  # unread tokens and layers untouched
-        GATE.open = False
-        torch.ops.hotwire.read_(x * 2, r, rows, read_slot, bank, 1)  # a closed gate: nothing
-        torch.testing.assert_close(out[1, 1, K], stream[1].norm())
+        for kinds in (IDLE, STEER | CAPTURE):  # a gate without READ: nothing
+            GATE.kinds = kinds
+            torch.ops.hotwire.read_(x * 2, r, rows, read_slot, bank, 1)
+            torch.testing.assert_close(out[1, 1, K], stream[1].norm())
     finally:
-        GATE.open = True
+        GATE.kinds = ALL
         readout_op.set_output(saved)
 
 

@@ -9,9 +9,10 @@ import pytest
 import torch
 
 from hotwire_core.admission import ModelInfo
-from hotwire_core.contract import BINDING_KEY
+from hotwire_core.contract import BINDING_KEY, CAPTURE_KEY, READOUT_ARGS_KEY, SteerItem
 from hotwire_core.bindings import BankWrite
 from hotwire_core.controller import SteeringController
+from hotwire_core.ops import CAPTURE, GATE, IDLE, READ, STEER
 from hotwire_core.runtime import CONFIG_ROWS_PER_BATCH_SLOT, WorkerSteering
 from hotwire_core.settings import Settings
 from hotwire_core.steer_hook import select_layers
@@ -557,20 +558,20 @@ def test_preemption_disarms_the_steady_decode_shortcut():
     assert fill(w, ["A"], [1], [0])[0] == pa
 
 
-def test_steers_any_names_steps_with_a_steered_request():
-    """The gate of a step: open iff a scheduled request has a prefill or a decode config."""
+def test_step_kinds_names_steps_with_a_steered_request():
+    """A step needs STEER iff a scheduled request has a prefill or a decode config."""
     w = ws()
-    assert not w.steers_any({"a": 1})
+    assert w.step_kinds({"a": 1}) == IDLE
     step(w, new=[new_req("plain", 3), new_req("s", 3, {"p": [], "d": [(1, 1, 1.0, 0.0)]}),
                  new_req("none", 3, {"p": [], "d": []})])
-    assert not w.steers_any({"plain": 1, "none": 1})
-    assert not w.steers_any({})
-    assert w.steers_any({"plain": 1, "s": 1})
+    assert w.step_kinds({"plain": 1, "none": 1}) == IDLE
+    assert w.step_kinds({}) == IDLE
+    assert w.step_kinds({"plain": 1, "s": 1}) == STEER
     many = {f"r{i}": 1 for i in range(10)}
-    assert not w.steers_any(many)  # fewer active than scheduled: the other loop
-    assert w.steers_any({**many, "s": 1})
+    assert w.step_kinds(many) == IDLE  # fewer active than scheduled: the other loop
+    assert w.step_kinds({**many, "s": 1}) == STEER
     step(w, removed=["s"])
-    assert not w.steers_any({"plain": 1, "s": 1})
+    assert w.step_kinds({"plain": 1, "s": 1}) == IDLE
 
 
 def test_rebind_moves_a_kept_request_to_its_new_slots():
@@ -629,3 +630,33 @@ def test_workers_with_another_bank_size_turn_steering_off(monkeypatch):
     assert info.reason.startswith(f"HOTWIRE_SLOTS is {SLOTS} in the engine core but {SLOTS * 2} in its workers")
     info = engine_core.model_info([_worker_info(True, [1], stack=STACK + 1)])
     assert not info.steerable and info.reason.startswith(f"HOTWIRE_MAX_STACK is {STACK} in the engine core")
+
+
+def test_step_kinds_name_each_op_a_step_needs_and_the_gate_picks_the_cheapest_variant_covering_them():
+    """Steering, reading (a readout or a gate) and capturing are separate bits, so a steered step replays graphs
+    without the read and capture ops where those are compiled in (``ops.graph_variants``)."""
+    layer = LlamaDecoderLayer()
+    wrap_layer_class(LlamaDecoderLayer)
+    w = WorkerSteering({0: layer}, 1, HIDDEN, torch.float32, torch.device("cpu"), MAX_TOKENS, MAX_REQS,
+                       Settings(SLOTS, STACK, "op", None, None, readout=True, capture=True))
+    probe = {"name": "p@1:L0", "layer": 0, "bias": 0.0, "norm": 1.0}
+    reading = {"p": [], "d": [], "r": [SteerItem(0, 3, 0.0, 0.0)]}
+    step(w, new=[new_req("s", 3, {"p": [], "d": [(0, 1, 1.0, 0.0)]}),
+                 new_req("r", 3, reading, extra={READOUT_ARGS_KEY: {"tag": "t", "tokens": "all", "probes": [probe]}}),
+                 new_req("c", 3, extra={CAPTURE_KEY: {"tag": "c", "layers": [0], "position": "last"}})])
+    assert w.step_kinds({"s": 1}) == STEER
+    assert w.step_kinds({"r": 1}) == READ
+    assert w.step_kinds({"c": 1}) == CAPTURE
+    assert w.step_kinds({"s": 1, "r": 1, "c": 1, "plain": 1}) == STEER | READ | CAPTURE
+    saved = GATE.variants
+    try:
+        GATE.configure(True, read=True, capture=True)
+        picks = {kinds: GATE.covering(kinds) for kinds in range(8)}
+        assert picks == {IDLE: IDLE, STEER: STEER, READ: READ, STEER | READ: STEER | READ,
+                         CAPTURE: 7, STEER | CAPTURE: 7, READ | CAPTURE: 7, 7: 7}
+        GATE.configure(True, read=False, capture=True)
+        assert [GATE.covering(kinds) for kinds in (IDLE, STEER, CAPTURE)] == [IDLE, STEER, 7]
+        GATE.configure(True, read=False, capture=False)
+        assert [GATE.covering(kinds) for kinds in (IDLE, STEER)] == [IDLE, 7]  # steering alone is the full set
+    finally:
+        GATE.split, GATE.variants = False, saved

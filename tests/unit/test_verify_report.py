@@ -79,7 +79,7 @@ def test_per_step_ms():
     assert per_step_ms(0.5, 0.5 + 64 * 0.002, 64) == pytest.approx(2.0)
 
 
-NO_GRAPHS = [{"split": True, "gate_open": False}]  # a CPU rank: no graph wrappers
+NO_GRAPHS = [{"split": True, "kinds": "idle"}]  # a CPU rank: no graph wrappers
 
 
 def test_decode_cost_uses_medians_and_the_limit():
@@ -98,8 +98,8 @@ def test_readout_check_wants_exactly_what_steering_added_at_every_token():
 
 
 def graph_rank(serving_idle: int, holders: int = 37, split: bool = True) -> dict:
-    return {"split": split, "gate_open": False, "holders": holders, "serving_idle": serving_idle,
-            "idle_graphs": 10 * holders, "steered_graphs": 10 * holders}
+    return {"split": split, "kinds": "idle", "holders": holders, "serving_idle": serving_idle,
+            "graphs": {"idle": 10 * holders, "all": 10 * holders}}
 
 
 def test_decode_cost_needs_every_ranks_idle_graphs_after_an_unsteered_step():
