@@ -15,8 +15,9 @@ Configurations: ``vanilla`` (no plugin loaded at all: ``VLLM_PLUGINS=""``), ``op
 the 8 middle layers only: ``HOTWIRE_LAYERS``; it cannot run ``steered_all_layers``), ``op_nopdl`` (the op
 without programmatic dependent launch: ``HOTWIRE_PDL=0``), ``op_capture`` (the op with the capture op of
 ``POST /steer/vectors/extract`` compiled in: ``HOTWIRE_CAPTURE=1``, nobody capturing), ``op_readout`` (the op with
-the readout op compiled in: ``HOTWIRE_READOUT=1``; the only one that runs the modes ``read4``, ``steered_read4`` and ``steered_gated``,
-every request reading 4 probes at a middle layer), ``inductor`` (hotwire, torch ops fused by Inductor), ``eager`` (hotwire's op with ``enforce_eager``: no
+the readout op compiled in: ``HOTWIRE_READOUT=1``; with ``op_readout_used`` the only ones that run the modes ``read4``,
+``steered_read4`` and ``steered_gated``, every request reading 4 probes at a middle layer), ``op_readout_used``
+(``op_readout`` with the read op at the two layers those modes read only: ``HOTWIRE_READOUT_LAYERS``), ``inductor`` (hotwire, torch ops fused by Inductor), ``eager`` (hotwire's op with ``enforce_eager``: no
 torch.compile, no CUDA graphs, what hook-based steering tools pay). All use vLLM's default V2 model runner; a
 ``/v1`` suffix (``vanilla/v1``, ``op/v1``) runs the V1 runner instead, compared with ``vanilla/v1``.
 
@@ -66,10 +67,10 @@ MODES = {
     "steered_all_layers": "every request steered: one vector at every layer",
     "stacked": "every request steered: 4 entries on the same layer",
     "distinct": "every request its own vector (up to 256 distinct), one middle layer",
-    "read4": "every request reads 4 probes at one middle layer, on its generated tokens (op_readout only)",
-    "steered_read4": "every request steered at one middle layer and reading 4 probes there (op_readout only)",
+    "read4": "every request reads 4 probes at one middle layer, on its generated tokens (op_readout, op_readout_used)",
+    "steered_read4": "every request steered at one middle layer and reading 4 probes there (op_readout, op_readout_used)",
     "steered_gated": "every request steered at one middle layer, gated on a probe two layers below that always "
-                     "holds (per token; op_readout only): the cost of the gate against steered",
+                     "holds (per token; op_readout, op_readout_used): the cost of the gate against steered",
 }
 READ_MODES = ("read4", "steered_read4", "steered_gated")
 CONFIGS = {
@@ -80,6 +81,8 @@ CONFIGS = {
     "op_nopdl": "hotwire's op launched without programmatic dependent launch (HOTWIRE_PDL=0)",
     "op_capture": "hotwire's op with the capture op compiled in (HOTWIRE_CAPTURE=1), nobody capturing",
     "op_readout": "hotwire's op with the readout op compiled in (HOTWIRE_READOUT=1, 4 probes per request)",
+    "op_readout_used": "op_readout with the read op only at the layers the read modes read (HOTWIRE_READOUT_LAYERS="
+                       "n/2-2,n/2)",
     "inductor": "hotwire, torch ops fused by Inductor (HOTWIRE_IMPL=inductor)",
     "eager": "hotwire's op with enforce_eager=True (no torch.compile, no CUDA graphs)",
 }
@@ -259,7 +262,10 @@ class Engine:
             env["HOTWIRE_IDLE_GRAPHS"] = "0" if kind == "op_1set" else "1"
             env["HOTWIRE_PDL"] = "0" if kind == "op_nopdl" else "1"
             env["HOTWIRE_CAPTURE"] = "1" if kind == "op_capture" else "0"
-            env["HOTWIRE_READOUT"] = "1" if kind == "op_readout" else "0"
+            env["HOTWIRE_READOUT"] = "1" if kind.startswith("op_readout") else "0"
+            env.pop("HOTWIRE_READOUT_LAYERS", None)
+            if kind == "op_readout_used":
+                env["HOTWIRE_READOUT_LAYERS"] = f"{n_layers // 2 - 2},{n_layers // 2}"
             env["HOTWIRE_READOUT_PROBES"] = "4"
             env.pop("HOTWIRE_LAYERS", None)
             if kind == "op_8layers":
@@ -365,7 +371,7 @@ def baseline_of(config: str) -> str:
 
 def modes_of(config: str, modes: list[str]) -> list[str]:
     kind = split_config(config)[0]
-    if kind != "op_readout":
+    if not kind.startswith("op_readout"):
         modes = [m for m in modes if m not in READ_MODES]
     if kind == "vanilla":
         return ["plain"]

@@ -63,10 +63,11 @@ def rules_of(answer: contract.CatalogResult) -> Rules:
     """The server's rules in a full ``hotwire_catalog`` answer."""
     model = answer["model"]
     layers = frozenset(parse_layers(model["layers"])) if model.get("layers") else frozenset()
+    readable = frozenset(parse_layers(model["readout_layers"])) if model.get("readout_layers") else None
     info = ModelInfo(bool(model["steerable"]), str(model.get("reason") or ""), int(model["n_layers"]),
                      int(model["hidden_size"]), str(model["dtype"]), layers, bool(model.get("norm", True)),
                      int(model.get("capture_rows") or 0), int(model.get("readout_probes") or 0),
-                     tuple(model.get("gates") or ()))
+                     tuple(model.get("gates") or ()), readable)
     return Rules(info, int(model["max_stack"]), int(answer["capacity"]), int(answer["max_rows"]),
                  bool(answer.get("layers_setting")))
 

@@ -85,6 +85,9 @@ class ModelSteering(_EngineResult):
                                      "(HOTWIRE_CAPTURE_ROWS); 0: capture is off (HOTWIRE_CAPTURE).")
     readout_probes: int | None = Field(None, description="Probes one request may read (HOTWIRE_READOUT_PROBES); "
                                        "0: readout is off (HOTWIRE_READOUT).")
+    readout_layers: str | None = Field(None, description="The layers probes and gate conditions may read, e.g. 18 "
+                                       "(HOTWIRE_READOUT_LAYERS; by default every steered layer); empty while "
+                                       "readout is off.")
     gates: list[str] | None = Field(None, description="The conditions gated steering takes: token (per token) and "
                                     "latch; none while readout is off, under pipeline parallelism (and no latch "
                                     "under speculative decoding).")

@@ -83,6 +83,10 @@ class ModelInfo:
     capture_rows: int = 0  # captures at once (HOTWIRE_CAPTURE_ROWS); 0: capture is off
     readout_probes: int = 0  # probes one request may read (HOTWIRE_READOUT_PROBES); 0: readout is off
     gates: tuple[str, ...] = ()  # the conditions gated steering may take: "token", "latch" (none: gates are off)
+    readout_layers: frozenset[int] | None = None  # the layers probes may read (HOTWIRE_READOUT_LAYERS); None: all hooked
+
+    def readable_layers(self) -> frozenset[int]:
+        return self.layers if self.readout_layers is None else self.readout_layers
 
     def to_json(self, max_stack: int) -> ModelView:
         return ModelView(
@@ -96,6 +100,7 @@ class ModelInfo:
             layers=format_layers(self.layers),
             capture_rows=self.capture_rows,
             readout_probes=self.readout_probes,
+            readout_layers=format_layers(self.readable_layers()) if self.readout_probes else "",
             gates=list(self.gates),
         )
 
@@ -183,6 +188,9 @@ def find_probe(lookup: Lookup, rules: Rules, vector_id: str, version: int | None
     if layer not in rules.model.layers:
         raise Refusal(400, ErrorCode.LAYER_OUT_OF_RANGE, f"layer {layer} cannot be read: this server hooks "
                       f"layers {rules.steered_layers()}", f"{field}.layer")
+    if layer not in rules.model.readable_layers():
+        raise Refusal(400, ErrorCode.LAYER_OUT_OF_RANGE, f"layer {layer} cannot be read: this server reads layers "
+                      f"{format_layers(rules.model.readable_layers()) or 'none'} (HOTWIRE_READOUT_LAYERS)", f"{field}.layer")
     if not vector.has_row(layer):
         raise Refusal(400, ErrorCode.NO_ROW_FOR_LAYER, f"vector {vector_id!r}@{vector.version} has no row for "
                       f"layer {layer} (it has {list(vector.layers or [])})", f"{field}.layer")

@@ -136,6 +136,7 @@ class WorkerInfo(TypedDict):
     max_stack: int  # HOTWIRE_MAX_STACK
     capture_rows: int  # HOTWIRE_CAPTURE_ROWS where the capture op is compiled in (HOTWIRE_CAPTURE), else 0
     readout_probes: int  # HOTWIRE_READOUT_PROBES where the readout op is compiled in (HOTWIRE_READOUT), else 0
+    readout_layers: list[int]  # the hooked layers the readout op runs at on this rank (HOTWIRE_READOUT_LAYERS)
     gates: list[str]  # the conditions this rank can gate on: "token", "latch" (not under speculation); [] with readout off
 
 
@@ -153,6 +154,7 @@ class ModelView(TypedDict):
     layers: str  # the hooked layers, "0-35" (``settings.format_layers``)
     capture_rows: int  # captures at once for vector extraction (0: capture off)
     readout_probes: int  # probes one request may read (0: readout off)
+    readout_layers: str  # the layers probes may read, "0-35" ("" with readout off)
     gates: list[str]  # gated steering's conditions: "token" (per token), "latch"; []: gates are off
 
 

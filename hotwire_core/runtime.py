@@ -101,7 +101,9 @@ class WorkerSteering:
         # Gated steering rides on the readout op, which decides the condition; only the opaque op reads it in order.
         gates = settings.readout and bool(layers) and settings.impl == "op"
         self.gate_modes = ["token"] + ([] if speculative else ["latch"]) if gates else []
-        self.readout = (WorkerReadout(layers, n_layers, device, max_tokens, settings.readout_probes, n_cfg - 1,
+        readable = settings.readout_layers
+        self.read_layers = sorted(i for i in layers if readable is None or i in readable) if settings.readout else []
+        self.readout = (WorkerReadout(self.read_layers, n_layers, device, max_tokens, settings.readout_probes, n_cfg - 1,
                                       self._uploader, gates) if settings.readout and layers else None)
         if gates:
             self.buffers["cfg_gate"] = torch.zeros(n_cfg, n_layers, k, dtype=torch.int32, device=device)
@@ -110,9 +112,9 @@ class WorkerSteering:
         if self.readout is not None:
             self.buffers["token_read"], self.buffers["read_slot"] = self.readout.token_read, self.readout.read_slot
             self.buffers.update(self.readout.gates or {})
-        reads = self.capture is not None or self.readout is not None
         for index, module in layers.items():
-            reader = StreamReader(self.buffers, index) if reads else None
+            reads = self.capture is not None or index in self.read_layers
+            reader = StreamReader(self.buffers, index, read=index in self.read_layers) if reads else None
             point = (read_points or {}).get(index) if reads else None
             if point is not None:
                 point.add_module(READER_NAME, reader)
@@ -147,6 +149,7 @@ class WorkerSteering:
             max_stack=self.settings.max_stack,
             capture_rows=self.capture.rows if self.capture is not None else 0,
             readout_probes=self.readout.k if self.readout is not None else 0,
+            readout_layers=self.read_layers,
             gates=self.gate_modes,
         )
 

@@ -78,6 +78,9 @@ class Settings:
                                      "residual stream (see stream_read), so it is opt-in"))
     readout_probes: int = setting(Int("HOTWIRE_READOUT_PROBES", default=4, lo=1, hi=32,
                                       doc="probes one request may read (the readout buffers' width)"))
+    readout_layers: frozenset[int] | None = setting(Layers(
+        "HOTWIRE_READOUT_LAYERS", doc="the hooked layers the readout op runs at (unset: all); each costs a launch in "
+                                      "every step that reads, so fewer make reading cheaper"))
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] = os.environ) -> "Settings":
@@ -115,6 +118,8 @@ class Settings:
         layers = "" if self.layers is None else f";layers={format_layers(self.layers)}"
         capture = f";capture={self.capture_rows}" if self.capture else ""
         readout = f";readout={self.readout_probes}" if self.readout else ""
+        if self.readout and self.readout_layers is not None:
+            readout += f"@{format_layers(self.readout_layers)}"
         return (f"hotwire={__version__};slots={self.slots};stack={self.max_stack};impl={self.impl};norm={self.norm}"
                 f"{layers}{capture}{readout}")
 

@@ -36,12 +36,14 @@ class StreamReader(nn.Module):
     the conditions the steering ops of later layers read) on the stream after global layer ``layer``. Holds the shared
     buffers as non-persistent module buffers, as :class:`~hotwire_core.steer_hook.SteerHook` does."""
 
-    def __init__(self, buffers: dict[str, torch.Tensor], layer: int):
+    def __init__(self, buffers: dict[str, torch.Tensor], layer: int, read: bool = True):
+        """``read``: the readout op runs here (``HOTWIRE_READOUT_LAYERS``), where it is compiled in."""
         super().__init__()
         for name, tensor in buffers.items():
             self.register_buffer(name, tensor, persistent=False)
         self.layer = layer
-        self.capture, self.readout, self.gates = "token_cap" in buffers, "token_read" in buffers, "cfg_gate" in buffers
+        self.capture, self.readout = "token_cap" in buffers, read and "token_read" in buffers
+        self.gates = self.readout and "cfg_gate" in buffers
 
     def forward(self, stream: torch.Tensor, partner: torch.Tensor | None = None) -> None:
         """``stream`` (+ ``partner``, where the stream is still a sum) is the residual stream; it is only read."""

@@ -57,8 +57,14 @@ def model_info(results: list[contract.WorkerInfo]) -> ModelInfo:
     # pipeline parallelism).
     same_layers = all(set(r["layers"]) == layers for r in results)
     gates = tuple(g for g in ("token", "latch") if same_layers and all(g in r.get("gates", ()) for r in results))
+    readout_layers = frozenset(l for r in results for l in r.get("readout_layers", ()))
+    asked = settings().readout_layers
+    if readout_probes and asked is not None and not asked <= readout_layers:
+        logger.warning("hotwire: HOTWIRE_READOUT_LAYERS names layers %s that hotwire does not hook; probes there are "
+                       "refused (readable: %s)", format_layers(asked - readout_layers),
+                       format_layers(readout_layers) or "none")
     return ModelInfo(steerable, reason, first["n_layers"], first["hidden_size"], first["dtype"], layers, norm,
-                     capture_rows, readout_probes, gates)
+                     capture_rows, readout_probes, gates, readout_layers)
 
 
 def _send_refusal(engine: Any, request: Any, exc: Refusal, in_caller: bool = True) -> None:

@@ -23,7 +23,7 @@ def patch_worker_base(module: Any) -> None:
             return contract.WorkerInfo(steerable=False, reason="hotwire did not attach to the model", layers=[],
                                        n_layers=0, hidden_size=0, dtype="", norm=False, slots=settings().slots,
                                        max_stack=settings().max_stack, capture_rows=0, readout_probes=0,
-                                       gates=[])
+                                       readout_layers=[], gates=[])
         return steering.info()
 
     def hotwire_graph_sets(self) -> dict:

@@ -34,6 +34,7 @@ def llm(tiny_model):
     with pytest.MonkeyPatch.context() as env:  # the engine reads them at start; later modules must not inherit them
         env.setenv("HOTWIRE_READOUT", "1")
         env.setenv("HOTWIRE_READOUT_PROBES", "3")
+        env.setenv("HOTWIRE_READOUT_LAYERS", "1-3")  # layer 0 is steered, not read
         engine = LLM(str(tiny_model), **engine_kwargs())
     yield engine
     engine.llm_engine.engine_core.shutdown()
@@ -183,7 +184,7 @@ def test_plain_batchmate_of_readouts_is_identical_to_vllm_without_hotwire(llm, p
     plain_ids = prompt_ids[::-1]
     prompts = [{"prompt_token_ids": prompt_ids}, {"prompt_token_ids": prompt_ids[:5]}, {"prompt_token_ids": plain_ids}]
     params = [SamplingParams(max_tokens=4, ignore_eos=True, extra_args=read([{"id": "joy", "layer": 2}], "all")),
-              SamplingParams(max_tokens=4, ignore_eos=True, extra_args=read([{"id": "deep", "layer": 0}])),
+              SamplingParams(max_tokens=4, ignore_eos=True, extra_args=read([{"id": "deep", "layer": 1}])),
               SamplingParams(**plain)]
     outputs = llm.generate(prompts, params, use_tqdm=False)
     assert [o.outputs[0].finish_reason for o in outputs] == ["length"] * 3
@@ -194,6 +195,7 @@ def test_plain_batchmate_of_readouts_is_identical_to_vllm_without_hotwire(llm, p
 @pytest.mark.parametrize("readout, code", [
     ({"probes": [{"id": "nope", "layer": 1}]}, "unknown_vector"),
     ({"probes": [{"id": "joy", "layer": 9}]}, "layer_out_of_range"),
+    ({"probes": [{"id": "joy", "layer": 0}]}, "layer_out_of_range"),  # hooked, but not in HOTWIRE_READOUT_LAYERS
     ({"probes": [{"id": "joy", "layer": 1}] * 4}, "bad_readout"),  # HOTWIRE_READOUT_PROBES=3
     ({"probes": [{"id": "joy", "layer": 1}], "tokens": "some"}, "bad_readout"),
 ])

@@ -74,6 +74,11 @@ def check(entry: dict, part: str, stream: torch.Tensor, vector: list[float]) -> 
 
 
 @pytest.mark.parametrize("steered", [False, True])
+def test_slots_say_how_many_probes_a_request_may_read_and_at_which_layers(http):
+    model = http.get("/steer/slots").json()["model"]
+    assert (model["readout_probes"], model["readout_layers"]) == (2, f"0-{LAYERS - 1}"), model
+
+
 def test_a_completion_carries_its_readout_equal_to_transformers_hooks(http, tiny_model, hf_model, rows, steered):
     xargs = readout(("joy", 1), ("calm", 3))
     if steered:

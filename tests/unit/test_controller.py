@@ -1596,8 +1596,8 @@ def test_deferring_reuses_what_admit_resolved(monkeypatch):
 # -- readout ---------------------------------------------------------------------------------------------------
 
 
-def reader(readout_probes=2, slots=8) -> SteeringController:
-    info = dataclasses.replace(model(), readout_probes=readout_probes)
+def reader(readout_probes=2, slots=8, **model_fields) -> SteeringController:
+    info = dataclasses.replace(model(), readout_probes=readout_probes, **model_fields)
     c = SteeringController(info, Settings(slots, 2, "op", None, None), "org/model", VLLM_REQUESTS)
     register(c, "a", vec(N_LAYERS, HIDDEN, seed=1))
     register(c, "g", vec(HIDDEN, seed=2))
@@ -1645,6 +1645,23 @@ def test_a_readout_admission_cannot_serve_is_refused_without_side_effects(readou
         c.admit(request("bad", extra={"hotwire_readout": json.dumps(readout)}))
     assert (info.value.code, info.value.field) == (code, field)
     assert state(c)[1:] == before[1:]
+
+
+def test_probes_and_conditions_only_read_the_layers_hotwire_readout_layers_names():
+    c = reader(readout_layers=frozenset({1}), gates=("token", "latch"))
+    admit(c, "ok", extra={"hotwire_readout": json.dumps({"probes": [{"id": "a", "layer": 1}]})})
+    gated = {"id": "a", "layer": 3, "scale": 1.0, "when": {"id": "a", "layer": 2, "above": 0}}
+    for name, spec, extra, field in [
+        ("probe", None, {"hotwire_readout": json.dumps({"probes": [{"id": "a", "layer": 2}]})},
+         "hotwire_readout.probes[0].layer"),
+        ("gate", gated, {}, "hotwire[0].when.layer"),
+    ]:
+        with pytest.raises(Refusal) as info:
+            c.admit(request(name, spec=spec, extra=extra))
+        assert (info.value.status, info.value.code, info.value.field) == (400, "layer_out_of_range", field)
+        assert "reads layers 1 (HOTWIRE_READOUT_LAYERS)" in info.value.message
+    admit(c, "steered", {"id": "a", "layer": 2, "scale": 1.0})  # steering there is not restricted
+    assert c.rules.model.to_json(2)["readout_layers"] == "1"
 
 
 def test_a_streaming_input_session_cannot_be_read():

@@ -660,3 +660,18 @@ def test_step_kinds_name_each_op_a_step_needs_and_the_gate_picks_the_cheapest_va
         assert [GATE.covering(kinds) for kinds in (IDLE, STEER)] == [IDLE, 7]  # steering alone is the full set
     finally:
         GATE.split, GATE.variants = False, saved
+
+
+@pytest.mark.parametrize("capture", [False, True])
+def test_the_readout_op_runs_only_at_the_layers_hotwire_readout_layers_names(capture):
+    """Each layer the read op runs at costs a launch in every reading step: HOTWIRE_READOUT_LAYERS leaves it out of
+    the others (capture, where compiled in, still runs at every hooked layer)."""
+    layers = {0: LlamaDecoderLayer(), 1: LlamaDecoderLayer()}
+    wrap_layer_class(LlamaDecoderLayer)
+    w = WorkerSteering(layers, 2, HIDDEN, torch.float32, torch.device("cpu"), MAX_TOKENS, MAX_REQS,
+                       Settings(SLOTS, STACK, "op", None, None, readout=True, capture=capture,
+                                readout_layers=frozenset({1, 5})))
+    readers = {index: layer.hotwire_steer.reader for index, layer in layers.items()}
+    assert w.info()["readout_layers"] == [1] and readers[1].readout and readers[1].gates
+    assert (readers[0] is not None) is capture and (readers[0] is None or not readers[0].readout)
+    assert w.readout.layers == {1}

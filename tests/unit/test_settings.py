@@ -159,6 +159,11 @@ def test_fingerprint():
     assert Settings(8, 4, "op", None, None, layers=frozenset({1, 2})).compile_fingerprint() != fp
     assert Settings(8, 4, "op", None, None, layers=frozenset({1, 2})).compile_fingerprint() != Settings(
         8, 4, "op", None, None, layers=frozenset({1, 3})).compile_fingerprint()
+    # and so do the layers the readout op runs at, where it is compiled in
+    reading = Settings(8, 4, "op", None, None, readout=True)
+    fewer = Settings(8, 4, "op", None, None, readout=True, readout_layers=frozenset({2}))
+    assert len({reading.compile_fingerprint(), fewer.compile_fingerprint(), fp}) == 3
+    assert Settings(8, 4, "op", None, None, readout_layers=frozenset({2})).compile_fingerprint() == fp
 
 
 @pytest.mark.parametrize("text,layers,canonical", [
