@@ -73,12 +73,12 @@ def check(entry: dict, part: str, stream: torch.Tensor, vector: list[float]) -> 
     assert np.abs(np.array(entry[part]["cosine"]) - cosine.numpy()).max() < ATOL
 
 
-@pytest.mark.parametrize("steered", [False, True])
 def test_slots_say_how_many_probes_a_request_may_read_and_at_which_layers(http):
     model = http.get("/steer/slots").json()["model"]
     assert (model["readout_probes"], model["readout_layers"]) == (2, f"0-{LAYERS - 1}"), model
 
 
+@pytest.mark.parametrize("steered", [False, True])
 def test_a_completion_carries_its_readout_equal_to_transformers_hooks(http, tiny_model, hf_model, rows, steered):
     xargs = readout(("joy", 1), ("calm", 3))
     if steered:
