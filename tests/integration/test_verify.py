@@ -9,8 +9,20 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 pytestmark = pytest.mark.integration
+
+
+class DecodeTimingOnABusyCpu(AssertionError):
+    """Only check d failed, on the CPU: its wall-clock decode timing shares two cores with the other test run (CI
+    runs two at a time), whose bursts can triple a step (2026-12-06: steered +204% against the +200% guard, where
+    the same run alone measured -38%)."""
+
+
+# Such a failure gets two more attempts on the CPU; any other failure, and every failure on a GPU, stands at once.
+retried_when_only_timing_failed = pytest.mark.flaky(reruns=0 if torch.cuda.is_available() else 2,
+                                                    only_rerun=[DecodeTimingOnABusyCpu])
 
 BUDGET_S = 300  # about 40 s on a 2-core CPU, most of it the engine start
 
@@ -19,6 +31,7 @@ NGRAM = ["--vanilla", "--runner", "v1", "--speculative-config", '{"method": "ngr
          '"prompt_lookup_max": 3}']
 
 
+@retried_when_only_timing_failed
 @pytest.mark.parametrize("flags", [[], ["--readout"], NGRAM], ids=["plain", "readout", "ngram-vanilla"])
 def test_verify_passes_and_reports_every_check(tmp_path, flags):
     proc = subprocess.run(
@@ -29,6 +42,8 @@ def test_verify_passes_and_reports_every_check(tmp_path, flags):
         cwd=tmp_path,
     )
     out = proc.stdout
+    if proc.returncode and re.findall(r"^FAIL  (.+?)  ", out, re.M) == ["d. decode cost"] and "device     CPU" in out:
+        raise DecodeTimingOnABusyCpu(f"only check d failed\n{out[-3000:]}")
     assert proc.returncode == 0, f"verify exited {proc.returncode}\n{out[-3000:]}\n{proc.stderr[-3000:]}"
     for check in ("a. steering fires", "b. batchmates", "c. prefix cache: steered -> plain",
                   "c. prefix cache: plain -> steered", "c. prefix cache: steered hit", "d. decode cost"):
