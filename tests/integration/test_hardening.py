@@ -27,7 +27,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from hotwire_core.spec import MAX_SPEC_CHARS
-from server_fixture import VllmServer
+from server_fixture import VllmServer, retried_on_a_busy_cpu
 
 pytestmark = pytest.mark.integration
 
@@ -292,6 +292,9 @@ def test_memory_a_client_can_make_the_server_keep_is_bounded(server, model):
     assert grown[0] < 48 and grown[1] < 48, grown
 
 
+# A second on two cores the other test run shares is the bound it was written with; a fresh-clone CI run here saw
+# 1.06 s (2026-12-06). Decoding on the event loop stalls /health for seconds in every attempt.
+@retried_on_a_busy_cpu
 def test_a_large_registration_does_not_stall_other_clients(server, model):
     """A 57 MB JSON body of floats under the 64 MB cap was parsed on the API server's event loop: /health and
     every stream stalled for seconds. It is decoded in a process of its own now (hotwire_api.uploads)."""
