@@ -292,8 +292,8 @@ def test_memory_a_client_can_make_the_server_keep_is_bounded(server, model):
     assert grown[0] < 48 and grown[1] < 48, grown
 
 
-# A second on two cores the other test run shares is the bound it was written with; a fresh-clone CI run here saw
-# 1.06 s (2026-12-06). Decoding on the event loop stalls /health for seconds in every attempt.
+# On two cores that the other test run shares, /health can pass its one-second bound by a little on a busy moment;
+# decoding on the event loop stalls it for seconds in every attempt, so a retry still catches that.
 @retried_on_a_busy_cpu
 def test_a_large_registration_does_not_stall_other_clients(server, model):
     """A 57 MB JSON body of floats under the 64 MB cap was parsed on the API server's event loop: /health and

@@ -16,8 +16,7 @@ pytestmark = pytest.mark.integration
 
 class DecodeTimingOnABusyCpu(AssertionError):
     """Only check d failed, on the CPU: its wall-clock decode timing shares two cores with the other test run (CI
-    runs two at a time), whose bursts can triple a step (2026-12-06: steered +204% against the +200% guard, where
-    the same run alone measured -38%)."""
+    runs two at a time), whose bursts can triple a step; alone, steering costs far less than the +200% guard."""
 
 
 # Such a failure gets two more attempts on the CPU; any other failure, and every failure on a GPU, stands at once.
