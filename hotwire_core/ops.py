@@ -63,16 +63,19 @@ class Gate:
 
     def __init__(self) -> None:
         self.split = False
-        self.variants: tuple[int, ...] = (IDLE, ALL)
         self._kinds = ALL
         self.on_change: Callable[[int], None] | None = None
+        self.configure(False, read=False, capture=False)
 
     def configure(self, split: bool, read: bool, capture: bool) -> None:
-        self.split, self.variants = split, graph_variants(read, capture) if split else (ALL,)
+        self.split = split
+        self.variants: tuple[int, ...] = graph_variants(read, capture) if split else (ALL,)
+        # Looked up before every forward: the answer for each of the 8 masks, worked out once.
+        self._covering = tuple(next(v for v in self.variants if v & needed == needed) for needed in range(ALL + 1))
 
     def covering(self, needed: int) -> int:
         """The cheapest captured variant that launches every op in ``needed``."""
-        return next(v for v in self.variants if v & needed == needed)
+        return self._covering[needed]
 
     @property
     def kinds(self) -> int:

@@ -284,11 +284,15 @@ class WorkerSteering:
         readout = self.readout
         if readout is not None and readout.live and readout.scheduled(scheduled):
             kinds |= READ
-        steered = self._line_of
-        if steered and (any(req_id in scheduled for req_id in steered) if len(steered) <= len(scheduled)
-                        else any(req_id in steered for req_id in scheduled)):
+        if self._steers_any(scheduled):
             kinds |= STEER
         return kinds
+
+    def _steers_any(self, scheduled: Collection[str]) -> bool:
+        steered = self._line_of
+        if len(steered) <= len(scheduled):  # walk the smaller of the two
+            return any(req_id in scheduled for req_id in steered)
+        return any(req_id in steered for req_id in scheduled)
 
     # -- per-step fill ---------------------------------------------------------------------------------------
 

@@ -648,7 +648,6 @@ def test_step_kinds_name_each_op_a_step_needs_and_the_gate_picks_the_cheapest_va
     assert w.step_kinds({"r": 1}) == READ
     assert w.step_kinds({"c": 1}) == CAPTURE
     assert w.step_kinds({"s": 1, "r": 1, "c": 1, "plain": 1}) == STEER | READ | CAPTURE
-    saved = GATE.variants
     try:
         GATE.configure(True, read=True, capture=True)
         picks = {kinds: GATE.covering(kinds) for kinds in range(8)}
@@ -659,7 +658,7 @@ def test_step_kinds_name_each_op_a_step_needs_and_the_gate_picks_the_cheapest_va
         GATE.configure(True, read=False, capture=False)
         assert [GATE.covering(kinds) for kinds in (IDLE, STEER)] == [IDLE, 7]  # steering alone is the full set
     finally:
-        GATE.split, GATE.variants = False, saved
+        GATE.configure(False, read=False, capture=False)
 
 
 @pytest.mark.parametrize("capture", [False, True])
