@@ -20,6 +20,10 @@
 #   matrix:   python -m hotwire_core.verify --vanilla on tiny Llama, Qwen2, Qwen3, Mistral, Gemma, Qwen3-MoE and
 #             Gemma 3 (sliding window) models with random weights, bf16, graphs on; V2 and V1 runner. MATRIX_ARCHS picks architectures (e.g. "qwen3");
 #             MATRIX_REPEAT=N runs each N times, each with its own compile cache (jobs named ...-r1, -r2, ...)
+#   families: tests/integration/test_model_families.py and test_family_bit_identity.py (Qwen3-MoE, Gemma 3, Command R,
+#             Granite 4, Qwen3-Next: steering vs transformers with hooks, plain requests vs plugin-free vLLM; on a GPU
+#             with graphs on); V2 and V1 runner. Qwen3-MoE needs vLLM's MoE kernels unpacked beside the bundle
+#             (benchmarks/gpu_moe_kernels.sh)
 #   fleet:    tests/integration/test_fleet.py: two `vllm serve` replicas on one GPU and one redis-server, with
 #             graphs on; propagation and registration latency over FLEET_N replaces (default 200) written to
 #             fleet_propagation.json. Needs `bash benchmarks/gpu_redis.sh` here and `source .gpu/redis/env.sh` there
@@ -81,6 +85,12 @@ for part in $parts; do
       for runner in v2 v1; do launch "$part-$runner" next $runner "${pytest_cmd[@]}" "$file"; done
       ;;
     ops) launch ops next v2 "${pytest_cmd[@]}" tests/unit/test_ops.py ;;
+    families)
+      for runner in v2 v1; do
+        launch "families-$runner" next $runner "${pytest_cmd[@]}" -s tests/integration/test_model_families.py \
+          tests/integration/test_family_bit_identity.py
+      done
+      ;;
     capture)
       for runner in v2 v1; do
         launch "capture-$runner" next $runner "${pytest_cmd[@]}" -s tests/unit/test_capture.py \

@@ -8,7 +8,8 @@
 #   THROUGHPUT_CLIENTS (128) streaming clients, THROUGHPUT_ROUNDS (6: a 97% interval of each median ratio) rotated
 #   rounds of THROUGHPUT_SECONDS (10) s; THROUGHPUT_PROFILE=1
 #   adds --profile (py-spy on PATH: its binary from the development venv, carried in .gpu/py/bin); THROUGHPUT_SALTED=1
-#   adds --salted (plugin-free vLLM with 75 % of the requests salted for the prefix cache: the floor of steered / plain).
+#   adds --salted (plugin-free vLLM with 75 % of the requests salted for the prefix cache: the floor of steered / plain);
+#   THROUGHPUT_MONITORS=N adds --monitors N (a third server, hotwire with N monitors on all its plain traffic).
 # prefill: benchmarks/bench_prefill.py, Qwen3-4B shape, 8192-token prompts, PREFILL_ROUNDS (16).
 # Outputs go to $OUT (JSON and text per step); each step's exit status is printed.
 set -o pipefail
@@ -31,6 +32,7 @@ for step in "${steps[@]}"; do
     throughput)
       python3 -m benchmarks.bench_throughput --clients "${THROUGHPUT_CLIENTS:-128}" --rounds "${THROUGHPUT_ROUNDS:-6}" \
         ${THROUGHPUT_PROFILE:+--profile} ${THROUGHPUT_SALTED:+--salted} \
+        ${THROUGHPUT_MONITORS:+--monitors "$THROUGHPUT_MONITORS"} \
         --seconds "${THROUGHPUT_SECONDS:-10}" --warmup 5 --server-arg=--max-num-seqs=256 --server-arg=--kv-cache-memory-bytes=8589934592 \
         --workdir /tmp/throughput-gpu --out "$out/throughput_gpu.json" 2>&1 | tee "$out/throughput_gpu.txt" | tail -30 ;;
     tenants)

@@ -37,7 +37,8 @@ class ModelShape:
     head_dim: int = 64
     intermediate_size: int = 512
     vocab_size: int = 512
-    num_experts: int = 4  # mixture-of-experts archs (qwen3_moe, qwen3_next, granitemoehybrid): 2 routed per token
+    num_experts: int = 4  # mixture-of-experts archs (qwen3_moe, qwen3_next, granitemoehybrid)
+    experts_per_token: int = 2  # routed per token
     sliding_window: int | None = None  # tokens a local layer attends to: gemma3's even layers (16 if None), mistral's all
 
 
@@ -45,6 +46,10 @@ SHAPES: dict[str, ModelShape] = {
     "tiny": ModelShape(),
     "qwen3-4b": ModelShape("qwen3", 2560, 36, 32, 8, 128, 9728, 151936),
     "qwen3-8b": ModelShape("qwen3", 4096, 36, 32, 8, 128, 12288, 151936),
+    # Qwen3-30B-A3B's layer (experts 768 wide, 8 of them routed per token) with half its 48 layers and 128 experts:
+    # its decode step per layer, at a size two engines share one GPU with (7.5 B parameters, 15 GB in bf16).
+    "qwen3-moe-a3b-half": ModelShape("qwen3_moe", 2048, 24, 32, 4, 128, 3072, 151936, num_experts=64,
+                                     experts_per_token=8),
 }
 
 _CONFIG_CLASSES = {
@@ -68,7 +73,7 @@ UNSTEERED_ARCHS = ("qwen3_next", "granitemoehybrid")
 def _arch_kwargs(shape: ModelShape) -> dict:
     """Config fields beyond the dense decoder's: experts, layer kinds, windows (the odd layers global, or
     attention, in the interleaved archs)."""
-    moe = dict(num_experts=shape.num_experts, num_experts_per_tok=2)
+    moe = dict(num_experts=shape.num_experts, num_experts_per_tok=shape.experts_per_token)
     alternating = [i % 2 == 1 for i in range(shape.num_layers)]
     if shape.arch == "qwen3_moe":
         return {**moe, "moe_intermediate_size": shape.intermediate_size // 4, "norm_topk_prob": True}
@@ -82,7 +87,7 @@ def _arch_kwargs(shape: ModelShape) -> dict:
                 "linear_num_value_heads": 4, "linear_key_head_dim": 32, "linear_value_head_dim": 32}
     if shape.arch == "granitemoehybrid":
         kinds = ["attention" if odd else "mamba" for odd in alternating]
-        return {"num_local_experts": shape.num_experts, "num_experts_per_tok": 2, "layer_types": kinds,
+        return {"num_local_experts": shape.num_experts, "num_experts_per_tok": shape.experts_per_token, "layer_types": kinds,
                 "shared_intermediate_size": shape.intermediate_size // 4, "mamba_n_heads": 8, "mamba_d_head": 64,
                 "mamba_d_state": 16, "mamba_chunk_size": 64}
     if shape.arch == "cohere":
