@@ -21,9 +21,9 @@
 #             Gemma 3 (sliding window) models with random weights, bf16, graphs on; V2 and V1 runner. MATRIX_ARCHS picks architectures (e.g. "qwen3");
 #             MATRIX_REPEAT=N runs each N times, each with its own compile cache (jobs named ...-r1, -r2, ...)
 #   families: tests/integration/test_model_families.py and test_family_bit_identity.py (Qwen3-MoE, Gemma 3, Command R,
-#             Granite 4, Qwen3-Next: steering vs transformers with hooks, plain requests vs plugin-free vLLM; on a GPU
-#             with graphs on); V2 and V1 runner. Qwen3-MoE needs vLLM's MoE kernels unpacked beside the bundle
-#             (benchmarks/gpu_moe_kernels.sh)
+#             Granite 4: steering vs transformers with hooks, plain requests vs plugin-free vLLM; on a GPU with graphs
+#             on); V2 and V1 runner; FAMILIES_K selects tests (pytest -k; default "not qwen3_next"). Qwen3-MoE
+#             needs vLLM's MoE kernels unpacked beside the bundle (benchmarks/gpu_moe_kernels.sh)
 #   fleet:    tests/integration/test_fleet.py: two `vllm serve` replicas on one GPU and one redis-server, with
 #             graphs on; propagation and registration latency over FLEET_N replaces (default 200) written to
 #             fleet_propagation.json. Needs `bash benchmarks/gpu_redis.sh` here and `source .gpu/redis/env.sh` there
@@ -87,8 +87,9 @@ for part in $parts; do
     ops) launch ops next v2 "${pytest_cmd[@]}" tests/unit/test_ops.py ;;
     families)
       for runner in v2 v1; do
-        launch "families-$runner" next $runner "${pytest_cmd[@]}" -s tests/integration/test_model_families.py \
-          tests/integration/test_family_bit_identity.py
+        # Qwen3-Next left out: vLLM's gated delta net needs FlashInfer on a GPU, which the bundle lacks.
+        launch "families-$runner" next $runner "${pytest_cmd[@]}" -s -k "${FAMILIES_K:-not qwen3_next}" \
+          tests/integration/test_model_families.py tests/integration/test_family_bit_identity.py
       done
       ;;
     capture)

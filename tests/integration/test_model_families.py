@@ -1,4 +1,5 @@
-"""Model families beyond the dense decoders of the model matrix (CPU: float32, real random weights, eager): hotwire
+"""Model families beyond the dense decoders of the model matrix (CPU: float32, real random weights, eager; a GPU:
+bf16 with graphs, steering within twice the plain request's own distance from transformers): hotwire
 finds their decoder layers and steering equals a transformers forward with a hook on the same weights, or, for a
 model whose layers lack the contract, hotwire says why and refuses steering.
 
@@ -127,9 +128,15 @@ def _check_steering(model_dir, llm, vector: torch.Tensor, layers: list[int], nor
     hf = hf_reference.load(model_dir)
     expected_plain = hf_reference.prompt_logprobs(hf, ids)
     expected = hf_reference.prompt_logprobs(hf, ids, [(layer, vector, scale, norm) for layer in layers])
-    assert (torch.tensor(plain[0]["prompt_logprobs"][1:]) - expected_plain).abs().max() < 2e-3
-    assert (torch.tensor(steered[0]["prompt_logprobs"][1:]) - expected).abs().max() < 2e-3
-    assert (expected - expected_plain).abs().max() > 0.02, "the steering in this check is too weak to be seen"
+    plain_err = (torch.tensor(plain[0]["prompt_logprobs"][1:]) - expected_plain).abs().max().item()
+    steered_err = (torch.tensor(steered[0]["prompt_logprobs"][1:]) - expected).abs().max().item()
+    effect = (expected - expected_plain).abs().max().item()
+    # float32 on the CPU matches transformers to ~1e-4; bf16 on a GPU carries its own rounding, seen in the plain
+    # error: the steered error must stay at that level while the steering effect is far above it.
+    tolerance = max(2e-3, 2 * plain_err) if torch.cuda.is_available() else 2e-3
+    assert plain_err < (0.1 if torch.cuda.is_available() else 2e-3), plain_err
+    assert steered_err < tolerance, f"steered vLLM differs from transformers + hook: {steered_err} (effect {effect})"
+    assert effect > 10 * tolerance, f"the steering in this check is too weak to be seen: {effect}"
     if getattr(hf.config, "sliding_window", None):
         hf.config.sliding_window = len(ids)  # every layer sees the whole prompt: the logprobs must move
         for layer in hf.model.layers:
