@@ -151,7 +151,7 @@ class Answer:
                 readout = await self._readout_event() if self.reading is not None else b""
                 if readout:
                     events.append(readout)
-            else:
+            elif self._streamed is not None or b'"usage"' in event:  # (else a token's event: nothing to read)
                 found = _event_data(event)
                 data = found[0] if len(found) == 1 else None
                 if isinstance(data, dict) and data.get("usage") and not data.get("choices"):

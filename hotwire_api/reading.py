@@ -63,17 +63,19 @@ class Reading:
             spans = _SPANS[self.tokens]
             mine = {"tokens": self.tokens, "probes": [{k: v for k, v in probe.items() if k not in _SPANS or k in spans}
                                                       for probe in readout["probes"][:self.asked]]}
-        verdicts = []
+        verdicts, flags = [], []
         for monitor, read in zip(self.monitors, readout["probes"][self.asked:]):
             verdict = score_of(monitor, read)
             if verdict is None:
                 skipped("nothing_generated")
                 continue
             if verdict.flagged:
-                logger.warning("hotwire: monitor %s flagged a request (score %.6g %s threshold %.6g; readout %s)",
-                               monitor.id, verdict.score, ">=" if monitor.flag == "above" else "<=",
-                               monitor.threshold, self.tag)
+                flags.append(f"{monitor.id} (score {verdict.score:.6g} {'>=' if monitor.flag == 'above' else '<='} "
+                             f"threshold {monitor.threshold:.6g})")
             verdicts.append(verdict)
+        if flags:  # one line per request, however many monitors flagged it: logging costs the API server's loop
+            logger.warning("hotwire: a request was flagged by monitor%s %s; readout %s", "s" if len(flags) > 1 else "",
+                           ", ".join(flags), self.tag)
         return mine, verdicts
 
 

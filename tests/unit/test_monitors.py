@@ -59,6 +59,16 @@ def test_a_readout_splits_into_the_clients_part_and_the_monitors_verdicts() -> N
     assert mine is None and len(verdicts) == 2
 
 
+def test_a_request_flagged_by_several_monitors_is_logged_once_naming_each(caplog) -> None:
+    monitors = (Monitor(id="a", probe="v", layer=1, threshold=0), Monitor(id="b", probe="w", layer=2, threshold=1),
+                Monitor(id="c", probe="w", layer=2, threshold=-5, flag="below"))
+    readout = {"tokens": "generated", "probes": [_read("v@1:L1", [2.0]), _read("w@3:L2", [4.0]), _read("w@3:L2", [4.0])]}
+    with caplog.at_level("WARNING", logger="hotwire_api.reading"):
+        Reading("{}", "tag-1", 0, None, monitors).split(readout)
+    assert [r.getMessage() for r in caplog.records] == [
+        "hotwire: a request was flagged by monitors a (score 2 >= threshold 0), b (score 4 >= threshold 1); readout tag-1"]
+
+
 def _add(path, n: int) -> None:
     book = MonitorBook()
     book.path = path
