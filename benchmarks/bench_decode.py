@@ -64,6 +64,9 @@ import gpu_trace  # beside this script
 MODES = {
     "plain": "no request steered (vanilla: the baseline; hotwire: loaded and idle)",
     "steered": "every request steered: one vector at one middle layer",
+    "steered_faint": "every request steered as in steered, with a scale (1e-6) too small to move a bf16 stream: the "
+                     "op's cost alone, where steering would change the work (a mixture of experts with dummy weights "
+                     "routes a steered stream to fewer experts)",
     "steered_all_layers": "every request steered: one vector at every layer",
     "stacked": "every request steered: 4 entries on the same layer",
     "distinct": "every request its own vector (up to 256 distinct), one middle layer",
@@ -107,6 +110,8 @@ def _spec(mode: str, n_layers: int, i: int) -> str | None:
         return None
     if mode == "steered":
         return json.dumps({"id": "v0", "layer": mid, "scale": 2.0})
+    if mode == "steered_faint":
+        return json.dumps({"id": "v0", "layer": mid, "scale": 1e-6})
     if mode == "steered_gated":
         return json.dumps({"id": "v0", "layer": mid, "scale": 2.0, "when": {"id": "v1", "layer": mid - 2, "above": -1e30}})
     if mode == "steered_all_layers":

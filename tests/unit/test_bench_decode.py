@@ -13,6 +13,7 @@ bench = load("bench_decode")
 def test_specs_per_mode():
     assert bench._spec("plain", 36, 0) is None
     assert json.loads(bench._spec("steered", 36, 5)) == {"id": "v0", "layer": 18, "scale": 2.0}
+    assert json.loads(bench._spec("steered_faint", 36, 5)) == {"id": "v0", "layer": 18, "scale": 1e-6}
     assert [e["id"] for e in json.loads(bench._spec("stacked", 36, 0))] == ["v0", "v1", "v2", "v3"]
     assert json.loads(bench._spec("distinct", 36, 300))["id"] == "v44"
     assert json.loads(bench._spec("steered_all_layers", 4, 0))["layer"] == [0, 1, 2, 3]
