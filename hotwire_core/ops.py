@@ -62,7 +62,6 @@ class Gate:
     """
 
     def __init__(self) -> None:
-        self.split = False
         self._kinds = ALL
         self.on_change: Callable[[int], None] | None = None
         self.configure(False, read=False, capture=False)

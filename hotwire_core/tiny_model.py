@@ -87,9 +87,9 @@ def _arch_kwargs(shape: ModelShape) -> dict:
                 "linear_num_value_heads": 4, "linear_key_head_dim": 32, "linear_value_head_dim": 32}
     if shape.arch == "granitemoehybrid":
         kinds = ["attention" if odd else "mamba" for odd in alternating]
-        return {"num_local_experts": shape.num_experts, "num_experts_per_tok": shape.experts_per_token, "layer_types": kinds,
-                "shared_intermediate_size": shape.intermediate_size // 4, "mamba_n_heads": 8, "mamba_d_head": 64,
-                "mamba_d_state": 16, "mamba_chunk_size": 64}
+        return {"num_local_experts": shape.num_experts, "num_experts_per_tok": shape.experts_per_token,
+                "layer_types": kinds, "shared_intermediate_size": shape.intermediate_size // 4, "mamba_n_heads": 8,
+                "mamba_d_head": 64, "mamba_d_state": 16, "mamba_chunk_size": 64}
     if shape.arch == "cohere":
         return {"logit_scale": 1.0}  # Command R's 0.0625 would leave random weights' logits nearly flat
     if shape.arch == "mistral":  # None as Mistral 7B v0.2+: on the CPU, vLLM 0.25.1's attention fails with a window
