@@ -28,6 +28,7 @@ from hotwire_core.admission import ModelInfo
 from hotwire_core.controller import SteeringController
 from hotwire_core.settings import Settings
 from hotwire_core.vllm_glue.requests import VLLM_REQUESTS
+from server_fixture import retried_on_a_busy_cpu
 
 N_LAYERS, HIDDEN = 4, 8
 
@@ -935,7 +936,7 @@ def test_an_engine_that_missed_an_event_gets_it_once_it_answers(redis_server) ->
 
 # Runs again when a wait times out: its replicas put the registry back over several heartbeats, which took longer
 # than 12 s once on two cores that a fleet soak's rerun and another lane shared. Data put back wrong fails every attempt.
-@pytest.mark.flaky(reruns=2, only_rerun=["AssertionError"])
+@retried_on_a_busy_cpu
 def test_a_registry_restored_from_an_older_snapshot_gets_back_what_the_replicas_acknowledged(tmp_path) -> None:
     """Redis comes back from a snapshot older than some acknowledged changes (RDB only, a restored backup): the
     replicas put back every version and deletion they applied since, numbering goes on above what they knew, and
