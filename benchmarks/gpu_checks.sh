@@ -34,10 +34,10 @@
 #             step budget (prompts in chunks), Qwen3-MoE and Gemma 3 (V2 runner); ngram speculation (V1 runner: on
 #             V2 vLLM 0.25.1 stopped at its configuration); with LORA_ADAPTER=PATH (a peft folder for the tiny
 #             Qwen3, e.g. from tests/lora_adapter.py) every request with that adapter, V2 runner
-#   speculation: tests/integration/test_speculative.py, test_speculative_draft.py, test_speculative_eagle.py (n-gram,
-#             a draft model, an EAGLE head: steered requests vs the same without speculation, plain vs plugin-free
-#             vLLM with the same speculation, readouts vs transformers); V1 runner (V2 vLLM 0.25.1 stops at its
-#             configuration with speculation)
+#   speculation: tests/integration/test_speculative.py, test_speculative_draft.py, test_speculative_eagle.py,
+#             test_speculative_mtp.py (n-gram, a draft model, an EAGLE head, a MiMo MTP layer: steered requests vs
+#             the same without speculation, plain vs plugin-free vLLM with the same speculation, readouts vs
+#             transformers); V1 runner (V2 vLLM 0.25.1 stops at its configuration with speculation)
 #   features: tests/integration/test_request_features.py and test_vector_formats.py against `vllm serve` with
 #             graphs on; V2 runner
 # One-GPU jobs are spread round-robin over the visible GPUs (or those in CHECK_GPUS, e.g. "1"); each has its own compile cache and a fixed KV cache, so
@@ -146,7 +146,7 @@ for part in $parts; do
       fi
       ;;
     speculation)
-      for method in "" _draft _eagle; do
+      for method in "" _draft _eagle _mtp; do
         launch "speculation${method:-_ngram}" next v1 "${pytest_cmd[@]}" -s "tests/integration/test_speculative$method.py"
       done
       ;;

@@ -75,19 +75,20 @@ export HOTWIRE_STORE="${HOTWIRE_STORE:-off}"
 # state behind: torch.distributed, compile caches, its environment), the files start longest first from measured
 # times (xdist orders by collection), and the files of APART never overlap while the rest fill the other lane
 # (xdist's loadgroup would pin APART to one worker and still interleave it with what else that worker holds).
-# The files of the suite in the order they start: the longest first (seconds alone on a 2-core machine: compose
-# 500-660, model matrix 150-250, server 110-170, fleet 160, unit 150, lora 120-175 (beside other work), speculative
-# 90-185, speculative draft 95-150, speculative eagle 90-120, family bit identity 280, model families 115-135, bit
-# identity 90-140, request features 75-125, quantized 80-160, chunked prefill 40-80, soak 70, data parallel 35-100,
-# vector formats 65-105, vision language 65-190, parallel 160-505 (505 beside five other engines), readout 90-150,
-# readout over HTTP 40-70, roles 50-60, tenants 50-70, ...); a file of APART waits while another of APART runs.
+# The files of the suite in the order they start: the longest first (seconds alone on a 2-core machine: compose 500-660,
+# model matrix 150-250, server 110-170, fleet 160, unit 150, lora 120-175 (beside other work), speculative 90-185,
+# speculative draft 95-150, speculative eagle 90-120, speculative mtp 120, family bit identity 280, model families
+# 115-135, bit identity 90-140, request features 75-125, quantized 80-160, chunked prefill 40-80, soak 70, data parallel
+# 35-100, vector formats 65-105, vision language 65-190, parallel 160-505 (505 beside five other engines), readout
+# 90-150, readout over HTTP 40-70, roles 50-60, tenants 50-70, ...); a file of APART waits while another of APART runs.
 LONGEST_FIRST=(
     tests/integration/test_compose.py tests/integration/test_model_matrix.py tests/integration/test_server.py
     tests/integration/test_fleet.py tests/integration/test_parallel.py tests/unit tests/integration/test_lora.py
     tests/integration/test_speculative.py tests/integration/test_speculative_draft.py
     tests/integration/test_family_bit_identity.py
     tests/integration/test_model_families.py tests/integration/test_speculative_eagle.py
-    tests/integration/test_bit_identity.py tests/integration/test_readout.py tests/integration/test_request_features.py
+    tests/integration/test_speculative_mtp.py tests/integration/test_bit_identity.py tests/integration/test_readout.py
+    tests/integration/test_request_features.py
     tests/integration/test_quantized.py tests/integration/test_chunked_prefill.py
     tests/integration/test_data_parallel.py tests/integration/test_soak.py tests/integration/test_hardening.py
     tests/integration/test_vector_formats.py tests/integration/test_vision_language.py
@@ -111,7 +112,8 @@ CONFIGS=(
     tests/integration/test_parallel.py tests/integration/test_family_bit_identity.py
     tests/integration/test_model_families.py tests/integration/test_model_matrix.py
     tests/integration/test_speculative_draft.py
-    tests/integration/test_speculative_eagle.py tests/integration/test_vision_language.py
+    tests/integration/test_speculative_eagle.py tests/integration/test_speculative_mtp.py
+    tests/integration/test_vision_language.py
 )
 
 # is_one_of FILE LIST...: whether FILE is one of LIST
