@@ -63,6 +63,7 @@ _CONFIG_CLASSES = {
     "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM"),
     "qwen3_next": ("Qwen3NextConfig", "Qwen3NextForCausalLM"),  # gated delta net (linear attention) + attention
     "granitemoehybrid": ("GraniteMoeHybridConfig", "GraniteMoeHybridForCausalLM"),  # Mamba2 + attention (Granite 4)
+    "gpt_oss": ("GptOssConfig", "GptOssForCausalLM"),  # experts, sliding-window and global layers, attention sinks
 }
 ARCHS = tuple(_CONFIG_CLASSES)
 # Hybrids hotwire does not steer under vLLM 0.25.1: Qwen3-Next's layers lack the contract (refused), Granite 4
@@ -90,6 +91,10 @@ def _arch_kwargs(shape: ModelShape) -> dict:
         return {"num_local_experts": shape.num_experts, "num_experts_per_tok": shape.experts_per_token,
                 "layer_types": kinds, "shared_intermediate_size": shape.intermediate_size // 4, "mamba_n_heads": 8,
                 "mamba_d_head": 64, "mamba_d_state": 16, "mamba_chunk_size": 64}
+    if shape.arch == "gpt_oss":
+        kinds = ["full_attention" if odd else "sliding_attention" for odd in alternating]
+        return {"num_local_experts": shape.num_experts, "num_experts_per_tok": shape.experts_per_token,
+                "layer_types": kinds, "sliding_window": shape.sliding_window or 16}
     if shape.arch == "cohere":
         return {"logit_scale": 1.0}  # Command R's 0.0625 would leave random weights' logits nearly flat
     if shape.arch == "mistral":  # None as Mistral 7B v0.2+: on the CPU, vLLM 0.25.1's attention fails with a window

@@ -1,7 +1,7 @@
 """Which of vLLM's decoder layers hotwire hooks, and where their output holds the residual stream.
 
-The contract: ``forward(positions, hidden_states, residual) -> (hidden_states, residual)`` where the stream after
-the layer is ``hidden_states + residual`` (Llama-style layers leave the add to the next layer's fused add-RMSNorm;
+The contract: ``forward(positions, hidden_states, residual) -> (hidden_states, residual)`` (gpt-oss: the first two
+arguments swapped) where the stream after the layer is ``hidden_states + residual`` (Llama-style layers leave the add to the next layer's fused add-RMSNorm;
 ``residual`` None: ``hidden_states`` alone). Two kinds of layers have the signature but not that meaning; both were
 read from vLLM 0.25.1's model sources, and ``tests/unit/test_layer_contract.py`` reads the installed vLLM's again.
 """
@@ -15,10 +15,14 @@ from torch import nn
 from ..steer_hook import HOOK_NAME
 from ..stream_read import READER_NAME
 
-__all__ = ["find_decoder_layers", "is_steerable_layer", "read_points", "stream_in_hidden", "why_not_steerable",
-           "wrap_layer_class", "wrap_norm_class"]
+__all__ = ["SWAPPED_ARGS_LAYERS", "find_decoder_layers", "is_steerable_layer", "read_points", "stream_in_hidden",
+           "why_not_steerable", "wrap_layer_class", "wrap_norm_class"]
 
 _LAYER_ARGS = ["positions", "hidden_states", "residual"]
+# The contract with its first two arguments swapped, and a block name: gpt-oss's ``TransformerBlock.forward
+# (hidden_states, positions, residual)`` returns ``(output, residual)`` with the stream their sum, as the layers above.
+SWAPPED_ARGS_LAYERS = frozenset({"TransformerBlock"})
+_SWAPPED_ARGS = ["hidden_states", "positions", "residual"]
 # How a layer hands the stream of the one before it to its first norm (Llama, Qwen2/3, Qwen3-MoE, Mistral, Gemma 3,
 # ...): the ``residual`` that call returns is that stream.
 _LAYER_NORM_CALL = "self.input_layernorm(hidden_states, residual)"
@@ -40,12 +44,17 @@ STREAM_IN_HIDDEN = frozenset({
 
 
 def is_steerable_layer(cls: type) -> bool:
-    """Layers with the ``(positions, hidden_states, residual) -> (hidden_states, residual)`` contract."""
-    if not cls.__name__.endswith("DecoderLayer") or cls.__name__ in UNSUPPORTED_LAYERS:
+    """Layers with the ``(positions, hidden_states, residual) -> (hidden_states, residual)`` contract (or, for
+    ``SWAPPED_ARGS_LAYERS``, ``(hidden_states, positions, residual)``)."""
+    name = cls.__name__
+    if name in SWAPPED_ARGS_LAYERS:
+        expected = _SWAPPED_ARGS
+    elif name.endswith("DecoderLayer") and name not in UNSUPPORTED_LAYERS:
+        expected = _LAYER_ARGS
+    else:
         return False
     forward = getattr(cls, "_hotwire_wrapped", cls.forward)
-    params = list(inspect.signature(forward).parameters)[1:4]
-    return params == _LAYER_ARGS
+    return list(inspect.signature(forward).parameters)[1:4] == expected
 
 
 def stream_in_hidden(cls: type) -> bool:
@@ -68,7 +77,8 @@ def find_decoder_layers(model: nn.Module) -> tuple[dict[int, nn.Module], int]:
 def why_not_steerable(model: nn.Module) -> str:
     """Why ``model`` has no layer to hook: its decoder layer classes and the arguments their ``forward`` takes."""
     reason = "no decoder layer with the (positions, hidden_states, residual) contract"
-    seen = sorted({type(m) for m in model.modules() if type(m).__name__.endswith("DecoderLayer")}, key=str)
+    seen = sorted({type(m) for m in model.modules()
+                   if type(m).__name__.endswith("DecoderLayer") or type(m).__name__ in SWAPPED_ARGS_LAYERS}, key=str)
     if not seen:
         return reason
     forwards = [f"{cls.__name__}.forward({', '.join(list(inspect.signature(cls.forward).parameters)[1:])})"
@@ -83,8 +93,8 @@ def wrap_layer_class(cls: type) -> None:
         return
     original = cls.forward
 
-    def forward(self, positions, hidden_states, residual, *args, **kwargs):
-        out = original(self, positions, hidden_states, residual, *args, **kwargs)
+    def forward(self, *args, **kwargs):
+        out = original(self, *args, **kwargs)
         hook = self._modules.get(HOOK_NAME)
         return out if hook is None else hook(*out)
 

@@ -2,6 +2,7 @@
 families beyond the dense Llama shape of ``test_bit_identity.py``, with torch.compile:
 
 * a mixture of experts (tiny Qwen3-MoE: 4 experts, 2 per token, vLLM's fused MoE), in bf16;
+* gpt-oss (experts, sliding-window and global layers, attention sinks), in bf16;
 * Gemma 3 (post-MLP norm, interleaved sliding window), in float32. In bf16 its plain requests are *not*
   bit-identical: Inductor fuses Gemma 3's post-MLP norm with the next layer's add-norm and keeps the residual
   stream in float32 across the layer boundary, where any hotwire node there (the op on ``hidden`` or on
@@ -22,7 +23,8 @@ pytestmark = pytest.mark.integration
 GREEDY = dict(max_tokens=6, temperature=0.0, logprobs=0, prompt_logprobs=0, ignore_eos=True)
 
 
-@pytest.mark.parametrize(("arch", "dtype"), [("qwen3_moe", "bfloat16"), ("gemma3", "float32")])
+@pytest.mark.parametrize(("arch", "dtype"),
+                         [("qwen3_moe", "bfloat16"), ("gemma3", "float32"), ("gpt_oss", "bfloat16")])
 def test_plain_requests_bit_identical(model_root, tmp_path, arch, dtype):
     from transformers import AutoTokenizer
 

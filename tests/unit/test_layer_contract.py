@@ -15,6 +15,7 @@ from hotwire_core.runtime import WorkerSteering
 from hotwire_core.settings import Settings
 from hotwire_core.vllm_glue.layers import (
     STREAM_IN_HIDDEN,
+    SWAPPED_ARGS_LAYERS,
     UNSUPPORTED_LAYERS,
     find_decoder_layers,
     is_steerable_layer,
@@ -106,6 +107,27 @@ def test_a_whole_stream_layer_is_steered_in_hidden_by_its_norm(fusion):
     out_hidden, out_residual = plain(None, hidden.clone(), stale.clone())
     steered = out_residual if fusion else out_hidden
     assert steered[0, 0] - (stale if fusion else hidden)[0, 0] == pytest.approx(0.5 * (hidden + stale).norm().item())
+
+
+def test_gpt_oss_blocks_take_the_contract_with_swapped_arguments():
+    """vLLM's gpt-oss ``TransformerBlock``: ``(hidden_states, positions, residual) -> (output, residual)``, the
+    stream their sum and handed to the next block's ``input_layernorm`` like the decoder layers' (read again from the
+    installed vLLM); a block named so but with other arguments (Pixtral's vision blocks) is not hooked."""
+    import inspect
+
+    from vllm.model_executor.models.gpt_oss import TransformerBlock
+
+    assert "TransformerBlock" in SWAPPED_ARGS_LAYERS and is_steerable_layer(TransformerBlock)
+    source = inspect.getsource(TransformerBlock.forward)
+    assert "hidden_states, residual = self.input_layernorm(hidden_states, residual)" in source
+    assert source.rstrip().endswith("return output, residual")
+
+    class VisionBlock(torch.nn.Module):
+        def forward(self, x, mask, freqs_cis):
+            return x
+
+    VisionBlock.__name__ = "TransformerBlock"
+    assert not is_steerable_layer(VisionBlock)
 
 
 def test_a_model_without_the_contract_says_which_layers_it_has():
