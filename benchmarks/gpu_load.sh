@@ -3,7 +3,9 @@
 #   bash benchmarks/gpu_load.sh [soak] [throughput] [prefill] [tenants]   (default: the first three, in that order)
 # soak: python3 -m benchmarks.soak, SOAK_CLIENTS (256) clients for SOAK_DURATION (600) s, 16 slots, churn.
 # tenants: the soak with 4 tenants (#40), SOAK_CLIENTS clients for TENANT_DURATION (240) s, 64 slots, a tenant's
-#   share 16 rows; once without and once with a tenant flooding distinct vectors (compare the others' p99).
+#   share 16 rows; once without and once with a tenant flooding distinct vectors (compare the others' p99). Both
+#   halves build the model in one folder, so the second server can reuse the first one's compiled graphs (each start
+#   took 106-113 s on the H200 with a folder of its own).
 # throughput: benchmarks/bench_throughput.py, plugin-free vLLM vs hotwire plain vs hotwire 75 % steered,
 #   THROUGHPUT_CLIENTS (128) streaming clients, THROUGHPUT_ROUNDS (6: a 97% interval of each median ratio) rotated
 #   rounds of THROUGHPUT_SECONDS (10) s; THROUGHPUT_PROFILE=1
@@ -40,7 +42,7 @@ for step in "${steps[@]}"; do
         name=tenants${flood:+_flood}
         python3 -m benchmarks.soak --tenants 4 $flood --tenant-rows 16 --slots 64 --clients "${SOAK_CLIENTS:-256}" \
           --ids 12 --churned 4 --pool 2 --duration "${TENANT_DURATION:-240}" --server-arg=--max-num-seqs=256 \
-          --workdir "/tmp/$name-gpu" --out "$out/${name}_gpu.json" 2>&1 | tee "$out/${name}_gpu.txt" | tail -12
+          --workdir /tmp/tenants-gpu --out "$out/${name}_gpu.json" 2>&1 | tee "$out/${name}_gpu.txt" | tail -12
       done ;;
     prefill)
       python3 benchmarks/bench_prefill.py --shape qwen3-4b --prompt-len 8192 --rounds "${PREFILL_ROUNDS:-16}" \
