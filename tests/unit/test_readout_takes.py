@@ -28,7 +28,7 @@ class Workers:
 
 def test_responses_ending_together_take_their_readouts_in_one_round_trip() -> None:
     async def scenario():
-        takes, workers = ReadoutTakes(), Workers()
+        takes, workers = ReadoutTakes(min_interval_s=0), Workers()
         first = await asyncio.gather(*(takes.take(workers, f"t{i}") for i in range(8)))
         # while one take is on its way, the responses ending meanwhile wait for the next
         later = asyncio.ensure_future(takes.take(workers, "a"))
@@ -43,7 +43,7 @@ def test_responses_ending_together_take_their_readouts_in_one_round_trip() -> No
 
 def test_a_failed_take_fails_its_batch_and_a_cancelled_wait_harms_no_one() -> None:
     async def scenario():
-        takes = ReadoutTakes()
+        takes = ReadoutTakes(min_interval_s=0)
         with pytest.raises(HotwireError):
             await takes.take(Workers(fail=True), "x")
         workers = Workers()
@@ -54,3 +54,28 @@ def test_a_failed_take_fails_its_batch_and_a_cancelled_wait_harms_no_one() -> No
         return await stays
 
     assert "stays" in asyncio.run(scenario())[0]["readouts"]
+
+
+def test_takes_start_at_most_once_an_interval_and_at_once_after_a_quiet_spell() -> None:
+    """Under load the responses ending within the interval after a take share the next one; a take after a quiet
+    spell does not wait."""
+
+    async def scenario():
+        loop = asyncio.get_running_loop()
+        takes, workers = ReadoutTakes(min_interval_s=0.1), Workers()
+        started = loop.time()
+        await takes.take(workers, "first")  # nothing before it: at once (the workers take 10 ms)
+        alone = loop.time() - started
+        waits = [asyncio.ensure_future(takes.take(workers, "a"))]
+        await asyncio.sleep(0.05)  # within the interval: joins "a"
+        waits.append(asyncio.ensure_future(takes.take(workers, "b")))
+        await asyncio.gather(*waits)
+        batched = loop.time() - started
+        await asyncio.sleep(0.2)
+        quiet = loop.time()
+        await takes.take(workers, "later")
+        return workers.calls, alone, batched, loop.time() - quiet
+
+    calls, alone, batched, after_quiet = asyncio.run(scenario())
+    assert calls == [["first"], ["a", "b"], ["later"]]
+    assert alone < 0.05 and batched >= 0.1 and after_quiet < 0.05
