@@ -69,6 +69,9 @@ ARCHS = tuple(_CONFIG_CLASSES)
 # Hybrids hotwire does not steer under vLLM 0.25.1: Qwen3-Next's layers lack the contract (refused), Granite 4
 # does not load with transformers 5 (tests/integration/test_model_families.py).
 UNSTEERED_ARCHS = ("qwen3_next", "granitemoehybrid")
+# What vLLM 0.25.1's CPU build runs in bf16 only (gpt-oss in float32: "expected scalar type BFloat16 but found
+# Float", plugin-free too).
+CPU_BF16_ARCHS = ("gpt_oss",)
 
 
 def _arch_kwargs(shape: ModelShape) -> dict:

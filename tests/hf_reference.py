@@ -112,3 +112,14 @@ def layer_outputs(
         for h in handles:
             h.remove()
     return captured
+
+
+def assert_steering_matches(plain_err: float, steered_err: float, effect: float, bf16: bool) -> None:
+    """vLLM's plain and steered logprobs against transformers' without and with the hook (largest differences), and
+    the steering's own effect there. float32 matches transformers to ~1e-4: both within 2e-3. bf16 (a GPU, or a
+    family the CPU runs in bf16 only) carries its own rounding, seen in the plain error: the steered error must stay
+    within twice it. Either way the steering must stand ten times clear of the bound, so the check can fail."""
+    tolerance = max(2e-3, 2 * plain_err) if bf16 else 2e-3
+    assert plain_err < (0.1 if bf16 else 2e-3), f"plain vLLM differs from transformers: {plain_err}"
+    assert steered_err < tolerance, f"steered vLLM differs from transformers + hook: {steered_err} (effect {effect})"
+    assert effect > 10 * tolerance, f"the steering in this check is too weak to be seen: {effect}"

@@ -10,7 +10,7 @@ import time
 from pathlib import Path
 
 from hotwire_core.cpu_env import CPU_ENV
-from hotwire_core.tiny_model import ARCHS, UNSTEERED_ARCHS
+from hotwire_core.tiny_model import ARCHS, CPU_BF16_ARCHS, UNSTEERED_ARCHS
 from hotwire_core.verify.report import exit_status, format_report
 from hotwire_core.verify import setup
 from hotwire_core.verify.runs import _vanilla_child, run
@@ -22,7 +22,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--model", help="model to test (path or hub id); default: the built-in tiny model")
     parser.add_argument("--arch", default="qwen3", choices=[a for a in ARCHS if a not in UNSTEERED_ARCHS],
                         help="architecture of the built-in tiny model (ignored with --model)")
-    parser.add_argument("--dtype", help="engine dtype (default: auto on a GPU, float32 on the CPU)")
+    parser.add_argument("--dtype", help="engine dtype (default: auto on a GPU, float32 on the CPU; bfloat16 for the "
+                        f"built-in {', '.join(CPU_BF16_ARCHS)}, which vLLM's CPU build runs in bf16 only)")
     parser.add_argument("--tensor-parallel-size", type=int, default=1, help="tensor parallel ranks (GPUs)")
     parser.add_argument("--kv-cache-gib", type=float,
                         help="a fixed KV cache size instead of vLLM's memory profiling (lets engines share a GPU)")
@@ -67,7 +68,8 @@ def main(argv: list[str] | None = None) -> int:
     from hotwire_core.offline import HotwireError
 
     on_gpu = torch.cuda.is_available()
-    args.dtype = args.dtype or ("auto" if on_gpu else "float32")
+    bf16_only = not args.model and args.arch in CPU_BF16_ARCHS
+    args.dtype = args.dtype or ("auto" if on_gpu else "bfloat16" if bf16_only else "float32")
     _set_environment(args, on_gpu)
     total = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="hotwire-verify-") as tmp:

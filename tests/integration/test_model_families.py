@@ -13,8 +13,8 @@ model whose layers lack the contract, hotwire says why and refuses steering.
 * ``granitemoehybrid`` (Granite 4: Mamba2 layers 0 and 2, attention 1 and 3): hotwire hooks the attention layers
   (the Mamba ones lack ``positions``); skipped where vLLM cannot load the model (see ``_why_granite_cannot_load``);
 * ``gpt_oss`` (its ``TransformerBlock`` takes ``(hidden_states, positions, residual)``): experts (4, 2 per token),
-  layers 0 and 2 with a 16-token sliding window, attention sinks; bf16 on the CPU too (see ``CPU_BF16``), so held to
-  the GPU's bound;
+  layers 0 and 2 with a 16-token sliding window, attention sinks; bf16 on the CPU too (``CPU_BF16_ARCHS``), so held
+  to the GPU's bound;
 * ``qwen3_next`` (gated delta net + attention): its ``Qwen3NextDecoderLayer.forward(hidden_states, residual,
   positions)`` lacks the contract, so the engine says so and refuses steered requests.
 """
@@ -29,6 +29,7 @@ import torch
 
 import hf_reference
 from engine_results import engine_kwargs, run_batches
+from hotwire_core.tiny_model import CPU_BF16_ARCHS
 
 pytestmark = pytest.mark.integration
 
@@ -40,9 +41,7 @@ FAMILIES = {
     "granitemoehybrid": ({"arch": "granitemoehybrid"}, "1,3", [1, 3], False),
     "gpt_oss": ({"arch": "gpt_oss"}, "0-3", [1, 2], False),
 }
-# Families vLLM 0.25.1 runs in bf16 only on the CPU (gpt-oss in float32: "expected scalar type BFloat16 but found
-# Float", plugin-free too).
-CPU_BF16 = {"gpt_oss"}
+
 PROMPT = " ".join(["steering vectors nudge the residual stream"] * 4)  # 36 tokens: past the 16-token windows
 
 
@@ -76,7 +75,7 @@ def family_engine(request, model_root):
     os.environ["HOTWIRE_NORM"] = "1" if norm else "0"
     try:
         on_cpu = {} if torch.cuda.is_available() else {"enforce_eager": True}
-        if on_cpu and request.param in CPU_BF16:
+        if on_cpu and request.param in CPU_BF16_ARCHS:
             on_cpu["dtype"] = "bfloat16"
         llm = LLM(str(model_dir), **{**engine_kwargs(), **on_cpu})
     finally:
@@ -98,7 +97,7 @@ def test_the_decoder_layers_are_hooked(family_engine):
 def test_steering_equals_transformers_hook(family_engine):
     model_dir, llm, vector, family = family_engine
     _check_steering(model_dir, llm, vector, FAMILIES[family][2], norm=FAMILIES[family][3],
-                    bf16=torch.cuda.is_available() or family in CPU_BF16)
+                    bf16=torch.cuda.is_available() or family in CPU_BF16_ARCHS)
 
 
 def test_mistral_with_a_sliding_window(model_root, capfd):
@@ -145,12 +144,7 @@ def _check_steering(model_dir, llm, vector: torch.Tensor, layers: list[int], nor
     steered_err = (torch.tensor(steered[0]["prompt_logprobs"][1:]) - expected).abs().max().item()
     effect = (expected - expected_plain).abs().max().item()
     print(f"{model_dir.name}: plain {plain_err:.2e}, steered {steered_err:.2e} from transformers; effect {effect:.2f}")
-    # float32 matches transformers to ~1e-4; bf16 carries its own rounding, seen in the plain error: the steered
-    # error must stay at that level while the steering effect is far above it.
-    tolerance = max(2e-3, 2 * plain_err) if bf16 else 2e-3
-    assert plain_err < (0.1 if bf16 else 2e-3), plain_err
-    assert steered_err < tolerance, f"steered vLLM differs from transformers + hook: {steered_err} (effect {effect})"
-    assert effect > 10 * tolerance, f"the steering in this check is too weak to be seen: {effect}"
+    hf_reference.assert_steering_matches(plain_err, steered_err, effect, bf16)
     if getattr(hf.config, "sliding_window", None):
         hf.config.sliding_window = len(ids)  # every layer sees the whole prompt: the logprobs must move
         for layer in hf.model.layers:
