@@ -78,12 +78,14 @@ def _arch_kwargs(shape: ModelShape) -> dict:
     """Config fields beyond the dense decoder's: experts, layer kinds, windows (the odd layers global, or
     attention, in the interleaved archs)."""
     moe = dict(num_experts=shape.num_experts, num_experts_per_tok=shape.experts_per_token)
+    local_experts = dict(num_local_experts=shape.num_experts, num_experts_per_tok=shape.experts_per_token)
     alternating = [i % 2 == 1 for i in range(shape.num_layers)]
+    windowed = {"layer_types": ["full_attention" if odd else "sliding_attention" for odd in alternating],
+                "sliding_window": shape.sliding_window or 16}
     if shape.arch == "qwen3_moe":
         return {**moe, "moe_intermediate_size": shape.intermediate_size // 4, "norm_topk_prob": True}
     if shape.arch == "gemma3":
-        kinds = ["full_attention" if odd else "sliding_attention" for odd in alternating]
-        return {"sliding_window": shape.sliding_window or 16, "layer_types": kinds, "query_pre_attn_scalar": shape.head_dim}
+        return {**windowed, "query_pre_attn_scalar": shape.head_dim}
     if shape.arch == "qwen3_next":
         kinds = ["full_attention" if odd else "linear_attention" for odd in alternating]
         return {**moe, "layer_types": kinds, "moe_intermediate_size": shape.intermediate_size // 4,
@@ -91,13 +93,10 @@ def _arch_kwargs(shape: ModelShape) -> dict:
                 "linear_num_value_heads": 4, "linear_key_head_dim": 32, "linear_value_head_dim": 32}
     if shape.arch == "granitemoehybrid":
         kinds = ["attention" if odd else "mamba" for odd in alternating]
-        return {"num_local_experts": shape.num_experts, "num_experts_per_tok": shape.experts_per_token,
-                "layer_types": kinds, "shared_intermediate_size": shape.intermediate_size // 4, "mamba_n_heads": 8,
-                "mamba_d_head": 64, "mamba_d_state": 16, "mamba_chunk_size": 64}
+        return {**local_experts, "layer_types": kinds, "shared_intermediate_size": shape.intermediate_size // 4,
+                "mamba_n_heads": 8, "mamba_d_head": 64, "mamba_d_state": 16, "mamba_chunk_size": 64}
     if shape.arch == "gpt_oss":
-        kinds = ["full_attention" if odd else "sliding_attention" for odd in alternating]
-        return {"num_local_experts": shape.num_experts, "num_experts_per_tok": shape.experts_per_token,
-                "layer_types": kinds, "sliding_window": shape.sliding_window or 16}
+        return {**local_experts, **windowed}
     if shape.arch == "cohere":
         return {"logit_scale": 1.0}  # Command R's 0.0625 would leave random weights' logits nearly flat
     if shape.arch == "mistral":  # None as Mistral 7B v0.2+: on the CPU, vLLM 0.25.1's attention fails with a window

@@ -41,7 +41,6 @@ FAMILIES = {
     "granitemoehybrid": ({"arch": "granitemoehybrid"}, "1,3", [1, 3], False),
     "gpt_oss": ({"arch": "gpt_oss"}, "0-3", [1, 2], False),
 }
-
 PROMPT = " ".join(["steering vectors nudge the residual stream"] * 4)  # 36 tokens: past the 16-token windows
 
 
@@ -76,7 +75,7 @@ def family_engine(request, model_root):
     try:
         on_cpu = {} if torch.cuda.is_available() else {"enforce_eager": True}
         if on_cpu and request.param in CPU_BF16_ARCHS:
-            on_cpu["dtype"] = "bfloat16"
+            on_cpu["dtype"] = "bfloat16"  # (bf16 on the GPU in any case: engine_kwargs)
         llm = LLM(str(model_dir), **{**engine_kwargs(), **on_cpu})
     finally:
         os.environ.pop("HOTWIRE_NORM") if saved is None else os.environ.update(HOTWIRE_NORM=saved)
@@ -96,8 +95,7 @@ def test_the_decoder_layers_are_hooked(family_engine):
 
 def test_steering_equals_transformers_hook(family_engine):
     model_dir, llm, vector, family = family_engine
-    _check_steering(model_dir, llm, vector, FAMILIES[family][2], norm=FAMILIES[family][3],
-                    bf16=torch.cuda.is_available() or family in CPU_BF16_ARCHS)
+    _check_steering(model_dir, llm, vector, FAMILIES[family][2], norm=FAMILIES[family][3])
 
 
 def test_mistral_with_a_sliding_window(model_root, capfd):
@@ -113,7 +111,7 @@ def test_mistral_with_a_sliding_window(model_root, capfd):
         vector = torch.randn(256, generator=torch.Generator().manual_seed(11))
         register_vector(llm, "v", vector)
         try:
-            _check_steering(model_dir, llm, vector, [1, 2], bf16=torch.cuda.is_available())
+            _check_steering(model_dir, llm, vector, [1, 2])
         except Exception:
             log = "".join(capfd.readouterr())
             if "cpu_attn.cpp" in log and "BlockSizeAlignment" in log:
@@ -124,11 +122,10 @@ def test_mistral_with_a_sliding_window(model_root, capfd):
         llm.llm_engine.engine_core.shutdown()
 
 
-def _check_steering(model_dir, llm, vector: torch.Tensor, layers: list[int], norm: bool = False,
-                    bf16: bool = False) -> None:
+def _check_steering(model_dir, llm, vector: torch.Tensor, layers: list[int], norm: bool = False) -> None:
     """Plain and steered prompt logprobs equal transformers' without and with the hook (``norm``: a norm-relative
-    scale of 2, else an absolute one of 3; ``bf16``: the engine runs bf16); where the model has a sliding window, the
-    prompt reaches past it."""
+    scale of 2, else an absolute one of 3), to the bound of the engine's dtype; where the model has a sliding window,
+    the prompt reaches past it."""
     from transformers import AutoTokenizer
 
     ids = AutoTokenizer.from_pretrained(str(model_dir))(PROMPT).input_ids
@@ -144,6 +141,7 @@ def _check_steering(model_dir, llm, vector: torch.Tensor, layers: list[int], nor
     steered_err = (torch.tensor(steered[0]["prompt_logprobs"][1:]) - expected).abs().max().item()
     effect = (expected - expected_plain).abs().max().item()
     print(f"{model_dir.name}: plain {plain_err:.2e}, steered {steered_err:.2e} from transformers; effect {effect:.2f}")
+    bf16 = llm.llm_engine.model_config.dtype == torch.bfloat16
     hf_reference.assert_steering_matches(plain_err, steered_err, effect, bf16)
     if getattr(hf.config, "sliding_window", None):
         hf.config.sliding_window = len(ids)  # every layer sees the whole prompt: the logprobs must move

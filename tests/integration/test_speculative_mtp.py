@@ -24,7 +24,7 @@ pytestmark = pytest.mark.integration
 
 
 def add_mtp_layer(path: Path, token: int) -> None:
-    """Give the Qwen2 model at ``path`` one MiMo MTP layer that always proposes ``token``, in MiMo's checkpoint
+    """Give the tiny MiMo at ``path`` one MTP layer that always proposes ``token``, in MiMo's checkpoint
     layout (``model.mtp_layers.0.*``, the decoder block's weights unwrapped). Its attention is zero; its MLP has
     gate = up = identity, so every unit gives ``x² sigmoid(x)`` (never negative), and ``down`` adds all of them
     along the lm_head row of ``token``, a hundred times the residual's size: after the final norm the row dominates
@@ -58,14 +58,13 @@ def add_mtp_layer(path: Path, token: int) -> None:
     }
     weights.update({f"model.mtp_layers.0.{name}": value.contiguous() for name, value in layer.items()})
     save_file(weights, str(path / "model.safetensors"))
-    # model_type stays qwen2: transformers reads the model (without its MTP layer) as the reference.
-    config.update(architectures=["MiMoForCausalLM"], num_nextn_predict_layers=1)
-    (path / "config.json").write_text(json.dumps(config))
+    (path / "config.json").write_text(json.dumps({**config, "num_nextn_predict_layers": 1}))
 
 
 @pytest.fixture(scope="module")
 def tiny_model(model_root, tmp_path_factory) -> Path:
-    """The tiny Qwen2 as MiMo (no MTP layer yet: it is added once the steered continuation is known)."""
+    """The tiny Qwen2 as MiMo (no MTP layer yet: it is added once the steered continuation is known). model_type
+    stays qwen2: transformers reads the model (without its MTP layer) as the reference."""
     from hotwire_core.tiny_model import ModelShape, build_model
 
     path = tmp_path_factory.mktemp("mimo") / "model"
