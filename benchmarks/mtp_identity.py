@@ -1,0 +1,97 @@
+"""Where a plain request's logprobs under MTP speculation move on a GPU: the tiny MiMo of
+``tests/integration/test_speculative_mtp.py`` (its MTP layer proposing token ``--token``), two plain prompts, each
+engine a fresh interpreter, all at once. Prints every engine's pairwise largest logprob difference against the first
+plugin-free MTP engine, and writes the results as JSON.
+
+    python3 benchmarks/mtp_identity.py --out mtp_identity.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import sys
+import tempfile
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+sys.path[:0] = [str(Path(__file__).resolve().parents[1] / "tests"), str(Path(__file__).resolve().parents[1] / "tests" / "integration")]
+
+from engine_results import engine_kwargs, max_diff  # noqa: E402
+from hotwire_core.tiny_model import ModelShape, build_model  # noqa: E402
+from hotwire_core.verify.plugin_free import run_engine  # noqa: E402
+from test_speculative_mtp import add_mtp_layer  # noqa: E402
+
+MTP = {"method": "mtp", "num_speculative_tokens": 3}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--token", type=int, default=375, help="the token the MTP layer proposes")
+    parser.add_argument("--out", type=Path)
+    args = parser.parse_args()
+    root = Path(tempfile.mkdtemp())
+    path = root / "mimo"
+    shutil.copytree(build_model(root / "qwen2-tiny", ModelShape(arch="qwen2")), path)
+    config = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({**config, "architectures": ["MiMoForCausalLM"]}))
+    add_mtp_layer(path, args.token)
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(path))
+    a = tok(" ".join(["steering vectors nudge the residual stream"] * 4)).input_ids
+    b = tok("The quick brown fox jumps over the lazy dog. The quick brown fox").input_ids
+
+    def batches(prompt_logprobs: bool) -> list:
+        params = dict(max_tokens=24, temperature=0.0, logprobs=0, ignore_eos=True,
+                      **({"prompt_logprobs": 0} if prompt_logprobs else {}))
+        return [[{"prompt_token_ids": a, "params": params}], [{"prompt_token_ids": b, "params": params}]]
+
+    # name: (plugin-free, speculation, prompt logprobs, environment)
+    jobs = {
+        "vanilla_mtp": (True, True, True, {}),
+        "vanilla_mtp_again": (True, True, True, {}),
+        "vanilla_nospec": (True, False, True, {}),
+        "hotwire_mtp_readout": (False, True, True, {"HOTWIRE_READOUT": "1"}),
+        "hotwire_mtp": (False, True, True, {}),
+        "hotwire_nospec": (False, False, True, {}),
+        "vanilla_mtp_no_prompt_lp": (True, True, False, {}),
+        "hotwire_mtp_no_prompt_lp": (False, True, False, {}),
+    }
+
+    def run(name: str) -> list:
+        plugin_free, spec, prompt_lp, env = jobs[name]
+        engine = {"model": str(path), **engine_kwargs(), **({"speculative_config": dict(MTP)} if spec else {})}
+        work = root / name
+        work.mkdir()
+        return run_engine(engine, batches(prompt_lp), work, plugin_free=plugin_free,
+                          env={**env, "VLLM_CACHE_ROOT": str(work / "cache")}, tag=name)
+
+    with ThreadPoolExecutor(len(jobs)) as pool:
+        results = dict(zip(jobs, pool.map(run, jobs)))
+    ref = results["vanilla_mtp"]
+    report = {}
+    for name, res in results.items():
+        row = {}
+        for n, label in enumerate("ab"):
+            got, want = res[n][0], ref[n][0]
+            row[label] = {"tokens_equal": got["token_ids"] == want["token_ids"],
+                          "logprobs": max_diff(got["logprobs"], want["logprobs"]),
+                          "positions_apart": [i for i, (x, y) in enumerate(zip(got["logprobs"], want["logprobs"]))
+                                              if x != y],
+                          "prompt_logprobs": (max_diff(got["prompt_logprobs"], want["prompt_logprobs"])
+                                              if got.get("prompt_logprobs") and want.get("prompt_logprobs") else None)}
+        report[name] = row
+        print(f"{name:28s} vs vanilla_mtp: {json.dumps(row)}")
+    nospec = results["vanilla_nospec"]
+    for name in ("hotwire_nospec", "hotwire_mtp", "vanilla_mtp"):
+        d = [max_diff(results[name][n][0]["logprobs"], nospec[n][0]["logprobs"]) for n in range(2)]
+        print(f"{name:28s} vs vanilla_nospec: logprobs {d}")
+        report[f"{name}_vs_vanilla_nospec"] = d
+    if args.out:
+        args.out.write_text(json.dumps({"report": report, "results": results}))
+
+
+if __name__ == "__main__":
+    main()
