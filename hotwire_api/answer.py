@@ -99,7 +99,8 @@ class Answer:
             await self._send(message)
             return
         if self.streaming and not self.failed:
-            if self._passing and self.output and not _is_error_event(message.get("body", b"")):
+            events = message.get("body", b"")
+            if self.output and (self._passing or self._unread(events)) and not _is_error_event(events):
                 await self._send(message)  # what _stream_body does with such an event, without its checks
                 return
             await self._stream_body(message)
@@ -107,6 +108,12 @@ class Answer:
         self.held.append(message)
         if not message.get("more_body", False):
             await self._end()
+
+    def _unread(self, events: bytes) -> bool:
+        """Whether a read stream under way passes ``events`` on as they are (a monitored one's token events): no
+        values stream with its tokens, and they hold neither the usage chunk nor the end, where its readout goes."""
+        return (self.started and self.reading is not None and self._streamed is None
+                and b'"usage"' not in events and b"[DONE]" not in events)
 
     async def _stream_body(self, message: Message) -> None:
         events = message.get("body", b"")
