@@ -30,6 +30,7 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--token", type=int, default=375, help="the token the MTP layer proposes")
     parser.add_argument("--out", type=Path)
+    parser.add_argument("--only", help="comma-separated engines to run (default: all; vanilla_mtp always runs)")
     args = parser.parse_args()
     root = Path(tempfile.mkdtemp())
     path = root / "mimo"
@@ -60,6 +61,10 @@ def main() -> None:
         "hotwire_mtp_no_prompt_lp": (False, True, False, {}),
     }
 
+    if args.only:
+        keep = {"vanilla_mtp", *args.only.split(",")}
+        jobs = {name: job for name, job in jobs.items() if name in keep}
+
     def run(name: str) -> list:
         plugin_free, spec, prompt_lp, env = jobs[name]
         engine = {"model": str(path), **engine_kwargs(), **({"speculative_config": dict(MTP)} if spec else {})}
@@ -84,8 +89,10 @@ def main() -> None:
                                               if got.get("prompt_logprobs") and want.get("prompt_logprobs") else None)}
         report[name] = row
         print(f"{name:28s} vs vanilla_mtp: {json.dumps(row)}")
-    nospec = results["vanilla_nospec"]
-    for name in ("hotwire_nospec", "hotwire_mtp", "vanilla_mtp"):
+    nospec = results.get("vanilla_nospec")
+    for name in ("hotwire_nospec", "hotwire_mtp", "vanilla_mtp") if nospec else ():
+        if name not in results:
+            continue
         d = [max_diff(results[name][n][0]["logprobs"], nospec[n][0]["logprobs"]) for n in range(2)]
         print(f"{name:28s} vs vanilla_nospec: logprobs {d}")
         report[f"{name}_vs_vanilla_nospec"] = d
