@@ -10,20 +10,20 @@ from __future__ import annotations
 
 import argparse
 import json
-import shutil
 import sys
 import tempfile
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-sys.path[:0] = [str(Path(__file__).resolve().parents[1] / "tests"), str(Path(__file__).resolve().parents[1] / "tests" / "integration")]
+_TESTS = Path(__file__).resolve().parents[1] / "tests"
+sys.path[:0] = [str(_TESTS), str(_TESTS / "integration")]
 
 from engine_results import engine_kwargs, max_diff  # noqa: E402
-from hotwire_core.tiny_model import ModelShape, build_model  # noqa: E402
 from hotwire_core.verify.plugin_free import run_engine  # noqa: E402
-from test_speculative_mtp import add_mtp_layer  # noqa: E402
+from speculation_cases import GREEDY, K, prompt_ids  # noqa: E402
+from test_speculative_mtp import add_mtp_layer, build_mimo  # noqa: E402
 
-MTP = {"method": "mtp", "num_speculative_tokens": 3}
+MTP = {"method": "mtp", "num_speculative_tokens": K}
 
 
 def main() -> None:
@@ -33,21 +33,13 @@ def main() -> None:
     parser.add_argument("--only", help="comma-separated engines to run (default: all; vanilla_mtp always runs)")
     args = parser.parse_args()
     root = Path(tempfile.mkdtemp())
-    path = root / "mimo"
-    shutil.copytree(build_model(root / "qwen2-tiny", ModelShape(arch="qwen2")), path)
-    config = json.loads((path / "config.json").read_text())
-    (path / "config.json").write_text(json.dumps({**config, "architectures": ["MiMoForCausalLM"]}))
+    path = build_mimo(root / "mimo", root)
     add_mtp_layer(path, args.token)
-    from transformers import AutoTokenizer
-
-    tok = AutoTokenizer.from_pretrained(str(path))
-    a = tok(" ".join(["steering vectors nudge the residual stream"] * 4)).input_ids
-    b = tok("The quick brown fox jumps over the lazy dog. The quick brown fox").input_ids
+    prompts = prompt_ids(path)
 
     def batches(prompt_logprobs: bool) -> list:
-        params = dict(max_tokens=24, temperature=0.0, logprobs=0, ignore_eos=True,
-                      **({"prompt_logprobs": 0} if prompt_logprobs else {}))
-        return [[{"prompt_token_ids": a, "params": params}], [{"prompt_token_ids": b, "params": params}]]
+        params = {k: v for k, v in GREEDY.items() if prompt_logprobs or k != "prompt_logprobs"}
+        return [[{"prompt_token_ids": prompts[p], "params": params}] for p in "ab"]
 
     # name: (plugin-free, speculation, prompt logprobs, environment)
     jobs = {
@@ -90,8 +82,8 @@ def main() -> None:
         report[name] = row
         print(f"{name:28s} vs vanilla_mtp: {json.dumps(row)}")
     nospec = results.get("vanilla_nospec")
-    for name in ("hotwire_nospec", "hotwire_mtp", "vanilla_mtp") if nospec else ():
-        if name not in results:
+    for name in ("hotwire_nospec", "hotwire_mtp", "vanilla_mtp"):
+        if nospec is None or name not in results:
             continue
         d = [max_diff(results[name][n][0]["logprobs"], nospec[n][0]["logprobs"]) for n in range(2)]
         print(f"{name:28s} vs vanilla_nospec: logprobs {d}")

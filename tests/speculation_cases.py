@@ -48,9 +48,14 @@ def vector() -> list[float]:
 
 @pytest.fixture(scope="module")
 def prompts(tiny_model) -> dict[str, list[int]]:
+    return prompt_ids(tiny_model)
+
+
+def prompt_ids(model_dir) -> dict[str, list[int]]:
+    """The two prompts every engine runs, as ``model_dir``'s tokenizer encodes them."""
     from transformers import AutoTokenizer
 
-    tok = AutoTokenizer.from_pretrained(str(tiny_model))
+    tok = AutoTokenizer.from_pretrained(str(model_dir))
     return {"a": tok(" ".join(["steering vectors nudge the residual stream"] * 4)).input_ids,
             "b": tok("The quick brown fox jumps over the lazy dog. The quick brown fox").input_ids}  # fmt: skip
 

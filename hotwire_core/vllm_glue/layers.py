@@ -2,8 +2,9 @@
 
 The contract: ``forward(positions, hidden_states, residual) -> (hidden_states, residual)`` (gpt-oss: the first two
 arguments swapped) where the stream after the layer is ``hidden_states + residual`` (Llama-style layers leave the add
-to the next layer's fused add-RMSNorm; ``residual`` None: ``hidden_states`` alone). Two kinds of layers have the signature but not that meaning; both were
-read from vLLM 0.25.1's model sources, and ``tests/unit/test_layer_contract.py`` reads the installed vLLM's again.
+to the next layer's fused add-RMSNorm; ``residual`` None: ``hidden_states`` alone). Two kinds of layers have the
+signature but not that meaning; both were read from vLLM 0.25.1's model sources, and
+``tests/unit/test_layer_contract.py`` reads the installed vLLM's again.
 """
 
 from __future__ import annotations

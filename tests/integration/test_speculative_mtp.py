@@ -61,17 +61,21 @@ def add_mtp_layer(path: Path, token: int) -> None:
     (path / "config.json").write_text(json.dumps({**config, "num_nextn_predict_layers": 1}))
 
 
-@pytest.fixture(scope="module")
-def tiny_model(model_root, tmp_path_factory) -> Path:
-    """The tiny Qwen2 as MiMo (no MTP layer yet: it is added once the steered continuation is known). model_type
-    stays qwen2: transformers reads the model (without its MTP layer) as the reference."""
+def build_mimo(path: Path, model_root: Path) -> Path:
+    """The tiny Qwen2 (built under ``model_root``) as MiMo at ``path``, without an MTP layer yet. model_type stays
+    qwen2: transformers reads the model (without its MTP layer) as the reference."""
     from hotwire_core.tiny_model import ModelShape, build_model
 
-    path = tmp_path_factory.mktemp("mimo") / "model"
     shutil.copytree(build_model(model_root / "qwen2-tiny", ModelShape(arch="qwen2")), path)
     config = json.loads((path / "config.json").read_text())
     (path / "config.json").write_text(json.dumps({**config, "architectures": ["MiMoForCausalLM"]}))
     return path
+
+
+@pytest.fixture(scope="module")
+def tiny_model(model_root, tmp_path_factory) -> Path:
+    """The tiny MiMo; its MTP layer is added once the steered continuation is known."""
+    return build_mimo(tmp_path_factory.mktemp("mimo") / "model", model_root)
 
 
 @pytest.fixture(scope="module")
