@@ -44,6 +44,11 @@ finds the same core, and the engines' and clients' placement cannot favour one o
 
     # on the GPU: a small model whose API server saturates first
     python -m benchmarks.bench_throughput --clients 128 --rounds 4 --out throughput.json
+    # the GPU the limit instead: a Qwen3-4B shape with dummy weights in bf16, longer answers
+    python -m benchmarks.bench_throughput --shape qwen3-4b --max-tokens 128 --monitors 4 --out throughput_4b.json
+
+The monitored server's read op runs only at the monitors' layer (``HOTWIRE_READOUT_LAYERS``), as an operator reading
+one layer configures it (docs/usage.md).
 """
 
 from __future__ import annotations
@@ -73,6 +78,7 @@ import numpy as np
 import psutil
 
 from benchmarks.api_profile import Recording, compare, py_spy
+from hotwire_core.tiny_model import SHAPES, build_model
 
 CONFIGS = ("vanilla", "plain", "steered", "monitored", "salted")
 PROMPTS = ("The quick brown fox jumps over", "Once upon a time in a land far", "The capital of France is",
@@ -383,8 +389,8 @@ def summarize(rounds: list[dict[str, Any]], seconds: float) -> dict[str, Any]:
 
 
 @contextlib.contextmanager
-def servers(model: Path, extra_args: Sequence[str], workdir: Path, slots: int,
-            monitors: int = 0) -> Iterator[dict[str, tuple[str, int]]]:
+def servers(model: Path, extra_args: Sequence[str], workdir: Path, slots: int, monitors: int = 0,
+            monitor_layer: int = 0) -> Iterator[dict[str, tuple[str, int]]]:
     """The plugin-free and the hotwire ``vllm serve`` (and with ``monitors``, a hotwire one with readout on),
     started together; by name, their URL and the pid of their API server (the main process: one API server)."""
     from hotwire_api.server_process import free_port, start_server, stop_server, vllm_serve_command, wait_until_ready
@@ -406,7 +412,8 @@ def servers(model: Path, extra_args: Sequence[str], workdir: Path, slots: int,
             if name == "vanilla":
                 env["VLLM_PLUGINS"] = ""
             if name == "monitored":
-                env.update(HOTWIRE_READOUT="1", HOTWIRE_READOUT_PROBES=str(max(4, monitors)))
+                env.update(HOTWIRE_READOUT="1", HOTWIRE_READOUT_PROBES=str(max(4, monitors)),
+                           HOTWIRE_READOUT_LAYERS=str(monitor_layer))
             command = [*vllm_serve_command(str(model)), "--host", "127.0.0.1", "--port", str(port), "--seed", "0",
                        *extra_args]  # fmt: skip
             procs[name] = start_server(command, env, workdir / f"server_{name}.log")
@@ -452,7 +459,9 @@ def model_facts(url: str) -> tuple[str, int, int]:
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", type=Path, help="HF folder (default: build the tiny Qwen3 with random weights)")
+    parser.add_argument("--model", type=Path, help="HF folder (default: build --shape)")
+    parser.add_argument("--shape", default="tiny", choices=sorted(SHAPES),
+                        help="the model to build: tiny (float32, random weights) or a larger shape (bf16, dummy weights)")
     parser.add_argument("--workdir", type=Path, help="for the built model and the server logs")
     parser.add_argument("--server-arg", action="append", default=[], help="extra vllm serve argument (repeatable)")
     parser.add_argument("--clients", type=int, default=128)
@@ -488,18 +497,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     workdir = args.workdir or Path(tempfile.mkdtemp(prefix="hotwire-throughput-"))
     workdir.mkdir(parents=True, exist_ok=True)
     extra = list(args.server_arg)
-    if args.model is None:
-        from hotwire_core.tiny_model import build_model
-
+    if args.model is None and args.shape == "tiny":
         args.model = build_model(workdir / "tiny", "tiny", weights=True)
         extra = ["--dtype", "float32", "--max-model-len", "4096", *extra]
+    elif args.model is None:  # timing only: dummy weights
+        args.model = build_model(workdir / args.shape, args.shape, weights=False)
+        extra = ["--load-format", "dummy", "--dtype", "bfloat16", "--max-model-len", "4096", *extra]
     if args.profile:
         py_spy()  # missing: say so now, not after the servers started (a round's sampler starts in a timer thread)
     rounds: list[dict[str, Any]] = []
     failures: Counter = Counter()
     profiles: dict[str, dict[str, list[tuple[Counter, int, float]]]] = {}  # process -> config -> rounds
     configs = (*CONFIGS[:3], *(("monitored",) if args.monitors else ()), *(("salted",) if args.salted else ()))
-    with servers(args.model, extra, workdir, args.slots, args.monitors) as started:
+    n_layers = json.loads((args.model / "config.json").read_text())["num_hidden_layers"]
+    with servers(args.model, extra, workdir, args.slots, args.monitors, n_layers // 2) as started:
         urls = {server: url for server, (url, _) in started.items()}
         api_server = {"vanilla": started["vanilla"][1], "plain": started["hotwire"][1], "steered": started["hotwire"][1],
                       **({"monitored": started["monitored"][1]} if args.monitors else {}),

@@ -1,6 +1,6 @@
 #!/bin/bash
 # On the device (after `source .gpu/env.sh`): the load targets of hotwire, one after the other on one GPU.
-#   bash benchmarks/gpu_load.sh [soak] [throughput] [prefill] [tenants]   (default: the first three, in that order)
+#   bash benchmarks/gpu_load.sh [soak] [throughput] [prefill] [tenants] [throughput_4b]   (default: the first three)
 # soak: python3 -m benchmarks.soak, SOAK_CLIENTS (256) clients for SOAK_DURATION (600) s, 16 slots, churn.
 # tenants: the soak with 4 tenants (#40), SOAK_CLIENTS clients for TENANT_DURATION (240) s, 64 slots, a tenant's
 #   share 16 rows; once without and once with a tenant flooding distinct vectors (compare the others' p99). Both
@@ -12,6 +12,8 @@
 #   adds --profile (py-spy on PATH: its binary from the development venv, carried in .gpu/py/bin); THROUGHPUT_SALTED=1
 #   adds --salted (plugin-free vLLM with 75 % of the requests salted for the prefix cache: the floor of steered / plain);
 #   THROUGHPUT_MONITORS=N adds --monitors N (a third server, hotwire with N monitors on all its plain traffic).
+# throughput_4b: the throughput step with the GPU the limit: a Qwen3-4B shape (bf16, dummy weights), 128-token
+#   answers, 4 monitors (#39: monitors on all traffic, steering and plain traffic against plugin-free vLLM).
 # prefill: benchmarks/bench_prefill.py, Qwen3-4B shape, 8192-token prompts, PREFILL_ROUNDS (16).
 # Outputs go to $OUT (JSON and text per step); each step's exit status is printed.
 set -o pipefail
@@ -37,6 +39,12 @@ for step in "${steps[@]}"; do
         ${THROUGHPUT_MONITORS:+--monitors "$THROUGHPUT_MONITORS"} \
         --seconds "${THROUGHPUT_SECONDS:-10}" --warmup 5 --server-arg=--max-num-seqs=256 --server-arg=--kv-cache-memory-bytes=8589934592 \
         --workdir /tmp/throughput-gpu --out "$out/throughput_gpu.json" 2>&1 | tee "$out/throughput_gpu.txt" | tail -30 ;;
+    throughput_4b)
+      python3 -m benchmarks.bench_throughput --shape qwen3-4b --max-tokens 128 --monitors 4 \
+        --clients "${THROUGHPUT_CLIENTS:-128}" --rounds "${THROUGHPUT_ROUNDS:-3}" --seconds "${THROUGHPUT_SECONDS:-10}" \
+        --warmup 5 --server-arg=--max-num-seqs=256 --server-arg=--kv-cache-memory-bytes=8589934592 \
+        --server-arg=--gpu-memory-utilization=0.3 --workdir /tmp/throughput-4b-gpu --out "$out/throughput_4b_gpu.json" \
+        2>&1 | tee "$out/throughput_4b_gpu.txt" | tail -30 ;;
     tenants)
       for flood in "" --flood; do
         name=tenants${flood:+_flood}
@@ -47,7 +55,7 @@ for step in "${steps[@]}"; do
     prefill)
       python3 benchmarks/bench_prefill.py --shape qwen3-4b --prompt-len 8192 --rounds "${PREFILL_ROUNDS:-16}" \
         --out "$out/bench_prefill_4b_8k.json" 2>&1 | tee "$out/bench_prefill.txt" | tail -6 ;;
-    *) echo "unknown step $step (soak, throughput, prefill, tenants)"; false ;;
+    *) echo "unknown step $step (soak, throughput, prefill, tenants, throughput_4b)"; false ;;
   esac
   echo "=== $step: exit ${PIPESTATUS[0]} $(date -u +%FT%TZ)"
 done
