@@ -6,8 +6,11 @@ out of ``out`` after each forward, and the readouts of finished requests, kept u
 A readout request (``contract.READOUT_ARGS_KEY`` in its ``extra_args`` and ``"r"`` in its binding, both set by the
 controller: ``readout_admission``) gets a row when the worker first sees it. The values a forward wrote are
 gathered and copied to pinned host memory by a copy issued at the next step's fill, before the forward that
-could overwrite them, and read once that copy is done: the hot path never waits on the device. Only when a result
-is handed out (``take``, a finish) does the host wait for copies still under way.
+could overwrite them, and read once that copy is done: the hot path never waits on the device. A finished request's
+reader retires: it keeps its row until the copies holding its values arrive (a later step's fill sees them), and
+only then is its readout kept for the caller, so a step in which readers finish does not wait for the forward still
+running (with asynchronous scheduling, every such step would). Only a take waits: for the copies of the readouts it
+hands out, and for the device where a reader is still live (asked before the worker heard it finished).
 
 A step's host work is done for the whole batch at once, with no work per request: each reader's row indexes arrays
 of what ``fill`` needs (first position read, end, probe layers), and the values that arrive land in a buffer of the
@@ -19,6 +22,8 @@ from __future__ import annotations
 from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
+
+import math
 
 import numpy as np
 import torch
@@ -52,6 +57,16 @@ class _Copy:
     rows: np.ndarray  # [m]: each read token's readout row (a request's tokens together, in order)
     positions: np.ndarray | torch.Tensor  # [m]: each one's position in its request (a tensor: copied from the device)
     within: np.ndarray  # [m]: each one's index among its request's tokens in the step
+    seq: int  # copies are numbered in the order they are issued, from 1
+
+
+def _record_event(cuda: bool) -> Any:
+    """An event recorded on the current stream after the copies issued so far (None on a CPU: copies are done)."""
+    if not cuda:
+        return None
+    event = torch.cuda.Event()
+    event.record()
+    return event
 
 
 def _to_pinned(device: torch.Tensor) -> torch.Tensor:
@@ -91,6 +106,9 @@ class WorkerReadout:
         self._staging = np.zeros(max_tokens, np.int32)
         self._read: tuple[np.ndarray, ...] | None = None  # the last forward's read tokens (fill's gather, rows, ...)
         self._copies: list[_Copy] = []
+        self._issued = self._arrived = 0  # the last copy issued, the last handed to its readers
+        self._last_copy = np.zeros(rows + 1, np.int64)  # per row: the last copy that holds values of it
+        self._retiring: dict[str, _Reader] = {}  # tag -> a finished request's reader, until its copies arrive
         self.dirty = 0  # token_read[:dirty] may be non-zero on the device
         self._gated = 0  # live readers with a condition: token_pos is written while there are any
 
@@ -110,14 +128,17 @@ class WorkerReadout:
         binding config). A request seen again (V2 re-adds a preempted one) keeps its row and its values."""
         ended = [req_id for req_id in finished if req_id in self.live]
         if ended:
-            self._flush(wait=True)
+            self._flush()  # issues the last forward's copy: it may hold values of the finished requests
             for req_id in ended:
-                self._finish(req_id)
+                self._retire(req_id)
+            self._settle()
         writes = []
         for req_id, prompt_len, args, items in new:
             if req_id in self.live:
                 writes.append((self.live[req_id].row, items))
                 continue
+            if not self._free and self._retiring:  # rows held by retiring readers: wait for their copies
+                self._flush(math.inf)
             if not self._free:  # as many rows as config rows: this should not happen
                 self.done.put(args["tag"], {"error": f"all {self.rows} readout rows of this worker are in use"})
                 continue
@@ -167,7 +188,7 @@ class WorkerReadout:
         request by request in ``req_ids`` order). ``device_positions``: the batch's true positions where
         ``num_computed`` may count rejected drafts (``Steering.fill``): which tokens are read still follows from
         ``num_computed`` (every token of a decoding request is), their positions come from the device."""
-        self._flush(wait=False)
+        self._flush()
         length = max(num_tokens, self.dirty)
         host = self._staging[:length]
         host[:] = 0
@@ -218,9 +239,10 @@ class WorkerReadout:
         positions = (np.repeat(lo, n) + within).astype(np.int32)
         return np.repeat(offset - first, n) + positions, positions, np.repeat(rows, n), within
 
-    def _flush(self, wait: bool) -> None:
+    def _flush(self, until: float = 0) -> None:
         """Issue the copy of the last forward's values (stream-ordered after it), then hand the values of every copy
-        that has arrived (``wait``: of every copy) to their readers."""
+        that has arrived, waiting for those up to copy ``until`` (``math.inf``: every one), to their readers, and
+        release the retiring readers whose copies have all arrived."""
         if self._read is not None:
             where, rows, positions, within = self._read
             self._read = None
@@ -230,12 +252,13 @@ class WorkerReadout:
                 host = _to_pinned(gathered)
                 if isinstance(positions, torch.Tensor):
                     positions = _to_pinned(positions)
-                event = torch.cuda.Event()
-                event.record()
             else:
-                host, event = gathered, None
-            self._copies.append(_Copy(event, host, rows, positions, within))
-        while self._copies and (wait or self._copies[0].event is None or self._copies[0].event.query()):
+                host = gathered
+            self._issued += 1
+            self._last_copy[rows] = self._issued
+            self._copies.append(_Copy(_record_event(self._cuda), host, rows, positions, within, self._issued))
+        while self._copies and (self._copies[0].seq <= until or self._copies[0].event is None
+                                or self._copies[0].event.query()):
             copy = self._copies.pop(0)
             if copy.event is not None:
                 copy.event.synchronize()
@@ -248,6 +271,9 @@ class WorkerReadout:
                 first = copy.within == 0
                 self._settled[copy.rows[first]] = positions[first]
             self._store(copy.rows, positions, copy.within, np.where(held, copy.host.numpy(), np.float32(np.nan)))
+            self._arrived = copy.seq
+        if self._retiring:
+            self._settle()
 
     def _store(self, rows: np.ndarray, positions: np.ndarray, within: np.ndarray, values: np.ndarray) -> None:
         """Put one forward's values in their rows' buffers, a full buffer first joining its row's chunks (and a
@@ -291,15 +317,23 @@ class WorkerReadout:
         return {"args": reader.args, "prompt_len": reader.prompt_len, "held": held, "positions": np.ascontiguousarray(positions[latest]).tobytes(),
                 "values": np.ascontiguousarray(values[latest], np.float32).tobytes()}
 
-    def _finish(self, req_id: str) -> None:
+    def _retire(self, req_id: str) -> None:
+        """A finished request's reader stops reading; it keeps its row until its copies arrive (``_settle``)."""
         reader = self.live.pop(req_id)
         del self._row_of[req_id]
         if "gate" in reader.args:
             self._gated -= 1
-        if not reader.taken:
-            self.done.put(reader.tag, self._result(reader))
-        self._reader_at[reader.row], self._fill[reader.row] = None, 0
-        self._free.append(reader.row)
+        self._retiring[reader.tag] = reader
+
+    def _settle(self) -> None:
+        """Keep the readouts of retiring readers whose copies have all arrived for the caller, and free their rows."""
+        for tag, reader in list(self._retiring.items()):
+            if self._last_copy[reader.row] <= self._arrived:
+                del self._retiring[tag]
+                if not reader.taken:
+                    self.done.put(tag, self._result(reader))
+                self._reader_at[reader.row], self._fill[reader.row] = None, 0
+                self._free.append(reader.row)
 
     def take(self, tags: Iterable[str]) -> TakeReadoutsResult:
         """The readouts of ``tags``, each handed out once (``contract.TakeReadoutsResult``). As with captures, vLLM
@@ -307,12 +341,15 @@ class WorkerReadout:
         after the caller asks: a live request's readout is handed out as it stands, with every forward run so far
         (the caller, who has the request's output, cuts it to the tokens it got)."""
         wanted = set(tags)
+        retiring = [self._retiring[tag].row for tag in wanted if tag in self._retiring]
+        if retiring:  # finished: wait only for the copies that hold their values
+            self._flush(int(self._last_copy[retiring].max()))
         out = self.done.take(wanted)
         early = [reader for reader in self.live.values() if reader.tag in wanted and reader.tag not in out and not reader.taken]
         if early:
             if self._cuda:
                 torch.cuda.synchronize(self.out.device)  # the forward that wrote the last token may still be running
-            self._flush(wait=True)
+            self._flush(math.inf)
         for reader in early:
             out[reader.tag] = self._result(reader)
             reader.taken = True
@@ -322,7 +359,7 @@ class WorkerReadout:
         """A streamed readout's values so far, left in place (``hotwire_peek_readouts``): per tag, its generated
         tokens from ``since[tag]`` on, up to the last position computed for good (not a draft a verification may
         reject), as far as their copies have arrived: no wait on the device."""
-        self._flush(wait=False)
+        self._flush()
         out = {}
         for reader in self.live.values():
             first = since.get(reader.tag)

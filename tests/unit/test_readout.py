@@ -207,6 +207,64 @@ def test_a_live_request_is_handed_out_when_asked_before_the_worker_hears_it_fini
     assert w.take(["ta"])["readouts"] == {} and not w.live
 
 
+class _Event:
+    """A device event as the worker uses it (``query``, ``synchronize``): a CPU has none, so copies arrive here only
+    when the test says so, or when the worker waits for them."""
+
+    def __init__(self):
+        self.done = self.waited = False
+
+    def query(self):
+        return self.done
+
+    def synchronize(self):
+        self.waited = self.done = True
+
+
+def test_a_finished_reader_retires_without_waiting_for_copies_under_way(monkeypatch):
+    """A step in which a reader finishes does not wait for the device: the reader keeps its row until the copies
+    holding its values arrive (a later fill sees them), and only then is its readout kept; a take of a retiring
+    reader waits for its copies alone."""
+    from hotwire_core import readout_worker
+
+    events = []
+    monkeypatch.setattr(readout_worker, "_record_event", lambda cuda: events.append(_Event()) or events[-1])
+    w = _worker()
+    items = [SteerItem(1, 3, 0.0, 0.0)]
+    w.on_step([], [("a", 2, _args("ta", "generated", (1,)), items), ("b", 2, _args("tb", "generated", (1,)), items)], {})
+    w.fill(["a", "b"], np.array([2, 2]), np.array([0, 0]), 4)
+    _forward(w, [0, 1, 0, 1] + [0] * 12)
+    w.fill(["a", "b"], np.array([1, 1]), np.array([2, 2]), 2)  # issues the prefill's copy: under way
+    _forward(w, [2, 2] + [0] * 14)
+    w.on_step(["a", "b"], [], {})  # issues the decode step's copy and retires both: no wait
+    assert len(events) == 2 and not any(e.waited for e in events)
+    assert not w.live and w.done.take(["ta", "tb"]) == {} and len(w._free) == 2 and not w.clean
+    events[0].done = True
+    w.fill(["plain"], np.array([1]), np.array([5]), 1)  # the first copy arrived; both readers' values span two
+    assert w.done.kept == {} and len(w._free) == 2
+    got = w.take(["ta"])["readouts"]["ta"]  # waits for the second copy, which holds a's last value
+    assert events[1].waited and np.frombuffer(got["positions"], np.int32).tolist() == [1, 2]
+    assert np.frombuffer(got["values"], np.float32).reshape(2, 1, 2)[:, 0, 0].tolist() == [101, 102]
+    assert "tb" in w.done.kept and len(w._free) == 4  # b's copies arrived too: kept for its take, rows free
+    w.fill(["plain"], np.array([1]), np.array([6]), 1)
+    assert w.clean
+
+
+def test_a_new_reader_waits_for_retiring_rows_only_when_none_is_free(monkeypatch):
+    from hotwire_core import readout_worker
+
+    events = []
+    monkeypatch.setattr(readout_worker, "_record_event", lambda cuda: events.append(_Event()) or events[-1])
+    w = _worker()  # 4 rows
+    items = [SteerItem(1, 3, 0.0, 0.0)]
+    ids = ["a", "b", "c", "d"]
+    w.on_step([], [(r, 2, _args(f"t{r}", "generated", (1,)), items) for r in ids], {})
+    w.fill(ids, np.array([2] * 4), np.array([0] * 4), 8)
+    _forward(w, [0, 1] * 4 + [0] * 8)
+    w.on_step(ids, [("e", 2, _args("te", "generated", (1,)), items)], {})  # every row retiring: e waits for them
+    assert events[0].waited and "e" in w.live and sorted(w.done.kept) == ["ta", "tb", "tc", "td"]
+
+
 def test_a_rebind_rewrites_the_probe_rows():
     w = _worker()
     w.on_step([], [("a", 2, _args("ta", "all", (1,)), [SteerItem(1, 3, 0.0, 0.0)])], {})
