@@ -38,6 +38,8 @@ def _merged(answers: Sequence[dict[str, Any]], tag: str) -> tuple[dict, np.ndarr
     first = parts[0]
     n = len(first["args"]["probes"])
     positions = np.frombuffer(first["positions"], np.int32)
+    if len(parts) == 1:  # one rank: the probes it does not hold are NaN already
+        return first, positions, np.frombuffer(first["values"], np.float32).reshape(len(positions), n, 2)
     values = np.full((len(positions), n, 2), np.nan, np.float32)
     for part in parts:
         mine = np.frombuffer(part["positions"], np.int32)
@@ -48,36 +50,40 @@ def _merged(answers: Sequence[dict[str, Any]], tag: str) -> tuple[dict, np.ndarr
     return first, positions, values
 
 
-def _scored(values: np.ndarray, probe: dict[str, Any]) -> dict[str, list[float]]:
-    """``score`` (dot + bias) and ``cosine`` from ``values`` ``[m, 2]`` (each token's dot product and norm)."""
-    dots, norms = values[:, 0].astype(np.float64), values[:, 1].astype(np.float64)
-    denominator = norms * probe["norm"]
+def _scores(values: np.ndarray, probes: Sequence[dict[str, Any]]) -> list[dict[str, list[float]]]:
+    """Per probe, ``score`` (dot + bias) and ``cosine`` from ``values`` ``[m, probes, 2]`` (each token's dot product
+    with each probe and the stream's norm), all probes at once."""
+    dots, norms = values[..., 0].astype(np.float64), values[..., 1].astype(np.float64)
+    denominator = norms * np.array([probe["norm"] for probe in probes], np.float64)
     cosine = np.divide(dots, denominator, out=np.zeros_like(dots), where=denominator > 0)
-    return {"score": (dots + probe["bias"]).tolist(), "cosine": cosine.tolist()}
+    scores = dots + np.array([probe["bias"] for probe in probes], np.float64)
+    return [{"score": s, "cosine": c} for s, c in zip(scores.T.tolist(), cosine.T.tolist())]
 
 
 def readout_of(answers: Sequence[dict[str, Any]], tag: str, n_generated: int) -> dict[str, Any]:
     """The readout of the request read under ``tag`` that generated ``n_generated`` tokens (see the module)."""
     first, positions, values = _merged(answers, tag)
     args, prompt_len = first["args"], int(first["prompt_len"])
+    probes = args["probes"]
     spans = {}
     if args["tokens"] in ("prompt", "all"):
         spans["prompt"] = (0, prompt_len)
     if args["tokens"] in ("generated", "all"):
         spans["generated"] = (prompt_len - 1, prompt_len - 1 + n_generated)
-    out = []
-    for k, probe in enumerate(args["probes"]):
-        entry: dict[str, Any] = {"probe": probe["name"], "bias": probe["bias"]}
-        for name, (lo, hi) in spans.items():
-            at = np.searchsorted(positions, np.arange(lo, hi))
-            found = (at < len(positions)) & (positions[np.minimum(at, len(positions) - 1)] == np.arange(lo, hi)) \
-                if len(positions) else np.zeros(hi - lo, bool)
-            if not found.all() or np.isnan(values[at[found], k]).any():
-                missing = int(np.arange(lo, hi)[~found][0]) if not found.all() else lo
-                raise ReadoutLost(f"the readout of this request has no value for position {missing} (probe "
-                                  f"{probe['name']}): the request was aborted or preempted past what was read")
-            entry[name] = _scored(values[at, k], probe)
-        out.append(entry)
+    out: list[dict[str, Any]] = [{"probe": probe["name"], "bias": probe["bias"]} for probe in probes]
+    for name, (lo, hi) in spans.items():
+        wanted = np.arange(lo, hi)
+        at = np.searchsorted(positions, wanted)
+        found = at < len(positions)
+        found[found] = positions[at[found]] == wanted[found]
+        lost = np.isnan(values[at[found]]).any(axis=(0, 2))
+        if not found.all() or lost.any():
+            missing = int(wanted[~found][0]) if not found.all() else lo
+            raise ReadoutLost(f"the readout of this request has no value for position {missing} (probe "
+                              f"{probes[int(np.argmax(lost)) if found.all() else 0]['name']}): the request was "
+                              "aborted or preempted past what was read")
+        for entry, scored in zip(out, _scores(values[at], probes)):
+            entry[name] = scored
     result: dict[str, Any] = {"tokens": args["tokens"], "probes": out}
     gate = gate_receipt(first, positions, values, n_generated)
     if gate is not None:  # its probe is the condition's, not one the reader asked for
@@ -109,4 +115,4 @@ def generated_so_far(answers: Sequence[dict[str, Any]], tag: str, first: int) ->
         values[:, held] = mine[:, held]
     if np.isnan(values).any():
         return None  # a probe no rank holds: the final readout says so
-    return [{"probe": probe["name"], "generated": _scored(values[:, k], probe)} for k, probe in enumerate(probes)]
+    return [{"probe": probe["name"], "generated": scored} for probe, scored in zip(probes, _scores(values, probes))]
