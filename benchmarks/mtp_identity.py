@@ -41,7 +41,10 @@ def main() -> None:
         params = {k: v for k, v in GREEDY.items() if prompt_logprobs or k != "prompt_logprobs"}
         return [[{"prompt_token_ids": prompts[p], "params": params}] for p in "ab"]
 
-    # name: (plugin-free, speculation, prompt logprobs, environment)
+    # name: (plugin-free, speculation, prompt logprobs, environment[, engine arguments])
+    # On the H200 hotwire without speculation was as far from plugin-free vLLM as with it (2026-12-07): the
+    # *_layers and *_eager jobs tell whether the hook after the last layer (MiMo's model ends in a plain add, not a
+    # fused add-RMSNorm) or the compiled graph around the hooks moves plain requests.
     jobs = {
         "vanilla_mtp": (True, True, True, {}),
         "vanilla_mtp_again": (True, True, True, {}),
@@ -51,6 +54,10 @@ def main() -> None:
         "hotwire_nospec": (False, False, True, {}),
         "vanilla_mtp_no_prompt_lp": (True, True, False, {}),
         "hotwire_mtp_no_prompt_lp": (False, True, False, {}),
+        "hotwire_nospec_layers_0_2": (False, False, True, {"HOTWIRE_LAYERS": "0-2"}),
+        "hotwire_nospec_layer_3": (False, False, True, {"HOTWIRE_LAYERS": "3"}),
+        "vanilla_nospec_eager": (True, False, True, {}, {"enforce_eager": True}),
+        "hotwire_nospec_eager": (False, False, True, {}, {"enforce_eager": True}),
     }
 
     if args.only:
@@ -58,8 +65,9 @@ def main() -> None:
         jobs = {name: job for name, job in jobs.items() if name in keep}
 
     def run(name: str) -> list:
-        plugin_free, spec, prompt_lp, env = jobs[name]
-        engine = {"model": str(path), **engine_kwargs(), **({"speculative_config": dict(MTP)} if spec else {})}
+        plugin_free, spec, prompt_lp, env, *more = jobs[name]
+        engine = {"model": str(path), **engine_kwargs(), **({"speculative_config": dict(MTP)} if spec else {}),
+                  **(more[0] if more else {})}
         work = root / name
         work.mkdir()
         return run_engine(engine, batches(prompt_lp), work, plugin_free=plugin_free,
@@ -82,12 +90,17 @@ def main() -> None:
         report[name] = row
         print(f"{name:28s} vs vanilla_mtp: {json.dumps(row)}")
     nospec = results.get("vanilla_nospec")
-    for name in ("hotwire_nospec", "hotwire_mtp", "vanilla_mtp"):
+    for name in ("hotwire_nospec", "hotwire_mtp", "vanilla_mtp", "hotwire_nospec_layers_0_2", "hotwire_nospec_layer_3"):
         if nospec is None or name not in results:
             continue
         d = [max_diff(results[name][n][0]["logprobs"], nospec[n][0]["logprobs"]) for n in range(2)]
         print(f"{name:28s} vs vanilla_nospec: logprobs {d}")
         report[f"{name}_vs_vanilla_nospec"] = d
+    if "vanilla_nospec_eager" in results and "hotwire_nospec_eager" in results:
+        d = [max_diff(results["hotwire_nospec_eager"][n][0]["logprobs"], results["vanilla_nospec_eager"][n][0]["logprobs"])
+             for n in range(2)]
+        print(f"{'hotwire_nospec_eager':28s} vs vanilla_nospec_eager: logprobs {d}")
+        report["hotwire_nospec_eager_vs_vanilla_nospec_eager"] = d
     if args.out:
         args.out.write_text(json.dumps({"report": report, "results": results}))
 
