@@ -65,14 +65,17 @@ class WorkerSteering:
         steerable: bool | None = None,
         reason: str | None = None,
         whole_stream: Collection[int] = (),
+        in_residual: Collection[int] = (),
         speculative: bool = False,
         read_points: Mapping[int, nn.Module] | None = None,
     ):
         """``layers``: the modules to hook on this rank, by global index; ``whole_stream``: those of them that return
-        the whole residual stream in ``hidden_states`` (see :class:`SteerHook`). ``steerable``: whether the model has
-        layers hotwire can hook (default: whether ``layers`` is non-empty; a pipeline rank that ``HOTWIRE_LAYERS``
-        leaves without a hooked layer is still steerable). ``reason``: why it is not steerable, where not for want
-        of layers. ``speculative``: the engine verifies drafts (a latched gate is then refused: ``hotwire_core.gates``).
+        the whole residual stream in ``hidden_states`` (see :class:`SteerHook`); ``in_residual``: those steered in
+        ``residual`` although the rest are steered in ``hidden_states`` (``vllm_glue.layers.MODEL_ADD``).
+        ``steerable``: whether the model has layers hotwire can hook (default: whether ``layers`` is non-empty; a
+        pipeline rank that ``HOTWIRE_LAYERS`` leaves without a hooked layer is still steerable). ``reason``: why it
+        is not steerable, where not for want of layers. ``speculative``: the engine verifies drafts (a latched gate
+        is then refused: ``hotwire_core.gates``).
         ``read_points``: for a hooked layer, the norm whose ``residual`` output is the stream after it, where capture
         and readout read it (:mod:`hotwire_core.stream_read`); the others are read at their output."""
         self.layers, self.n_layers, self.hidden_size = layers, n_layers, hidden_size
@@ -118,7 +121,8 @@ class WorkerSteering:
             point = (read_points or {}).get(index) if reads else None
             if point is not None:
                 point.add_module(READER_NAME, reader)
-            hook = SteerHook(self.buffers, index, settings.impl, self.target, self.norm, index in whole_stream,
+            target = "residual" if index in in_residual else self.target
+            hook = SteerHook(self.buffers, index, settings.impl, target, self.norm, index in whole_stream,
                              reader if point is None else None)
             module.add_module(HOOK_NAME, hook)
         self.config_rows = ConfigRows(n_cfg, n_layers)

@@ -42,10 +42,13 @@ class SteerHook(nn.Module):
       unsteered tokens come out bit-identical to vLLM without the plugin. Norm-relative entries need ``residual``
       too; with ``HOTWIRE_NORM=1`` the op reads it, and Inductor then writes it out in the model dtype, which
       moves plain tokens by rounding. So norm mode is opt-in.
-    * ``"residual"`` (only when vLLM's all-reduce + RMSNorm fusion pass is on: tensor parallel > 1 on Hopper or
+    * ``"residual"`` when vLLM's all-reduce + RMSNorm fusion pass is on (tensor parallel > 1 on Hopper or
       Blackwell with FlashInfer): keeps that fusion, whose pattern ``all_reduce(hidden) ->
       fused_add_rms_norm(hidden, residual)`` an op on ``hidden`` would break. Reading ``residual`` costs
-      bit-identity (above), which that fusion gives up anyway.
+      bit-identity (above), which that fusion gives up anyway. Also at the last layer of a model that adds
+      ``hidden + residual`` itself in the model dtype (``vllm_glue.layers.MODEL_ADD``: MiMo): Inductor turns the
+      layer's down projection and that add into one GEMM, which takes ``residual`` stored as it is; an op on
+      ``hidden`` between them would split it.
 
     A layer that returns the whole stream in ``hidden`` (``whole_stream``; its ``residual`` is a stale value the
     model drops) is steered like one that returns ``(hidden, None)``.
@@ -68,8 +71,8 @@ class SteerHook(nn.Module):
             target, other = hidden, None
         elif self.target == "hidden":
             target, other = hidden, (residual if self.norm else None)
-        else:
-            target, other = residual, hidden
+        else:  # hidden is read only for a norm-relative scale: an op reading it keeps the GEMM that made it apart
+            target, other = residual, (hidden if self.norm else None)
         args = (self.token_cfg, self.layer_on, self.cfg_slot, self.cfg_scale, self.cfg_rel, self.bank, self.inv_norm, self.layer)
         if self.impl == "inductor":
             target = ops.steer_torch(target, other, *args, use_norm=self.norm)

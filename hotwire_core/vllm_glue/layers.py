@@ -16,8 +16,8 @@ from torch import nn
 from ..steer_hook import HOOK_NAME
 from ..stream_read import READER_NAME
 
-__all__ = ["SWAPPED_ARGS_LAYERS", "find_decoder_layers", "is_steerable_layer", "read_points", "stream_in_hidden",
-           "why_not_steerable", "wrap_layer_class", "wrap_norm_class"]
+__all__ = ["MODEL_ADD", "SWAPPED_ARGS_LAYERS", "adds_last_layer_itself", "find_decoder_layers", "is_steerable_layer",
+           "read_points", "stream_in_hidden", "why_not_steerable", "wrap_layer_class", "wrap_norm_class"]
 
 _LAYER_ARGS = ["positions", "hidden_states", "residual"]
 # The contract with its first two arguments swapped, and a block name: gpt-oss's ``TransformerBlock.forward
@@ -56,6 +56,20 @@ def is_steerable_layer(cls: type) -> bool:
         return False
     forward = getattr(cls, "_hotwire_wrapped", cls.forward)
     return list(inspect.signature(forward).parameters)[1:4] == expected
+
+
+# How a model adds its last layer's ``(hidden_states, residual)`` itself, in the model dtype, where most leave it to
+# their final fused add-RMSNorm (MiMo, whose forward returns the sum; HY-V3, whose norm follows). Inductor makes
+# that add and the layer's down projection one GEMM (``addmm``, rounding once); an op on ``hidden_states`` between
+# them splits it and moves every token by a rounding. Such a model's last layer is steered in ``residual``.
+MODEL_ADD = "hidden_states = hidden_states + residual"
+
+
+def adds_last_layer_itself(model: nn.Module) -> bool:
+    """Whether the module that holds the decoder stack (a ``layers`` ModuleList) adds its last layer's output
+    itself (see MODEL_ADD)."""
+    return any(_calls(type(m), MODEL_ADD) for m in model.modules()
+               if isinstance(getattr(m, "layers", None), nn.ModuleList))
 
 
 def stream_in_hidden(cls: type) -> bool:

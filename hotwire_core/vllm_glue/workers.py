@@ -56,8 +56,8 @@ def _attach(worker: Any) -> None:
 
     from ..runtime import WorkerSteering
     from ..steer_hook import select_layers
-    from .layers import (find_decoder_layers, read_points, stream_in_hidden, why_not_steerable, wrap_layer_class,
-                         wrap_norm_class)
+    from .layers import (adds_last_layer_itself, find_decoder_layers, read_points, stream_in_hidden,
+                         why_not_steerable, wrap_layer_class, wrap_norm_class)
 
     runner = worker.model_runner
     model = runner.get_model()
@@ -92,6 +92,7 @@ def _attach(worker: Any) -> None:
         steerable=bool(found),
         reason=reason,
         whole_stream={index for index, layer in layers.items() if stream_in_hidden(type(layer))},
+        in_residual={n_layers - 1} & layers.keys() if layers and adds_last_layer_itself(model) else set(),
         speculative=worker.vllm_config.speculative_config is not None,
         read_points={index: norm for index, norm in points.items() if index in layers},
     )

@@ -5,6 +5,7 @@ returns the whole stream in ``hidden_states`` is steered there, norm-relative en
 from __future__ import annotations
 
 import ast
+import inspect
 import importlib.util
 from pathlib import Path
 
@@ -14,9 +15,11 @@ import torch
 from hotwire_core.runtime import WorkerSteering
 from hotwire_core.settings import Settings
 from hotwire_core.vllm_glue.layers import (
+    MODEL_ADD,
     STREAM_IN_HIDDEN,
     SWAPPED_ARGS_LAYERS,
     UNSUPPORTED_LAYERS,
+    adds_last_layer_itself,
     find_decoder_layers,
     is_steerable_layer,
     stream_in_hidden,
@@ -107,6 +110,46 @@ def test_a_whole_stream_layer_is_steered_in_hidden_by_its_norm(fusion):
     out_hidden, out_residual = plain(None, hidden.clone(), stale.clone())
     steered = out_residual if fusion else out_hidden
     assert steered[0, 0] - (stale if fusion else hidden)[0, 0] == pytest.approx(0.5 * (hidden + stale).norm().item())
+
+
+def test_models_that_add_their_last_layer_themselves_are_told_apart():
+    """``MODEL_ADD``: MiMo's model adds its last layer's output itself (its last layer is then steered in
+    ``residual``: ``SteerHook``), Qwen2's and Llama's leave the add to their final norm (read from the installed
+    vLLM); a model without a decoder stack adds nothing."""
+    from vllm.model_executor.models.llama import LlamaModel
+    from vllm.model_executor.models.mimo import MiMoModel
+    from vllm.model_executor.models.qwen2 import Qwen2Model
+
+    def holding_stack(cls):
+        model = torch.nn.Module()
+        model.inner = cls.__new__(cls)
+        torch.nn.Module.__init__(model.inner)
+        model.inner.layers = torch.nn.ModuleList([LlamaDecoderLayer()])
+        return model
+
+    assert adds_last_layer_itself(holding_stack(MiMoModel))
+    assert not any(adds_last_layer_itself(holding_stack(cls)) for cls in (Qwen2Model, LlamaModel))
+    assert not adds_last_layer_itself(torch.nn.Linear(2, 2))
+    assert MODEL_ADD in inspect.getsource(MiMoModel.forward)
+
+
+def test_the_last_layer_of_such_a_model_is_steered_in_residual_alone():
+    """Steered in ``residual`` without a norm-relative entry, the op is handed ``residual`` alone: an op that read
+    ``hidden`` would keep the down projection's GEMM apart from the model's add even so."""
+    first, last = LlamaDecoderLayer(), LlamaDecoderLayer()
+    wrap_layer_class(LlamaDecoderLayer)
+    w = WorkerSteering({0: first, 1: last}, 2, HIDDEN, torch.float32, torch.device("cpu"), 4, 2,
+                       Settings(16, 2, "op", None, None), in_residual={1})
+    assert (first.hotwire_steer.target, last.hotwire_steer.target) == ("hidden", "residual")
+    w.buffers["bank"][1] = torch.eye(HIDDEN)[0]
+    w.buffers["cfg_slot"][1, :, 0] = 1
+    w.buffers["cfg_scale"][1, :, 0] = 3.0
+    w.buffers["token_cfg"][0] = 1
+    w.buffers["layer_on"][:] = 1
+    hidden, residual = torch.full((1, HIDDEN), 2.0), torch.full((1, HIDDEN), 7.0)
+    out_hidden, out_residual = last(None, hidden.clone(), residual.clone())
+    assert torch.equal(out_hidden, hidden) and out_residual[0, 0] == 10.0
+    assert torch.equal(out_residual[0, 1:], residual[0, 1:])
 
 
 def test_gpt_oss_blocks_take_the_contract_with_swapped_arguments():
