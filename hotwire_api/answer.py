@@ -208,7 +208,7 @@ class Answer:
             if not isinstance(generated, int):
                 raise HotwireError(500, ErrorCode.READOUT_LOST, "the response has no token count "
                                    "(usage.completion_tokens) to cut the readout to")
-            answers = await self.scope["app"].state.hotwire_takes.take(self.engine, reading.tag, generated)
+            answers = await self.scope["app"].state.hotwire_takes.take(self.engine, reading.tag)
             readout = readout_of(answers, reading.tag, generated)
             mine, verdicts = reading.split(readout)
         except (EngineError, HotwireError) as exc:

@@ -209,10 +209,9 @@ class HotwireEngine:
         ran; with pipeline parallelism each rank holds its own layers)."""
         return await self._take(contract.TAKE_CAPTURES, tags)
 
-    async def take_readouts(self, generated: dict[str, int]) -> list[dict[str, Any]]:
-        """Every worker's ``hotwire_take_readouts`` answer (``generated``: per tag, the tokens its response got), on
-        every engine core (as :meth:`take_captures`)."""
-        return await self._take(contract.TAKE_READOUTS, generated)
+    async def take_readouts(self, tags: list[str]) -> list[dict[str, Any]]:
+        """Every worker's ``hotwire_take_readouts`` answer, on every engine core (as :meth:`take_captures`)."""
+        return await self._take(contract.TAKE_READOUTS, tags)
 
     async def peek_readouts(self, since: dict[str, int]) -> list[dict[str, Any]]:
         """Every worker's ``hotwire_peek_readouts`` answer, on every engine core: streamed readouts' values so far."""

@@ -23,15 +23,14 @@ MIN_INTERVAL_S = 0.01
 class ReadoutTakes:
     def __init__(self, min_interval_s: float = MIN_INTERVAL_S) -> None:
         self.min_interval_s = min_interval_s
-        self._waiting: dict[str, tuple[int, asyncio.Future[list[dict[str, Any]]]]] = {}  # tag -> (generated, wait)
+        self._waiting: dict[str, asyncio.Future[list[dict[str, Any]]]] = {}
         self._task: asyncio.Task[None] | None = None
         self._last_start = float("-inf")  # the loop's time when the last take started
 
-    async def take(self, engine: HotwireEngine, tag: str, generated: int) -> list[dict[str, Any]]:
-        """Every worker's answer to a take that includes ``tag``, whose response got ``generated`` tokens
-        (:meth:`HotwireEngine.take_readouts`)."""
+    async def take(self, engine: HotwireEngine, tag: str) -> list[dict[str, Any]]:
+        """Every worker's answer to a take that includes ``tag`` (:meth:`HotwireEngine.take_readouts`)."""
         future = asyncio.get_running_loop().create_future()
-        self._waiting[tag] = (generated, future)
+        self._waiting[tag] = future
         if self._task is None or self._task.done():
             self._task = asyncio.ensure_future(self._run(engine))
         return await future
@@ -44,12 +43,12 @@ class ReadoutTakes:
             self._last_start = loop.time()
             batch, self._waiting = self._waiting, {}
             try:
-                answers = await engine.take_readouts({tag: generated for tag, (generated, _) in batch.items()})
+                answers = await engine.take_readouts(list(batch))
             except HotwireError as exc:
-                for _, future in batch.values():
+                for future in batch.values():
                     if not future.done():
                         future.set_exception(exc)
                 continue
-            for _, future in batch.values():
+            for future in batch.values():
                 if not future.done():  # (a request whose client left has cancelled its wait)
                     future.set_result(answers)

@@ -44,7 +44,7 @@ ENGINE_METHODS = frozenset({REGISTER, UNREGISTER, LIST, STATS, CHECK, CATALOG, R
 WORKER_INFO = "hotwire_worker_info"
 GRAPH_SETS = "hotwire_graph_sets"
 TAKE_CAPTURES = "hotwire_take_captures"  # args: tags: list[str]; every rank answers with the layers it holds
-TAKE_READOUTS = "hotwire_take_readouts"  # args: generated: dict[tag, tokens the caller got]; every rank answers with the probes it reads
+TAKE_READOUTS = "hotwire_take_readouts"  # args: tags: list[str]; every rank answers with the probes it reads
 PEEK_READOUTS = "hotwire_peek_readouts"  # args: since: dict[tag, first generated token]; as TAKE_READOUTS, left in place
 WORKER_METHODS = frozenset({WORKER_INFO, GRAPH_SETS, TAKE_CAPTURES, TAKE_READOUTS, PEEK_READOUTS})
 

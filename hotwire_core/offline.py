@@ -150,8 +150,7 @@ def generate_with_readout(llm: Any, prompts: Any, params: Any, probes: Sequence[
         tags.append(tag)
         tagged.append(q)
     outputs = llm.generate(prompts, tagged, use_tqdm=False)
-    answers = llm.collective_rpc(TAKE_READOUTS, args=({tag: len(o.outputs[0].token_ids) if o.outputs else 0
-                                                       for o, tag in zip(outputs, tags)},))
+    answers = llm.collective_rpc(TAKE_READOUTS, args=(tags,))
     for output, tag in zip(outputs, tags):
         if output.outputs and output.outputs[0].finish_reason == "error":
             raise HotwireError(400, ErrorCode.NOT_ADMITTED, f"request {output.request_id} was refused; the engine's log says why "

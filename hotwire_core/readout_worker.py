@@ -9,8 +9,8 @@ gathered and copied to pinned host memory by a copy issued at the next step's fi
 could overwrite them, and read once that copy is done: the hot path never waits on the device. A finished request's
 reader retires: it keeps its row until the copies holding its values arrive (a later step's fill sees them), and
 only then is its readout kept for the caller, so a step in which readers finish does not wait for the forward still
-running (with asynchronous scheduling, every such step would). Only a take waits: for the copies that hold the
-values it hands out, never for a forward whose values it does not need.
+running (with asynchronous scheduling, every such step would). Only a take waits: for the copies of the readouts it
+hands out, and for the device where a reader is still live (asked before the worker heard it finished).
 
 A step's host work is done for the whole batch at once, with no work per request: each reader's row indexes arrays
 of what ``fill`` needs (first position read, end, probe layers), and the values that arrive land in a buffer of the
@@ -108,7 +108,6 @@ class WorkerReadout:
         self._copies: list[_Copy] = []
         self._issued = self._arrived = 0  # the last copy issued, the last handed to its readers
         self._last_copy = np.zeros(rows + 1, np.int64)  # per row: the last copy that holds values of it
-        self._last_pos = np.full(rows + 1, -1, np.int64)  # per row: the last position whose value has arrived
         self._retiring: dict[str, _Reader] = {}  # tag -> a finished request's reader, until its copies arrive
         self.dirty = 0  # token_read[:dirty] may be non-zero on the device
         self._gated = 0  # live readers with a condition: token_pos is written while there are any
@@ -151,7 +150,6 @@ class WorkerReadout:
             self._layers[row, : len(probes)] = probes
             self._held[row, : len(probes)] = [layer in self.layers for layer in probes]
             self._settled[row] = self._fill[row] = 0
-            self._last_pos[row] = -1
             self.live[req_id], self._row_of[req_id], self._reader_at[row] = reader, row, reader
             writes.append((reader.row, items))
             if self.gates is not None:
@@ -272,8 +270,6 @@ class WorkerReadout:
                 # Settled: below a row's first position in that forward (no draft before it can be rejected any more).
                 first = copy.within == 0
                 self._settled[copy.rows[first]] = positions[first]
-            # A row's positions ascend within a forward: the last assignment to a row is its largest.
-            self._last_pos[copy.rows] = np.maximum(self._last_pos[copy.rows], positions)
             self._store(copy.rows, positions, copy.within, np.where(held, copy.host.numpy(), np.float32(np.nan)))
             self._arrived = copy.seq
         if self._retiring:
@@ -339,37 +335,25 @@ class WorkerReadout:
                 self._reader_at[reader.row], self._fill[reader.row] = None, 0
                 self._free.append(reader.row)
 
-    def take(self, generated: Mapping[str, int]) -> TakeReadoutsResult:
-        """The readouts of the tags in ``generated`` (tag -> the tokens its caller's response got), each handed out
-        once (``contract.TakeReadoutsResult``). As with captures, vLLM tells the workers that a request finished only
-        in the step after it finished, which may come after the caller asks: a live request's readout is handed out as
-        it stands once the values of the caller's tokens have arrived (the caller cuts it to them). Waits for no
-        forward whose values it does not hand out: with asynchronous scheduling the forward under way may be one that
-        computes a finished request again, not yet knowing it finished."""
-        retiring = [self._retiring[tag].row for tag in generated if tag in self._retiring]
+    def take(self, tags: Iterable[str]) -> TakeReadoutsResult:
+        """The readouts of ``tags``, each handed out once (``contract.TakeReadoutsResult``). As with captures, vLLM
+        tells the workers that a request finished only in the step after it finished, which an idle engine may run
+        after the caller asks: a live request's readout is handed out as it stands, with every forward run so far
+        (the caller, who has the request's output, cuts it to the tokens it got)."""
+        wanted = set(tags)
+        retiring = [self._retiring[tag].row for tag in wanted if tag in self._retiring]
         if retiring:  # finished: wait only for the copies that hold their values
             self._flush(int(self._last_copy[retiring].max()))
-        out = self.done.take(generated)
-        for reader in [r for r in self.live.values() if r.tag in generated and r.tag not in out and not r.taken]:
-            self._await_position(reader.row, self._last_read(reader, generated[reader.tag]))
+        out = self.done.take(wanted)
+        early = [reader for reader in self.live.values() if reader.tag in wanted and reader.tag not in out and not reader.taken]
+        if early:
+            if self._cuda:
+                torch.cuda.synchronize(self.out.device)  # the forward that wrote the last token may still be running
+            self._flush(math.inf)
+        for reader in early:
             out[reader.tag] = self._result(reader)
             reader.taken = True
         return TakeReadoutsResult(ok=True, readouts=out)
-
-    @staticmethod
-    def _last_read(reader: _Reader, generated: int) -> int:
-        """The last position a response with ``generated`` tokens reads (generated token j: ``prompt_len - 1 + j``)."""
-        last = reader.prompt_len - 1
-        return last if reader.args["tokens"] == "prompt" else max(last, reader.prompt_len - 2 + generated)
-
-    def _await_position(self, row: int, position: int) -> None:
-        """Hand out copies in order, waiting for each, until ``row`` has the value of ``position`` or nothing more is
-        on its way (the last forward's values are issued first where the copies under way do not hold it)."""
-        while self._last_pos[row] < position and (self._copies or self._read is not None):
-            if self._copies:
-                self._flush(self._copies[0].seq)
-            else:
-                self._flush()  # issues the last forward's copy
 
     def peek(self, since: Mapping[str, int]) -> TakeReadoutsResult:
         """A streamed readout's values so far, left in place (``hotwire_peek_readouts``): per tag, its generated

@@ -183,14 +183,14 @@ def test_the_worker_reads_the_asked_positions_across_chunks_and_keeps_the_latest
     w.fill(["a"], np.array([1]), np.array([3]), 1)  # a recomputes position 3 (preempted)
     _forward(w, [3.5] + [0] * 15)
     w.on_step(["a", "b"], [], {})
-    a = w.take({"ta": 1})["readouts"]["ta"]
+    a = w.take(["ta"])["readouts"]["ta"]
     positions = np.frombuffer(a["positions"], np.int32)
     values = np.frombuffer(a["values"], np.float32).reshape(len(positions), 2, 2)
     assert positions.tolist() == [0, 1, 2, 3, 4]
     assert values[:, 0, 0].tolist() == [100, 101, 102, 103.5, 104] and values[:, 1, 1].tolist() == [0, 1, 2, 3.5, 4]
-    b = w.take({"tb": 1})["readouts"]["tb"]
+    b = w.take(["tb"])["readouts"]["tb"]
     assert np.frombuffer(b["positions"], np.int32).tolist() == [4, 5]
-    assert w.take({"ta": 1, "tb": 1})["readouts"] == {}  # each handed out once
+    assert w.take(["ta", "tb"])["readouts"] == {}  # each handed out once
     assert not w.clean  # token_read still holds the last step's rows
     w.fill(["plain"], np.array([1]), np.array([9]), 1)
     assert w.clean and not w.token_read.any() and sorted(w._free) == [1, 2, 3, 4]
@@ -201,10 +201,10 @@ def test_a_live_request_is_handed_out_when_asked_before_the_worker_hears_it_fini
     w.on_step([], [("a", 2, _args("ta", "generated", (1,)), [SteerItem(1, 3, 0.0, 0.0)])], {})
     w.fill(["a"], np.array([2]), np.array([0]), 2)
     _forward(w, [0, 1] + [0] * 14)
-    got = w.take({"ta": 1})["readouts"]["ta"]  # the last forward's values are flushed by the take itself
+    got = w.take(["ta"])["readouts"]["ta"]  # the last forward's values are flushed by the take itself
     assert np.frombuffer(got["positions"], np.int32).tolist() == [1]
     w.on_step(["a"], [], {})  # the finish arrives: nothing is kept for the tag again
-    assert w.take({"ta": 1})["readouts"] == {} and not w.live
+    assert w.take(["ta"])["readouts"] == {} and not w.live
 
 
 class _Event:
@@ -242,39 +242,12 @@ def test_a_finished_reader_retires_without_waiting_for_copies_under_way(monkeypa
     events[0].done = True
     w.fill(["plain"], np.array([1]), np.array([5]), 1)  # the first copy arrived; both readers' values span two
     assert w.done.kept == {} and len(w._free) == 2
-    got = w.take({"ta": 1})["readouts"]["ta"]  # waits for the second copy, which holds a's last value
+    got = w.take(["ta"])["readouts"]["ta"]  # waits for the second copy, which holds a's last value
     assert events[1].waited and np.frombuffer(got["positions"], np.int32).tolist() == [1, 2]
     assert np.frombuffer(got["values"], np.float32).reshape(2, 1, 2)[:, 0, 0].tolist() == [101, 102]
     assert "tb" in w.done.kept and len(w._free) == 4  # b's copies arrived too: kept for its take, rows free
     w.fill(["plain"], np.array([1]), np.array([6]), 1)
     assert w.clean
-
-
-def test_an_early_take_waits_for_the_callers_tokens_not_for_the_forward_under_way(monkeypatch):
-    """Asked before the worker heard that its request finished, a take waits for the copies holding the values of
-    the tokens the caller got; with asynchronous scheduling the forward under way may compute the finished request
-    once more (it was scheduled before its end was known): that one is not waited for."""
-    from hotwire_core import readout_worker
-
-    events = []
-    monkeypatch.setattr(readout_worker, "_record_event", lambda cuda: events.append(_Event()) or events[-1])
-    w = _worker()
-    w.on_step([], [("a", 2, _args("ta", "generated", (1,)), [SteerItem(1, 3, 0.0, 0.0)])], {})
-    w.fill(["a"], np.array([2]), np.array([0]), 2)  # prefill: position 1 predicts generated token 0
-    _forward(w, [0, 1] + [0] * 14)
-    w.fill(["a"], np.array([1]), np.array([2]), 1)  # position 2 predicts token 1, the last the caller got
-    _forward(w, [2] + [0] * 15)
-    w.fill(["a"], np.array([1]), np.array([3]), 1)  # scheduled before the end was known: position 3, under way
-    _forward(w, [3] + [0] * 15)
-    got = w.take({"ta": 2})["readouts"]["ta"]
-    assert len(events) == 3 and events[0].waited and events[1].waited and not events[2].waited
-    assert np.frombuffer(got["positions"], np.int32).tolist() == [1, 2]
-    w2 = _worker()
-    w2.on_step([], [("b", 2, _args("tb", "generated", (1,)), [SteerItem(1, 3, 0.0, 0.0)])], {})
-    w2.fill(["b"], np.array([2]), np.array([0]), 2)
-    _forward(w2, [0, 1] + [0] * 14)
-    got = w2.take({"tb": 1})["readouts"]["tb"]  # the last forward holds the value: its copy goes out and is awaited
-    assert len(events) == 4 and events[3].waited and np.frombuffer(got["positions"], np.int32).tolist() == [1]
 
 
 def test_a_new_reader_waits_for_retiring_rows_only_when_none_is_free(monkeypatch):
@@ -353,7 +326,7 @@ def test_a_peek_hands_out_settled_generated_positions_and_leaves_them_in_place()
     assert np.frombuffer(peeked["values"], np.float32).reshape(2, 1, 2)[:, 0, 0].tolist() == [103, 104]
     assert w.peek({"other": 0})["readouts"] == {}
     w.on_step(["a"], [], {})
-    whole = w.take({"ta": 1})["readouts"]["ta"]
+    whole = w.take(["ta"])["readouts"]["ta"]
     assert np.frombuffer(whole["positions"], np.int32).tolist() == [2, 3, 4, 5, 6]
     assert np.frombuffer(whole["values"], np.float32).reshape(5, 1, 2)[3, 0, 0] == 105.5  # the latest value
 
@@ -379,7 +352,7 @@ def test_positions_from_the_device_replace_counts_that_assume_every_draft_was_ac
     assert np.frombuffer(peeked["positions"], np.int32).tolist() == [2, 3, 4]  # 5 and 6: this step's, not settled
     w.fill(["a"], np.array([1]), np.array([7]), 1, torch.tensor([7]))
     w.on_step(["a"], [], {})
-    whole = w.take({"ta": 1})["readouts"]["ta"]
+    whole = w.take(["ta"])["readouts"]["ta"]
     assert np.frombuffer(whole["positions"], np.int32).tolist() == [2, 3, 4, 5, 6, 7]
     assert np.frombuffer(whole["values"], np.float32).reshape(6, 1, 2)[3, 0, 0] == 105.5  # the latest value
 

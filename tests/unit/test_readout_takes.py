@@ -15,12 +15,11 @@ class Workers:
     """Answers ``take_readouts`` as the workers do: each tag asked for, once; counts the round trips."""
 
     def __init__(self, fail: bool = False):
-        self.calls: list[dict[str, int]] = []
+        self.calls: list[list[str]] = []
         self.fail = fail
 
-    async def take_readouts(self, generated: dict[str, int]) -> list[dict]:
-        self.calls.append(dict(sorted(generated.items())))
-        tags = list(generated)
+    async def take_readouts(self, tags: list[str]) -> list[dict]:
+        self.calls.append(sorted(tags))
         await asyncio.sleep(0.01)
         if self.fail:
             raise HotwireError(503, "engine_unavailable", "the engine did not answer")
@@ -30,15 +29,15 @@ class Workers:
 def test_responses_ending_together_take_their_readouts_in_one_round_trip() -> None:
     async def scenario():
         takes, workers = ReadoutTakes(min_interval_s=0), Workers()
-        first = await asyncio.gather(*(takes.take(workers, f"t{i}", 3) for i in range(8)))
+        first = await asyncio.gather(*(takes.take(workers, f"t{i}") for i in range(8)))
         # while one take is on its way, the responses ending meanwhile wait for the next
-        later = asyncio.ensure_future(takes.take(workers, "a", 3))
+        later = asyncio.ensure_future(takes.take(workers, "a"))
         await asyncio.sleep(0.002)
-        more = await asyncio.gather(later, takes.take(workers, "b", 3), takes.take(workers, "c", 3))
+        more = await asyncio.gather(later, takes.take(workers, "b"), takes.take(workers, "c"))
         return workers.calls, first, more
 
     calls, first, more = asyncio.run(scenario())
-    assert calls == [{f"t{i}": 3 for i in range(8)}, {"a": 3}, {"b": 3, "c": 3}]  # with each one's token count
+    assert calls == [[f"t{i}" for i in range(8)], ["a"], ["b", "c"]]
     assert all("t3" in answers[0]["readouts"] for answers in first)
 
 
@@ -46,10 +45,10 @@ def test_a_failed_take_fails_its_batch_and_a_cancelled_wait_harms_no_one() -> No
     async def scenario():
         takes = ReadoutTakes(min_interval_s=0)
         with pytest.raises(HotwireError):
-            await takes.take(Workers(fail=True), "x", 3)
+            await takes.take(Workers(fail=True), "x")
         workers = Workers()
-        left = asyncio.ensure_future(takes.take(workers, "gone", 3))
-        stays = asyncio.ensure_future(takes.take(workers, "stays", 3))
+        left = asyncio.ensure_future(takes.take(workers, "gone"))
+        stays = asyncio.ensure_future(takes.take(workers, "stays"))
         await asyncio.sleep(0)
         left.cancel()
         return await stays
@@ -65,18 +64,18 @@ def test_takes_start_at_most_once_an_interval_and_at_once_after_a_quiet_spell() 
         loop = asyncio.get_running_loop()
         takes, workers = ReadoutTakes(min_interval_s=0.1), Workers()
         started = loop.time()
-        await takes.take(workers, "first", 3)  # nothing before it: at once (the workers take 10 ms)
+        await takes.take(workers, "first")  # nothing before it: at once (the workers take 10 ms)
         alone = loop.time() - started
-        waits = [asyncio.ensure_future(takes.take(workers, "a", 3))]
+        waits = [asyncio.ensure_future(takes.take(workers, "a"))]
         await asyncio.sleep(0.05)  # within the interval: joins "a"
-        waits.append(asyncio.ensure_future(takes.take(workers, "b", 3)))
+        waits.append(asyncio.ensure_future(takes.take(workers, "b")))
         await asyncio.gather(*waits)
         batched = loop.time() - started
         await asyncio.sleep(0.2)
         quiet = loop.time()
-        await takes.take(workers, "later", 3)
+        await takes.take(workers, "later")
         return workers.calls, alone, batched, loop.time() - quiet
 
     calls, alone, batched, after_quiet = asyncio.run(scenario())
-    assert calls == [{"first": 3}, {"a": 3, "b": 3}, {"later": 3}]
+    assert calls == [["first"], ["a", "b"], ["later"]]
     assert alone < 0.05 and batched >= 0.1 and after_quiet < 0.05
