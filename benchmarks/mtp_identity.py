@@ -42,9 +42,8 @@ def main() -> None:
         return [[{"prompt_token_ids": prompts[p], "params": params}] for p in "ab"]
 
     # name: (plugin-free, speculation, prompt logprobs, environment[, engine arguments])
-    # On the H200 hotwire without speculation was as far from plugin-free vLLM as with it (2026-12-07): the
-    # *_layers and *_eager jobs tell whether the hook after the last layer (MiMo's model ends in a plain add, not a
-    # fused add-RMSNorm) or the compiled graph around the hooks moves plain requests.
+    # The *_layers and *_eager jobs tell which hooks move plain requests, and whether compiling does (the hook after
+    # the last layer of a model that adds that layer's output itself can: vllm_glue.layers.MODEL_ADD).
     jobs = {
         "vanilla_mtp": (True, True, True, {}),
         "vanilla_mtp_again": (True, True, True, {}),
