@@ -19,11 +19,10 @@ last ``DEPTH`` values per row, which joins the row's list of chunks when it is f
 
 from __future__ import annotations
 
+import math
 from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
-
-import math
 
 import numpy as np
 import torch
