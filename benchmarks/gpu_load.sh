@@ -2,8 +2,10 @@
 # On the device (after `source .gpu/env.sh`): the load targets of hotwire, one after the other on one GPU.
 #   bash benchmarks/gpu_load.sh [soak] [throughput] [prefill] [tenants] [throughput_4b]   (default: the first three)
 # soak: python3 -m benchmarks.soak, SOAK_CLIENTS (256) clients for SOAK_DURATION (600) s, 16 slots, churn.
-# tenants: the soak with 4 tenants (#40), SOAK_CLIENTS clients for TENANT_DURATION (240) s, 64 slots, a tenant's
-#   share 16 rows; once without and once with a tenant flooding distinct vectors (compare the others' p99). Both
+# tenants: the soak with 4 tenants (#40), SOAK_CLIENTS clients, 64 slots, a tenant's share 16 rows; once without
+#   a flood for TENANT_DURATION (240) s and once with a tenant flooding distinct vectors for TENANT_FLOOD_DURATION
+#   (TENANT_DURATION) s (compare the others' p99; #40's soak is the flood half at 600 s). Longer than one device
+#   call: start it detached (setsid nohup) and follow its log over several calls. Both
 #   halves build the model in one folder, so the second server can reuse the first one's compiled graphs (each start
 #   took 106-113 s on the H200 with a folder of its own).
 # throughput: benchmarks/bench_throughput.py, plugin-free vLLM vs hotwire plain vs hotwire 75 % steered,
@@ -48,8 +50,10 @@ for step in "${steps[@]}"; do
     tenants)
       for flood in "" --flood; do
         name=tenants${flood:+_flood}
+        duration=${TENANT_DURATION:-240}
+        [[ -n $flood ]] && duration=${TENANT_FLOOD_DURATION:-$duration}
         python3 -m benchmarks.soak --tenants 4 $flood --tenant-rows 16 --slots 64 --clients "${SOAK_CLIENTS:-256}" \
-          --ids 12 --churned 4 --pool 2 --duration "${TENANT_DURATION:-240}" --server-arg=--max-num-seqs=256 \
+          --ids 12 --churned 4 --pool 2 --duration "$duration" --server-arg=--max-num-seqs=256 \
           --workdir /tmp/tenants-gpu --out "$out/${name}_gpu.json" 2>&1 | tee "$out/${name}_gpu.txt" | tail -12
       done ;;
     prefill)
