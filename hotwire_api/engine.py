@@ -183,8 +183,9 @@ class HotwireEngine:
         return meta, VectorPayload(bytes(data), meta.dtype, tuple(meta.shape),
                                    None if meta.layers is None else tuple(meta.layers))
 
-    async def vectors(self) -> list[VectorMeta]:
-        answers = await self._call_each(contract.LIST)
+    async def vectors(self, tenant: str | None = None) -> list[VectorMeta]:
+        """Every current vector, or ``tenant``'s alone ("": the shared ones)."""
+        answers = await self._call_each(contract.LIST, tenant)
         return [self._parse(VectorMeta, v, contract.LIST) for v in merge_vector_lists(answers)]
 
     async def stats(self) -> SlotStats:

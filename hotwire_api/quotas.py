@@ -34,7 +34,7 @@ __all__ = ["Quotas", "size_of"]
 
 logger = logging.getLogger(__name__)
 
-Held = Callable[[], Awaitable[list[VectorMeta]]]  # every current vector, asked for when needed
+Held = Callable[[str], Awaitable[list[VectorMeta]]]  # a tenant's current vectors, asked for when needed
 _ITEM_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
 WINDOW_S = 60.0
 TURN_WAIT_S = 10.0  # how long a registration waits for another API server's turn on the same tenant
@@ -63,7 +63,7 @@ class Quotas:
     @contextlib.asynccontextmanager
     async def registering(self, vector_id: str, nbytes: int, held: Held, fleet: Any = None) -> AsyncIterator[None]:
         """Around the registration of ``nbytes`` as ``vector_id``: raise 429 ``quota_exceeded`` if it would take the
-        id's tenant past a quota. ``held``: every current vector, asked for once the tenant's registrations before
+        id's tenant past a quota. ``held``: the tenant's current vectors, asked for once the tenant's registrations before
         this one are done. ``fleet``: the fleet's Redis registry (``VectorRegistry.fleet_store``), which holds the
         tenant's turn and counts its registrations per minute; None: this server alone. A registration that fails
         is not counted."""
@@ -72,7 +72,7 @@ class Quotas:
             yield
             return
         async with self._locks[tenant], _fleet_turn(tenant, fleet):
-            self._check_held(tenant, vector_id, nbytes, await (held() if fleet is None else _fleet_held(tenant, held, fleet)))
+            self._check_held(tenant, vector_id, nbytes, await (held(tenant) if fleet is None else _fleet_held(tenant, held, fleet)))
             give_back = await self._count(tenant, fleet)
             try:
                 yield
@@ -117,7 +117,7 @@ class Quotas:
         its registrations per minute (before an extraction's captures: its bytes are checked when it registers)."""
         tenant = tenant_of(vector_id)
         if tenant:
-            self._check_held(tenant, vector_id, 0, await held())
+            self._check_held(tenant, vector_id, 0, await held(tenant))
             count = await self.recent(tenant, fleet)
             if count >= self._limit(tenant, "registrations_per_min")[0]:
                 raise self._too_many(tenant, count)
@@ -173,12 +173,12 @@ async def _fleet_turn(tenant: str, fleet: Any) -> AsyncIterator[None]:
 
 
 async def _fleet_held(tenant: str, held: Held, fleet: Any) -> list[VectorMeta]:
-    """Every current vector, once this replica's engine holds each version of ``tenant``'s ids that the fleet's
+    """The tenant's current vectors, once this replica's engine holds each version of ``tenant``'s ids that the fleet's
     Redis calls current (ids it still holds that Redis deleted count against the tenant: refused, never over)."""
     deadline = time.monotonic() + CATCH_UP_S
     while True:
         wanted = [(i, version) for i, (version, _) in (await fleet.current()).items() if tenant_of(i) == tenant]
-        vectors = await held()
+        vectors = await held(tenant)
         have = {m.id: m.version for m in vectors}
         if all(have.get(i, -1) >= version for i, version in wanted):
             return vectors

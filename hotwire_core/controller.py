@@ -181,12 +181,10 @@ class SteeringController:
         data = vector.rows.contiguous().view(-1).view(torch.uint8).numpy().tobytes()
         return contract.ExportResult(ok=True, vector=vector.meta(), data=data)
 
-    def list(self) -> contract.ListResult:
-        vectors = []
-        for vector in self.registry.vectors():
-            meta = vector.meta()
-            meta["in_flight"] = self.registry.in_flight(vector.vector_id)
-            vectors.append(meta)
+    def list(self, tenant: str | None = None) -> contract.ListResult:
+        """Every current vector, or ``tenant``'s alone: a quota check needs its tenant's, not the registry's."""
+        in_flight = self.registry.in_flight_by_id()
+        vectors = [{**v.meta(), "in_flight": in_flight[v.vector_id]} for v in self.registry.vectors(tenant)]
         return contract.ListResult(ok=True, vectors=vectors)
 
     def stats(self) -> contract.StatsResult:

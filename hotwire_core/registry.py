@@ -302,8 +302,11 @@ class VectorRegistry:
             return None  # its retention is over (pruned at the next change: vLLM's input thread reads here too)
         return vector
 
-    def vectors(self) -> list[HostVector]:
-        return list(self._current.values())
+    def vectors(self, tenant: str | None = None) -> list[HostVector]:
+        """The current versions: all, or those of ``tenant``'s namespace ("": the shared one)."""
+        if tenant is None:
+            return list(self._current.values())
+        return [v for vector_id, v in self._current.items() if tenant_of(vector_id) == tenant]
 
     def retained(self) -> list[HostVector]:
         """Retired versions still held by requests or within their retention."""
@@ -312,10 +315,15 @@ class VectorRegistry:
 
     def in_flight(self, vector_id: str) -> int:
         """References held by admitted requests on every live version of ``vector_id``."""
-        live = [v for (vid, _), v in self._retired.items() if vid == vector_id]
-        if vector_id in self._current:
-            live.append(self._current[vector_id])
-        return sum(v.refs for v in live)
+        return self.in_flight_by_id().get(vector_id, 0)
+
+    def in_flight_by_id(self) -> dict[str, int]:
+        """``in_flight`` of every id with a live version, in one pass over the retired ones: a listing asks it of
+        every vector, and under churn thousands of versions stay retained (the engine core answers in its loop)."""
+        counts = {vector_id: vector.refs for vector_id, vector in self._current.items()}
+        for (vector_id, _), vector in self._retired.items():
+            counts[vector_id] = counts.get(vector_id, 0) + vector.refs
+        return counts
 
     def acquire(self, vector: HostVector) -> None:
         vector.refs += 1

@@ -963,6 +963,17 @@ def test_list_in_flight_across_versions(c):
     assert metas["g"]["in_flight"] == 0
 
 
+
+def test_list_of_a_tenant_holds_its_namespace_alone(c):
+    for vector_id in ("acme/a", "acme/b", "beta/a"):
+        register(c, vector_id, vec(N_LAYERS, HIDDEN, seed=7))
+    assert sorted(m["id"] for m in c.list("acme")["vectors"]) == ["acme/a", "acme/b"]
+    assert [m["id"] for m in c.list("beta")["vectors"]] == ["beta/a"]
+    shared = sorted(m["id"] for m in c.list()["vectors"] if "/" not in m["id"])
+    assert len(shared) >= 1 and sorted(m["id"] for m in c.list("")["vectors"]) == shared  # the shared namespace
+    assert len(c.list()["vectors"]) == len(shared) + 3 and c.list("gamma")["vectors"] == []
+
+
 # -- check ---------------------------------------------------------------------------------------------------
 
 
@@ -1209,7 +1220,7 @@ def test_rpc_answers_are_dicts_whatever_fails(monkeypatch):
     """``answer`` is what the engine core's collective_rpc returns for hotwire_*: never an exception."""
     c = ctrl()
     assert c.answer("check", ("[" * 100_000,), {})["code"] == "bad_spec"
-    monkeypatch.setattr(c.registry, "vectors", lambda: 1 / 0)
+    monkeypatch.setattr(c.registry, "vectors", lambda tenant=None: 1 / 0)
     out = c.answer("list", (), {})
     assert out == {"ok": False, "status": 500, "code": "internal",
                    "error": "hotwire_list failed in the engine (ZeroDivisionError: division by zero); its log has the traceback"}  # fmt: skip

@@ -280,7 +280,7 @@ def test_a_tenants_registrations_per_minute_are_counted_for_the_whole_fleet(redi
 
     clock = [time.time()]
 
-    async def nothing() -> list:
+    async def nothing(tenant: str) -> list:
         return []
 
     async def register(quotas: Quotas, node: Node, vector_id: str, fail: bool = False) -> None:

@@ -293,6 +293,22 @@ def test_retired_version_kept_while_referenced(r):
     assert r.in_flight("v") == 0
 
 
+def test_in_flight_by_id_counts_every_live_version_of_each_id(r):
+    """The listing's counts: current and retired versions of each id summed, ids apart, deleted ids included."""
+    a1 = reg(r, "a", t=vec(HIDDEN, seed=1))
+    r.acquire(a1)
+    a2 = reg(r, "a", t=vec(HIDDEN, seed=2), replace=True)
+    r.acquire(a2)
+    r.acquire(a2)
+    b = reg(r, "b", t=vec(HIDDEN, seed=3))
+    r.acquire(b)
+    r.unregister("b")
+    reg(r, "c", t=vec(HIDDEN, seed=4))
+    counts = r.in_flight_by_id()
+    assert counts == {"a": 3, "b": 1, "c": 0}
+    assert all(r.in_flight(i) == n for i, n in counts.items()) and r.in_flight("unknown") == 0
+
+
 def test_unregister_with_refs_counts_in_flight(r):
     v = reg(r)
     r.acquire(v)

@@ -91,7 +91,7 @@ def _meta(vector_id: str, rows: int = 1) -> VectorMeta:
 
 
 def _register(quotas: Quotas, vector_id: str, nbytes: int, held: list[VectorMeta]) -> None:
-    async def vectors() -> list[VectorMeta]:
+    async def vectors(tenant: str) -> list[VectorMeta]:
         return held
 
     async def register() -> None:
@@ -128,7 +128,7 @@ def test_quotas_refuse_past_a_tenants_vectors_bytes_and_rate(monkeypatch) -> Non
     _register(quotas, "acme/a", 1, [])  # the first one is a minute old
 
 
-async def _none() -> list[VectorMeta]:
+async def _none(tenant: str) -> list[VectorMeta]:
     return []
 
 
@@ -142,6 +142,23 @@ def test_a_registration_that_fails_is_not_counted() -> None:
     with pytest.raises(RuntimeError):
         asyncio.run(refused())
     _register(quotas, "acme/a", 1, [])
+
+
+def test_quotas_ask_the_engine_for_the_tenants_vectors_alone() -> None:
+    """The engine core answers a listing in its loop: a quota check asks for its tenant's namespace only."""
+    quotas, asked = Quotas(Settings()), []
+
+    async def held(tenant: str) -> list[VectorMeta]:
+        asked.append(tenant)
+        return []
+
+    async def register_and_check() -> None:
+        async with quotas.registering("acme/a", 1, held):
+            pass
+        await quotas.admissible("beta/b", held)
+
+    asyncio.run(register_and_check())
+    assert asked == ["acme", "beta"]
 
 
 def test_keys_carry_a_tenant_through_every_edit(tmp_path) -> None:
@@ -178,7 +195,7 @@ def test_registrations_of_one_tenant_at_once_each_see_the_one_before() -> None:
     quotas = Quotas(Settings(tenant_vectors=3))
     held = [_meta("acme/a"), _meta("acme/b")]
 
-    async def vectors() -> list[VectorMeta]:
+    async def vectors(tenant: str) -> list[VectorMeta]:
         await asyncio.sleep(0)  # an engine round trip
         return list(held)
 
