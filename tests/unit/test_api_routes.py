@@ -34,6 +34,7 @@ from hotwire_api.server import attach
 from hotwire_api.settings import Settings
 from hotwire_api.tickets import TICKETS
 from hotwire_core import contract
+from hotwire_core.spec import tenant_of
 
 HIDDEN, N_LAYERS = 8, 4
 _ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2}
@@ -119,8 +120,9 @@ class FakeEngine:
     def hotwire_refusals(self, tickets: list[str]) -> dict[str, Any]:
         return {"ok": True, "refusals": {t: self.kept_refusals.pop(t) for t in tickets if t in self.kept_refusals}}
 
-    def hotwire_list(self) -> dict[str, Any]:
-        return {"ok": True, "vectors": [{**m, "in_flight": self.in_flight[m["id"]]} for m in self.vectors.values()]}
+    def hotwire_list(self, tenant: str | None = None) -> dict[str, Any]:
+        return {"ok": True, "vectors": [{**m, "in_flight": self.in_flight[m["id"]]} for m in self.vectors.values()
+                                        if tenant is None or tenant_of(m["id"]) == tenant]}
 
     def hotwire_stats(self) -> dict[str, Any]:
         rows = [
