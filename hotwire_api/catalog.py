@@ -4,7 +4,8 @@ admission decides a steered request in this process (``hotwire_core.admission``)
 Kept current three ways: at once after this process registers or deletes a vector, every
 ``HOTWIRE_CATALOG_REFRESH_MS`` (default 200) in the background (an engine answer of a few bytes while nothing
 changed), and on demand when a request names an id the copy does not know (registered through another API
-server). A copy that is behind is still truthful: the request is pinned to the version the copy names, which
+server). The engine answers with what changed after the copy's generation (a few vectors after a registration),
+and whole only when its log of changes does not reach back that far. A copy that is behind is still truthful: the request is pinned to the version the copy names, which
 the engine retains (``HOTWIRE_RETAIN_S``) after a replace or delete, and the receipt names that version.
 """
 
@@ -135,6 +136,9 @@ class Catalog:
         if not answer.get("unchanged"):
             self.rules = rules_of(answer)
             vectors = {v.vector_id: v for v in map(CatalogVector.from_meta, answer.get("vectors") or [])}
+            if "since" in answer:  # what changed after the generation this copy held: the rest stays
+                removed = set(answer.get("removed") or [])
+                vectors = {**{i: v for i, v in self.vectors.items() if i not in removed}, **vectors}
             # Data parallelism: a registration reaches the first engine core before the others. Pin only what
             # every engine core has: the oldest current version (the first core retains it), no id one lacks.
             behind = False

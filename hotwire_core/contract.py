@@ -189,7 +189,9 @@ class CheckResult(TypedDict):
 
 
 class CatalogResult(TypedDict, total=False):
-    """The full catalog, or only ``ok``, ``generation`` and ``unchanged`` when the caller holds it already."""
+    """The catalog, or only ``ok``, ``generation`` and ``unchanged`` when the caller holds it already. With
+    ``since``, ``vectors`` and ``removed`` are what changed after that generation (the caller's); else ``vectors``
+    is every current version."""
 
     ok: Literal[True]
     generation: int
@@ -199,6 +201,8 @@ class CatalogResult(TypedDict, total=False):
     max_rows: int  # bank rows one request may pin (HOTWIRE_MAX_ROWS)
     layers_setting: bool
     vectors: list[VectorMeta]
+    since: int
+    removed: list[str]
 
 
 class SlotRow(TypedDict):

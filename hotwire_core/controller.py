@@ -222,7 +222,8 @@ class SteeringController:
 
     def catalog(self, generation: int = -1) -> contract.CatalogResult:
         """What an API server needs to decide steered requests itself (``hotwire_core.admission``): the rules and
-        every current version's metadata; just ``unchanged`` when the caller holds ``generation`` already."""
+        the current versions' metadata (``VectorRegistry.catalog_vectors``: what changed after ``generation``, or
+        all); just ``unchanged`` when the caller holds ``generation`` already."""
         if generation == self.registry.generation:
             return contract.CatalogResult(ok=True, generation=generation, unchanged=True)
         rules = self.rules
@@ -233,7 +234,7 @@ class SteeringController:
             capacity=rules.capacity,
             max_rows=rules.max_rows,
             layers_setting=rules.layers_setting,
-            vectors=[v.meta() for v in self.registry.vectors()],
+            **self.registry.catalog_vectors(generation),
         )
 
     def note_refusal(self, request: Any, exc: Refusal) -> None:

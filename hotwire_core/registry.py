@@ -15,8 +15,10 @@ so every engine core ends with the same current version.
 from __future__ import annotations
 
 import hashlib
+import itertools
 import math
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -176,6 +178,9 @@ def _largest_value(model_dtype: str) -> float:
     return torch.finfo(dtype).max if isinstance(dtype, torch.dtype) and dtype.is_floating_point else math.inf
 
 
+CHANGES_KEPT = 4096  # changes a catalog can be brought up to date by; a caller further behind gets it whole
+
+
 class VectorRegistry:
     """All vectors of one engine. Not thread-safe: the engine core calls it from its busy loop only.
     ``generation`` counts changes of the current versions (what ``hotwire_catalog`` hands the API servers)."""
@@ -184,6 +189,7 @@ class VectorRegistry:
         self.n_layers, self.hidden_size, self.model_dtype = n_layers, hidden_size, model_dtype
         self.retain_s = retain_s
         self.generation = 0
+        self._changes: deque[tuple[int, str]] = deque(maxlen=CHANGES_KEPT)  # (generation, id) of the last changes
         self._current: dict[str, HostVector] = {}
         self._retired: dict[tuple[str, int], HostVector] = {}
         self._last_version: dict[str, int] = {}
@@ -250,7 +256,7 @@ class VectorRegistry:
         if old is not None:
             self._retire(old)
         self._current[vector_id] = vector
-        self.generation += 1
+        self._changed(vector_id)
         self._prune()
         return True
 
@@ -273,9 +279,27 @@ class VectorRegistry:
         del self._current[vector_id]
         self._deleted_upto[vector_id] = max(current.version, self._deleted_upto.get(vector_id, 0))
         self._retire(current)
-        self.generation += 1
+        self._changed(vector_id)
         self._prune()
         return current
+
+    def _changed(self, vector_id: str) -> None:
+        self.generation += 1
+        self._changes.append((self.generation, vector_id))
+
+    def catalog_vectors(self, generation: int) -> dict[str, Any]:
+        """The vectors of a catalog for a caller that holds ``generation`` (-1: none): ``since`` (that generation),
+        the current versions of the ids changed after it and the ids ``removed`` since, while the log of changes
+        reaches back that far; else every current version. An API server fetches the catalog after every
+        registration, and a whole one costs the engine core's loop time in proportion to the registry."""
+        log = self._changes
+        if 0 <= generation <= self.generation and (generation == self.generation or (log and log[0][0] <= generation + 1)):
+            newer = itertools.takewhile(lambda change: change[0] > generation, reversed(log))
+            changed = {vector_id for _, vector_id in newer}
+            current = [self._current[i] for i in sorted(changed) if i in self._current]
+            return {"since": generation, "vectors": [v.meta() for v in current],
+                    "removed": sorted(changed.difference(self._current))}
+        return {"vectors": [v.meta() for v in self._current.values()]}
 
     def _retire(self, vector: HostVector, at: float | None = None) -> None:
         vector.retired = True

@@ -193,3 +193,68 @@ def test_the_catalog_pins_only_what_every_engine_core_has() -> None:
     client.answers[contract.CATALOG][1] = catalog(meta("a", 2), meta("new", 1))
     asyncio.run(copy.refresh(HotwireEngine(client, client.per_engine), not_before=float("inf")))
     assert copy.lookup("a").version == 2 and copy.lookup("new").version == 1 and copy.generation == 7
+
+
+class OneEngine:
+    """An engine client whose engine core is a real ``SteeringController`` (its RPC answers as vLLM's would)."""
+
+    def __init__(self, controller: Any):
+        self.controller = controller
+        self.answered: list[dict] = []
+
+    async def collective_rpc(self, method: str, timeout: float | None = None, args: tuple = (), kwargs=None) -> list:
+        answer = self.controller.answer(contract.engine_method(method), args, kwargs or {})
+        self.answered.append(answer)
+        return [answer]
+
+
+def test_the_api_servers_copy_follows_the_engine_by_what_changed(monkeypatch) -> None:
+    """After the first, full answer the engine sends only the ids changed since the copy's generation (replaced,
+    deleted, re-registered), and the copy equals the engine's whole catalog after each; a copy further behind than
+    the engine's log of changes gets the catalog whole."""
+    import numpy as np
+
+    from hotwire_api.catalog import Catalog
+    from hotwire_core import registry as registry_mod
+    from hotwire_core.admission import ModelInfo
+    from hotwire_core.controller import SteeringController
+    from hotwire_core.settings import Settings
+    from hotwire_core.vllm_glue.requests import VLLM_REQUESTS
+
+    monkeypatch.setattr(registry_mod, "CHANGES_KEPT", 4)
+    hidden = 8
+    controller = SteeringController(ModelInfo(True, "", 2, hidden, "float32", frozenset({0, 1})),
+                                    Settings(8, 2, "op", None, None), "org/model", VLLM_REQUESTS)
+    rng = np.random.default_rng(0)
+
+    def register(vector_id: str, replace: bool = False) -> None:
+        data = rng.standard_normal(hidden, dtype=np.float32).tobytes()
+        assert controller.register(vector_id, data, "float32", [hidden], None, replace)["ok"]
+
+    def engine_view() -> dict[str, int]:
+        return {m["id"]: m["version"] for m in controller.catalog()["vectors"]}
+
+    client, copy = OneEngine(controller), Catalog()
+    engine = HotwireEngine(client)
+
+    def refreshed() -> dict:
+        asyncio.run(copy.refresh(engine, not_before=float("inf")))
+        assert {i: v.version for i, v in copy.vectors.items()} == engine_view()
+        assert copy.generation == controller.registry.generation
+        return client.answered[-1]
+
+    for vector_id in ("a", "b", "c"):
+        register(vector_id)
+    assert "since" not in refreshed()  # the first answer is whole
+    register("a", replace=True)
+    controller.unregister("b")
+    answer = refreshed()
+    assert answer["since"] >= 0 and [m["id"] for m in answer["vectors"]] == ["a"] and answer["removed"] == ["b"]
+    controller.unregister("c")
+    register("c")
+    answer = refreshed()
+    assert [(m["id"], m["version"]) for m in answer["vectors"]] == [("c", 2)] and answer["removed"] == []
+    for k in range(5):  # more changes than the log keeps
+        register(f"n{k}")
+    answer = refreshed()
+    assert "since" not in answer and len(answer["vectors"]) == 7
