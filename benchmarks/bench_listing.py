@@ -1,7 +1,9 @@
-"""What the engine core's answer to a vector listing costs (``hotwire_list``, answered in its busy loop between
-steps), with a registry in the state a tenant soak leaves it: ``--current`` vectors over ``--tenants`` namespaces
-and ``--retained`` retired versions still within ``HOTWIRE_RETAIN_S`` (churn and a flood retire about 17 a second,
-each kept 60 s). Times the whole listing and a quota check's (one tenant's namespace); CPU only, no vLLM engine.
+"""What the engine core's answers to the control plane's reads cost (answered in its busy loop between steps), with
+a registry in the state a tenant soak leaves it: ``--current`` vectors over ``--tenants`` namespaces and
+``--retained`` retired versions still within ``HOTWIRE_RETAIN_S`` (churn and a flood retire about 17 a second,
+each kept 60 s). Times the vector listing (``hotwire_list``) whole and a quota check's (one tenant's namespace),
+and the catalog (``hotwire_catalog``) whole and for an API server one registration behind (what it fetches after
+every registration). CPU only, no vLLM engine.
 
     python benchmarks/bench_listing.py --current 60 --retained 1000 --reps 200
 """
@@ -40,14 +42,14 @@ def build(current: int, retained: int, tenants: int) -> SteeringController:
     return controller
 
 
-def timed(controller: SteeringController, args: tuple, reps: int) -> dict:
-    answer = controller.answer("list", args, {})
+def timed(controller: SteeringController, args: tuple, reps: int, method: str = "list") -> dict:
+    answer = controller.answer(method, args, {})
     if not answer.get("ok"):
         return {"error": answer.get("error")}
     times = []
     for _ in range(reps):
         began = time.perf_counter()
-        controller.answer("list", args, {})
+        controller.answer(method, args, {})
         times.append(time.perf_counter() - began)
     return {"vectors": len(answer["vectors"]), "median_ms": round(1e3 * statistics.median(times), 4)}
 
@@ -60,8 +62,12 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=200)
     args = parser.parse_args()
     controller = build(args.current, args.retained, args.tenants)
-    print(json.dumps({"current": args.current, "retained": args.retained, "every_vector": timed(controller, (), args.reps),
-                      "one_tenant": timed(controller, ("t0",), args.reps)}))
+    listing = {"every_vector": timed(controller, (), args.reps), "one_tenant": timed(controller, ("t0",), args.reps)}
+    behind = controller.registry.generation
+    controller.register("t0/new", np.ones(HIDDEN, np.float32).tobytes(), "float32", [HIDDEN])
+    catalog = {"whole": timed(controller, (-1,), args.reps, "catalog"),
+               "one_change": timed(controller, (behind,), args.reps, "catalog")}
+    print(json.dumps({"current": args.current, "retained": args.retained, "list": listing, "catalog": catalog}))
 
 
 if __name__ == "__main__":
