@@ -1,4 +1,5 @@
-"""The API server's Python calls per streamed request: plugin-free vLLM, hotwire plain, hotwire steered.
+"""The API server's Python calls per streamed request: plugin-free vLLM, hotwire plain, hotwire steered (and with
+``--monitors N``, plain requests on a third server, hotwire with readout on and N monitors on all its traffic).
 
 CPU time on a small shared machine moves by more than what hotwire's API-server code costs (``bench_api_cpu.py``);
 calls do not. Both ``vllm serve`` of ``bench_throughput.servers`` start (the tiny Qwen3, float32) with
@@ -8,7 +9,7 @@ time (so every request takes the same engine steps on both servers). Reported pe
 those in hotwire's own code, and the functions whose counts differ most from the plugin-free server's. The
 counts include what runs in the background meanwhile (hotwire's catalog refresh every 200 ms, vLLM's stats).
 
-    python -m benchmarks.bench_api_calls --out api_calls.json
+    python -m benchmarks.bench_api_calls [--monitors 4] --out api_calls.json
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from pathlib import Path
 
 from benchmarks.api_profile import where
 from benchmarks.bench_api_cpu import send
-from benchmarks.bench_throughput import model_facts, register_vectors, servers
+from benchmarks.bench_throughput import add_monitors, model_facts, register_vectors, servers
 
 PROBE = Path(__file__).parent / "api_calls_probe"
 HOTWIRE_CODE = ("/hotwire_api/", "/hotwire_core/")
@@ -54,6 +55,8 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=40)
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--top", type=int, default=25, help="functions listed per configuration")
+    parser.add_argument("--monitors", type=int, default=0, help="also count plain requests on a server with this many "
+                        "monitors (HOTWIRE_READOUT=1)")
     parser.add_argument("--workdir", type=Path)
     parser.add_argument("--out", type=Path, default=Path("api_calls.json"))
     args = parser.parse_args()
@@ -67,11 +70,16 @@ def main() -> None:
     model = build_model(workdir / "tiny", "tiny", weights=True)
     results: dict[str, dict] = {}
     counts: dict[str, Counter] = {}
-    with servers(model, ["--dtype", "float32", "--max-model-len", "4096"], workdir, 16) as started:
-        name, hidden, n_layers = model_facts(started["hotwire"][0])
+    layer = json.loads((model / "config.json").read_text())["num_hidden_layers"] // 2
+    configs = (*CONFIGS, *((("monitored", False),) if args.monitors else ()))
+    with servers(model, ["--dtype", "float32", "--max-model-len", "4096"], workdir, 16, args.monitors, layer) as started:
+        name, hidden, _ = model_facts(started["hotwire"][0])
         register_vectors(started["hotwire"][0], ["calls"], hidden, 0)
-        steer = json.dumps({"id": "calls", "layer": n_layers // 2, "scale": 4.0})
-        for server, steered in CONFIGS:
+        if args.monitors:
+            register_vectors(started["monitored"][0], ["calls"], hidden, 0)
+            add_monitors(started["monitored"][0], ["calls"], args.monitors, layer)
+        steer = json.dumps({"id": "calls", "layer": layer, "scale": 4.0})
+        for server, steered in configs:
             url, pid = started[server]
             config = f"{server}/{'steered' if steered else 'plain'}"
             spec = steer if steered else None
