@@ -210,20 +210,21 @@ class HotwireEngine:
         ran; with pipeline parallelism each rank holds its own layers)."""
         return await self._take(contract.TAKE_CAPTURES, tags)
 
-    async def take_readouts(self, tags: list[str]) -> list[dict[str, Any]]:
-        """Every worker's ``hotwire_take_readouts`` answer, on every engine core (as :meth:`take_captures`)."""
-        return await self._take(contract.TAKE_READOUTS, tags)
+    async def take_readouts(self, tags: list[str], wait: bool = True) -> list[dict[str, Any]]:
+        """Every worker's ``hotwire_take_readouts`` answer, on every engine core (as :meth:`take_captures`); not
+        waiting, a worker may answer ``pending`` (``readout_takes``)."""
+        return await self._take(contract.TAKE_READOUTS, tags, wait)
 
     async def peek_readouts(self, since: dict[str, int]) -> list[dict[str, Any]]:
         """Every worker's ``hotwire_peek_readouts`` answer, on every engine core: streamed readouts' values so far."""
         return await self._take(contract.PEEK_READOUTS, since)
 
-    async def _take(self, method: str, tags: Any) -> list[dict[str, Any]]:
+    async def _take(self, method: str, *args: Any) -> list[dict[str, Any]]:
         try:
             if self._per_engine is not None:
-                answers = await self._per_engine(method, (tags,), slice(None), False)
+                answers = await self._per_engine(method, args, slice(None), False)
             else:
-                answers = [await self._client.collective_rpc(method, args=(tags,))]
+                answers = [await self._client.collective_rpc(method, args=args)]
         except Exception as exc:
             raise self._unavailable(method, exc) from exc
         ranks = [rank for answer in answers for rank in (answer if isinstance(answer, list) else [answer])]

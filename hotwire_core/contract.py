@@ -14,7 +14,7 @@ describes each call.
 
 from __future__ import annotations
 
-from typing import Any, Literal, NamedTuple, TypedDict
+from typing import Any, Literal, NamedTuple, NotRequired, TypedDict
 
 __all__ = [
     "ADMISSION_ONLY_KEYS", "BINDING_KEY", "CAPTURE_KEY", "CATALOG", "CHECK", "ENGINE_METHODS", "EXPORT", "GRAPH_SETS", "LIST", "PREFIX",
@@ -44,7 +44,7 @@ ENGINE_METHODS = frozenset({REGISTER, UNREGISTER, LIST, STATS, CHECK, CATALOG, R
 WORKER_INFO = "hotwire_worker_info"
 GRAPH_SETS = "hotwire_graph_sets"
 TAKE_CAPTURES = "hotwire_take_captures"  # args: tags: list[str]; every rank answers with the layers it holds
-TAKE_READOUTS = "hotwire_take_readouts"  # args: tags: list[str]; every rank answers with the probes it reads
+TAKE_READOUTS = "hotwire_take_readouts"  # args: tags: list[str], wait=True; every rank answers with the probes it reads
 PEEK_READOUTS = "hotwire_peek_readouts"  # args: since: dict[tag, first generated token]; as TAKE_READOUTS, left in place
 WORKER_METHODS = frozenset({WORKER_INFO, GRAPH_SETS, TAKE_CAPTURES, TAKE_READOUTS, PEEK_READOUTS})
 
@@ -285,10 +285,12 @@ class TakeReadoutsResult(TypedDict):
     """One rank's answer to ``hotwire_take_readouts``: per tag, ``{"args": ReadoutArgs, "prompt_len": n,
     "held": [probe indices this rank reads], "positions": bytes, "values": bytes}`` (``positions``: int32 ``[m]``,
     the token positions read, ascending; ``values``: float32 ``[m, len(probes), 2]``, each probe's dot product and
-    the stream's norm at its layer) or ``{"error"}``; tags whose request has not finished are absent."""
+    the stream's norm at its layer) or ``{"error"}``; tags whose request has not finished are absent.
+    ``pending``: asked not to wait, the rank handed out nothing, as a tag's values were still on their way."""
 
     ok: Literal[True]
     readouts: dict[str, dict[str, Any]]
+    pending: NotRequired[bool]
 
 
 class RefusalsResult(TypedDict):

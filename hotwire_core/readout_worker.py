@@ -334,18 +334,26 @@ class WorkerReadout:
                 self._reader_at[reader.row], self._fill[reader.row] = None, 0
                 self._free.append(reader.row)
 
-    def take(self, tags: Iterable[str]) -> TakeReadoutsResult:
+    def take(self, tags: Iterable[str], wait: bool = True) -> TakeReadoutsResult:
         """The readouts of ``tags``, each handed out once (``contract.TakeReadoutsResult``). As with captures, vLLM
         tells the workers that a request finished only in the step after it finished, which an idle engine may run
         after the caller asks: a live request's readout is handed out as it stands, with every forward run so far
-        (the caller, who has the request's output, cuts it to the tokens it got)."""
+        (the caller, who has the request's output, cuts it to the tokens it got). ``wait`` False: where one of the
+        tags' values is still on its way from the device (under load, the forward the engine core runs meanwhile
+        wrote it), nothing is handed out and the answer says ``pending``, so that the engine core's loop, which
+        serves the take between two steps, does not wait for that forward: the caller asks again."""
         wanted = set(tags)
+        if not wait:
+            self._flush()  # issues the last forward's copy; keeps what arrived, waiting for none
+            rows = [r.row for r in (*self._retiring.values(), *self.live.values()) if r.tag in wanted and not r.taken]
+            if rows and int(self._last_copy[rows].max()) > self._arrived:
+                return TakeReadoutsResult(ok=True, readouts={}, pending=True)
         retiring = [self._retiring[tag].row for tag in wanted if tag in self._retiring]
         if retiring:  # finished: wait only for the copies that hold their values
             self._flush(int(self._last_copy[retiring].max()))
         out = self.done.take(wanted)
         early = [reader for reader in self.live.values() if reader.tag in wanted and reader.tag not in out and not reader.taken]
-        if early:
+        if early and wait:  # (not waiting: their copies have all arrived)
             if self._cuda:
                 torch.cuda.synchronize(self.out.device)  # the forward that wrote the last token may still be running
             self._flush(math.inf)

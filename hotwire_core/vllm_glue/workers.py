@@ -34,10 +34,10 @@ def patch_worker_base(module: Any) -> None:
         capture = steering.capture if steering is not None else None
         return capture.take(tags) if capture is not None else contract.TakeCapturesResult(ok=True, captures={})
 
-    def hotwire_take_readouts(self, tags: list[str]) -> dict:
+    def hotwire_take_readouts(self, tags: list[str], wait: bool = True) -> dict:
         steering = getattr(self.model_runner, "hotwire", None)
         readout = steering.readout if steering is not None else None
-        return readout.take(tags) if readout is not None else contract.TakeReadoutsResult(ok=True, readouts={})
+        return readout.take(tags, wait) if readout is not None else contract.TakeReadoutsResult(ok=True, readouts={})
 
     def hotwire_peek_readouts(self, since: dict[str, int]) -> dict:
         steering = getattr(self.model_runner, "hotwire", None)

@@ -212,12 +212,13 @@ class _Event:
     when the test says so, or when the worker waits for them."""
 
     def __init__(self):
-        self.done = self.waited = False
+        self.done = self.waited = self.blocked = False
 
     def query(self):
         return self.done
 
     def synchronize(self):
+        self.blocked = self.blocked or not self.done  # a wait on the device, not on what has arrived
         self.waited = self.done = True
 
 
@@ -248,6 +249,33 @@ def test_a_finished_reader_retires_without_waiting_for_copies_under_way(monkeypa
     assert "tb" in w.done.kept and len(w._free) == 4  # b's copies arrived too: kept for its take, rows free
     w.fill(["plain"], np.array([1]), np.array([6]), 1)
     assert w.clean
+
+
+def test_a_take_that_may_not_wait_says_pending_until_the_copies_arrive(monkeypatch):
+    """``take(wait=False)``, as the API server asks under load: a reader whose last values are still on their way
+    from the device (finished, or finished without the workers knowing yet) is handed out only once they arrived,
+    and the take waits for no event meanwhile."""
+    from hotwire_core import readout_worker
+
+    events = []
+    monkeypatch.setattr(readout_worker, "_record_event", lambda cuda: events.append(_Event()) or events[-1])
+    w = _worker()
+    items = [SteerItem(1, 3, 0.0, 0.0)]
+    w.on_step([], [("a", 2, _args("ta", "generated", (1,)), items), ("b", 2, _args("tb", "generated", (1,)), items)], {})
+    w.fill(["a", "b"], np.array([2, 2]), np.array([0, 0]), 4)
+    _forward(w, [0, 1, 0, 1] + [0] * 12)
+    w.fill(["a", "b"], np.array([1, 1]), np.array([2, 2]), 2)
+    _forward(w, [2, 2] + [0] * 14)
+    w.on_step(["a"], [], {})  # a retires; b finished too, but the workers hear of it a step later
+    for tag in ("ta", "tb"):
+        assert w.take([tag], wait=False) == {"ok": True, "readouts": {}, "pending": True}
+    assert len(events) == 2 and not any(e.waited for e in events)
+    events[0].done = events[1].done = True
+    got = {tag: w.take([tag], wait=False)["readouts"][tag] for tag in ("ta", "tb")}
+    assert not any(e.blocked for e in events)
+    for tag in ("ta", "tb"):
+        assert np.frombuffer(got[tag]["positions"], np.int32).tolist() == [1, 2]
+    assert w.take(["ta", "tb"], wait=False) == {"ok": True, "readouts": {}}  # handed out once
 
 
 def test_a_new_reader_waits_for_retiring_rows_only_when_none_is_free(monkeypatch):

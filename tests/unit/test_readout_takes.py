@@ -18,7 +18,7 @@ class Workers:
         self.calls: list[list[str]] = []
         self.fail = fail
 
-    async def take_readouts(self, tags: list[str]) -> list[dict]:
+    async def take_readouts(self, tags: list[str], wait: bool = True) -> list[dict]:
         self.calls.append(sorted(tags))
         await asyncio.sleep(0.01)
         if self.fail:
@@ -79,3 +79,43 @@ def test_takes_start_at_most_once_an_interval_and_at_once_after_a_quiet_spell() 
     calls, alone, batched, after_quiet = asyncio.run(scenario())
     assert calls == [["first"], ["a", "b"], ["later"]]
     assert alone < 0.05 and batched >= 0.1 and after_quiet < 0.05
+
+
+class PendingWorkers:
+    """Two workers answering ``take_readouts`` as ``ReadoutWorker.take`` does: not asked to wait, the second says
+    ``pending`` (handing out nothing) until its values have arrived, here at its third answer; each tag handed out
+    once by each worker."""
+
+    def __init__(self):
+        self.asked: list[bool] = []  # wait, per round trip
+        self.kept = [{"t": {"rank": 0}}, {"t": {"rank": 1}}]
+
+    async def take_readouts(self, tags: list[str], wait: bool = True) -> list[dict]:
+        self.asked.append(wait)
+        answers = []
+        for rank, kept in enumerate(self.kept):
+            if rank == 1 and not wait and len(self.asked) < 3:
+                answers.append({"ok": True, "readouts": {}, "pending": True})
+            else:
+                answers.append({"ok": True, "readouts": {t: kept.pop(t) for t in tags if t in kept}})
+        return answers
+
+
+def test_a_pending_worker_is_asked_again_and_the_answers_handed_out_are_kept() -> None:
+    """The engine core's loop never waits for the device on a take: a worker whose values are on their way answers
+    ``pending`` and is asked again; the answer of a worker that handed its values out stands."""
+    workers = PendingWorkers()
+    answers = asyncio.run(ReadoutTakes(min_interval_s=0).take(workers, "t"))
+    assert workers.asked == [False, False, False]
+    assert [a["readouts"] for a in answers] == [{"t": {"rank": 0}}, {"t": {"rank": 1}}]
+
+
+def test_a_take_waits_for_the_device_once_its_workers_stayed_pending(monkeypatch) -> None:
+    """An engine that stopped stepping (nothing more to run) still hands a finished request's values out: after
+    ``WAIT_AFTER_S`` the take asks the workers to wait."""
+    from hotwire_api import readout_takes
+
+    monkeypatch.setattr(readout_takes, "WAIT_AFTER_S", 0.0)
+    workers = PendingWorkers()
+    answers = asyncio.run(ReadoutTakes(min_interval_s=0).take(workers, "t"))
+    assert workers.asked == [True] and answers[1]["readouts"] == {"t": {"rank": 1}}
