@@ -222,10 +222,9 @@ class _Event:
         self.waited = self.done = True
 
 
-def test_a_finished_reader_retires_without_waiting_for_copies_under_way(monkeypatch):
-    """A step in which a reader finishes does not wait for the device: the reader keeps its row until the copies
-    holding its values arrive (a later fill sees them), and only then is its readout kept; a take of a retiring
-    reader waits for its copies alone."""
+def _prefill_and_decode_with_events(monkeypatch):
+    """Readers ``a`` and ``b`` (tags ``ta``, ``tb``) after a prefill and a decode step, with stand-in device events:
+    the prefill's copy under way, the decode step's values not yet copied."""
     from hotwire_core import readout_worker
 
     events = []
@@ -237,6 +236,14 @@ def test_a_finished_reader_retires_without_waiting_for_copies_under_way(monkeypa
     _forward(w, [0, 1, 0, 1] + [0] * 12)
     w.fill(["a", "b"], np.array([1, 1]), np.array([2, 2]), 2)  # issues the prefill's copy: under way
     _forward(w, [2, 2] + [0] * 14)
+    return w, events
+
+
+def test_a_finished_reader_retires_without_waiting_for_copies_under_way(monkeypatch):
+    """A step in which a reader finishes does not wait for the device: the reader keeps its row until the copies
+    holding its values arrive (a later fill sees them), and only then is its readout kept; a take of a retiring
+    reader waits for its copies alone."""
+    w, events = _prefill_and_decode_with_events(monkeypatch)
     w.on_step(["a", "b"], [], {})  # issues the decode step's copy and retires both: no wait
     assert len(events) == 2 and not any(e.waited for e in events)
     assert not w.live and w.done.take(["ta", "tb"]) == {} and len(w._free) == 2 and not w.clean
@@ -255,17 +262,7 @@ def test_a_take_that_may_not_wait_says_pending_until_the_copies_arrive(monkeypat
     """``take(wait=False)``, as the API server asks under load: a reader whose last values are still on their way
     from the device (finished, or finished without the workers knowing yet) is handed out only once they arrived,
     and the take waits for no event meanwhile."""
-    from hotwire_core import readout_worker
-
-    events = []
-    monkeypatch.setattr(readout_worker, "_record_event", lambda cuda: events.append(_Event()) or events[-1])
-    w = _worker()
-    items = [SteerItem(1, 3, 0.0, 0.0)]
-    w.on_step([], [("a", 2, _args("ta", "generated", (1,)), items), ("b", 2, _args("tb", "generated", (1,)), items)], {})
-    w.fill(["a", "b"], np.array([2, 2]), np.array([0, 0]), 4)
-    _forward(w, [0, 1, 0, 1] + [0] * 12)
-    w.fill(["a", "b"], np.array([1, 1]), np.array([2, 2]), 2)
-    _forward(w, [2, 2] + [0] * 14)
+    w, events = _prefill_and_decode_with_events(monkeypatch)
     w.on_step(["a"], [], {})  # a retires; b finished too, but the workers hear of it a step later
     for tag in ("ta", "tb"):
         assert w.take([tag], wait=False) == {"ok": True, "readouts": {}, "pending": True}
