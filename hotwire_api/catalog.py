@@ -133,6 +133,8 @@ class Catalog:
 
     async def _fetch(self, engine: HotwireEngine) -> None:
         answer = await engine.catalog(self.generation)
+        if "since" in answer and answer["since"] != self.generation:  # another fetch moved the copy meanwhile:
+            answer = await engine.catalog(-1)  # the delta has no base here, so ask for the whole catalog
         if not answer.get("unchanged"):
             self.rules = rules_of(answer)
             vectors = {v.vector_id: v for v in map(CatalogVector.from_meta, answer.get("vectors") or [])}

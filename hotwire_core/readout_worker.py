@@ -9,8 +9,9 @@ gathered and copied to pinned host memory by a copy issued at the next step's fi
 could overwrite them, and read once that copy is done: the hot path never waits on the device. A finished request's
 reader retires: it keeps its row until the copies holding its values arrive (a later step's fill sees them), and
 only then is its readout kept for the caller, so a step in which readers finish does not wait for the forward still
-running (with asynchronous scheduling, every such step would). Only a take waits: for the copies of the readouts it
-hands out, and for the device where a reader is still live (asked before the worker heard it finished).
+running (with asynchronous scheduling, every such step would). Only a take asked to wait waits: for the copies of the
+readouts it hands out, and for the device where a reader is still live (asked before the worker heard it finished);
+one asked not to (the API server's, under load) answers ``pending`` instead.
 
 A step's host work is done for the whole batch at once, with no work per request: each reader's row indexes arrays
 of what ``fill`` needs (first position read, end, probe layers), and the values that arrive land in a buffer of the
@@ -348,8 +349,8 @@ class WorkerReadout:
             rows = [r.row for r in (*self._retiring.values(), *self.live.values()) if r.tag in wanted and not r.taken]
             if rows and int(self._last_copy[rows].max()) > self._arrived:
                 return TakeReadoutsResult(ok=True, readouts={}, pending=True)
-        retiring = [self._retiring[tag].row for tag in wanted if tag in self._retiring]
-        if retiring:  # finished: wait only for the copies that hold their values
+        retiring = [self._retiring[tag].row for tag in wanted if tag in self._retiring and not self._retiring[tag].taken]
+        if retiring:  # finished: wait only for the copies that hold their values (none for one handed out early)
             self._flush(int(self._last_copy[retiring].max()))
         out = self.done.take(wanted)
         early = [reader for reader in self.live.values() if reader.tag in wanted and reader.tag not in out and not reader.taken]

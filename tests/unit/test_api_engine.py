@@ -258,3 +258,33 @@ def test_the_api_servers_copy_follows_the_engine_by_what_changed(monkeypatch) ->
         register(f"n{k}")
     answer = refreshed()
     assert "since" not in answer and len(answer["vectors"]) == 7
+
+
+def test_a_catalog_delta_that_lost_its_base_is_asked_for_whole() -> None:
+    """Two fetches under way at once: the one answered last finds the copy moved by the other, so its delta (what
+    changed after the generation it sent) has no base; it asks for the whole catalog instead of merging."""
+    from hotwire_api.catalog import Catalog
+
+    model = {"steerable": True, "reason": "", "n_layers": 4, "hidden_size": 8, "dtype": "float32", "max_stack": 4,
+             "norm": False, "layers": "0-3"}
+    meta = {"id": "b", "version": 1, "sha256": "b1", "layers": None, "norms": {"*": 1.0}}
+    whole = {"ok": True, "generation": 9, "model": model, "capacity": 16, "max_rows": 16,
+             "vectors": [meta, {**meta, "id": "c", "sha256": "c1"}]}
+
+    class Engine:
+        asked: list[int] = []
+
+        async def catalog(self, generation: int) -> dict:
+            self.asked.append(generation)
+            if generation == -1:
+                return whole
+            copy.generation = 8  # (another fetch applied its answer while this one was on its way)
+            return {**whole, "generation": 9, "since": 5, "vectors": [meta], "removed": []}
+
+        async def other_catalogs(self) -> list:
+            return []
+
+    copy = Catalog()
+    copy.generation = 5
+    asyncio.run(copy._fetch(Engine()))
+    assert Engine.asked == [5, -1] and sorted(copy.vectors) == ["b", "c"] and copy.generation == 9

@@ -275,6 +275,21 @@ def test_a_take_that_may_not_wait_says_pending_until_the_copies_arrive(monkeypat
     assert w.take(["ta", "tb"], wait=False) == {"ok": True, "readouts": {}}  # handed out once
 
 
+def test_a_reader_handed_out_early_is_not_waited_for_when_it_retires(monkeypatch):
+    """A live reader handed out (the worker had not heard it finished) and then retired with a copy under way: a
+    later take of its tag (a retry for another rank's values) has nothing to hand out and waits for no copy."""
+    w, events = _prefill_and_decode_with_events(monkeypatch)
+    assert w.take(["ta"], wait=False)["pending"]  # issues the decode step's copy
+    for event in events:
+        event.done = True
+    assert "ta" in w.take(["ta"], wait=False)["readouts"]  # early: a is still live
+    w.fill(["a"], np.array([1]), np.array([3]), 1)  # the engine ran a one more step
+    _forward(w, [3] + [0] * 15)
+    w.on_step(["a"], [], {})  # retires a, its last copy under way
+    assert not events[-1].done
+    assert w.take(["ta"], wait=False) == {"ok": True, "readouts": {}} and not any(e.blocked for e in events)
+
+
 def test_a_new_reader_waits_for_retiring_rows_only_when_none_is_free(monkeypatch):
     from hotwire_core import readout_worker
 
