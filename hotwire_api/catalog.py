@@ -5,8 +5,9 @@ Kept current three ways: at once after this process registers or deletes a vecto
 ``HOTWIRE_CATALOG_REFRESH_MS`` (default 200) in the background (an engine answer of a few bytes while nothing
 changed), and on demand when a request names an id the copy does not know (registered through another API
 server). The engine answers with what changed after the copy's generation (a few vectors after a registration),
-and whole only when its log of changes does not reach back that far. A copy that is behind is still truthful: the request is pinned to the version the copy names, which
-the engine retains (``HOTWIRE_RETAIN_S``) after a replace or delete, and the receipt names that version.
+and whole only when its log of changes does not reach back that far. A copy that is behind is still truthful: the
+request is pinned to the version the copy names, which the engine retains (``HOTWIRE_RETAIN_S``) after a replace or
+delete, and the receipt names that version.
 """
 
 from __future__ import annotations

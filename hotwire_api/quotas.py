@@ -63,8 +63,8 @@ class Quotas:
     @contextlib.asynccontextmanager
     async def registering(self, vector_id: str, nbytes: int, held: Held, fleet: Any = None) -> AsyncIterator[None]:
         """Around the registration of ``nbytes`` as ``vector_id``: raise 429 ``quota_exceeded`` if it would take the
-        id's tenant past a quota. ``held``: the tenant's current vectors, asked for once the tenant's registrations before
-        this one are done. ``fleet``: the fleet's Redis registry (``VectorRegistry.fleet_store``), which holds the
+        id's tenant past a quota. ``held``: the tenant's current vectors, asked for once the tenant's registrations
+        before this one are done. ``fleet``: the fleet's Redis registry (``VectorRegistry.fleet_store``), which holds the
         tenant's turn and counts its registrations per minute; None: this server alone. A registration that fails
         is not counted."""
         tenant = tenant_of(vector_id)
@@ -173,8 +173,8 @@ async def _fleet_turn(tenant: str, fleet: Any) -> AsyncIterator[None]:
 
 
 async def _fleet_held(tenant: str, held: Held, fleet: Any) -> list[VectorMeta]:
-    """The tenant's current vectors, once this replica's engine holds each version of ``tenant``'s ids that the fleet's
-    Redis calls current (ids it still holds that Redis deleted count against the tenant: refused, never over)."""
+    """The tenant's current vectors, once this replica's engine holds each version of ``tenant``'s ids that the
+    fleet's Redis calls current (ids it still holds that Redis deleted count against the tenant: refused, never over)."""
     deadline = time.monotonic() + CATCH_UP_S
     while True:
         wanted = [(i, version) for i, (version, _) in (await fleet.current()).items() if tenant_of(i) == tenant]
