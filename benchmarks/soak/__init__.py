@@ -39,7 +39,10 @@ Failure kinds (see :func:`verdicts.classify`)
 
 Traffic
     ``--clients`` asyncio clients, each with its own ``httpx.AsyncClient`` (one keep-alive connection per client,
-    as independent users have), each looping until ``--duration``: a spec class (plain 25 %, single 50 %, stacked
+    as independent users have), spread over ``--client-processes`` spawned processes (default one per 64 clients:
+    one asyncio process saturates before a vLLM API server does; the report's ``client_processes_busy`` gives the
+    share of a core each used, near 1 meaning the clients may have been the limit), each looping until
+    ``--duration``: a spec class (plain 25 %, single 50 %, stacked
     10 %, decode_only 7.5 %, prefill_only 7.5 %; ``--mix plain|steered`` for throughput comparisons), a route
     (completions / chat completions / responses, uniform; stacked only on the first two), streamed or not
     (50/50), a prompt, and a scale drawn uniformly in [s, 1.5 s]. Two churn tasks replace one churned id every

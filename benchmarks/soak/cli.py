@@ -36,6 +36,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--slots", type=int, default=16, help="HOTWIRE_SLOTS of a server the soak starts")
     parser.add_argument("--server-arg", action="append", default=[], help="extra vllm serve argument (repeatable)")
     parser.add_argument("--clients", type=int, default=d.clients)
+    parser.add_argument("--client-processes", type=int, default=d.client_processes,
+                        help="processes the clients run in (default: one per 64 clients)")  # fmt: skip
     parser.add_argument("--duration", type=float, default=d.duration, help="seconds of traffic")
     parser.add_argument("--ids", type=int, default=d.ids, help="vector ids in all")
     parser.add_argument("--churned", type=int, default=d.churned, help="of them churned: half replaced, half deleted")

@@ -3,8 +3,10 @@ and recording every answer (never raising for the server's doing)."""
 
 from __future__ import annotations
 
+import asyncio
 import random
 import time
+from collections.abc import Sequence
 from typing import Any
 
 import httpx
@@ -92,3 +94,13 @@ async def client_loop(index: int, url: str, plan: Plan, clock: Clock, until: flo
     async with http_client(url, plan.config) as http:
         while clock.now() < until:
             out.append(await send(http, plan, clock, index, plan.draw(rng)))
+
+
+async def clients(groups: Sequence[tuple[str, Sequence[str], Plan, Sequence[int]]], clock: Clock, until: float
+                  ) -> dict[str, list[Observation]]:  # fmt: skip
+    """A client process's job (``processes.in_processes``): the clients of each group (its key, the servers, its
+    plan, its client indices; client i on server i mod n) until ``until``; each group's observations."""
+    out: dict[str, list[Observation]] = {key: [] for key, *_ in groups}
+    await asyncio.gather(*(client_loop(i, urls[i % len(urls)], plan, clock, until, out[key])
+                           for key, urls, plan, indices in groups for i in indices))  # fmt: skip
+    return out

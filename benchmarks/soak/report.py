@@ -30,10 +30,10 @@ def summarize_ms(seconds: Sequence[float]) -> dict[str, float | int | None]:
 
 
 def report(config: SoakConfig, urls: Sequence[str], plan: Plan, calibration: Calibration, book: MarkerBook,
-           observations: list[Observation], churn: Churn, poller: Poller, drained: dict[str, Any], elapsed: float
-           ) -> dict[str, Any]:  # fmt: skip
+           observations: list[Observation], churn: Churn, poller: Poller, drained: dict[str, Any], elapsed: float,
+           busy: Sequence[float] = ()) -> dict[str, Any]:  # fmt: skip
     """The JSON report: counts, failures by kind / detail / route with examples, latencies, throughput, control
-    plane latencies, churn and drain."""
+    plane latencies, churn and drain; ``busy``: the share of a core each client process used."""
     judged = judge_all(observations, book, config.max_tokens)
     kinds: Counter[str] = judged["kinds"]
     failures = {kind: kinds.get(kind, 0) for kind in FAILURE_KINDS}
@@ -80,11 +80,17 @@ def report(config: SoakConfig, urls: Sequence[str], plan: Plan, calibration: Cal
             **{name: round(len(group) / elapsed, 2) if elapsed else None for name, group in by_class.items()},
         },
         "control_plane_ms": {name: summarize_ms(values) for name, values in poller.latencies.items()},
+        "client_processes_busy": list(busy),
         "churn": {"replaced": churn.replaced, "deleted": churn.deleted, "registered": churn.registered,
                   "errors": len(churn.errors), "by_server": dict(churn.by_server),
                   "latency_ms": {k: summarize_ms(v) for k, v in churn.latencies.items()}},  # fmt: skip
         "drain": drained,
     }
+
+
+def busiest(busy: Sequence[float]) -> str:
+    """``busy`` (the share of a core each client process used) in words."""
+    return f"{len(busy)} client processes, the busiest {max(busy):.0%} of a core" if busy else "no client process"
 
 
 def _ms(value: float | None) -> str:
@@ -97,7 +103,7 @@ def table(result: dict[str, Any]) -> str:
     lines = [
         f"soak: {requests['total']} requests in {result['elapsed_s']} s ({rps['all']} req/s, ok {rps['ok']} req/s), "
         f"{result['config']['clients']} clients, mix {result['config']['mix']}, "
-        f"strength {result['calibration']['strength']:g}",
+        f"strength {result['calibration']['strength']:g}, {busiest(result['client_processes_busy'])}",
         f"  ok {requests['ok']}   refused_expected {requests['refused_expected']}   failed {result['failed']}",
         f"  {'kind':<18}{'count':>7}  routes",
     ]

@@ -4,7 +4,8 @@ judge every response into the report."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -12,10 +13,11 @@ import numpy as np
 
 from .calibration import CalibrationError, calibrate, read_model, served_model, single_token_texts, steerable_layers
 from .churn import Churn, delete_all, delete_loop, register_all, replace_loop
-from .clients import Clock, client_loop, http_client
+from .clients import Clock, clients, http_client
 from .control_plane import Poller, drain_all
 from .markers import MarkerBook
 from .plan import Plan, SoakConfig, soak_ids
+from .processes import Job, in_processes, process_count
 from .report import report
 from .responses import Observation
 
@@ -42,13 +44,12 @@ async def run_soak(config: SoakConfig, urls: Sequence[str], model_dir: Path) -> 
 
     clock = Clock()  # the report's times count from here
     await register_all(urls, config, book, facts.unembedding, static + churned, clock)
-    churn = Churn()
+    crowd = Crowd(plan, book)
     poller = Poller(url, config)
-    observations: list[Observation] = []
     began = clock.now()
     poller.start()
     try:
-        await traffic(urls, plan, book, facts.unembedding, churn, clock, began + config.duration, observations)
+        _, busy = await traffic(urls, {"soak": crowd}, facts.unembedding, clock, began + config.duration)
     finally:
         elapsed = clock.now() - began
         poller.halt.set()
@@ -56,16 +57,39 @@ async def run_soak(config: SoakConfig, urls: Sequence[str], model_dir: Path) -> 
     drained = await drain_all(urls, config)
     if not config.keep_vectors:
         await delete_all(url, config, static + churned)
-    return report(config, urls, plan, calibration, book, observations, churn, poller, drained, elapsed)
+    return report(config, urls, plan, calibration, book, crowd.observations, crowd.churn, poller, drained, elapsed,
+                  busy)
 
 
-async def traffic(urls: Sequence[str], plan: Plan, book: MarkerBook, rows: np.ndarray, churn: Churn, clock: Clock,
-                  until: float, out: list[Observation]) -> None:  # fmt: skip
-    """The clients (client i on server i mod n), and the churn tasks on the two halves of the churned ids, until
-    ``until``."""
-    half = len(plan.churned) // 2
-    await asyncio.gather(
-        *(client_loop(i, urls[i % len(urls)], plan, clock, until, out) for i in range(plan.config.clients)),
-        replace_loop(urls, plan.churned[:half], book, rows, plan, churn, clock, until),
-        delete_loop(urls, plan.churned[half:], book, rows, plan, churn, clock, until),
-    )
+@dataclass
+class Crowd:
+    """The clients of one plan and the churn of its ids (which keeps its book): a soak's, or one tenant's."""
+
+    plan: Plan
+    book: MarkerBook
+    churn: Churn = field(default_factory=Churn)
+    observations: list[Observation] = field(default_factory=list)
+
+
+async def traffic(urls: Sequence[str], crowds: Mapping[str, Crowd], rows: np.ndarray, clock: Clock, until: float,
+                  extra: Sequence[Job] = ()) -> tuple[list[Any], list[float]]:  # fmt: skip
+    """Until ``until``: every crowd's clients, spread over client processes (``--client-processes``; client i on
+    server i mod n), its churn tasks on the two halves of its churned ids here, and each ``extra`` job in a process
+    of its own. Returns the extra jobs' results and the share of a core each process used."""
+    seats = [(key, i) for key, crowd in crowds.items() for i in range(crowd.plan.config.clients)]
+    n = process_count(len(seats), next(iter(crowds.values())).plan.config.client_processes)
+    jobs: list[Job] = []
+    for p in range(n):
+        mine = seats[p::n]
+        groups = [(key, list(urls), crowd.plan, [i for k, i in mine if k == key]) for key, crowd in crowds.items()]
+        jobs.append((clients, ([g for g in groups if g[3]], clock, until)))
+    churn = []
+    for crowd in crowds.values():
+        half, plan = len(crowd.plan.churned) // 2, crowd.plan
+        churn += [replace_loop(urls, plan.churned[:half], crowd.book, rows, plan, crowd.churn, clock, until),
+                  delete_loop(urls, plan.churned[half:], crowd.book, rows, plan, crowd.churn, clock, until)]
+    done, *_ = await asyncio.gather(in_processes([*jobs, *extra]), *churn)
+    for observed, _ in done[:n]:
+        for key, observations in observed.items():
+            crowds[key].observations.extend(observations)
+    return [result for result, _ in done[n:]], [round(busy, 3) for _, busy in done]

@@ -4,7 +4,8 @@ its own (made over ``/steer/keys`` with the operator's ``--api-key``), registers
 soak's clients and churn with them, all tenants at once. Each tenant's responses are judged against its own book,
 which also knows the other tenants' markers (as ``t1/soak-s00`` and so on): a response showing another tenant's
 marker is a ``wrong_vector`` named after that tenant's id (a cross-tenant leak). With ``--flood``, one more tenant
-registers distinct vectors as fast as the server takes them, from FLOOD_WORKERS loops at once, and steers one request
+registers distinct vectors as fast as the server takes them, from FLOOD_WORKERS loops at once in a client process
+of its own (so that its client work cannot slow the other tenants' clients), and steers one request
 with each, then deletes it (its refusals, 429 ``quota_exceeded`` among them, are counted, not failures): past its
 share of the bank (``--tenant-rows`` for a server of the soak's own) its requests wait in its own lane, and the other
 tenants' latencies beside it are what that share protects."""
@@ -24,15 +25,15 @@ import httpx
 import numpy as np
 
 from .calibration import calibrate, read_model, served_model, single_token_texts, steerable_layers
-from .churn import Churn, delete_all, register_all
+from .churn import delete_all, register_all
 from .clients import Clock, http_client
 from .control_plane import Poller, drain_all
 from .markers import MarkerBook, unit, vector_body
 from .plan import Plan, SoakConfig, soak_ids
-from .report import report
-from .run import traffic
+from .report import busiest, report
+from .run import Crowd, traffic
 
-__all__ = ["Flood", "run_tenant_soak", "tenant_book", "tenant_names", "tenants_table"]
+__all__ = ["Flood", "flood", "run_tenant_soak", "tenant_book", "tenant_names", "tenants_table"]
 
 FLOOD = "flood"
 FLOOD_WORKERS = 24
@@ -117,6 +118,13 @@ class Flood:
                 await http.delete(f"/steer/vectors/{vector_id}")
 
 
+async def flood(url: str, config: SoakConfig, plan: Plan, rows: np.ndarray, until: float, clock: Clock) -> Flood:
+    """The flooding tenant, as a job of its own process (``processes.in_processes``): what it did."""
+    done = Flood()
+    await done.run(url, config, plan, rows, until, clock)
+    return done
+
+
 def _code(response: httpx.Response) -> str:
     try:
         return str(response.json()["error"]["code"])
@@ -141,46 +149,51 @@ async def run_tenant_soak(config: SoakConfig, url: str, model_dir: Path) -> dict
     combined, calibration = await calibrate(url, plan, facts, texts, pools)
     keys = await make_keys(url, config, [*tenants, *([FLOOD] if config.flood else [])])
     clock = Clock()
-    each = {}
+    crowds = {}
     for k, tenant in enumerate(tenants):
         own = dataclasses.replace(config, api_key=keys[tenant], clients=max(1, config.clients // len(tenants)),
                                   seed=config.seed * 100 + k)
         book = tenant_book(combined, tenant)
         await register_all([url], own, book, facts.unembedding, static + churned, clock)
-        each[tenant] = (own, Plan(model, layer, plan.strength, static, churned, own), book, Churn(), [])
-    flood = Flood()
+        crowds[tenant] = Crowd(Plan(model, layer, plan.strength, static, churned, own), book)
     poller = Poller(url, config)
     began = clock.now()
     until = began + config.duration
     poller.start()
     try:
-        jobs = [traffic([url], p, book, facts.unembedding, churn, clock, until, out) for _, p, book, churn, out in each.values()]
-        if config.flood:
+        extra = []
+        if config.flood:  # in a process of its own: its client work does not slow the other tenants' clients
             flooding = dataclasses.replace(config, api_key=keys[FLOOD])
-            jobs.append(flood.run(url, flooding, dataclasses.replace(plan, config=flooding), facts.unembedding, until,
-                                  clock))
-        await asyncio.gather(*jobs)
+            extra.append((flood, (url, flooding, dataclasses.replace(plan, config=flooding), facts.unembedding, until,
+                                  clock)))  # fmt: skip
+        flooded, busy = await traffic([url], crowds, facts.unembedding, clock, until, extra)
     finally:
         elapsed = clock.now() - began
         poller.halt.set()
         poller.join(timeout=35)
     drained = await drain_all([url], config)
-    for own, *_ in each.values():
+    for crowd in crowds.values():
         if not config.keep_vectors:
-            await delete_all(url, own, static + churned)
+            await delete_all(url, crowd.plan.config, static + churned)
     await revoke_keys(url, config, [*tenants, *([FLOOD] if config.flood else [])])
-    reports = {t: report(own, [url], p, calibration, book, out, churn, poller, drained, elapsed)
-               for t, (own, p, book, churn, out) in each.items()}
+    reports = {t: report(c.plan.config, [url], c.plan, calibration, c.book, c.observations, c.churn, poller, drained,
+                         elapsed, busy)
+               for t, c in crowds.items()}  # fmt: skip
+    flood_done = flooded[0] if flooded else Flood()
     return {"tenants": reports, "failed": sum(r["failed"] for r in reports.values()), "elapsed_s": round(elapsed, 2),
-            "flood": {"registered": flood.registered, "steered": flood.steered, "refused": dict(flood.refused),
-                      "most_pinned_rows": flood.most_pinned, "share_rows": flood.share,
-                      "registrations_per_s": round(flood.registered / elapsed, 2) if elapsed else None} if config.flood else None,
+            "client_processes_busy": busy,
+            "flood": {"registered": flood_done.registered, "steered": flood_done.steered,
+                      "refused": dict(flood_done.refused), "most_pinned_rows": flood_done.most_pinned,
+                      "share_rows": flood_done.share,
+                      "registrations_per_s": round(flood_done.registered / elapsed, 2) if elapsed else None}
+            if config.flood else None,
             "config": dataclasses.asdict(config) | {"api_key": bool(config.api_key)}, "at": time.time()}
 
 
 def tenants_table(result: dict[str, Any]) -> str:
     """One line per tenant: requests, failures by kind, latency p50/p99 of plain and steered requests."""
-    lines = [f"soak: {len(result['tenants'])} tenants for {result['elapsed_s']} s, failed {result['failed']}"]
+    lines = [f"soak: {len(result['tenants'])} tenants for {result['elapsed_s']} s, failed {result['failed']}; "
+             f"{busiest(result['client_processes_busy'])}"]
     for tenant, r in result["tenants"].items():
         failures = ", ".join(f"{k} {v}" for k, v in r["failures"].items() if v) or "none"
         lat = r["latency_ms"]

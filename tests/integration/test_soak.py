@@ -61,3 +61,5 @@ def test_soak_has_no_failures_and_drains(server, tiny_model, tmp_path):
     assert set(requests["by_class"]) == set(CLASS_WEIGHTS)
     assert result["churn"]["replaced"] > 0 and result["churn"]["deleted"] > 0
     assert requests["ok"] > 0.9 * requests["total"]
+    # the clients ran in a process of their own, which said how busy it was
+    assert len(result["client_processes_busy"]) == 1 and 0 < result["client_processes_busy"][0] < 1.5

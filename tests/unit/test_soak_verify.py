@@ -303,3 +303,16 @@ def test_summarize_ms():
 def test_steerable_layers():
     assert steerable_layers("0-3") == {0, 1, 2, 3}
     assert steerable_layers("8,10,12-14") == {8, 10, 12, 13, 14}
+
+
+def test_client_processes_run_each_job_apart_and_hand_back_results_in_order():
+    import asyncio
+
+    from soak.processes import in_processes, process_count
+
+    assert [process_count(n) for n in (1, 64, 65, 256)] == [1, 1, 2, 4] and process_count(256, 3) == 3
+    done = asyncio.run(in_processes([(asyncio.sleep, (0.3, "a")), (asyncio.sleep, (0.2, "b"))]))
+    assert [result for result, _ in done] == ["a", "b"]
+    assert all(0 <= busy < 0.9 for _, busy in done)  # asleep, not busy
+    with pytest.raises(TypeError):  # a job's failure is the caller's
+        asyncio.run(in_processes([(asyncio.sleep, ("not a delay",))]))
