@@ -11,8 +11,8 @@ same ``SchedulerOutput``. See docs/architecture.md.
 from __future__ import annotations
 
 import logging
-import time
 from collections import Counter
+from concurrent.futures import Future
 from typing import Any, Callable, Collection, Iterable, Sequence
 
 import torch
@@ -29,7 +29,7 @@ from .engine_requests import EngineRequests
 from .error_codes import ErrorCode
 from .errors import EngineError
 from .handouts import Handouts
-from .registry import HostVector, RegistryError, VectorRegistry
+from .registry import VectorRegistry
 from .gates import condition_of, gated_reading
 from .sessions import EndedSessions, same_steering
 from .settings import Settings
@@ -38,7 +38,8 @@ from .readout_admission import Reading, refuse_in_session
 from .readout_spec import READOUT_KEY
 from .spec import SPEC_KEY, TICKET_KEY
 from .store import VectorStore
-from .vectors import restore, store_failed
+from .vector_changes import VectorChanges
+from .vectors import restore
 
 __all__ = ["BINDING_KEY", "USER_SALT_ATTR", "SteeringController", "WaitForRows"]
 
@@ -81,13 +82,15 @@ class SteeringController:
         store_dir = settings.store_dir(model_name)
         self.store = VectorStore(store_dir) if store_dir is not None else None
         restore(self.registry, self.store, settings.preload)
+        self.changes = VectorChanges(self.registry, self.store, self.slots, settings.retain_s)
 
     # -- RPC surface (msgpack-native in and out) -------------------------------------------------------------
 
-    def answer(self, method: str, args: Sequence[Any], kwargs: dict[str, Any]) -> dict:
-        """The answer to RPC ``hotwire_<method>``: always a dict, never an exception (one leaving
-        ``collective_rpc`` reaches the API server as an engine that does not answer). Refusals are failure dicts
-        already; anything else that goes wrong becomes a 500 naming the exception, its traceback logged here."""
+    def answer(self, method: str, args: Sequence[Any], kwargs: dict[str, Any]) -> dict | Future:
+        """The answer to RPC ``hotwire_<method>``: always a dict (or a ``Future`` of one while a registration's
+        store write is under way: ``vector_changes``), never an exception (one leaving ``collective_rpc`` reaches
+        the API server as an engine that does not answer). Refusals are failure dicts already; anything else that
+        goes wrong becomes a 500 naming the exception, its traceback logged here."""
         if contract.rpc_name(method) not in contract.ENGINE_METHODS:
             return EngineError(
                 501, ErrorCode.UNKNOWN_METHOD, f"hotwire_{method} is not an engine method: are hotwire_core and its caller from different versions?"
@@ -100,74 +103,13 @@ class SteeringController:
                 500, ErrorCode.INTERNAL, f"hotwire_{method} failed in the engine ({type(exc).__name__}: {exc}); its log has the traceback"
             ).to_result()
 
-    def register(
-        self,
-        vector_id: str,
-        data: bytes,
-        dtype: str,
-        shape: list[int],
-        layers: list[int] | None = None,
-        replace: bool = False,
-        version: int | None = None,
-        retired_at: float | None = None,
-    ) -> contract.RegisterResult | contract.Failure:
-        """Register a vector. ``version``: the number the first data-parallel engine core gave it (the others
-        take it, so that every engine core agrees; a version that arrives after a newer one is only retained), or
-        a fleet's registry (``hotwire_api.fleet``). A version this engine holds already (current or retained) is
-        answered as it is: versions are immutable, and a fleet's replica may hear of one twice. ``retired_at``
-        (with ``version``; wall-clock seconds): the fleet retired that version then, so it is held as a retired
-        version for what is left of ``HOTWIRE_RETAIN_S`` (410 ``version_gone`` when nothing is left), as on the
-        replicas that held it when it was replaced or deleted."""
-        old = self.registry.current(vector_id)
-        if version is not None:
-            held = self.registry.lookup(vector_id, int(version))
-            if held is not None:
-                return contract.RegisterResult(ok=True, created=False, vector=held.meta())
-        retired_mono = None
-        if retired_at is not None:
-            if version is None:
-                return EngineError(400, ErrorCode.BAD_REQUEST, "retired_at needs the version it retired", "version").to_result()
-            age = max(0.0, time.time() - float(retired_at))
-            if age >= self.settings.retain_s:
-                return EngineError(
-                    410, ErrorCode.VERSION_GONE, f"version {version} of {vector_id!r} was retired {age:.0f} s ago, past "
-                    f"its retention (HOTWIRE_RETAIN_S={self.settings.retain_s})", "version"
-                ).to_result()
-            retired_mono = time.monotonic() - age
-        try:
-            vector = self.registry.prepare(vector_id, bytes(data), dtype, list(shape), layers, bool(replace), version)
-        except RegistryError as exc:
-            return exc.to_result()
-        current = retired_mono is None and self.registry.supersedes(vector)
-        if self.store is not None and current:
-            try:
-                self.store.save(vector)
-            except OSError as exc:
-                return store_failed(self.store, f"write {vector_id!r} to", exc)
-        self.registry.add(vector, retired_mono)
-        if current and old is not None and old.refs == 0:
-            self.slots.drop(old.vector_id, old.version)
-        logger.info("hotwire: registered %s@%d (%s)", vector.vector_id, vector.version, vector.sha256[:12])
-        return contract.RegisterResult(ok=True, created=old is None, vector=vector.meta())
+    def register(self, *args: Any, **kwargs: Any) -> contract.RegisterResult | contract.Failure | Future:
+        """``hotwire_register``: :meth:`VectorChanges.register`."""
+        return self.changes.register(*args, **kwargs)
 
-    def unregister(self, vector_id: str, version: int | None = None) -> contract.UnregisterResult | contract.Failure:
-        """Delete a vector's current version. ``version``: the version the first data-parallel engine core
-        deleted (a newer one here stays)."""
-        current = self.registry.current(vector_id)
-        deletes = current is not None and (version is None or current.version <= version)
-        if self.store is not None and deletes:
-            try:
-                self.store.delete(vector_id)
-            except OSError as exc:
-                return store_failed(self.store, f"delete {vector_id!r} from", exc)
-        try:
-            vector = self.registry.unregister(vector_id, version)
-        except RegistryError as exc:
-            return exc.to_result()
-        if vector is not None and vector.refs == 0:
-            self.slots.drop(vector.vector_id, vector.version)
-        deleted = vector.version if vector is not None else version
-        return contract.UnregisterResult(ok=True, in_flight=self.registry.in_flight(vector_id), version=deleted)
+    def unregister(self, *args: Any, **kwargs: Any) -> contract.UnregisterResult | contract.Failure | Future:
+        """``hotwire_unregister``: :meth:`VectorChanges.unregister`."""
+        return self.changes.unregister(*args, **kwargs)
 
     def export(self, vector_id: str, version: int | None) -> contract.ExportResult | contract.Failure:
         """A version this engine holds (current or retained; None: the current one, read in the same call so a

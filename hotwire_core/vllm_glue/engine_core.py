@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import functools
 import logging
+from concurrent.futures import Future
 from typing import Any
 
 from .. import contract
@@ -86,6 +87,7 @@ def _send_refusal(engine: Any, request: Any, exc: Refusal, in_caller: bool = Tru
 
 def patch_engine_core(module: Any) -> None:
     cls = module.EngineCore
+    busy_loop = module.EngineCoreProc
     aborted = module.RequestStatus.FINISHED_ABORTED
 
     # vLLM loads general plugins inside EngineCore.__init__, so __init__ itself cannot be wrapped for the engine
@@ -95,6 +97,9 @@ def patch_engine_core(module: Any) -> None:
             result = original(self, vllm_config, *args, **kwargs)
             info = model_info(self.model_executor.collective_rpc(contract.WORKER_INFO))
             self.hotwire = SteeringController(info, settings(), vllm_config.model_config.model, VLLM_REQUESTS)
+            # The busy loop keeps stepping while a store write is under way (the scheduler's has_requests) and
+            # answers a utility call's Future when it is done; an in-process engine answers its caller at once.
+            self.hotwire.changes.deferring = isinstance(self, busy_loop)
             if info.steerable:
                 logger.info("hotwire: steering ready on layers %s (%d of %d), %d bank slots",
                             format_layers(info.layers), len(info.layers), info.n_layers, settings().slots)
@@ -169,9 +174,15 @@ def patch_engine_core(module: Any) -> None:
     def make_rpc(original):
         def collective_rpc(self, method, timeout=None, args=(), kwargs=None):
             name = contract.engine_method(method)
-            if name is not None:
-                return [self.hotwire.answer(name, args, kwargs or {})]
-            return original(self, method, timeout, args, kwargs)
+            if name is None:
+                return original(self, method, timeout, args, kwargs)
+            answer = self.hotwire.answer(name, args, kwargs or {})
+            if not isinstance(answer, Future):
+                return [answer]
+            self.scheduler.hotwire = self.hotwire  # (before any request): its has_requests keeps the loop stepping
+            listed: Future = Future()  # vLLM answers the call once it is done (_invoke_utility_method)
+            answer.add_done_callback(lambda done: listed.set_result([done.result()]))
+            return listed
 
         return collective_rpc
 

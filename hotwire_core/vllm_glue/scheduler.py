@@ -20,6 +20,8 @@ def patch_scheduler(module: Any) -> None:
     def make_schedule(original):
         def schedule(self, *args, **kwargs):
             controller = getattr(self, "hotwire", None)
+            if controller is not None and controller.changes.pending:
+                controller.changes.pump()  # registrations whose store write is done take effect, and are answered
             if controller is not None and controller.deferred:
                 for request in controller.admit_deferred():
                     self.add_request(request)
@@ -51,7 +53,8 @@ def patch_scheduler(module: Any) -> None:
             # requests, not while it is paused (a pause completes once nothing counts as work).
             controller = getattr(self, "hotwire", None)
             deferred = controller is not None and controller.deferred and self.pause_state == unpaused
-            return original(self) or bool(deferred)
+            # So are registrations waiting for their store write (even paused: their callers wait for an answer).
+            return original(self) or bool(deferred) or (controller is not None and controller.changes.pending)
 
         return has_requests
 

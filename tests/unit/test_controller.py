@@ -749,8 +749,8 @@ def test_a_pinned_version_past_its_retention_is_refused_not_replaced():
 
 def test_a_version_the_fleet_retired_is_held_for_what_is_left_of_its_retention(monkeypatch):
     clock = {"wall": 10_000.0, "mono": 500.0}
-    monkeypatch.setattr("hotwire_core.controller.time.time", lambda: clock["wall"])
-    monkeypatch.setattr("hotwire_core.controller.time.monotonic", lambda: clock["mono"])
+    monkeypatch.setattr("hotwire_core.vector_changes.time.time", lambda: clock["wall"])
+    monkeypatch.setattr("hotwire_core.vector_changes.time.monotonic", lambda: clock["mono"])
     monkeypatch.setattr("hotwire_core.registry.time.monotonic", lambda: clock["mono"])
     c = ctrl()  # HOTWIRE_RETAIN_S 60
     register(c, "a", vec(HIDDEN, seed=2))  # this replica heard of version 1 only after it
@@ -1428,7 +1428,8 @@ def _engine_with_hotwires_hooks():
 
     names = ("_initialize_kv_caches", "add_request", "preprocess_add_request", "collective_rpc")
     Core = type("Core", (), {n: vllm_core.EngineCore.__dict__[n] for n in names})
-    engine_core.patch_engine_core(SimpleNamespace(EngineCore=Core, RequestStatus=vllm_core.RequestStatus))
+    engine_core.patch_engine_core(SimpleNamespace(EngineCore=Core, EngineCoreProc=vllm_core.EngineCoreProc,
+                                                  RequestStatus=vllm_core.RequestStatus))
     hashed, added = [], []
     hasher = get_request_block_hasher(BLOCK, sha256)
     engine = Core.__new__(Core)
