@@ -90,10 +90,13 @@ class VectorChanges:
             if change.writing is None:
                 step = _guarded(change.begin)
                 if isinstance(step, _Write):
-                    if self._writer is None:
-                        self._writer = ThreadPoolExecutor(1, thread_name_prefix="hotwire-store")
-                    change.finish, change.writing = step.finish, self._writer.submit(step.write)
-                else:
+                    try:
+                        if self._writer is None:
+                            self._writer = ThreadPoolExecutor(1, thread_name_prefix="hotwire-store")
+                        change.finish, change.writing = step.finish, self._writer.submit(step.write)
+                    except RuntimeError:  # no thread to write with (the process is ending, or out of threads)
+                        step = _guarded(lambda: _write_here(step))
+                if not isinstance(step, _Write):
                     self._queue.popleft()
                     change.answer.set_result(step)
                     continue
@@ -109,11 +112,7 @@ class VectorChanges:
             if not isinstance(step, _Write):
                 return step
             if not self.deferring:  # nothing would finish it later: write here
-                try:
-                    step.write()
-                except OSError as exc:
-                    return step.finish(exc)
-                return step.finish(None)
+                return _write_here(step)
             change = _Change(lambda: step, Future())
         else:
             change = _Change(begin, Future())
@@ -152,7 +151,7 @@ class VectorChanges:
             if isinstance(error, OSError):
                 return store_failed(store, f"write {vector_id!r} to", error)
             if error is not None:
-                raise error
+                return _internal(error)
             return self._add(vector, retired_mono, old)
 
         return _Write(lambda: store.save(vector), finish)
@@ -183,12 +182,25 @@ class VectorChanges:
         return contract.UnregisterResult(ok=True, in_flight=self.registry.in_flight(vector_id), version=deleted)
 
 
+def _write_here(step: _Write) -> Answer:
+    """``step`` written in the caller's thread."""
+    try:
+        step.write()
+    except OSError as exc:
+        return step.finish(exc)
+    return step.finish(None)
+
+
 def _guarded(call: Callable[[], Any]) -> Any:
     """``call()``, or the 500 ``SteeringController.answer`` gives for what it raises (the caller waits for an
     answer: it must get one)."""
     try:
         return call()
     except Exception as exc:
-        logger.exception("hotwire: a vector change failed")
-        return EngineError(500, ErrorCode.INTERNAL, f"a vector change failed in the engine ({type(exc).__name__}: "
-                           f"{exc}); its log has the traceback").to_result()
+        return _internal(exc)
+
+
+def _internal(exc: BaseException) -> contract.Failure:
+    logger.error("hotwire: a vector change failed", exc_info=exc)
+    return EngineError(500, ErrorCode.INTERNAL, f"a vector change failed in the engine ({type(exc).__name__}: "
+                       f"{exc}); its log has the traceback").to_result()

@@ -22,7 +22,8 @@ def patch_scheduler(module: Any) -> None:
             controller = getattr(self, "hotwire", None)
             if controller is not None and controller.changes.pending:
                 controller.changes.pump()  # registrations whose store write is done take effect, and are answered
-            if controller is not None and controller.deferred:
+            # (A change waiting for the store also steps a paused engine: requests held for rows wait for the resume.)
+            if controller is not None and controller.deferred and self.pause_state == unpaused:
                 for request in controller.admit_deferred():
                     self.add_request(request)
             output = original(self, *args, **kwargs)

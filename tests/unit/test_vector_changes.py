@@ -114,3 +114,15 @@ def test_the_engine_cores_rpc_hands_vllm_a_future_of_its_answer_and_shows_the_sc
     settle(engine.hotwire, listed)
     (out,) = listed.result()
     assert out["ok"] and out["vector"]["id"] == "a"
+
+
+def test_without_a_thread_to_write_with_the_change_is_written_in_the_loop_and_answered_once(tmp_path, monkeypatch):
+    from concurrent.futures import ThreadPoolExecutor
+
+    def no_thread(self, *args, **kwargs):
+        raise RuntimeError("can't start new thread")
+
+    monkeypatch.setattr(ThreadPoolExecutor, "submit", no_thread)
+    c = deferring(tmp_path)
+    (out,) = settle(c, c.register("a", raw(vec(HIDDEN)), "float32", [HIDDEN]))
+    assert out["ok"] and c.registry.current("a").version == 1 and [s.vector_id for s in c.store.load()] == ["a"]
