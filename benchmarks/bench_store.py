@@ -2,8 +2,8 @@
 under ``vllm serve``), with ``versions.json`` holding about N ids (it is read and rewritten whole on every
 registration, and keeps every id ever registered):
 
-- ``inline``: ``VectorStore.save`` of a ``[hidden]`` vector, as the engine core ran it between two steps before
-  ``hotwire_core.vector_changes``;
+- ``inline``: ``VectorStore.save`` of a ``[hidden]`` vector in the calling thread (as an in-process engine writes
+  it, in its loop between two steps);
 - ``deferred``: the longest gap between two "steps" of a loop standing in for the engine core's (each step a pump of
   ``VectorChanges`` and 0.2 ms of sleep) while a registration runs as in ``vllm serve``: its write in the store's
   thread (whose Python work still takes the GIL from the loop), its taking effect in the loop. The same loop's
