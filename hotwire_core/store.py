@@ -82,18 +82,25 @@ class VectorStore:
     def __init__(self, root: Path):
         self.root = root
         root.mkdir(parents=True, exist_ok=True)
+        # versions.json's text as this store last wrote or read it, parsed: parsing it is most of a registration's
+        # work once it holds thousands of ids, and another engine core's write changes the text, so it is read again
+        self._known: tuple[str, dict[str, int]] | None = None
 
     def last_versions(self) -> dict[str, int]:
         """The last version of every id (and :data:`FLOOR_KEY`); raises :class:`HistoryLost`."""
         path = self.root / self.VERSIONS
         try:
-            raw = json.loads(path.read_text())
+            text = path.read_text()
+            if self._known is not None and self._known[0] == text:
+                return dict(self._known[1])
+            raw = json.loads(text)
             if not isinstance(raw, dict):
                 raise TypeError(f"a JSON {type(raw).__name__}, not an object")
             versions = {str(k): int(v) for k, v in raw.items()}
             if any(v < 0 for v in versions.values()):
                 raise ValueError("a negative version")
-            return versions
+            self._known = (text, versions)
+            return dict(versions)
         except FileNotFoundError:
             if any(self.root.glob("*.safetensors")):
                 raise HistoryLost(f"{path} is missing but the store holds vectors") from None
@@ -124,6 +131,7 @@ class VectorStore:
     def _write_versions(self, versions: dict[str, int]) -> None:
         text = json.dumps(versions, sort_keys=True)
         _write_atomically(self.root / self.VERSIONS, lambda tmp: Path(tmp).write_text(text))
+        self._known = (text, dict(versions))
 
     def save(self, vector: HostVector) -> None:
         meta = {

@@ -252,6 +252,22 @@ def test_last_versions_survive_delete_and_ignore_a_corrupt_file(tmp_path, caplog
         store.last_versions()
 
 
+def test_versions_another_engine_core_wrote_are_read_again(tmp_path):
+    """Each data-parallel engine core has its own store object on one folder: one that kept versions.json parsed
+    from its own last write still sees what the other wrote since, and a version it gave out stays."""
+    first, second = VectorStore(tmp_path), VectorStore(tmp_path)
+    registry = VectorRegistry(N_LAYERS, HIDDEN)
+    first.save(registry.register("a", raw(vec(HIDDEN)), "float32", [HIDDEN], None, False))
+    assert first.last_versions() == second.last_versions() == {"a": 1}
+    second.note_versions({"b": 4})
+    assert first.last_versions() == {"a": 1, "b": 4}
+    first.note_versions({"a": 2})
+    assert second.last_versions() == {"a": 2, "b": 4}
+    mine = first.last_versions()
+    mine["a"] = 0  # a copy: the kept parse does not change
+    assert first.last_versions()["a"] == 2
+
+
 def _engine_start(root) -> VectorRegistry:
     """What an engine core does at start: the store restored into a new registry."""
     from hotwire_core.vectors import restore as restore_store
