@@ -131,7 +131,7 @@ class VectorStore:
     def _write_versions(self, versions: dict[str, int]) -> None:
         text = json.dumps(versions, sort_keys=True)
         _write_atomically(self.root / self.VERSIONS, lambda tmp: Path(tmp).write_text(text))
-        self._known = (text, dict(versions))
+        self._known = (text, versions)  # (its callers hand it a dict of their own making)
 
     def save(self, vector: HostVector) -> None:
         meta = {

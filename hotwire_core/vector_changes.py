@@ -107,18 +107,13 @@ class VectorChanges:
             change.answer.set_result(_guarded(lambda: change.finish(error)))
 
     def _submit(self, begin: Callable[[], Answer | _Write]) -> Answer | Future:
-        if not self._queue:
+        if not self.deferring:  # nothing would finish a change later (so nothing is queued): write here
             step = begin()
-            if not isinstance(step, _Write):
-                return step
-            if not self.deferring:  # nothing would finish it later: write here
-                return _write_here(step)
-            change = _Change(lambda: step, Future())
-        else:
-            change = _Change(begin, Future())
+            return _write_here(step) if isinstance(step, _Write) else step
+        change = _Change(begin, Future())
         self._queue.append(change)
         self.pump()
-        return change.answer
+        return change.answer.result() if change.answer.done() else change.answer
 
     def _register(self, vector_id: str, data: bytes, dtype: str, shape: list[int], layers: list[int] | None,
                   replace: bool, version: int | None, retired_at: float | None) -> Answer | _Write:  # fmt: skip
@@ -144,7 +139,7 @@ class VectorChanges:
             return exc.to_result()
         current = retired_mono is None and self.registry.supersedes(vector)
         if self.store is None or not current:
-            return self._add(vector, retired_mono, old)
+            return self._add(vector, retired_mono, old, current)
         store = self.store
 
         def finish(error: BaseException | None) -> Answer:
@@ -152,12 +147,11 @@ class VectorChanges:
                 return store_failed(store, f"write {vector_id!r} to", error)
             if error is not None:
                 return _internal(error)
-            return self._add(vector, retired_mono, old)
+            return self._add(vector, retired_mono, old, current)
 
         return _Write(lambda: store.save(vector), finish)
 
-    def _add(self, vector: HostVector, retired_mono: float | None, old: HostVector | None) -> Answer:
-        current = retired_mono is None and self.registry.supersedes(vector)
+    def _add(self, vector: HostVector, retired_mono: float | None, old: HostVector | None, current: bool) -> Answer:
         self.registry.add(vector, retired_mono)
         if current and old is not None and old.refs == 0:
             self.slots.drop(old.vector_id, old.version)

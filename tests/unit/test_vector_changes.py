@@ -18,15 +18,15 @@ def deferring(tmp_path):
     return c
 
 
-def settle(c, *answers: Future, timeout: float = 10.0) -> list[dict]:
-    """Pump as the engine core's loop would, between steps, until every answer is in."""
+def settle(c, *answers: Future | dict, timeout: float = 10.0) -> list[dict]:
+    """Pump as the engine core's loop would, between steps, until every answer is in (a dict: answered at once)."""
     deadline = time.monotonic() + timeout
-    while not all(a.done() for a in answers):
+    while not all(isinstance(a, dict) or a.done() for a in answers):
         assert time.monotonic() < deadline, "a change was never answered"
         c.changes.pump()
         time.sleep(0.001)
     assert not c.changes.pending
-    return [a.result() for a in answers]
+    return [a if isinstance(a, dict) else a.result() for a in answers]
 
 
 @pytest.fixture
