@@ -23,7 +23,8 @@ from pathlib import Path
 
 import httpx
 
-from benchmarks.bench_throughput import _cpu_s, engine_counts, model_facts, servers
+from benchmarks.bench_throughput import engine_counts, model_facts, servers
+from benchmarks.server_processes import cpu_s
 
 
 async def send(url: str, model: str, count: int, concurrency: int, max_tokens: int, stream: bool,
@@ -56,11 +57,11 @@ def cpu_ms_per_request(pid: int, url: str, model: str, count: int, concurrency: 
     """The API server's CPU milliseconds per request over ``count`` requests (after a short warm-up), and the
     engine's steps per request meanwhile (each step's outputs are one message to the API server)."""
     asyncio.run(send(url, model, 2 * concurrency, concurrency, max_tokens, stream))
-    before, counts = _cpu_s(pid), engine_counts(url)
+    before, counts = cpu_s(pid), engine_counts(url)
     asyncio.run(send(url, model, count, concurrency, max_tokens, stream))
-    cpu_s, counts_after = _cpu_s(pid) - before, engine_counts(url)
+    spent_s, counts_after = cpu_s(pid) - before, engine_counts(url)
     steps = None if counts is None or counts_after is None else (counts_after["steps"] - counts["steps"]) / count
-    return cpu_s * 1000 / count, steps
+    return spent_s * 1000 / count, steps
 
 
 def at_equal_steps(rows: list[dict]) -> dict[str, float] | None:

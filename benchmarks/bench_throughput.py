@@ -78,6 +78,7 @@ import numpy as np
 import psutil
 
 from benchmarks.api_profile import Recording, compare, py_spy
+from benchmarks.server_processes import cpu_s, engine_core_pid
 from hotwire_core.tiny_model import SHAPES, build_model
 
 CONFIGS = ("vanilla", "plain", "steered", "monitored", "salted")
@@ -248,8 +249,8 @@ def run_round(pool: Any, load: Load, clients: int, workers: int, seed: int, warm
         if not marks:
             recordings.update({name: Recording(pid, seconds, out, PROFILE_RATE_HZ, core)
                                for name, (pid, out) in profiled.items()})  # fmt: skip
-        marks.append((_cpu_s(api_server_pid), engine_counts(load.url),
-                      {name: _cpu_s(pid) for name, (pid, _) in profiled.items()}))
+        marks.append((cpu_s(api_server_pid), engine_counts(load.url),
+                      {name: cpu_s(pid) for name, (pid, _) in profiled.items()}))
 
     timers = [threading.Timer(start_at + warmup + at - time.monotonic(), mark) for at in (0.0, seconds)]
     for timer in timers:
@@ -266,16 +267,6 @@ def run_round(pool: Any, load: Load, clients: int, workers: int, seed: int, warm
     (cpu0, counts0, each0), (cpu1, counts1, each1) = marks
     engine = None if counts0 is None or counts1 is None else {k: counts1[k] - counts0[k] for k in counts0}
     return total, cpu1 - cpu0, engine, {name: (stacks[name], each1[name] - each0[name]) for name in stacks}
-
-
-def engine_core_pid(api_server_pid: int) -> int | None:
-    """The engine core process a ``vllm serve`` runs (with one GPU, its model runner too): the API server's child
-    titled ``VLLM::EngineCore`` (vLLM names it when setproctitle is installed), else its busiest spawned child."""
-    children = [c for c in psutil.Process(api_server_pid).children(recursive=True)
-                if "resource_tracker" not in " ".join(c.cmdline())]  # fmt: skip
-    titled = [c for c in children if "EngineCore" in " ".join(c.cmdline())]
-    found = titled or sorted(children, key=lambda c: -sum(c.cpu_times()[:2]))
-    return found[0].pid if found else None
 
 
 PROFILE_RATE_HZ = 250  # py-spy's samples per second: 5,000 in a 20 s window
@@ -314,11 +305,6 @@ def parse_engine_counts(text: str) -> dict[str, float]:
             if sample.name in ENGINE_COUNTERS:
                 counts[ENGINE_COUNTERS[sample.name]] += sample.value
     return counts
-
-
-def _cpu_s(pid: int) -> float:
-    times = psutil.Process(pid).cpu_times()
-    return times.user + times.system
 
 
 def median(values: Sequence[float]) -> float | None:
@@ -555,8 +541,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                     tally, api_cpu_s, engine, samples = run_round(pool, loads[config], args.clients, args.workers,
                                                                   args.seed + len(rounds), args.warmup, args.seconds,
                                                                   api_server[config], profiled, core)
-                    for process, (stacks, cpu_s) in samples.items():
-                        profiles.setdefault(process, {}).setdefault(config, []).append((stacks, tally.completed, cpu_s))
+                    for process, (stacks, spent_s) in samples.items():
+                        profiles.setdefault(process, {}).setdefault(config, []).append((stacks, tally.completed, spent_s))
                     failures.update({f"{config}:{k}": v for k, v in tally.failures.items()})
                     ttft = median(tally.ttft_s)
                     rounds.append({"round": r, "config": config, "completed": tally.completed, "steered": tally.steered,

@@ -92,7 +92,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     log: Path | None = None
     try:
         with contextlib.ExitStack() as stack:
-            urls, env = args.urls, {}
+            urls, env, server_pid = args.urls, {}, None
             if not urls and config.tenants:  # an operator key to make the tenants' keys with
                 env = {"HOTWIRE_KEYS_FILE": str(workdir / "keys.json"), "HOTWIRE_TENANT_REGISTRATIONS_PER_MIN": "1000000",
                        **({"HOTWIRE_TENANT_ROWS": str(args.tenant_rows)} if args.tenant_rows else {})}
@@ -100,11 +100,11 @@ def main(argv: Sequence[str] | None = None) -> int:
                 config.api_key = add_key(workdir / "keys.json", "soak-operator", Role.ADMIN)
             if not urls:
                 server = stack.enter_context(own_server(args.model, args.slots, args.server_arg, workdir, built, env))
-                urls, log = [server.url], server.log
+                urls, log, server_pid = [server.url], server.log, server.pid
             if config.tenants:
-                result = asyncio.run(run_tenant_soak(config, urls[0], args.model))
+                result = asyncio.run(run_tenant_soak(config, urls[0], args.model, server_pid))
             else:
-                result = asyncio.run(run_soak(config, urls, args.model))
+                result = asyncio.run(run_soak(config, urls, args.model, server_pid))
     except (CalibrationError, ServerExited) as exc:
         print(f"soak: {type(exc).__name__}: {exc}\n{log_tail(log or workdir / 'server.log')}", file=sys.stderr)
         return 2

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict
 from typing import Any
 
@@ -93,6 +93,13 @@ def busiest(busy: Sequence[float]) -> str:
     return f"{len(busy)} client processes, the busiest {max(busy):.0%} of a core" if busy else "no client process"
 
 
+def server_busy_text(shares: Mapping[str, float] | None) -> str:
+    """``shares`` (the share of a core the soak's own server's processes used) in words."""
+    if not shares:
+        return "the server's processes not measured (not the soak's own)"
+    return ", ".join(f"{name.replace('_', ' ')} {share:.0%} of a core" for name, share in shares.items())
+
+
 def _ms(value: float | None) -> str:
     return "-" if value is None else f"{value:.1f}"
 
@@ -103,7 +110,8 @@ def table(result: dict[str, Any]) -> str:
     lines = [
         f"soak: {requests['total']} requests in {result['elapsed_s']} s ({rps['all']} req/s, ok {rps['ok']} req/s), "
         f"{result['config']['clients']} clients, mix {result['config']['mix']}, "
-        f"strength {result['calibration']['strength']:g}, {busiest(result['client_processes_busy'])}",
+        f"strength {result['calibration']['strength']:g}, {busiest(result['client_processes_busy'])}; "
+        f"{server_busy_text(result.get('server_busy'))}",
         f"  ok {requests['ok']}   refused_expected {requests['refused_expected']}   failed {result['failed']}",
         f"  {'kind':<18}{'count':>7}  routes",
     ]

@@ -18,6 +18,7 @@ SERVER_ENV = {"HF_HUB_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1", "HOTWIRE_STORE"
 class OwnServer:
     url: str
     log: Path
+    pid: int  # the API server's
 
 
 @contextlib.contextmanager
@@ -45,7 +46,7 @@ def own_server(model_dir: Path, slots: int, extra_args: Sequence[str], workdir: 
     try:
         seconds = wait_until_ready(proc, f"http://127.0.0.1:{port}", 600.0)
         print(f"soak: server ready after {seconds:.0f} s", flush=True)
-        yield OwnServer(f"http://127.0.0.1:{port}", log)
+        yield OwnServer(f"http://127.0.0.1:{port}", log, proc.pid)
     finally:
         print(f"soak: {stop_server(proc)}", flush=True)
 

@@ -24,13 +24,15 @@ from typing import Any
 import httpx
 import numpy as np
 
+from benchmarks.server_processes import CpuWindow
+
 from .calibration import calibrate, read_model, served_model, single_token_texts, steerable_layers
 from .churn import delete_all, register_all
 from .clients import Clock, http_client
 from .control_plane import Poller, drain_all
 from .markers import MarkerBook, unit, vector_body
 from .plan import Plan, SoakConfig, soak_ids
-from .report import busiest, report
+from .report import busiest, report, server_busy_text
 from .run import Crowd, traffic
 
 __all__ = ["Flood", "flood", "run_tenant_soak", "tenant_book", "tenant_names", "tenants_table"]
@@ -77,12 +79,14 @@ class Flood:
     registered: int = 0
     steered: int = 0
     refused: Counter[str] = dataclasses.field(default_factory=Counter)
+    errors: Counter[str] = dataclasses.field(default_factory=Counter)  # rounds without an answer: failures
     most_pinned: int = 0  # the most bank rows its vectors pinned at once, as GET /steer/usage said
     share: int = 0  # its share (HOTWIRE_TENANT_ROWS)
 
     async def run(self, url: str, config: SoakConfig, plan: Plan, rows: np.ndarray, until: float, clock: Clock) -> None:
         """``FLOOD_WORKERS`` loops at once, each: register a new id, steer one request with it, delete it; again
-        until ``until``. Together they pin more rows than a tenant's share once it is below FLOOD_WORKERS."""
+        until ``until``. Together they pin more rows than a tenant's share once it is below FLOOD_WORKERS. A round
+        that gets no answer (a dropped connection, a timeout) counts in ``errors`` and its worker goes on."""
         await asyncio.gather(*(self._worker(k, url, config, plan, rows, until, clock) for k in range(FLOOD_WORKERS)),
                              self._watch(url, config, until, clock))
 
@@ -100,23 +104,29 @@ class Flood:
             for i in itertools.count():
                 if clock.now() >= until:
                     return
-                vector_id = f"{config.id_prefix}-flood-{k}-{i}"
-                made = await http.post("/steer/vectors", json=vector_body(vector_id, unit(rows[rng.integers(len(rows))])))
-                if made.status_code != 201:
-                    self.refused[f"register {made.status_code} {_code(made)}"] += 1
-                    await asyncio.sleep(0.05)
-                    continue
-                self.registered += 1
-                spec = f'{{"id": "{vector_id}", "layer": {plan.layer}, "scale": {plan.strength}}}'
-                body = {"model": plan.model, "prompt": "flood", "max_tokens": config.max_tokens, "temperature": 0,
-                        "vllm_xargs": {"hotwire": spec}}
-                steered = await http.post("/v1/completions", json=body)
-                if steered.status_code == 200:
-                    self.steered += 1
-                else:
-                    self.refused[f"steer {steered.status_code} {_code(steered)}"] += 1
-                await http.delete(f"/steer/vectors/{vector_id}")
+                try:
+                    row = rows[rng.integers(len(rows))]
+                    await self._round(http, f"{config.id_prefix}-flood-{k}-{i}", config, plan, row)
+                except httpx.TransportError as exc:
+                    self.errors[type(exc).__name__] += 1
 
+    async def _round(self, http: httpx.AsyncClient, vector_id: str, config: SoakConfig, plan: Plan, row: np.ndarray
+                     ) -> None:  # fmt: skip
+        made = await http.post("/steer/vectors", json=vector_body(vector_id, unit(row)))
+        if made.status_code != 201:
+            self.refused[f"register {made.status_code} {_code(made)}"] += 1
+            await asyncio.sleep(0.05)
+            return
+        self.registered += 1
+        spec = f'{{"id": "{vector_id}", "layer": {plan.layer}, "scale": {plan.strength}}}'
+        body = {"model": plan.model, "prompt": "flood", "max_tokens": config.max_tokens, "temperature": 0,
+                "vllm_xargs": {"hotwire": spec}}
+        steered = await http.post("/v1/completions", json=body)
+        if steered.status_code == 200:
+            self.steered += 1
+        else:
+            self.refused[f"steer {steered.status_code} {_code(steered)}"] += 1
+        await http.delete(f"/steer/vectors/{vector_id}")
 
 async def flood(url: str, config: SoakConfig, plan: Plan, rows: np.ndarray, until: float, clock: Clock) -> Flood:
     """The flooding tenant, as a job of its own process (``processes.in_processes``): what it did."""
@@ -132,9 +142,11 @@ def _code(response: httpx.Response) -> str:
         return "?"
 
 
-async def run_tenant_soak(config: SoakConfig, url: str, model_dir: Path) -> dict[str, Any]:
+async def run_tenant_soak(config: SoakConfig, url: str, model_dir: Path, server_pid: int | None = None
+                          ) -> dict[str, Any]:  # fmt: skip
     """The soak of ``config.tenants`` tenants (and a flooding one with ``config.flood``) on the server at ``url``;
-    returns every tenant's report (``report.report``) with their failures summed in ``failed``."""
+    returns every tenant's report (``report.report``) with their failures summed in ``failed``, and how busy the
+    API server ``server_pid`` and its engine core were (where given)."""
     facts = read_model(model_dir)
     texts = single_token_texts(model_dir, facts.unembedding.shape[0])
     static, churned = soak_ids(config)
@@ -160,6 +172,7 @@ async def run_tenant_soak(config: SoakConfig, url: str, model_dir: Path) -> dict
     began = clock.now()
     until = began + config.duration
     poller.start()
+    window = CpuWindow(server_pid) if server_pid else None
     try:
         extra = []
         if config.flood:  # in a process of its own: its client work does not slow the other tenants' clients
@@ -169,6 +182,7 @@ async def run_tenant_soak(config: SoakConfig, url: str, model_dir: Path) -> dict
         flooded, busy = await traffic([url], crowds, facts.unembedding, clock, until, extra)
     finally:
         elapsed = clock.now() - began
+        server_busy = window.shares() if window else None
         poller.halt.set()
         poller.join(timeout=35)
     drained = await drain_all([url], config)
@@ -180,10 +194,12 @@ async def run_tenant_soak(config: SoakConfig, url: str, model_dir: Path) -> dict
                          elapsed, busy)
                for t, c in crowds.items()}  # fmt: skip
     flood_done = flooded[0] if flooded else Flood()
-    return {"tenants": reports, "failed": sum(r["failed"] for r in reports.values()), "elapsed_s": round(elapsed, 2),
-            "client_processes_busy": busy,
+    failed = sum(r["failed"] for r in reports.values()) + sum(flood_done.errors.values())
+    return {"tenants": reports, "failed": failed, "elapsed_s": round(elapsed, 2),
+            "client_processes_busy": busy, "server_busy": server_busy,
             "flood": {"registered": flood_done.registered, "steered": flood_done.steered,
-                      "refused": dict(flood_done.refused), "most_pinned_rows": flood_done.most_pinned,
+                      "refused": dict(flood_done.refused), "errors": dict(flood_done.errors),
+                      "most_pinned_rows": flood_done.most_pinned,
                       "share_rows": flood_done.share,
                       "registrations_per_s": round(flood_done.registered / elapsed, 2) if elapsed else None}
             if config.flood else None,
@@ -193,7 +209,7 @@ async def run_tenant_soak(config: SoakConfig, url: str, model_dir: Path) -> dict
 def tenants_table(result: dict[str, Any]) -> str:
     """One line per tenant: requests, failures by kind, latency p50/p99 of plain and steered requests."""
     lines = [f"soak: {len(result['tenants'])} tenants for {result['elapsed_s']} s, failed {result['failed']}; "
-             f"{busiest(result['client_processes_busy'])}"]
+             f"{busiest(result['client_processes_busy'])}; {server_busy_text(result['server_busy'])}"]
     for tenant, r in result["tenants"].items():
         failures = ", ".join(f"{k} {v}" for k, v in r["failures"].items() if v) or "none"
         lat = r["latency_ms"]
@@ -205,7 +221,7 @@ def tenants_table(result: dict[str, Any]) -> str:
     if result["flood"]:
         f = result["flood"]
         lines.append(f"  flood: {f['registered']} distinct vectors registered ({f['registrations_per_s']}/s), "
-                     f"{f['steered']} steered requests, refused {f['refused'] or 'none'}; at most {f['most_pinned_rows']} "
-                     f"rows pinned at once, its share {f['share_rows']}")
+                     f"{f['steered']} steered requests, refused {f['refused'] or 'none'}, failed {f['errors'] or 'none'}; "
+                     f"at most {f['most_pinned_rows']} rows pinned at once, its share {f['share_rows']}")
     return "\n".join(lines)
 

@@ -45,7 +45,7 @@ def server(tiny_model, tmp_path_factory) -> Iterator[VllmServer]:
 
 
 def test_soak_has_no_failures_and_drains(server, tiny_model, tmp_path):
-    result = asyncio.run(run_soak(CONFIG, [server.url], tiny_model))
+    result = asyncio.run(run_soak(CONFIG, [server.url], tiny_model, server.proc.pid))
     (tmp_path / "soak.json").write_text(json.dumps(result, indent=1))
     summary = table(result)
     print(summary)
@@ -63,3 +63,6 @@ def test_soak_has_no_failures_and_drains(server, tiny_model, tmp_path):
     assert requests["ok"] > 0.9 * requests["total"]
     # the clients ran in a process of their own, which said how busy it was
     assert len(result["client_processes_busy"]) == 1 and 0 < result["client_processes_busy"][0] < 1.5
+    # and how busy the server's two processes were
+    assert set(result["server_busy"]) == {"api_server", "engine_core"}
+    assert all(0 < share < 4 for share in result["server_busy"].values()), result["server_busy"]
