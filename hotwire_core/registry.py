@@ -27,9 +27,8 @@ import torch
 
 from .contract import VectorMeta
 from .error_codes import ErrorCode
-from .spec import tenant_of
 from .errors import EngineError
-from .spec import VECTOR_ID_RE, short_repr
+from .spec import VECTOR_ID_RE, short_repr, tenant_of
 from .vector_bits import ITEMSIZE, as_bits, as_float32, non_finite
 
 DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -179,6 +178,10 @@ def _largest_value(model_dtype: str) -> float:
 
 
 CHANGES_KEPT = 4096  # changes a catalog can be brought up to date by; a caller further behind gets it whole
+# Ids without a current version whose last version is remembered by id; beyond that the oldest only raise the floor
+# every id's next version goes on above, so the history of a tenant that registers and deletes ever new ids stays
+# bounded (in memory and in the store's versions.json) while no version is given out twice.
+HISTORY_KEPT = 4096
 
 
 class VectorRegistry:
@@ -193,8 +196,11 @@ class VectorRegistry:
         self._current: dict[str, HostVector] = {}
         self._retired: dict[tuple[str, int], HostVector] = {}
         self._last_version: dict[str, int] = {}
-        self.version_floor = 0  # every id's versions go on above it (a store that lost its history: store.py)
-        self._deleted_upto: dict[str, int] = {}  # id -> the newest version a deletion removed
+        # every id's versions go on above it: the forgotten ids' (HISTORY_KEPT), or a store's that lost its history
+        self.version_floor = 0
+        # id -> the newest version a deletion removed; the last HISTORY_KEPT deletions (late registrations from
+        # other engine cores arrive within milliseconds)
+        self._deleted_upto: dict[str, int] = {}
 
     def register(self, *args: Any, **kwargs: Any) -> HostVector:
         """Add a vector (or a new version of one): :meth:`prepare` (same arguments), then :meth:`add`."""
@@ -262,7 +268,18 @@ class VectorRegistry:
 
     def note_version(self, vector_id: str, version: int) -> None:
         """``vector_id`` had ``version`` once (restored from the store): its next version is higher."""
-        self._last_version[vector_id] = max(version, self._last_version.get(vector_id, 0))
+        _note_newest(self._last_version, vector_id, version)
+        if len(self._last_version) > len(self._current) + HISTORY_KEPT:
+            self._forget_oldest()
+
+    def _forget_oldest(self) -> None:
+        """Fold the last versions of the ids longest without a current version into ``version_floor``, down to
+        three quarters of HISTORY_KEPT (a pass every quarter of it)."""
+        excess = len(self._last_version) - len(self._current) - HISTORY_KEPT * 3 // 4
+        forgotten = [i for i in itertools.islice(self._last_version, len(self._current) + excess)
+                     if i not in self._current][:excess]  # fmt: skip
+        for vector_id in forgotten:
+            self.version_floor = max(self.version_floor, self._last_version.pop(vector_id))
 
     def unregister(self, vector_id: str, version: int | None = None) -> HostVector | None:
         """Retire the current version of ``vector_id``. ``version``: the version another engine core deleted
@@ -270,18 +287,23 @@ class VectorRegistry:
         arrives later. Returns the retired vector (None when ``version`` left a newer one in place)."""
         current = self._current.get(vector_id)
         if version is not None:
-            self._deleted_upto[vector_id] = max(version, self._deleted_upto.get(vector_id, 0))
+            self._note_deleted(vector_id, version)
             self.note_version(vector_id, version)
             if current is None or current.version > version:
                 return None
         if current is None:
             raise RegistryError(404, ErrorCode.UNKNOWN_VECTOR, f"unknown steering vector {vector_id!r}", "id")
         del self._current[vector_id]
-        self._deleted_upto[vector_id] = max(current.version, self._deleted_upto.get(vector_id, 0))
+        self._note_deleted(vector_id, current.version)
         self._retire(current)
         self._changed(vector_id)
         self._prune()
         return current
+
+    def _note_deleted(self, vector_id: str, version: int) -> None:
+        _note_newest(self._deleted_upto, vector_id, version)
+        if len(self._deleted_upto) > HISTORY_KEPT:
+            del self._deleted_upto[next(iter(self._deleted_upto))]
 
     def _changed(self, vector_id: str) -> None:
         self.generation += 1
@@ -360,3 +382,8 @@ class VectorRegistry:
             self._prune()
             return True
         return False
+
+
+def _note_newest(newest: dict[str, int], vector_id: str, version: int) -> None:
+    """``newest[vector_id]`` raised to ``version``, the id moved to the end: the dict's order is the ids' last use."""
+    newest[vector_id] = max(version, newest.pop(vector_id, 0))

@@ -18,7 +18,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save
 
-from .registry import DTYPES, HostVector
+from .registry import DTYPES, HISTORY_KEPT, HostVector
 
 logger = logging.getLogger(__name__)
 _DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
@@ -71,10 +71,11 @@ class HistoryLost(OSError):
 
 class VectorStore:
     """A directory of ``<id>.safetensors`` files holding tensor ``rows`` plus metadata, and ``versions.json``:
-    the last version every id ever had, so that an id deleted and registered again after a restart does not
-    reuse a version number (receipts name versions). Should that history be lost, :meth:`recover_history`
-    starts every id's versions above a floor no earlier version can have reached, kept in the file under
-    :data:`FLOOR_KEY`."""
+    the last version of every stored id and of the last ids deleted, so that an id deleted and registered again
+    after a restart does not reuse a version number (receipts name versions). Beyond ``HISTORY_KEPT`` ids, the
+    ids longest without a file are forgotten and only raise a floor every id's versions go on above, kept in the
+    file under :data:`FLOOR_KEY`; should the history be lost, :meth:`recover_history` sets that floor where no
+    earlier version can have reached."""
 
     VERSIONS = "versions.json"
     FLOOR_KEY = "*"  # not a vector id (``spec.VECTOR_ID_RE``)
@@ -85,6 +86,7 @@ class VectorStore:
         # versions.json's text as this store last wrote or read it, parsed: parsing it is most of a registration's
         # work once it holds thousands of ids, and another engine core's write changes the text, so it is read again
         self._known: tuple[str, dict[str, int]] | None = None
+        self._forget_above = HISTORY_KEPT  # ids in versions.json past which the oldest deleted ones are forgotten
 
     def last_versions(self) -> dict[str, int]:
         """The last version of every id (and :data:`FLOOR_KEY`); raises :class:`HistoryLost`."""
@@ -126,10 +128,29 @@ class VectorStore:
         versions = self.last_versions()
         grown = {vid: v for vid, v in seen.items() if versions.get(vid, 0) < v}
         if grown:
-            self._write_versions({**versions, **grown})
+            for vector_id, version in grown.items():  # last: the file's order is the ids' last registration
+                versions.pop(vector_id, None)
+                versions[vector_id] = version
+            if len(versions) > self._forget_above:
+                self._forget_oldest(versions)
+            self._write_versions(versions)
+
+    def _forget_oldest(self, versions: dict[str, int]) -> None:
+        """Fold the versions of the ids longest without a file into :data:`FLOOR_KEY`, down to three quarters of
+        HISTORY_KEPT ids; the next pass once a quarter more have come (stored ids are never forgotten, so a store
+        of many keeps its passes apart)."""
+        floor, excess = versions.get(self.FLOOR_KEY, 0), len(versions) - HISTORY_KEPT * 3 // 4
+        for vector_id in list(versions):
+            if excess <= 0:
+                break
+            if vector_id != self.FLOOR_KEY and not self._path(vector_id).exists():
+                floor = max(floor, versions.pop(vector_id))
+                excess -= 1
+        versions[self.FLOOR_KEY] = floor
+        self._forget_above = len(versions) + HISTORY_KEPT // 4
 
     def _write_versions(self, versions: dict[str, int]) -> None:
-        text = json.dumps(versions, sort_keys=True)
+        text = json.dumps(versions)
         _write_atomically(self.root / self.VERSIONS, lambda tmp: Path(tmp).write_text(text))
         self._known = (text, versions)  # (its callers hand it a dict of their own making)
 

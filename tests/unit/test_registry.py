@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from hotwire_core import contract
+from hotwire_core import registry as registry_mod
 from hotwire_core.admission import row_key
 from hotwire_core.registry import DTYPES, RegistryError, VectorRegistry, content_sha256, decode_vector
 
@@ -359,6 +360,32 @@ def test_versions_from_another_numbering_never_go_back(r):
     stale = r.prepare("v", raw(vec(HIDDEN, seed=3)), "float32", [HIDDEN], None, False, version=3)
     assert r.add(stale) is False and r.current("v") is None
     assert reg(r).version == 4  # numbering goes on past every version seen
+
+
+def test_the_history_of_deleted_ids_stays_bounded_and_no_version_is_reused(monkeypatch):
+    """A tenant registering and deleting ever new ids: the registry remembers the last versions of the last
+    HISTORY_KEPT ids without a current version; older ones only raise the floor every id's next version goes on
+    above (versions grow, not one by one)."""
+    monkeypatch.setattr(registry_mod, "HISTORY_KEPT", 8)
+    r = VectorRegistry(N_LAYERS, HIDDEN)
+    reg(r, "live")
+    reg(r, "live", replace=True)  # live@2, registered before every other id
+    handed = {}
+    for i in range(40):
+        vid = f"flood-{i}"
+        for _ in range(i % 3 + 1):  # versions 1 to 3
+            handed[vid] = reg(r, vid, replace=True).version
+        r.unregister(vid)
+    assert len(r._last_version) <= 1 + 8 and len(r._deleted_upto) <= 8
+    # the highest version of a forgotten id; ids registered after a pass start above it, so it climbs
+    assert 3 <= r.version_floor < max(handed.values())
+    floor = r.version_floor
+    assert r.current("live").version == 2 and reg(r, "live", replace=True).version == floor + 1
+    for vid, version in handed.items():  # forgotten or not, an id's next version is above every one it had
+        assert reg(r, vid).version > version
+        r.unregister(vid)
+    floor = r.version_floor
+    assert reg(r, "new").version == floor + 1
 
 
 def test_generation_counts_changes_of_current_versions(r):

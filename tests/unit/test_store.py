@@ -324,6 +324,30 @@ def test_a_lost_version_history_never_reuses_a_version(tmp_path, caplog, loss):
     assert _register(tmp_path, again, "new", 7) == floor + 1 and _register(tmp_path, again, "a", 8) == floor + 2
 
 
+def test_versions_json_forgets_the_oldest_deleted_ids_and_no_version_is_reused(tmp_path, monkeypatch):
+    """versions.json keeps every stored id and the last HISTORY_KEPT ids deleted; the older ones only raise the
+    floor, so after a restart no id, forgotten or not, gets a version it had."""
+    monkeypatch.setattr(store_mod, "HISTORY_KEPT", 8)
+    registry = _engine_start(tmp_path)
+    assert _register(tmp_path, registry, "live", 0) == 1  # the oldest entry, never forgotten: it has a file
+    handed = {}
+    for i in range(30):
+        vid = f"flood-{i}"
+        for seed in range(i % 3 + 1):
+            handed[vid] = _register(tmp_path, registry, vid, seed)
+        VectorStore(tmp_path).delete(vid)
+        registry.unregister(vid)
+    versions = VectorStore(tmp_path).last_versions()
+    assert len(versions) <= 8 + 2 and versions["live"] == 1 and versions["*"] >= 3
+    assert list(versions)[-1] == "flood-29"  # in the order of the last registrations
+    restarted = _engine_start(tmp_path)
+    floor = VectorStore(tmp_path).last_versions()["*"]
+    assert restarted.current("live").version == 1 and _register(tmp_path, restarted, "live", 9) == floor + 1
+    for vid, version in handed.items():
+        assert _register(tmp_path, restarted, vid, 9) > version
+    assert _register(tmp_path, restarted, "new", 9) == floor + 1
+
+
 def test_store_writes_reach_the_disk_before_they_count(tmp_path, monkeypatch):
     """The file and its folder are synced before save returns: a power loss cannot leave an empty versions.json."""
     synced = []
