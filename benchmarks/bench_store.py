@@ -1,6 +1,6 @@
 """How long the engine core's loop stops for one registration with the store on (``HOTWIRE_STORE``, the default
-under ``vllm serve``), with ``versions.json`` holding about N ids (it is read and rewritten whole on every
-registration, and keeps every id ever registered):
+under ``vllm serve``), after about N ids without a file (deleted) went into ``versions.json`` (it is read and
+rewritten whole on every registration, and keeps the last ``HISTORY_KEPT`` of them: the ids it holds are given):
 
 - ``inline``: ``VectorStore.save`` of a ``[hidden]`` vector in the calling thread (as an in-process engine writes
   it, in its loop between two steps);
@@ -73,12 +73,14 @@ def main() -> None:
         ms = sorted(1e3 * t for t in taken)
         gaps = sorted(1e3 * deferred_gap(changes, f"t/def{n}-{i}", data, args.hidden) for i in range(args.saves))
         idle = 1e3 * max(deferred_gap(None, "", data, args.hidden) for _ in range(5))
-        rows.append({"ids": n, "versions_json_bytes": (store.root / store.VERSIONS).stat().st_size,
+        rows.append({"ids": n, "ids_in_versions_json": len(store.last_versions()),
+                     "versions_json_bytes": (store.root / store.VERSIONS).stat().st_size,
                      "inline_p50_ms": round(statistics.median(ms), 2), "inline_max_ms": round(ms[-1], 2),
                      "deferred_gap_p50_ms": round(statistics.median(gaps), 2), "deferred_gap_max_ms": round(gaps[-1], 2),
                      "idle_gap_max_ms": round(idle, 2)})  # fmt: skip
         r = rows[-1]
-        print(f"bench_store: ~{n:>6} ids in versions.json ({r['versions_json_bytes']:>9,} bytes): inline p50 "
+        print(f"bench_store: ~{n:>6} ids noted, {r['ids_in_versions_json']:>6} in versions.json "
+              f"({r['versions_json_bytes']:>9,} bytes): inline p50 "
               f"{r['inline_p50_ms']:6.2f} ms, max {r['inline_max_ms']:6.2f}; deferred: the loop's longest gap p50 "
               f"{r['deferred_gap_p50_ms']:5.2f} ms, max {r['deferred_gap_max_ms']:5.2f} (idle {r['idle_gap_max_ms']:.2f}) "
               f"over {args.saves}")  # fmt: skip
