@@ -10,7 +10,6 @@ same ``SchedulerOutput``. See docs/architecture.md.
 
 from __future__ import annotations
 
-import logging
 from collections import Counter
 from concurrent.futures import Future
 from typing import Any, Callable, Collection, Iterable, Sequence
@@ -27,7 +26,7 @@ from .contract import BINDING_KEY, USER_SALT_ATTR, Config
 from .deferral import DeferredRequests
 from .engine_requests import EngineRequests
 from .error_codes import ErrorCode
-from .errors import EngineError
+from .errors import EngineError, internal_failure
 from .handouts import Handouts
 from .registry import VectorRegistry
 from .gates import condition_of, gated_reading
@@ -43,7 +42,6 @@ from .vectors import restore
 
 __all__ = ["BINDING_KEY", "USER_SALT_ATTR", "SteeringController", "WaitForRows"]
 
-logger = logging.getLogger(__name__)
 
 REFUSALS_KEPT = 4096  # refusals of ticketed requests, kept until the API server that sent them asks
 
@@ -98,10 +96,7 @@ class SteeringController:
         try:
             return getattr(self, method)(*args, **kwargs)
         except Exception as exc:
-            logger.exception("hotwire: hotwire_%s failed", method)
-            return EngineError(
-                500, ErrorCode.INTERNAL, f"hotwire_{method} failed in the engine ({type(exc).__name__}: {exc}); its log has the traceback"
-            ).to_result()
+            return internal_failure(f"hotwire_{method}", exc)
 
     def register(self, *args: Any, **kwargs: Any) -> contract.RegisterResult | contract.Failure | Future:
         """``hotwire_register``: :meth:`VectorChanges.register`."""

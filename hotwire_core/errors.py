@@ -5,6 +5,7 @@ through ``collective_rpc`` as a plain dict (``to_result``); the callers (the con
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Mapping
 from typing import Any, TypeVar
 
@@ -14,7 +15,9 @@ from .error_codes import ErrorCode, known_code
 
 _Error = TypeVar("_Error", bound="EngineError")
 
-__all__ = ["EngineError"]
+__all__ = ["EngineError", "internal_failure"]
+
+logger = logging.getLogger("hotwire_core")
 
 
 class EngineError(ValueError):
@@ -36,3 +39,12 @@ class EngineError(ValueError):
         """The error a failure dict (``contract.Failure``) describes; missing keys get defaults."""
         return cls(int(result.get("status") or 500), str(result.get("code") or ErrorCode.INTERNAL),
                    str(result.get("error") or default_message), result.get("field"))
+
+
+def internal_failure(what: str, exc: BaseException) -> Failure:
+    """The 500 for ``what`` (say ``hotwire_register``) failing in the engine with ``exc``, whose traceback is logged
+    here: the failure dict an engine method answers with instead of raising (an exception leaving
+    ``collective_rpc`` reaches the API server as an engine that does not answer)."""
+    logger.error("hotwire: %s failed", what, exc_info=exc)
+    return EngineError(500, ErrorCode.INTERNAL, f"{what} failed in the engine ({type(exc).__name__}: {exc}); its "
+                       "log has the traceback").to_result()

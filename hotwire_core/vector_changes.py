@@ -22,7 +22,7 @@ from typing import Any, Union
 
 from . import contract
 from .error_codes import ErrorCode
-from .errors import EngineError
+from .errors import EngineError, internal_failure
 from .registry import HostVector, RegistryError, VectorRegistry
 from .slots import SlotCache
 from .store import VectorStore
@@ -146,7 +146,7 @@ class VectorChanges:
             if isinstance(error, OSError):
                 return store_failed(store, f"write {vector_id!r} to", error)
             if error is not None:
-                return _internal(error)
+                return internal_failure("a vector change", error)
             return self._add(vector, retired_mono, old, current)
 
         return _Write(lambda: store.save(vector), finish)
@@ -191,10 +191,4 @@ def _guarded(call: Callable[[], Any]) -> Any:
     try:
         return call()
     except Exception as exc:
-        return _internal(exc)
-
-
-def _internal(exc: BaseException) -> contract.Failure:
-    logger.error("hotwire: a vector change failed", exc_info=exc)
-    return EngineError(500, ErrorCode.INTERNAL, f"a vector change failed in the engine ({type(exc).__name__}: "
-                       f"{exc}); its log has the traceback").to_result()
+        return internal_failure("a vector change", exc)
