@@ -329,9 +329,18 @@ class VectorRegistry:
         self._retired[(vector.vector_id, vector.version)] = vector
 
     def _prune(self) -> None:
-        """Drop retired versions that no request holds and whose retention is over."""
+        """Drop retired versions that no request holds and whose retention is over. ``_retired`` is in the order
+        they were retired, so the pass stops at the first one still retained instead of walking them all at every
+        change (under churn thousands stay retained); one retired elsewhere earlier (``add``'s ``retired_at``) may
+        stay a little longer, never served past its retention (``lookup``)."""
         deadline = time.monotonic() - self.retain_s
-        for key in [k for k, v in self._retired.items() if v.refs == 0 and v.retired_at <= deadline]:
+        over = []
+        for key, vector in self._retired.items():
+            if vector.retired_at > deadline:
+                break
+            if vector.refs == 0:
+                over.append(key)
+        for key in over:
             del self._retired[key]
 
     def current(self, vector_id: str) -> HostVector | None:

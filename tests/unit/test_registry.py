@@ -349,6 +349,21 @@ def test_retired_versions_stay_usable_by_version_for_the_retention(monkeypatch):
     assert r.lookup("v", 1) is None and [v.version for v in r.retained()] == []
 
 
+def test_a_change_prunes_the_retired_versions_past_their_retention_behind_a_held_one(monkeypatch):
+    clock = [1000.0]
+    monkeypatch.setattr("hotwire_core.registry.time.monotonic", lambda: clock[0])
+    r = VectorRegistry(N_LAYERS, HIDDEN, retain_s=60)
+    versions = []
+    for seed in range(6):  # v@1..v@5 retired 10 s apart, v@6 current
+        versions.append(reg(r, t=vec(HIDDEN, seed=seed), replace=True))
+        clock[0] += 10
+    r.acquire(versions[0])  # the oldest, held by a running request
+    clock[0] = 1000.0 + 30 + 61  # the retention of v@1..v@3 is over, v@4's and v@5's not
+    reg(r, "other")  # a change prunes
+    assert sorted(v.version for v in r.retained()) == [1, 4, 5]
+    assert r.release(versions[0]) is True and sorted(v.version for v in r.retained()) == [4, 5]
+
+
 def test_versions_from_another_numbering_never_go_back(r):
     late = r.prepare("v", raw(vec(HIDDEN, seed=1)), "float32", [HIDDEN], None, False, version=3)
     assert r.add(late) is True
