@@ -120,8 +120,8 @@ class SteeringController:
 
     def list(self, tenant: str | None = None) -> contract.ListResult:
         """Every current vector, or ``tenant``'s alone: a quota check needs its tenant's, not the registry's."""
-        in_flight = self.registry.in_flight_by_id()
-        vectors = [{**v.meta(), "in_flight": in_flight[v.vector_id]} for v in self.registry.vectors(tenant)]
+        in_flight = self.registry.in_flight
+        vectors = [{**v.meta(), "in_flight": in_flight(v.vector_id)} for v in self.registry.vectors(tenant)]
         return contract.ListResult(ok=True, vectors=vectors)
 
     def stats(self) -> contract.StatsResult:

@@ -18,7 +18,7 @@ import hashlib
 import itertools
 import math
 import time
-from collections import deque
+from collections import Counter, deque
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -195,6 +195,7 @@ class VectorRegistry:
         self._changes: deque[tuple[int, str]] = deque(maxlen=CHANGES_KEPT)  # (generation, id) of the last changes
         self._current: dict[str, HostVector] = {}
         self._retired: dict[tuple[str, int], HostVector] = {}
+        self._held_retired: Counter[str] = Counter()  # id -> references requests hold on its retired versions
         self._last_version: dict[str, int] = {}
         # every id's versions go on above it: the forgotten ids' (HISTORY_KEPT), or a store's that lost its history
         self.version_floor = 0
@@ -325,6 +326,8 @@ class VectorRegistry:
 
     def _retire(self, vector: HostVector, at: float | None = None) -> None:
         vector.retired = True
+        if vector.refs:
+            self._held_retired[vector.vector_id] += vector.refs
         vector.retired_at = time.monotonic() if at is None else at
         self._retired[(vector.vector_id, vector.version)] = vector
 
@@ -369,25 +372,27 @@ class VectorRegistry:
         return list(self._retired.values())
 
     def in_flight(self, vector_id: str) -> int:
-        """References held by admitted requests on every live version of ``vector_id``."""
-        return self.in_flight_by_id().get(vector_id, 0)
-
-    def in_flight_by_id(self) -> dict[str, int]:
-        """``in_flight`` of every id with a live version, in one pass over the retired ones: a listing asks it of
-        every vector, and under churn thousands of versions stay retained (the engine core answers in its loop)."""
-        counts = {vector_id: vector.refs for vector_id, vector in self._current.items()}
-        for (vector_id, _), vector in self._retired.items():
-            counts[vector_id] = counts.get(vector_id, 0) + vector.refs
-        return counts
+        """References held by admitted requests on every live version of ``vector_id`` (kept counted: a listing
+        asks it of every vector it lists, and under churn thousands of versions stay retained)."""
+        current = self._current.get(vector_id)
+        return (current.refs if current is not None else 0) + self._held_retired.get(vector_id, 0)
 
     def acquire(self, vector: HostVector) -> None:
         vector.refs += 1
+        if vector.retired:
+            self._held_retired[vector.vector_id] += 1
 
     def release(self, vector: HostVector) -> bool:
         """Drop one reference; True when this was the last one on a retired version (its bank rows can go; its
         host copy stays for the rest of its retention)."""
         vector.refs -= 1
-        if vector.refs == 0 and vector.retired:
+        if not vector.retired:
+            return False
+        held = self._held_retired
+        held[vector.vector_id] -= 1
+        if not held[vector.vector_id]:
+            del held[vector.vector_id]
+        if vector.refs == 0:
             self._prune()
             return True
         return False

@@ -294,8 +294,9 @@ def test_retired_version_kept_while_referenced(r):
     assert r.in_flight("v") == 0
 
 
-def test_in_flight_by_id_counts_every_live_version_of_each_id(r):
-    """The listing's counts: current and retired versions of each id summed, ids apart, deleted ids included."""
+def test_in_flight_counts_every_live_version_of_each_id(r):
+    """The listing's counts: current and retired versions of each id summed, ids apart, deleted ids included,
+    and kept as requests take and give back their references (a version retired while held keeps its count)."""
     a1 = reg(r, "a", t=vec(HIDDEN, seed=1))
     r.acquire(a1)
     a2 = reg(r, "a", t=vec(HIDDEN, seed=2), replace=True)
@@ -305,9 +306,13 @@ def test_in_flight_by_id_counts_every_live_version_of_each_id(r):
     r.acquire(b)
     r.unregister("b")
     reg(r, "c", t=vec(HIDDEN, seed=4))
-    counts = r.in_flight_by_id()
-    assert counts == {"a": 3, "b": 1, "c": 0}
-    assert all(r.in_flight(i) == n for i, n in counts.items()) and r.in_flight("unknown") == 0
+    assert {i: r.in_flight(i) for i in ("a", "b", "c", "unknown")} == {"a": 3, "b": 1, "c": 0, "unknown": 0}
+    r.acquire(a1)  # a retired version taken again (a request that names it)
+    reg(r, "a", t=vec(HIDDEN, seed=5), replace=True)  # a2 retired while held twice
+    assert r.in_flight("a") == 4
+    for vector in (a1, a1, a2, a2, b):
+        r.release(vector)
+    assert r.in_flight("a") == r.in_flight("b") == 0 and r._held_retired == {}
 
 
 def test_unregister_with_refs_counts_in_flight(r):
