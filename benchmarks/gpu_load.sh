@@ -4,7 +4,8 @@
 # soak: python3 -m benchmarks.soak, SOAK_CLIENTS (256) clients for SOAK_DURATION (600) s, 16 slots, churn.
 # tenants: the soak with 4 tenants (#40), SOAK_CLIENTS clients, 64 slots, a tenant's share 16 rows; once without
 #   a flood for TENANT_DURATION (240) s and once with a tenant flooding distinct vectors for TENANT_FLOOD_DURATION
-#   (TENANT_DURATION) s (compare the others' p99; #40's soak is the flood half at 600 s). Longer than one device
+#   (TENANT_DURATION) s (compare the others' p99; #40's soak is the flood half at 600 s); TENANT_PROFILE=S py-spies
+#   the API server and the engine core for S s in the middle of each half (py-spy on PATH). Longer than one device
 #   call: start it detached (setsid nohup) and follow its log over several calls. Both
 #   halves build the model in one folder, so the second server can reuse the first one's compiled graphs (each start
 #   took 106-113 s on the H200 with a folder of its own).
@@ -54,6 +55,7 @@ for step in "${steps[@]}"; do
         [[ -n $flood ]] && duration=${TENANT_FLOOD_DURATION:-$duration}
         python3 -m benchmarks.soak --tenants 4 $flood --tenant-rows 16 --slots 64 --clients "${SOAK_CLIENTS:-256}" \
           --ids 12 --churned 4 --pool 2 --duration "$duration" --server-arg=--max-num-seqs=256 \
+          ${TENANT_PROFILE:+--profile "$TENANT_PROFILE"} \
           --workdir /tmp/tenants-gpu --out "$out/${name}_gpu.json" 2>&1 | tee "$out/${name}_gpu.txt" | tail -12
       done ;;
     prefill)

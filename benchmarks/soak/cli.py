@@ -12,6 +12,7 @@ import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 
+from benchmarks.server_processes import ServerWatch
 from hotwire_api.keys import Role, add_key
 from hotwire_api.server_process import ServerExited
 
@@ -62,11 +63,16 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                         "key (soak.tenants; a server of the soak's own gets a keys file)")
     parser.add_argument("--flood", action="store_true", help="with --tenants: one more tenant flooding distinct vectors")
     parser.add_argument("--tenant-rows", type=int, help="HOTWIRE_TENANT_ROWS of a server the soak starts")
+    parser.add_argument("--profile", type=float, default=0.0, metavar="SECONDS",
+                        help="py-spy the server the soak starts (API server, engine core) for that long in the middle "
+                             "of the traffic, into <--out without .json>.<process>.txt (py-spy beside python or on PATH)")
     args = parser.parse_args(argv)
     if args.flood and not args.tenants:
         parser.error("--flood needs --tenants")
     if args.tenants and args.urls and len(args.urls) > 1:
         parser.error("--tenants runs on one server")
+    if args.urls and args.profile:
+        parser.error("--profile profiles a server the soak starts, not one at --url")
     if args.urls and not args.model:
         parser.error("--url needs --model: the markers come from the served model's LM head weights")
     if args.pool < 2 and args.churned:
@@ -92,7 +98,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     log: Path | None = None
     try:
         with contextlib.ExitStack() as stack:
-            urls, env, server_pid = args.urls, {}, None
+            urls, env, watch = args.urls, {}, None
             if not urls and config.tenants:  # an operator key to make the tenants' keys with
                 env = {"HOTWIRE_KEYS_FILE": str(workdir / "keys.json"), "HOTWIRE_TENANT_REGISTRATIONS_PER_MIN": "1000000",
                        **({"HOTWIRE_TENANT_ROWS": str(args.tenant_rows)} if args.tenant_rows else {})}
@@ -100,11 +106,12 @@ def main(argv: Sequence[str] | None = None) -> int:
                 config.api_key = add_key(workdir / "keys.json", "soak-operator", Role.ADMIN)
             if not urls:
                 server = stack.enter_context(own_server(args.model, args.slots, args.server_arg, workdir, built, env))
-                urls, log, server_pid = [server.url], server.log, server.pid
+                urls, log = [server.url], server.log
+                watch = ServerWatch(server.pid, args.profile, args.out.with_suffix(""))
             if config.tenants:
-                result = asyncio.run(run_tenant_soak(config, urls[0], args.model, server_pid))
+                result = asyncio.run(run_tenant_soak(config, urls[0], args.model, watch))
             else:
-                result = asyncio.run(run_soak(config, urls, args.model, server_pid))
+                result = asyncio.run(run_soak(config, urls, args.model, watch))
     except (CalibrationError, ServerExited) as exc:
         print(f"soak: {type(exc).__name__}: {exc}\n{log_tail(log or workdir / 'server.log')}", file=sys.stderr)
         return 2

@@ -11,7 +11,7 @@ from typing import Any
 
 import numpy as np
 
-from benchmarks.server_processes import CpuWindow
+from benchmarks.server_processes import ServerWatch
 
 from .calibration import CalibrationError, calibrate, read_model, served_model, single_token_texts, steerable_layers
 from .churn import Churn, delete_all, delete_loop, register_all, replace_loop
@@ -24,12 +24,12 @@ from .report import report
 from .responses import Observation
 
 
-async def run_soak(config: SoakConfig, urls: Sequence[str], model_dir: Path, server_pid: int | None = None
+async def run_soak(config: SoakConfig, urls: Sequence[str], model_dir: Path, watch: ServerWatch | None = None
                    ) -> dict[str, Any]:  # fmt: skip
     """Calibrate, register the ids, run clients, churn and poller for ``duration`` s, drain, and judge every
     response; returns the report (see :func:`report`). ``urls``: one server, or the replicas of a fleet on one
-    registry (see the package's docstring); calibration and the poller use the first. ``server_pid``: the API
-    server's, where the soak started it (the report then says how busy it and its engine core were)."""
+    registry (see the package's docstring); calibration and the poller use the first. ``watch``: on the soak's own
+    server (the report then says how busy its API server and engine core were, and where their profiles are)."""
     if not urls:
         raise ValueError("run_soak needs at least one server URL")
     url = urls[0]
@@ -52,19 +52,20 @@ async def run_soak(config: SoakConfig, urls: Sequence[str], model_dir: Path, ser
     poller = Poller(url, config)
     began = clock.now()
     poller.start()
-    window = CpuWindow(server_pid) if server_pid else None
+    if watch is not None:
+        watch.start(config.duration)
     try:
         _, busy = await traffic(urls, {"soak": crowd}, facts.unembedding, clock, began + config.duration)
     finally:
         elapsed = clock.now() - began
-        server_busy = window.shares() if window else None
+        watched = watch.finish() if watch is not None else {}
         poller.halt.set()
         poller.join(timeout=35)
     drained = await drain_all(urls, config)
     if not config.keep_vectors:
         await delete_all(url, config, static + churned)
     return report(config, urls, plan, calibration, book, crowd.observations, crowd.churn, poller, drained, elapsed,
-                  busy) | {"server_busy": server_busy}
+                  busy) | {"server_busy": watched.get("busy"), "server_profiles": watched.get("profiles")}
 
 
 @dataclass

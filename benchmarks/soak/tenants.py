@@ -24,7 +24,7 @@ from typing import Any
 import httpx
 import numpy as np
 
-from benchmarks.server_processes import CpuWindow
+from benchmarks.server_processes import ServerWatch
 
 from .calibration import calibrate, read_model, served_model, single_token_texts, steerable_layers
 from .churn import delete_all, register_all
@@ -142,11 +142,11 @@ def _code(response: httpx.Response) -> str:
         return "?"
 
 
-async def run_tenant_soak(config: SoakConfig, url: str, model_dir: Path, server_pid: int | None = None
+async def run_tenant_soak(config: SoakConfig, url: str, model_dir: Path, watch: ServerWatch | None = None
                           ) -> dict[str, Any]:  # fmt: skip
     """The soak of ``config.tenants`` tenants (and a flooding one with ``config.flood``) on the server at ``url``;
-    returns every tenant's report (``report.report``) with their failures summed in ``failed``, and how busy the
-    API server ``server_pid`` and its engine core were (where given)."""
+    returns every tenant's report (``report.report``) with their failures summed in ``failed``, and what ``watch``
+    saw of the soak's own server (``run.run_soak``)."""
     facts = read_model(model_dir)
     texts = single_token_texts(model_dir, facts.unembedding.shape[0])
     static, churned = soak_ids(config)
@@ -172,7 +172,8 @@ async def run_tenant_soak(config: SoakConfig, url: str, model_dir: Path, server_
     began = clock.now()
     until = began + config.duration
     poller.start()
-    window = CpuWindow(server_pid) if server_pid else None
+    if watch is not None:
+        watch.start(config.duration)
     try:
         extra = []
         if config.flood:  # in a process of its own: its client work does not slow the other tenants' clients
@@ -182,7 +183,7 @@ async def run_tenant_soak(config: SoakConfig, url: str, model_dir: Path, server_
         flooded, busy = await traffic([url], crowds, facts.unembedding, clock, until, extra)
     finally:
         elapsed = clock.now() - began
-        server_busy = window.shares() if window else None
+        watched = watch.finish() if watch is not None else {}
         poller.halt.set()
         poller.join(timeout=35)
     drained = await drain_all([url], config)
@@ -196,7 +197,8 @@ async def run_tenant_soak(config: SoakConfig, url: str, model_dir: Path, server_
     flood_done = flooded[0] if flooded else Flood()
     failed = sum(r["failed"] for r in reports.values()) + sum(flood_done.errors.values())
     return {"tenants": reports, "failed": failed, "elapsed_s": round(elapsed, 2),
-            "client_processes_busy": busy, "server_busy": server_busy,
+            "client_processes_busy": busy, "server_busy": watched.get("busy"),
+            "server_profiles": watched.get("profiles"),
             "flood": {"registered": flood_done.registered, "steered": flood_done.steered,
                       "refused": dict(flood_done.refused), "errors": dict(flood_done.errors),
                       "most_pinned_rows": flood_done.most_pinned,

@@ -16,10 +16,13 @@ import asyncio
 import json
 import sys
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 import torch
 from benchmark_module import BENCHMARKS
+from benchmarks.api_profile import parse_raw
+from benchmarks.server_processes import ServerWatch
 from server_fixture import VllmServer
 
 sys.path.insert(0, str(BENCHMARKS))  # imported by name: its dataclasses need the module in sys.modules
@@ -45,7 +48,8 @@ def server(tiny_model, tmp_path_factory) -> Iterator[VllmServer]:
 
 
 def test_soak_has_no_failures_and_drains(server, tiny_model, tmp_path):
-    result = asyncio.run(run_soak(CONFIG, [server.url], tiny_model, server.proc.pid))
+    watch = ServerWatch(server.proc.pid, profile_s=4.0, prefix=tmp_path / "soak")
+    result = asyncio.run(run_soak(CONFIG, [server.url], tiny_model, watch))
     (tmp_path / "soak.json").write_text(json.dumps(result, indent=1))
     summary = table(result)
     print(summary)
@@ -66,3 +70,7 @@ def test_soak_has_no_failures_and_drains(server, tiny_model, tmp_path):
     # and how busy the server's two processes were
     assert set(result["server_busy"]) == {"api_server", "engine_core"}
     assert all(0 < share < 4 for share in result["server_busy"].values()), result["server_busy"]
+    # and what they ran, sampled in the middle of the traffic
+    for process, path in result["server_profiles"].items():
+        assert sum(parse_raw(Path(path).read_text()).values()) > 0, f"no samples of the {process}"
+    assert set(result["server_profiles"]) == {"api_server", "engine_core"}
