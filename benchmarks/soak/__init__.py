@@ -41,7 +41,9 @@ Traffic
     ``--clients`` asyncio clients, each with its own ``httpx.AsyncClient`` (one keep-alive connection per client,
     as independent users have), spread over ``--client-processes`` spawned processes (default one per 64 clients:
     one asyncio process saturates before a vLLM API server does; the report's ``client_processes_busy`` gives the
-    share of a core each used, near 1 meaning the clients may have been the limit), each looping until
+    share of a core each used, near 1 meaning the clients may have been the limit; of a server it starts, the
+    report's ``server_busy`` gives its API server's and engine core's, and ``--profile S`` py-spies both for S s in
+    the middle of the traffic into ``<--out without .json>.<process>.txt``), each looping until
     ``--duration``: a spec class (plain 25 %, single 50 %, stacked
     10 %, decode_only 7.5 %, prefill_only 7.5 %; ``--mix plain|steered`` for throughput comparisons), a route
     (completions / chat completions / responses, uniform; stacked only on the first two), streamed or not
@@ -71,6 +73,7 @@ Run it (from the repository root)::
     python -m benchmarks.soak --url http://10.0.0.1:8000 --url http://10.0.0.2:8000 --model /models/qwen3-8b
     # four tenants with the same ids, and one flooding distinct vectors (soak.tenants; --url: an operator --api-key)
     python -m benchmarks.soak --tenants 4 --flood --tenant-rows 16 --slots 64 --clients 16 --duration 60 --out t.json
+    # the flood's rounds that get no answer (a dropped connection, a timeout) are failures in the report
     # a bigger model on a GPU, extra server arguments passed through
     python -m benchmarks.soak --model /models/qwen3-8b --server-arg=--max-num-seqs=128 --clients 128
 """
@@ -79,4 +82,4 @@ Run it (from the repository root)::
 #   steering (entries sent, receipts read) -> markers (the book, choosing markers) -> responses (reading answers)
 #   -> verdicts (judging them) -> plan (config, draws, request bodies) -> clients (sending) -> calibration
 #   -> churn (vector changes) -> control_plane (poller, drain) -> report -> run (one soak) -> tenants (several
-#   tenants' soaks at once) -> server -> cli
+#   tenants' soaks at once) -> server -> cli; benchmarks.server_processes watches the server from outside
