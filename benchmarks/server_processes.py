@@ -3,6 +3,7 @@ each used over a window (near 1: that process, not the clients, was the limit), 
 
 from __future__ import annotations
 
+import subprocess
 import threading
 import time
 from pathlib import Path
@@ -74,11 +75,17 @@ class ServerWatch:
                             for name, pid in self.pids.items()}  # fmt: skip
 
     def finish(self) -> dict[str, Any]:
-        """``busy`` (each process's share of a core) and ``profiles`` (each process's file, where recorded)."""
+        """``busy`` (each process's share of a core) and ``profiles`` (each process's file, where recorded; a py-spy
+        that failed says why instead: the soak's own result is never lost to it)."""
         busy = self._window.shares() if self._window else None
         if self._timer is not None:
             self._timer.cancel()
             self._timer.join()
-        for recording in self._recordings.values():
-            recording.stacks(timeout=self.profile_s + 60)
-        return {"busy": busy, "profiles": {name: str(r.out) for name, r in self._recordings.items()}}
+        profiles = {}
+        for name, recording in self._recordings.items():
+            try:
+                recording.stacks(timeout=self.profile_s + 60)
+                profiles[name] = str(recording.out)
+            except (RuntimeError, subprocess.TimeoutExpired) as exc:
+                profiles[name] = f"failed: {exc}"
+        return {"busy": busy, "profiles": profiles}

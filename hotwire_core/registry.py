@@ -30,6 +30,7 @@ from .error_codes import ErrorCode
 from .errors import EngineError
 from .spec import VECTOR_ID_RE, short_repr, tenant_of
 from .vector_bits import ITEMSIZE, as_bits, as_float32, non_finite
+from .version_history import VersionHistory
 
 DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -178,10 +179,6 @@ def _largest_value(model_dtype: str) -> float:
 
 
 CHANGES_KEPT = 4096  # changes a catalog can be brought up to date by; a caller further behind gets it whole
-# Ids without a current version whose last version is remembered by id; beyond that the oldest only raise the floor
-# every id's next version goes on above, so the history of a tenant that registers and deletes ever new ids stays
-# bounded (in memory and in the store's versions.json) while no version is given out twice.
-HISTORY_KEPT = 4096
 
 
 class VectorRegistry:
@@ -196,12 +193,7 @@ class VectorRegistry:
         self._current: dict[str, HostVector] = {}
         self._retired: dict[tuple[str, int], HostVector] = {}
         self._held_retired: Counter[str] = Counter()  # id -> references requests hold on its retired versions
-        self._last_version: dict[str, int] = {}
-        # every id's versions go on above it: the forgotten ids' (HISTORY_KEPT), or a store's that lost its history
-        self.version_floor = 0
-        # id -> the newest version a deletion removed; the last HISTORY_KEPT deletions (late registrations from
-        # other engine cores arrive within milliseconds)
-        self._deleted_upto: dict[str, int] = {}
+        self.history = VersionHistory()
 
     def register(self, *args: Any, **kwargs: Any) -> HostVector:
         """Add a vector (or a new version of one): :meth:`prepare` (same arguments), then :meth:`add`."""
@@ -233,7 +225,7 @@ class VectorRegistry:
         rows, layers_t, norms = decode_vector(
             data, dtype, list(shape), layers, self.n_layers, self.hidden_size, self.model_dtype
         )
-        version = version if version is not None else max(self._last_version.get(vector_id, 0), self.version_floor) + 1
+        version = version if version is not None else self.history.next_version(vector_id)
         sha = content_sha256(rows, dtype, layers_t)
         vector = HostVector(vector_id, version, sha, dtype, tuple(shape), layers_t, rows, norms)
         if created_at is not None:
@@ -244,7 +236,7 @@ class VectorRegistry:
         """Whether :meth:`add` would make ``vector`` current (it is newer than the current version and than the
         id's last deletion)."""
         old = self._current.get(vector.vector_id)
-        newest = max(old.version if old is not None else 0, self._deleted_upto.get(vector.vector_id, 0))
+        newest = max(old.version if old is not None else 0, self.history.deleted_upto(vector.vector_id))
         return vector.version > newest
 
     def add(self, vector: HostVector, retired_at: float | None = None) -> bool:
@@ -268,19 +260,8 @@ class VectorRegistry:
         return True
 
     def note_version(self, vector_id: str, version: int) -> None:
-        """``vector_id`` had ``version`` once (restored from the store): its next version is higher."""
-        _note_newest(self._last_version, vector_id, version)
-        if len(self._last_version) > len(self._current) + HISTORY_KEPT:
-            self._forget_oldest()
-
-    def _forget_oldest(self) -> None:
-        """Fold the last versions of the ids longest without a current version into ``version_floor``, down to
-        three quarters of HISTORY_KEPT (a pass every quarter of it)."""
-        excess = len(self._last_version) - len(self._current) - HISTORY_KEPT * 3 // 4
-        forgotten = [i for i in itertools.islice(self._last_version, len(self._current) + excess)
-                     if i not in self._current][:excess]  # fmt: skip
-        for vector_id in forgotten:
-            self.version_floor = max(self.version_floor, self._last_version.pop(vector_id))
+        """``vector_id`` had ``version`` once: its next version is higher."""
+        self.history.note(vector_id, version, self._current)
 
     def unregister(self, vector_id: str, version: int | None = None) -> HostVector | None:
         """Retire the current version of ``vector_id``. ``version``: the version another engine core deleted
@@ -288,23 +269,18 @@ class VectorRegistry:
         arrives later. Returns the retired vector (None when ``version`` left a newer one in place)."""
         current = self._current.get(vector_id)
         if version is not None:
-            self._note_deleted(vector_id, version)
+            self.history.note_deleted(vector_id, version)
             self.note_version(vector_id, version)
             if current is None or current.version > version:
                 return None
         if current is None:
             raise RegistryError(404, ErrorCode.UNKNOWN_VECTOR, f"unknown steering vector {vector_id!r}", "id")
         del self._current[vector_id]
-        self._note_deleted(vector_id, current.version)
+        self.history.note_deleted(vector_id, current.version)
         self._retire(current)
         self._changed(vector_id)
         self._prune()
         return current
-
-    def _note_deleted(self, vector_id: str, version: int) -> None:
-        _note_newest(self._deleted_upto, vector_id, version)
-        if len(self._deleted_upto) > HISTORY_KEPT:
-            del self._deleted_upto[next(iter(self._deleted_upto))]
 
     def _changed(self, vector_id: str) -> None:
         self.generation += 1
@@ -396,8 +372,3 @@ class VectorRegistry:
             self._prune()
             return True
         return False
-
-
-def _note_newest(newest: dict[str, int], vector_id: str, version: int) -> None:
-    """``newest[vector_id]`` raised to ``version``, the id moved to the end: the dict's order is the ids' last use."""
-    newest[vector_id] = max(version, newest.pop(vector_id, 0))

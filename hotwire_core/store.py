@@ -11,6 +11,7 @@ import logging
 import os
 import tempfile
 import time
+from collections.abc import Collection
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -18,7 +19,8 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save
 
-from .registry import DTYPES, HISTORY_KEPT, HostVector
+from .registry import DTYPES, HostVector
+from .version_history import HISTORY_KEPT, note_newest
 
 logger = logging.getLogger(__name__)
 _DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
@@ -129,21 +131,20 @@ class VectorStore:
         grown = {vid: v for vid, v in seen.items() if versions.get(vid, 0) < v}
         if grown:
             for vector_id, version in grown.items():  # last: the file's order is the ids' last registration
-                versions.pop(vector_id, None)
-                versions[vector_id] = version
+                note_newest(versions, vector_id, version)
             if len(versions) > self._forget_above:
-                self._forget_oldest(versions)
+                self._forget_oldest(versions, grown)
             self._write_versions(versions)
 
-    def _forget_oldest(self, versions: dict[str, int]) -> None:
+    def _forget_oldest(self, versions: dict[str, int], noting: Collection[str]) -> None:
         """Fold the versions of the ids longest without a file into :data:`FLOOR_KEY`, down to three quarters of
         HISTORY_KEPT ids; the next pass once a quarter more have come (stored ids are never forgotten, so a store
-        of many keeps its passes apart)."""
+        of many keeps its passes apart). ``noting``: the ids being saved, whose files come after this write."""
         floor, excess = versions.get(self.FLOOR_KEY, 0), len(versions) - HISTORY_KEPT * 3 // 4
         for vector_id in list(versions):
             if excess <= 0:
                 break
-            if vector_id != self.FLOOR_KEY and not self._path(vector_id).exists():
+            if vector_id != self.FLOOR_KEY and vector_id not in noting and not self._path(vector_id).exists():
                 floor = max(floor, versions.pop(vector_id))
                 excess -= 1
         versions[self.FLOOR_KEY] = floor

@@ -55,9 +55,8 @@ def _restore_history(registry: VectorRegistry, store: VectorStore, stored: list[
                      "above %d (no earlier version number can have reached it); the damaged file was set aside",
                      exc, floor)
         versions = store.last_versions()
-    registry.version_floor = versions.pop(store.FLOOR_KEY, 0)
-    for vector_id, version in versions.items():
-        registry.note_version(vector_id, version)
+    floor = versions.pop(store.FLOOR_KEY, 0)
+    registry.history.restore(versions, floor)
 
 
 def _preload(registry: VectorRegistry, store: VectorStore | None, s: StoredVector) -> None:

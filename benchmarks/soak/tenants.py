@@ -109,6 +109,7 @@ class Flood:
                     await self._round(http, f"{config.id_prefix}-flood-{k}-{i}", config, plan, row)
                 except httpx.TransportError as exc:
                     self.errors[type(exc).__name__] += 1
+                    await asyncio.sleep(0.05)  # (a server gone: no spin)
 
     async def _round(self, http: httpx.AsyncClient, vector_id: str, config: SoakConfig, plan: Plan, row: np.ndarray
                      ) -> None:  # fmt: skip
@@ -121,12 +122,15 @@ class Flood:
         spec = f'{{"id": "{vector_id}", "layer": {plan.layer}, "scale": {plan.strength}}}'
         body = {"model": plan.model, "prompt": "flood", "max_tokens": config.max_tokens, "temperature": 0,
                 "vllm_xargs": {"hotwire": spec}}
-        steered = await http.post("/v1/completions", json=body)
-        if steered.status_code == 200:
-            self.steered += 1
-        else:
-            self.refused[f"steer {steered.status_code} {_code(steered)}"] += 1
-        await http.delete(f"/steer/vectors/{vector_id}")
+        try:
+            steered = await http.post("/v1/completions", json=body)
+            if steered.status_code == 200:
+                self.steered += 1
+            else:
+                self.refused[f"steer {steered.status_code} {_code(steered)}"] += 1
+        finally:  # (a request without an answer still deletes: the id would hold the tenant's quota)
+            await http.delete(f"/steer/vectors/{vector_id}")
+
 
 async def flood(url: str, config: SoakConfig, plan: Plan, rows: np.ndarray, until: float, clock: Clock) -> Flood:
     """The flooding tenant, as a job of its own process (``processes.in_processes``): what it did."""

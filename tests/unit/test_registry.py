@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from hotwire_core import contract
-from hotwire_core import registry as registry_mod
+from hotwire_core import version_history
 from hotwire_core.admission import row_key
 from hotwire_core.registry import DTYPES, RegistryError, VectorRegistry, content_sha256, decode_vector
 
@@ -386,7 +386,7 @@ def test_the_history_of_deleted_ids_stays_bounded_and_no_version_is_reused(monke
     """A tenant registering and deleting ever new ids: the registry remembers the last versions of the last
     HISTORY_KEPT ids without a current version; older ones only raise the floor every id's next version goes on
     above (versions grow, not one by one)."""
-    monkeypatch.setattr(registry_mod, "HISTORY_KEPT", 8)
+    monkeypatch.setattr(version_history, "HISTORY_KEPT", 8)
     r = VectorRegistry(N_LAYERS, HIDDEN)
     reg(r, "live")
     reg(r, "live", replace=True)  # live@2, registered before every other id
@@ -396,16 +396,41 @@ def test_the_history_of_deleted_ids_stays_bounded_and_no_version_is_reused(monke
         for _ in range(i % 3 + 1):  # versions 1 to 3
             handed[vid] = reg(r, vid, replace=True).version
         r.unregister(vid)
-    assert len(r._last_version) <= 1 + 8 and len(r._deleted_upto) <= 8
+    assert len(r.history._last) <= 1 + 8 and len(r.history._deleted) <= 8
     # the highest version of a forgotten id; ids registered after a pass start above it, so it climbs
-    assert 3 <= r.version_floor < max(handed.values())
-    floor = r.version_floor
+    assert 3 <= r.history.floor < max(handed.values())
+    floor = r.history.floor
     assert r.current("live").version == 2 and reg(r, "live", replace=True).version == floor + 1
     for vid, version in handed.items():  # forgotten or not, an id's next version is above every one it had
         assert reg(r, vid).version > version
         r.unregister(vid)
-    floor = r.version_floor
+    floor = r.history.floor
     assert reg(r, "new").version == floor + 1
+
+
+def test_an_id_noted_again_is_forgotten_last(monkeypatch):
+    """The history forgets the ids longest unused: one registered again moves to the end and keeps its own last
+    version through the passes after."""
+    monkeypatch.setattr(version_history, "HISTORY_KEPT", 8)
+    r = VectorRegistry(N_LAYERS, HIDDEN)
+    for version in (1, 2, 3):
+        reg(r, "old", t=vec(HIDDEN, seed=version), replace=True)
+    r.unregister("old")
+    for i in range(20):
+        reg(r, f"x{i}")
+        r.unregister(f"x{i}")
+        if i % 5 == 0:
+            r.unregister("old", version=3)  # noted again: moved to the end
+    assert r.history._last["old"] == 3
+
+
+def test_a_restored_history_forgets_no_stored_id():
+    """At engine start the store's history comes in before its vectors are current: nothing is forgotten then,
+    so the floor does not rise past the live ids' versions."""
+    r = VectorRegistry(N_LAYERS, HIDDEN)
+    live = {f"live{i}": 20 + i for i in range(version_history.HISTORY_KEPT + 10)}
+    r.history.restore(live, 0)
+    assert r.history.floor == 0 and reg(r, "new").version == 1
 
 
 def test_generation_counts_changes_of_current_versions(r):

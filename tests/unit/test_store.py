@@ -348,6 +348,18 @@ def test_versions_json_forgets_the_oldest_deleted_ids_and_no_version_is_reused(t
     assert _register(tmp_path, restarted, "new", 9) == floor + 1
 
 
+def test_a_store_of_many_vectors_never_forgets_the_one_it_saves(tmp_path, monkeypatch, caplog):
+    """With more stored ids than a pass keeps, the id being saved (its file comes after versions.json) stays in
+    versions.json: a restart finds nothing lost."""
+    monkeypatch.setattr(store_mod, "HISTORY_KEPT", 8)
+    store, registry = VectorStore(tmp_path), VectorRegistry(N_LAYERS, HIDDEN)
+    for i in range(12):  # more stored ids than the 6 a pass keeps
+        store.save(registry.register(f"live{i}", raw(vec(HIDDEN, seed=i)), "float32", [HIDDEN], None, False))
+        assert f"live{i}" in store.last_versions()
+    restarted = _engine_start(tmp_path)
+    assert "lost" not in caplog.text and [restarted.current(f"live{i}").version for i in range(12)] == [1] * 12
+
+
 def test_store_writes_reach_the_disk_before_they_count(tmp_path, monkeypatch):
     """The file and its folder are synced before save returns: a power loss cannot leave an empty versions.json."""
     synced = []
