@@ -17,7 +17,7 @@ _Error = TypeVar("_Error", bound="EngineError")
 
 __all__ = ["EngineError", "internal_failure"]
 
-logger = logging.getLogger("hotwire_core")
+logger = logging.getLogger(__name__)
 
 
 class EngineError(ValueError):

@@ -20,7 +20,7 @@ from safetensors import safe_open
 from safetensors.torch import save
 
 from .registry import DTYPES, HostVector
-from .version_history import HISTORY_KEPT, note_newest
+from .version_history import HISTORY_KEPT, fold_oldest, note_newest
 
 logger = logging.getLogger(__name__)
 _DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
@@ -140,14 +140,11 @@ class VectorStore:
         """Fold the versions of the ids longest without a file into :data:`FLOOR_KEY`, down to three quarters of
         HISTORY_KEPT ids; the next pass once a quarter more have come (stored ids are never forgotten, so a store
         of many keeps its passes apart). ``noting``: the ids being saved, whose files come after this write."""
-        floor, excess = versions.get(self.FLOOR_KEY, 0), len(versions) - HISTORY_KEPT * 3 // 4
-        for vector_id in list(versions):
-            if excess <= 0:
-                break
-            if vector_id != self.FLOOR_KEY and vector_id not in noting and not self._path(vector_id).exists():
-                floor = max(floor, versions.pop(vector_id))
-                excess -= 1
-        versions[self.FLOOR_KEY] = floor
+        def kept(vector_id: str) -> bool:
+            return vector_id == self.FLOOR_KEY or vector_id in noting or self._path(vector_id).exists()
+
+        folded = fold_oldest(versions, len(versions) - HISTORY_KEPT * 3 // 4, kept)
+        versions[self.FLOOR_KEY] = max(versions.get(self.FLOOR_KEY, 0), folded)
         self._forget_above = len(versions) + HISTORY_KEPT // 4
 
     def _write_versions(self, versions: dict[str, int]) -> None:

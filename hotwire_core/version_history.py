@@ -7,9 +7,10 @@ floor, so a tenant that registers and deletes ever new ids grows neither this no
 
 from __future__ import annotations
 
-from collections.abc import Collection, Mapping
+import itertools
+from collections.abc import Callable, Collection, Mapping
 
-__all__ = ["HISTORY_KEPT", "VersionHistory", "note_newest"]
+__all__ = ["HISTORY_KEPT", "VersionHistory", "fold_oldest", "note_newest"]
 
 HISTORY_KEPT = 4096
 
@@ -52,9 +53,15 @@ class VersionHistory:
         """Fold the last versions of the ids longest without a current version into the floor, down to three
         quarters of HISTORY_KEPT (a pass every quarter of it)."""
         excess = len(self._last) - len(current) - HISTORY_KEPT * 3 // 4
-        forgotten = [i for i in list(self._last)[: len(current) + excess] if i not in current][:excess]
-        for vector_id in forgotten:
-            self.floor = max(self.floor, self._last.pop(vector_id))
+        self.floor = max(self.floor, fold_oldest(self._last, excess, current.__contains__))
+
+
+def fold_oldest(newest: dict[str, int], count: int, kept: Callable[[str], bool]) -> int:
+    """Take the ``count`` oldest keys of ``newest`` (in :func:`note_newest`'s order) that ``kept`` does not keep out
+    of it; returns the highest version taken (0: none), which the caller's floor must reach. ``kept`` is asked only
+    as far as needed."""
+    taken = list(itertools.islice((key for key in newest if not kept(key)), max(count, 0)))
+    return max((newest.pop(key) for key in taken), default=0)
 
 
 def note_newest(newest: dict[str, int], key: str, version: int) -> None:
