@@ -14,6 +14,7 @@ from urllib.parse import unquote, unquote_plus, urlsplit, urlunsplit
 
 from hotwire_core.env import Float, Parsed, Text, load, setting
 from hotwire_core.settings import RETAIN_S
+from hotwire_core.version_history import HISTORY_KEPT
 
 __all__ = ["REGISTRY", "REPLICA_ID", "FleetConfig", "Keys", "default_replica_name", "redacted", "registry_url", "scrubbed",
            "url_secrets"]
@@ -100,7 +101,8 @@ class FleetConfig:
     command may take before the registry counts as unreachable; ``blob_grace_s``: ``HOTWIRE_REGISTRY_BLOB_GRACE_S``
     (default 3600), how long a blob no id's current version uses stays in Redis before it is collected;
     ``retain_s``: ``HOTWIRE_RETAIN_S`` (the engine's setting, default 60), how long the fleet keeps a replaced or
-    deleted version usable by requests pinned to it. After Redis restarted (or lost hotwire's keys) changes wait
+    deleted version usable by requests pinned to it; ``history_kept``: the deleted ids whose last version Redis and
+    each follower keep by id (older ones only raise a floor every id's next version goes on above). After Redis restarted (or lost hotwire's keys) changes wait
     until every live replica has put back what it holds (``repair``): at least ``restart_settle_s`` (two heartbeat
     intervals: every live replica has heartbeat by then), at most ``restart_limit_s`` (a replica that does not
     report cannot hold changes back for longer)."""
@@ -117,6 +119,7 @@ class FleetConfig:
     blob_grace_s: float = setting(Float("HOTWIRE_REGISTRY_BLOB_GRACE_S", default=3600.0, lo=0, hi=30 * 86400,
                                         doc="seconds an unused blob stays in Redis before it is collected"))
     retain_s: float = setting(RETAIN_S)
+    history_kept: int = HISTORY_KEPT  # the ids without a current version whose last version is kept (``Keys``)
     restart_settle_s: float = 2.0
     restart_limit_s: float = 30.0
 
@@ -149,8 +152,19 @@ class Keys:
 
     @property
     def last_version(self) -> str:
-        """Hash: id -> the last version the id ever had (deleted ones included): versions never repeat."""
+        """Hash: id -> the last version of every live id and of the last ``FleetConfig.history_kept`` ids without
+        one (``deleted``); older ones only raised ``version_floor``: versions never repeat."""
         return f"{self.prefix}last_version"
+
+    @property
+    def deleted(self) -> str:
+        """Sorted set: the ids of ``last_version`` without a current version -> when they lost it, oldest first."""
+        return f"{self.prefix}deleted"
+
+    @property
+    def version_floor(self) -> str:
+        """The highest version of the ids forgotten from ``last_version``: every id's next version is above it."""
+        return f"{self.prefix}version_floor"
 
     @property
     def events(self) -> str:

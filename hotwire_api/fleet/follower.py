@@ -49,6 +49,7 @@ class Follower:
         # (a replica's put-back after a wipe), so a repair judges the loss by this one.
         self._synced_at: str | None = None
         self._collected = time.monotonic()  # the first collection a while after start
+        self._tracked = False  # whether the first collection counted an earlier hotwire's deleted ids (track_deleted)
         self.collect_every_s = 60.0
         self.block_ms = 1000
         self.batch = 256  # events read at once
@@ -82,12 +83,19 @@ class Follower:
 
     async def collect(self) -> None:
         """Every ``collect_every_s``: delete the blobs no current version has used for the grace period
-        (``HOTWIRE_REGISTRY_BLOB_GRACE_S``), and forget the retired versions whose retention is over. Every
+        (``HOTWIRE_REGISTRY_BLOB_GRACE_S``), and forget the retired versions whose retention is over; the first
+        time, also count the deleted ids an earlier hotwire left in the numbering (``track_deleted``). Every
         follower does it; the registry's scripts make that safe."""
         if time.monotonic() - self._collected < self.collect_every_s:
             return
         self._collected = time.monotonic()
         r = self.replica
+        if not self._tracked:
+            added = await r.do(r.registry.track_deleted())
+            self._tracked = True
+            if added:
+                logger.info("hotwire: the vector registry's numbering now tracks %d deleted id(s) it kept from "
+                            "before, forgetting the oldest past %d", added, r.registry.config.history_kept)
         deleted = await r.do(r.registry.collect_blobs(r.registry.config.blob_grace_s))
         if deleted:
             logger.info("hotwire: collected %d blob(s) no current vector version uses from the registry", deleted)
@@ -172,7 +180,7 @@ class Follower:
     async def _apply(self, engine: HotwireEngine, event: Event) -> bool:
         """One event; returns whether it changed the engine's current versions."""
         if event.op == "register":
-            version, deleted = self.replica.known.get(event.vector_id, (0, False))
+            version, deleted = self.replica.known(event.vector_id)
             if event.version > version:
                 return await self._register_event(engine, event.vector_id, event.version, event.sha256)
             if event.version < version or deleted:  # a newer version or its deletion came first (this replica's own)

@@ -10,7 +10,8 @@ read the run id themselves: a client's word cannot be trusted, as an old snapsho
 from __future__ import annotations
 
 __all__ = ["COLLECT", "DELETE_ONCE", "FORGET_RETIRED", "GATE", "HEARTBEAT", "MARK_REPAIRED", "PUT_BLOB",
-           "EDIT_KEY", "END_TURN", "RECONCILE", "REFUSED", "REGISTER_ONCE", "RESTORE_KEYS", "TAKE_REGISTRATION"]
+           "EDIT_KEY", "END_TURN", "RAISE_FLOOR", "RECONCILE", "REFUSED", "REGISTER_ONCE", "RESTORE_KEYS",
+           "TAKE_REGISTRATION", "TRACK_DELETED"]
 
 REFUSED = 503  # a register's or delete's answer while the gate is closed: nothing was changed
 
@@ -24,6 +25,25 @@ local function retire(retired, since, id, value, at)
   redis.call('HSET', retired, member, sha_of(value) .. ':' .. at)
   redis.call('ZADD', since, at, member)
 end
+-- The numbering (KEYS `last_version`, `deleted`, `version_floor`, ``config.Keys``): an id left without a current
+-- version keeps its last version among the last `kept` such ids, by when; older ones are forgotten into the floor
+-- that every id's next version goes on above, so ids registered and deleted without end do not grow Redis.
+local function floor_of(floor) return tonumber(redis.call('GET', floor) or '0') end
+local function fold_deleted(last, deleted, floor, kept)
+  local excess = redis.call('ZCARD', deleted) - tonumber(kept)
+  if excess <= 0 then return end
+  local top = floor_of(floor)
+  local oldest = redis.call('ZPOPMIN', deleted, excess)
+  for i = 1, #oldest, 2 do
+    top = math.max(top, tonumber(redis.call('HGET', last, oldest[i]) or '0'))
+    redis.call('HDEL', last, oldest[i])
+  end
+  redis.call('SET', floor, top)
+end
+local function note_deleted(last, deleted, floor, id, at, kept)
+  redis.call('ZADD', deleted, at, id)
+  fold_deleted(last, deleted, floor, kept)
+end
 local function run_id() return string.match(redis.call('INFO', 'server'), 'run_id:(%x+)') end
 local function now()
   local t = redis.call('TIME')
@@ -31,17 +51,19 @@ local function now()
 end
 """
 
-# KEYS: current, last_version, events, blob, orphans, retired, retired_since, audit. ARGV: id, sha256, replace
-# (0|1), maxlen, at, floor (the newest version the caller knows of: numbering goes on above it), who, replica,
-# via. Returns {status, version, previous "<version>:<sha>" or ""}: 201/200 registered, 409 taken, 424 blob
+# KEYS: current, last_version, events, blob, orphans, retired, retired_since, audit, deleted, version_floor. ARGV:
+# id, sha256, replace (0|1), maxlen, at, floor (the newest version the caller knows of: numbering goes on above
+# it), who, replica, via. Returns {status, version, previous "<version>:<sha>" or ""}: 201/200 registered, 409 taken, 424 blob
 # missing. The blob the id stops using becomes an orphan, the registered one is not; a replaced version is
 # recorded as retired. The audit stream (never trimmed) gets the change in the same step.
 _REGISTER = """
 local previous = redis.call('HGET', KEYS[1], ARGV[1])
 if previous and ARGV[3] ~= '1' then return {409, 0, previous} end
 if redis.call('EXISTS', KEYS[4]) == 0 then return {424, 0, ''} end
-local version = math.max(tonumber(redis.call('HGET', KEYS[2], ARGV[1]) or '0'), tonumber(ARGV[6])) + 1
+local version = math.max(tonumber(redis.call('HGET', KEYS[2], ARGV[1]) or '0'), floor_of(KEYS[10]),
+                         tonumber(ARGV[6])) + 1
 redis.call('HSET', KEYS[2], ARGV[1], version)
+redis.call('ZREM', KEYS[9], ARGV[1])
 redis.call('HSET', KEYS[1], ARGV[1], version .. ':' .. ARGV[2])
 redis.call('ZREM', KEYS[5], ARGV[2])
 if previous and sha_of(previous) ~= ARGV[2] then redis.call('ZADD', KEYS[5], ARGV[5], sha_of(previous)) end
@@ -54,8 +76,9 @@ if previous then return {200, version, previous} end
 return {201, version, ''}
 """
 
-# KEYS: current, events, orphans, retired, retired_since, audit. ARGV: id, maxlen, at, who, replica. Returns
-# {status, "<version>:<sha>"}: 200 deleted (and recorded as retired, and in the audit stream), 404 unknown.
+# KEYS: current, events, orphans, retired, retired_since, audit, last_version, deleted, version_floor. ARGV: id,
+# maxlen, at, who, replica, kept. Returns {status, "<version>:<sha>"}: 200 deleted (and recorded as retired, and
+# in the audit stream), 404 unknown.
 _DELETE = """
 local current = redis.call('HGET', KEYS[1], ARGV[1])
 if not current then return {404, ''} end
@@ -63,6 +86,7 @@ redis.call('HDEL', KEYS[1], ARGV[1])
 local sha = sha_of(current)
 redis.call('ZADD', KEYS[3], ARGV[3], sha)
 retire(KEYS[4], KEYS[5], ARGV[1], current, ARGV[3])
+note_deleted(KEYS[7], KEYS[8], KEYS[9], ARGV[1], ARGV[3], ARGV[6])
 redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[2], '*', 'op', 'delete', 'id', ARGV[1],
            'version', version_of(current), 'sha256', sha, 'at', ARGV[3])
 redis.call('XADD', KEYS[6], '*', 'at', ARGV[3], 'who', ARGV[4], 'action', 'delete', 'id', ARGV[1],
@@ -92,16 +116,17 @@ return answer
 """
 
 
-REGISTER_ONCE = _once(_REGISTER, 8, 9)
-DELETE_ONCE = _once(_DELETE, 6, 5)
+REGISTER_ONCE = _once(_REGISTER, 10, 9)
+DELETE_ONCE = _once(_DELETE, 9, 6)
 
-# KEYS: current, last_version, events, blob, orphans, retired, retired_since. ARGV: id, op, version, sha256,
-# maxlen, at. Puts back into a Redis that came back with older data (or none) what one replica knows of one id,
+# KEYS: current, last_version, events, blob, orphans, retired, retired_since, deleted, version_floor. ARGV: id, op,
+# version, sha256, maxlen, at, kept. Puts back into a Redis that came back with older data (or none) what one replica knows of one id,
 # unless Redis knows as much: op `register` (the replica holds version@sha256 as current) makes it current when
 # Redis never numbered that version (its last_version is lower), retiring the older one; op `delete` (the
 # replica applied the deletion of that version) deletes the id's current version when it is that one or older;
 # op `floor` changes nothing but the numbering. Every op raises last_version to the version, so numbers go on
-# above every version a replica knew. Returns 1 when it changed the current versions, 0 when not, 424 when the
+# above every version a replica knew (whether Redis numbered a version is judged by the id's own last_version,
+# never by the floor: another replica's repair may have raised the floor above a version Redis lost). Returns 1 when it changed the current versions, 0 when not, 424 when the
 # blob is missing. Not gated: it is the repair the gate waits for.
 RECONCILE = _HELPERS + """
 local last = tonumber(redis.call('HGET', KEYS[2], ARGV[1]) or '0')
@@ -128,7 +153,32 @@ elseif ARGV[2] == 'delete' and previous and tonumber(version_of(previous)) <= ve
   changed = 1
 end
 if last < version then redis.call('HSET', KEYS[2], ARGV[1], ARGV[3]) end
+if redis.call('HEXISTS', KEYS[1], ARGV[1]) == 1 then
+  redis.call('ZREM', KEYS[8], ARGV[1])
+elseif changed == 1 or not redis.call('ZSCORE', KEYS[8], ARGV[1]) then
+  note_deleted(KEYS[2], KEYS[8], KEYS[9], ARGV[1], ARGV[6], ARGV[7])
+end
 return changed
+"""
+
+# KEYS: version_floor. ARGV: version. Raises the floor to a version a replica forgot the id of (repair).
+RAISE_FLOOR = _HELPERS + """
+if floor_of(KEYS[1]) < tonumber(ARGV[1]) then redis.call('SET', KEYS[1], ARGV[1]) end
+"""
+
+# KEYS: current, last_version, deleted, version_floor. ARGV: kept. Counts among the deleted ids, as the oldest, every
+# id of last_version without a current version that is not yet (a Redis an earlier hotwire wrote), then forgets the
+# oldest past `kept`; returns how many it added.
+TRACK_DELETED = _HELPERS + """
+local added = 0
+for _, id in ipairs(redis.call('HKEYS', KEYS[2])) do
+  if redis.call('HEXISTS', KEYS[1], id) == 0 and not redis.call('ZSCORE', KEYS[3], id) then
+    redis.call('ZADD', KEYS[3], 0, id)
+    added = added + 1
+  end
+end
+fold_deleted(KEYS[2], KEYS[3], KEYS[4], ARGV[1])
+return added
 """
 
 # KEYS: boot, closing, repaired, live. ARGV: settle_s, limit_s, replica id ("" for none). Opens the gate when it

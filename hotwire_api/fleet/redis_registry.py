@@ -111,6 +111,7 @@ class RedisRegistry(AccessCommands):
         self._put_blob, self._collect, self._forget_retired = script(lua.PUT_BLOB), script(lua.COLLECT), script(lua.FORGET_RETIRED)
         self._reconcile, self._gate, self._mark = script(lua.RECONCILE), script(lua.GATE), script(lua.MARK_REPAIRED)
         self._heartbeat, self._edit_monitor = script(lua.HEARTBEAT), script(lua.EDIT_MONITOR)
+        self._raise_floor, self._track_deleted = script(lua.RAISE_FLOOR), script(lua.TRACK_DELETED)
         self._access_scripts(script)
 
     @property
@@ -199,17 +200,33 @@ class RedisRegistry(AccessCommands):
         blob of a register stored already); returns whether the current versions changed."""
         k = self.keys
         answer = int(await self._do(self._reconcile(
-            keys=[k.current, k.last_version, k.events, k.blob(sha256), k.orphans, k.retired, k.retired_since],
-            args=[vector_id, op, version, sha256, self.config.stream_maxlen, f"{time.time():.6f}"],
+            keys=[k.current, k.last_version, k.events, k.blob(sha256), k.orphans, k.retired, k.retired_since,
+                  k.deleted, k.version_floor],
+            args=[vector_id, op, version, sha256, self.config.stream_maxlen, f"{time.time():.6f}",
+                  self.config.history_kept],
         )))
         if answer == 424:
             raise HotwireError(503, ErrorCode.REGISTRY_UNAVAILABLE, f"the vector registry at {self.display_url} lost a blob "
                                "as it was written (is Redis evicting keys? hotwire needs maxmemory-policy noeviction)")
         return answer == 1
 
-    async def last_versions(self) -> dict[str, int]:
-        """id -> the last version the registry gave it (deleted ones included)."""
-        return {_str(k): int(v) for k, v in (await self._do(self._redis.hgetall(self.keys.last_version))).items()}
+    async def last_versions(self) -> tuple[dict[str, int], int]:
+        """(id -> the last version the registry gave it, live ids and the last ``history_kept`` deleted ones; the
+        floor every id's next version goes on above)."""
+        last, floor = await self._do(asyncio.gather(self._redis.hgetall(self.keys.last_version),
+                                                    self._redis.get(self.keys.version_floor)))
+        return {_str(k): int(v) for k, v in last.items()}, int(floor or 0)
+
+    async def raise_floor(self, version: int) -> None:
+        """Raise the floor every id's next version goes on above to ``version`` (repair: ids a replica forgot)."""
+        await self._do(self._raise_floor(keys=[self.keys.version_floor], args=[version]))
+
+    async def track_deleted(self) -> int:
+        """Count the ids an earlier hotwire left in ``last_version`` without a current version among the deleted
+        ones, so that they too are forgotten into the floor past ``history_kept``; returns how many it added."""
+        k = self.keys
+        return int(await self._do(self._track_deleted(keys=[k.current, k.last_version, k.deleted, k.version_floor],
+                                                      args=[self.config.history_kept])))
 
     # -- vectors -----------------------------------------------------------------------------------------------
 
@@ -231,7 +248,8 @@ class RedisRegistry(AccessCommands):
         k = self.keys
         status, version, previous = await self._once_per_operation(
             self._register,
-            keys=[k.current, k.last_version, k.events, k.blob(sha256), k.orphans, k.retired, k.retired_since, k.audit],
+            keys=[k.current, k.last_version, k.events, k.blob(sha256), k.orphans, k.retired, k.retired_since, k.audit,
+                  k.deleted, k.version_floor],
             args=[vector_id, sha256, "1" if replace else "0", self.config.stream_maxlen, f"{time.time():.6f}", floor,
                   by.who, by.replica, by.via],
         )
@@ -247,8 +265,10 @@ class RedisRegistry(AccessCommands):
         k = self.keys
         status, current = await self._once_per_operation(
             self._delete,
-            keys=[k.current, k.events, k.orphans, k.retired, k.retired_since, k.audit],
-            args=[vector_id, self.config.stream_maxlen, f"{time.time():.6f}", by.who, by.replica],
+            keys=[k.current, k.events, k.orphans, k.retired, k.retired_since, k.audit, k.last_version, k.deleted,
+                  k.version_floor],
+            args=[vector_id, self.config.stream_maxlen, f"{time.time():.6f}", by.who, by.replica,
+                  self.config.history_kept],
         )
         return _parse_current(current) if int(status) == 200 else None
 

@@ -7,8 +7,9 @@ and delete scripts refuse while the running Redis process is not the one whose d
 restart gate, ``lua``), and each replica's follower, at its once-a-second look at the gate (:meth:`Repair.check`),
 puts back what it knows that Redis lacks (:meth:`Repair.put_back`): the current versions its engine holds that
 Redis never numbered, the deletions it applied of versions Redis still has current, and for every id it knows
-the numbering (``last_version``) raised to the highest version it knows. Each of those is one script
-(``lua.RECONCILE``), atomic, and keeps whatever Redis knows of an id that is as new or newer, so replicas may
+the numbering (``last_version``) raised to the highest version it knows, the floor above which every id is
+numbered to the highest version of the ids it forgot (``Standing.note``). Each of those is one script
+(``lua.RECONCILE``, ``lua.RAISE_FLOOR``), atomic, and keeps whatever Redis knows of an id that is as new or newer, so replicas may
 repair in any order and a late or repeated repair changes nothing that is right. The replica then marks itself
 repaired; the gate opens once every live replica (one that heartbeats) has, after a settle time
 (``FleetConfig.restart_settle_s``) that lets every live replica heartbeat first, or after
@@ -18,6 +19,8 @@ closed gate waits for it a few seconds (``RedisRegistry``), then answers 503 wit
 So nothing a live replica's follower had applied is lost or numbered again. What no live replica knew (every
 replica was down for it, or a change Redis lost before any follower read it, within milliseconds of its answer)
 is lost, as are versions retired after the data Redis came back with (they stay usable where they are held).
+So is a deletion older than the last ``FleetConfig.history_kept`` deletions every replica saw: a Redis restored
+from a backup that old serves that id's version again (its number is never given to other bytes).
 """
 
 from __future__ import annotations
@@ -72,10 +75,13 @@ class Repair:
         r = self.replica
         held = {m.id: m for m in await engine.vectors()}
         remote = await r.do(r.registry.current())
-        last = await r.do(r.registry.last_versions())
+        last, floor = await r.do(r.registry.last_versions())
+        if floor < r.floor:
+            await r.do(r.registry.raise_floor(r.floor))
         versions = deletions = 0
-        for vector_id in sorted(set(held) | set(r.known)):
-            known, deleted = r.known.get(vector_id, (0, False))
+        ids = set(held) | r.known_ids()
+        for vector_id in sorted(ids):
+            known, deleted = r.known(vector_id)
             meta, numbered = held.get(vector_id), last.get(vector_id, 0)
             done = 0  # the version the reconcile below raised the numbering to
             if meta is not None and not (deleted and known >= meta.version):
@@ -87,7 +93,7 @@ class Repair:
                 deletions += await r.do(r.registry.reconcile(vector_id, "delete", known))
                 done = known
             top = max(known, meta.version if meta is not None else 0)
-            if done < top and numbered < top:
+            if done < top and numbered < top and max(floor, r.floor) < top:
                 await r.do(r.registry.reconcile(vector_id, "floor", top))
         if versions or deletions:
             r.seeded += versions + deletions
@@ -96,7 +102,7 @@ class Repair:
                            "vector registry at %s", versions, deletions, r.registry.display_url)
         else:
             logger.info("hotwire: the vector registry at %s lacks nothing this replica knows (%d ids)",
-                        r.registry.display_url, len(set(held) | set(r.known)))
+                        r.registry.display_url, len(ids))
 
     async def _put_version(self, engine: HotwireEngine, vector_id: str, version: int) -> int:
         """Put back one current version the engine holds: its bytes from the engine, its blob, the reconcile."""

@@ -42,8 +42,12 @@ class Standing:
         self.events_applied = 0
         self.resyncs = 0
         self.started_at = time.time()
-        # id -> (the newest version this process applied or saw deleted, whether that was a deletion)
-        self.known: dict[str, tuple[int, bool]] = {}
+        # The versions this process knows (``note``): id -> the newest version it applied, for ids whose newest was
+        # not deleted; id -> the version deleted, for the last ``history_kept`` deleted ones, oldest first; older
+        # deletions only raise ``floor`` (the fleet's numbering goes on above it: ``Changes.register``, ``repair``).
+        self.applied: dict[str, int] = {}
+        self.deleted: dict[str, int] = {}
+        self.floor = 0
         # Set to end the follower after its current read and the heartbeat after its current write: redis-py 8.1
         # can swallow a cancellation that arrives during a command (a blocking XREAD; a SET), so the
         # tasks are stopped this way, cancelled only when they do not end (``Replica.stop_tasks``). ``wake`` ends
@@ -79,12 +83,33 @@ class Standing:
     # -- the versions this replica knows -----------------------------------------------------------------------
 
     def note(self, vector_id: str, version: int, deleted: bool = False) -> None:
-        known = self.known.get(vector_id, (0, False))
-        if version > known[0] or (version == known[0] and deleted):
-            self.known[vector_id] = (version, deleted)
+        """``vector_id`` had ``version`` (applied, or ``deleted``): remembered if newer than what is known, a
+        deletion winning at the same version."""
+        known, was_deleted = self.known(vector_id)
+        if version < known or (version == known and (was_deleted or not deleted)):
+            return
+        self.applied.pop(vector_id, None)
+        self.deleted.pop(vector_id, None)
+        if not deleted:
+            self.applied[vector_id] = version
+            return
+        self.deleted[vector_id] = version
+        if len(self.deleted) > self.registry.config.history_kept:
+            self.floor = max(self.floor, self.deleted.pop(next(iter(self.deleted))))
+
+    def known(self, vector_id: str) -> tuple[int, bool]:
+        """(the newest version of ``vector_id`` this process applied or saw deleted, whether that was a deletion);
+        (0, False) for one it never knew or forgot."""
+        if vector_id in self.deleted:
+            return self.deleted[vector_id], True
+        return self.applied.get(vector_id, 0), False
+
+    def known_ids(self) -> set[str]:
+        return set(self.applied) | set(self.deleted)
 
     def known_version(self, vector_id: str) -> int:
-        return self.known.get(vector_id, (0, False))[0]
+        """What a registration of ``vector_id`` numbers above: its newest known version, or the floor."""
+        return max(self.known(vector_id)[0], self.floor)
 
     # -- progress and pauses -----------------------------------------------------------------------------------
 

@@ -1,0 +1,153 @@
+"""The fleet's version numbering stays bounded (``lua``'s numbering, ``Standing.note``): Redis and each follower keep
+the last version of live ids and of the last ``history_kept`` deleted ids; older ones only raise a floor every id's
+next version goes on above, so no version is given out twice, across a wipe too. Real redis-server, replicas whose
+engines are real controllers (``test_fleet_registry``'s nodes)."""
+
+from __future__ import annotations
+
+import redis.asyncio as aioredis
+
+from hotwire_api.fleet.config import FleetConfig, Keys
+from hotwire_api.fleet.redis_registry import RedisRegistry
+from hotwire_api.fleet.standing import Standing
+from test_fleet_registry import Node, eventually, run, started, vector
+
+KEPT = 3
+
+
+async def churn(node: Node, ids: list[str]) -> dict[str, int]:
+    """Register each id, replace it as many times as its place in ``ids``, delete it; returns each id's last version."""
+    last = {}
+    for i, vector_id in enumerate(ids):
+        for replace in range(i + 1):
+            _, meta = await node.replica.changes.register(node.engine, vector_id, vector(100 * i + replace), replace > 0)
+        assert await node.replica.changes.unregister(node.engine, vector_id) == 0
+        last[vector_id] = meta.version
+    return last
+
+
+async def numbering(url: str, keys: Keys) -> tuple[dict[str, int], list[str], int, list[tuple[str, int, str]]]:
+    """Redis's last_version hash, its deleted ids oldest first, its floor, and every registration the stream holds."""
+    raw = aioredis.from_url(url, decode_responses=True)
+    try:
+        last = {k: int(v) for k, v in (await raw.hgetall(keys.last_version)).items()}
+        deleted = await raw.zrange(keys.deleted, 0, -1)
+        floor = int(await raw.get(keys.version_floor) or 0)
+        registered = [(f["id"], int(f["version"]), f["sha256"]) for _, f in await raw.xrange(keys.events)
+                      if f["op"] == "register"]
+    finally:
+        await raw.aclose()
+    return last, deleted, floor, registered
+
+
+def test_redis_and_the_followers_forget_the_oldest_deleted_ids_into_a_floor(redis_server) -> None:
+    async def body() -> None:
+        async with started(redis_server.url, "a", "b", history_kept=KEPT) as (a, b):
+            _, live = await a.replica.changes.register(a.engine, "live", vector(1), False)
+            ids = [f"d{i}" for i in range(7)]
+            last = await churn(a, ids)
+            await eventually(lambda: b.client.held() == a.client.held() == {"live": (live.version, live.sha256)})
+            await eventually(lambda: b.replica.known("d6") == (last["d6"], True))
+            forgotten, kept = ids[:-KEPT], ids[-KEPT:]
+            floor_wanted = max(last[i] for i in forgotten)
+
+            versions, deleted, floor, registered = await numbering(redis_server.url, a.registry.keys)
+            assert deleted == kept and versions == {"live": live.version, **{i: last[i] for i in kept}}
+            assert floor == floor_wanted
+            for node in (a, b):  # each follower alike: the last KEPT deletions by id, the rest in its floor
+                assert node.replica.deleted == {i: last[i] for i in kept} and node.replica.floor == floor_wanted
+                assert node.replica.applied == {"live": live.version}
+                assert node.replica.known_version("d0") == floor_wanted
+
+            # A forgotten id comes back above every version it had; a live one goes on above the floor too.
+            _, again = await b.replica.changes.register(b.engine, "d0", vector(7), False)
+            _, live2 = await b.replica.changes.register(b.engine, "live", vector(8), True)
+            assert again.version == live2.version == floor_wanted + 1
+            versions, deleted, _, registered = await numbering(redis_server.url, a.registry.keys)
+            assert "d0" not in deleted and versions["d0"] == again.version
+            assert len({(i, v) for i, v, _ in registered}) == len(registered)  # no id@version given twice
+            # A deleted id still remembered by id numbers on from its own version when that is above the floor.
+            assert last["d6"] > floor_wanted
+            _, d6 = await a.replica.changes.register(a.engine, "d6", vector(9), False)
+            assert d6.version == last["d6"] + 1
+
+    run(body)
+
+
+def test_a_wiped_registry_gets_its_floor_back_from_the_replicas(tmp_path) -> None:
+    """A Redis that lost everything: a replica's floor (the ids it forgot) is put back with what it holds, so a
+    forgotten id is never numbered again from 1."""
+    from redis_fixture import RedisServer
+
+    server = RedisServer(tmp_path / "redis", appendonly=False)
+    server.start()
+
+    async def body() -> None:
+        async with started(server.url, "a", history_kept=KEPT) as (a,):
+            _, live = await a.replica.changes.register(a.engine, "live", vector(1), False)
+            last = await churn(a, [f"d{i}" for i in range(6)])
+            floor_wanted = max(last[f"d{i}"] for i in range(6 - KEPT))
+            await eventually(lambda: a.replica.follower._synced_at == a.replica.position is not None, 3.0)
+            server.restart()  # no persistence: every key is gone
+            await eventually(lambda: a.replica.reset_seen, 5.0)
+
+            async def put_back() -> bool:
+                return await a.registry.current() == {"live": (live.version, live.sha256)}
+
+            await eventually(put_back, 3.0)
+            versions, deleted, floor, _ = await numbering(server.url, a.registry.keys)
+            assert floor == floor_wanted  # from the replica's own floor
+            assert versions == {"live": live.version, **{f"d{i}": last[f"d{i}"] for i in range(6 - KEPT, 6)}}
+            assert sorted(deleted) == [f"d{i}" for i in range(6 - KEPT, 6)]
+            _, d0 = await a.replica.changes.register(a.engine, "d0", vector(2), False)
+            assert d0.version == floor_wanted + 1
+
+    try:
+        run(body)
+    finally:
+        server.stop()
+
+
+def test_ids_an_earlier_hotwire_left_deleted_are_tracked_and_forgotten_past_the_bound(redis_server) -> None:
+    """A Redis written before the numbering was bounded: its last_version hash holds deleted ids the deleted set
+    does not; the follower's first collection counts them as the oldest deletions and forgets all but the last
+    ``history_kept`` into the floor."""
+
+    async def body() -> None:
+        keys = Keys.for_model("org/model")
+        legacy = {"old1": 5, "old2": 9, "old3": 2, "old4": 4}
+        raw = aioredis.from_url(redis_server.url, decode_responses=True)
+        await raw.hset(keys.last_version, mapping=legacy)
+        await raw.aclose()
+        async with started(redis_server.url, "a", history_kept=KEPT) as (a,):
+            _, live = await a.replica.changes.register(a.engine, "live", vector(1), False)
+            assert live.version == 1  # nothing is forgotten yet: no floor
+            a.replica.follower.collect_every_s = 0.0
+            await eventually(lambda: a.replica.follower._tracked, 3.0)
+            versions, deleted, floor, _ = await numbering(redis_server.url, keys)
+            assert len(deleted) == KEPT and set(versions) == {"live", *deleted}
+            forgotten = legacy.keys() - set(deleted)
+            assert len(forgotten) == 1 and floor == max(legacy[i] for i in forgotten)
+            assert await a.registry.track_deleted() == 0  # once counted, never again
+            _, back = await a.replica.changes.register(a.engine, next(iter(forgotten)), vector(2), False)
+            assert back.version == floor + 1
+
+    run(body)
+
+
+def test_a_followers_note_keeps_the_newest_and_lets_a_deletion_win_a_tie() -> None:
+    standing = Standing(RedisRegistry(FleetConfig("redis://unused", history_kept=2), Keys.for_model("m")),
+                        lambda: None, "r")
+    standing.note("a", 3)
+    standing.note("a", 2, deleted=True)  # older: ignored
+    assert standing.known("a") == (3, False)
+    standing.note("a", 3, deleted=True)
+    standing.note("a", 3)  # the same version applied again after its deletion: still deleted
+    assert standing.known("a") == (3, True) and standing.applied == {}
+    standing.note("a", 4)
+    assert standing.known("a") == (4, False) and standing.deleted == {}
+    for i, version in enumerate((7, 5, 6)):
+        standing.note(f"x{i}", version, deleted=True)
+    assert standing.deleted == {"x1": 5, "x2": 6} and standing.floor == 7  # x0, the oldest deletion, forgotten
+    assert standing.known("x0") == (0, False) and standing.known_version("x0") == 7
+    assert standing.known_version("a") == 7 and standing.known_ids() == {"a", "x1", "x2"}
