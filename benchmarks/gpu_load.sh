@@ -5,7 +5,9 @@
 # tenants: the soak with 4 tenants (#40), SOAK_CLIENTS clients, 64 slots, a tenant's share 16 rows; once without
 #   a flood for TENANT_DURATION (240) s and once with a tenant flooding distinct vectors for TENANT_FLOOD_DURATION
 #   (TENANT_DURATION) s (compare the others' p99; #40's soak is the flood half at 600 s); TENANT_PROFILE=S py-spies
-#   the API server and the engine core for S s in the middle of each half (py-spy on PATH). Longer than one device
+#   the API server and the engine core for S s in the middle of each half (py-spy on PATH); TENANT_FLOOD_WINDOWS=S
+#   runs the flood half alone, flooding in every other window of S s, the first quiet (the other tenants with and
+#   without the flood side by side on one server: its report's "flood_windows"). Longer than one device
 #   call: start it detached (setsid nohup) and follow its log over several calls. Both
 #   halves build the model in one folder, so the second server can reuse the first one's compiled graphs (each start
 #   took 106-113 s on the H200 with a folder of its own).
@@ -49,13 +51,15 @@ for step in "${steps[@]}"; do
         --server-arg=--gpu-memory-utilization=0.3 --workdir /tmp/throughput-4b-gpu --out "$out/throughput_4b_gpu.json" \
         2>&1 | tee "$out/throughput_4b_gpu.txt" | tail -30 ;;
     tenants)
-      for flood in "" --flood; do
+      halves=("" --flood)
+      [[ -n ${TENANT_FLOOD_WINDOWS:-} ]] && halves=(--flood)
+      for flood in "${halves[@]}"; do
         name=tenants${flood:+_flood}
         duration=${TENANT_DURATION:-240}
         [[ -n $flood ]] && duration=${TENANT_FLOOD_DURATION:-$duration}
         python3 -m benchmarks.soak --tenants 4 $flood --tenant-rows 16 --slots 64 --clients "${SOAK_CLIENTS:-256}" \
           --ids 12 --churned 4 --pool 2 --duration "$duration" --server-arg=--max-num-seqs=256 \
-          ${TENANT_PROFILE:+--profile "$TENANT_PROFILE"} \
+          ${TENANT_PROFILE:+--profile "$TENANT_PROFILE"} ${TENANT_FLOOD_WINDOWS:+--flood-windows "$TENANT_FLOOD_WINDOWS"} \
           --workdir /tmp/tenants-gpu --out "$out/${name}_gpu.json" 2>&1 | tee "$out/${name}_gpu.txt" | tail -12
       done ;;
     prefill)

@@ -74,6 +74,9 @@ Run it (from the repository root)::
     # four tenants with the same ids, and one flooding distinct vectors (soak.tenants; --url: an operator --api-key)
     python -m benchmarks.soak --tenants 4 --flood --tenant-rows 16 --slots 64 --clients 16 --duration 60 --out t.json
     # the flood's rounds that get no answer (a dropped connection, a timeout) are failures in the report
+    # the flood in every other 60-s window only: the others' p50/p99 and requests per second with and without it,
+    # side by side on one server (the report's flood_windows: ratios per tenant and the worst one)
+    python -m benchmarks.soak --tenants 4 --flood --flood-windows 60 --tenant-rows 16 --slots 64 --duration 600
     # a bigger model on a GPU, extra server arguments passed through
     python -m benchmarks.soak --model /models/qwen3-8b --server-arg=--max-num-seqs=128 --clients 128
 """
@@ -81,5 +84,6 @@ Run it (from the repository root)::
 # One job a module, each importing only those above it:
 #   steering (entries sent, receipts read) -> markers (the book, choosing markers) -> responses (reading answers)
 #   -> verdicts (judging them) -> plan (config, draws, request bodies) -> clients (sending) -> calibration
-#   -> churn (vector changes) -> control_plane (poller, drain) -> report -> run (one soak) -> tenants (several
-#   tenants' soaks at once) -> server -> cli; benchmarks.server_processes watches the server from outside
+#   -> churn (vector changes) -> control_plane (poller, drain) -> stats, windows (flood windows) -> report
+#   -> run (one soak) -> tenants (several tenants' soaks at once) -> server -> cli; benchmarks.server_processes
+#   watches the server from outside

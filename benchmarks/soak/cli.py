@@ -62,6 +62,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--tenants", type=int, default=0, help="that many tenants, each with every id and its own "
                         "key (soak.tenants; a server of the soak's own gets a keys file)")
     parser.add_argument("--flood", action="store_true", help="with --tenants: one more tenant flooding distinct vectors")
+    parser.add_argument("--flood-windows", type=float, default=0.0, metavar="SECONDS",
+                        help="with --flood: flood in every other window of that many seconds, the first one quiet, and "
+                             "report the other tenants' latencies and requests per second in each kind of window")
     parser.add_argument("--tenant-rows", type=int, help="HOTWIRE_TENANT_ROWS of a server the soak starts")
     parser.add_argument("--profile", type=float, default=0.0, metavar="SECONDS",
                         help="py-spy the server the soak starts (API server, engine core) for that long in the middle "
@@ -69,6 +72,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if args.flood and not args.tenants:
         parser.error("--flood needs --tenants")
+    if args.flood_windows and not args.flood:
+        parser.error("--flood-windows needs --flood")
+    if args.flood_windows and args.duration < 2 * args.flood_windows:
+        parser.error("--flood-windows needs a --duration of at least two windows")
     if args.tenants and args.urls and len(args.urls) > 1:
         parser.error("--tenants runs on one server")
     if args.urls and args.profile:

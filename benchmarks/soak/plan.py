@@ -45,6 +45,7 @@ class SoakConfig:
     keep_vectors: bool = False
     tenants: int = 0  # > 0: that many tenants, each with every id (soak.tenants)
     flood: bool = False  # with tenants: one more flooding distinct vectors
+    flood_windows: float = 0.0  # with flood: it floods in every other window of that many seconds (0: throughout)
     client_processes: int = 0  # processes the clients run in; 0: one per processes.CLIENTS_PER_PROCESS clients
 
 

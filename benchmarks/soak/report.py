@@ -9,31 +9,23 @@ from collections.abc import Mapping, Sequence
 from dataclasses import asdict
 from typing import Any
 
-import numpy as np
-
 from .calibration import Calibration
 from .churn import Churn
 from .control_plane import Poller
 from .markers import MarkerBook
 from .plan import Plan, SoakConfig
 from .responses import Observation
+from .stats import summarize_ms
 from .verdicts import FAILURE_KINDS, judge_all, route_key
-
-
-def summarize_ms(seconds: Sequence[float]) -> dict[str, float | int | None]:
-    """n, p50, p99 and max in milliseconds (None when empty)."""
-    if not seconds:
-        return {"n": 0, "p50": None, "p99": None, "max": None}
-    ms = np.asarray(seconds) * 1e3
-    return {"n": len(ms), "p50": round(float(np.percentile(ms, 50)), 2), "p99": round(float(np.percentile(ms, 99)), 2),
-            "max": round(float(ms.max()), 2)}  # fmt: skip
+from .windows import Windows, split
 
 
 def report(config: SoakConfig, urls: Sequence[str], plan: Plan, calibration: Calibration, book: MarkerBook,
            observations: list[Observation], churn: Churn, poller: Poller, drained: dict[str, Any], elapsed: float,
-           busy: Sequence[float] = ()) -> dict[str, Any]:  # fmt: skip
+           busy: Sequence[float] = (), windows: Windows | None = None) -> dict[str, Any]:  # fmt: skip
     """The JSON report: counts, failures by kind / detail / route with examples, latencies, throughput, control
-    plane latencies, churn and drain; ``busy``: the share of a core each client process used."""
+    plane latencies, churn and drain; ``busy``: the share of a core each client process used; ``windows``: the
+    requests judged ok split by flood window (``by_window``)."""
     judged = judge_all(observations, book, config.max_tokens)
     kinds: Counter[str] = judged["kinds"]
     failures = {kind: kinds.get(kind, 0) for kind in FAILURE_KINDS}
@@ -85,7 +77,7 @@ def report(config: SoakConfig, urls: Sequence[str], plan: Plan, calibration: Cal
                   "errors": len(churn.errors), "by_server": dict(churn.by_server),
                   "latency_ms": {k: summarize_ms(v) for k, v in churn.latencies.items()}},  # fmt: skip
         "drain": drained,
-    }
+    } | ({"by_window": split(ok_by_class, windows, elapsed)} if windows is not None else {})
 
 
 def busiest(busy: Sequence[float]) -> str:

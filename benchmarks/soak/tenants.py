@@ -8,7 +8,8 @@ registers distinct vectors as fast as the server takes them, from FLOOD_WORKERS 
 of its own (so that its client work cannot slow the other tenants' clients), and steers one request
 with each, then deletes it (its refusals, 429 ``quota_exceeded`` among them, are counted, not failures): past its
 share of the bank (``--tenant-rows`` for a server of the soak's own) its requests wait in its own lane, and the other
-tenants' latencies beside it are what that share protects."""
+tenants' latencies beside it are what that share protects. With ``--flood-windows S`` it floods in every other
+window of S seconds only, and each tenant's report splits its requests by window (``windows``)."""
 
 from __future__ import annotations
 
@@ -34,6 +35,7 @@ from .markers import MarkerBook, unit, vector_body
 from .plan import Plan, SoakConfig, soak_ids
 from .report import busiest, report, server_busy_text
 from .run import Crowd, traffic
+from .windows import Windows, compare
 
 __all__ = ["Flood", "flood", "run_tenant_soak", "tenant_book", "tenant_names", "tenants_table"]
 
@@ -83,11 +85,14 @@ class Flood:
     most_pinned: int = 0  # the most bank rows its vectors pinned at once, as GET /steer/usage said
     share: int = 0  # its share (HOTWIRE_TENANT_ROWS)
 
-    async def run(self, url: str, config: SoakConfig, plan: Plan, rows: np.ndarray, until: float, clock: Clock) -> None:
+    async def run(self, url: str, config: SoakConfig, plan: Plan, rows: np.ndarray, until: float, clock: Clock,
+                  windows: Windows | None = None) -> None:  # fmt: skip
         """``FLOOD_WORKERS`` loops at once, each: register a new id, steer one request with it, delete it; again
-        until ``until``. Together they pin more rows than a tenant's share once it is below FLOOD_WORKERS. A round
-        that gets no answer (a dropped connection, a timeout) counts in ``errors`` and its worker goes on."""
-        await asyncio.gather(*(self._worker(k, url, config, plan, rows, until, clock) for k in range(FLOOD_WORKERS)),
+        until ``until`` (within the flood ``windows`` only, when given). Together they pin more rows than a
+        tenant's share once it is below FLOOD_WORKERS. A round that gets no answer (a dropped connection, a timeout)
+        counts in ``errors`` and its worker goes on."""
+        await asyncio.gather(*(self._worker(k, url, config, plan, rows, until, clock, windows)
+                               for k in range(FLOOD_WORKERS)),
                              self._watch(url, config, until, clock))
 
     async def _watch(self, url: str, config: SoakConfig, until: float, clock: Clock) -> None:
@@ -98,12 +103,15 @@ class Flood:
                 await asyncio.sleep(0.1)
 
     async def _worker(self, k: int, url: str, config: SoakConfig, plan: Plan, rows: np.ndarray, until: float,
-                      clock: Clock) -> None:  # fmt: skip
+                      clock: Clock, windows: Windows | None) -> None:  # fmt: skip
         rng = np.random.default_rng(config.seed * 1000 + k)
         async with http_client(url, config) as http:
             for i in itertools.count():
                 if clock.now() >= until:
                     return
+                if windows is not None and not windows.flooding(clock.now()):
+                    await asyncio.sleep(min(windows.next_flood(clock.now()), until) - clock.now())
+                    continue
                 try:
                     row = rows[rng.integers(len(rows))]
                     await self._round(http, f"{config.id_prefix}-flood-{k}-{i}", config, plan, row)
@@ -132,10 +140,11 @@ class Flood:
             await http.delete(f"/steer/vectors/{vector_id}")
 
 
-async def flood(url: str, config: SoakConfig, plan: Plan, rows: np.ndarray, until: float, clock: Clock) -> Flood:
+async def flood(url: str, config: SoakConfig, plan: Plan, rows: np.ndarray, until: float, clock: Clock,
+                windows: Windows | None = None) -> Flood:  # fmt: skip
     """The flooding tenant, as a job of its own process (``processes.in_processes``): what it did."""
     done = Flood()
-    await done.run(url, config, plan, rows, until, clock)
+    await done.run(url, config, plan, rows, until, clock, windows)
     return done
 
 
@@ -175,6 +184,7 @@ async def run_tenant_soak(config: SoakConfig, url: str, model_dir: Path, watch: 
     poller = Poller(url, config)
     began = clock.now()
     until = began + config.duration
+    windows = Windows(began, config.flood_windows) if config.flood and config.flood_windows else None
     poller.start()
     if watch is not None:
         watch.start(config.duration)
@@ -183,7 +193,7 @@ async def run_tenant_soak(config: SoakConfig, url: str, model_dir: Path, watch: 
         if config.flood:  # in a process of its own: its client work does not slow the other tenants' clients
             flooding = dataclasses.replace(config, api_key=keys[FLOOD])
             extra.append((flood, (url, flooding, dataclasses.replace(plan, config=flooding), facts.unembedding, until,
-                                  clock)))  # fmt: skip
+                                  clock, windows)))  # fmt: skip
         flooded, busy = await traffic([url], crowds, facts.unembedding, clock, until, extra)
     finally:
         elapsed = clock.now() - began
@@ -196,9 +206,10 @@ async def run_tenant_soak(config: SoakConfig, url: str, model_dir: Path, watch: 
             await delete_all(url, crowd.plan.config, static + churned)
     await revoke_keys(url, config, [*tenants, *([FLOOD] if config.flood else [])])
     reports = {t: report(c.plan.config, [url], c.plan, calibration, c.book, c.observations, c.churn, poller, drained,
-                         elapsed, busy)
+                         elapsed, busy, windows)
                for t, c in crowds.items()}  # fmt: skip
     flood_done = flooded[0] if flooded else Flood()
+    flooded_s = windows.seconds_of(elapsed)["flood"] if windows is not None else elapsed  # (per second of flooding)
     failed = sum(r["failed"] for r in reports.values()) + sum(flood_done.errors.values())
     return {"tenants": reports, "failed": failed, "elapsed_s": round(elapsed, 2),
             "client_processes_busy": busy, "server_busy": watched.get("busy"),
@@ -207,8 +218,9 @@ async def run_tenant_soak(config: SoakConfig, url: str, model_dir: Path, watch: 
                       "refused": dict(flood_done.refused), "errors": dict(flood_done.errors),
                       "most_pinned_rows": flood_done.most_pinned,
                       "share_rows": flood_done.share,
-                      "registrations_per_s": round(flood_done.registered / elapsed, 2) if elapsed else None}
+                      "registrations_per_s": round(flood_done.registered / flooded_s, 2) if flooded_s else None}
             if config.flood else None,
+            "flood_windows": compare({t: r["by_window"] for t, r in reports.items()}) if windows is not None else None,
             "config": dataclasses.asdict(config) | {"api_key": bool(config.api_key)}, "at": time.time()}
 
 
@@ -224,10 +236,19 @@ def tenants_table(result: dict[str, Any]) -> str:
                      f"{lat['plain']['total']['p50']}/{lat['plain']['total']['p99']}, steered "
                      f"{lat['steered']['total']['p50']}/{lat['steered']['total']['p99']}; churn "
                      f"{r['churn']['replaced']} replaced, {r['churn']['deleted']} deleted")
+        if "by_window" in r:
+            quiet, flood = (r["by_window"][kind]["total_ms"] for kind in ("quiet", "flood"))
+            lines.append(f"    total ms p99 quiet/flood windows: plain {quiet['plain']['p99']}/{flood['plain']['p99']}, "
+                         f"steered {quiet['steered']['p99']}/{flood['steered']['p99']}; ok req/s "
+                         f"{r['by_window']['quiet']['ok_rps']}/{r['by_window']['flood']['ok_rps']}")
     if result["flood"]:
         f = result["flood"]
         lines.append(f"  flood: {f['registered']} distinct vectors registered ({f['registrations_per_s']}/s), "
                      f"{f['steered']} steered requests, refused {f['refused'] or 'none'}, failed {f['errors'] or 'none'}; "
                      f"at most {f['most_pinned_rows']} rows pinned at once, its share {f['share_rows']}")
+    if result.get("flood_windows"):
+        worst = result["flood_windows"]["worst"]
+        lines.append("  flood windows against quiet ones, the worst tenant: " + ", ".join(
+            f"{key.replace('_', ' ')} x{value}" for key, value in worst.items() if value is not None))
     return "\n".join(lines)
 
