@@ -167,6 +167,12 @@ class Keys:
         return f"{self.prefix}version_floor"
 
     @property
+    def deleted_floor(self) -> str:
+        """The highest version of the ids forgotten after a deletion through the restart gate: a repair puts back
+        no version at or below it of an id ``last_version`` lacks (it may have been deleted and forgotten)."""
+        return f"{self.prefix}deleted_floor"
+
+    @property
     def events(self) -> str:
         """Stream of ``op`` (register | delete), ``id``, ``version``, ``sha256``, ``created`` in the order Redis
         accepted them."""

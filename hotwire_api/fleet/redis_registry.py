@@ -201,7 +201,7 @@ class RedisRegistry(AccessCommands):
         k = self.keys
         answer = int(await self._do(self._reconcile(
             keys=[k.current, k.last_version, k.events, k.blob(sha256), k.orphans, k.retired, k.retired_since,
-                  k.deleted, k.version_floor],
+                  k.deleted, k.version_floor, k.deleted_floor],
             args=[vector_id, op, version, sha256, self.config.stream_maxlen, f"{time.time():.6f}",
                   self.config.history_kept],
         )))
@@ -221,12 +221,17 @@ class RedisRegistry(AccessCommands):
         """Raise the floor every id's next version goes on above to ``version`` (repair: ids a replica forgot)."""
         await self._do(self._raise_floor(keys=[self.keys.version_floor], args=[version]))
 
-    async def track_deleted(self) -> int:
+    async def track_deleted(self, batch: int = 1000) -> int:
         """Count the ids an earlier hotwire left in ``last_version`` without a current version among the deleted
-        ones, so that they too are forgotten into the floor past ``history_kept``; returns how many it added."""
-        k = self.keys
-        return int(await self._do(self._track_deleted(keys=[k.current, k.last_version, k.deleted, k.version_floor],
-                                                      args=[self.config.history_kept])))
+        ones, so that they too are forgotten into the floor past ``history_kept`` (``batch`` ids a script); returns
+        how many it added."""
+        k, cursor, added, left = self.keys, "0", 0, 0  # cursor: "0" starts the scan, "" once it is done
+        while cursor or left:
+            answer = await self._do(self._track_deleted(keys=[k.current, k.last_version, k.deleted, k.version_floor],
+                                                        args=[self.config.history_kept, cursor, batch]))
+            cursor = "" if _str(answer[0]) == "0" else _str(answer[0])
+            added, left = added + int(answer[1]), int(answer[2])
+        return added
 
     # -- vectors -----------------------------------------------------------------------------------------------
 
@@ -266,7 +271,7 @@ class RedisRegistry(AccessCommands):
         status, current = await self._once_per_operation(
             self._delete,
             keys=[k.current, k.events, k.orphans, k.retired, k.retired_since, k.audit, k.last_version, k.deleted,
-                  k.version_floor],
+                  k.version_floor, k.deleted_floor],
             args=[vector_id, self.config.stream_maxlen, f"{time.time():.6f}", by.who, by.replica,
                   self.config.history_kept],
         )

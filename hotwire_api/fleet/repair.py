@@ -93,7 +93,7 @@ class Repair:
                 deletions += await r.do(r.registry.reconcile(vector_id, "delete", known))
                 done = known
             top = max(known, meta.version if meta is not None else 0)
-            if done < top and numbered < top and max(floor, r.floor) < top:
+            if done < top and numbered < top:
                 await r.do(r.registry.reconcile(vector_id, "floor", top))
         if versions or deletions:
             r.seeded += versions + deletions

@@ -44,10 +44,10 @@ def test_redis_and_the_followers_forget_the_oldest_deleted_ids_into_a_floor(redi
     async def body() -> None:
         async with started(redis_server.url, "a", "b", history_kept=KEPT) as (a, b):
             _, live = await a.replica.changes.register(a.engine, "live", vector(1), False)
-            ids = [f"d{i}" for i in range(7)]
+            ids = ["d3", "d0", "d5", "d1", "d6", "d2", "d4"]  # deleted in this order: forgotten by when, not by name
             last = await churn(a, ids)
             await eventually(lambda: b.client.held() == a.client.held() == {"live": (live.version, live.sha256)})
-            await eventually(lambda: b.replica.known("d6") == (last["d6"], True))
+            await eventually(lambda: b.replica.known("d4") == (last["d4"], True))
             forgotten, kept = ids[:-KEPT], ids[-KEPT:]
             floor_wanted = max(last[i] for i in forgotten)
 
@@ -57,19 +57,21 @@ def test_redis_and_the_followers_forget_the_oldest_deleted_ids_into_a_floor(redi
             for node in (a, b):  # each follower alike: the last KEPT deletions by id, the rest in its floor
                 assert node.replica.deleted == {i: last[i] for i in kept} and node.replica.floor == floor_wanted
                 assert node.replica.applied == {"live": live.version}
-                assert node.replica.known_version("d0") == floor_wanted
+                assert node.replica.known_version("d3") == floor_wanted
 
             # A forgotten id comes back above every version it had; a live one goes on above the floor too.
-            _, again = await b.replica.changes.register(b.engine, "d0", vector(7), False)
+            _, again = await b.replica.changes.register(b.engine, "d3", vector(7), False)
             _, live2 = await b.replica.changes.register(b.engine, "live", vector(8), True)
             assert again.version == live2.version == floor_wanted + 1
             versions, deleted, _, registered = await numbering(redis_server.url, a.registry.keys)
-            assert "d0" not in deleted and versions["d0"] == again.version
+            assert "d3" not in deleted and versions["d3"] == again.version
             assert len({(i, v) for i, v, _ in registered}) == len(registered)  # no id@version given twice
-            # A deleted id still remembered by id numbers on from its own version when that is above the floor.
-            assert last["d6"] > floor_wanted
-            _, d6 = await a.replica.changes.register(a.engine, "d6", vector(9), False)
-            assert d6.version == last["d6"] + 1
+            # A deleted id still remembered by id numbers on from its own version when that is above the floor, and
+            # is no longer among the deleted ones.
+            assert last["d4"] > floor_wanted
+            _, d4 = await a.replica.changes.register(a.engine, "d4", vector(9), False)
+            versions, deleted, _, _ = await numbering(redis_server.url, a.registry.keys)
+            assert d4.version == last["d4"] + 1 and deleted == ["d6", "d2"] and versions["d4"] == d4.version
 
     run(body)
 
@@ -110,29 +112,69 @@ def test_a_wiped_registry_gets_its_floor_back_from_the_replicas(tmp_path) -> Non
 
 def test_ids_an_earlier_hotwire_left_deleted_are_tracked_and_forgotten_past_the_bound(redis_server) -> None:
     """A Redis written before the numbering was bounded: its last_version hash holds deleted ids the deleted set
-    does not; the follower's first collection counts them as the oldest deletions and forgets all but the last
-    ``history_kept`` into the floor."""
+    does not; they are counted as the oldest deletions, in batches, and all but the last ``history_kept`` forgotten
+    into the floor; the follower's first collection does it."""
 
     async def body() -> None:
         keys = Keys.for_model("org/model")
-        legacy = {"old1": 5, "old2": 9, "old3": 2, "old4": 4}
+        legacy = {f"old{i}": version for i, version in enumerate((5, 9, 2, 4, 7, 1, 3))}
         raw = aioredis.from_url(redis_server.url, decode_responses=True)
         await raw.hset(keys.last_version, mapping=legacy)
         await raw.aclose()
         async with started(redis_server.url, "a", history_kept=KEPT) as (a,):
             _, live = await a.replica.changes.register(a.engine, "live", vector(1), False)
             assert live.version == 1  # nothing is forgotten yet: no floor
-            a.replica.follower.collect_every_s = 0.0
-            await eventually(lambda: a.replica.follower._tracked, 3.0)
+            assert await a.registry.track_deleted(batch=2) == len(legacy)  # several scripts of two ids each
             versions, deleted, floor, _ = await numbering(redis_server.url, keys)
             assert len(deleted) == KEPT and set(versions) == {"live", *deleted}
             forgotten = legacy.keys() - set(deleted)
-            assert len(forgotten) == 1 and floor == max(legacy[i] for i in forgotten)
+            assert len(forgotten) == len(legacy) - KEPT and floor == max(legacy[i] for i in forgotten)
+            a.replica.follower.collect_every_s = 0.0
+            await eventually(lambda: a.replica.follower._tracked, 3.0)
             assert await a.registry.track_deleted() == 0  # once counted, never again
+            assert (await numbering(redis_server.url, keys))[:3] == (versions, deleted, floor)
             _, back = await a.replica.changes.register(a.engine, next(iter(forgotten)), vector(2), False)
             assert back.version == floor + 1
 
     run(body)
+
+
+def test_a_replica_that_missed_a_forgotten_deletion_does_not_bring_it_back(tmp_path) -> None:
+    """Replica b holds x@1 while it is away; x is deleted and, past ``history_kept`` more deletions, forgotten by
+    Redis and by replica a; Redis then restarts with all its data. b's repair must not put x back (Redis no longer
+    knows x, but x@1 is at or below the floor of the ids forgotten after a deletion), and b drops x as it catches
+    up."""
+    from redis_fixture import RedisServer
+
+    server = RedisServer(tmp_path / "redis", appendonly=True)
+    server.start()
+
+    async def body() -> None:
+        async with started(server.url, "a", "b", history_kept=KEPT) as (a, b):
+            _, x = await a.replica.changes.register(a.engine, "x", vector(1), False)
+            await eventually(lambda: b.client.held().get("x") == (x.version, x.sha256))
+            await eventually(lambda: b.replica.follower.repair.run_id is not None)
+            before = b.replica.follower.repair.run_id
+            await b.stop()  # away: its engine still holds x@1
+            assert await a.replica.changes.unregister(a.engine, "x") == 0
+            await churn(a, [f"d{i}" for i in range(KEPT + 1)])
+            assert a.replica.known("x") == (0, False) and "x" not in (await numbering(server.url, a.registry.keys))[0]
+            server.restart()  # its data kept (append-only file): only the run id is new
+            b.replica.follower._gate_checked = -1e9  # away long: its first look is at the gate, before the stream
+            b.start()
+            await eventually(lambda: b.replica.follower.repair.run_id not in (None, before), 5.0)  # b repaired
+            await eventually(lambda: "x" not in b.client.held(), 5.0)
+            assert await a.registry.current() == {}
+            late = Node(server.url, "c", history_kept=KEPT)  # a replica started now holds nothing
+            late.start()
+            await eventually(lambda: late.replica.position is not None, 5.0)
+            assert late.client.held() == {} and a.client.held() == {}
+            await late.close()
+
+    try:
+        run(body)
+    finally:
+        server.stop()
 
 
 def test_a_followers_note_keeps_the_newest_and_lets_a_deletion_win_a_tie() -> None:
