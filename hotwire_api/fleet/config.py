@@ -16,7 +16,7 @@ from hotwire_core.env import Float, Parsed, Text, load, setting
 from hotwire_core.settings import RETAIN_S
 from hotwire_core.version_history import HISTORY_KEPT
 
-__all__ = ["REGISTRY", "REPLICA_ID", "FleetConfig", "Keys", "default_replica_name", "redacted", "registry_url", "scrubbed",
+__all__ = ["REGISTRY", "REPLICA_ID", "SCHEMA", "FleetConfig", "Keys", "default_replica_name", "redacted", "registry_url", "scrubbed",
            "url_secrets"]
 
 _SCHEMES = ("redis", "rediss", "unix")
@@ -36,6 +36,10 @@ def registry_url(raw: str) -> str | None:
         )
     return value
 
+
+# The layout of hotwire's keys and what its scripts keep there, in every replica's heartbeat: replicas of other
+# schemas must not share a Redis (schema 2: the bounded numbering, ``deleted`` and the floors; before it, none).
+SCHEMA = 2
 
 REGISTRY = Parsed("HOTWIRE_REGISTRY", parse_with=registry_url,
                   doc="'local' (unset: each engine's embedded registry) or the fleet's Redis URL")

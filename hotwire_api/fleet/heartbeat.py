@@ -1,9 +1,11 @@
-"""What the fleet sees of itself: each replica's heartbeat in the registry (its slots, pinned rows, refusals and the
-vector versions it holds), the registry section of ``/steer/slots`` and the ``/steer/fleet`` view built from
-every live replica's heartbeat."""
+"""What the fleet sees of itself: each replica's heartbeat in the registry (its slots, pinned rows, refusals, the
+vector versions it holds and the key schema it runs), the registry section of ``/steer/slots`` and the
+``/steer/fleet`` view built from every live replica's heartbeat. A replica that sees a live one of another key
+schema (a rolling upgrade across a change of it) says so in an error, once for each."""
 
 from __future__ import annotations
 
+import itertools
 import logging
 import os
 import time
@@ -11,13 +13,16 @@ from typing import Any
 
 from hotwire_api.engine import HotwireEngine
 from hotwire_api.errors import HotwireError
+from hotwire_api.fleet.config import SCHEMA
 from hotwire_api.fleet.redis_registry import Unavailable
 from hotwire_api.fleet.standing import Standing
 from hotwire_api.models import FleetVector, HeldVector, PinnedRow, ReplicaSlots
 
-__all__ = ["Heartbeat"]
+__all__ = ["SCHEMA_CHECK_EVERY", "Heartbeat"]
 
 logger = logging.getLogger(__name__)
+
+SCHEMA_CHECK_EVERY = 30  # heartbeats between two looks at the other replicas' key schemas
 
 
 class Heartbeat:
@@ -25,6 +30,7 @@ class Heartbeat:
 
     def __init__(self, replica: Standing):
         self.replica = replica
+        self.told: set[tuple[str, Any]] = set()  # (replica, schema) pairs already named in an error
 
     async def state(self, engine: HotwireEngine) -> dict[str, Any]:
         """This replica's heartbeat: slot statistics, pinned rows and the vector versions it holds."""
@@ -32,7 +38,7 @@ class Heartbeat:
         stats = await engine.stats()
         vectors = await engine.vectors()
         return {
-            "replica": r.replica_id, "url": r.url, "pid": os.getpid(), "started_at": r.started_at,
+            "replica": r.replica_id, "url": r.url, "pid": os.getpid(), "started_at": r.started_at, "schema": SCHEMA,
             "sent_at": time.time(), **r.progress(),
             "slots": ReplicaSlots.of(stats).model_dump(),
             "refused": stats.refused,
@@ -44,16 +50,33 @@ class Heartbeat:
         """Put this replica's state in the registry every ``heartbeat_s`` until stopped; it expires after three."""
         r = self.replica
         interval = r.registry.config.heartbeat_s
-        while not r.stopping:
+        for beat in itertools.count():
+            if r.stopping:
+                return
             engine = r.engine()
             if engine is not None:
                 try:
                     await r.do(r.registry.heartbeat(r.replica_id, await self.state(engine), 3 * interval))
+                    if beat % SCHEMA_CHECK_EVERY == 1:  # (the second beat: the others have had one interval)
+                        await self.check_schemas()
                 except Unavailable:
                     pass
                 except HotwireError as exc:
                     logger.debug("hotwire: heartbeat skipped: %s", exc.message)
             await r.pause(interval)
+
+    async def check_schemas(self) -> None:
+        """Name each live replica of another key schema in an error, once: two schemas on one Redis can give a
+        version number out twice (an earlier one numbers without the floors)."""
+        r = self.replica
+        for beat in await r.do(r.registry.replicas()):
+            other = (str(beat.get("replica")), beat.get("schema"))
+            if other[1] != SCHEMA and other not in self.told and other[0] != r.replica_id:
+                self.told.add(other)
+                logger.error("hotwire: replica %s runs another hotwire (its fleet key schema %s, this one's %d) on the "
+                             "vector registry at %s: upgrade every replica of a fleet together (docs/fleet.md), as "
+                             "mixed schemas can number a version twice", other[0], other[1] or "from before 2", SCHEMA,
+                             r.registry.display_url)
 
     async def status(self) -> dict[str, Any]:
         """What ``/steer/slots`` says of the registry. An API server without the follower reports the follower's

@@ -193,3 +193,26 @@ def test_a_followers_note_keeps_the_newest_and_lets_a_deletion_win_a_tie() -> No
     assert standing.deleted == {"x1": 5, "x2": 6} and standing.floor == 7  # x0, the oldest deletion, forgotten
     assert standing.known("x0") == (0, False) and standing.known_version("x0") == 7
     assert standing.known_version("a") == 7 and standing.known_ids() == {"a", "x1", "x2"}
+
+
+def test_a_live_replica_of_another_key_schema_is_named_in_an_error_once(redis_server, caplog) -> None:
+    """A rolling upgrade across a change of the key schema: each replica names a live one that runs another schema
+    (here one from before schemas, whose heartbeat has none) in an error, once."""
+
+    async def body() -> None:
+        async with started(redis_server.url, "a", "b", heartbeat=True, heartbeat_s=0.05) as (a, b):
+            state = b.replica.heartbeat.state
+
+            async def before_schemas(engine):
+                return {k: v for k, v in (await state(engine)).items() if k != "schema"}
+
+            b.replica.heartbeat.state = before_schemas
+            await eventually(lambda: ("b", None) in a.replica.heartbeat.told, 3.0)
+            await a.replica.heartbeat.check_schemas()  # a later look names it no more
+            assert a.replica.heartbeat.told == {("b", None)}
+            assert b.replica.heartbeat.told == set()  # a runs this schema; b's own heartbeat is not another's
+
+    with caplog.at_level("ERROR", logger="hotwire_api.fleet.heartbeat"):
+        run(body)
+    named = [r.getMessage() for r in caplog.records if "runs another hotwire" in r.getMessage()]
+    assert len(named) == 1 and named[0].startswith("hotwire: replica b runs another hotwire"), named
