@@ -30,7 +30,7 @@ class Heartbeat:
 
     def __init__(self, replica: Standing):
         self.replica = replica
-        self.told: set[tuple[str, Any]] = set()  # (replica, schema) pairs already named in an error
+        self.told: set[tuple[str, str]] = set()  # (replica, repr of its schema) already named in an error
 
     async def state(self, engine: HotwireEngine) -> dict[str, Any]:
         """This replica's heartbeat: slot statistics, pinned rows and the vector versions it holds."""
@@ -67,16 +67,27 @@ class Heartbeat:
 
     async def check_schemas(self) -> None:
         """Name each live replica of another key schema in an error, once: two schemas on one Redis can give a
-        version number out twice (an earlier one numbers without the floors)."""
+        version number out twice or bring a deleted vector back. A heartbeat it cannot read is named too: this
+        replica's own heartbeat goes on."""
         r = self.replica
-        for beat in await r.do(r.registry.replicas()):
-            other = (str(beat.get("replica")), beat.get("schema"))
-            if other[1] != SCHEMA and other not in self.told and other[0] != r.replica_id:
-                self.told.add(other)
+        try:
+            beats = await r.do(r.registry.replicas())
+            others = {(str(b.get("replica")), repr(b.get("schema"))) for b in beats if isinstance(b, dict)}
+            strays = len(beats) - sum(isinstance(b, dict) for b in beats)
+            unreadable = f"{strays} not a JSON object" if strays else ""
+        except (ValueError, TypeError) as exc:  # a heartbeat that is not JSON
+            others, unreadable = set(), f"{type(exc).__name__}: {exc}"
+        if unreadable and ("?", "unreadable") not in self.told:
+            self.told.add(("?", "unreadable"))
+            logger.error("hotwire: a replica's heartbeat in the vector registry at %s is not hotwire's (%s)",
+                         r.registry.display_url, unreadable)
+        for name, schema in sorted(others):
+            if schema != repr(SCHEMA) and name != r.replica_id and (name, schema) not in self.told:
+                self.told.add((name, schema))
                 logger.error("hotwire: replica %s runs another hotwire (its fleet key schema %s, this one's %d) on the "
                              "vector registry at %s: upgrade every replica of a fleet together (docs/fleet.md), as "
-                             "mixed schemas can number a version twice", other[0], other[1] or "from before 2", SCHEMA,
-                             r.registry.display_url)
+                             "mixed schemas can number a version twice or bring a deleted vector back", name,
+                             "none" if schema == "None" else schema, SCHEMA, r.registry.display_url)
 
     async def status(self) -> dict[str, Any]:
         """What ``/steer/slots`` says of the registry. An API server without the follower reports the follower's

@@ -27,14 +27,14 @@ local function retire(retired, since, id, value, at)
 end
 -- The numbering (KEYS `last_version`, `deleted`, `version_floor`, `deleted_floor`, ``config.Keys``): an id left
 -- without a current version keeps its last version among the last `kept` such ids, by when (Redis's clock); older
--- ones are forgotten, raising the floor every id's next version goes on above, so ids registered and deleted
--- without end do not grow Redis. A fold after a deletion through the gate also raises `deleted_floor`: an id Redis
--- has no last version for, at or below it, may have been deleted and forgotten, so a repair does not put it back.
--- Folds while the gate may be closed (a repair's, the count of an earlier hotwire's ids) raise the floor only: they
--- may fold ids whose versions are above a version Redis lost and a replica is about to put back. `limit` bounds the
--- ids one call forgets (a backlog goes in later calls).
+-- ones are forgotten, raising the floor every id's next version goes on above and `deleted_floor`: an id Redis has
+-- no last version for, at or below it, may have been deleted and forgotten, so a repair does not put it back.
+-- Forgetting happens only while the restart gate is open (a gated DELETE; TRACK_DELETED when it finds the gate open):
+-- while a repair runs, a fold could forget a deletion a replica that was away is about to undo, or raise
+-- `deleted_floor` above a version Redis lost that a replica is about to put back; a repair only marks ids deleted,
+-- and the next deletions forget the backlog. `limit` bounds the ids one call forgets.
 local function floor_of(floor) return tonumber(redis.call('GET', floor) or '0') end
-local function fold_deleted(last, deleted, floor, kept, limit, gated_floor)
+local function fold_deleted(last, deleted, floor, deleted_floor, kept, limit)
   local excess = math.min(redis.call('ZCARD', deleted) - tonumber(kept), limit)
   if excess <= 0 then return end
   local top = 0
@@ -43,14 +43,13 @@ local function fold_deleted(last, deleted, floor, kept, limit, gated_floor)
     top = math.max(top, tonumber(redis.call('HGET', last, oldest[i]) or '0'))
     redis.call('HDEL', last, oldest[i])
   end
-  for _, key in ipairs({floor, gated_floor}) do
+  for _, key in ipairs({floor, deleted_floor}) do
     if floor_of(key) < top then redis.call('SET', key, top) end
   end
 end
-local function note_deleted(last, deleted, floor, id, kept, gated_floor)
+local function mark_deleted(deleted, id)
   local t = redis.call('TIME')
   redis.call('ZADD', deleted, tonumber(t[1]) + tonumber(t[2]) / 1000000, id)
-  fold_deleted(last, deleted, floor, kept, 100, gated_floor)
 end
 local function run_id() return string.match(redis.call('INFO', 'server'), 'run_id:(%x+)') end
 local function now()
@@ -94,7 +93,8 @@ redis.call('HDEL', KEYS[1], ARGV[1])
 local sha = sha_of(current)
 redis.call('ZADD', KEYS[3], ARGV[3], sha)
 retire(KEYS[4], KEYS[5], ARGV[1], current, ARGV[3])
-note_deleted(KEYS[7], KEYS[8], KEYS[9], ARGV[1], ARGV[6], KEYS[10])
+mark_deleted(KEYS[8], ARGV[1])
+fold_deleted(KEYS[7], KEYS[8], KEYS[9], KEYS[10], ARGV[6], 100)
 redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[2], '*', 'op', 'delete', 'id', ARGV[1],
            'version', version_of(current), 'sha256', sha, 'at', ARGV[3])
 redis.call('XADD', KEYS[6], '*', 'at', ARGV[3], 'who', ARGV[4], 'action', 'delete', 'id', ARGV[1],
@@ -127,16 +127,17 @@ return answer
 REGISTER_ONCE = _once(_REGISTER, 10, 9)
 DELETE_ONCE = _once(_DELETE, 10, 6)
 
-# KEYS: current, last_version, events, blob, orphans, retired, retired_since, deleted, version_floor, deleted_floor.
-# ARGV: id, op, version, sha256, maxlen, at, kept. Puts back into a Redis that came back with older data (or none) what one replica knows of one id,
+# KEYS: current, last_version, events, blob, orphans, retired, retired_since, deleted, deleted_floor. ARGV: id, op,
+# version, sha256, maxlen, at. Puts back into a Redis that came back with older data (or none) what one replica knows of one id,
 # unless Redis knows as much: op `register` (the replica holds version@sha256 as current) makes it current when
 # Redis never numbered that version (its last_version is lower), retiring the older one; op `delete` (the
 # replica applied the deletion of that version) deletes the id's current version when it is that one or older;
-# op `floor` changes nothing but the numbering. Every op raises last_version to the version, so numbers go on
+# op `floor` changes only the numbering. Every op raises last_version to the version, so numbers go on
 # above every version a replica knew. Whether Redis numbered a version is judged by the id's own last_version, and
 # for an id without one by `deleted_floor` alone (a version at or below it may have been deleted and forgotten: a
 # replica that missed that deletion must not bring it back), never by the floor, which another replica's repair
-# may have raised above a version Redis lost. Returns 1 when it changed the current versions, 0 when not, 424 when the
+# may have raised above a version Redis lost. An id it leaves without a current version is marked deleted, to be
+# forgotten later (the numbering, above). Returns 1 when it changed the current versions, 0 when not, 424 when the
 # blob is missing. Not gated: it is the repair the gate waits for.
 RECONCILE = _HELPERS + """
 local numbered = redis.call('HGET', KEYS[2], ARGV[1])
@@ -144,7 +145,7 @@ local last = tonumber(numbered or '0')
 local version = tonumber(ARGV[3])
 local previous = redis.call('HGET', KEYS[1], ARGV[1])
 local changed = 0
-if ARGV[2] == 'register' and last < version and (numbered or version > floor_of(KEYS[10])) then
+if ARGV[2] == 'register' and last < version and (numbered or version > floor_of(KEYS[9])) then
   if redis.call('EXISTS', KEYS[4]) == 0 then return 424 end
   redis.call('HSET', KEYS[1], ARGV[1], ARGV[3] .. ':' .. ARGV[4])
   redis.call('ZREM', KEYS[5], ARGV[4])
@@ -167,7 +168,7 @@ if last < version then redis.call('HSET', KEYS[2], ARGV[1], ARGV[3]) end
 if redis.call('HEXISTS', KEYS[1], ARGV[1]) == 1 then
   redis.call('ZREM', KEYS[8], ARGV[1])
 elseif changed == 1 or not redis.call('ZSCORE', KEYS[8], ARGV[1]) then
-  note_deleted(KEYS[2], KEYS[8], KEYS[9], ARGV[1], ARGV[7])
+  mark_deleted(KEYS[8], ARGV[1])
 end
 return changed
 """
@@ -177,11 +178,12 @@ RAISE_FLOOR = _HELPERS + """
 if floor_of(KEYS[1]) < tonumber(ARGV[1]) then redis.call('SET', KEYS[1], ARGV[1]) end
 """
 
-# KEYS: current, last_version, deleted, version_floor. ARGV: kept, cursor ("": no scan), batch. Counts among the
-# deleted ids, as the oldest, the ids of one HSCAN batch of last_version from the cursor that have no current version
-# and are not counted yet (a Redis an earlier hotwire wrote), then forgets up to twice a batch of the oldest past
-# `kept`; returns {the next cursor ("0": the scan is done), how many it added, how many are left past `kept`}. In
-# batches, so that a hash of a million ids never holds Redis for seconds in one script.
+# KEYS: current, last_version, deleted, version_floor, deleted_floor, boot. ARGV: kept, cursor ("": no scan),
+# batch. Counts among the deleted ids, as the oldest, the ids of one HSCAN batch of last_version from the cursor
+# that have no current version and are not counted yet (a Redis an earlier hotwire wrote), then, while the restart
+# gate is open, forgets up to twice a batch of the oldest past `kept`; returns {the next cursor ("0": the scan is
+# done), how many it added, how many are left to forget now (0 while the gate is closed: the next deletions do)}.
+# In batches, so that a hash of a million ids never holds Redis for seconds in one script.
 TRACK_DELETED = _HELPERS + """
 local added, cursor = 0, '0'
 if ARGV[2] ~= '' then
@@ -195,7 +197,8 @@ if ARGV[2] ~= '' then
     end
   end
 end
-fold_deleted(KEYS[2], KEYS[3], KEYS[4], ARGV[1], 2 * tonumber(ARGV[3]))
+if redis.call('GET', KEYS[6]) ~= run_id() then return {cursor, added, 0} end
+fold_deleted(KEYS[2], KEYS[3], KEYS[4], KEYS[5], ARGV[1], 2 * tonumber(ARGV[3]))
 return {cursor, added, math.max(redis.call('ZCARD', KEYS[3]) - tonumber(ARGV[1]), 0)}
 """
 

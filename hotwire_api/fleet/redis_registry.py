@@ -201,9 +201,8 @@ class RedisRegistry(AccessCommands):
         k = self.keys
         answer = int(await self._do(self._reconcile(
             keys=[k.current, k.last_version, k.events, k.blob(sha256), k.orphans, k.retired, k.retired_since,
-                  k.deleted, k.version_floor, k.deleted_floor],
-            args=[vector_id, op, version, sha256, self.config.stream_maxlen, f"{time.time():.6f}",
-                  self.config.history_kept],
+                  k.deleted, k.deleted_floor],
+            args=[vector_id, op, version, sha256, self.config.stream_maxlen, f"{time.time():.6f}"],
         )))
         if answer == 424:
             raise HotwireError(503, ErrorCode.REGISTRY_UNAVAILABLE, f"the vector registry at {self.display_url} lost a blob "
@@ -223,12 +222,13 @@ class RedisRegistry(AccessCommands):
 
     async def track_deleted(self, batch: int = 1000) -> int:
         """Count the ids an earlier hotwire left in ``last_version`` without a current version among the deleted
-        ones, so that they too are forgotten into the floor past ``history_kept`` (``batch`` ids a script); returns
-        how many it added."""
+        ones, so that they too are forgotten into the floor past ``history_kept`` (``batch`` ids a script; while the
+        restart gate is closed, the next deletions forget them); returns how many it added."""
         k, cursor, added, left = self.keys, "0", 0, 0  # cursor: "0" starts the scan, "" once it is done
         while cursor or left:
-            answer = await self._do(self._track_deleted(keys=[k.current, k.last_version, k.deleted, k.version_floor],
-                                                        args=[self.config.history_kept, cursor, batch]))
+            answer = await self._do(self._track_deleted(
+                keys=[k.current, k.last_version, k.deleted, k.version_floor, k.deleted_floor, k.boot],
+                args=[self.config.history_kept, cursor, batch]))
             cursor = "" if _str(answer[0]) == "0" else _str(answer[0])
             added, left = added + int(answer[1]), int(answer[2])
         return added

@@ -5,6 +5,9 @@ engines are real controllers (``test_fleet_registry``'s nodes)."""
 
 from __future__ import annotations
 
+import asyncio
+import json
+
 import redis.asyncio as aioredis
 
 from hotwire_api.fleet.config import FleetConfig, Keys
@@ -20,7 +23,8 @@ async def churn(node: Node, ids: list[str]) -> dict[str, int]:
     last = {}
     for i, vector_id in enumerate(ids):
         for replace in range(i + 1):
-            _, meta = await node.replica.changes.register(node.engine, vector_id, vector(100 * i + replace), replace > 0)
+            payload = vector(100 * i + replace)
+            _, meta = await node.replica.changes.register(node.engine, vector_id, payload, replace > 0)
         assert await node.replica.changes.unregister(node.engine, vector_id) == 0
         last[vector_id] = meta.version
     return last
@@ -117,14 +121,18 @@ def test_ids_an_earlier_hotwire_left_deleted_are_tracked_and_forgotten_past_the_
 
     async def body() -> None:
         keys = Keys.for_model("org/model")
-        legacy = {f"old{i}": version for i, version in enumerate((5, 9, 2, 4, 7, 1, 3))}
+        legacy = {f"old{i}": i * 7919 % 1000 + 1 for i in range(300)}  # past 128 fields HSCAN honours COUNT
         raw = aioredis.from_url(redis_server.url, decode_responses=True)
         await raw.hset(keys.last_version, mapping=legacy)
         await raw.aclose()
         async with started(redis_server.url, "a", history_kept=KEPT) as (a,):
             _, live = await a.replica.changes.register(a.engine, "live", vector(1), False)
             assert live.version == 1  # nothing is forgotten yet: no floor
-            assert await a.registry.track_deleted(batch=2) == len(legacy)  # several scripts of two ids each
+            script, calls = a.registry._track_deleted, []
+            a.registry._track_deleted = lambda **kw: calls.append(kw["args"][1]) or script(**kw)
+            assert await a.registry.track_deleted(batch=50) == len(legacy)
+            assert len(calls) >= 3 and calls[0] == "0"  # several scripts: the scan, then what is left to forget
+            a.registry._track_deleted = script
             versions, deleted, floor, _ = await numbering(redis_server.url, keys)
             assert len(deleted) == KEPT and set(versions) == {"live", *deleted}
             forgotten = legacy.keys() - set(deleted)
@@ -177,6 +185,51 @@ def test_a_replica_that_missed_a_forgotten_deletion_does_not_bring_it_back(tmp_p
         server.stop()
 
 
+def test_a_repair_forgets_nothing_so_that_a_replica_away_for_a_deletion_cannot_undo_it(tmp_path) -> None:
+    """Replicas b and c saw a1 deleted (and a gated deletion forget it), then were away, holding x@3, while x was
+    deleted; Redis restarts with all its data. b's repair puts a1's deletion back, which must not forget x (the
+    oldest deletion Redis keeps) without raising deleted_floor: c's repair would then put x@3 back."""
+    from redis_fixture import RedisServer
+
+    server = RedisServer(tmp_path / "redis", appendonly=True)
+    server.start()
+
+    async def body() -> None:
+        # the gate stays closed 8 s after the restart (no replica heartbeats): both repairs run while it is
+        async with started(server.url, "a", "b", "c", history_kept=KEPT, restart_settle_s=8.0) as (a, b, c):
+            async def opened() -> bool:
+                return (await a.registry.gate()).open
+
+            await eventually(opened, 12.0)
+            await a.replica.changes.register(a.engine, "a1", vector(1), False)
+            for i in range(3):
+                _, x = await a.replica.changes.register(a.engine, "x", vector(50 + i), i > 0)
+            assert await a.replica.changes.unregister(a.engine, "a1") == 0
+            for n in (b, c):
+                await eventually(lambda: n.client.held() == {"x": (x.version, x.sha256)})
+                await eventually(lambda: n.replica.known("a1") == (1, True))
+                await eventually(lambda: n.replica.follower.repair.run_id is not None)
+            before = b.replica.follower.repair.run_id
+            await b.stop()
+            await c.stop()
+            assert await a.replica.changes.unregister(a.engine, "x") == 0
+            await churn(a, ["d0", "d1"])  # a1 forgotten by a gated deletion: deleted_floor 1; x, d0, d1 kept
+            assert (await numbering(server.url, a.registry.keys))[1] == ["x", "d0", "d1"]
+            server.restart()  # append-only file: nothing lost
+            for n in (b, c):
+                n.replica.follower._gate_checked = -1e9  # away long: its first look is at the gate
+                n.start()
+                await eventually(lambda: n.replica.follower.repair.run_id not in (None, before), 5.0)
+            assert not await opened()  # both repaired while the gate was closed
+            assert "x" not in await a.registry.current()
+            await eventually(lambda: "x" not in b.client.held() and "x" not in c.client.held(), 15.0)
+
+    try:
+        run(body)
+    finally:
+        server.stop()
+
+
 def test_a_followers_note_keeps_the_newest_and_lets_a_deletion_win_a_tie() -> None:
     standing = Standing(RedisRegistry(FleetConfig("redis://unused", history_kept=2), Keys.for_model("m")),
                         lambda: None, "r")
@@ -207,12 +260,23 @@ def test_a_live_replica_of_another_key_schema_is_named_in_an_error_once(redis_se
                 return {k: v for k, v in (await state(engine)).items() if k != "schema"}
 
             b.replica.heartbeat.state = before_schemas
-            await eventually(lambda: ("b", None) in a.replica.heartbeat.told, 3.0)
+            await eventually(lambda: ("b", "None") in a.replica.heartbeat.told, 3.0)
             await a.replica.heartbeat.check_schemas()  # a later look names it no more
-            assert a.replica.heartbeat.told == {("b", None)}
+            assert a.replica.heartbeat.told == {("b", "None")}
             assert b.replica.heartbeat.told == set()  # a runs this schema; b's own heartbeat is not another's
+            # A schema of a shape this one does not know, and a heartbeat that is not a JSON object: named, and the
+            # heartbeats go on.
+            raw = aioredis.from_url(redis_server.url, decode_responses=True)
+            await raw.set(a.registry.keys.replica("z"), json.dumps({"replica": "z", "schema": [3, 0]}))
+            await raw.set(a.registry.keys.replica("junk"), "[1]")
+            await raw.aclose()
+            await a.replica.heartbeat.check_schemas()
+            assert a.replica.heartbeat.told == {("b", "None"), ("z", "[3, 0]"), ("?", "unreadable")}
+            await asyncio.sleep(0.3)
+            assert not any(task.done() for task in a.tasks + b.tasks)
 
     with caplog.at_level("ERROR", logger="hotwire_api.fleet.heartbeat"):
         run(body)
     named = [r.getMessage() for r in caplog.records if "runs another hotwire" in r.getMessage()]
-    assert len(named) == 1 and named[0].startswith("hotwire: replica b runs another hotwire"), named
+    assert [m.split(" runs")[0] for m in named] == ["hotwire: replica b", "hotwire: replica z"], named
+    assert sum("is not hotwire's" in r.getMessage() for r in caplog.records) == 1
