@@ -172,8 +172,8 @@ class Keys:
 
     @property
     def deleted_floor(self) -> str:
-        """The highest version of the ids forgotten after a deletion through the restart gate: a repair puts back
-        no version at or below it of an id ``last_version`` lacks (it may have been deleted and forgotten)."""
+        """The highest version of the ids forgotten from ``deleted`` (only while the restart gate is open): a repair
+        changes nothing of an id ``last_version`` lacks at or below it (it may have been deleted and forgotten)."""
         return f"{self.prefix}deleted_floor"
 
     @property

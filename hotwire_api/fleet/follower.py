@@ -92,7 +92,7 @@ class Follower:
         r = self.replica
         if not self._tracked:
             added = await r.do(r.registry.track_deleted())
-            self._tracked = True
+            self._tracked = added is not None  # (None: the restart gate was closed; the next collection again)
             if added:
                 logger.info("hotwire: the vector registry's numbering now tracks %d deleted id(s) it kept from "
                             "before, forgetting the oldest past %d", added, r.registry.config.history_kept)

@@ -135,17 +135,19 @@ DELETE_ONCE = _once(_DELETE, 10, 6)
 # op `floor` changes only the numbering. Every op raises last_version to the version, so numbers go on
 # above every version a replica knew. Whether Redis numbered a version is judged by the id's own last_version, and
 # for an id without one by `deleted_floor` alone (a version at or below it may have been deleted and forgotten: a
-# replica that missed that deletion must not bring it back), never by the floor, which another replica's repair
+# replica that missed that deletion must not bring it back, nor set a last version another's higher one would pass;
+# every op leaves such a version alone, the numbering being above it already), never by the floor, which another replica's repair
 # may have raised above a version Redis lost. An id it leaves without a current version is marked deleted, to be
 # forgotten later (the numbering, above). Returns 1 when it changed the current versions, 0 when not, 424 when the
 # blob is missing. Not gated: it is the repair the gate waits for.
 RECONCILE = _HELPERS + """
 local numbered = redis.call('HGET', KEYS[2], ARGV[1])
-local last = tonumber(numbered or '0')
 local version = tonumber(ARGV[3])
+if not numbered and version <= floor_of(KEYS[9]) then return 0 end  -- maybe deleted and forgotten: left so
+local last = tonumber(numbered or '0')
 local previous = redis.call('HGET', KEYS[1], ARGV[1])
 local changed = 0
-if ARGV[2] == 'register' and last < version and (numbered or version > floor_of(KEYS[9])) then
+if ARGV[2] == 'register' and last < version then
   if redis.call('EXISTS', KEYS[4]) == 0 then return 424 end
   redis.call('HSET', KEYS[1], ARGV[1], ARGV[3] .. ':' .. ARGV[4])
   redis.call('ZREM', KEYS[5], ARGV[4])
@@ -182,7 +184,7 @@ if floor_of(KEYS[1]) < tonumber(ARGV[1]) then redis.call('SET', KEYS[1], ARGV[1]
 # batch. Counts among the deleted ids, as the oldest, the ids of one HSCAN batch of last_version from the cursor
 # that have no current version and are not counted yet (a Redis an earlier hotwire wrote), then, while the restart
 # gate is open, forgets up to twice a batch of the oldest past `kept`; returns {the next cursor ("0": the scan is
-# done), how many it added, how many are left to forget now (0 while the gate is closed: the next deletions do)}.
+# done), how many it added, how many are left to forget now (-1 while the gate is closed: nothing was forgotten)}.
 # In batches, so that a hash of a million ids never holds Redis for seconds in one script.
 TRACK_DELETED = _HELPERS + """
 local added, cursor = 0, '0'
@@ -197,7 +199,7 @@ if ARGV[2] ~= '' then
     end
   end
 end
-if redis.call('GET', KEYS[6]) ~= run_id() then return {cursor, added, 0} end
+if redis.call('GET', KEYS[6]) ~= run_id() then return {cursor, added, -1} end
 fold_deleted(KEYS[2], KEYS[3], KEYS[4], KEYS[5], ARGV[1], 2 * tonumber(ARGV[3]))
 return {cursor, added, math.max(redis.call('ZCARD', KEYS[3]) - tonumber(ARGV[1]), 0)}
 """

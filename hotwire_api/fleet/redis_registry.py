@@ -1,6 +1,7 @@
 """Every Redis command hotwire sends (``redis.asyncio``): blobs and their collection, the atomic register and
 delete scripts (``lua``), the restart gate and the repair's reconcile, the current versions, the event stream,
-heartbeats, monitors; the fleet's API keys and tenants' registrations come from ``access_commands``. A Redis that
+heartbeats, monitors; the fleet's API keys and tenants' registrations come from ``access_commands``, the version
+numbering's floors and the count of an earlier hotwire's deleted ids from ``numbering_commands``. A Redis that
 does not answer raises :class:`Unavailable`, a 503 ``registry_unavailable`` naming the registry (secrets masked); a
 register or delete refused while the gate is closed raises :class:`Restarting`; what the caller does then is its
 business (``replica``, ``repair``). Key layout: ``config.Keys``."""
@@ -19,6 +20,7 @@ from hotwire_api.errors import HotwireError
 from hotwire_api.fleet import lua
 from hotwire_api.fleet.access_commands import AccessCommands
 from hotwire_api.fleet.config import FleetConfig, Keys, redacted, scrubbed
+from hotwire_api.fleet.numbering_commands import NumberingCommands
 from hotwire_api.fleet.records import Event, Gate, text as _str
 from hotwire_core.error_codes import ErrorCode
 
@@ -69,12 +71,20 @@ def _parse_current(value: Any) -> tuple[int, str]:
     return int(version), sha
 
 
+def _heartbeat(value: Any) -> Any:
+    """A heartbeat's JSON, or None for a value that is not JSON (not hotwire's: skipped)."""
+    try:
+        return json.loads(value)
+    except (ValueError, RecursionError):
+        return None
+
+
 def _parse_retired(value: Any) -> tuple[str, float]:
     sha, _, at = _str(value).partition(":")
     return sha, float(at)
 
 
-class RedisRegistry(AccessCommands):
+class RedisRegistry(AccessCommands, NumberingCommands):
     """hotwire's view of one Redis for one served model. Two connections pools: one for commands, one for the
     follower's blocking ``XREAD`` (so a read that blocks never delays a registration)."""
 
@@ -111,8 +121,8 @@ class RedisRegistry(AccessCommands):
         self._put_blob, self._collect, self._forget_retired = script(lua.PUT_BLOB), script(lua.COLLECT), script(lua.FORGET_RETIRED)
         self._reconcile, self._gate, self._mark = script(lua.RECONCILE), script(lua.GATE), script(lua.MARK_REPAIRED)
         self._heartbeat, self._edit_monitor = script(lua.HEARTBEAT), script(lua.EDIT_MONITOR)
-        self._raise_floor, self._track_deleted = script(lua.RAISE_FLOOR), script(lua.TRACK_DELETED)
         self._access_scripts(script)
+        self._numbering_scripts(script)
 
     @property
     def display_url(self) -> str:
@@ -208,30 +218,6 @@ class RedisRegistry(AccessCommands):
             raise HotwireError(503, ErrorCode.REGISTRY_UNAVAILABLE, f"the vector registry at {self.display_url} lost a blob "
                                "as it was written (is Redis evicting keys? hotwire needs maxmemory-policy noeviction)")
         return answer == 1
-
-    async def last_versions(self) -> tuple[dict[str, int], int]:
-        """(id -> the last version the registry gave it, live ids and the last ``history_kept`` deleted ones; the
-        floor every id's next version goes on above)."""
-        last, floor = await self._do(asyncio.gather(self._redis.hgetall(self.keys.last_version),
-                                                    self._redis.get(self.keys.version_floor)))
-        return {_str(k): int(v) for k, v in last.items()}, int(floor or 0)
-
-    async def raise_floor(self, version: int) -> None:
-        """Raise the floor every id's next version goes on above to ``version`` (repair: ids a replica forgot)."""
-        await self._do(self._raise_floor(keys=[self.keys.version_floor], args=[version]))
-
-    async def track_deleted(self, batch: int = 1000) -> int:
-        """Count the ids an earlier hotwire left in ``last_version`` without a current version among the deleted
-        ones, so that they too are forgotten into the floor past ``history_kept`` (``batch`` ids a script; while the
-        restart gate is closed, the next deletions forget them); returns how many it added."""
-        k, cursor, added, left = self.keys, "0", 0, 0  # cursor: "0" starts the scan, "" once it is done
-        while cursor or left:
-            answer = await self._do(self._track_deleted(
-                keys=[k.current, k.last_version, k.deleted, k.version_floor, k.deleted_floor, k.boot],
-                args=[self.config.history_kept, cursor, batch]))
-            cursor = "" if _str(answer[0]) == "0" else _str(answer[0])
-            added, left = added + int(answer[1]), int(answer[2])
-        return added
 
     # -- vectors -----------------------------------------------------------------------------------------------
 
@@ -388,7 +374,7 @@ class RedisRegistry(AccessCommands):
         if not names:
             return []
         values = await self._do(self._redis.mget(names))
-        return [json.loads(v) for v in values if v is not None]
+        return [beat for v in values if v is not None and isinstance(beat := _heartbeat(v), dict)]
 
     async def _scan(self, pattern: str):
         try:

@@ -10,6 +10,7 @@ import json
 
 import redis.asyncio as aioredis
 
+from hotwire_api.fleet import heartbeat
 from hotwire_api.fleet.config import FleetConfig, Keys
 from hotwire_api.fleet.redis_registry import RedisRegistry
 from hotwire_api.fleet.standing import Standing
@@ -185,6 +186,72 @@ def test_a_replica_that_missed_a_forgotten_deletion_does_not_bring_it_back(tmp_p
         server.stop()
 
 
+def test_nothing_is_forgotten_while_the_gate_is_closed(redis_server) -> None:
+    """An earlier hotwire's deleted ids found while the restart gate is closed are counted, not forgotten, and the
+    caller hears it must come back (the follower's next collection); with the gate open they are forgotten."""
+
+    async def body() -> None:
+        registry = RedisRegistry(FleetConfig(redis_server.url, history_kept=KEPT, restart_settle_s=0.0),
+                                 Keys.for_model("org/model"))
+        legacy = {f"old{i}": i + 1 for i in range(6)}
+        raw = aioredis.from_url(redis_server.url, decode_responses=True)
+        await raw.hset(registry.keys.last_version, mapping=legacy)
+        assert await registry.track_deleted() is None  # a new Redis: the gate is closed
+        versions, deleted, floor, _ = await numbering(redis_server.url, registry.keys)
+        assert versions == legacy and sorted(deleted) == sorted(legacy) and floor == 0
+        assert await raw.get(registry.keys.deleted_floor) is None
+        while not (await registry.gate()).open:
+            await asyncio.sleep(0.05)
+        assert await registry.track_deleted() == 0  # counted before; now forgotten past the bound
+        versions, deleted, floor, _ = await numbering(redis_server.url, registry.keys)
+        assert deleted == ["old3", "old4", "old5"] and floor == 3 == int(await raw.get(registry.keys.deleted_floor))
+        await raw.aclose()
+        await registry.close()
+
+    run(body)
+
+
+def test_two_replicas_away_for_a_deletion_cannot_undo_it_between_them(tmp_path) -> None:
+    """b holds z@1, c holds z@2, both away while z is deleted and forgotten; Redis restarts with all its data. b's
+    repair (z@1, refused) must not leave z a last version that c's z@2 would pass."""
+    from redis_fixture import RedisServer
+
+    server = RedisServer(tmp_path / "redis", appendonly=True)
+    server.start()
+
+    async def body() -> None:
+        async with started(server.url, "a", "b", "c", history_kept=KEPT, restart_settle_s=8.0) as (a, b, c):
+            async def opened() -> bool:
+                return (await a.registry.gate()).open
+
+            await eventually(opened, 12.0)
+            _, z1 = await a.replica.changes.register(a.engine, "z", vector(1), False)
+            for n in (b, c):
+                await eventually(lambda: n.client.held() == {"z": (z1.version, z1.sha256)})
+                await eventually(lambda: n.replica.follower.repair.run_id is not None)
+            before = b.replica.follower.repair.run_id
+            await b.stop()  # away, holding z@1
+            _, z2 = await a.replica.changes.register(a.engine, "z", vector(2), True)
+            await eventually(lambda: c.client.held() == {"z": (z2.version, z2.sha256)})
+            await c.stop()  # away, holding z@2
+            assert await a.replica.changes.unregister(a.engine, "z") == 0
+            await churn(a, [f"d{i}" for i in range(KEPT + 1)])  # z's deletion forgotten
+            assert "z" not in (await numbering(server.url, a.registry.keys))[0]
+            server.restart()  # append-only file: nothing lost
+            for n in (b, c):  # b repairs first, then c
+                n.replica.follower._gate_checked = -1e9
+                n.start()
+                await eventually(lambda: n.replica.follower.repair.run_id not in (None, before), 5.0)
+            assert not await opened()
+            assert "z" not in await a.registry.current()
+            assert "z" not in (await numbering(server.url, a.registry.keys))[0]
+
+    try:
+        run(body)
+    finally:
+        server.stop()
+
+
 def test_a_repair_forgets_nothing_so_that_a_replica_away_for_a_deletion_cannot_undo_it(tmp_path) -> None:
     """Replicas b and c saw a1 deleted (and a gated deletion forget it), then were away, holding x@3, while x was
     deleted; Redis restarts with all its data. b's repair puts a1's deletion back, which must not forget x (the
@@ -248,7 +315,7 @@ def test_a_followers_note_keeps_the_newest_and_lets_a_deletion_win_a_tie() -> No
     assert standing.known_version("a") == 7 and standing.known_ids() == {"a", "x1", "x2"}
 
 
-def test_a_live_replica_of_another_key_schema_is_named_in_an_error_once(redis_server, caplog) -> None:
+def test_a_live_replica_of_another_key_schema_is_named_in_an_error_once(redis_server, caplog, monkeypatch) -> None:
     """A rolling upgrade across a change of the key schema: each replica names a live one that runs another schema
     (here one from before schemas, whose heartbeat has none) in an error, once."""
 
@@ -264,19 +331,30 @@ def test_a_live_replica_of_another_key_schema_is_named_in_an_error_once(redis_se
             await a.replica.heartbeat.check_schemas()  # a later look names it no more
             assert a.replica.heartbeat.told == {("b", "None")}
             assert b.replica.heartbeat.told == set()  # a runs this schema; b's own heartbeat is not another's
-            # A schema of a shape this one does not know, and a heartbeat that is not a JSON object: named, and the
-            # heartbeats go on.
+            # A schema of a shape this one does not know is named; heartbeats that are not hotwire's are skipped.
             raw = aioredis.from_url(redis_server.url, decode_responses=True)
             await raw.set(a.registry.keys.replica("z"), json.dumps({"replica": "z", "schema": [3, 0]}))
             await raw.set(a.registry.keys.replica("junk"), "[1]")
-            await raw.aclose()
+            await raw.set(a.registry.keys.replica("deep"), "[" * 100_000)
             await a.replica.heartbeat.check_schemas()
-            assert a.replica.heartbeat.told == {("b", "None"), ("z", "[3, 0]"), ("?", "unreadable")}
+            assert a.replica.heartbeat.told == {("b", "None"), ("z", "[3, 0]")}
+            assert [beat["replica"] for beat in (await a.replica.heartbeat.view())["replicas"]] == ["a", "b", "z"]
+            # A check that fails does not end the heartbeats (the gate waits for live replicas only).
+            await raw.delete(a.registry.keys.replica("a"))
+
+            async def failing() -> None:
+                raise RuntimeError("a check that fails")
+
+            a.replica.heartbeat.check_schemas = failing
+            monkeypatch.setattr(heartbeat, "SCHEMA_CHECK_EVERY", 2)  # every other beat checks
             await asyncio.sleep(0.3)
             assert not any(task.done() for task in a.tasks + b.tasks)
+            assert await raw.get(a.registry.keys.replica("a")) is not None  # a's heartbeats went on
+            await raw.aclose()
 
     with caplog.at_level("ERROR", logger="hotwire_api.fleet.heartbeat"):
         run(body)
     named = [r.getMessage() for r in caplog.records if "runs another hotwire" in r.getMessage()]
-    assert [m.split(" runs")[0] for m in named] == ["hotwire: replica b", "hotwire: replica z"], named
-    assert sum("is not hotwire's" in r.getMessage() for r in caplog.records) == 1
+    assert {m.split(" runs")[0] for m in named} == {"hotwire: replica b", "hotwire: replica z"}, named  # (b names z too)
+    assert sum(m.startswith("hotwire: replica b ") for m in named) == 1  # a names b once; b never itself
+    assert sum("a check that fails" in r.getMessage() for r in caplog.records) >= 2
