@@ -17,7 +17,7 @@ from hotwire_api.errors import HotwireError
 from hotwire_api.fleet.config import SCHEMA, scrubbed
 from hotwire_api.fleet.redis_registry import Unavailable
 from hotwire_api.fleet.standing import Standing
-from hotwire_api.models import FleetVector, HeldVector, PinnedRow, ReplicaSlots
+from hotwire_api.models import FleetVector, HeldVector, PinnedRow, ReplicaSlots, ReplicaState
 
 __all__ = ["SCHEMA_CHECK_EVERY", "Heartbeat"]
 
@@ -105,12 +105,16 @@ class Heartbeat:
         """``GET /steer/fleet``: the registry, every live replica and the versions each one holds."""
         r = self.replica
         remote = await r.do(r.registry.current())
-        replicas = sorted(await r.do(r.registry.replicas()), key=lambda beat: str(beat.get("replica")))
-        now = time.time()
-        for beat in replicas:
-            beat["age_ms"] = round(1000 * max(0.0, now - float(beat.get("sent_at") or now)), 1)
-            held = {v["id"]: v["version"] for v in beat.get("vectors") or []}
-            beat["in_sync"] = held == {vid: v for vid, (v, _) in remote.items()}
+        now, replicas = time.time(), []
+        for beat in await r.do(r.registry.replicas()):
+            try:  # a heartbeat this hotwire cannot read (another's, or not hotwire's) is left out of the view
+                beat["age_ms"] = round(1000 * max(0.0, now - float(beat.get("sent_at") or now)), 1)
+                state = ReplicaState.model_validate({**beat, "in_sync": False})
+            except (ValueError, TypeError):
+                continue
+            beat["in_sync"] = {v.id: v.version for v in state.vectors} == {vid: v for vid, (v, _) in remote.items()}
+            replicas.append(beat)
+        replicas.sort(key=lambda beat: beat["replica"])
         vectors = []
         for vector_id, (version, sha) in sorted(remote.items()):
             holders = [beat["replica"] for beat in replicas

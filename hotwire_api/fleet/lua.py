@@ -58,7 +58,8 @@ local function now()
 end
 """
 
-# KEYS: current, last_version, events, blob, orphans, retired, retired_since, audit, deleted, version_floor. ARGV:
+# KEYS: current, last_version, events, blob, orphans, retired, retired_since, audit, deleted, version_floor,
+# deleted_floor (numbering goes on above both floors, and above a version a repair left alone). ARGV:
 # id, sha256, replace (0|1), maxlen, at, floor (the newest version the caller knows of: numbering goes on above
 # it), who, replica, via. Returns {status, version, previous "<version>:<sha>" or ""}: 201/200 registered, 409 taken, 424 blob
 # missing. The blob the id stops using becomes an orphan, the registered one is not; a replaced version is
@@ -68,7 +69,7 @@ local previous = redis.call('HGET', KEYS[1], ARGV[1])
 if previous and ARGV[3] ~= '1' then return {409, 0, previous} end
 if redis.call('EXISTS', KEYS[4]) == 0 then return {424, 0, ''} end
 local version = math.max(tonumber(redis.call('HGET', KEYS[2], ARGV[1]) or '0'), floor_of(KEYS[10]),
-                         tonumber(ARGV[6])) + 1
+                         floor_of(KEYS[11]), tonumber(ARGV[6])) + 1
 redis.call('HSET', KEYS[2], ARGV[1], version)
 redis.call('ZREM', KEYS[9], ARGV[1])
 redis.call('HSET', KEYS[1], ARGV[1], version .. ':' .. ARGV[2])
@@ -124,7 +125,7 @@ return answer
 """
 
 
-REGISTER_ONCE = _once(_REGISTER, 10, 9)
+REGISTER_ONCE = _once(_REGISTER, 11, 9)
 DELETE_ONCE = _once(_DELETE, 10, 6)
 
 # KEYS: current, last_version, events, blob, orphans, retired, retired_since, deleted, deleted_floor. ARGV: id, op,
@@ -136,16 +137,16 @@ DELETE_ONCE = _once(_DELETE, 10, 6)
 # above every version a replica knew. Whether Redis numbered a version is judged by the id's own last_version, and
 # for an id without one by `deleted_floor` alone (a version at or below it may have been deleted and forgotten: a
 # replica that missed that deletion must not bring it back, nor set a last version another's higher one would pass;
-# every op leaves such a version alone, the numbering being above it already), never by the floor, which another replica's repair
-# may have raised above a version Redis lost. An id it leaves without a current version is marked deleted, to be
-# forgotten later (the numbering, above). Returns 1 when it changed the current versions, 0 when not, 424 when the
-# blob is missing. Not gated: it is the repair the gate waits for.
+# every op leaves such a version alone, the numbering being above it already), never by the floor, which another
+# replica's repair may have raised above a version Redis lost. An id it leaves without a current version is marked
+# deleted, to be forgotten later (the numbering, above). Returns 1 when it changed the current versions, 0 when
+# not, 424 when the blob is missing. Not gated: it is the repair the gate waits for.
 RECONCILE = _HELPERS + """
 local numbered = redis.call('HGET', KEYS[2], ARGV[1])
-local version = tonumber(ARGV[3])
-if not numbered and version <= floor_of(KEYS[9]) then return 0 end  -- maybe deleted and forgotten: left so
-local last = tonumber(numbered or '0')
 local previous = redis.call('HGET', KEYS[1], ARGV[1])
+local version = tonumber(ARGV[3])
+if not numbered and not previous and version <= floor_of(KEYS[9]) then return 0 end  -- maybe deleted, forgotten
+local last = tonumber(numbered or '0')
 local changed = 0
 if ARGV[2] == 'register' and last < version then
   if redis.call('EXISTS', KEYS[4]) == 0 then return 424 end

@@ -71,7 +71,7 @@ def _parse_current(value: Any) -> tuple[int, str]:
     return int(version), sha
 
 
-def _heartbeat(value: Any) -> Any:
+def _parse_heartbeat(value: Any) -> Any:
     """A heartbeat's JSON, or None for a value that is not JSON (not hotwire's: skipped)."""
     try:
         return json.loads(value)
@@ -240,7 +240,7 @@ class RedisRegistry(AccessCommands, NumberingCommands):
         status, version, previous = await self._once_per_operation(
             self._register,
             keys=[k.current, k.last_version, k.events, k.blob(sha256), k.orphans, k.retired, k.retired_since, k.audit,
-                  k.deleted, k.version_floor],
+                  k.deleted, k.version_floor, k.deleted_floor],
             args=[vector_id, sha256, "1" if replace else "0", self.config.stream_maxlen, f"{time.time():.6f}", floor,
                   by.who, by.replica, by.via],
         )
@@ -366,7 +366,8 @@ class RedisRegistry(AccessCommands, NumberingCommands):
     async def replica_state(self, replica_id: str) -> dict[str, Any] | None:
         """One replica's last heartbeat, or None when it has expired."""
         value = await self._do(self._redis.get(self.keys.replica(replica_id)))
-        return json.loads(value) if value is not None else None
+        beat = _parse_heartbeat(value) if value is not None else None
+        return beat if isinstance(beat, dict) else None
 
     async def replicas(self) -> list[dict[str, Any]]:
         """The heartbeats that have not expired."""
@@ -374,7 +375,7 @@ class RedisRegistry(AccessCommands, NumberingCommands):
         if not names:
             return []
         values = await self._do(self._redis.mget(names))
-        return [beat for v in values if v is not None and isinstance(beat := _heartbeat(v), dict)]
+        return [beat for v in values if v is not None and isinstance(beat := _parse_heartbeat(v), dict)]
 
     async def _scan(self, pattern: str):
         try:
