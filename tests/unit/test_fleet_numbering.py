@@ -46,6 +46,19 @@ async def numbering(url: str, keys: Keys) -> tuple[dict[str, int], list[str], in
     return last, deleted, floor, registered
 
 
+async def gate_open(node: Node) -> bool:
+    return (await node.registry.gate()).open
+
+
+async def come_back(nodes: list[Node], before: str) -> None:
+    """Replicas that were away start again after a Redis restart (their last run id ``before``): away long, each
+    looks at the gate first, before the stream, and repairs."""
+    for node in nodes:
+        node.replica.follower._gate_checked = -1e9
+        node.start()
+        await eventually(lambda: node.replica.follower.repair.run_id not in (None, before), 5.0)
+
+
 def test_redis_and_the_followers_forget_the_oldest_deleted_ids_into_a_floor(redis_server) -> None:
     async def body() -> None:
         async with started(redis_server.url, "a", "b", history_kept=KEPT) as (a, b):
@@ -170,9 +183,7 @@ def test_a_replica_that_missed_a_forgotten_deletion_does_not_bring_it_back(tmp_p
             await churn(a, [f"d{i}" for i in range(KEPT + 1)])
             assert a.replica.known("x") == (0, False) and "x" not in (await numbering(server.url, a.registry.keys))[0]
             server.restart()  # its data kept (append-only file): only the run id is new
-            b.replica.follower._gate_checked = -1e9  # away long: its first look is at the gate, before the stream
-            b.start()
-            await eventually(lambda: b.replica.follower.repair.run_id not in (None, before), 5.0)  # b repaired
+            await come_back([b], before)
             await eventually(lambda: "x" not in b.client.held(), 5.0)
             assert await a.registry.current() == {}
             late = Node(server.url, "c", history_kept=KEPT)  # a replica started now holds nothing
@@ -222,10 +233,7 @@ def test_two_replicas_away_for_a_deletion_cannot_undo_it_between_them(tmp_path) 
 
     async def body() -> None:
         async with started(server.url, "a", "b", "c", history_kept=KEPT, restart_settle_s=8.0) as (a, b, c):
-            async def opened() -> bool:
-                return (await a.registry.gate()).open
-
-            await eventually(opened, 12.0)
+            await eventually(lambda: gate_open(a), 12.0)
             _, z1 = await a.replica.changes.register(a.engine, "z", vector(1), False)
             for n in (b, c):
                 await eventually(lambda: n.client.held() == {"z": (z1.version, z1.sha256)})
@@ -239,11 +247,8 @@ def test_two_replicas_away_for_a_deletion_cannot_undo_it_between_them(tmp_path) 
             await churn(a, [f"d{i}" for i in range(KEPT + 1)])  # z's deletion forgotten
             assert "z" not in (await numbering(server.url, a.registry.keys))[0]
             server.restart()  # append-only file: nothing lost
-            for n in (b, c):  # b repairs first, then c
-                n.replica.follower._gate_checked = -1e9
-                n.start()
-                await eventually(lambda: n.replica.follower.repair.run_id not in (None, before), 5.0)
-            assert not await opened()
+            await come_back([b, c], before)  # b repairs first, then c
+            assert not await gate_open(a)
             assert "z" not in await a.registry.current()
             assert "z" not in (await numbering(server.url, a.registry.keys))[0]
 
@@ -265,10 +270,7 @@ def test_a_repair_forgets_nothing_so_that_a_replica_away_for_a_deletion_cannot_u
     async def body() -> None:
         # the gate stays closed 8 s after the restart (no replica heartbeats): both repairs run while it is
         async with started(server.url, "a", "b", "c", history_kept=KEPT, restart_settle_s=8.0) as (a, b, c):
-            async def opened() -> bool:
-                return (await a.registry.gate()).open
-
-            await eventually(opened, 12.0)
+            await eventually(lambda: gate_open(a), 12.0)
             await a.replica.changes.register(a.engine, "a1", vector(1), False)
             for i in range(3):
                 _, x = await a.replica.changes.register(a.engine, "x", vector(50 + i), i > 0)
@@ -284,11 +286,8 @@ def test_a_repair_forgets_nothing_so_that_a_replica_away_for_a_deletion_cannot_u
             await churn(a, ["d0", "d1"])  # a1 forgotten by a gated deletion: deleted_floor 1; x, d0, d1 kept
             assert (await numbering(server.url, a.registry.keys))[1] == ["x", "d0", "d1"]
             server.restart()  # append-only file: nothing lost
-            for n in (b, c):
-                n.replica.follower._gate_checked = -1e9  # away long: its first look is at the gate
-                n.start()
-                await eventually(lambda: n.replica.follower.repair.run_id not in (None, before), 5.0)
-            assert not await opened()  # both repaired while the gate was closed
+            await come_back([b, c], before)
+            assert not await gate_open(a)  # both repaired while the gate was closed
             assert "x" not in await a.registry.current()
             await eventually(lambda: "x" not in b.client.held() and "x" not in c.client.held(), 15.0)
 
