@@ -16,8 +16,8 @@ from hotwire_core.env import Float, Parsed, Text, load, setting
 from hotwire_core.settings import RETAIN_S
 from hotwire_core.version_history import HISTORY_KEPT
 
-__all__ = ["REGISTRY", "REPLICA_ID", "SCHEMA", "FleetConfig", "Keys", "default_replica_name", "redacted", "registry_url", "scrubbed",
-           "url_secrets"]
+__all__ = ["REGISTRY", "REPLICA_ID", "SCHEMA", "FleetConfig", "Keys", "default_replica_name", "redacted",
+           "registry_url", "scrubbed", "url_secrets"]
 
 _SCHEMES = ("redis", "rediss", "unix")
 # Query parameters whose value is a secret: redis-py passes every one to the connection (``password``,
@@ -106,10 +106,10 @@ class FleetConfig:
     (default 3600), how long a blob no id's current version uses stays in Redis before it is collected;
     ``retain_s``: ``HOTWIRE_RETAIN_S`` (the engine's setting, default 60), how long the fleet keeps a replaced or
     deleted version usable by requests pinned to it; ``history_kept``: the deleted ids whose last version Redis and
-    each follower keep by id (older ones only raise a floor every id's next version goes on above). After Redis restarted (or lost hotwire's keys) changes wait
-    until every live replica has put back what it holds (``repair``): at least ``restart_settle_s`` (two heartbeat
-    intervals: every live replica has heartbeat by then), at most ``restart_limit_s`` (a replica that does not
-    report cannot hold changes back for longer)."""
+    each follower keep by id (older ones only raise a floor every id's next version goes on above). After Redis
+    restarted (or lost hotwire's keys) changes wait until every live replica has put back what it holds
+    (``repair``): at least ``restart_settle_s`` (two heartbeat intervals: every live replica has heartbeat by then),
+    at most ``restart_limit_s`` (a replica that does not report cannot hold changes back for longer)."""
 
     url: str = field(repr=False)  # it may carry a password
     heartbeat_s: float = setting(Float("HOTWIRE_FLEET_HEARTBEAT_S", default=1.0, lo=0.05, hi=3600,

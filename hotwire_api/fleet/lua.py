@@ -34,6 +34,9 @@ end
 -- `deleted_floor` above a version Redis lost that a replica is about to put back; a repair only marks ids deleted,
 -- and the next deletions forget the backlog. `limit` bounds the ids one call forgets.
 local function floor_of(floor) return tonumber(redis.call('GET', floor) or '0') end
+local function raise_floor(floor, version)
+  if floor_of(floor) < version then redis.call('SET', floor, version) end
+end
 local function fold_deleted(last, deleted, floor, deleted_floor, kept, limit)
   local excess = math.min(redis.call('ZCARD', deleted) - tonumber(kept), limit)
   if excess <= 0 then return end
@@ -43,9 +46,8 @@ local function fold_deleted(last, deleted, floor, deleted_floor, kept, limit)
     top = math.max(top, tonumber(redis.call('HGET', last, oldest[i]) or '0'))
     redis.call('HDEL', last, oldest[i])
   end
-  for _, key in ipairs({floor, deleted_floor}) do
-    if floor_of(key) < top then redis.call('SET', key, top) end
-  end
+  raise_floor(floor, top)
+  raise_floor(deleted_floor, top)
 end
 local function mark_deleted(deleted, id)
   local t = redis.call('TIME')
@@ -59,9 +61,9 @@ end
 """
 
 # KEYS: current, last_version, events, blob, orphans, retired, retired_since, audit, deleted, version_floor,
-# deleted_floor (numbering goes on above both floors, and above a version a repair left alone). ARGV:
-# id, sha256, replace (0|1), maxlen, at, floor (the newest version the caller knows of: numbering goes on above
-# it), who, replica, via. Returns {status, version, previous "<version>:<sha>" or ""}: 201/200 registered, 409 taken, 424 blob
+# deleted_floor (numbering goes on above both floors, and above a version a repair left alone). ARGV: id, sha256,
+# replace (0|1), maxlen, at, floor (the newest version the caller knows of: numbering goes on above it), who,
+# replica, via. Returns {status, version, previous "<version>:<sha>" or ""}: 201/200 registered, 409 taken, 424 blob
 # missing. The blob the id stops using becomes an orphan, the registered one is not; a replaced version is
 # recorded as retired. The audit stream (never trimmed) gets the change in the same step.
 _REGISTER = """
@@ -85,8 +87,8 @@ return {201, version, ''}
 """
 
 # KEYS: current, events, orphans, retired, retired_since, audit, last_version, deleted, version_floor,
-# deleted_floor. ARGV: id, maxlen, at, who, replica, kept. Returns {status, "<version>:<sha>"}: 200 deleted (and recorded as retired, and
-# in the audit stream), 404 unknown.
+# deleted_floor. ARGV: id, maxlen, at, who, replica, kept. Returns {status, "<version>:<sha>"}: 200 deleted (and
+# recorded as retired, and in the audit stream), 404 unknown.
 _DELETE = """
 local current = redis.call('HGET', KEYS[1], ARGV[1])
 if not current then return {404, ''} end
@@ -129,12 +131,12 @@ REGISTER_ONCE = _once(_REGISTER, 11, 9)
 DELETE_ONCE = _once(_DELETE, 10, 6)
 
 # KEYS: current, last_version, events, blob, orphans, retired, retired_since, deleted, deleted_floor. ARGV: id, op,
-# version, sha256, maxlen, at. Puts back into a Redis that came back with older data (or none) what one replica knows of one id,
-# unless Redis knows as much: op `register` (the replica holds version@sha256 as current) makes it current when
-# Redis never numbered that version (its last_version is lower), retiring the older one; op `delete` (the
-# replica applied the deletion of that version) deletes the id's current version when it is that one or older;
-# op `floor` changes only the numbering. Every op raises last_version to the version, so numbers go on
-# above every version a replica knew. Whether Redis numbered a version is judged by the id's own last_version, and
+# version, sha256, maxlen, at. Puts back into a Redis that came back with older data (or none) what one replica
+# knows of one id, unless Redis knows as much: op `register` (the replica holds version@sha256 as current) makes
+# it current when Redis never numbered that version (its last_version is lower), retiring the older one; op
+# `delete` (the replica applied the deletion of that version) deletes the id's current version when it is that
+# one or older; op `floor` changes only the numbering. Every op raises last_version to the version, so numbers go
+# on above every version a replica knew. Whether Redis numbered a version is judged by the id's own last_version, and
 # for an id without one by `deleted_floor` alone (a version at or below it may have been deleted and forgotten: a
 # replica that missed that deletion must not bring it back, nor set a last version another's higher one would pass;
 # every op leaves such a version alone, the numbering being above it already), never by the floor, which another
@@ -178,7 +180,7 @@ return changed
 
 # KEYS: version_floor. ARGV: version. Raises the floor to a version a replica forgot the id of (repair).
 RAISE_FLOOR = _HELPERS + """
-if floor_of(KEYS[1]) < tonumber(ARGV[1]) then redis.call('SET', KEYS[1], ARGV[1]) end
+raise_floor(KEYS[1], tonumber(ARGV[1]))
 """
 
 # KEYS: current, last_version, deleted, version_floor, deleted_floor, boot. ARGV: kept, cursor ("": no scan),

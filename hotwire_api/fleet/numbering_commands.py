@@ -5,7 +5,6 @@ written here to keep that module to its registry. They use its connection, key l
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -29,8 +28,8 @@ class NumberingCommands:
     async def last_versions(self) -> tuple[dict[str, int], int]:
         """(id -> the last version the registry gave it, live ids and the last ``history_kept`` deleted ones; the
         floor every id's next version goes on above)."""
-        last, floor = await self._do(asyncio.gather(self._redis.hgetall(self.keys.last_version),
-                                                    self._redis.get(self.keys.version_floor)))
+        pipe = self._redis.pipeline(transaction=True).hgetall(self.keys.last_version).get(self.keys.version_floor)
+        last, floor = await self._do(pipe.execute())
         return {_str(k): int(v) for k, v in last.items()}, int(floor or 0)
 
     async def raise_floor(self, version: int) -> None:

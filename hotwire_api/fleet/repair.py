@@ -7,12 +7,12 @@ and delete scripts refuse while the running Redis process is not the one whose d
 restart gate, ``lua``), and each replica's follower, at its once-a-second look at the gate (:meth:`Repair.check`),
 puts back what it knows that Redis lacks (:meth:`Repair.put_back`): the current versions its engine holds that
 Redis never numbered, the deletions it applied of versions Redis still has current, and for every id it knows
-the numbering (``last_version``) raised to the highest version it knows, the floor above which every id is
-numbered to the highest version of the ids it forgot (``Standing.note``). Each of those is one script
-(``lua.RECONCILE``, ``lua.RAISE_FLOOR``), atomic, and keeps whatever Redis knows of an id that is as new or newer, so replicas may
-repair in any order and a late or repeated repair changes nothing that is right. The replica then marks itself
-repaired; the gate opens once every live replica (one that heartbeats) has, after a settle time
-(``FleetConfig.restart_settle_s``) that lets every live replica heartbeat first, or after
+the numbering (``last_version``) raised to the highest version it knows, and the floor above which every id is
+numbered raised to the highest version of the ids it forgot (``Standing.note``). Each of those is one script
+(``lua.RECONCILE``, ``lua.RAISE_FLOOR``), atomic, and keeps whatever Redis knows of an id that is as new or
+newer, so replicas may repair in any order and a late or repeated repair changes nothing that is right. The
+replica then marks itself repaired; the gate opens once every live replica (one that heartbeats) has, after a
+settle time (``FleetConfig.restart_settle_s``) that lets every live replica heartbeat first, or after
 ``FleetConfig.restart_limit_s`` whatever is missing (a warning names who). A register or delete that meets the
 closed gate waits for it a few seconds (``RedisRegistry``), then answers 503 with ``Retry-After``.
 

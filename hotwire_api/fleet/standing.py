@@ -12,6 +12,7 @@ from typing import Any
 
 from hotwire_api.engine import HotwireEngine
 from hotwire_api.fleet.redis_registry import RedisRegistry, Unavailable
+from hotwire_core.version_history import fold_oldest, note_newest
 
 __all__ = ["EngineGetter", "Standing"]
 
@@ -93,9 +94,9 @@ class Standing:
         if not deleted:
             self.applied[vector_id] = version
             return
-        self.deleted[vector_id] = version
-        if len(self.deleted) > self.registry.config.history_kept:
-            self.floor = max(self.floor, self.deleted.pop(next(iter(self.deleted))))
+        note_newest(self.deleted, vector_id, version)
+        excess = len(self.deleted) - self.registry.config.history_kept
+        self.floor = max(self.floor, fold_oldest(self.deleted, excess, lambda _: False))
 
     def known(self, vector_id: str) -> tuple[int, bool]:
         """(the newest version of ``vector_id`` this process applied or saw deleted, whether that was a deletion);
