@@ -1,6 +1,6 @@
 #!/bin/bash
 # On the device (after `source .gpu/env.sh`): the load targets of hotwire, one after the other on one GPU.
-#   bash benchmarks/gpu_load.sh [soak] [throughput] [prefill] [tenants] [throughput_4b]   (default: the first three)
+#   bash benchmarks/gpu_load.sh [soak] [throughput] [prefill] [tenants] [throughput_4b] [queue_probe]   (default: the first three)
 # soak: python3 -m benchmarks.soak, SOAK_CLIENTS (256) clients for SOAK_DURATION (600) s, 16 slots, churn.
 # tenants: the soak with 4 tenants (#40), SOAK_CLIENTS clients, 64 slots, a tenant's share 16 rows; once without
 #   a flood for TENANT_DURATION (240) s and once with a tenant flooding distinct vectors for TENANT_FLOOD_DURATION
@@ -19,6 +19,9 @@
 #   THROUGHPUT_MONITORS=N adds --monitors N (a third server, hotwire with N monitors on all its plain traffic).
 # throughput_4b: the throughput step with the GPU the limit: a Qwen3-4B shape (bf16, dummy weights), 128-token
 #   answers, 4 monitors (#39: monitors on all traffic, steering and plain traffic against plugin-free vLLM).
+# queue_probe: the throughput step (2 rounds, 4 monitors) with benchmarks/queue_probe/ leading every server's
+#   PYTHONPATH: each engine core's scheduler logs its add_request and schedule calls, and analyze.py tells per steered
+#   and plain request how long it waited in the scheduler's queue and how many schedule calls passed it by (#39, #40).
 # prefill: benchmarks/bench_prefill.py, Qwen3-4B shape, 8192-token prompts, PREFILL_ROUNDS (16).
 # Outputs go to $OUT (JSON and text per step); each step's exit status is printed.
 set -o pipefail
@@ -62,10 +65,18 @@ for step in "${steps[@]}"; do
           ${TENANT_PROFILE:+--profile "$TENANT_PROFILE"} ${TENANT_FLOOD_WINDOWS:+--flood-windows "$TENANT_FLOOD_WINDOWS"} \
           --workdir /tmp/tenants-gpu --out "$out/${name}_gpu.json" 2>&1 | tee "$out/${name}_gpu.txt" | tail -12
       done ;;
+    queue_probe)
+      mkdir -p "$out/queue_probe"
+      HOTWIRE_QUEUE_PROBE_OUT="$out/queue_probe" PYTHONPATH="$PWD/benchmarks/queue_probe:$PYTHONPATH" \
+        python3 -m benchmarks.bench_throughput --clients "${THROUGHPUT_CLIENTS:-128}" --rounds "${THROUGHPUT_ROUNDS:-2}" \
+        --monitors 4 --seconds "${THROUGHPUT_SECONDS:-10}" --warmup 5 --server-arg=--max-num-seqs=256 \
+        --server-arg=--kv-cache-memory-bytes=8589934592 --workdir /tmp/throughput-gpu --out "$out/queue_probe_throughput.json" \
+        2>&1 | tee "$out/queue_probe_throughput.txt" | tail -12 \
+        && python3 benchmarks/queue_probe/analyze.py "$out/queue_probe" --out "$out/queue_probe.json" ;;
     prefill)
       python3 benchmarks/bench_prefill.py --shape qwen3-4b --prompt-len 8192 --rounds "${PREFILL_ROUNDS:-16}" \
         --out "$out/bench_prefill_4b_8k.json" 2>&1 | tee "$out/bench_prefill.txt" | tail -6 ;;
-    *) echo "unknown step $step (soak, throughput, prefill, tenants, throughput_4b)"; false ;;
+    *) echo "unknown step $step (soak, throughput, prefill, tenants, throughput_4b, queue_probe)"; false ;;
   esac
   echo "=== $step: exit ${PIPESTATUS[0]} $(date -u +%FT%TZ)"
 done
