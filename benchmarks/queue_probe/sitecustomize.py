@@ -1,9 +1,12 @@
 """Loaded by every Python process of a server started with this folder leading its PYTHONPATH and
-``HOTWIRE_QUEUE_PROBE_OUT`` set: in the engine core, vLLM's ``Scheduler.add_request`` and ``Scheduler.schedule`` are
-timed, one JSON line per event in ``$HOTWIRE_QUEUE_PROBE_OUT/<pid>.jsonl``, so that ``analyze.py`` can tell why a
-request waits in the scheduler's queue (``vllm:request_queue_time_seconds``): how many schedule calls passed it by,
-and what each of those calls was short of. Patched when the scheduler module is first imported, before hotwire's
-plugin wraps the same methods, so the times are vLLM's own."""
+``HOTWIRE_QUEUE_PROBE_OUT`` set: in the engine core, vLLM's ``Scheduler.add_request`` and ``Scheduler.schedule``
+and the engine core's handling of each client message (``EngineCoreProc._handle_client_request``: an added request with
+its admission, an abort, a utility call) are timed, one JSON line per event in
+``$HOTWIRE_QUEUE_PROBE_OUT/<pid>.jsonl``, so that ``analyze.py`` can tell why a request waits in the scheduler's
+queue (``vllm:request_queue_time_seconds``, from ``Scheduler.add_request`` to the start of the schedule call that
+schedules it): how many schedule calls passed it by, and what the engine core did in between. Patched when each
+module is first imported, before hotwire's plugin wraps the same methods: the scheduler's times are vLLM's own, the
+handling includes hotwire's admission."""
 
 import importlib.abc
 import importlib.util
@@ -13,12 +16,19 @@ import sys
 import time
 
 _OUT = os.environ.get("HOTWIRE_QUEUE_PROBE_OUT")
-_TARGET = "vllm.v1.core.sched.scheduler"
+_log = None
 
 
-def _patch(module):
+def _open():
+    global _log
+    if _log is None:
+        _log = open(os.path.join(_OUT, f"{os.getpid()}.jsonl"), "a", buffering=1)
+    return _log
+
+
+def _patch_scheduler(module):
     cls = module.Scheduler
-    log = open(os.path.join(_OUT, f"{os.getpid()}.jsonl"), "a", buffering=1)
+    log = _open()
     add, schedule = cls.add_request, cls.schedule
 
     def add_request(self, request):
@@ -41,17 +51,50 @@ def _patch(module):
     cls.add_request, cls.schedule = add_request, timed_schedule
 
 
+def _what(request_type, request):
+    """An added request's id and whether it steers; an abort's count; a utility call's method (and RPC)."""
+    name = getattr(request_type, "name", str(request_type))
+    if name == "ADD":
+        req = request[0]
+        extra = getattr(req.sampling_params, "extra_args", None) or {}
+        return [name, req.request_id, "hotwire" in extra]
+    if name == "UTILITY":
+        _, _, method, args = request
+        rpc = args[0] if method == "collective_rpc" and args and isinstance(args[0], str) else None
+        return [name, method, rpc]
+    return [name, None, None]
+
+
+def _patch_engine_core(module):
+    cls = module.EngineCoreProc  # the busy loop's class
+    handle = cls._handle_client_request
+
+    def _handle_client_request(self, request_type, request):
+        t0 = time.monotonic()
+        try:
+            return handle(self, request_type, request)
+        finally:
+            _open().write(json.dumps(["h", t0, time.monotonic() - t0, *_what(request_type, request)]) + "\n")
+
+    cls._handle_client_request = _handle_client_request
+
+
+_TARGETS = {"vllm.v1.core.sched.scheduler": _patch_scheduler, "vllm.v1.engine.core": _patch_engine_core}
+
+
 class _Hook(importlib.abc.MetaPathFinder):
     def find_spec(self, name, path, target=None):
-        if name != _TARGET:
+        patch = _TARGETS.pop(name, None)
+        if patch is None:
             return None
-        sys.meta_path.remove(self)
+        if not _TARGETS:
+            sys.meta_path.remove(self)
         spec = importlib.util.find_spec(name)
         exec_module = spec.loader.exec_module
 
         def exec_and_patch(module):
             exec_module(module)
-            _patch(module)
+            patch(module)
 
         spec.loader.exec_module = exec_and_patch
         return spec
