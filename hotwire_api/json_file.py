@@ -10,7 +10,11 @@ import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
-__all__ = ["locked", "stamp", "write_atomic"]
+__all__ = ["LOOK_S", "locked", "stamp", "write_atomic"]
+
+# A file read on every request's path is looked at (stat) no more often than this: another process's edit is in
+# force within it. A stat per request cost the API server 1.6-1.8% of its CPU at saturation (BH).
+LOOK_S = 0.05
 
 
 @contextlib.contextmanager

@@ -26,7 +26,7 @@ from pathlib import Path
 
 import pydantic
 
-from hotwire_api.json_file import locked, stamp, write_atomic
+from hotwire_api.json_file import LOOK_S, locked, stamp, write_atomic
 from hotwire_core.error_codes import ErrorCode
 from hotwire_core.spec import TENANT_RE
 
@@ -180,7 +180,7 @@ def add_key(path: str | os.PathLike, name: str, role: Role, tenant: str | None =
 
 def rotate_key(path: str | os.PathLike, name: str, within: str | None = None) -> str:
     """Replace ``name``'s key with a new one of the same role: the old one stops working once the server reads the
-    file (on its next request). For a rotation without a moment in which neither works, add a second key, move the
+    file (within ``LOOK_S``). For a rotation without a moment in which neither works, add a second key, move the
     clients to it, then revoke the first. ``within``: only a key of this tenant (another's is unknown)."""
     return _edit(path, name, None, create=False, within=within)
 
@@ -219,6 +219,7 @@ class KeyRing:
         self._valid: tuple[Key, ...] | None = None  # the keys of the last valid read: what an edit is compared with
         self.changes: list[tuple[str, str, str]] = []  # (action, key name, who) since the caller last took them
         self._authors: dict[str, str] = {}  # key name -> who is editing it over HTTP (else: "keys file")
+        self._look_at = 0.0  # time.monotonic() from which identify looks at the file again
         self.refresh()
         if self.error is not None:
             raise KeysFileError(self.error)
@@ -255,6 +256,8 @@ class KeyRing:
         self._valid = keys
 
     def refresh(self) -> None:
+        """Read the file again if it changed (its own edits call this: in force at once)."""
+        self._look_at = time.monotonic() + LOOK_S
         try:
             now = stamp(self.path)
         except OSError as exc:
@@ -273,8 +276,10 @@ class KeyRing:
         return self._state.error
 
     def identify(self, secret: str | None) -> Key | None:
-        """The key ``secret`` is, if any (:func:`find_key`)."""
-        self.refresh()
+        """The key ``secret`` is, if any (:func:`find_key`); another process's edit of the file is in force within
+        ``LOOK_S``."""
+        if time.monotonic() >= self._look_at:
+            self.refresh()
         return find_key(secret, (*self.extra, *self._state.keys))
 
     # The edits of /steer/keys (``hotwire_api.key_routes``), the same for the fleet's keys (``fleet.key_ring``).

@@ -9,7 +9,7 @@ prompt; the position that predicts the first generated token), ``generated`` red
 generated token (``max``, ``mean`` or ``min``).
 
 Monitors are kept in ``monitors.json`` in the served model's store folder (``HOTWIRE_STORE``), edited under a lock
-and read again when it changes (looked at no more often than every ``FILE_LOOK_S``: it is on every request's path),
+and read again when it changes (looked at no more often than every ``json_file.LOOK_S``: it is on every request's path),
 so every API server of a host sees the same ones; in a fleet (``HOTWIRE_REGISTRY``), in its Redis, which every API
 server polls for changes (``HOTWIRE_CATALOG_REFRESH_MS``); with the store off elsewhere, each API server keeps its
 own in memory.
@@ -29,7 +29,7 @@ import pydantic
 from prometheus_client import Counter, Histogram
 
 from hotwire_api.errors import HotwireError
-from hotwire_api.json_file import locked, stamp, write_atomic
+from hotwire_api.json_file import LOOK_S, locked, stamp, write_atomic
 from hotwire_api.models import Monitor, MonitorScore
 from hotwire_core.settings import Settings as CoreSettings
 from hotwire_core.vllm_glue.api_server import served_port_and_model
@@ -74,9 +74,6 @@ def probes_of(monitors: Sequence[Monitor]) -> dict[str, Any]:
 def skipped(reason: str) -> None:
     """Count a request the monitors could not read (``hotwire_monitor_skipped_total{reason}``)."""
     _SKIPPED.labels(reason).inc()
-
-
-FILE_LOOK_S = 0.05  # another API server's edit of the file is in force here within this
 
 
 class MonitorBook:
@@ -131,7 +128,7 @@ class MonitorBook:
         with an error in the log)."""
         if self.path is None or time.monotonic() < self._look_at:
             return self._monitors
-        self._look_at = time.monotonic() + FILE_LOOK_S
+        self._look_at = time.monotonic() + LOOK_S
         try:
             now = stamp(self.path)
         except FileNotFoundError:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import shutil
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -22,6 +23,7 @@ import torch
 
 from hotwire_api import cli
 from hotwire_api.client import HotwireClient
+from hotwire_api.json_file import LOOK_S
 from hotwire_api.keys import Role, add_key, revoke_key, rotate_key
 from server_fixture import VllmServer
 
@@ -184,22 +186,28 @@ def test_keys_change_under_load_without_a_restart(server, keys, model, tmp_path)
 
             old = keys.secret["app"]
             assert steer(old).status_code == 200
+            # each edit below is another process's (the CLI's): in force on the server within LOOK_S
             keys.secret["app"] = new = rotate_key(keys.path, "app")
+            time.sleep(LOOK_S)
             refused(steer(old), 401, "unauthorized")
             assert steer(new).status_code == 200
             revoke_key(keys.path, "app")
+            time.sleep(LOOK_S)
             refused(steer(new), 401, "unauthorized")
             keys.secret["app"] = add_key(keys.path, "app", Role.STEER)
+            time.sleep(LOOK_S)
             assert steer(keys.secret["app"]).status_code == 200
 
             saved = tmp_path / "keys.json"
             shutil.copy2(keys.path, saved)
             keys.path.write_text('{"keys": [')  # broken by hand: file keys open nothing, the env admin key does
+            time.sleep(LOOK_S)
             message = refused(http.get("/steer/slots", headers=bearer(keys.secret["ops"])), 503, "keys_unavailable")
             assert str(keys.path) in message and "HOTWIRE_API_KEY" in message
             refused(steer(keys.secret["app"]), 503, "keys_unavailable")
             assert http.get("/steer/slots", headers=bearer(ENV_ADMIN)).status_code == 200
             shutil.copy(saved, keys.path)  # mended
+            time.sleep(LOOK_S)
             assert http.get("/steer/slots", headers=bearer(keys.secret["ops"])).status_code == 200
     finally:
         stop.set()

@@ -7,10 +7,12 @@ from __future__ import annotations
 import json
 import os
 import stat
+import time
 
 import pytest
 
 from hotwire_api import cli
+from hotwire_api.json_file import LOOK_S
 from hotwire_api.keys import KeyRing, KeysFileError, Role, add_key, hash_key, read_keys, revoke_key, rotate_key
 from hotwire_core.error_codes import ErrorCode
 
@@ -82,19 +84,40 @@ def test_a_ring_follows_every_edit_and_a_broken_file_opens_nothing(tmp_path) -> 
     ring = KeyRing(path)
     assert ring.identify(ops).name == "ops" and ring.identify("hw_guess") is None
     assert ring.identify("") is None and ring.identify(None) is None
-    app = add_key(path, "app", Role.STEER)
-    assert ring.identify(app).role is Role.STEER  # no restart
+    app = add_key(path, "app", Role.STEER)  # another process's edit: in force within LOOK_S, no restart
+    time.sleep(LOOK_S)
+    assert ring.identify(app).role is Role.STEER
     rotated = rotate_key(path, "app")
+    time.sleep(LOOK_S)
     assert ring.identify(app) is None and ring.identify(rotated).name == "app"
     revoke_key(path, "app")
+    time.sleep(LOOK_S)
     assert ring.identify(rotated) is None and ring.error is None
 
     path.write_text("{")  # an edit by hand gone wrong: nothing opens, and the ring says why
+    time.sleep(LOOK_S)
     assert ring.identify(ops) is None and "is not valid" in ring.error
     path.unlink()
+    time.sleep(LOOK_S)
     assert ring.identify(ops) is None and "cannot be read" in ring.error
     again = add_key(path, "ops", Role.ADMIN)
+    time.sleep(LOOK_S)
     assert ring.identify(again).name == "ops" and ring.error is None and ring.identify(ops) is None
+
+
+def test_a_ring_looks_at_the_file_once_per_interval_and_its_own_edits_at_once(tmp_path) -> None:
+    path = tmp_path / "keys.json"
+    ops = add_key(path, "ops", Role.ADMIN)
+    ring = KeyRing(path)
+    ring.refresh()  # a look just now: the next LOOK_S of requests do not stat the file
+    path.unlink()
+    looked = time.monotonic()
+    found = ring.identify(ops)
+    if time.monotonic() - looked < LOOK_S:  # (a machine too slow to call identify within the interval proves nothing)
+        assert found is not None and ring.error is None
+    with ring.editing("app", "ops"):  # an edit through the ring (the /steer/keys routes): in force at once
+        app = add_key(path, "app", Role.STEER)
+    assert ring.identify(app).name == "app" and ring.identify(ops) is None
 
 
 def test_extra_keys_open_whatever_the_file_says(tmp_path) -> None:
@@ -104,6 +127,7 @@ def test_extra_keys_open_whatever_the_file_says(tmp_path) -> None:
     add_key(path, "ops", Role.READ)
     ring = KeyRing(path, (Key(name="HOTWIRE_API_KEY", role=Role.ADMIN, sha256=hash_key("env-key")),))
     path.write_text("broken")
+    time.sleep(LOOK_S)
     assert ring.identify("env-key").role is Role.ADMIN and ring.error is not None
 
 

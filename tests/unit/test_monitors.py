@@ -76,7 +76,7 @@ def _add(path, n: int) -> None:
 
 
 def test_the_monitors_file_is_shared_by_every_api_server_and_edits_are_all_kept(tmp_path, monkeypatch) -> None:
-    monkeypatch.setattr(monitors, "FILE_LOOK_S", 1.0)
+    monkeypatch.setattr(monitors, "LOOK_S", 1.0)
     path = tmp_path / "monitors.json"
     reader = MonitorBook()
     reader.path = path
@@ -88,11 +88,11 @@ def test_the_monitors_file_is_shared_by_every_api_server_and_edits_are_all_kept(
     assert asyncio.run(reader.edit("m3", None)).threshold == 3 and asyncio.run(reader.edit("m3", None)) is None
     assert len(reader.current()) == 11
     path.write_text("{")  # broken by hand: the last good monitors stay on
-    time.sleep(monitors.FILE_LOOK_S)
+    time.sleep(monitors.LOOK_S)
     assert len(reader.current()) == 11
     path.write_text(json.dumps({"monitors": [{"id": "z", "probe": "v", "layer": 0, "threshold": 1}]}))
     assert len(reader.current()) == 11  # the file was looked at a moment ago: not again yet
-    time.sleep(monitors.FILE_LOOK_S)
+    time.sleep(monitors.LOOK_S)
     assert [m.id for m in reader.current()] == ["z"]
 
 

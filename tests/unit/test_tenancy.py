@@ -6,10 +6,12 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 
 import pytest
 
 from hotwire_api.errors import HotwireError
+from hotwire_api.json_file import LOOK_S
 from hotwire_api.keys import KeyRing, KeysFileError, Role, add_key, read_keys, revoke_key, rotate_key
 from hotwire_api.models import VectorMeta
 from hotwire_api.quotas import Quotas
@@ -168,6 +170,7 @@ def test_keys_carry_a_tenant_through_every_edit(tmp_path) -> None:
     ring = KeyRing(path)
     assert ring.identify(acme).tenant == "acme"
     rotated = rotate_key(path, "acme-admin")
+    time.sleep(LOOK_S)  # another process's edit: in force within LOOK_S
     assert ring.identify(rotated).tenant == "acme" and ring.identify(acme) is None
     with pytest.raises(KeysFileError) as info:
         add_key(path, "x", Role.STEER, "no/slash")
