@@ -29,6 +29,10 @@ out=${OUT:-/tmp/hotwire-gpu-load}
 mkdir -p "$out"
 steps=("$@")
 [[ ${#steps[@]} -eq 0 ]] && steps=(soak throughput prefill)
+# The carried vLLM bundle has no gguf, which hotwire_api imports at start: copy it from the development venv
+# (cp -r .venv/lib/python3.11/site-packages/gguf .gpu/py/site/) and carry .gpu/py.
+[[ -d .gpu/py/site ]] && export PYTHONPATH=$PYTHONPATH:$PWD/.gpu/py/site
+python3 -c "import gguf" 2>/dev/null || { echo "no gguf here: every server would exit at start; see the comment above this line" >&2; exit 1; }
 python3 -c "import hotwire_api, vllm, torch; print('hotwire_api', hotwire_api.__file__, '| vllm', vllm.__version__, '| torch', torch.__version__)"
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
 git_tree=$(git rev-parse --short HEAD 2>/dev/null || echo unknown)
