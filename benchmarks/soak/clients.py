@@ -11,6 +11,7 @@ from typing import Any
 
 import httpx
 
+from hotwire_api.client import KEEPALIVE_S
 from hotwire_api.headers import RECEIPT_HEADER
 
 from .plan import PROMPTS, Plan, SoakConfig, request_body
@@ -85,7 +86,9 @@ def http_client(url: str, config: SoakConfig, connections: int = 1) -> httpx.Asy
     headers = {"Authorization": f"Bearer {config.api_key}"} if config.api_key else {}
     return httpx.AsyncClient(
         base_url=url, headers=headers, timeout=httpx.Timeout(config.request_timeout, connect=30.0),
-        limits=httpx.Limits(max_connections=connections, max_keepalive_connections=connections),
+        # idle connections dropped before the server drops them (docs/deployment.md, "Idle connections")
+        limits=httpx.Limits(max_connections=connections, max_keepalive_connections=connections,
+                            keepalive_expiry=KEEPALIVE_S),
     )  # fmt: skip
 
 
