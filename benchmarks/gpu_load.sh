@@ -20,8 +20,10 @@
 # throughput_4b: the throughput step with the GPU the limit: a Qwen3-4B shape (bf16, dummy weights), 128-token
 #   answers, 4 monitors (#39: monitors on all traffic, steering and plain traffic against plugin-free vLLM).
 # queue_probe: the throughput step (2 rounds, 4 monitors) with benchmarks/queue_probe/ leading every server's
-#   PYTHONPATH: each engine core's scheduler logs its add_request and schedule calls, and analyze.py tells per steered
-#   and plain request how long it waited in the scheduler's queue and how many schedule calls passed it by (#39, #40).
+#   PYTHONPATH: each engine core logs its scheduler's add_request and schedule calls and its handling of every client
+#   message (added requests with hotwire's admission, utility calls), and analyze.py tells per steered and plain
+#   request how long it waited in the scheduler's queue, how many schedule calls passed it by and what the engine core
+#   handled in between (#39, #40).
 # prefill: benchmarks/bench_prefill.py, Qwen3-4B shape, 8192-token prompts, PREFILL_ROUNDS (16).
 # Outputs go to $OUT (JSON and text per step); each step's exit status is printed.
 set -o pipefail
@@ -31,7 +33,7 @@ steps=("$@")
 [[ ${#steps[@]} -eq 0 ]] && steps=(soak throughput prefill)
 # The carried vLLM bundle has no gguf, which hotwire_api imports at start: copy it from the development venv
 # (cp -r .venv/lib/python3.11/site-packages/gguf .gpu/py/site/) and carry .gpu/py.
-[[ -d .gpu/py/site ]] && export PYTHONPATH=$PYTHONPATH:$PWD/.gpu/py/site
+[[ -d .gpu/py/site ]] && export PYTHONPATH=${PYTHONPATH:+$PYTHONPATH:}$PWD/.gpu/py/site
 python3 -c "import gguf" 2>/dev/null || { echo "no gguf here: every server would exit at start; see the comment above this line" >&2; exit 1; }
 python3 -c "import hotwire_api, vllm, torch; print('hotwire_api', hotwire_api.__file__, '| vllm', vllm.__version__, '| torch', torch.__version__)"
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
@@ -75,8 +77,9 @@ for step in "${steps[@]}"; do
         python3 -m benchmarks.bench_throughput --clients "${THROUGHPUT_CLIENTS:-128}" --rounds "${THROUGHPUT_ROUNDS:-2}" \
         --monitors 4 --seconds "${THROUGHPUT_SECONDS:-10}" --warmup 5 --server-arg=--max-num-seqs=256 \
         --server-arg=--kv-cache-memory-bytes=8589934592 --workdir /tmp/throughput-gpu --out "$out/queue_probe_throughput.json" \
-        2>&1 | tee "$out/queue_probe_throughput.txt" | tail -12 \
-        && python3 benchmarks/queue_probe/analyze.py "$out/queue_probe" --out "$out/queue_probe.json" ;;
+        2>&1 | tee "$out/queue_probe_throughput.txt" | tail -12
+      # the probe's logs are whole even where a request failed (bench_throughput then exits 1)
+      python3 benchmarks/queue_probe/analyze.py "$out/queue_probe" --out "$out/queue_probe.json" | tail -40 ;;
     prefill)
       python3 benchmarks/bench_prefill.py --shape qwen3-4b --prompt-len 8192 --rounds "${PREFILL_ROUNDS:-16}" \
         --out "$out/bench_prefill_4b_8k.json" 2>&1 | tee "$out/bench_prefill.txt" | tail -6 ;;

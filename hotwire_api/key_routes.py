@@ -2,8 +2,9 @@
 (``hotwire_api.keys``: the edits ``hotwire keys`` makes, under the file's lock, written atomically) or a fleet's
 (``HOTWIRE_FLEET_KEYS``, ``hotwire_api.fleet.key_ring``). The operator's admins (keys of no tenant) manage every key;
 a tenant's admins only their tenant's, and another tenant's key is to them as a name nobody has. Each edit takes
-effect on the next request (in a fleet, on the other replicas once they poll) and goes into the audit trail under
-the caller's key name."""
+effect at once in the API server process that made it, within ``json_file.LOOK_S`` (50 ms) in the other processes
+reading the keys file, and on a fleet's other replicas once they poll; it goes into the audit trail under the
+caller's key name."""
 
 from __future__ import annotations
 
@@ -135,7 +136,8 @@ async def create_key(body: AddKey, request: Request) -> NewKey:
 
 
 @router.post("/keys/{name}/rotate", response_model=NewKey,
-             summary="Replace a key with a new one of the same role; the old one stops working now",
+             summary="Replace a key with a new one of the same role; the old one stops working at once in this API "
+                     "server process, in the others within 50 ms (a fleet's replicas: when they poll)",
              responses={404: error_doc("`unknown_key`: no key has this name.")},
              dependencies=[require(Role.ADMIN)])
 async def rotate(name: str, request: Request) -> NewKey:
@@ -147,7 +149,9 @@ async def rotate(name: str, request: Request) -> NewKey:
     return await _edit(request, name, rotate_it)
 
 
-@router.delete("/keys/{name}", status_code=204, response_class=Response, summary="Revoke a key: it stops working now",
+@router.delete("/keys/{name}", status_code=204, response_class=Response,
+               summary="Revoke a key: it stops working at once in this API server process, in the others within "
+                       "50 ms (a fleet's replicas: when they poll)",
                responses={404: error_doc("`unknown_key`: no key has this name."),
                           409: error_doc("`last_admin`: the last operator admin key, on a server without "
                                       "HOTWIRE_API_KEY; add another admin key first.")},

@@ -30,6 +30,7 @@ def analyze(path: Path) -> dict | None:
     calls_since: dict[str, int] = {}
     short = {"tokens": 0, "running": 0, "neither": 0}
     durations: list[float] = []
+    server: dict = {}
     handled: list[tuple[float, float, str]] = []  # (start, duration, kind), in order
     spent: dict[bool, Counter[str]] = {True: Counter(), False: Counter()}
     handled_kinds: Counter[str] = Counter()
@@ -39,6 +40,11 @@ def analyze(path: Path) -> dict | None:
             event = json.loads(line)
         except ValueError:
             continue  # the last line of a process that was killed while writing it
+        if event[0] == "env":
+            _, parent, plugins, readout = event
+            server = {"parent_pid": parent, "server": "plugin-free" if plugins == "" else
+                      "hotwire, readout on" if readout == "1" else "hotwire"}
+            continue
         if event[0] == "h":
             _, t, dur, name, what, flag = event
             kind = (f"add {'steered' if flag else 'plain'}" if name == "ADD"
@@ -73,7 +79,7 @@ def analyze(path: Path) -> dict | None:
             short["tokens" if tokens >= max_tokens else "running" if running >= max_running else "neither"] += 1
     if not durations:
         return None
-    out: dict = {"schedule_calls": len(durations), "schedule_ms_mean": 1e3 * statistics.fmean(durations),
+    out: dict = {**server, "schedule_calls": len(durations), "schedule_ms_mean": 1e3 * statistics.fmean(durations),
                  "calls_leaving_requests_waiting": short,
                  "handled": {k: {"count": n, "ms_mean": 1e3 * handled_s[k] / n} for k, n in handled_kinds.most_common()}}
     for steered, rows in waits.items():

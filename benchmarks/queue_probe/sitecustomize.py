@@ -9,7 +9,7 @@ module is first imported, before hotwire's plugin wraps the same methods: the sc
 handling includes hotwire's admission."""
 
 import importlib.abc
-import importlib.util
+import importlib.machinery
 import json
 import os
 import sys
@@ -23,6 +23,9 @@ def _open():
     global _log
     if _log is None:
         _log = open(os.path.join(_OUT, f"{os.getpid()}.jsonl"), "a", buffering=1)
+        # which server this engine core is (analyze.py names each file by it)
+        _log.write(json.dumps(["env", os.getppid(), os.environ.get("VLLM_PLUGINS"),
+                               os.environ.get("HOTWIRE_READOUT")]) + "\n")
     return _log
 
 
@@ -65,16 +68,45 @@ def _what(request_type, request):
     return [name, None, None]
 
 
+class _Profiles:
+    """With ``HOTWIRE_QUEUE_PROBE_CPROFILE`` set: cProfile of the handling of added requests, one profile for steered
+    and one for plain ones, written every 200 requests to ``<pid>.<steered|plain>.prof`` (``pstats`` reads them)."""
+
+    def __init__(self):
+        import cProfile
+
+        self._made = cProfile.Profile
+        self._by_kind = {}
+        self._count = 0
+
+    def run(self, steered, call):
+        kind = "steered" if steered else "plain"
+        profile = self._by_kind.setdefault(kind, self._made())
+        profile.enable()
+        try:
+            return call()
+        finally:
+            profile.disable()
+            self._count += 1
+            if self._count % 200 == 0:
+                for name, p in self._by_kind.items():
+                    p.dump_stats(os.path.join(_OUT, f"{os.getpid()}.{name}.prof"))
+
+
 def _patch_engine_core(module):
     cls = module.EngineCoreProc  # the busy loop's class
     handle = cls._handle_client_request
+    profiles = _Profiles() if os.environ.get("HOTWIRE_QUEUE_PROBE_CPROFILE") else None
 
     def _handle_client_request(self, request_type, request):
         t0 = time.monotonic()
+        what = _what(request_type, request)
         try:
+            if profiles is not None and what[0] == "ADD":
+                return profiles.run(what[2], lambda: handle(self, request_type, request))
             return handle(self, request_type, request)
         finally:
-            _open().write(json.dumps(["h", t0, time.monotonic() - t0, *_what(request_type, request)]) + "\n")
+            _open().write(json.dumps(["h", t0, time.monotonic() - t0, *what]) + "\n")
 
     cls._handle_client_request = _handle_client_request
 
@@ -89,7 +121,11 @@ class _Hook(importlib.abc.MetaPathFinder):
             return None
         if not _TARGETS:
             sys.meta_path.remove(self)
-        spec = importlib.util.find_spec(name)
+        # straight from the path: asking every finder again would let another patching finder (hotwire's own)
+        # wrap the same loader twice
+        spec = importlib.machinery.PathFinder.find_spec(name, path)
+        if spec is None or spec.loader is None:
+            return None
         exec_module = spec.loader.exec_module
 
         def exec_and_patch(module):
