@@ -8,24 +8,48 @@ schedules it): how many schedule calls passed it by, and what the engine core di
 module is first imported, before hotwire's plugin wraps the same methods: the scheduler's times are vLLM's own, the
 handling includes hotwire's admission."""
 
+import collections
 import importlib.abc
 import importlib.machinery
 import json
 import os
 import sys
+import threading
 import time
 
 _OUT = os.environ.get("HOTWIRE_QUEUE_PROBE_OUT")
 _log = None
 
 
+class _Log:
+    """Events queued by the engine core's loop and written by a thread of their own every 0.5 s: a write per event
+    in the loop would add its own time to the queue times measured (a killed process loses its last 0.5 s)."""
+
+    def __init__(self, path):
+        self._events = collections.deque()
+        self._file = open(path, "a")
+        threading.Thread(target=self._write_every, name="queue-probe", daemon=True).start()
+
+    def note(self, event):
+        self._events.append(event)
+
+    def _write_every(self):
+        while True:
+            time.sleep(0.5)
+            lines = []
+            while self._events:
+                lines.append(json.dumps(self._events.popleft()) + "\n")
+            if lines:
+                self._file.write("".join(lines))
+                self._file.flush()
+
+
 def _open():
     global _log
     if _log is None:
-        _log = open(os.path.join(_OUT, f"{os.getpid()}.jsonl"), "a", buffering=1)
+        _log = _Log(os.path.join(_OUT, f"{os.getpid()}.jsonl"))
         # which server this engine core is (analyze.py names each file by it)
-        _log.write(json.dumps(["env", os.getppid(), os.environ.get("VLLM_PLUGINS"),
-                               os.environ.get("HOTWIRE_READOUT")]) + "\n")
+        _log.note(["env", os.getppid(), os.environ.get("VLLM_PLUGINS"), os.environ.get("HOTWIRE_READOUT")])
     return _log
 
 
@@ -36,8 +60,7 @@ def _patch_scheduler(module):
 
     def add_request(self, request):
         extra = getattr(request.sampling_params, "extra_args", None) or {}
-        log.write(json.dumps(["a", time.monotonic(), request.request_id, "hotwire" in extra,
-                              len(request.prompt_token_ids or ())]) + "\n")
+        log.note(["a", time.monotonic(), request.request_id, "hotwire" in extra, len(request.prompt_token_ids or ())])
         return add(self, request)
 
     def timed_schedule(self, *args, **kwargs):
@@ -46,9 +69,8 @@ def _patch_scheduler(module):
         out = schedule(self, *args, **kwargs)
         t1 = time.monotonic()
         new = [r.req_id for r in out.scheduled_new_reqs]
-        log.write(json.dumps(["s", t0, t1 - t0, waiting, new, len(self.waiting) + len(self.skipped_waiting),
-                              len(self.running), out.total_num_scheduled_tokens, self.max_num_scheduled_tokens,
-                              self.max_num_running_reqs]) + "\n")
+        log.note(["s", t0, t1 - t0, waiting, new, len(self.waiting) + len(self.skipped_waiting), len(self.running),
+                  out.total_num_scheduled_tokens, self.max_num_scheduled_tokens, self.max_num_running_reqs])
         return out
 
     cls.add_request, cls.schedule = add_request, timed_schedule
@@ -106,7 +128,7 @@ def _patch_engine_core(module):
                 return profiles.run(what[2], lambda: handle(self, request_type, request))
             return handle(self, request_type, request)
         finally:
-            _open().write(json.dumps(["h", t0, time.monotonic() - t0, *what]) + "\n")
+            _open().note(["h", t0, time.monotonic() - t0, *what])
 
     cls._handle_client_request = _handle_client_request
 
