@@ -3,7 +3,8 @@ time from ``add_request`` to the start of the schedule call that scheduled them 
 schedule calls passed them by, what the calls that left requests waiting were short of, and how that time was
 spent: the engine core's handling of the client messages that came in between (other requests added with their
 admission, steered or plain; aborts; utility calls by method), the rest being the loop's own work (in vLLM's
-``_process_input_queue`` and hotwire's wrapper of ``schedule``).
+``_process_input_queue`` and hotwire's wrapper of ``schedule``). Each kind of message handled is given with its mean
+wall time and the loop thread's own CPU time in it (the difference: waiting for the GIL or the OS).
 
     python benchmarks/queue_probe/analyze.py DIR [--out FILE]
 """
@@ -35,6 +36,7 @@ def analyze(path: Path) -> dict | None:
     spent: dict[bool, Counter[str]] = {True: Counter(), False: Counter()}
     handled_kinds: Counter[str] = Counter()
     handled_s: Counter[str] = Counter()
+    handled_cpu_s: Counter[str] = Counter()  # the loop thread's CPU time in them
     for line in path.read_text().splitlines():
         try:
             event = json.loads(line)
@@ -46,12 +48,13 @@ def analyze(path: Path) -> dict | None:
                       "hotwire, readout on" if readout == "1" else "hotwire"}
             continue
         if event[0] == "h":
-            _, t, dur, name, what, flag = event
+            _, t, dur, name, what, flag, cpu = event
             kind = (f"add {'steered' if flag else 'plain'}" if name == "ADD"
                     else f"utility {what}{'/' + flag if flag else ''}" if name == "UTILITY" else name.lower())
             handled.append((t, dur, kind))
             handled_kinds[kind] += 1
             handled_s[kind] += dur
+            handled_cpu_s[kind] += cpu
             continue
         if event[0] == "a":
             added[event[2]] = (event[1], event[3])
@@ -81,7 +84,8 @@ def analyze(path: Path) -> dict | None:
         return None
     out: dict = {**server, "schedule_calls": len(durations), "schedule_ms_mean": 1e3 * statistics.fmean(durations),
                  "calls_leaving_requests_waiting": short,
-                 "handled": {k: {"count": n, "ms_mean": 1e3 * handled_s[k] / n} for k, n in handled_kinds.most_common()}}
+                 "handled": {k: {"count": n, "ms_mean": 1e3 * handled_s[k] / n, "thread_cpu_ms_mean": 1e3 * handled_cpu_s[k] / n}
+                             for k, n in handled_kinds.most_common()}}
     for steered, rows in waits.items():
         if not rows:
             continue
