@@ -54,6 +54,8 @@ local function mark_deleted(deleted, id)
   redis.call('ZADD', deleted, tonumber(t[1]) + tonumber(t[2]) / 1000000, id)
 end
 local function run_id() return string.match(redis.call('INFO', 'server'), 'run_id:(%x+)') end
+-- The restart gate is open while `boot` names the running Redis process (GATE opens it).
+local function gate_open(boot) return redis.call('GET', boot) == run_id() end
 local function now()
   local t = redis.call('TIME')
   return tonumber(t[1]) + tonumber(t[2]) / 1000000
@@ -117,7 +119,7 @@ def _once(script: str, n_keys: int, n_args: int) -> str:
     return f"""{_HELPERS}
 local done = redis.call('GET', KEYS[{op}])
 if done then return cjson.decode(done) end
-if redis.call('GET', KEYS[{boot}]) ~= run_id() then return {{{REFUSED}}} end
+if not gate_open(KEYS[{boot}]) then return {{{REFUSED}}} end
 local function run()
 {script}
 end
@@ -202,7 +204,7 @@ if ARGV[2] ~= '' then
     end
   end
 end
-if redis.call('GET', KEYS[6]) ~= run_id() then return {cursor, added, -1} end
+if not gate_open(KEYS[6]) then return {cursor, added, -1} end
 fold_deleted(KEYS[2], KEYS[3], KEYS[4], KEYS[5], ARGV[1], 2 * tonumber(ARGV[3]))
 return {cursor, added, math.max(redis.call('ZCARD', KEYS[3]) - tonumber(ARGV[1]), 0)}
 """
@@ -330,7 +332,7 @@ return 0
 # keep_an_admin), 503 the gate closed. A rotation keeps the entry's role and tenant. The audit stream gets the change
 # in the same step.
 EDIT_KEY = _HELPERS + """
-if ARGV[9] == '1' and redis.call('GET', KEYS[4]) ~= run_id() then return 503 end
+if ARGV[9] == '1' and not gate_open(KEYS[4]) then return 503 end
 local old = redis.call('HGET', KEYS[1], ARGV[2])
 local op, action = ARGV[1], 'key_added'
 if op == 'add' and old then return 409 end
@@ -369,7 +371,7 @@ return 200
 # holds the keys of fewer edits, replaces them with these (``fleet.key_ring``): the API server that read the most
 # edits wins, whatever the order. Returns 1 if it replaced them, else 0.
 RESTORE_KEYS = _HELPERS + """
-if redis.call('GET', KEYS[3]) == run_id() then return 0 end
+if gate_open(KEYS[3]) then return 0 end
 if tonumber(redis.call('GET', KEYS[2]) or '0') >= tonumber(ARGV[1]) then return 0 end
 redis.call('DEL', KEYS[1])
 for i = 2, #ARGV, 2 do redis.call('HSET', KEYS[1], ARGV[i], ARGV[i + 1]) end
