@@ -1,6 +1,6 @@
 #!/bin/bash
 # On the device (after `source .gpu/env.sh`): the load targets of hotwire, one after the other on one GPU.
-#   bash benchmarks/gpu_load.sh [soak] [throughput] [prefill] [tenants] [throughput_4b] [queue_probe]   (default: the first three)
+#   bash benchmarks/gpu_load.sh [soak] [throughput] [prefill] [tenants] [throughput_4b]   (default: the first three)
 # soak: python3 -m benchmarks.soak, SOAK_CLIENTS (256) clients for SOAK_DURATION (600) s, 16 slots, churn.
 # tenants: the soak with 4 tenants (#40), SOAK_CLIENTS clients, 64 slots, a tenant's share 16 rows; once without
 #   a flood for TENANT_DURATION (240) s and once with a tenant flooding distinct vectors for TENANT_FLOOD_DURATION
@@ -16,14 +16,13 @@
 #   rounds of THROUGHPUT_SECONDS (10) s; THROUGHPUT_PROFILE=1
 #   adds --profile (py-spy on PATH: its binary from the development venv, carried in .gpu/py/bin); THROUGHPUT_SALTED=1
 #   adds --salted (plugin-free vLLM with 75 % of the requests salted for the prefix cache: the floor of steered / plain);
-#   THROUGHPUT_MONITORS=N adds --monitors N (a third server, hotwire with N monitors on all its plain traffic).
+#   THROUGHPUT_MONITORS=N adds --monitors N (a third server, hotwire with N monitors on all its plain traffic);
+#   THROUGHPUT_QUEUE_PROBE=1 puts benchmarks/queue_probe/ first on every server's PYTHONPATH: each engine core logs
+#   its scheduler's add_request and schedule calls and its handling of every client message (added requests with
+#   hotwire's admission, utility calls), and analyze.py tells per steered and plain request how long it waited in the
+#   scheduler's queue, how many schedule calls passed it by and what the engine core handled in between (#39, #40).
 # throughput_4b: the throughput step with the GPU the limit: a Qwen3-4B shape (bf16, dummy weights), 128-token
 #   answers, 4 monitors (#39: monitors on all traffic, steering and plain traffic against plugin-free vLLM).
-# queue_probe: the throughput step (2 rounds, 4 monitors) with benchmarks/queue_probe/ leading every server's
-#   PYTHONPATH: each engine core logs its scheduler's add_request and schedule calls and its handling of every client
-#   message (added requests with hotwire's admission, utility calls), and analyze.py tells per steered and plain
-#   request how long it waited in the scheduler's queue, how many schedule calls passed it by and what the engine core
-#   handled in between (#39, #40).
 # prefill: benchmarks/bench_prefill.py, Qwen3-4B shape, 8192-token prompts, PREFILL_ROUNDS (16).
 # Outputs go to $OUT (JSON and text per step); each step's exit status is printed.
 set -o pipefail
@@ -48,11 +47,21 @@ for step in "${steps[@]}"; do
         --server-arg=--max-num-seqs=256 --workdir /tmp/soak-gpu --out "$out/soak_gpu.json" 2>&1 \
         | tee "$out/soak_gpu.txt" | tail -60 ;;
     throughput)
-      python3 -m benchmarks.bench_throughput --clients "${THROUGHPUT_CLIENTS:-128}" --rounds "${THROUGHPUT_ROUNDS:-6}" \
+      probe=()
+      if [[ -n ${THROUGHPUT_QUEUE_PROBE:-} ]]; then
+        mkdir -p "$out/queue_probe"
+        probe=(env HOTWIRE_QUEUE_PROBE_OUT="$out/queue_probe" PYTHONPATH="$PWD/benchmarks/queue_probe:$PYTHONPATH")
+      fi
+      "${probe[@]}" python3 -m benchmarks.bench_throughput --clients "${THROUGHPUT_CLIENTS:-128}" --rounds "${THROUGHPUT_ROUNDS:-6}" \
         ${THROUGHPUT_PROFILE:+--profile} ${THROUGHPUT_SALTED:+--salted} \
         ${THROUGHPUT_MONITORS:+--monitors "$THROUGHPUT_MONITORS"} \
         --seconds "${THROUGHPUT_SECONDS:-10}" --warmup 5 --server-arg=--max-num-seqs=256 --server-arg=--kv-cache-memory-bytes=8589934592 \
-        --workdir /tmp/throughput-gpu --out "$out/throughput_gpu.json" 2>&1 | tee "$out/throughput_gpu.txt" | tail -30 ;;
+        --workdir /tmp/throughput-gpu --out "$out/throughput_gpu.json" 2>&1 | tee "$out/throughput_gpu.txt" | tail -30
+      rc=${PIPESTATUS[0]}
+      # the probe's logs are whole even where a request failed (bench_throughput then exits 1)
+      [[ -n ${THROUGHPUT_QUEUE_PROBE:-} ]] && python3 benchmarks/queue_probe/analyze.py "$out/queue_probe" \
+        --out "$out/queue_probe.json" | tail -40
+      (exit "$rc") ;;  # the step's status is the benchmark's
     throughput_4b)
       python3 -m benchmarks.bench_throughput --shape qwen3-4b --max-tokens 128 --monitors 4 \
         --clients "${THROUGHPUT_CLIENTS:-128}" --rounds "${THROUGHPUT_ROUNDS:-3}" --seconds "${THROUGHPUT_SECONDS:-10}" \
@@ -71,19 +80,10 @@ for step in "${steps[@]}"; do
           ${TENANT_PROFILE:+--profile "$TENANT_PROFILE"} ${TENANT_FLOOD_WINDOWS:+--flood-windows "$TENANT_FLOOD_WINDOWS"} \
           --workdir /tmp/tenants-gpu --out "$out/${name}_gpu.json" 2>&1 | tee "$out/${name}_gpu.txt" | tail -12
       done ;;
-    queue_probe)
-      mkdir -p "$out/queue_probe"
-      HOTWIRE_QUEUE_PROBE_OUT="$out/queue_probe" PYTHONPATH="$PWD/benchmarks/queue_probe:$PYTHONPATH" \
-        python3 -m benchmarks.bench_throughput --clients "${THROUGHPUT_CLIENTS:-128}" --rounds "${THROUGHPUT_ROUNDS:-2}" \
-        --monitors 4 --seconds "${THROUGHPUT_SECONDS:-10}" --warmup 5 --server-arg=--max-num-seqs=256 \
-        --server-arg=--kv-cache-memory-bytes=8589934592 --workdir /tmp/throughput-gpu --out "$out/queue_probe_throughput.json" \
-        2>&1 | tee "$out/queue_probe_throughput.txt" | tail -12
-      # the probe's logs are whole even where a request failed (bench_throughput then exits 1)
-      python3 benchmarks/queue_probe/analyze.py "$out/queue_probe" --out "$out/queue_probe.json" | tail -40 ;;
     prefill)
       python3 benchmarks/bench_prefill.py --shape qwen3-4b --prompt-len 8192 --rounds "${PREFILL_ROUNDS:-16}" \
         --out "$out/bench_prefill_4b_8k.json" 2>&1 | tee "$out/bench_prefill.txt" | tail -6 ;;
-    *) echo "unknown step $step (soak, throughput, prefill, tenants, throughput_4b, queue_probe)"; false ;;
+    *) echo "unknown step $step (soak, throughput, prefill, tenants, throughput_4b)"; false ;;
   esac
   echo "=== $step: exit ${PIPESTATUS[0]} $(date -u +%FT%TZ)"
 done
