@@ -59,7 +59,7 @@ for step in "${steps[@]}"; do
         --workdir /tmp/throughput-gpu --out "$out/throughput_gpu.json" 2>&1 | tee "$out/throughput_gpu.txt" | tail -30
       rc=${PIPESTATUS[0]}
       # the probe's logs are whole even where a request failed (bench_throughput then exits 1)
-      [[ -n ${THROUGHPUT_QUEUE_PROBE:-} ]] && python3 benchmarks/queue_probe/analyze.py "$out/queue_probe" \
+      [[ -n ${THROUGHPUT_QUEUE_PROBE:-} ]] && python3 -m benchmarks.queue_probe.analyze "$out/queue_probe" \
         --out "$out/queue_probe.json" | tail -40
       (exit "$rc") ;;  # the step's status is the benchmark's
     throughput_4b)

@@ -6,7 +6,7 @@ admission, steered or plain; aborts; utility calls by method), the rest being th
 ``_process_input_queue`` and hotwire's wrapper of ``schedule``). Each kind of message handled is given with its mean
 wall time and the loop thread's own CPU time in it (the difference: waiting for the GIL or the OS).
 
-    python benchmarks/queue_probe/analyze.py DIR [--out FILE]
+    python -m benchmarks.queue_probe.analyze DIR [--out FILE]   (from the repository root)
 """
 
 from __future__ import annotations
@@ -19,15 +19,12 @@ import sys
 from collections import Counter
 from pathlib import Path
 
-
-def _quantile(xs: list[float], q: float) -> float:
-    xs = sorted(xs)
-    return xs[min(len(xs) - 1, int(q * len(xs)))] if xs else float("nan")
+from benchmarks.soak.stats import summarize_ms
 
 
 def analyze(path: Path) -> dict | None:
     added: dict[str, tuple[float, bool]] = {}
-    waits: dict[bool, list[tuple[float, int, float]]] = {True: [], False: []}
+    waits: dict[bool, list[tuple[float, int]]] = {True: [], False: []}  # (queue time, schedule calls passed)
     calls_since: dict[str, int] = {}
     short = {"tokens": 0, "running": 0, "neither": 0}
     durations: list[float] = []
@@ -65,7 +62,7 @@ def analyze(path: Path) -> dict | None:
         for rid in new:
             if rid in added:
                 t_add, steered = added.pop(rid)
-                waits[steered].append((t0 - t_add, calls_since.pop(rid), dur))
+                waits[steered].append((t0 - t_add, calls_since.pop(rid)))
                 # what the engine core handled between this request's add and the schedule call: the messages
                 # whose handling started after its add (its own handling ends just after its add)
                 first = bisect.bisect_right(handled, (t_add, float("inf"), ""))
@@ -89,11 +86,11 @@ def analyze(path: Path) -> dict | None:
     for steered, rows in waits.items():
         if not rows:
             continue
-        ms = [1e3 * w for w, _, _ in rows]
-        passed = [n for _, n, _ in rows]
+        ms = [1e3 * w for w, _ in rows]
+        passed = [n for _, n in rows]
         out["steered" if steered else "plain"] = {
-            "requests": len(rows), "queue_ms_mean": statistics.fmean(ms), "queue_ms_p50": _quantile(ms, 0.5),
-            "queue_ms_p90": _quantile(ms, 0.9), "queue_ms_p99": _quantile(ms, 0.99),
+            "requests": len(rows), "queue_ms_mean": statistics.fmean(ms),
+            "queue_ms": summarize_ms([w for w, _ in rows]),  # n, p50, p99, max
             "passed_by_1_or_more_calls": sum(1 for n in passed if n) / len(rows),
             "queue_ms_mean_when_not_passed": statistics.fmean([m for m, n in zip(ms, passed) if not n] or [0.0]),
             "calls_passed_max": max(passed),
